@@ -1,0 +1,89 @@
+"""`python -m trainer config.yaml [--set key=value ...]`: train one config, no study needed.
+
+The config file is a `TrainingConfig` as YAML or JSON (what `sweep best` prints). Progress goes to stderr as one line
+per log and eval; the final result is printed to stdout as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainer.config import ConfigError, TrainingConfig
+from trainer.loop import train
+from trainer.tasks import TaskError
+
+
+class PrintReporter:
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"), file=sys.stderr)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        print(f"eval {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()), file=sys.stderr)
+        return False
+
+
+def _load(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml  # a plain data parser; only this command-line entry needs it
+
+        data = yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError("expected a mapping of TrainingConfig keys at the top level")
+    return data
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        out[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false", "null") else _number(raw)
+    return out
+
+
+def _number(raw: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", type=Path, help="TrainingConfig as YAML or JSON")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) key")
+    args = parser.parse_args(argv)
+    try:
+        values = _load(args.config)
+        values.update(_parse_set(args.set))
+        config = TrainingConfig.from_dict(values)
+    except ConfigError as exc:
+        for key, message in exc.problems:
+            print(f"{args.config}: {key}: {message}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = train(config, reporter=PrintReporter())
+    except (ConfigError, TaskError) as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"status": result.status, "steps": result.steps, "metrics": result.metrics,
+                      "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

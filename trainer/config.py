@@ -1,0 +1,287 @@
+"""`TrainingConfig`: the one typed object that holds every knob of a training run and its default.
+
+Nothing in the loop is hard-coded; a sweep drives training only through this object. Keys are addressed with dots
+(`model.hidden`, `fast_fail.patience_steps`), so a study file can fix or search any of them.
+
+Validation collects every problem and raises them together as a `ConfigError`, each naming the key, what is allowed
+and what it got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+__all__ = [
+    "ConfigError",
+    "TrainingConfig",
+    "flatten",
+    "nest",
+]
+
+Check = Callable[[Any], "str | None"]
+
+
+class ConfigError(ValueError):
+    """One or more invalid config values. `problems` holds `(dotted key, message)` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{key}: {message}" for key, message in problems))
+
+
+def _range(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False) -> Check:
+    def check(value: Any) -> str | None:
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if too_low or too_high:
+            left = "(" if low_open else "["
+            right = ")" if high_open else "]"
+            lo = "-inf" if low is None else low
+            hi = "inf" if high is None else high
+            return f"expected a value in {left}{lo}, {hi}{right}, got {value!r}"
+        return None
+
+    return check
+
+
+def _device(value: str) -> str | None:
+    if re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
+        return None
+    return f"expected 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N', got {value!r}"
+
+
+def _task_name(value: str) -> str | None:
+    if re.fullmatch(r"[A-Za-z_]\w*", value) or re.fullmatch(r"[\w.]+:[A-Za-z_]\w*", value):
+        return None
+    return f"expected a built-in task name or 'package.module:function', got {value!r}"
+
+
+def _f(default: Any, check: Check | None = None, doc: str = "") -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Everything one training run needs. Defaults are safe for the built-in tasks on a CPU."""
+
+    # What to train.
+    task: str = _f("digits", _task_name, "built-in task (digits, charlm) or 'package.module:function'")
+    task_args: dict[str, Any] = _f({}, doc="keyword arguments for the task factory (data size, context, ...)")
+    model: dict[str, Any] = _f({}, doc="keys handed to the task's model builder; the task lists what it accepts")
+
+    # Optimisation.
+    optimizer: Literal["adam", "adamw", "sgd", "lion"] = _f("adamw")
+    learning_rate: float = _f(1e-3, _range(0, low_open=True), "peak learning rate")
+    weight_decay: float = _f(0.0, _range(0), "decoupled for adamw/lion; applied to matrices only, never to biases/norms")
+    momentum: float = _f(0.9, _range(0, 1, high_open=True), "sgd only")
+    nesterov: bool = _f(False, doc="sgd only; needs momentum > 0")
+    beta1: float = _f(0.9, _range(0, 1, high_open=True), "adam/adamw/lion")
+    beta2: float | None = _f(None, _range(0, 1, high_open=True), "adam/adamw (default 0.999) and lion (default 0.99)")
+    eps: float = _f(1e-8, _range(0, low_open=True), "adam/adamw")
+
+    # Learning-rate schedule: linear warmup, then the named decay.
+    scheduler: Literal["cosine", "linear", "step", "none"] = _f("cosine")
+    warmup_steps: int = _f(0, _range(0), "steps of linear warmup from 0 to learning_rate")
+    min_lr_ratio: float = _f(0.0, _range(0, 1), "cosine/linear decay ends at learning_rate * min_lr_ratio")
+    step_every: int | None = _f(None, _range(1), "step scheduler: decay every this many steps (default max_steps // 3)")
+    step_gamma: float = _f(0.1, _range(0, 1, low_open=True), "step scheduler: multiply the rate by this")
+
+    # Budget and batches.
+    max_steps: int = _f(1000, _range(1), "optimizer steps")
+    batch_size: int = _f(64, _range(1), "samples per micro-batch")
+    gradient_accumulation_steps: int = _f(1, _range(1), "micro-batches per optimizer step")
+    gradient_clip_norm: float | None = _f(None, _range(0, low_open=True), "clip the global grad norm; off when null")
+    mixed_precision: Literal["auto", "off", "bf16", "fp16"] = _f(
+        "auto", doc="auto: bf16 on CUDA where supported, else fp16 with a grad scaler; off on CPU")
+
+    # Measurement.
+    eval_every_steps: int = _f(100, _range(1))
+    eval_batch_size: int = _f(1024, _range(1))
+    log_every_steps: int = _f(50, _range(1))
+
+    # Reproducibility and placement.
+    seed: int = _f(0, _range(0, 2**63 - 1))
+    deterministic: bool = _f(False, doc="torch.use_deterministic_algorithms; slower, and exact on GPU")
+    device: str = _f("auto", _device, "auto: cuda if available, else cpu")
+
+    # ---------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainingConfig:
+        """Build from a nested or dotted mapping; every problem is collected into one `ConfigError`."""
+        values = nest(values)
+        problems: list[tuple[str, str]] = []
+        kwargs: dict[str, Any] = {}
+        hints = _hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in values.items():
+            if key not in fields:
+                problems.append((key, f"unknown key; expected one of: {', '.join(sorted(fields))}"))
+                continue
+            ok, coerced, message = _coerce(value, hints[key])
+            if not ok:
+                problems.append((key, message))
+                continue
+            check = fields[key].metadata.get("check")
+            message = check(coerced) if check is not None and coerced is not None else None
+            if message:
+                problems.append((key, message))
+                continue
+            kwargs[key] = coerced
+        if not problems:
+            config = cls(**kwargs)
+            problems.extend(config._cross_field_problems())
+            if not problems:
+                return config
+        raise ConfigError(problems)
+
+    def _cross_field_problems(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.warmup_steps > self.max_steps:
+            problems.append(("warmup_steps", f"expected at most max_steps ({self.max_steps}), got {self.warmup_steps}"))
+        if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
+            problems.append(("nesterov", "needs optimizer 'sgd' with momentum > 0"))
+        return problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, overrides: Mapping[str, Any]) -> TrainingConfig:
+        """A copy with dotted-key overrides applied (`{"model.hidden": 128}` merges into `model`)."""
+        merged = flatten(self.to_dict(), free=("task_args", "model"))
+        merged.update(flatten(overrides, free=("task_args", "model")))
+        return TrainingConfig.from_dict(merged)
+
+    @property
+    def resolved_beta2(self) -> float:
+        if self.beta2 is not None:
+            return self.beta2
+        return 0.99 if self.optimizer == "lion" else 0.999
+
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """Every top-level key with its documentation, for error messages and the README."""
+        return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def is_key(cls, dotted: str) -> bool:
+        """Whether `dotted` addresses a config value (`model.*` and `task_args.*` are free-form mappings)."""
+        head, _, rest = dotted.partition(".")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if head not in names:
+            return False
+        return not rest or head in ("model", "task_args")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dotted keys.
+
+def nest(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"model.hidden": 64, "lr": 1}` -> `{"model": {"hidden": 64}, "lr": 1}`; nested mappings are merged."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        if isinstance(value, Mapping):
+            existing = node.get(parts[-1])
+            base = existing if isinstance(existing, dict) else {}
+            node[parts[-1]] = {**base, **nest(value)}
+        else:
+            node[parts[-1]] = value
+    return out
+
+
+def flatten(values: Mapping[str, Any], prefix: str = "", free: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The inverse of `nest`: nested mappings become dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{dotted}.", free))
+        elif isinstance(value, Mapping) and dotted in free:
+            continue  # an empty free-form mapping adds nothing
+        else:
+            out[dotted] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Type checking against the annotations.
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is dict:
+        return "a mapping"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
+    """(ok, value, message). Ints are accepted for floats, and so are numeric strings, since YAML 1.1 reads `1e-3`
+    (no dot) as a string."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            ok, coerced, _ = _coerce(value, option)
+            if ok:
+                return True, coerced, ""
+        return False, value, f"expected {_describe(tp)}, got {value!r}"
+    if origin is Literal:
+        if value in typing.get_args(tp) and isinstance(value, str):
+            return True, value, ""
+        return False, value, f"expected {_describe(tp)}, got {value!r}"
+    if tp is type(None):
+        return (value is None), value, f"expected null, got {value!r}"
+    if origin is dict:
+        if isinstance(value, Mapping):
+            return True, dict(value), ""
+        return False, value, f"expected a mapping, got {value!r}"
+    if tp is bool:
+        return isinstance(value, bool), value, f"expected true/false, got {value!r}"
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, value, ""
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value), ""
+        return False, value, f"expected an integer, got {value!r}"
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value, f"expected a number, got {value!r}"
+        if isinstance(value, (int, float)):
+            value = float(value)
+        elif isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                return False, value, f"expected a number, got {value!r}"
+        else:
+            return False, value, f"expected a number, got {value!r}"
+        if math.isnan(value):
+            return False, value, "expected a number, got nan"
+        return True, value, ""
+    if tp is str:
+        return isinstance(value, str), value, f"expected a string, got {value!r}"
+    raise TypeError(f"unsupported annotation {tp!r}")  # a bug in this module, not bad input

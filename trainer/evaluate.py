@@ -1,0 +1,38 @@
+"""Evaluation, apart from training so that evaluation strategies can change without touching the loop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from trainer.precision import Precision
+    from trainer.tasks import Task
+
+__all__ = ["evaluate"]
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tensor], batch_size: int,
+             precision: Precision) -> dict[str, float]:
+    """Mean validation loss and the task's metrics over the whole validation set, read back in one sync."""
+    was_training = model.training
+    model.eval()  # dropout off, norms use running statistics
+    inputs, targets = data
+    n = len(inputs)
+    loss_total = torch.zeros((), device=inputs.device)
+    totals: dict[str, torch.Tensor] = {}
+    for start in range(0, n, batch_size):
+        x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
+        with precision.autocast():
+            out = model(x)
+        loss_total += task.loss(out.float(), y) * len(x)
+        if task.eval_metrics is not None:
+            for name, value in task.eval_metrics(out, y).items():
+                totals[name] = totals[name] + value if name in totals else value
+    model.train(was_training)
+    values = torch.stack([loss_total, *(v.float() for v in totals.values())]).div(n).tolist()
+    return {f"val_{name}": value for name, value in zip(["loss", *totals], values)}

@@ -1,0 +1,101 @@
+"""Optimizers and the learning-rate schedule, each a function of the config."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.config import TrainingConfig
+
+__all__ = ["Lion", "build_optimizer", "lr_at", "set_lr"]
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the sign of an interpolated momentum.
+
+    torch ships no Lion. Weight decay is decoupled, as in AdamW. Typical learning rates are 3-10x smaller than AdamW's.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        if lr <= 0:
+            raise ValueError(f"Lion needs lr > 0, but got {lr=}")
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                # 1. the update is the sign of an interpolation between momentum and gradient,
+                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                # 2. and the momentum itself is tracked with a slower beta.
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return loss
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer named by the config. Weight decay applies to matrices (dim >= 2) only: decaying biases and norm
+    gains towards zero hurts and is not what a searched `weight_decay` should mean."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    # Fused kernels exist for CUDA tensors only; they run the whole update in one launch.
+    fused = {"fused": True} if device.type == "cuda" else {}
+    name = config.optimizer
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=config.learning_rate, momentum=config.momentum, nesterov=config.nesterov,
+                               **fused)
+    if name in ("adam", "adamw"):
+        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+        return cls(groups, lr=config.learning_rate, betas=(config.beta1, config.resolved_beta2), eps=config.eps,
+                   **fused)
+    if name == "lion":
+        return Lion(groups, lr=config.learning_rate, betas=(config.beta1, config.resolved_beta2))
+    raise ValueError(f"unknown optimizer {name!r}")  # TrainingConfig already refused it
+
+
+def lr_at(step: int, config: TrainingConfig) -> float:
+    """The learning rate for optimizer step `step` (0-based): a pure function, so a schedule can be searched,
+    resumed and replayed from the step count alone.
+
+    1. linear warmup from lr/warmup to lr over `warmup_steps`;
+    2. then decay over the remaining steps: cosine or linear down to lr * min_lr_ratio at `max_steps`,
+       or a step decay by `step_gamma` every `step_every` steps, or none.
+    """
+    peak = config.learning_rate
+    if step < config.warmup_steps:
+        return peak * (step + 1) / config.warmup_steps
+    if config.scheduler == "none":
+        return peak
+    since = step - config.warmup_steps
+    if config.scheduler == "step":
+        every = config.step_every or max(1, config.max_steps // 3)
+        return peak * config.step_gamma ** (since // every)
+    span = max(1, config.max_steps - config.warmup_steps)
+    progress = min(1.0, since / span)
+    floor = peak * config.min_lr_ratio
+    if config.scheduler == "cosine":
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak - (peak - floor) * progress  # linear
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,52 @@
+"""Mixed precision, decided once before the loop. When it is off, the autocast context and the grad scaler are
+disabled objects that do nothing, so the loop has no precision branches."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Precision", "resolve_device", "resolve_precision"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    device_type: str
+    dtype: torch.dtype | None  # None: full fp32
+    scaler: torch.amp.GradScaler
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    @property
+    def name(self) -> str:
+        return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_precision(mode: str, device: torch.device) -> Precision:
+    """`auto`: bf16 autocast on CUDA where the GPU supports it, fp16 with a grad scaler where it does not, off
+    elsewhere. `bf16`/`fp16` force that dtype on any device; `off` is fp32."""
+    dtype: torch.dtype | None
+    if mode == "auto":
+        if device.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dtype = None
+    else:
+        dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    # fp16 has too little range for small gradients: scale the loss up and the gradients back down.
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    return Precision(device.type, dtype, scaler)

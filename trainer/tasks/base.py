@@ -1,0 +1,77 @@
+"""What a study trains: a model builder, training and validation tensors, a loss, and the metrics of an evaluation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ConfigError, _coerce
+
+__all__ = ["Task", "cross_entropy", "accuracy_sum"]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over every position: works for [B, C] (classes) and [B, T, V] (tokens)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def accuracy_sum(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-sample accuracy summed over the batch (the mean over positions for sequences)."""
+    correct = (logits.argmax(-1) == targets).float()
+    return {"accuracy": correct.reshape(correct.shape[0], -1).mean(1).sum()}
+
+
+@dataclass
+class Task:
+    """A training problem.
+
+    `train` and `val` are `(inputs, targets)` tensors with the sample on dimension 0; the trainer moves them to the
+    device once and batches them there. `build_model` receives `model_defaults` updated with the config's `model`
+    mapping: the defaults name every key the builder accepts, so a typo in a study file is refused before training.
+    `eval_metrics` returns sums over a batch; the evaluation divides by the number of samples and prefixes `val_`.
+    """
+
+    name: str
+    train: tuple[torch.Tensor, torch.Tensor]
+    val: tuple[torch.Tensor, torch.Tensor]
+    build_model: Callable[[dict[str, Any]], nn.Module]
+    model_defaults: Mapping[str, Any] = field(default_factory=dict)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    eval_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None
+    eval_metric_names: tuple[str, ...] = ()
+    tokens_per_sample: int = 0  # > 0 for sequence tasks: the trainer then reports tokens/s
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """Every metric an evaluation produces."""
+        return ("val_loss", *(f"val_{name}" for name in self.eval_metric_names))
+
+    def model_problems(self, model: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """Unknown keys and values of the wrong type in a `model` mapping, as `(dotted key, message)` pairs."""
+        problems = []
+        for key, value in model.items():
+            if key not in self.model_defaults:
+                allowed = ", ".join(sorted(self.model_defaults)) or "none"
+                problems.append((f"model.{key}", f"unknown key for task {self.name!r}; expected one of: {allowed}"))
+                continue
+            default = self.model_defaults[key]
+            ok, _, message = _coerce(value, type(default)) if default is not None else (True, value, "")
+            if not ok:
+                problems.append((f"model.{key}", message))
+        return problems
+
+    def model_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        """The defaults updated with `model`, with a `ConfigError` for anything the builder does not accept."""
+        problems = self.model_problems(model)
+        if problems:
+            raise ConfigError(problems)
+        merged = dict(self.model_defaults)
+        for key, value in model.items():
+            default = self.model_defaults[key]
+            merged[key] = _coerce(value, type(default))[1] if default is not None else value
+        return merged
