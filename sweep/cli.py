@@ -1,0 +1,208 @@
+"""`sweep`: the command line. Thin on purpose: parse, call library functions, print.
+
+Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show); 2 bad input (study file, arguments,
+a study that exists with a different definition); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from sweep import results
+from sweep.progress import LiveProgress
+from sweep.spec import StudyFileError, load_spec
+from sweep.study import (StudyMismatchError, load_existing_study, mask_url, open_study, resolve_storage_url,
+                         run_study)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
+                                                   "postgresql+psycopg://...); overrides the study file's.")]
+NameOpt = Annotated[Optional[str], typer.Option("--study-name", help="Study name; overrides the study file's.")]
+
+
+def _fail(lines: list[str] | str, code: int) -> typer.Exit:
+    for line in [lines] if isinstance(lines, str) else lines:
+        err.print(f"error: {line}", markup=False)
+    return typer.Exit(code)
+
+
+def _quiet_optuna() -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+@app.command()
+def run(
+    study_file: Annotated[Path, typer.Argument(help="The study file (YAML).")],
+    storage: StorageOpt = None,
+    n_trials: Annotated[Optional[int], typer.Option("--n-trials", min=1, help="The study's total budget.")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Stop this run after S seconds.")] = None,
+    study_name: NameOpt = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a study-file key: "
+                                                      "--set fixed.max_steps=200 --set n_trials=5.")] = None,
+) -> None:
+    """Create or resume the study and run trials until its n_trials are used."""
+    overrides = list(set_ or [])
+    if study_name:
+        overrides.append(f"name={study_name}")
+    if n_trials:
+        overrides.append(f"n_trials={n_trials}")
+    try:
+        spec, spec_path = load_spec(study_file, overrides)
+    except StudyFileError as exc:
+        raise _fail(exc.lines(), 2) from None
+    url = resolve_storage_url(spec, spec_path, storage)
+    _quiet_optuna()
+    try:
+        study = open_study(spec, url)
+    except StudyMismatchError as exc:
+        raise _fail(str(exc), 2) from None
+    except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
+        raise _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: "
+                    f"{str(exc).replace(url, mask_url(url))}", 1) from None
+
+    already = results.study_status(study)["budget_used"]
+    err.print(f"study {spec.name!r} in {mask_url(url)}: {already}/{spec.n_trials} trials done", markup=False)
+    best = results.study_status(study)["best"]
+    progress = LiveProgress(err, spec.n_trials, study.direction, done=already,
+                            best=None if best is None else best["value"])
+    try:
+        with progress:
+            summary = run_study(study, spec, timeout=timeout, events=progress)
+    except KeyboardInterrupt:
+        err.print("interrupted: the running trial is marked and queued again; rerun the same command to continue.")
+        raise typer.Exit(130) from None
+    _print_status(study)
+    if summary.timed_out:
+        err.print(f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} trials done; "
+                  "rerun to continue.")
+
+
+def _open(target: str, storage: str | None, study_name: str | None):
+    """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
+    path = Path(target) if target else None
+    name = study_name
+    if path is not None and path.suffix in (".yaml", ".yml"):
+        try:
+            spec, spec_path = load_spec(path, check_trainer=False)
+        except StudyFileError as exc:
+            raise _fail(exc.lines(), 2) from None
+        url = resolve_storage_url(spec, spec_path, storage)
+        name = name or spec.name
+    elif storage:
+        url, name = storage, name or (target or None)
+    elif path is not None and path.exists():
+        url = f"sqlite:///{path.resolve()}"
+    else:
+        raise _fail(f"{target!r} is neither a study file nor a database; give a study file, a .db file, "
+                    "or --storage URL [--study-name NAME]", 2)
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
+    _quiet_optuna()
+    try:
+        return load_existing_study(url, name)
+    except KeyError as exc:
+        raise _fail(str(exc.args[0]) if exc.args else f"study {name!r} not found in {mask_url(url)}", 1) from None
+
+
+Target = Annotated[str, typer.Argument(help="A study file, a SQLite .db file, or a study name with --storage.")]
+
+
+def _print_status(study) -> None:
+    status = results.study_status(study)
+    table = Table(title=f"study {status['study']}", show_header=False)
+    table.add_row("direction / metric", f"{status['direction']} {status['metric']}")
+    table.add_row("budget", f"{status['budget_used']}/{status['n_trials']} trials")
+    table.add_row("states", ", ".join(f"{k} {v}" for k, v in status["states"].items()) or "no trials")
+    best = status["best"]
+    if best is not None:
+        table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}")
+        for key, value in best["params"].items():
+            table.add_row(f"  {key}", f"{value:.6g}" if isinstance(value, float) else str(value))
+    out.print(table)
+
+
+@app.command()
+def status(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = None) -> None:
+    """Counts by state, the budget used, and the best trial."""
+    _print_status(_open(target, storage, study_name))
+
+
+@app.command()
+def best(
+    target: Target = "",
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the YAML here.")] = None,
+) -> None:
+    """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again."""
+    study = _open(target, storage, study_name)
+    try:
+        config = results.best_config(study)
+    except ValueError as exc:
+        raise _fail(str(exc), 1) from None
+    text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
+    text += yaml.safe_dump(config, sort_keys=False)
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        output.write_text(text)
+        err.print(f"wrote {output}")
+
+
+@app.command()
+def trials(
+    target: Target = "",
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+) -> None:
+    """Every trial: state, value, params, steps, wall time, and why it was pruned or failed."""
+    if fmt not in ("table", "csv", "json"):
+        raise _fail(f"--format: expected table, csv or json, got {fmt!r}", 2)
+    rows = results.trial_rows(_open(target, storage, study_name))
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    if fmt == "json":
+        sys.stdout.write(json.dumps(rows, indent=1, default=str) + "\n")
+    elif fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        sys.stdout.write(buffer.getvalue())
+    else:
+        table = Table(*columns)
+        for row in rows:
+            table.add_row(*(_cell(row.get(c)) for c in columns))
+        out.print(table)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""What `sweep run` shows while it works: a live line on a terminal, one line per finished trial elsewhere."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial, TrialState
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+__all__ = ["LiveProgress", "describe_outcome"]
+
+
+def describe_outcome(trial: FrozenTrial) -> str:
+    """One line: the state and, for pruned and failed trials, why."""
+    attrs = trial.user_attrs
+    if trial.state == TrialState.COMPLETE:
+        return f"complete value={trial.value:.6g}"
+    if trial.state == TrialState.PRUNED:
+        reason = attrs.get("prune_reason") or {}
+        return f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} (value={_num(reason.get('value'))})"
+    if trial.state == TrialState.FAIL:
+        return f"failed: {attrs.get('fail_reason', 'unknown error')}"
+    return trial.state.name.lower()
+
+
+class LiveProgress:
+    """Counts by state, the best value so far, and the running trial's step and loss."""
+
+    def __init__(self, console: Console, n_trials: int, direction: StudyDirection, done: int = 0,
+                 best: float | None = None, live: bool | None = None) -> None:
+        self.console = console
+        self.n_trials = n_trials
+        self.maximize = direction == StudyDirection.MAXIMIZE
+        self.counts: Counter[str] = Counter()
+        self.done = done
+        self.best = best
+        self.current: str = ""
+        self.started = time.monotonic()
+        self._live = Live(console=console, auto_refresh=True, refresh_per_second=4, transient=True) \
+            if (console.is_terminal if live is None else live) else None
+
+    def __enter__(self) -> LiveProgress:
+        if self._live is not None:
+            self._live.__enter__()
+            self._refresh()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def _line(self) -> Text:
+        best = "-" if self.best is None else f"{self.best:.6g}"
+        counts = " ".join(f"{k} {v}" for k, v in sorted(self.counts.items())) or "none finished yet"
+        return Text(f"trials {self.done}/{self.n_trials} · {counts} · best {best} · "
+                    f"{time.monotonic() - self.started:.0f}s · {self.current}")
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._line())
+
+    def trial_started(self, number: int, params: Mapping[str, Any]) -> None:
+        self.current = f"trial {number} starting"
+        self._refresh()
+
+    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None:
+        self.current = f"trial {number} step {step} loss {metrics.get('train_loss', float('nan')):.4g}"
+        self._refresh()
+
+    def trial_finished(self, trial: FrozenTrial) -> None:
+        state = trial.state.name.lower()
+        self.counts[state] += 1
+        self.done += 1
+        if trial.state == TrialState.COMPLETE and trial.value is not None:
+            better = self.best is None or (trial.value > self.best if self.maximize else trial.value < self.best)
+            self.best = trial.value if better else self.best
+        self.console.print(f"trial {trial.number}: {describe_outcome(trial)}", highlight=False)
+        self.current = ""
+        self._refresh()
+
+
+def _num(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,296 @@
+"""Creating, loading and running the Optuna study described by a `StudySpec`.
+
+The spec is stored on the study (user attr `sweep.spec`), so a study in a database describes itself: it can be
+resumed, reproduced or inspected without the original file. `n_trials` is the study's total budget, not a count per
+run: a rerun after an interruption finishes the remaining trials.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from sweep.spec import SPEC_ATTR, StudyFileError, StudySpec
+
+if TYPE_CHECKING:
+    from sweep.spec import Component
+
+__all__ = [
+    "Events",
+    "RunSummary",
+    "StudyMismatchError",
+    "budget_used",
+    "build_pruner",
+    "build_sampler",
+    "component_problems",
+    "mask_url",
+    "open_study",
+    "resolve_storage_url",
+    "run_study",
+]
+
+# Trial user attrs written by sweep: one name for each thing, shown as-is in optuna-dashboard.
+ATTR_CONFIG = "config"
+ATTR_REPRO = "reproducibility"
+ATTR_METRICS = "metrics"
+ATTR_STEPS = "steps"
+ATTR_WALL = "wall_time_s"
+ATTR_FAIL = "fail_reason"
+ATTR_PRUNE = "prune_reason"
+ATTR_TRACEBACK = "traceback"
+ATTR_INTERRUPTED = "interrupted"
+ATTR_RETRY_OF = "retry_of"
+
+SAMPLERS: dict[str, type[optuna.samplers.BaseSampler]] = {
+    "tpe": optuna.samplers.TPESampler,
+    "random": optuna.samplers.RandomSampler,
+    "cmaes": optuna.samplers.CmaEsSampler,
+    "gp": optuna.samplers.GPSampler,
+    "qmc": optuna.samplers.QMCSampler,
+    "nsgaii": optuna.samplers.NSGAIISampler,
+    "bruteforce": optuna.samplers.BruteForceSampler,
+}
+
+PRUNERS: dict[str, type[optuna.pruners.BasePruner]] = {
+    "median": optuna.pruners.MedianPruner,
+    "percentile": optuna.pruners.PercentilePruner,
+    "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+    "hyperband": optuna.pruners.HyperbandPruner,
+    "wilcoxon": optuna.pruners.WilcoxonPruner,
+    "threshold": optuna.pruners.ThresholdPruner,
+    "patient": optuna.pruners.PatientPruner,
+    "none": optuna.pruners.NopPruner,
+}
+
+
+class StudyMismatchError(Exception):
+    """The storage already holds a study of that name whose definition differs from the file."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Samplers and pruners by name, their arguments checked against the constructor's signature.
+
+def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict[str, Any],
+                 extra: dict[str, Any] | None = None) -> Any:
+    if kind not in registry:
+        raise StudyFileError("", [(f"{where}.type", f"unknown {where} {kind!r}; expected one of: "
+                                                    + ", ".join(registry))])
+    cls = registry[kind]
+    accepted = inspect.signature(cls).parameters
+    unknown = [name for name in args if name not in accepted]
+    if unknown:
+        raise StudyFileError("", [(f"{where}.{name}", f"unknown argument of {cls.__name__}; expected one of: "
+                                                      + ", ".join(accepted)) for name in unknown])
+    kwargs = {**{k: v for k, v in (extra or {}).items() if k in accepted and k not in args}, **args}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise StudyFileError("", [(where, f"{cls.__name__}: {exc}")]) from exc
+
+
+def build_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
+    """The named sampler, seeded with the study's `seed` unless the file gives the sampler its own."""
+    return _instantiate("sampler", SAMPLERS, spec.sampler.type, spec.sampler.args, {"seed": spec.seed})
+
+
+def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.BasePruner:
+    args = component.args
+    if component.type == "patient":  # PatientPruner wraps another pruner: `wrapped: {type: median, ...}`
+        from sweep.spec import Component as _Component
+
+        inner = args.get("wrapped")
+        args = {**args, "wrapped_pruner": build_pruner(_Component.model_validate(inner), f"{where}.wrapped")
+                if inner is not None else None}
+        args.pop("wrapped", None)
+    return _instantiate(where, PRUNERS, component.type, args)
+
+
+def component_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    problems = []
+    for build in (lambda: build_sampler(spec), lambda: build_pruner(spec.pruner)):
+        try:
+            build()
+        except StudyFileError as exc:
+            problems += exc.problems
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Storage.
+
+def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str | None = None) -> str:
+    """`--storage` wins, then the file's `storage:`, then a SQLite file next to the study file. A relative SQLite path
+    in the file is relative to the file, so a study runs the same from any working directory."""
+    if override:
+        return override
+    if spec.storage is None:
+        folder = spec_path.parent if spec_path is not None else Path.cwd()
+        return f"sqlite:///{(folder / f'{spec.name}.db').resolve()}"
+    if spec.storage.startswith("sqlite:///") and spec_path is not None:
+        path = spec.storage.removeprefix("sqlite:///")
+        if path and not path.startswith("/") and path != ":memory:":
+            return f"sqlite:///{(spec_path.parent / path).resolve()}"
+    return spec.storage
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password replaced by ***, for anything printed or stored."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def make_storage(url: str) -> optuna.storages.RDBStorage:
+    engine_kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        # Wait for a lock instead of failing at once when another process (a dashboard, a second worker) writes.
+        engine_kwargs["connect_args"] = {"timeout": 60}
+    else:
+        engine_kwargs["pool_pre_ping"] = True  # a server restart must not fail the next trial
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+
+
+def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> optuna.Study:
+    """Create the study, or load it if it exists and has the same definition (task, fixed values, space, metric,
+    direction). Budget, timeout, sampler and pruner may change between runs."""
+    storage = make_storage(storage) if isinstance(storage, str) else storage
+    sampler, pruner = build_sampler(spec), build_pruner(spec.pruner)
+    try:
+        study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+    except KeyError:
+        study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
+                                    direction=spec.direction)
+        study.set_user_attr(SPEC_ATTR, spec.stored())
+        return study
+    stored = study.user_attrs.get(SPEC_ATTR)
+    if stored is None:
+        raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
+                                 "with --study-name")
+    before = {key: stored.get(key) for key in spec.identity()}
+    differences = [key for key, value in spec.identity().items() if before[key] != value]
+    if differences:
+        raise StudyMismatchError(
+            f"study {spec.name!r} already exists with a different {', '.join(differences)}; start a new study with "
+            "--study-name NAME, or rerun with the original file")
+    study.set_user_attr(SPEC_ATTR, spec.stored())  # the latest budget, sampler and pruner
+    return study
+
+
+def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
+    """A study for reading: by name, or the only one in the storage."""
+    storage = make_storage(storage_url)
+    if name is None:
+        names = optuna.get_all_study_names(storage)
+        if len(names) != 1:
+            found = ", ".join(names) if names else "none"
+            raise KeyError(f"{mask_url(storage_url)} holds {len(names)} studies ({found}); name one with --study-name")
+        name = names[0]
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running.
+
+def is_budgeted(trial: FrozenTrial) -> bool:
+    """A trial that used up one unit of `n_trials`: finished, pruned, or failed on its own account. An interrupted
+    trial does not count: its params are queued again and the next run trains them."""
+    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
+        return True
+    return trial.state == TrialState.FAIL and not trial.user_attrs.get(ATTR_INTERRUPTED, False)
+
+
+def budget_used(study: optuna.Study) -> int:
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+    return sum(is_budgeted(t) for t in study.get_trials(deepcopy=False, states=states))
+
+
+class Events(Protocol):
+    """What a progress display hears while a study runs."""
+
+    def trial_started(self, number: int, params: Mapping[str, Any]) -> None: ...
+    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None: ...
+    def trial_finished(self, trial: FrozenTrial) -> None: ...
+
+
+class NoEvents:
+    def trial_started(self, number: int, params: Mapping[str, Any]) -> None:
+        pass
+
+    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def trial_finished(self, trial: FrozenTrial) -> None:
+        pass
+
+
+@dataclass
+class RunSummary:
+    ran: int  # trials this run finished
+    budget_used: int
+    n_trials: int
+    timed_out: bool
+
+
+def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = None, timeout: float | None = None,
+              events: Events | None = None) -> RunSummary:
+    """Ask and tell until the study's budget is used or `timeout` seconds pass. A trial that raises becomes FAIL with
+    its error stored and the study goes on. On Ctrl-C the running trial is marked interrupted, its params are queued
+    for the next run, and KeyboardInterrupt propagates."""
+    from sweep.objective import run_trial
+
+    events = events if events is not None else NoEvents()
+    n_trials = n_trials if n_trials is not None else spec.n_trials
+    timeout = timeout if timeout is not None else spec.timeout
+    started, ran = time.monotonic(), 0
+    while budget_used(study) < n_trials:
+        if timeout is not None and time.monotonic() - started >= timeout:
+            return RunSummary(ran, budget_used(study), n_trials, timed_out=True)
+        trial = study.ask()
+        try:
+            outcome = run_trial(trial, spec, events)
+        except KeyboardInterrupt:
+            _tell(study, trial, TrialState.FAIL, None, {ATTR_FAIL: "interrupted", ATTR_INTERRUPTED: True})
+            study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number})
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
+            outcome = (TrialState.FAIL, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
+                                               ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
+        state, value, attrs = outcome
+        frozen = _tell(study, trial, state, value, attrs)
+        ran += 1
+        events.trial_finished(frozen)
+    return RunSummary(ran, budget_used(study), n_trials, timed_out=False)
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, state: TrialState, value: float | None,
+          attrs: Mapping[str, Any]) -> FrozenTrial:
+    for key, attr in attrs.items():
+        trial.set_user_attr(key, _jsonable(attr))
+    return study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+
+
+def _jsonable(value: Any) -> Any:
+    """User attrs are stored as JSON: NaN and Inf become the strings 'nan', 'inf', '-inf' (valid JSON that the
+    dashboard can show), anything else unknown becomes its str()."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
