@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.config import TrainingConfig
+from trainer.optim import Lion, build_optimizer, lr_at
+
+CPU = torch.device("cpu")
+
+
+def config(**values) -> TrainingConfig:
+    return TrainingConfig.from_dict({"max_steps": 100, "learning_rate": 1.0, **values})
+
+
+def test_warmup_rises_linearly_to_the_peak() -> None:
+    c = config(warmup_steps=10, scheduler="none")
+    assert [lr_at(s, c) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    assert lr_at(10, c) == 1.0 and lr_at(99, c) == 1.0
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "linear"])
+def test_decay_ends_at_min_lr_ratio(scheduler: str) -> None:
+    c = config(warmup_steps=10, scheduler=scheduler, min_lr_ratio=0.1)
+    assert lr_at(10, c) == pytest.approx(1.0)  # the peak right after warmup
+    assert lr_at(100, c) == pytest.approx(0.1)  # the floor at max_steps
+    values = [lr_at(s, c) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # never rises
+    midpoint = lr_at(55, c)
+    assert midpoint == pytest.approx(0.55, abs=1e-9)  # cosine and linear both cross half-way at the midpoint
+
+
+def test_cosine_and_linear_differ_between_the_ends() -> None:
+    cos, lin = config(scheduler="cosine"), config(scheduler="linear")
+    assert lr_at(25, cos) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert lr_at(25, lin) == pytest.approx(0.75)
+
+
+def test_step_schedule_multiplies_by_gamma() -> None:
+    c = config(scheduler="step", step_every=30, step_gamma=0.5)
+    assert [lr_at(s, c) for s in (0, 29, 30, 59, 60, 99)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.125]
+
+
+def test_weight_decay_skips_biases_and_norms() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = build_optimizer(model, config(optimizer="adamw", weight_decay=0.1), CPU)
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("values", "cls", "check"),
+    [
+        ({"optimizer": "sgd", "momentum": 0.5, "nesterov": True}, torch.optim.SGD,
+         lambda g: g["momentum"] == 0.5 and g["nesterov"] is True),
+        ({"optimizer": "adam", "beta1": 0.8}, torch.optim.Adam, lambda g: g["betas"] == (0.8, 0.999)),
+        ({"optimizer": "adamw", "beta2": 0.95, "eps": 1e-6}, torch.optim.AdamW,
+         lambda g: g["betas"] == (0.9, 0.95) and g["eps"] == 1e-6),
+        ({"optimizer": "lion"}, Lion, lambda g: g["betas"] == (0.9, 0.99)),
+    ],
+)
+def test_optimizer_builder_passes_the_config_through(values: dict, cls: type, check) -> None:
+    opt = build_optimizer(nn.Linear(3, 2), config(**values), CPU)
+    assert type(opt) is cls
+    assert check(opt.param_groups[0])
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "lion"])
+def test_every_optimizer_minimises_a_quadratic(name: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1)
+    opt = build_optimizer(model, config(optimizer=name, learning_rate=0.01), CPU)
+    first = None
+    for _ in range(200):
+        loss = ((model(x) - y) ** 2).mean()
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2 * first

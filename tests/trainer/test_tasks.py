@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import ConfigError, TrainingConfig, load_task, train
+from trainer.tasks import TaskError
+
+
+def test_digits_is_the_real_data_set_with_a_fixed_split() -> None:
+    task = load_task("digits")
+    (xt, yt), (xv, yv) = task.train, task.val
+    assert len(xt) + len(xv) == 1797
+    assert xt.shape[1] == 64 and xt.dtype == torch.float32 and 0.0 <= float(xt.min()) <= float(xt.max()) <= 1.0
+    assert set(yt.tolist()) == set(range(10))
+    again = load_task("digits")
+    assert torch.equal(again.val[0], xv)  # the split does not depend on anything but split_seed
+    assert not torch.equal(load_task("digits", {"split_seed": 1}).val[0], xv)
+
+
+def test_charlm_reads_the_standard_library_source() -> None:
+    task = load_task("charlm", {"context": 32, "max_chars": 50_000})
+    x, y = task.train
+    assert x.shape[1] == 32 and task.tokens_per_sample == 32
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    text = bytes(x[0].tolist()).decode("utf-8", errors="replace")
+    assert text.isprintable() or "\n" in text
+    result = train(TrainingConfig.from_dict({"task": "charlm", "task_args": {"context": 32, "max_chars": 50_000},
+                                             "max_steps": 5, "batch_size": 8, "log_every_steps": 5,
+                                             "model": {"d_model": 32, "n_layers": 1, "n_heads": 2}}), task)
+    assert result.logs[0]["tokens_per_s"] == pytest.approx(result.logs[0]["samples_per_s"] * 32)
+
+
+def test_model_keys_are_checked_against_the_task() -> None:
+    task = load_task("digits")
+    assert task.model_problems({"hidden": 8}) == []
+    [(key, message)] = task.model_problems({"hiden": 8})
+    assert key == "model.hiden" and "hidden" in message
+    [(key, message)] = task.model_problems({"hidden": "wide"})
+    assert key == "model.hidden" and "integer" in message
+    with pytest.raises(ConfigError):
+        task.model_config({"depth": 1.5})
+
+
+def test_a_user_task_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_tasks.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from trainer.tasks import Task
+
+        def xor(n=256):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(0, 2, (n, 2), generator=g).float()
+            y = (x[:, 0] != x[:, 1]).long()
+            return Task(name="xor", train=(x, y), val=(x, y), model_defaults={"hidden": 8},
+                        build_model=lambda cfg: nn.Sequential(nn.Linear(2, cfg["hidden"]), nn.Tanh(),
+                                                              nn.Linear(cfg["hidden"], 2)))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = TrainingConfig.from_dict({"task": "my_tasks:xor", "task_args": {"n": 128}, "max_steps": 300,
+                                       "learning_rate": 0.05, "batch_size": 32, "model.hidden": 16})
+    result = train(config)
+    assert result.metrics["val_loss"] < 0.1
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [("mnist", "unknown task"), ("no_such_module:f", "cannot import"), ("trainer.tasks:nothing", "no function")],
+)
+def test_unknown_tasks_are_refused_clearly(name: str, fragment: str) -> None:
+    with pytest.raises(TaskError, match=fragment):
+        load_task(name)
+
+
+def test_unknown_task_argument_is_refused() -> None:
+    with pytest.raises(TaskError, match="context"):
+        load_task("digits", {"context": 3})
