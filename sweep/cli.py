@@ -28,7 +28,7 @@ from sweep.study import (StudyMismatchError, load_existing_study, mask_url, open
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
 out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
                                                    "postgresql+psycopg://...); overrides the study file's.")]
@@ -90,6 +90,9 @@ def run(
         err.print("interrupted: the running trial is marked and queued again; rerun the same command to continue.")
         raise typer.Exit(130) from None
     _print_status(study)
+    if summary.exhausted:
+        err.print(f"the sampler has tried every point of the search space; stopped with "
+                  f"{summary.budget_used}/{summary.n_trials} trials done.")
     if summary.timed_out:
         err.print(f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} trials done; "
                   "rerun to continue.")

@@ -272,6 +272,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         if key in fixed_keys:
             problems.append((where, "is both fixed and searched; remove it from one of them"))
             continue
+        if key.startswith("model.") and key.removeprefix("model.") not in task.model_defaults:
+            problems.append((where, f"unknown key for task {task.name!r}; expected one of: "
+                                    + ", ".join(f"model.{k}" for k in sorted(task.model_defaults))))
+            continue
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))
             continue

@@ -242,6 +242,7 @@ class RunSummary:
     budget_used: int
     n_trials: int
     timed_out: bool
+    exhausted: bool = False  # the sampler has tried every point of a finite search space
 
 
 def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = None, timeout: float | None = None,
@@ -269,17 +270,27 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
             outcome = (TrialState.FAIL, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
                                                ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
         state, value, attrs = outcome
-        frozen = _tell(study, trial, state, value, attrs)
+        frozen, sampler_stopped = _tell(study, trial, state, value, attrs)
         ran += 1
         events.trial_finished(frozen)
+        if sampler_stopped:
+            return RunSummary(ran, budget_used(study), n_trials, timed_out=False, exhausted=True)
     return RunSummary(ran, budget_used(study), n_trials, timed_out=False)
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, state: TrialState, value: float | None,
-          attrs: Mapping[str, Any]) -> FrozenTrial:
+          attrs: Mapping[str, Any]) -> tuple[FrozenTrial, bool]:
+    """Store the outcome. Returns the finished trial and whether the sampler asked the study to stop (the brute-force
+    and grid samplers do once every point has been tried)."""
     for key, attr in attrs.items():
         trial.set_user_attr(key, _jsonable(attr))
-    return study.tell(trial, value if state == TrialState.COMPLETE else None, state=state)
+    try:
+        return study.tell(trial, value if state == TrialState.COMPLETE else None, state=state), False
+    except RuntimeError as exc:
+        # Samplers call Study.stop(), which only works inside study.optimize; tell() has stored the trial anyway.
+        if "Study.stop" not in str(exc):
+            raise
+        return study.get_trials(deepcopy=False)[trial.number], True
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,205 @@
+"""The real `sweep` command, end to end, against a real SQLite file."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from tests.conftest import TINY_STUDY, run_cli, write_study
+
+
+def load(path: Path, name: str = "tiny") -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{path}")
+
+
+def test_a_tiny_study_lands_in_sqlite_and_reads_back_with_plain_optuna(tiny_study: Path) -> None:
+    done = run_cli("run", tiny_study)
+    assert done.returncode == 0, done.stderr
+    assert "trial 2: complete" in done.stderr and "3/3 trials" in done.stdout
+    study = load(tiny_study.parent / "tiny.db")  # the default storage: a SQLite file next to the study file
+    trials = study.get_trials()
+    assert [t.number for t in trials] == [0, 1, 2]
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    for trial in trials:
+        assert sorted(trial.intermediate_values) == [10, 20]
+        assert trial.value == trial.intermediate_values[20] == trial.user_attrs["metrics"]["val_loss"]
+        config = trial.user_attrs["config"]
+        assert config["learning_rate"] == trial.params["learning_rate"]
+        assert config["model"]["hidden"] == trial.params["model.hidden"] and config["max_steps"] == 20
+        assert trial.user_attrs["steps"] == 20 and trial.user_attrs["wall_time_s"] > 0
+        assert trial.user_attrs["reproducibility"]["seed"] == 0
+    spec = study.user_attrs["sweep.spec"]
+    assert spec["space"]["learning_rate"]["log"] is True and "storage" not in spec
+
+
+def test_rerun_finishes_the_budget_instead_of_adding_to_it(tiny_study: Path) -> None:
+    assert run_cli("run", tiny_study, "--n-trials", "3").returncode == 0
+    done = run_cli("run", tiny_study, "--n-trials", "5")
+    assert done.returncode == 0, done.stderr
+    assert "3/5 trials done" in done.stderr
+    assert run_cli("run", tiny_study, "--n-trials", "5").returncode == 0  # nothing left to do
+    trials = load(tiny_study.parent / "tiny.db").get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4]
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+def test_best_config_retrains_to_the_same_value(tiny_study: Path) -> None:
+    assert run_cli("run", tiny_study).returncode == 0
+    best_yaml = tiny_study.parent / "best.yaml"
+    done = run_cli("best", tiny_study, "-o", best_yaml)
+    assert done.returncode == 0, done.stderr
+    study = load(tiny_study.parent / "tiny.db")
+    assert yaml.safe_load(best_yaml.read_text())["learning_rate"] == study.best_params["learning_rate"]
+    trained = subprocess.run([sys.executable, "-m", "trainer", str(best_yaml)], capture_output=True, text=True,
+                             timeout=120)
+    assert trained.returncode == 0, trained.stderr
+    # Bit for bit on CPU: the same config and seed reproduce the stored value exactly.
+    assert json.loads(trained.stdout)["metrics"]["val_loss"] == study.best_value
+
+
+def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
+    assert run_cli("run", tiny_study).returncode == 0
+    db = tiny_study.parent / "tiny.db"
+    status = run_cli("status", db)
+    assert status.returncode == 0 and "complete 3" in status.stdout and "best trial" in status.stdout
+    rows = list(csv.DictReader(io.StringIO(run_cli("trials", tiny_study, "--format", "csv").stdout)))
+    assert [r["state"] for r in rows] == ["complete"] * 3 and "params.model.hidden" in rows[0]
+    as_json = json.loads(run_cli("trials", "--storage", f"sqlite:///{db}", "tiny", "--format", "json").stdout)
+    assert [r["number"] for r in as_json] == [0, 1, 2]
+    assert "params.learning_rate" in run_cli("trials", tiny_study).stdout
+    assert run_cli("trials", tiny_study, "--format", "xml").returncode == 2
+    missing = run_cli("status", tiny_study.parent / "nothing.db")
+    assert missing.returncode == 2 and "neither a study file nor a database" in missing.stderr
+
+
+def test_pruned_trials_carry_their_reason(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 0.0}}
+    path = write_study(tmp_path, document)
+    done = run_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    assert "pruned by threshold at step 10" in done.stderr
+    for trial in load(tmp_path / "tiny.db").get_trials():
+        assert trial.state == TrialState.PRUNED
+        assert trial.user_attrs["prune_reason"]["rule"] == "threshold"
+        assert trial.user_attrs["prune_reason"]["step"] == 10
+        assert trial.user_attrs["steps"] == 10
+    assert "pruned by threshold" in run_cli("trials", path).stdout
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> None:
+    (tmp_path / "fragile.py").write_text(
+        "from trainer.tasks import digits\n"
+        "def task():\n"
+        "    t = digits()\n"
+        "    build = t.build_model\n"
+        "    def build_model(cfg):\n"
+        "        if cfg['hidden'] > 20:\n"
+        "            raise RuntimeError('CUDA out of memory (simulated by a real exception)')\n"
+        "        return build(cfg)\n"
+        "    t.build_model = build_model\n"
+        "    return t\n")
+    document = copy.deepcopy(TINY_STUDY) | {
+        "task": "fragile:task", "n_trials": 4, "sampler": "bruteforce",
+        "space": {"model.hidden": {"type": "categorical", "choices": [8, 64]},
+                  "optimizer": {"type": "categorical", "choices": ["adam", "sgd"]}}}
+    path = write_study(tmp_path, document)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path / "tiny.db").get_trials()
+    by_state = {s: [t for t in trials if t.state == s] for s in (TrialState.COMPLETE, TrialState.FAIL)}
+    assert len(by_state[TrialState.COMPLETE]) == 2 and len(by_state[TrialState.FAIL]) == 2
+    for trial in by_state[TrialState.FAIL]:
+        assert trial.params["model.hidden"] == 64
+        assert trial.user_attrs["fail_reason"] == "RuntimeError: CUDA out of memory (simulated by a real exception)"
+        assert "build_model" in trial.user_attrs["traceback"]
+    assert "failed: RuntimeError" in done.stderr
+
+
+def test_a_changed_definition_is_refused_on_resume(tiny_study: Path) -> None:
+    assert run_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    done = run_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5")
+    assert done.returncode == 2
+    assert "already exists with a different space" in done.stderr and "--study-name" in done.stderr
+    assert run_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5", "--study-name", "wider",
+                   "--n-trials", "1").returncode == 0
+
+
+def test_storage_password_is_never_printed(tiny_study: Path) -> None:
+    done = run_cli("run", tiny_study, "--storage", "postgresql+psycopg://alice:s3cr3t@127.0.0.1:1/sweep")
+    assert done.returncode == 1
+    assert "s3cr3t" not in done.stderr + done.stdout
+    assert "alice:***@127.0.0.1" in done.stderr
+
+
+def test_ctrl_c_marks_the_trial_and_the_next_run_continues(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2}
+    document["fixed"] = {**document["fixed"], "max_steps": 4000, "eval_every_steps": 50, "log_every_steps": 50}
+    path = write_study(tmp_path, document)
+    db = tmp_path / "tiny.db"
+    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until trial 0 has reported at least once
+            if db.exists():
+                try:
+                    trials = load(db).get_trials()
+                except Exception:  # noqa: BLE001 - the study or its tables may not exist yet
+                    trials = []
+                if trials and trials[0].intermediate_values:
+                    break
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "rerun the same command to continue" in stderr
+    first, queued = load(db).get_trials()
+    assert first.state == TrialState.FAIL and first.user_attrs["interrupted"] is True
+    assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == 0
+
+    done = run_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = load(db).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
+    assert trials[1].params == first.params and trials[1].user_attrs["retry_of"] == 0
+
+
+def test_optuna_dashboard_reads_the_study(tiny_study: Path) -> None:
+    optuna_dashboard = pytest.importorskip("optuna_dashboard")
+    from wsgiref.util import setup_testing_defaults
+
+    assert run_cli("run", tiny_study).returncode == 0
+    app = optuna_dashboard.wsgi(f"sqlite:///{tiny_study.parent / 'tiny.db'}")
+
+    def get(path: str) -> dict:
+        environ: dict = {"PATH_INFO": path, "QUERY_STRING": "after=0"}
+        setup_testing_defaults(environ)
+        status = []
+        body = b"".join(app(environ, lambda s, h, *a: status.append(s)))
+        assert status[0].startswith("200"), status
+        return json.loads(body)
+
+    [summary] = get("/api/studies")["study_summaries"]
+    assert summary["study_name"] == "tiny"
+    detail = get(f"/api/studies/{summary['study_id']}")
+    assert len(detail["trials"]) == 3
+    assert {t["state"] for t in detail["trials"]} == {"Complete"}
+    assert all(len(t["intermediate_values"]) == 2 for t in detail["trials"])
+    assert any(attr["key"] == "config" for attr in detail["trials"][0]["user_attrs"])

@@ -1,0 +1,134 @@
+"""Bad study files: each exits with code 2 and one clear line naming the file, the key and what was expected, and
+nothing is written to the storage."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sweep.spec import StudyFileError, load_spec
+from tests.conftest import TINY_STUDY, run_cli, write_study
+
+
+def changed(**edits: Any) -> dict[str, Any]:
+    """TINY_STUDY with dotted-path edits; a value of ... deletes the key."""
+    document = copy.deepcopy(TINY_STUDY)
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split("__")
+        node = document
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is ...:
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    return document
+
+
+LR = "learning_rate"
+BAD_FILES = [
+    pytest.param(changed(n_trails=3), "n_trails", "unknown key", id="unknown-top-level-key"),
+    pytest.param(changed(fixed__max_step=10), "fixed.max_step", "unknown key", id="unknown-config-key"),
+    pytest.param(changed(space__learning_rate={"type": "float", "low": 0.1, "high": 0.01}), f"space.{LR}",
+                 "low <= high", id="low-above-high"),
+    pytest.param(changed(space__learning_rate={"type": "float", "low": 0, "high": 0.1, "log": True}), f"space.{LR}",
+                 "log: true needs low > 0", id="log-with-low-zero"),
+    pytest.param(changed(space__optimizer={"type": "categorical", "choices": []}), "space.optimizer.choices",
+                 "at least 1 item", id="empty-choices"),
+    pytest.param(changed(space__optimizer={"type": "categorical", "choices": ["adam", "rmsprop"]}),
+                 "space.optimizer.choices[1]", "'adam', 'adamw', 'sgd', 'lion'", id="unknown-optimizer-choice"),
+    pytest.param(changed(fixed__optimizer="rmsprop"), "fixed.optimizer", "'adamw'", id="unknown-optimizer-fixed"),
+    pytest.param(changed(n_trials="many"), "n_trials", "valid integer", id="wrong-type"),
+    pytest.param(changed(fixed__batch_size="big"), "fixed.batch_size", "expected an integer", id="wrong-type-config"),
+    pytest.param(changed(task=...), "task", "required key is missing", id="missing-task"),
+    pytest.param(changed(task="mnist"), "task", "unknown task 'mnist'", id="unknown-task"),
+    pytest.param(changed(space__lr={"type": "float", "low": 0.1, "high": 1}), "space.lr",
+                 "not a searchable TrainingConfig key", id="unknown-space-key"),
+    pytest.param(changed(space__model__hidden=None, fixed__model={"hidden": 4},
+                         space={"model.hidden": {"type": "int", "low": 8, "high": 32}}),
+                 "space.model.hidden", "both fixed and searched", id="fixed-and-searched"),
+    pytest.param(changed(space={"model.width": {"type": "int", "low": 8, "high": 32}}),
+                 "space.model.width", "unknown key for task 'digits'", id="unknown-model-key"),
+    pytest.param(changed(space={"warmup_steps": {"type": "float", "low": 0, "high": 5}}),
+                 "space.warmup_steps.type", "use type: int", id="float-for-int-key"),
+    pytest.param(changed(space__learning_rate={"type": "floot", "low": 1, "high": 2}), f"space.{LR}",
+                 "'float', 'int', 'categorical'", id="unknown-param-type"),
+    pytest.param(changed(metric="val_acc"), "metric", "val_loss, val_accuracy", id="metric-not-reported"),
+    pytest.param(changed(sampler={"type": "tpe", "n_startup": 3}), "sampler.n_startup",
+                 "unknown argument of TPESampler", id="unknown-sampler-arg"),
+    pytest.param(changed(pruner="mediann"), "pruner.type", "unknown pruner 'mediann'", id="unknown-pruner"),
+    pytest.param(changed(pruner={"type": "percentile", "percentile": 200}), "pruner", "PercentilePruner",
+                 id="bad-pruner-value"),
+    pytest.param(changed(direction="down"), "direction", "'minimize' or 'maximize'", id="bad-direction"),
+]
+
+
+@pytest.mark.parametrize(("document", "key", "fragment"), BAD_FILES)
+def test_bad_study_file_is_refused_in_process(tmp_path: Path, document: dict, key: str, fragment: str) -> None:
+    path = write_study(tmp_path, document)
+    with pytest.raises(StudyFileError) as info:
+        load_spec(path)
+    assert [k for k, _ in info.value.problems] == [key], info.value.problems
+    assert fragment in info.value.problems[0][1]
+    assert info.value.lines()[0].startswith(f"{path}: {key}: ")
+
+
+@pytest.mark.parametrize(
+    ("document", "key"),
+    [
+        pytest.param(changed(fixed__max_step=10), "fixed.max_step", id="unknown-config-key"),
+        pytest.param(changed(space__learning_rate={"type": "float", "low": 0.1, "high": 0.01}), "space.learning_rate",
+                     id="low-above-high"),
+        pytest.param(changed(task=...), "task", id="missing-task"),
+        pytest.param("name: [unclosed\n", "", id="invalid-yaml"),
+        pytest.param("- a list\n", "", id="not-a-mapping"),
+    ],
+)
+def test_bad_study_file_exits_2_and_writes_nothing(tmp_path: Path, document: dict | str, key: str) -> None:
+    path = write_study(tmp_path, document)
+    done = run_cli("run", path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {key}"), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]  # no database was created
+
+
+def test_unreadable_file_exits_2(tmp_path: Path) -> None:
+    done = run_cli("run", tmp_path / "missing.yaml")
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: {tmp_path / 'missing.yaml'}: cannot read the study file: " \
+                                  "No such file or directory"
+
+
+def test_every_problem_is_reported_together(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(n_trails=3, fixed__optimizer="rmsprop", metric="val_acc",
+                                         space__learning_rate={"type": "float", "low": -1, "high": 1, "log": True}))
+    with pytest.raises(StudyFileError) as info:
+        load_spec(path)
+    assert {k for k, _ in info.value.problems} == {"n_trails", "space.learning_rate"}  # structure first
+    path = write_study(tmp_path, changed(fixed__optimizer="rmsprop", metric="val_acc",
+                                         space__learning_rate={"type": "float", "low": -1, "high": 1}))
+    with pytest.raises(StudyFileError) as info:
+        load_spec(path)
+    assert {k for k, _ in info.value.problems} == {"fixed.optimizer", "metric", "space.learning_rate.low"}
+
+
+def test_overrides_and_defaults(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(name=...))
+    spec, resolved = load_spec(path, ["n_trials=7", "fixed.model.depth=2", "space.learning_rate.high=0.5"])
+    assert spec.name == "study" and spec.n_trials == 7 and resolved == path.resolve()
+    assert spec.fixed["model"] == {"depth": 2} and spec.space["learning_rate"].high == 0.5
+    assert spec.sampler.type == "random" and spec.pruner.type == "none"
+    config = spec.config_for({"learning_rate": 0.01})
+    assert config.max_steps == 20 and config.model == {"depth": 2} and config.task == "digits"
+
+
+def test_yaml_exponents_without_a_dot_work_as_numbers(tmp_path: Path) -> None:
+    path = write_study(tmp_path, TINY_STUDY)
+    text = path.read_text().replace("low: 0.001", "low: 1e-3")
+    path.write_text(text)
+    spec, _ = load_spec(path)
+    assert spec.space["learning_rate"].low == 1e-3
