@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from trainer import Task, load_task, train
+from sweep.pruners import FastFailPruner
+from trainer import Task, TrainingConfig, load_task, train
 from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_STEPS, ATTR_WALL)
 
 if TYPE_CHECKING:
@@ -26,13 +27,17 @@ Outcome = tuple[TrialState, "float | None", dict[str, Any]]
 
 class TrialReporter:
     """Adapts an Optuna trial to the trainer's `Reporter`: each evaluation's metric is reported to the study, and the
-    study's pruner decides whether to stop, so every decision lives in the storage."""
+    study's pruner decides whether to stop, so every decision lives in the storage. At the last step nothing is left
+    to save, so the pruner is not asked: a trial that used its whole budget completes."""
 
-    def __init__(self, trial: optuna.Trial, metric: str, events: Events) -> None:
+    def __init__(self, trial: optuna.Trial, spec: StudySpec, config: TrainingConfig, events: Events) -> None:
         self.trial = trial
-        self.metric = metric
+        self.metric = spec.metric
+        self.maximize = spec.direction == "maximize"
+        self.config = config
         self.events = events
-        self.pruned_at: tuple[int, float] | None = None
+        self.series: list[tuple[int, float]] = []
+        self.prune_reason: dict[str, Any] | None = None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.events.trial_log(self.trial.number, step, metrics)
@@ -40,10 +45,33 @@ class TrialReporter:
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         value = metrics[self.metric]
         self.trial.report(value, step)
-        if self.trial.should_prune():
-            self.pruned_at = (step, value)
-            return True
-        return False
+        self.series.append((step, value))
+        if step >= self.config.max_steps or not self.trial.should_prune():
+            return False
+        self.prune_reason = self._explain(step, value, metrics)
+        return True
+
+    def _explain(self, step: int, value: float, metrics: Mapping[str, float]) -> dict[str, Any]:
+        """Which rule pruned: the fast-fail verdict if there is one (the same pure function the pruner applied to the
+        same values), else the wrapped or configured pruner's name."""
+        pruner = self.trial.study.pruner
+        reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
+        if isinstance(pruner, FastFailPruner):
+            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize)
+            if verdict is not None:
+                reason = {**verdict.as_dict(), "message": verdict.message()}
+            else:
+                reason["rule"] = pruner_name(pruner.then)
+        if "train_loss" in metrics:  # the loop's guard brought this evaluation forward
+            reason["train_loss"] = metrics["train_loss"]
+        return reason
+
+
+def pruner_name(pruner: optuna.pruners.BasePruner | None) -> str:
+    from sweep.study import PRUNERS
+
+    names = {cls: name for name, cls in PRUNERS.items()}
+    return names.get(type(pruner), type(pruner).__name__)
 
 
 @functools.lru_cache(maxsize=4)
@@ -61,13 +89,12 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events) -> Outcome:
     events.trial_started(trial.number, params)
     config = spec.config_for(params)
     trial.set_user_attr(ATTR_CONFIG, config.to_dict())
-    reporter = TrialReporter(trial, spec.metric, events)
+    reporter = TrialReporter(trial, spec, config, events)
     result = train(config, task_for(config.task, config.task_args), reporter)
     attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
                              ATTR_STEPS: result.steps, ATTR_WALL: round(result.wall_time_s, 3)}
-    if reporter.pruned_at is not None:
-        step, value = reporter.pruned_at
-        attrs[ATTR_PRUNE] = {"rule": spec.pruner.type, "step": step, "value": value}
+    if result.status == "stopped" and reporter.prune_reason is not None:
+        attrs[ATTR_PRUNE] = reporter.prune_reason
         return TrialState.PRUNED, None, attrs
     value = result.metrics[spec.metric]
     if not math.isfinite(value):

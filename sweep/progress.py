@@ -23,6 +23,8 @@ def describe_outcome(trial: FrozenTrial) -> str:
         return f"complete value={trial.value:.6g}"
     if trial.state == TrialState.PRUNED:
         reason = attrs.get("prune_reason") or {}
+        if "message" in reason:
+            return f"pruned: {reason['message']}"
         return f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} (value={_num(reason.get('value'))})"
     if trial.state == TrialState.FAIL:
         return f"failed: {attrs.get('fail_reason', 'unknown error')}"
@@ -41,6 +43,7 @@ class LiveProgress:
         self.done = done
         self.best = best
         self.current: str = ""
+        self.last: str = ""
         self.started = time.monotonic()
         self._live = Live(console=console, auto_refresh=True, refresh_per_second=4, transient=True) \
             if (console.is_terminal if live is None else live) else None
@@ -59,7 +62,7 @@ class LiveProgress:
         best = "-" if self.best is None else f"{self.best:.6g}"
         counts = " ".join(f"{k} {v}" for k, v in sorted(self.counts.items())) or "none finished yet"
         return Text(f"trials {self.done}/{self.n_trials} · {counts} · best {best} · "
-                    f"{time.monotonic() - self.started:.0f}s · {self.current}")
+                    f"{time.monotonic() - self.started:.0f}s · {self.current or self.last}")
 
     def _refresh(self) -> None:
         if self._live is not None:
@@ -80,6 +83,7 @@ class LiveProgress:
         if trial.state == TrialState.COMPLETE and trial.value is not None:
             better = self.best is None or (trial.value > self.best if self.maximize else trial.value < self.best)
             self.best = trial.value if better else self.best
+        self.last = f"last: trial {trial.number} {describe_outcome(trial)}"
         self.console.print(f"trial {trial.number}: {describe_outcome(trial)}", highlight=False)
         self.current = ""
         self._refresh()

@@ -6,6 +6,7 @@ and what was expected. Unknown keys are refused, since a typo must not silently 
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pydantic import field_validator, model_validator
 
 from trainer.config import ConfigError, TrainingConfig, flatten, nest
+from trainer.fast_fail import FastFailConfig
 from trainer.tasks import Task, TaskError, load_task
 
 __all__ = ["StudyFileError", "StudySpec", "load_spec", "parse_spec"]
@@ -133,7 +135,8 @@ class StudySpec(_Model):
     timeout: float | None = Field(None, gt=0)
     seed: int = Field(0, ge=0)
     sampler: Component = Component(type="tpe")
-    pruner: Component = Component(type="median")
+    pruner: Component = Component(type="fastfail", then="median")
+    max_repeated_failures: int = Field(5, ge=0)
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}
@@ -144,10 +147,19 @@ class StudySpec(_Model):
         return nest(value)
 
     # ---------------------------------------------------------------------------------------------------------------
+    def fast_fail(self) -> dict[str, Any]:
+        """The trainer's fast-fail settings, taken from the pruner so that the loop's checks and the pruner's
+        decisions use the same rules; off when the pruner is not `fastfail`."""
+        if self.pruner.type != "fastfail":
+            return {"enabled": False}
+        known = {f.name for f in dataclasses.fields(FastFailConfig)}
+        return {"enabled": True, **{k: v for k, v in self.pruner.args.items() if k in known}}
+
     def base_config(self) -> dict[str, Any]:
-        """Fixed values plus the task, as dotted keys."""
+        """Fixed values plus the task and the fast-fail settings, as dotted keys."""
         return {**flatten(self.fixed, free=("model", "task_args")), "task": self.task.name,
-                "task_args": dict(self.task.args)}
+                "task_args": dict(self.task.args),
+                **{f"fast_fail.{k}": v for k, v in self.fast_fail().items()}}
 
     def config_for(self, params: Mapping[str, Any]) -> TrainingConfig:
         """The `TrainingConfig` of one trial: fixed values, then the sampled ones."""
@@ -257,6 +269,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     for key in ("task", "task_args"):
         if key in spec.fixed:
             problems.append((f"fixed.{key}", "set the task and its arguments with the top-level `task:` key"))
+    if "fast_fail" in spec.fixed:
+        problems.append(("fixed.fast_fail", "configure fast-fail on the pruner: `pruner: {type: fastfail, ...}`"))
     base = spec.base_config()
     base_problems = _config_problems(base, task)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
@@ -264,9 +278,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
     for key, param in spec.space.items():
         where = f"space.{key}"
-        if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model"):
+        if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model") or key.startswith("fast_fail."):
             problems.append((where, "not a searchable TrainingConfig key; expected one of: "
-                                    + ", ".join(k for k in TrainingConfig.keys() if k not in ("task", "task_args"))
+                                    + ", ".join(k for k in TrainingConfig.keys()
+                                                if k not in ("task", "task_args", "fast_fail"))
                                     + ", model.<key>, task_args.<key>"))
             continue
         if key in fixed_keys:
@@ -295,8 +310,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
 def _config_problems(values: dict[str, Any], task: Task) -> list[tuple[str, str]]:
     try:
         config = TrainingConfig.from_dict(values)
-    except ConfigError as exc:
-        return exc.problems
+    except ConfigError as exc:  # fast_fail.* values come from the pruner, whose own check reports them
+        return [(key, message) for key, message in exc.problems if not key.startswith("fast_fail")]
     return task.model_problems(config.model)
 
 

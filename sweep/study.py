@@ -22,10 +22,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from sweep.spec import SPEC_ATTR, StudyFileError, StudySpec
-
-if TYPE_CHECKING:
-    from sweep.spec import Component
+from sweep.pruners import FastFailPruner
+from sweep.spec import SPEC_ATTR, Component, StudyFileError, StudySpec
 
 __all__ = [
     "Events",
@@ -71,8 +69,11 @@ PRUNERS: dict[str, type[optuna.pruners.BasePruner]] = {
     "wilcoxon": optuna.pruners.WilcoxonPruner,
     "threshold": optuna.pruners.ThresholdPruner,
     "patient": optuna.pruners.PatientPruner,
+    "fastfail": FastFailPruner,
     "none": optuna.pruners.NopPruner,
 }
+# Pruners that wrap another: the argument in the study file, and the constructor's name for it.
+WRAPPING = {"patient": ("wrapped", "wrapped_pruner"), "fastfail": ("then", "then")}
 
 
 class StudyMismatchError(Exception):
@@ -88,7 +89,8 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
         raise StudyFileError("", [(f"{where}.type", f"unknown {where} {kind!r}; expected one of: "
                                                     + ", ".join(registry))])
     cls = registry[kind]
-    accepted = inspect.signature(cls).parameters
+    accepted = {name: p for name, p in inspect.signature(cls).parameters.items()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     unknown = [name for name in args if name not in accepted]
     if unknown:
         raise StudyFileError("", [(f"{where}.{name}", f"unknown argument of {cls.__name__}; expected one of: "
@@ -106,14 +108,18 @@ def build_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
 
 
 def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.BasePruner:
+    """The named pruner. `fastfail` wraps another with `then: {type: median, ...}`, `patient` with `wrapped:`."""
     args = component.args
-    if component.type == "patient":  # PatientPruner wraps another pruner: `wrapped: {type: median, ...}`
-        from sweep.spec import Component as _Component
-
-        inner = args.get("wrapped")
-        args = {**args, "wrapped_pruner": build_pruner(_Component.model_validate(inner), f"{where}.wrapped")
-                if inner is not None else None}
-        args.pop("wrapped", None)
+    if component.type in WRAPPING:
+        key, parameter = WRAPPING[component.type]
+        inner = args.pop(key, None)
+        if inner is not None:
+            try:
+                inner_component = Component.model_validate(inner)
+            except ValueError as exc:
+                raise StudyFileError("", [(f"{where}.{key}", f"expected a pruner name or {{type: ...}}: {exc}")]) \
+                    from None
+            args[parameter] = build_pruner(inner_component, f"{where}.{key}")
     return _instantiate(where, PRUNERS, component.type, args)
 
 

@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from trainer.fast_fail import FastFailConfig
+
 __all__ = [
     "ConfigError",
     "TrainingConfig",
@@ -104,6 +106,9 @@ class TrainingConfig:
     mixed_precision: Literal["auto", "off", "bf16", "fp16"] = _f(
         "auto", doc="auto: bf16 on CUDA where supported, else fp16 with a grad scaler; off on CPU")
 
+    # Fast-fail: stop a run that is going nowhere (NaN/Inf, explosion, plateau). In a study the pruner decides.
+    fast_fail: FastFailConfig = field(default_factory=FastFailConfig, metadata={"doc": "see trainer.fast_fail"})
+
     # Measurement.
     eval_every_steps: int = _f(100, _range(1))
     eval_batch_size: int = _f(1024, _range(1))
@@ -118,33 +123,13 @@ class TrainingConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TrainingConfig:
         """Build from a nested or dotted mapping; every problem is collected into one `ConfigError`."""
-        values = nest(values)
-        problems: list[tuple[str, str]] = []
-        kwargs: dict[str, Any] = {}
-        hints = _hints(cls)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for key, value in values.items():
-            if key not in fields:
-                problems.append((key, f"unknown key; expected one of: {', '.join(sorted(fields))}"))
-                continue
-            ok, coerced, message = _coerce(value, hints[key])
-            if not ok:
-                problems.append((key, message))
-                continue
-            check = fields[key].metadata.get("check")
-            message = check(coerced) if check is not None and coerced is not None else None
-            if message:
-                problems.append((key, message))
-                continue
-            kwargs[key] = coerced
-        if not problems:
-            config = cls(**kwargs)
-            problems.extend(config._cross_field_problems())
-            if not problems:
-                return config
-        raise ConfigError(problems)
+        config, problems = _build(cls, nest(values), "")
+        if problems:
+            raise ConfigError(problems)
+        return config
 
-    def _cross_field_problems(self) -> list[tuple[str, str]]:
+    def problems(self) -> list[tuple[str, str]]:
+        """Problems that involve more than one key."""
         problems = []
         if self.warmup_steps > self.max_steps:
             problems.append(("warmup_steps", f"expected at most max_steps ({self.max_steps}), got {self.warmup_steps}"))
@@ -175,11 +160,7 @@ class TrainingConfig:
     @classmethod
     def is_key(cls, dotted: str) -> bool:
         """Whether `dotted` addresses a config value (`model.*` and `task_args.*` are free-form mappings)."""
-        head, _, rest = dotted.partition(".")
-        names = {f.name for f in dataclasses.fields(cls)}
-        if head not in names:
-            return False
-        return not rest or head in ("model", "task_args")
+        return _is_key(cls, dotted)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,7 +201,53 @@ def flatten(values: Mapping[str, Any], prefix: str = "", free: tuple[str, ...] =
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Type checking against the annotations.
+# Building a (nested) config dataclass, checking types against the annotations.
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> tuple[Any, list[tuple[str, str]]]:
+    problems: list[tuple[str, str]] = []
+    kwargs: dict[str, Any] = {}
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in fields:
+            problems.append((f"{prefix}{key}", f"unknown key; expected one of: {', '.join(sorted(fields))}"))
+            continue
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, Mapping):
+                problems.append((f"{prefix}{key}", f"expected a mapping, got {value!r}"))
+                continue
+            nested, nested_problems = _build(hints[key], value, f"{prefix}{key}.")
+            problems += nested_problems
+            kwargs[key] = nested
+            continue
+        ok, coerced, message = _coerce(value, hints[key])
+        if not ok:
+            problems.append((f"{prefix}{key}", message))
+            continue
+        check = fields[key].metadata.get("check")
+        message = check(coerced) if check is not None and coerced is not None else None
+        if message:
+            problems.append((f"{prefix}{key}", message))
+            continue
+        kwargs[key] = coerced
+    if problems:
+        return None, problems
+    instance = cls(**kwargs)
+    cross = getattr(instance, "problems", None)
+    problems = [(f"{prefix}{key}", message) for key, message in (cross() if cross else [])]
+    return (None if problems else instance), problems
+
+
+def _is_key(cls: type, dotted: str) -> bool:
+    head, _, rest = dotted.partition(".")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if head not in fields:
+        return False
+    hint = _hints(cls)[head]
+    if dataclasses.is_dataclass(hint):
+        return bool(rest) and _is_key(hint, rest)
+    return not rest or head in ("model", "task_args")
+
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)

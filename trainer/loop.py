@@ -18,12 +18,13 @@ from torch import nn
 from trainer.config import TrainingConfig
 from trainer.data import DeviceBatches
 from trainer.evaluate import evaluate
+from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.precision import Precision, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
 from trainer.tasks import Task, load_task
 
-__all__ = ["NullReporter", "Reporter", "TrainResult", "accumulate_gradients", "optimizer_step", "train"]
+__all__ = ["FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients", "optimizer_step", "train"]
 
 
 class Reporter(Protocol):
@@ -44,6 +45,27 @@ class NullReporter:
         return False
 
 
+class FastFailReporter:
+    """Applies the fast-fail rules locally, to `val_loss`: the decision maker when the trainer runs without a study.
+    Wraps another reporter to pass its events on."""
+
+    def __init__(self, config: FastFailConfig, inner: Reporter | None = None, metric: str = "val_loss") -> None:
+        self.config = config
+        self.inner = inner if inner is not None else NullReporter()
+        self.metric = metric
+        self.series: list[tuple[int, float]] = []
+        self.verdict: Verdict | None = None
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.inner.log(step, metrics)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        stop = self.inner.report(step, metrics)
+        self.series.append((step, metrics[self.metric]))
+        self.verdict = judge(self.series, self.config)
+        return stop or self.verdict is not None
+
+
 @dataclass
 class TrainResult:
     status: Literal["completed", "stopped"]
@@ -53,6 +75,7 @@ class TrainResult:
     logs: list[dict[str, float]] = field(default_factory=list)
     wall_time_s: float = 0.0
     reproducibility: dict[str, Any] = field(default_factory=dict)
+    stop_reason: dict[str, Any] | None = None  # set when the trainer's own fast-fail rules stopped it
 
 
 def accumulate_gradients(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -90,10 +113,16 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision
 
 
 def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None) -> TrainResult:
-    """Train one config. `task` defaults to `config.task`; pass one to reuse loaded data across runs."""
+    """Train one config. `task` defaults to `config.task`; pass one to reuse loaded data across runs.
+
+    With no `reporter`, the fast-fail rules decide locally (on val_loss); a sweep passes a reporter that asks the
+    study's pruner instead.
+    """
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
-    reporter = reporter if reporter is not None else NullReporter()
+    fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
+    local = FastFailReporter(fast_fail) if reporter is None else None
+    reporter = local if local is not None else reporter
     device = resolve_device(config.device)
     seed_everything(config.seed, deterministic=config.deterministic)
     model = task.build_model(task.model_config(config.model)).to(device)
@@ -104,11 +133,29 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     batches = DeviceBatches(len(train_x), config.batch_size, config.seed, device)
     accum = config.gradient_accumulation_steps
     samples_per_step = config.batch_size * accum
+    guard = LossGuard(fast_fail, device)
+    check_every = fast_fail.check_every_n_steps or config.log_every_steps
 
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
         config.seed, device, deterministic=config.deterministic))
+
+    def evaluate_and_report(step: int, extra: Mapping[str, float] = {}) -> bool:
+        metrics = evaluate(model, task, val, config.eval_batch_size, precision)
+        result.evals.append((step, metrics))
+        result.metrics, result.steps = metrics, step
+        return reporter.report(step, {**metrics, **extra})
+
+    # 0. With fast-fail on, evaluate before the first step: a reference value over the whole validation set (not one
+    #    noisy batch) for the explosion rule, and NaN in the data is caught before any training.
+    if fast_fail.enabled:
+        stopped = evaluate_and_report(0)
+        guard.arm(result.metrics["val_loss"])
+        if stopped:
+            return _finish(result, local, started, "stopped")
+
     loss_sum = torch.zeros((), device=device)  # summed on the device, read back at log steps only
     steps_since_log, mark = 0, time.perf_counter()
+    status = "completed"
     model.train()
     for step in range(config.max_steps):
         done = step + 1
@@ -118,8 +165,10 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = ((train_x[idx], train_y[idx]) for idx in (batches.next() for _ in range(accum)))
-        loss_sum += accumulate_gradients(model, task.loss, micro, accum, precision)
+        step_loss = accumulate_gradients(model, task.loss, micro, accum, precision)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
+        loss_sum += step_loss
+        guard.observe(step_loss, done)  # on the device: no sync
         steps_since_log += 1
 
         if log_now:
@@ -137,17 +186,25 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
             loss_sum.zero_()
             steps_since_log, mark = 0, time.perf_counter()
 
-        if eval_now:
-            metrics = evaluate(model, task, val, config.eval_batch_size, precision)
-            result.evals.append((done, metrics))
-            result.metrics = metrics
-            result.steps = done
-            stop = reporter.report(done, metrics)
+        # 1. Between evaluations, a NaN/Inf or exploding training loss trips the guard; reading it costs one sync per
+        #    check interval. A tripped guard brings the next evaluation forward, and the reporter (the pruner)
+        #    decides on its value, so there is one place of truth.
+        tripped = fast_fail.enabled and not eval_now and done % check_every == 0 and bool(guard.flag)
+        if eval_now or tripped:
+            extra = {"train_loss": step_loss.item()} if tripped else {}
+            stop = evaluate_and_report(done, extra)
+            guard.reset()
             mark = time.perf_counter()  # evaluation time is not training throughput
-            if stop:
-                result.status = "stopped"
+            if stop and done < config.max_steps:  # at the last step there is nothing left to save
+                status = "stopped"
                 break
     result.steps = done if config.max_steps else 0
+    return _finish(result, local, started, status)
+
+
+def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: str) -> TrainResult:
+    result.status = status  # type: ignore[assignment]
+    if status == "stopped" and local is not None and local.verdict is not None:
+        result.stop_reason = local.verdict.as_dict()
     result.wall_time_s = time.perf_counter() - started
     return result
-

@@ -102,7 +102,7 @@ def test_training_learns_and_logs_every_interval(digits) -> None:
     result = train(tiny(max_steps=200, eval_every_steps=100, log_every_steps=50, learning_rate=1e-2,
                         model={"hidden": 64}), digits)
     assert [r["step"] for r in result.logs] == [50, 100, 150, 200]
-    assert [s for s, _ in result.evals] == [100, 200]
+    assert [s for s, _ in result.evals] == [0, 100, 200]  # step 0: fast-fail's reference evaluation
     assert result.metrics["val_accuracy"] > 0.85
     assert all(r["samples_per_s"] > 0 and r["grad_norm"] > 0 for r in result.logs)
     assert result.reproducibility["seed"] == 0 and result.reproducibility["torch"] == torch.__version__
@@ -121,7 +121,7 @@ class StopAtFirstReport:
         self.logged.append(step)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
-        return True
+        return step > 0
 
 
 def test_reporter_can_stop_training(digits) -> None:
@@ -152,15 +152,25 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_host_device_sync_between_log_and_eval_intervals(digits) -> None:
+@pytest.mark.parametrize(
+    ("fast_fail", "expected"),
+    [
+        # 20 steps: one log and the final eval. 80 steps: 4 logs and 2 evals. One read-back each, nothing per step.
+        (False, {20: 2, 80: 6}),
+        # Fast-fail adds the step-0 evaluation and one flag read per check interval (the log interval) that is not
+        # also an evaluation step: steps 20 and 60 of 80.
+        (True, {20: 3, 80: 9}),
+    ],
+)
+def test_no_host_device_sync_between_log_and_eval_intervals(digits, fast_fail: bool, expected: dict) -> None:
     counts = {}
     for max_steps in (20, 80):
         counter = SyncCounter()
         with counter:
-            train(tiny(max_steps=max_steps, log_every_steps=20, eval_every_steps=40), digits)
+            train(tiny(max_steps=max_steps, log_every_steps=20, eval_every_steps=40,
+                       fast_fail={"enabled": fast_fail}), digits)
         counts[max_steps] = counter.count
-    # 20 steps: one log and the final eval. 80 steps: 4 logs and 2 evals. One read-back each, nothing per step.
-    assert counts == {20: 2, 80: 6}
+    assert counts == expected
 
 
 def test_batch_larger_than_the_data_is_refused(digits) -> None:
