@@ -22,12 +22,13 @@ from rich.table import Table
 from sweep import results
 from sweep.progress import LiveProgress
 from sweep.spec import StudyFileError, load_spec
-from sweep.study import (StudyMismatchError, load_existing_study, mask_url, open_study, resolve_storage_url,
+from sweep.study import (StudyBrokenError, StudyMismatchError, load_existing_study, mask_url, open_study, resolve_storage_url,
                          run_study)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
-out = Console(highlight=False)
+# Piped output (a file, CI, `less`) has no width: let tables be as wide as they need rather than 80 columns.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
@@ -89,6 +90,9 @@ def run(
     except KeyboardInterrupt:
         err.print("interrupted: the running trial is marked and queued again; rerun the same command to continue.")
         raise typer.Exit(130) from None
+    except StudyBrokenError as exc:
+        _print_status(study)
+        raise _fail(str(exc), 1) from None
     _print_status(study)
     if summary.exhausted:
         err.print(f"the sampler has tried every point of the search space; stopped with "

@@ -32,7 +32,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
     is never asked there, so a pruner comparing trials does not prune on initial weights.
 
     `patience_steps=None` and `warmup_steps=None` are derived from the trial's `max_steps` and `eval_every_steps`
-    (read from its `config` user attr): a quarter of the budget (at least three evaluations), and 5% of it.
+    (read from its `config` user attr): a quarter of the budget (at least three evaluations), and 2% of it.
     """
 
     def __init__(self, then: optuna.pruners.BasePruner | None = None, *, enabled: bool = True,

@@ -28,6 +28,7 @@ from sweep.spec import SPEC_ATTR, Component, StudyFileError, StudySpec
 __all__ = [
     "Events",
     "RunSummary",
+    "StudyBrokenError",
     "StudyMismatchError",
     "budget_used",
     "build_pruner",
@@ -78,6 +79,10 @@ WRAPPING = {"patient": ("wrapped", "wrapped_pruner"), "fastfail": ("then", "then
 
 class StudyMismatchError(Exception):
     """The storage already holds a study of that name whose definition differs from the file."""
+
+
+class StudyBrokenError(Exception):
+    """Several trials in a row failed the same way: the code or the data is broken, not the configs."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -218,6 +223,17 @@ def is_budgeted(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.FAIL and not trial.user_attrs.get(ATTR_INTERRUPTED, False)
 
 
+def failure_signature(trial: FrozenTrial) -> str | None:
+    """What makes two failures "the same way": the same exception and message, or NaN/Inf at the same step. A
+    divergence at different steps, or an explosion, is a property of the configs and has no signature."""
+    if trial.state == TrialState.FAIL and not trial.user_attrs.get(ATTR_INTERRUPTED):
+        return str(trial.user_attrs.get(ATTR_FAIL, "unknown error"))
+    reason = trial.user_attrs.get(ATTR_PRUNE) or {}
+    if trial.state == TrialState.PRUNED and reason.get("rule") in ("nan", "inf"):
+        return f"{reason['rule']} at step {reason.get('step')}"
+    return None
+
+
 def budget_used(study: optuna.Study) -> int:
     states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     return sum(is_budgeted(t) for t in study.get_trials(deepcopy=False, states=states))
@@ -262,6 +278,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     n_trials = n_trials if n_trials is not None else spec.n_trials
     timeout = timeout if timeout is not None else spec.timeout
     started, ran = time.monotonic(), 0
+    streak, streak_signature = 0, None  # how many of the latest trials failed the same way, and how
     while budget_used(study) < n_trials:
         if timeout is not None and time.monotonic() - started >= timeout:
             return RunSummary(ran, budget_used(study), n_trials, timed_out=True)
@@ -279,6 +296,13 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         frozen, sampler_stopped = _tell(study, trial, state, value, attrs)
         ran += 1
         events.trial_finished(frozen)
+        signature = failure_signature(frozen)
+        streak = streak + 1 if signature is not None and signature == streak_signature else int(signature is not None)
+        streak_signature = signature
+        if spec.max_repeated_failures and streak >= spec.max_repeated_failures:
+            raise StudyBrokenError(
+                f"{streak} trials in a row failed the same way ({signature}); the code or the data is likely "
+                f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
         if sampler_stopped:
             return RunSummary(ran, budget_used(study), n_trials, timed_out=False, exhausted=True)
     return RunSummary(ran, budget_used(study), n_trials, timed_out=False)

@@ -37,7 +37,7 @@ class FastFailConfig:
     # A trial whose best has already improved on its initial value by this percentage is learning: a later flat
     # stretch is convergence, which the wrapped pruner judges against other trials, not a failure.
     learned_pct: float = 50.0
-    # Grace period before the explosion and plateau rules apply. None: 5% of max_steps.
+    # Grace period before the explosion and plateau rules apply. None: 2% of max_steps.
     warmup_steps: int | None = None
     # How often the loop reads its on-device NaN/explosion flag between evaluations. None: at every log step.
     check_every_n_steps: int | None = None
@@ -51,7 +51,7 @@ class FastFailConfig:
             patience_steps=patience if self.patience_steps is None else self.patience_steps,
             min_improvement_pct=self.min_improvement_pct,
             learned_pct=self.learned_pct,
-            warmup_steps=max_steps // 20 if self.warmup_steps is None else self.warmup_steps,
+            warmup_steps=max_steps // 50 if self.warmup_steps is None else self.warmup_steps,
             check_every_n_steps=self.check_every_n_steps,
         )
 

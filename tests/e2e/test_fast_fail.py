@@ -1,0 +1,80 @@
+"""Fast-fail on real training runs, through the real CLI."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from tests.conftest import TINY_STUDY, write_study
+from trainer import TrainingConfig, train
+
+DIVERGING = {"optimizer": "sgd", "learning_rate": 100.0, "scheduler": "none", "model": {"hidden": 64}}
+
+
+def sweep(path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_a_diverging_learning_rate_is_pruned_within_one_check_interval(tmp_path: Path) -> None:
+    # Where does this config diverge? The same run alone, fast-fail off, reading the loss at every step.
+    alone = train(TrainingConfig.from_dict({**DIVERGING, "max_steps": 30, "log_every_steps": 1,
+                                            "eval_every_steps": 1000, "fast_fail": {"enabled": False}}))
+    threshold = 10 * 2.35  # the explosion reference is the untrained model's validation loss, about 2.3
+    diverged_at = next(r["step"] for r in alone.logs if not math.isfinite(r["train_loss"]) or
+                       r["train_loss"] > threshold)
+    assert diverged_at < 10
+
+    document = copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 1, "space": {"momentum": {"type": "categorical", "choices": [0.9]}},
+        "pruner": {"type": "fastfail", "warmup_steps": 0, "then": "median"}}
+    document["fixed"] = {**DIVERGING, "max_steps": 400, "eval_every_steps": 100, "log_every_steps": 5,
+                         "batch_size": 64}
+    path = write_study(tmp_path, document)
+    done = sweep(path)
+    assert done.returncode == 0, done.stderr
+    [trial] = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert trial.state == TrialState.PRUNED
+    reason = trial.user_attrs["prune_reason"]
+    assert reason["rule"] == "explode"
+    assert 0 <= reason["step"] - diverged_at < 5  # within one check interval (the log interval, 5 steps)
+    assert reason["step"] < 100  # long before the first scheduled evaluation
+    assert reason["train_loss"] > threshold and reason["value"] > 10 * reason["initial"]
+    assert trial.user_attrs["steps"] == reason["step"]
+    assert f"pruned: exploded at step {reason['step']}" in done.stderr
+    assert sorted(trial.intermediate_values) == [0, reason["step"]]
+
+
+def test_nan_in_the_data_stops_the_study_instead_of_burning_its_budget(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text(
+        "from trainer.tasks import digits\n"
+        "def task():\n"
+        "    t = digits()\n"
+        "    t.train[0][::50] = float('nan')\n"
+        "    t.val[0][::50] = float('nan')\n"
+        "    return t\n")
+    document = copy.deepcopy(TINY_STUDY) | {"task": "broken:task", "n_trials": 10, "max_repeated_failures": 3}
+    del document["pruner"]  # the default: fast-fail wrapping median
+    path = write_study(tmp_path, document)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = sweep(path, env=env)
+    assert done.returncode == 1
+    assert "3 trials in a row failed the same way (nan at step 0)" in done.stderr
+    assert "the code or the data is likely broken" in done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert len(trials) == 3 and all(t.state == TrialState.PRUNED for t in trials)
+    assert all(t.user_attrs["prune_reason"]["rule"] == "nan" for t in trials)
+
+
+def test_the_trainer_alone_applies_the_same_rules(tmp_path: Path) -> None:
+    result = train(TrainingConfig.from_dict({**DIVERGING, "max_steps": 400, "eval_every_steps": 100,
+                                             "log_every_steps": 5, "fast_fail": {"warmup_steps": 0}}))
+    assert result.status == "stopped" and result.stop_reason["rule"] == "explode"
+    assert result.steps < 100
