@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import csv
 import io
+import ipaddress
 import json
 import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -22,8 +25,10 @@ from rich.table import Table
 from sweep import results
 from sweep.progress import LiveProgress
 from sweep.spec import StudyFileError, load_spec
-from sweep.study import (StudyBrokenError, StudyMismatchError, load_existing_study, mask_url, open_study, resolve_storage_url,
-                         run_study)
+from sweep.storage import mask_url
+from sweep.study import (StudyBrokenError, StudyMismatchError, load_existing_study, open_study, request_stop,
+                         resolve_storage_url, run_study)
+from sweep.workers import WORKER_ENV, run_workers
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
@@ -47,6 +52,8 @@ def _quiet_optuna() -> None:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # sweep relies on the heartbeat and the pruners it names; their "experimental" label is not news to users.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
 @app.command()
@@ -58,6 +65,8 @@ def run(
     study_name: NameOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a study-file key: "
                                                       "--set fixed.max_steps=200 --set n_trials=5.")] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Worker processes sharing the study; on a GPU "
+                                         "machine each is pinned to a GPU, round robin.")] = 1,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
     overrides = list(set_ or [])
@@ -79,21 +88,43 @@ def run(
         raise _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: "
                     f"{str(exc).replace(url, mask_url(url))}", 1) from None
 
-    already = results.study_status(study)["budget_used"]
-    err.print(f"study {spec.name!r} in {mask_url(url)}: {already}/{spec.n_trials} trials done", markup=False)
-    best = results.study_status(study)["best"]
-    progress = LiveProgress(err, spec.n_trials, study.direction, done=already,
-                            best=None if best is None else best["value"])
+    worker = os.environ.get(WORKER_ENV)
+    status_now = results.study_status(study)
+    if worker is None:
+        err.print(f"study {spec.name!r} in {mask_url(url)}: {status_now['budget_used']}/{spec.n_trials} trials done",
+                  markup=False)
+    if workers > 1:
+        args = [str(study_file), "--storage", url, "--study-name", spec.name, "--n-trials", str(spec.n_trials),
+                *(["--timeout", str(timeout)] if timeout else []), *(f"--set={item}" for item in set_ or [])]
+        try:
+            codes = run_workers(args, workers)
+        except KeyboardInterrupt:
+            err.print("interrupted: running trials are marked and queued again; rerun the same command to continue.")
+            raise typer.Exit(130) from None
+        _print_status(study)
+        lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
+        if lost:
+            raise _fail(lost, 1)
+        return
+    best = status_now["best"]
+    progress = LiveProgress(err, spec.n_trials, study.direction, done=status_now["budget_used"],
+                            best=None if best is None else best["value"],
+                            live=False if worker is not None else None,
+                            prefix="" if worker is None else f"[worker {worker}] ")
     try:
         with progress:
-            summary = run_study(study, spec, timeout=timeout, events=progress)
+            summary = run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
     except KeyboardInterrupt:
         err.print("interrupted: the running trial is marked and queued again; rerun the same command to continue.")
         raise typer.Exit(130) from None
     except StudyBrokenError as exc:
         _print_status(study)
         raise _fail(str(exc), 1) from None
+    if worker is not None:
+        return  # the parent prints the summary once
     _print_status(study)
+    if summary.stopped:
+        err.print("stopped by `sweep stop`; rerun the same command to continue.")
     if summary.exhausted:
         err.print(f"the sampler has tried every point of the search space; stopped with "
                   f"{summary.budget_used}/{summary.n_trials} trials done.")
@@ -104,6 +135,10 @@ def run(
 
 def _open(target: str, storage: str | None, study_name: str | None):
     """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
+    return _open_with_url(target, storage, study_name)[0]
+
+
+def _open_with_url(target: str, storage: str | None, study_name: str | None):
     path = Path(target) if target else None
     name = study_name
     if path is not None and path.suffix in (".yaml", ".yml"):
@@ -124,7 +159,7 @@ def _open(target: str, storage: str | None, study_name: str | None):
         raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
     _quiet_optuna()
     try:
-        return load_existing_study(url, name)
+        return load_existing_study(url, name), url
     except KeyError as exc:
         raise _fail(str(exc.args[0]) if exc.args else f"study {name!r} not found in {mask_url(url)}", 1) from None
 
@@ -199,6 +234,56 @@ def trials(
         for row in rows:
             table.add_row(*(_cell(row.get(c)) for c in columns))
         out.print(table)
+
+
+@app.command()
+def stop(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = None) -> None:
+    """Ask every worker of the study to finish its current trial and exit; `sweep run` later resumes."""
+    study = _open(target, storage, study_name)
+    request_stop(study)
+    err.print(f"asked the workers of study {study.study_name!r} to stop after their current trial")
+
+
+@app.command()
+def report(
+    target: Target = "",
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")] = Path("report.html"),
+) -> None:
+    """One self-contained HTML file to share: history, intermediate values, importances, infeasible trials, best."""
+    from sweep.report import render_report
+
+    study = _open(target, storage, study_name)
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text(render_report(study))
+    tmp.replace(output)  # never a half-written report
+    err.print(f"wrote {output}")
+
+
+@app.command()
+def dashboard(
+    target: Target = "",
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; loopback unless you say otherwise.")] =
+    "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8080,
+) -> None:
+    """Start optuna-dashboard on the study's storage (reading it never blocks the workers)."""
+    try:
+        import optuna_dashboard
+    except ImportError:
+        raise _fail("optuna-dashboard is not installed: pip install 'sweep[dashboard]'", 1) from None
+    study, url = _open_with_url(target, storage, study_name)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        err.print(f"warning: binding to {host}: anyone who can reach this machine can read and edit the study")
+    err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
+    optuna_dashboard.run_server(url, host=host, port=port)
 
 
 def _cell(value: object) -> str:

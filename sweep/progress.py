@@ -35,8 +35,9 @@ class LiveProgress:
     """Counts by state, the best value so far, and the running trial's step and loss."""
 
     def __init__(self, console: Console, n_trials: int, direction: StudyDirection, done: int = 0,
-                 best: float | None = None, live: bool | None = None) -> None:
+                 best: float | None = None, live: bool | None = None, prefix: str = "") -> None:
         self.console = console
+        self.prefix = prefix
         self.n_trials = n_trials
         self.maximize = direction == StudyDirection.MAXIMIZE
         self.counts: Counter[str] = Counter()
@@ -84,7 +85,7 @@ class LiveProgress:
             better = self.best is None or (trial.value > self.best if self.maximize else trial.value < self.best)
             self.best = trial.value if better else self.best
         self.last = f"last: trial {trial.number} {describe_outcome(trial)}"
-        self.console.print(f"trial {trial.number}: {describe_outcome(trial)}", highlight=False)
+        self.console.print(f"{self.prefix}trial {trial.number}: {describe_outcome(trial)}", highlight=False)
         self.current = ""
         self._refresh()
 

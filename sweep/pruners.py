@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.study import StudyDirection
 
+from trainer.curriculum import curriculum_from_dict, stage_starts
 from trainer.fast_fail import FastFailConfig, Verdict, judge
 
 if TYPE_CHECKING:
@@ -33,16 +34,21 @@ class FastFailPruner(optuna.pruners.BasePruner):
 
     `patience_steps=None` and `warmup_steps=None` are derived from the trial's `max_steps` and `eval_every_steps`
     (read from its `config` user attr): a quarter of the budget (at least three evaluations), and 2% of it.
+
+    Curricula: the steps at which the trial's curriculum changes stage are computed from the same stored config
+    (`trainer.curriculum.stage_starts`, a function of the config alone), so a loss that jumps or stalls when a harder
+    stage begins gets `stage_grace_steps` (None: two evaluation intervals) before explosion and plateau apply again.
     """
 
     def __init__(self, then: optuna.pruners.BasePruner | None = None, *, enabled: bool = True,
                  loss_explosion_factor: float | None = 10.0, patience_steps: int | None = None,
                  min_improvement_pct: float = 1.0, learned_pct: float = 50.0, warmup_steps: int | None = None,
-                 check_every_n_steps: int | None = None) -> None:
+                 check_every_n_steps: int | None = None, stage_grace_steps: int | None = None) -> None:
         self.config = FastFailConfig(enabled=enabled, loss_explosion_factor=loss_explosion_factor,
                                      patience_steps=patience_steps, min_improvement_pct=min_improvement_pct,
                                      learned_pct=learned_pct, warmup_steps=warmup_steps,
-                                     check_every_n_steps=check_every_n_steps)
+                                     check_every_n_steps=check_every_n_steps,
+                                     stage_grace_steps=stage_grace_steps)
         problems = self.config.problems()
         if problems:
             raise ValueError("; ".join(f"{key}: {message}" for key, message in problems))
@@ -59,8 +65,21 @@ class FastFailPruner(optuna.pruners.BasePruner):
             resolved = self.config.resolved(max_steps, int(config.get("eval_every_steps", 1)))
         else:  # a trial not started by sweep: the derived rules have nothing to derive from
             resolved = FastFailConfig(**{**self.config.__dict__, "patience_steps": self.config.patience_steps or 0,
-                                         "warmup_steps": self.config.warmup_steps or 0})
-        return judge(series, resolved, maximize=maximize)
+                                         "warmup_steps": self.config.warmup_steps or 0,
+                                         "stage_grace_steps": self.config.stage_grace_steps or 0})
+        return judge(series, resolved, maximize=maximize, stage_starts=self.stage_starts(config, max_steps))
+
+    @staticmethod
+    def stage_starts(config: Mapping[str, Any], max_steps: int) -> tuple[int, ...]:
+        """Where the trial's curriculum changes stage. A curriculum the pruner cannot evaluate (a stored config from
+        an older version, a user schedule that does not import here) counts as none: the trial itself fails on such
+        a curriculum, with the real error, when it starts."""
+        if max_steps <= 0:
+            return ()
+        try:
+            return stage_starts(curriculum_from_dict(config.get("curriculum")), max_steps)
+        except (TypeError, ValueError):
+            return ()
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
         series = sorted(trial.intermediate_values.items())

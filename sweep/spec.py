@@ -137,6 +137,8 @@ class StudySpec(_Model):
     sampler: Component = Component(type="tpe")
     pruner: Component = Component(type="fastfail", then="median")
     max_repeated_failures: int = Field(5, ge=0)
+    heartbeat_interval: int = Field(10, ge=1)
+    heartbeat_grace_period: int = Field(60, ge=2)
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}

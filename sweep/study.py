@@ -7,8 +7,10 @@ run: a rerun after an interruption finishes the remaining trials.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import threading
 import re
 import time
 import traceback
@@ -19,10 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from sweep.pruners import FastFailPruner
+from sweep.storage import ask_lock, make_storage, mask_url
 from sweep.spec import SPEC_ATTR, Component, StudyFileError, StudySpec
 
 __all__ = [
@@ -51,6 +52,8 @@ ATTR_PRUNE = "prune_reason"
 ATTR_TRACEBACK = "traceback"
 ATTR_INTERRUPTED = "interrupted"
 ATTR_RETRY_OF = "retry_of"
+ATTR_RETRY_REASON = "retry_reason"
+STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 
 SAMPLERS: dict[str, type[optuna.samplers.BaseSampler]] = {
     "tpe": optuna.samplers.TPESampler,
@@ -156,28 +159,22 @@ def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str |
     return spec.storage
 
 
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, for anything printed or stored."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+def storage_for(spec: StudySpec, url: str) -> optuna.storages.RDBStorage:
+    """The storage with the spec's heartbeat: a trial whose worker stops beating is failed and retried."""
+    return make_storage(url, heartbeat_interval=spec.heartbeat_interval, grace_period=spec.heartbeat_grace_period,
+                        stale_trial_callback=retry_lost_trial)
 
 
-def make_storage(url: str) -> optuna.storages.RDBStorage:
-    engine_kwargs: dict[str, Any] = {}
-    if url.startswith("sqlite"):
-        # Wait for a lock instead of failing at once when another process (a dashboard, a second worker) writes.
-        engine_kwargs["connect_args"] = {"timeout": 60}
-    else:
-        engine_kwargs["pool_pre_ping"] = True  # a server restart must not fail the next trial
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+def retry_lost_trial(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue the params of a trial whose worker died (no heartbeat) so that another worker trains them."""
+    study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,
+                                                  ATTR_RETRY_REASON: "worker lost: no heartbeat"})
 
 
 def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> optuna.Study:
     """Create the study, or load it if it exists and has the same definition (task, fixed values, space, metric,
     direction). Budget, timeout, sampler and pruner may change between runs."""
-    storage = make_storage(storage) if isinstance(storage, str) else storage
+    storage = storage_for(spec, storage) if isinstance(storage, str) else storage
     sampler, pruner = build_sampler(spec), build_pruner(spec.pruner)
     try:
         study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
@@ -215,12 +212,26 @@ def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
 # ---------------------------------------------------------------------------------------------------------------------
 # Running.
 
-def is_budgeted(trial: FrozenTrial) -> bool:
-    """A trial that used up one unit of `n_trials`: finished, pruned, or failed on its own account. An interrupted
-    trial does not count: its params are queued again and the next run trains them."""
-    if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
-        return True
-    return trial.state == TrialState.FAIL and not trial.user_attrs.get(ATTR_INTERRUPTED, False)
+def budget_counts(trials: list[FrozenTrial]) -> tuple[int, int]:
+    """(trials that used up a unit of `n_trials`, trials running now).
+
+    Finished and pruned trials count, and failed ones, unless the failure was not the config's: a trial interrupted
+    by Ctrl-C or lost with its worker has a retry queued (a later trial whose `retry_of` names it), which counts in
+    its place."""
+    retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
+    used = running = 0
+    for t in trials:
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            used += 1
+        elif t.state == TrialState.FAIL and t.number not in retried:
+            used += 1
+        elif t.state == TrialState.RUNNING:
+            running += 1
+    return used, running
+
+
+def budget_used(study: optuna.Study) -> int:
+    return budget_counts(study.get_trials(deepcopy=False))[0]
 
 
 def failure_signature(trial: FrozenTrial) -> str | None:
@@ -232,11 +243,6 @@ def failure_signature(trial: FrozenTrial) -> str | None:
     if trial.state == TrialState.PRUNED and reason.get("rule") in ("nan", "inf"):
         return f"{reason['rule']} at step {reason.get('step')}"
     return None
-
-
-def budget_used(study: optuna.Study) -> int:
-    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-    return sum(is_budgeted(t) for t in study.get_trials(deepcopy=False, states=states))
 
 
 class Events(Protocol):
@@ -260,34 +266,91 @@ class NoEvents:
 
 @dataclass
 class RunSummary:
-    ran: int  # trials this run finished
+    ran: int  # trials this worker finished
     budget_used: int
     n_trials: int
-    timed_out: bool
+    timed_out: bool = False
     exhausted: bool = False  # the sampler has tried every point of a finite search space
+    stopped: bool = False  # `sweep stop` asked the workers to finish
+
+
+def request_stop(study: optuna.Study) -> None:
+    """Ask every worker running now to finish its current trial and exit; a later `sweep run` resumes."""
+    study.set_user_attr(STOP_ATTR, time.time())
+
+
+def _stop_requested(study: optuna.Study, since: float) -> bool:
+    requested = study.user_attrs.get(STOP_ATTR)
+    return requested is not None and requested > since
+
+
+class _Heartbeat:
+    """Beats for one running trial from a background thread, so a worker that dies stops beating."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
+        self.storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
+        self.interval = getattr(self.storage, "heartbeat_interval", None)
+        self.trial_id = trial._trial_id  # noqa: SLF001
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"heartbeat-{trial.number}")
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            self.storage.record_heartbeat(self.trial_id)
+
+    def __enter__(self) -> _Heartbeat:
+        if self.interval:
+            self.storage.record_heartbeat(self.trial_id)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join()
 
 
 def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = None, timeout: float | None = None,
-              events: Events | None = None) -> RunSummary:
-    """Ask and tell until the study's budget is used or `timeout` seconds pass. A trial that raises becomes FAIL with
-    its error stored and the study goes on. On Ctrl-C the running trial is marked interrupted, its params are queued
-    for the next run, and KeyboardInterrupt propagates."""
+              events: Events | None = None, storage_url: str | None = None) -> RunSummary:
+    """Ask and tell until the study's budget is used (by this worker and any others), `timeout` seconds pass, or
+    `sweep stop` asks to finish.
+
+    Several workers (processes, machines) may run this on one study at once: counting the trials in flight and
+    asking for a new one happen under `ask_lock`, so exactly `n_trials` trials are used. A trial whose worker died is
+    failed once its heartbeat is stale and its params are queued again. A trial that raises becomes FAIL with its
+    error stored and the study goes on. On Ctrl-C the running trial is marked interrupted, its params are queued for
+    the next run, and KeyboardInterrupt propagates.
+    """
     from sweep.objective import run_trial
 
     events = events if events is not None else NoEvents()
     n_trials = n_trials if n_trials is not None else spec.n_trials
     timeout = timeout if timeout is not None else spec.timeout
-    started, ran = time.monotonic(), 0
+    started_wall, started, ran = time.time(), time.monotonic(), 0
     streak, streak_signature = 0, None  # how many of the latest trials failed the same way, and how
-    while budget_used(study) < n_trials:
+    lock = (lambda: ask_lock(storage_url, study.study_name)) if storage_url else contextlib.nullcontext
+    summary = lambda **flags: RunSummary(ran, budget_used(study), n_trials, **flags)  # noqa: E731
+    while True:
         if timeout is not None and time.monotonic() - started >= timeout:
-            return RunSummary(ran, budget_used(study), n_trials, timed_out=True)
-        trial = study.ask()
+            return summary(timed_out=True)
+        if _stop_requested(study, started_wall):
+            return summary(stopped=True)
+        with lock():
+            optuna.storages.fail_stale_trials(study)
+            used, running = budget_counts(study.get_trials(deepcopy=False))
+            if used >= n_trials:
+                return summary()
+            trial = study.ask() if used + running < n_trials else None
+        if trial is None:  # the last trials are running elsewhere; wait in case one of their workers dies
+            time.sleep(spec.heartbeat_interval)
+            continue
         try:
-            outcome = run_trial(trial, spec, events)
+            with _Heartbeat(study, trial):
+                outcome = run_trial(trial, spec, events)
         except KeyboardInterrupt:
             _tell(study, trial, TrialState.FAIL, None, {ATTR_FAIL: "interrupted", ATTR_INTERRUPTED: True})
-            study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number})
+            study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,
+                                                          ATTR_RETRY_REASON: "interrupted"})
             raise
         except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
             outcome = (TrialState.FAIL, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
@@ -304,8 +367,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
                 f"{streak} trials in a row failed the same way ({signature}); the code or the data is likely "
                 f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
         if sampler_stopped:
-            return RunSummary(ran, budget_used(study), n_trials, timed_out=False, exhausted=True)
-    return RunSummary(ran, budget_used(study), n_trials, timed_out=False)
+            return summary(exhausted=True)
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, state: TrialState, value: float | None,

@@ -1,7 +1,7 @@
 """`TrainingConfig`: the one typed object that holds every knob of a training run and its default.
 
 Nothing in the loop is hard-coded; a sweep drives training only through this object. Keys are addressed with dots
-(`model.hidden`, `fast_fail.patience_steps`), so a study file can fix or search any of them.
+(`model.hidden`, `fast_fail.patience_steps`, `curriculum.schedule`), so a study file can fix or search any of them.
 
 Validation collects every problem and raises them together as a `ConfigError`, each naming the key, what is allowed
 and what it got.
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from trainer.curriculum import CurriculumConfig
 from trainer.fast_fail import FastFailConfig
 
 __all__ = [
@@ -77,7 +78,7 @@ class TrainingConfig:
     """Everything one training run needs. Defaults are safe for the built-in tasks on a CPU."""
 
     # What to train.
-    task: str = _f("digits", _task_name, "built-in task (digits, charlm) or 'package.module:function'")
+    task: str = _f("digits", _task_name, "built-in task (digits, charlm, blobs) or 'package.module:function'")
     task_args: dict[str, Any] = _f({}, doc="keyword arguments for the task factory (data size, context, ...)")
     model: dict[str, Any] = _f({}, doc="keys handed to the task's model builder; the task lists what it accepts")
 
@@ -105,6 +106,9 @@ class TrainingConfig:
     gradient_clip_norm: float | None = _f(None, _range(0, low_open=True), "clip the global grad norm; off when null")
     mixed_precision: Literal["auto", "off", "bf16", "fp16"] = _f(
         "auto", doc="auto: bf16 on CUDA where supported, else fp16 with a grad scaler; off on CPU")
+
+    # Curriculum: which samples each step may draw from, easiest first. Searchable like any other key.
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig, metadata={"doc": "see trainer.curriculum"})
 
     # Fast-fail: stop a run that is going nowhere (NaN/Inf, explosion, plateau). In a study the pruner decides.
     fast_fail: FastFailConfig = field(default_factory=FastFailConfig, metadata={"doc": "see trainer.fast_fail"})
@@ -135,6 +139,11 @@ class TrainingConfig:
             problems.append(("warmup_steps", f"expected at most max_steps ({self.max_steps}), got {self.warmup_steps}"))
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             problems.append(("nesterov", "needs optimizer 'sgd' with momentum > 0"))
+        end_steps = self.curriculum.end_steps
+        if end_steps is not None and end_steps > self.max_steps:
+            problems.append(("curriculum.end_steps",
+                             f"expected at most max_steps ({self.max_steps}), got {end_steps}: the run would end "
+                             "before seeing its whole training set; use end_fraction to scale with max_steps"))
         return problems
 
     def to_dict(self) -> dict[str, Any]:

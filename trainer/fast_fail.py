@@ -7,10 +7,17 @@ runs alone, and `LossGuard` in the loop, which decides *when* to look between ev
 NaN policy: a NaN or an infinity (either sign) as the latest value is always a failure ("nan" / "inf"), from the very
 first report, warmup or not. A value worse than the first one is not by itself a failure; it fails only once it is
 `loss_explosion_factor` times the initial value (minimised metrics) or shows no progress for `patience_steps`.
+
+Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
+is not a divergence. The steps at which stages begin are a function of the curriculum config alone
+(`trainer.curriculum.stage_starts`), so callers pass them in and `judge` stays a pure function: for
+`stage_grace_steps` after each stage change the explosion and plateau rules hold off (NaN/Inf still fail at once), and
+the plateau rule's patience counts from the latest stage change, since a new stage is a new start.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["FastFailConfig", "LossGuard", "Verdict", "judge"]
+__all__ = ["FastFailConfig", "LossGuard", "Verdict", "in_stage_grace", "judge", "latest_stage_start"]
 
 Rule = Literal["nan", "inf", "explode", "plateau"]
 
@@ -41,6 +48,9 @@ class FastFailConfig:
     warmup_steps: int | None = None
     # How often the loop reads its on-device NaN/explosion flag between evaluations. None: at every log step.
     check_every_n_steps: int | None = None
+    # Grace period after each curriculum stage change, during which explosion and plateau do not apply.
+    # None: two evaluation intervals, so that at least one evaluation of the new stage is seen before judging.
+    stage_grace_steps: int | None = None
 
     def resolved(self, max_steps: int, eval_every_steps: int) -> FastFailConfig:
         """A copy with every `None` step count made concrete for a run of `max_steps`."""
@@ -53,6 +63,7 @@ class FastFailConfig:
             learned_pct=self.learned_pct,
             warmup_steps=max_steps // 50 if self.warmup_steps is None else self.warmup_steps,
             check_every_n_steps=self.check_every_n_steps,
+            stage_grace_steps=2 * eval_every_steps if self.stage_grace_steps is None else self.stage_grace_steps,
         )
 
     def problems(self) -> list[tuple[str, str]]:
@@ -60,7 +71,7 @@ class FastFailConfig:
         out = []
         if self.loss_explosion_factor is not None and self.loss_explosion_factor <= 1:
             out.append(("loss_explosion_factor", f"expected a factor > 1 or null, got {self.loss_explosion_factor}"))
-        for name in ("patience_steps", "warmup_steps"):
+        for name in ("patience_steps", "warmup_steps", "stage_grace_steps"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 out.append((name, f"expected >= 0 or null, got {value}"))
@@ -100,11 +111,29 @@ def _improved(value: float, best: float, pct: float, maximize: bool) -> bool:
     return gain > 0 and gain >= abs(best) * pct / 100.0
 
 
-def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximize: bool = False) -> Verdict | None:
+def latest_stage_start(step: int, stage_starts: Sequence[int]) -> int | None:
+    """The latest stage change that the value reported at `step` has seen, or None.
+
+    A reported step counts optimizer steps done; a stage that starts at (0-based) step `c` shapes the values reported
+    from step `c + 1` on. `stage_starts` is sorted (a binary search: the loop asks at every step)."""
+    i = bisect.bisect_left(stage_starts, step)
+    return stage_starts[i - 1] if i else None
+
+
+def in_stage_grace(step: int, stage_starts: Sequence[int], grace_steps: int) -> bool:
+    """Whether a value reported at `step` falls within `grace_steps` after a curriculum stage change."""
+    start = latest_stage_start(step, stage_starts)
+    return start is not None and step - start <= grace_steps
+
+
+def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximize: bool = False,
+          stage_starts: Sequence[int] = ()) -> Verdict | None:
     """The fast-fail verdict on the latest of `(step, value)` pairs in step order, or None if the trial may go on.
 
     `config` must be `resolved()`. The initial value is the first finite one: with fast-fail on, the trainer reports
     an evaluation over the whole validation set before the first step, so it is not one noisy batch.
+    `stage_starts` are the steps at which a curriculum's stages begin (`trainer.curriculum.stage_starts`): the
+    explosion and plateau rules give each change a grace period, and patience restarts at it.
     """
     if not config.enabled or not series:
         return None
@@ -118,6 +147,10 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
     assert config.warmup_steps is not None and config.patience_steps is not None, "judge() needs a resolved config"
     if step < config.warmup_steps or step == initial_step:
         return None
+    # A new curriculum stage: the loss may jump while the model meets harder data. NaN/Inf were judged above.
+    if in_stage_grace(step, stage_starts, config.stage_grace_steps or 0):
+        return None
+    stage_start = latest_stage_start(step, stage_starts)
 
     factor = config.loss_explosion_factor
     if factor is not None and not maximize and initial > 0 and value > factor * initial:
@@ -129,20 +162,27 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
             if _improved(v, best, config.min_improvement_pct, maximize):
                 best, best_step = v, s
         learned = _improved(best, initial, config.learned_pct, maximize) if initial != 0 else False
-        if not learned and step - best_step >= config.patience_steps:
-            return Verdict("plateau", step, value, {"best": best, "best_step": best_step,
-                                                    "patience_steps": config.patience_steps,
-                                                    "min_improvement_pct": config.min_improvement_pct})
+        # Patience counts from the best value or from the latest stage change, whichever is later.
+        since = best_step if stage_start is None else max(best_step, stage_start)
+        if not learned and step - since >= config.patience_steps:
+            detail = {"best": best, "best_step": best_step, "patience_steps": config.patience_steps,
+                      "min_improvement_pct": config.min_improvement_pct}
+            if since != best_step:
+                detail["stage_start"] = since
+            return Verdict("plateau", step, value, detail)
     return None
 
 
 class LossGuard:
     """Watches the training loss on the device between evaluations: a flag set when a step's loss is NaN/Inf or above
     the explosion threshold. Setting it costs no sync; the loop reads it at the check interval, and when it is set
-    runs an evaluation whose value goes to the reporter, so the decision is still `judge`'s (or the pruner's)."""
+    runs an evaluation whose value goes to the reporter, so the decision is still `judge`'s (or the pruner's).
+    Like `judge`, it does not apply the explosion threshold within the grace period after a curriculum stage change
+    (decided on the host from the step: still no sync); NaN/Inf always set the flag."""
 
-    def __init__(self, config: FastFailConfig, device: torch.device) -> None:
+    def __init__(self, config: FastFailConfig, device: torch.device, stage_starts: Sequence[int] = ()) -> None:
         self.config = config
+        self.stage_starts = tuple(stage_starts)
         self.flag = torch.zeros((), dtype=torch.bool, device=device)
         self.threshold: float | None = None
 
@@ -156,7 +196,8 @@ class LossGuard:
         if not self.config.enabled:
             return
         bad = ~torch.isfinite(loss)
-        if self.threshold is not None and step >= (self.config.warmup_steps or 0):
+        if (self.threshold is not None and step >= (self.config.warmup_steps or 0)
+                and not in_stage_grace(step, self.stage_starts, self.config.stage_grace_steps or 0)):
             bad = bad | (loss > self.threshold)
         self.flag |= bad
 

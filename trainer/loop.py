@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from trainer.config import TrainingConfig
-from trainer.data import DeviceBatches
+from trainer.curriculum import build_sampler, stage_starts
 from trainer.evaluate import evaluate
 from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge
 from trainer.optim import build_optimizer, lr_at, set_lr
@@ -31,7 +31,8 @@ class Reporter(Protocol):
     """How a driver (a sweep, a CLI) hears from training and tells it to stop."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Training metrics at a log interval: train_loss, lr, grad_norm, samples_per_s (and tokens_per_s)."""
+        """Training metrics at a log interval: train_loss, lr, grad_norm, samples_per_s, curriculum_level (and
+        tokens_per_s)."""
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         """Validation metrics at an eval interval. Return True to stop training now."""
@@ -47,10 +48,12 @@ class NullReporter:
 
 class FastFailReporter:
     """Applies the fast-fail rules locally, to `val_loss`: the decision maker when the trainer runs without a study.
-    Wraps another reporter to pass its events on."""
+    Wraps another reporter to pass its events on. `stage_starts`: where the run's curriculum changes stage."""
 
-    def __init__(self, config: FastFailConfig, inner: Reporter | None = None, metric: str = "val_loss") -> None:
+    def __init__(self, config: FastFailConfig, inner: Reporter | None = None, metric: str = "val_loss",
+                 stage_starts: tuple[int, ...] = ()) -> None:
         self.config = config
+        self.stage_starts = stage_starts
         self.inner = inner if inner is not None else NullReporter()
         self.metric = metric
         self.series: list[tuple[int, float]] = []
@@ -62,7 +65,7 @@ class FastFailReporter:
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         stop = self.inner.report(step, metrics)
         self.series.append((step, metrics[self.metric]))
-        self.verdict = judge(self.series, self.config)
+        self.verdict = judge(self.series, self.config, stage_starts=self.stage_starts)
         return stop or self.verdict is not None
 
 
@@ -121,7 +124,8 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
     fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
-    local = FastFailReporter(fast_fail) if reporter is None else None
+    stages = stage_starts(config.curriculum, config.max_steps)  # fast-fail gives each stage change a grace period
+    local = FastFailReporter(fast_fail, stage_starts=stages) if reporter is None else None
     reporter = local if local is not None else reporter
     device = resolve_device(config.device)
     seed_everything(config.seed, deterministic=config.deterministic)
@@ -130,10 +134,10 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     precision = resolve_precision(config.mixed_precision, device)
     train_x, train_y = (t.to(device) for t in task.train)
     val = tuple(t.to(device) for t in task.val)
-    batches = DeviceBatches(len(train_x), config.batch_size, config.seed, device)
+    batches = build_sampler(config, task, device)  # the curriculum's (or the whole set's) batches, on the device
     accum = config.gradient_accumulation_steps
     samples_per_step = config.batch_size * accum
-    guard = LossGuard(fast_fail, device)
+    guard = LossGuard(fast_fail, device, stages)
     check_every = fast_fail.check_every_n_steps or config.log_every_steps
 
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
@@ -164,7 +168,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
 
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
-        micro = ((train_x[idx], train_y[idx]) for idx in (batches.next() for _ in range(accum)))
+        micro = ((train_x[idx], train_y[idx]) for idx in (batches.next(step) for _ in range(accum)))
         step_loss = accumulate_gradients(model, task.loss, micro, accum, precision)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
         loss_sum += step_loss
@@ -176,7 +180,8 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
                                   grad_norm if grad_norm is not None else torch.zeros((), device=device)]).tolist()
             elapsed = max(time.perf_counter() - mark, 1e-9)
             record = {"step": done, "train_loss": values[0], "lr": lr, "grad_norm": values[1],
-                      "samples_per_s": steps_since_log * samples_per_step / elapsed}
+                      "samples_per_s": steps_since_log * samples_per_step / elapsed,
+                      "curriculum_level": batches.level_at(step)}  # a function of the step: no read-back
             if task.tokens_per_sample:
                 record["tokens_per_s"] = record["samples_per_s"] * task.tokens_per_sample
             if device.type == "cuda":

@@ -7,12 +7,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainer.tasks.base import Task, accuracy_sum, cross_entropy
+from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
 from trainer.tasks.digits import digits
 
 __all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "cross_entropy", "load_task", "resolve_task_factory"]
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm}
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs}
 
 
 class TaskError(ValueError):

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +35,8 @@ class Task:
     device once and batches them there. `build_model` receives `model_defaults` updated with the config's `model`
     mapping: the defaults name every key the builder accepts, so a typo in a study file is refused before training.
     `eval_metrics` returns sums over a batch; the evaluation divides by the number of samples and prefixes `val_`.
+    `difficulty` scores each training sample for curricula (higher is harder; only the order matters), as a tensor or
+    array, or as a function that computes them: it is called once, and only when a curriculum is on.
     """
 
     name: str
@@ -45,11 +48,32 @@ class Task:
     eval_metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None
     eval_metric_names: tuple[str, ...] = ()
     tokens_per_sample: int = 0  # > 0 for sequence tasks: the trainer then reports tokens/s
+    difficulty: torch.Tensor | np.ndarray | Callable[[], torch.Tensor | np.ndarray] | None = None
+    _scores: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def metric_names(self) -> tuple[str, ...]:
         """Every metric an evaluation produces."""
         return ("val_loss", *(f"val_{name}" for name in self.eval_metric_names))
+
+    def difficulty_scores(self) -> np.ndarray | None:
+        """One finite score per training sample as a host array (computed on first use, then kept), or None when the
+        task has none. A wrong shape or a non-finite score is a ValueError naming the task."""
+        if self.difficulty is None:
+            return None
+        if self._scores is None:
+            raw = self.difficulty() if callable(self.difficulty) else self.difficulty
+            scores = raw.detach().cpu().numpy() if isinstance(raw, torch.Tensor) else np.asarray(raw)
+            scores = scores.astype(np.float64, copy=False)
+            n = len(self.train[0])
+            if scores.shape != (n,):
+                raise ValueError(f"task {self.name!r}: difficulty must hold one score per training sample, shape "
+                                 f"({n},), but got shape {scores.shape}")
+            if not np.isfinite(scores).all():
+                raise ValueError(f"task {self.name!r}: {int((~np.isfinite(scores)).sum())} difficulty scores are "
+                                 "not finite")
+            self._scores = scores
+        return self._scores
 
     def model_problems(self, model: Mapping[str, Any]) -> list[tuple[str, str]]:
         """Unknown keys and values of the wrong type in a `model` mapping, as `(dotted key, message)` pairs."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.tasks.base import Task, accuracy_sum
 
-__all__ = ["charlm", "CharTransformer", "load_stdlib_text"]
+__all__ = ["charlm", "CharTransformer", "load_stdlib_text", "unigram_surprisal"]
 
 VOCAB = 256  # bytes
 MODEL_DEFAULTS = {"d_model": 128, "n_layers": 2, "n_heads": 4, "mlp_ratio": 4, "dropout": 0.0}
@@ -88,6 +88,17 @@ class CharTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def unigram_surprisal(windows: np.ndarray) -> np.ndarray:
+    """Per-window difficulty: the mean surprisal (-log p) of its bytes under the training text's own byte frequencies.
+
+    This is the loss of the simplest language model, so it ranks windows the way a model first meets them: plain
+    English and indentation (common bytes) are easy, dense punctuation, digits and non-ASCII bytes are hard. Add-one
+    smoothing keeps unseen bytes finite."""
+    counts = np.bincount(windows.reshape(-1), minlength=VOCAB).astype(np.float64)
+    surprisal = -np.log((counts + 1.0) / (counts.sum() + VOCAB))
+    return surprisal[windows].mean(axis=1)
+
+
 def charlm(context: int = 128, max_chars: int = 1_000_000, val_fraction: float = 0.1) -> Task:
     """The text is cut into non-overlapping windows of `context + 1` bytes; the last `val_fraction` of them, a
     contiguous stretch of files, is the validation set."""
@@ -104,6 +115,9 @@ def charlm(context: int = 128, max_chars: int = 1_000_000, val_fraction: float =
     def build(cfg: dict[str, Any]) -> nn.Module:
         return CharTransformer(context, **cfg)
 
+    def difficulty() -> np.ndarray:  # computed only when a curriculum asks for it
+        return unigram_surprisal(train.numpy())
+
     return Task(
         name="charlm",
         train=(train[:, :-1].contiguous(), train[:, 1:].contiguous()),
@@ -113,4 +127,5 @@ def charlm(context: int = 128, max_chars: int = 1_000_000, val_fraction: float =
         eval_metrics=accuracy_sum,
         eval_metric_names=("accuracy",),
         tokens_per_sample=context,
+        difficulty=difficulty,
     )

@@ -1,0 +1,131 @@
+"""`sweep report`: one self-contained HTML file to share a study: optimisation history, every trial's intermediate
+values coloured by state, parameter importances, the infeasible trials and why, the best config, and a warning when
+the best value sits on the edge of the search space. The figures are Optuna's own (plotly), with plotly.js inlined
+once so the file opens anywhere, offline."""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from collections import Counter
+from typing import Any
+
+import optuna
+import yaml
+from optuna.trial import FrozenTrial, TrialState
+
+from sweep.results import state_counts
+from sweep.spec import SPEC_ATTR
+from sweep.study import ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, budget_counts
+
+__all__ = ["edge_warnings", "infeasible", "render_report"]
+
+STATE_COLOURS = {"COMPLETE": "#2a9d8f", "PRUNED": "#e9a23b", "FAIL": "#d62828", "RUNNING": "#577590"}
+INFEASIBLE_RULES = {"nan", "inf", "explode"}
+
+
+def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[str]]:
+    """Trials that diverged (pruned for NaN/Inf/explosion) or failed, and how many for each reason."""
+    bad, reasons = [], Counter()
+    for trial in trials:
+        prune = trial.user_attrs.get(ATTR_PRUNE) or {}
+        if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted"):
+            bad.append(trial)
+            reasons[str(trial.user_attrs.get(ATTR_FAIL, "unknown error"))] += 1
+        elif trial.state == TrialState.PRUNED and prune.get("rule") in INFEASIBLE_RULES:
+            bad.append(trial)
+            reasons[f"diverged: {prune['rule']}"] += 1
+    return bad, reasons
+
+
+def edge_warnings(space: dict[str, Any], params: dict[str, Any], margin: float = 0.05) -> list[str]:
+    """A best value within `margin` of a range's end (on the log scale for log ranges) suggests the optimum lies
+    outside the space searched: widen the range."""
+    warnings = []
+    for key, dist in space.items():
+        if dist.get("type") not in ("float", "int") or key not in params:
+            continue
+        low, high, value = float(dist["low"]), float(dist["high"]), float(params[key])
+        if high <= low:
+            continue
+        scale = math.log if dist.get("log") else (lambda x: x)
+        position = (scale(value) - scale(low)) / (scale(high) - scale(low))
+        if position <= margin:
+            warnings.append(f"{key} = {value:.4g} is at the low edge of [{low:.4g}, {high:.4g}]: consider lowering "
+                            "`low`")
+        elif position >= 1 - margin:
+            warnings.append(f"{key} = {value:.4g} is at the high edge of [{low:.4g}, {high:.4g}]: consider raising "
+                            "`high`")
+    return warnings
+
+
+def _figure(fig: Any, first: bool) -> str:
+    return fig.to_html(full_html=False, include_plotlyjs="inline" if first else False)
+
+
+def _intermediate_values_by_state(study: optuna.Study) -> Any:
+    fig = optuna.visualization.plot_intermediate_values(study)
+    states = {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
+    for trace in fig.data:
+        match = re.search(r"(\d+)", trace.name or "")
+        if match:
+            state = states.get(int(match.group(1)), "RUNNING")
+            trace.update(line={"color": STATE_COLOURS.get(state, "#888")}, legendgroup=state,
+                         name=f"{trace.name} ({state.lower()})", opacity=0.8)
+    fig.update_layout(title="Intermediate values (green: complete, orange: pruned, red: failed)")
+    return fig
+
+
+def render_report(study: optuna.Study) -> str:
+    trials = study.get_trials(deepcopy=False)
+    spec = study.user_attrs.get(SPEC_ATTR, {})
+    used, _ = budget_counts(trials)
+    bad, reasons = infeasible(trials)
+    sections: list[str] = []
+    first = True
+
+    def add_figure(title: str, build: Any) -> None:
+        nonlocal first
+        try:
+            fig = build()
+        except Exception as exc:  # noqa: BLE001 - a figure Optuna cannot draw yet must not lose the report
+            sections.append(f"<h2>{title}</h2><p class='note'>Not available: {html.escape(str(exc))}</p>")
+            return
+        sections.append(f"<h2>{title}</h2>{_figure(fig, first)}")
+        first = False
+
+    add_figure("Optimisation history", lambda: optuna.visualization.plot_optimization_history(study))
+    add_figure("Intermediate values", lambda: _intermediate_values_by_state(study))
+    add_figure("Parameter importances", lambda: optuna.visualization.plot_param_importances(study))
+
+    share = 100 * len(bad) / len(trials) if trials else 0.0
+    rows = "".join(f"<tr><td>{html.escape(reason)}</td><td>{count}</td></tr>" for reason, count in
+                   reasons.most_common())
+    sections.append(f"<h2>Infeasible trials</h2><p>{len(bad)} of {len(trials)} trials ({share:.0f}%) diverged or "
+                    f"failed.</p>" + (f"<table><tr><th>reason</th><th>trials</th></tr>{rows}</table>" if rows else ""))
+
+    try:
+        best = study.best_trial
+    except ValueError:
+        best = None
+    if best is None:
+        sections.append("<h2>Best trial</h2><p>No trial has completed yet.</p>")
+    else:
+        warnings = edge_warnings(spec.get("space", {}), best.params)
+        warning_html = "".join(f"<p class='warning'>&#9888; {html.escape(w)}</p>" for w in warnings)
+        config = yaml.safe_dump(best.user_attrs.get(ATTR_CONFIG, best.params), sort_keys=False)
+        sections.append(f"<h2>Best trial: #{best.number}, {html.escape(str(spec.get('metric', 'value')))} = "
+                        f"{best.value:.6g}</h2>{warning_html}<p>Its full config; <code>python -m trainer "
+                        f"best.yaml</code> trains it again:</p><pre>{html.escape(config)}</pre>")
+
+    counts = ", ".join(f"{k} {v}" for k, v in state_counts(study).items())
+    head = (f"<h1>Study {html.escape(study.study_name)}</h1><p>{html.escape(spec.get('description', ''))}</p>"
+            f"<p>{study.direction.name.lower()} {html.escape(str(spec.get('metric', '')))}; "
+            f"{used}/{spec.get('n_trials', '?')} trials used; {counts}.</p>")
+    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
+             ".warning{color:#9a3412;font-weight:600}.note{color:#666}pre{background:#f5f5f5;padding:1em}")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>sweep report: "
+            f"{html.escape(study.study_name)}</title><style>{style}</style></head><body>{head}"
+            + "".join(sections) + "</body></html>")

@@ -1,0 +1,62 @@
+"""`sweep run --workers N`: N worker processes on this machine share one study.
+
+Each worker is the same `sweep run` in its own process, so a worker that dies takes nothing else with it; the others
+notice its trial's stale heartbeat and train its params again. On a GPU machine worker k sees only GPU k mod G
+(round robin over the visible devices; more workers than GPUs put several small trials on each GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["visible_gpus", "run_workers"]
+
+WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids a worker may be pinned to: CUDA_VISIBLE_DEVICES if set, else every device torch sees."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.0) -> list[int]:
+    """Start `sweep run RUN_ARGS` in `n_workers` processes and wait for them; returns their exit codes.
+
+    Ctrl-C reaches every worker from the terminal (one process group); each marks its running trial interrupted and
+    exits. A worker still running `grace_s` seconds later is killed.
+    """
+    gpus = visible_gpus()
+    processes = []
+    for index in range(n_workers):
+        env = {**os.environ, WORKER_ENV: str(index)}
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+        processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=env))
+    try:
+        return [process.wait() for process in processes]
+    except KeyboardInterrupt:
+        _stop(processes, grace_s)
+        raise
+
+
+def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
+    time.sleep(0.5)  # a terminal's Ctrl-C has already reached the workers; give them a moment to start cleaning up
+    for process in processes:
+        if process.poll() is None:  # signalled on its own (kill -INT of the parent alone): pass it on
+            process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
