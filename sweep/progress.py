@@ -85,7 +85,8 @@ class LiveProgress:
             better = self.best is None or (trial.value > self.best if self.maximize else trial.value < self.best)
             self.best = trial.value if better else self.best
         self.last = f"last: trial {trial.number} {describe_outcome(trial)}"
-        self.console.print(f"{self.prefix}trial {trial.number}: {describe_outcome(trial)}", highlight=False)
+        self.console.print(f"{self.prefix}trial {trial.number}: {describe_outcome(trial)}", highlight=False,
+                           markup=False)
         self.current = ""
         self._refresh()
 

@@ -289,7 +289,8 @@ class _Heartbeat:
 
     def __init__(self, study: optuna.Study, trial: optuna.Trial) -> None:
         self.storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
-        self.interval = getattr(self.storage, "heartbeat_interval", None)
+        get_interval = getattr(self.storage, "get_heartbeat_interval", None)
+        self.interval = get_interval() if get_interval is not None else None
         self.trial_id = trial._trial_id  # noqa: SLF001
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"heartbeat-{trial.number}")

@@ -1,0 +1,193 @@
+"""Many workers on one study: SQLite on this machine, PostgreSQL as for many machines."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.conftest import TINY_STUDY, run_cli, write_study
+from tests.pg import postgres_available, postgres_server
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    with postgres_server() as url:
+        yield url
+
+
+def busy_study(folder: Path, n_trials: int, **fixed) -> Path:
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": n_trials, "heartbeat_interval": 1,
+                                            "heartbeat_grace_period": 3}
+    document["fixed"] = {**document["fixed"], **fixed}
+    return write_study(folder, document)
+
+
+def check_exact(study: optuna.Study, n_trials: int) -> None:
+    trials = study.get_trials()
+    numbers = [t.number for t in trials]
+    assert len(numbers) == len(set(numbers))
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == n_trials, [(t.number, t.state, t.user_attrs.get("fail_reason")) for t in trials]
+    for trial in finished:  # no lost reports: every evaluation of every trial is in the storage
+        assert sorted(trial.intermediate_values) == [10, 20]
+
+
+def test_three_workers_share_a_sqlite_study_and_lose_nothing(tmp_path: Path) -> None:
+    path = busy_study(tmp_path, 12)
+    done = run_cli("run", path, "--workers", "3")
+    assert done.returncode == 0, done.stderr
+    workers = {line.split("]")[0] for line in done.stderr.splitlines() if line.startswith("[worker ")}
+    assert workers == {"[worker 0", "[worker 1", "[worker 2"}  # all three trained
+    check_exact(optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}"), 12)
+    assert "locked" not in done.stderr
+
+
+def test_three_workers_share_a_postgresql_study(tmp_path: Path, postgres_url: str) -> None:
+    path = busy_study(tmp_path, 12)
+    done = run_cli("run", path, "--workers", "3", "--storage", postgres_url, "--study-name", "pg-three")
+    assert done.returncode == 0, done.stderr
+    check_exact(optuna.load_study(study_name="pg-three", storage=postgres_url), 12)
+    assert not (tmp_path / "tiny.db").exists()
+
+
+def test_separate_commands_as_on_separate_machines(tmp_path: Path, postgres_url: str) -> None:
+    path = busy_study(tmp_path, 10)
+    args = [sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", postgres_url, "--study-name", "machines"]
+    processes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [p.communicate(timeout=300) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0, 0], [err for _, err in outputs]
+    check_exact(optuna.load_study(study_name="machines", storage=postgres_url), 10)
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path: Path) -> None:
+    path = busy_study(tmp_path, 6, max_steps=1500, eval_every_steps=500, log_every_steps=500)
+    db = tmp_path / "tiny.db"
+    parent = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                running = [t for t in optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+                           if t.state == TrialState.RUNNING]
+            except Exception:  # noqa: BLE001 - not created yet
+                continue
+            if len(running) == 2 and len(children(parent.pid)) == 2:
+                victim = children(parent.pid)[0]
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = parent.communicate(timeout=300)
+    finally:
+        parent.kill()
+    assert parent.returncode == 1 and "exited with code -9" in stderr  # the parent says a worker died...
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}")
+    trials = study.get_trials()
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 6  # ...and the study still has all its trials
+    [lost] = [t for t in trials if t.state == TrialState.FAIL]
+    [retry] = [t for t in trials if t.user_attrs.get("retry_of") == lost.number]
+    assert retry.state == TrialState.COMPLETE and retry.params == lost.params
+    assert retry.user_attrs["retry_reason"] == "worker lost: no heartbeat"
+
+
+def test_sweep_stop_lets_workers_finish_their_trial_and_exit(tmp_path: Path) -> None:
+    path = busy_study(tmp_path, 50, max_steps=300, eval_every_steps=100, log_every_steps=100)
+    runner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    db = tmp_path / "tiny.db"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        try:
+            if any(t.state == TrialState.COMPLETE for t in
+                   optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()):
+                break
+        except Exception:  # noqa: BLE001 - not created yet
+            continue
+    stopped = run_cli("stop", path)
+    assert stopped.returncode == 0, stopped.stderr
+    _, stderr = runner.communicate(timeout=120)
+    assert runner.returncode == 0 and "stopped by `sweep stop`" in stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert all(t.state == TrialState.COMPLETE for t in trials) and len(trials) < 50  # finished, none cut short
+    resumed = run_cli("run", path, "--n-trials", str(len(trials) + 1))
+    assert resumed.returncode == 0 and "stopped" not in resumed.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
+    pytest.importorskip("optuna_dashboard")
+    document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 1.0}, "n_trials": 2}
+    path = write_study(tmp_path, document)
+    assert run_cli("run", path).returncode == 0
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "sweep.cli", "dashboard", str(path), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def get(route: str) -> dict:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}{route}", timeout=5) as response:
+                        return json.loads(response.read())
+                except OSError:
+                    if time.monotonic() > deadline or server.poll() is not None:
+                        raise
+                    time.sleep(0.3)
+
+        [summary] = get("/api/studies")["study_summaries"]
+        assert summary["study_name"] == "tiny"
+        detail = get(f"/api/studies/{summary['study_id']}?after=0")
+        assert [t["state"] for t in detail["trials"]] == ["Pruned", "Pruned"]
+        for trial in detail["trials"]:
+            assert [v["step"] for v in trial["intermediate_values"]] == [10]
+            attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
+            assert "'rule': 'threshold'" in attrs["prune_reason"] or '"rule": "threshold"' in attrs["prune_reason"]
+            assert "learning_rate" in attrs["config"] and "torch" in attrs["reproducibility"]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    with socket.socket() as s:  # it listened on loopback only
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_report_is_one_self_contained_html_file(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 6, "pruner": {"type": "fastfail", "then": "median"}}
+    document["space"] = {**document["space"],
+                         "learning_rate": {"type": "float", "low": 1e-3, "high": 200.0, "log": True}}
+    path = write_study(tmp_path, document)
+    assert run_cli("run", path).returncode == 0
+    report = tmp_path / "report.html"
+    done = run_cli("report", path, "-o", report)
+    assert done.returncode == 0, done.stderr
+    text = report.read_text()
+    for section in ("Optimisation history", "Intermediate values", "Parameter importances", "Infeasible trials",
+                    "Best trial"):
+        assert f"<h2>{section}" in text
+    assert "python -m trainer" in text and "plotly" in text.lower()
+    assert "<script src=" not in text  # nothing to fetch: plotly.js is inlined
