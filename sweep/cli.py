@@ -286,6 +286,28 @@ def dashboard(
     optuna_dashboard.run_server(url, host=host, port=port)
 
 
+@app.command()
+def reproduce(
+    target: Annotated[str, typer.Argument(help="A study file, a SQLite .db file, or a study name with --storage.")],
+    trial: Annotated[int, typer.Argument(help="The trial number.")],
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+) -> None:
+    """Train one trial again from the storage alone and compare every reported value; exit 0 when identical."""
+    from sweep.reproduce import reproduce_trial
+
+    study = _open(target, storage, study_name)
+    try:
+        comparison = reproduce_trial(study, trial)
+    except (KeyError, ValueError) as exc:
+        raise _fail(str(exc.args[0]) if exc.args else str(exc), 2) from None
+    how = "bit for bit" if comparison.tolerance == 0 else f"within a relative {comparison.tolerance:g}"
+    if comparison.first_difference is not None:
+        step, stored, again = comparison.first_difference
+        raise _fail(f"trial {trial} differs first at step {step}: stored {stored!r}, reproduced {again!r}", 1)
+    out.print(f"trial {trial} reproduced: {comparison.steps_compared} reported values identical ({how})")
+
+
 def _cell(value: object) -> str:
     if value is None:
         return ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,18 +39,21 @@ class TrialReporter:
         self.events = events
         self.series: list[tuple[int, float]] = []
         self.prune_reason: dict[str, Any] | None = None
+        self.report_ms: list[float] = []  # storage round trips of report + should_prune, kept on the trial
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.events.trial_log(self.trial.number, step, metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         value = metrics[self.metric]
+        started = time.perf_counter()
         self.trial.report(value, step)
         self.series.append((step, value))
-        if step >= self.config.max_steps or not self.trial.should_prune():
-            return False
-        self.prune_reason = self._explain(step, value, metrics)
-        return True
+        prune = step < self.config.max_steps and self.trial.should_prune()
+        self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
+        if prune:
+            self.prune_reason = self._explain(step, value, metrics)
+        return prune
 
     def _explain(self, step: int, value: float, metrics: Mapping[str, float]) -> dict[str, Any]:
         """Which rule pruned: the fast-fail verdict if there is one (the same pure function the pruner applied to the
@@ -92,7 +96,8 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events) -> Outcome:
     reporter = TrialReporter(trial, spec, config, events)
     result = train(config, task_for(config.task, config.task_args), reporter)
     attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
-                             ATTR_STEPS: result.steps, ATTR_WALL: round(result.wall_time_s, 3)}
+                             ATTR_STEPS: result.steps, ATTR_WALL: round(result.wall_time_s, 3),
+                             "report_ms": reporter.report_ms}
     if result.status == "stopped" and reporter.prune_reason is not None:
         attrs[ATTR_PRUNE] = reporter.prune_reason
         return TrialState.PRUNED, None, attrs

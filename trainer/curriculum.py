@@ -106,8 +106,10 @@ class CurriculumConfig:
 # ---------------------------------------------------------------------------------------------------------------------
 # Schedules: pure functions of the step.
 
+@functools.lru_cache(maxsize=16)
 def resolve_schedule(name: str) -> Schedule:
-    """A user schedule `package.module:function`, imported; a ValueError that names what is missing otherwise."""
+    """A user schedule `package.module:function`, imported; a ValueError that names what is missing otherwise.
+    Cached: the loop asks for the level at every step."""
     module_name, sep, attr = name.partition(":")
     if not sep:
         raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(BUILTIN_SCHEDULES)} or "

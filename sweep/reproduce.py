@@ -1,0 +1,78 @@
+"""`sweep reproduce STUDY TRIAL`: train one trial again from what the storage holds and compare its reports.
+
+The stored `config` user attr is the trial's whole `TrainingConfig` (fixed values, sampled params, seed, task), so
+nothing else is needed. The rerun reports to a local recorder, not to the study, and stops where the trial stopped
+(a pruned trial is replayed up to its last report). On CPU the values must match bit for bit; on a GPU within a
+relative tolerance, since cuBLAS and cuDNN kernels are not deterministic unless `deterministic: true`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import optuna
+
+from sweep.objective import task_for
+from sweep.study import ATTR_CONFIG
+from trainer import TrainingConfig, train
+from trainer.precision import resolve_device
+
+__all__ = ["Comparison", "reproduce_trial"]
+
+
+@dataclass
+class Comparison:
+    trial: int
+    steps_compared: int
+    tolerance: float  # 0.0: bit for bit
+    first_difference: tuple[int, float, float] | None  # (step, stored, reproduced)
+
+    @property
+    def identical(self) -> bool:
+        return self.first_difference is None and self.steps_compared > 0
+
+
+class _Recorder:
+    def __init__(self, stop_at: int, metric: str) -> None:
+        self.stop_at, self.metric = stop_at, metric
+        self.values: dict[int, float] = {}
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        self.values[step] = metrics[self.metric]
+        return step >= self.stop_at
+
+
+def _same(a: float, b: float, tolerance: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if tolerance == 0.0:
+        return a == b
+    return math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
+
+
+def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 1e-3) -> Comparison:
+    trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
+    if not trials:
+        raise KeyError(f"study {study.study_name!r} has no trial {number}")
+    trial = trials[0]
+    if ATTR_CONFIG not in trial.user_attrs or not trial.intermediate_values:
+        raise ValueError(f"trial {number} has no stored config or reported values to compare (state "
+                         f"{trial.state.name.lower()})")
+    config = TrainingConfig.from_dict(trial.user_attrs[ATTR_CONFIG])
+    metric = study.user_attrs.get("sweep.spec", {}).get("metric", "val_loss")
+    stored = dict(sorted(trial.intermediate_values.items()))
+    recorder = _Recorder(max(stored), metric)
+    train(config, task_for(config.task, config.task_args), recorder)
+    tolerance = 0.0 if resolve_device(config.device).type == "cpu" or config.deterministic else gpu_tolerance
+    difference = None
+    for step, value in stored.items():
+        again = recorder.values.get(step, math.nan)
+        if not _same(value, again, tolerance):
+            difference = (step, value, again)
+            break
+    return Comparison(number, len(stored), tolerance, difference)
