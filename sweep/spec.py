@@ -303,6 +303,12 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                 if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
                     problems.append((f"{where}.{label}", message if bad_key == key else f"{bad_key}: {message}"))
 
+    schedules = {spec.fixed.get("curriculum", {}).get("schedule", "none")}
+    if "curriculum.schedule" in spec.space and isinstance(spec.space["curriculum.schedule"], CategoricalParam):
+        schedules |= set(spec.space["curriculum.schedule"].choices)
+    if schedules - {"none"} and task.difficulty is None:
+        problems.append(("curriculum.schedule", f"task {task.name!r} gives no per-sample difficulty, so it cannot "
+                                                "follow a curriculum; use schedule none or a task with difficulty"))
     if spec.metric not in task.metric_names:
         problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; got {spec.metric!r}"))
     problems += component_problems(spec)
@@ -318,11 +324,18 @@ def _config_problems(values: dict[str, Any], task: Task) -> list[tuple[str, str]
 
 
 def _expected_type(key: str, task: Task) -> type | None:
+    """int when the key takes integers (so a float range for it is refused before any trial), else None."""
     head, _, rest = key.partition(".")
     if head == "model":
         default = task.model_defaults.get(rest)
         return type(default) if default is not None else None
-    hint = typing.get_type_hints(TrainingConfig).get(head)
+    owner: type = TrainingConfig
+    while True:  # walk nested config dataclasses: curriculum.stages
+        hint = typing.get_type_hints(owner).get(head)
+        if rest and dataclasses.is_dataclass(hint):
+            owner, (head, _, rest) = hint, rest.partition(".")
+            continue
+        break
     options = typing.get_args(hint) or (hint,)
     return int if int in options else None
 

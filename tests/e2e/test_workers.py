@@ -79,7 +79,7 @@ def children(pid: int) -> list[int]:
 
 
 def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path: Path) -> None:
-    path = busy_study(tmp_path, 6, max_steps=1500, eval_every_steps=500, log_every_steps=500)
+    path = busy_study(tmp_path, 6, max_steps=800, eval_every_steps=400, log_every_steps=400)
     db = tmp_path / "tiny.db"
     parent = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

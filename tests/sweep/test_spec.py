@@ -54,6 +54,8 @@ BAD_FILES = [
                  "space.model.width", "unknown key for task 'digits'", id="unknown-model-key"),
     pytest.param(changed(space={"warmup_steps": {"type": "float", "low": 0, "high": 5}}),
                  "space.warmup_steps.type", "use type: int", id="float-for-int-key"),
+    pytest.param(changed(space={"curriculum.stages": {"type": "float", "low": 2, "high": 5}}),
+                 "space.curriculum.stages.type", "use type: int", id="float-for-nested-int-key"),
     pytest.param(changed(space__learning_rate={"type": "floot", "low": 1, "high": 2}), f"space.{LR}",
                  "'float', 'int', 'categorical'", id="unknown-param-type"),
     pytest.param(changed(metric="val_acc"), "metric", "val_loss, val_accuracy", id="metric-not-reported"),
