@@ -11,13 +11,12 @@ import contextlib
 import inspect
 import math
 import threading
-import re
 import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState

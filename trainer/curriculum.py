@@ -17,7 +17,6 @@ config alone (`stage_starts`).
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -26,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from trainer.imports import import_callable
 
 if TYPE_CHECKING:
     from trainer.config import TrainingConfig
@@ -110,18 +111,7 @@ class CurriculumConfig:
 def resolve_schedule(name: str) -> Schedule:
     """A user schedule `package.module:function`, imported; a ValueError that names what is missing otherwise.
     Cached: the loop asks for the level at every step."""
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(BUILTIN_SCHEDULES)} or "
-                         "'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import schedule module {module_name!r}: {exc}") from exc
-    function = getattr(module, attr, None)
-    if not callable(function):
-        raise ValueError(f"schedule {name!r}: module {module_name!r} has no function {attr!r}")
-    return function
+    return import_callable(name, "schedule", BUILTIN_SCHEDULES)
 
 
 def level_at(step: int, config: CurriculumConfig, max_steps: int) -> float:

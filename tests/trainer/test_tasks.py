@@ -12,7 +12,7 @@ from trainer.tasks import TaskError
 
 def test_digits_is_the_real_data_set_with_a_fixed_split() -> None:
     task = load_task("digits")
-    (xt, yt), (xv, yv) = task.train, task.val
+    (xt, yt), (xv, _) = task.train, task.val
     assert len(xt) + len(xv) == 1797
     assert xt.shape[1] == 64 and xt.dtype == torch.float32 and 0.0 <= float(xt.min()) <= float(xt.max()) <= 1.0
     assert set(yt.tolist()) == set(range(10))

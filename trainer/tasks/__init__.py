@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainer.imports import import_callable
 from trainer.tasks.base import Task, accuracy_sum, cross_entropy
 from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
@@ -24,17 +24,7 @@ def resolve_task_factory(name: str) -> Callable[..., Task]:
     """A built-in task by name, or `package.module:function` for a user task."""
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise TaskError(f"unknown task {name!r}; expected one of {sorted(BUILTIN_TASKS)} or 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TaskError(f"cannot import task module {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise TaskError(f"task {name!r}: module {module_name!r} has no function {attr!r}")
-    return factory
+    return import_callable(name, "task", BUILTIN_TASKS, TaskError)
 
 
 def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:

@@ -1,0 +1,26 @@
+"""Naming user code by import path, `package.module:function`: tasks and curriculum schedules."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["import_callable"]
+
+
+def import_callable(path: str, what: str, builtin: Iterable[str],
+                    error: type[ValueError] = ValueError) -> Callable[..., Any]:
+    """The function at `package.module:function`, or `error` naming what is missing (`what`: "task", "schedule")."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        raise error(f"unknown {what} {path!r}; expected one of {', '.join(sorted(builtin))} or "
+                    "'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise error(f"cannot import {what} module {module_name!r}: {exc}") from exc
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise error(f"{what} {path!r}: module {module_name!r} has no function {attr!r}")
+    return function
