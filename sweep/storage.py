@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import hashlib
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import optuna
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 
 __all__ = ["ask_lock", "make_storage", "mask_url", "sqlite_path"]
 
@@ -73,9 +74,19 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
                 connection.execute(text("PRAGMA journal_mode=WAL"))
     else:
         engine_kwargs["pool_pre_ping"] = True
-    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                                         grace_period=grace_period,
-                                         heartbeat_stale_trial_callback=stale_trial_callback)
+    for attempt in range(5):
+        try:
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+                                                 heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                                 heartbeat_stale_trial_callback=stale_trial_callback)
+            break
+        except DBAPIError as exc:
+            # Two processes opening a new database at once (workers on several machines, a dashboard) both create
+            # Optuna's tables; the loser sees "already exists". The tables are there now: open it again.
+            text_ = str(exc).lower()
+            if attempt == 4 or not any(s in text_ for s in ("already exists", "duplicate key", "unique constraint")):
+                raise
+            time.sleep(0.2 * (attempt + 1))
     if path is not None:
         _serialise_sqlite(storage.engine)
         storage.engine.dispose()  # reconnect with the listeners above
