@@ -8,6 +8,7 @@ The trainer knows nothing of Optuna: it talks to whoever drives it through a `Re
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -15,6 +16,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from trainer.checkpoint import CheckpointInfo, TrainState, capture_rng, restore_rng, save_checkpoint
 from trainer.config import TrainingConfig
 from trainer.curriculum import build_sampler, stage_starts
 from trainer.evaluate import evaluate
@@ -24,7 +26,7 @@ from trainer.precision import Precision, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
 from trainer.tasks import Task, load_task
 
-__all__ = ["FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients", "optimizer_step", "train"]
+__all__ = ["Checkpointer", "FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients", "optimizer_step", "train"]
 
 
 class Reporter(Protocol):
@@ -115,11 +117,23 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision
     return norm
 
 
-def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None) -> TrainResult:
+class Checkpointer(Protocol):
+    """Where and when to write checkpoints; the trainer writes them (format, atomicity, what they hold)."""
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        """Asked after every log and evaluation step (`metrics`: that evaluation's, else None). None: not now."""
+
+    def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
+        """Told after a checkpoint is safely on disk."""
+
+
+def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None, *,
+          resume: TrainState | None = None, checkpointer: Checkpointer | None = None) -> TrainResult:
     """Train one config. `task` defaults to `config.task`; pass one to reuse loaded data across runs.
 
     With no `reporter`, the fast-fail rules decide locally (on val_loss); a sweep passes a reporter that asks the
-    study's pruner instead.
+    study's pruner instead. `resume` continues exactly from a checkpoint's state: the remaining steps reproduce the
+    uninterrupted run loss for loss.
     """
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
@@ -149,19 +163,42 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         result.metrics, result.steps = metrics, step
         return reporter.report(step, {**metrics, **extra})
 
-    # 0. With fast-fail on, evaluate before the first step: a reference value over the whole validation set (not one
-    #    noisy batch) for the explosion rule, and NaN in the data is caught before any training.
-    if fast_fail.enabled:
+    loss_sum = torch.zeros((), device=device)  # summed on the device, read back at log steps only
+    steps_since_log, first_step = 0, 0
+    if resume is not None:
+        model.load_state_dict(resume.model)
+        optimizer.load_state_dict(resume.optimizer)
+        precision.scaler.load_state_dict(resume.scaler)
+        batches.load_state_dict(resume.data)
+        restore_rng(resume.rng)
+        loss_sum += float(resume.loop.get("loss_sum", 0.0))
+        steps_since_log, first_step = int(resume.loop.get("steps_since_log", 0)), resume.step
+        guard.threshold = resume.loop.get("guard_threshold")
+        result.steps, result.metrics = resume.step, dict(resume.metrics)
+    elif fast_fail.enabled:
+        # 0. With fast-fail on, evaluate before the first step: a reference value over the whole validation set (not
+        #    one noisy batch) for the explosion rule, and NaN in the data is caught before any training.
         stopped = evaluate_and_report(0)
         guard.arm(result.metrics["val_loss"])
         if stopped:
             return _finish(result, local, started, "stopped")
 
-    loss_sum = torch.zeros((), device=device)  # summed on the device, read back at log steps only
-    steps_since_log, mark = 0, time.perf_counter()
+    def checkpoint(step: int, metrics: Mapping[str, float] | None) -> None:
+        path = checkpointer.path_for(step, metrics) if checkpointer is not None else None
+        if path is None:
+            return
+        state = TrainState(step=step, model=model.state_dict(), optimizer=optimizer.state_dict(),
+                           scaler=precision.scaler.state_dict(), rng=capture_rng(), data=batches.state_dict(),
+                           loop={"loss_sum": loss_sum.item(), "steps_since_log": steps_since_log,
+                                 "guard_threshold": guard.threshold},
+                           config=config.to_dict(), metrics=dict(result.metrics))
+        checkpointer.saved(save_checkpoint(path, state), metrics)
+
+    mark = time.perf_counter()
+    done = first_step
     status = "completed"
     model.train()
-    for step in range(config.max_steps):
+    for step in range(first_step, config.max_steps):
         done = step + 1
         log_now = done % config.log_every_steps == 0 or done == config.max_steps
         eval_now = done % config.eval_every_steps == 0 or done == config.max_steps
@@ -203,7 +240,9 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
             if stop and done < config.max_steps:  # at the last step there is nothing left to save
                 status = "stopped"
                 break
-    result.steps = done if config.max_steps else 0
+        if log_now or eval_now:
+            checkpoint(done, result.metrics if eval_now else None)
+    result.steps = done
     return _finish(result, local, started, status)
 
 

@@ -1,0 +1,105 @@
+"""Checkpoints: exact resume in a fresh process, atomic writes, and refusing what cannot be trusted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import TrainingConfig, load_task, train
+from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint, sha256_of
+
+CONFIG = {"max_steps": 60, "log_every_steps": 10, "eval_every_steps": 20, "batch_size": 32, "learning_rate": 0.01,
+          "model": {"hidden": 32, "dropout": 0.2}, "optimizer": "adamw", "warmup_steps": 5}
+
+
+class SaveAt:
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path, self.infos = step, path, []
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        return self.path if step == self.step else None
+
+    def saved(self, info, metrics) -> None:
+        self.infos.append(info)
+
+
+RESUME = """
+import json, sys
+from trainer import TrainingConfig, train
+from trainer.checkpoint import load_checkpoint
+state = load_checkpoint(sys.argv[1], sha256=sys.argv[2])
+result = train(TrainingConfig.from_dict(state.config), resume=state)
+print(json.dumps({"logs": result.logs, "evals": result.evals, "steps": result.steps}))
+"""
+
+
+@pytest.mark.parametrize("curriculum", [{}, {"schedule": "linear", "end_fraction": 0.9}])
+def test_resume_in_a_fresh_process_reproduces_the_run_bit_for_bit(tmp_path: Path, curriculum: dict) -> None:
+    config = TrainingConfig.from_dict({**CONFIG, "curriculum": curriculum})
+    saver = SaveAt(30, tmp_path / "step30.pt")
+    full = train(config, checkpointer=saver)
+    [info] = saver.infos
+    assert info.step == 30 and info.sha256 == sha256_of(info.path)
+    done = subprocess.run([sys.executable, "-c", RESUME, str(info.path), info.sha256], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    resumed = json.loads(done.stdout)
+    tail = [r for r in full.logs if r["step"] > 30]
+    assert [(r["step"], r["train_loss"], r["grad_norm"]) for r in resumed["logs"]] == \
+        [(r["step"], r["train_loss"], r["grad_norm"]) for r in tail]
+    assert [[s, m] for s, m in resumed["evals"]] == [[s, m] for s, m in full.evals if s > 30]
+    assert resumed["steps"] == 60
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path: Path) -> None:
+    path = tmp_path / "latest.pt"
+    saver = SaveAt(20, path)
+    train(TrainingConfig.from_dict(CONFIG), checkpointer=saver)
+    before = sha256_of(path)
+    state = load_checkpoint(path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise OSError("No space left on device (a real failure in the middle of writing)")
+
+    broken = TrainState(**{**state.__dict__, "metrics": {"val_loss": Unpicklable()}})  # fails after the tensors
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(path, broken)
+    assert sha256_of(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]  # no temporary file left behind
+    assert load_checkpoint(path, sha256=before).step == 20
+
+
+def test_corrupt_truncated_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    train(TrainingConfig.from_dict(CONFIG), checkpointer=SaveAt(10, path))
+    good = sha256_of(path)
+    data = bytearray(path.read_bytes())
+
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / "flipped.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its recorded hash"):
+        load_checkpoint(tmp_path / "flipped.pt", sha256=good)
+
+    (tmp_path / "short.pt").write_bytes(path.read_bytes()[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(tmp_path / "short.pt")
+
+    torch.save({"format": 1, "step": 1, "payload": subprocess.Popen}, tmp_path / "code.pt")  # a pickled class
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(tmp_path / "code.pt")  # weights_only: never unpickled
+
+
+def test_checkpoints_hold_the_whole_training_state(tmp_path: Path) -> None:
+    path = tmp_path / "s.pt"
+    train(TrainingConfig.from_dict(CONFIG), load_task("digits"), checkpointer=SaveAt(20, path))
+    state = load_checkpoint(path)
+    assert state.step == 20 and state.config["max_steps"] == 60
+    assert {"python", "numpy", "torch"} <= set(state.rng) and state.optimizer["state"]
+    assert state.data and "val_loss" in state.metrics and state.loop["guard_threshold"] > 0

@@ -1,0 +1,140 @@
+"""Checkpoints: the whole training state, written atomically, read back as data only.
+
+A checkpoint holds everything an exact resume needs: model, optimizer, grad scaler, the step, every RNG (python,
+numpy, torch, CUDA), the data sampler's position, the loop's running loss, the fast-fail guard's threshold and the
+resolved config. It is written to a temporary file, fsynced and renamed, so a crash or a full disk mid-write leaves
+the previous checkpoint intact; its SHA-256 is returned for the caller to record. It is read with
+`torch.load(weights_only=True)`: a checkpoint another worker wrote is data, never code. A file whose hash does not
+match, or that is truncated, is refused with `CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CheckpointError", "CheckpointInfo", "TrainState", "capture_rng", "load_checkpoint", "restore_rng",
+           "save_checkpoint", "sha256_of"]
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted: missing, truncated, corrupt, or not what its hash says."""
+
+
+@dataclass
+class TrainState:
+    """Resume state as a typed record, not loose dict keys."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scaler: dict[str, Any]
+    rng: dict[str, Any]
+    data: dict[str, Any]
+    loop: dict[str, Any] = field(default_factory=dict)  # running loss since the last log, the guard's threshold
+    config: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def payload(self) -> dict[str, Any]:
+        return {"format": FORMAT, "step": self.step, "model": self.model, "optimizer": self.optimizer,
+                "scaler": self.scaler, "rng": self.rng, "data": self.data, "loop": self.loop, "config": self.config,
+                "metrics": self.metrics}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> TrainState:
+        if payload.get("format") != FORMAT:
+            raise CheckpointError(f"unknown checkpoint format {payload.get('format')!r}, expected {FORMAT}")
+        return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "loop",
+                                              "config", "metrics")})
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    sha256: str
+    size: int
+    step: int
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG's state, as tensors and plain values (what weights_only loading accepts)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value: Any) -> Any:
+    """random.setstate wants tuples where a round trip may have produced lists."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_checkpoint(path: str | Path, state: TrainState) -> CheckpointInfo:
+    """Write atomically: temporary file, fsync, rename, fsync of the folder. Returns where, its hash and size."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(state.payload(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # make the rename itself durable
+    finally:
+        os.close(folder)
+    return CheckpointInfo(path, sha256_of(path), path.stat().st_size, state.step)
+
+
+def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: str | torch.device = "cpu",
+                    ) -> TrainState:
+    """Read a checkpoint as data only. With `sha256`, a file that does not match is refused before it is parsed."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if sha256 is not None and sha256_of(path) != sha256:
+        raise CheckpointError(f"checkpoint {path} does not match its recorded hash: refusing to load it")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - truncated zip, pickle errors, disallowed globals: all untrustworthy
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"checkpoint {path} holds {type(payload).__name__}, not a training state")
+    return TrainState.from_payload(payload)
