@@ -7,17 +7,24 @@ import functools
 import json
 import math
 import time
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
 
+from sweep.checkpoints import TrialCheckpointer
 from sweep.pruners import FastFailPruner
+from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint
 from trainer import Task, TrainingConfig, load_task, train
-from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_STEPS, ATTR_WALL)
+from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_RESUMED_FROM,
+                         ATTR_RETRY_OF, ATTR_STEPS, ATTR_WALL)
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from sweep.registry import Registry
     from sweep.spec import StudySpec
     from sweep.study import Events
 
@@ -78,6 +85,24 @@ def pruner_name(pruner: optuna.pruners.BasePruner | None) -> str:
     return names.get(type(pruner), type(pruner).__name__)
 
 
+def _resume_state(trial: optuna.Trial, registry: Registry) -> TrainState | None:
+    """A retry of a trial whose worker died or was interrupted continues from that trial's last checkpoint, not from
+    step 0. A checkpoint that is missing or fails its hash is refused with a warning, and the trial starts over."""
+    origin = trial.user_attrs.get(ATTR_RETRY_OF)
+    if origin is None:
+        return None
+    record = registry.latest_for_trial(trial.study.study_name, int(origin))
+    if record is None:
+        return None
+    try:
+        state = load_checkpoint(record.uri, sha256=record.sha256)
+    except CheckpointError as exc:
+        warnings.warn(f"trial {trial.number}: not resuming from trial {origin}'s checkpoint: {exc}", stacklevel=2)
+        return None
+    trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": int(origin), "step": state.step})
+    return state
+
+
 @functools.lru_cache(maxsize=4)
 def _cached_task(name: str, args_json: str) -> Task:
     return load_task(name, json.loads(args_json))
@@ -88,13 +113,21 @@ def task_for(name: str, args: Mapping[str, Any]) -> Task:
     return _cached_task(name, json.dumps(dict(args), sort_keys=True))
 
 
-def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events) -> Outcome:
+def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Registry | None = None,
+              store: Path | None = None) -> Outcome:
     params = spec.suggest(trial)
     events.trial_started(trial.number, params)
     config = spec.config_for(params)
     trial.set_user_attr(ATTR_CONFIG, config.to_dict())
     reporter = TrialReporter(trial, spec, config, events)
-    result = train(config, task_for(config.task, config.task_args), reporter)
+    checkpointer, resume = None, None
+    if registry is not None and store is not None:
+        if spec.checkpoints.enabled:
+            checkpointer = TrialCheckpointer(registry, store, trial.study.study_name, trial.number, params,
+                                             spec.checkpoints, spec.metric, spec.direction == "maximize")
+        resume = _resume_state(trial, registry)
+    result = train(config, task_for(config.task, config.task_args), reporter, resume=resume,
+                   checkpointer=checkpointer)
     attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
                              ATTR_STEPS: result.steps, ATTR_WALL: round(result.wall_time_s, 3),
                              "report_ms": reporter.report_ms}

@@ -123,6 +123,19 @@ class TaskSpec(_Model):
         return {"name": value} if isinstance(value, str) else value
 
 
+class CheckpointPolicy(_Model):
+    """When trials write checkpoints, how many each keeps, and where the blobs go."""
+
+    every_steps: int | None = Field(None, ge=1)  # also save every this many steps (at log or eval steps)
+    on_best: bool = True  # save at every evaluation that improves the trial's best value
+    keep_top_k: int = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
+    store: str | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
+
+    @property
+    def enabled(self) -> bool:
+        return self.on_best or self.every_steps is not None
+
+
 class StudySpec(_Model):
     """The validated study file. `source` is where it came from (not a key of the file)."""
 
@@ -139,6 +152,7 @@ class StudySpec(_Model):
     max_repeated_failures: int = Field(5, ge=0)
     heartbeat_interval: int = Field(10, ge=1)
     heartbeat_grace_period: int = Field(60, ge=2)
+    checkpoints: CheckpointPolicy = CheckpointPolicy()
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}

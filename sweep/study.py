@@ -22,6 +22,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.pruners import FastFailPruner
+from sweep.registry import Registry, default_store
 from sweep.storage import ask_lock, make_storage, mask_url
 from sweep.spec import SPEC_ATTR, Component, StudyFileError, StudySpec
 
@@ -52,6 +53,7 @@ ATTR_TRACEBACK = "traceback"
 ATTR_INTERRUPTED = "interrupted"
 ATTR_RETRY_OF = "retry_of"
 ATTR_RETRY_REASON = "retry_reason"
+ATTR_RESUMED_FROM = "resumed_from"
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 
 SAMPLERS: dict[str, type[optuna.samplers.BaseSampler]] = {
@@ -329,6 +331,9 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     started_wall, started, ran = time.time(), time.monotonic(), 0
     streak, streak_signature = 0, None  # how many of the latest trials failed the same way, and how
     lock = (lambda: ask_lock(storage_url, study.study_name)) if storage_url else contextlib.nullcontext
+    registry = Registry(storage_url) if storage_url else None
+    store = (Path(spec.checkpoints.store) / study.study_name if spec.checkpoints.store
+             else default_store(storage_url, study.study_name)) if storage_url else None
     summary = lambda **flags: RunSummary(ran, budget_used(study), n_trials, **flags)  # noqa: E731
     while True:
         if timeout is not None and time.monotonic() - started >= timeout:
@@ -346,7 +351,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
             continue
         try:
             with _Heartbeat(study, trial):
-                outcome = run_trial(trial, spec, events)
+                outcome = run_trial(trial, spec, events, registry, store)
         except KeyboardInterrupt:
             _tell(study, trial, TrialState.FAIL, None, {ATTR_FAIL: "interrupted", ATTR_INTERRUPTED: True})
             study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,

@@ -1,0 +1,60 @@
+"""A worker SIGKILLed mid-trial: the trial is detected dead and retried from its own last checkpoint."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from tests.conftest import TINY_STUDY, run_cli, write_study
+
+
+def checkpointed_steps(db: Path, trial: int) -> list[int]:
+    try:
+        with sqlite3.connect(db) as connection:
+            return [row[0] for row in connection.execute(
+                "SELECT step FROM sweep_checkpoints WHERE trial_number = ? ORDER BY step", (trial,))]
+    except sqlite3.OperationalError:  # the table does not exist yet
+        return []
+
+
+def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "heartbeat_interval": 1, "heartbeat_grace_period": 3,
+                                            "checkpoints": {"every_steps": 100, "on_best": False, "keep_top_k": 1}}
+    document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 500, "log_every_steps": 100}
+    path = write_study(tmp_path, document)
+    db = tmp_path / "tiny.db"
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
+            time.sleep(0.2)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+    finally:
+        worker.kill()
+    saved = max(checkpointed_steps(db, 0))
+    assert saved >= 200
+    assert optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").trials[0].state == TrialState.RUNNING
+
+    time.sleep(3.5)  # the dead trial's heartbeat goes stale
+    done = run_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    dead = trials[0]
+    assert dead.state == TrialState.FAIL
+    [retry] = [t for t in trials if t.user_attrs.get("retry_of") == 0]
+    assert retry.state == TrialState.COMPLETE and retry.params == dead.params
+    resumed_at = retry.user_attrs["resumed_from"]["step"]
+    assert resumed_at >= saved  # the latest checkpoint (a later one may have landed as the kill arrived)
+    assert min(retry.intermediate_values) > 0  # it did not start over
+    assert retry.user_attrs["steps"] == 3000
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
