@@ -32,7 +32,8 @@ def postgres_url() -> Iterator[str]:
 
 def busy_study(folder: Path, n_trials: int, **fixed) -> Path:
     document = copy.deepcopy(TINY_STUDY) | {"n_trials": n_trials, "heartbeat_interval": 1,
-                                            "heartbeat_grace_period": 3}
+                                            "heartbeat_grace_period": 3,
+                                            "checkpoints": {"store": str(folder / "checkpoints")}}
     document["fixed"] = {**document["fixed"], **fixed}
     return write_study(folder, document)
 
