@@ -36,9 +36,12 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     exits. A worker still running `grace_s` seconds later is killed.
     """
     gpus = visible_gpus()
+    # Each worker's torch would start one compute thread per core: N workers then oversubscribe the CPU N times over,
+    # and small models slow down several-fold. Split the cores instead, unless the user chose a thread count.
+    threads = str(max(1, (os.cpu_count() or 1) // n_workers))
     processes = []
     for index in range(n_workers):
-        env = {**os.environ, WORKER_ENV: str(index)}
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, WORKER_ENV: str(index)}
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
         processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=env))
