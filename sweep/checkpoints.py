@@ -1,11 +1,12 @@
 """The sweep side of checkpoints: when a trial saves (the study's policy), where the blob goes, registering it, and
-keeping each trial's latest plus its best k. A running trial only ever deletes its own checkpoints, so a checkpoint
-that another trial is resuming or warm-starting from (a finished or dead trial's) is never collected under it."""
+garbage collection: each trial keeps its latest plus its best k, and with `keep_top_trials` only the study's best
+finished trials keep any. A checkpoint that some trial resumed or warm-started from is pinned in the registry and
+never collected (see `Registry.pin`), so a running trial never loses its parent, and reproduce can always find it."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,16 +16,19 @@ if TYPE_CHECKING:
     from sweep.registry import Registry
     from sweep.spec import CheckpointPolicy
 
-__all__ = ["TrialCheckpointer"]
+__all__ = ["TrialCheckpointer", "collect_study"]
 
 
 class TrialCheckpointer:
     """The trainer's `Checkpointer` for one trial."""
 
     def __init__(self, registry: Registry, store: Path, study: str, trial_number: int, params: Mapping[str, Any],
-                 policy: CheckpointPolicy, metric: str, maximize: bool) -> None:
+                 policy: CheckpointPolicy, metric: str, maximize: bool, shape_key: str = "",
+                 coords: Sequence[float | None] = (), keep_steps: Sequence[int] = ()) -> None:
         self.registry, self.store, self.study, self.number = registry, store, study, trial_number
         self.params, self.policy, self.metric, self.maximize = dict(params), policy, metric, maximize
+        self.shape_key, self.coords = shape_key, list(coords)
+        self.keep_steps = set(keep_steps)  # always saved and kept: the warm-start handoff point
         self.best: float | None = None
 
     def _improves(self, value: float) -> bool:
@@ -37,15 +41,15 @@ class TrialCheckpointer:
         best = self.policy.on_best and metrics is not None and self._improves(metrics[self.metric])
         if best:
             self.best = metrics[self.metric]  # type: ignore[index]
-        if not (periodic or best):
+        if not (periodic or best or step in self.keep_steps):
             return None
         return self.store / f"trial{self.number:05d}-step{step:08d}.pt"
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         value = None if metrics is None else metrics.get(self.metric)
         self.registry.register(study=self.study, trial_number=self.number, step=info.step, value=value,
-                               params=self.params, shape_key="", uri=str(info.path), size=info.size,
-                               sha256=info.sha256)
+                               params=self.params, shape_key=self.shape_key, uri=str(info.path), size=info.size,
+                               sha256=info.sha256, coords=self.coords)
         self._collect()
 
     def _collect(self) -> None:
@@ -55,9 +59,21 @@ class TrialCheckpointer:
         latest = max(records, key=lambda r: (r.step, r.id))
         scored = sorted((r for r in records if r.value is not None and math.isfinite(r.value)),
                         key=lambda r: -r.value if self.maximize else r.value)  # type: ignore[operator]
-        keep = {latest.id, *(r.id for r in scored[: self.policy.keep_top_k])}
-        doomed = [r for r in records if r.id not in keep]
-        self.registry.forget([r.id for r in doomed])  # the row first: nobody is sent to a deleted file
-        for record in doomed:
-            if not any(r.uri == record.uri for r in records if r.id in keep):
+        keep = {latest.id, *(r.id for r in scored[: self.policy.keep_top_k]),
+                *(r.id for r in records if r.step in self.keep_steps)}
+        gone = set(self.registry.forget([r.id for r in records if r.id not in keep]))  # pinned ones stay
+        kept = {r.uri for r in records if r.id not in gone}
+        for record in records:  # the rows first, then the files: nobody is sent to a deleted file
+            if record.id in gone and record.uri not in kept:
                 Path(record.uri).unlink(missing_ok=True)
+
+
+def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> int:
+    """Keep checkpoints only for the study's `keep_trials` best finished trials (pinned ones always stay).
+    Returns how many blobs were deleted."""
+    ranges = registry.value_range_per_trial(study)
+    ranked = sorted(ranges, key=lambda n: -ranges[n][1] if maximize else ranges[n][0])
+    uris = registry.forget_unpinned(study, ranked[keep_trials:])
+    for uri in uris:
+        Path(uri).unlink(missing_ok=True)
+    return len(uris)

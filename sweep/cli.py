@@ -282,8 +282,21 @@ def dashboard(
         loopback = host == "localhost"
     if not loopback:
         err.print(f"warning: binding to {host}: anyone who can reach this machine can read and edit the study")
+    artifacts = dashboard_artifact_store(study)
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
-    optuna_dashboard.run_server(url, host=host, port=port)
+    optuna_dashboard.run_server(url, host=host, port=port, artifact_store=artifacts)
+
+
+def dashboard_artifact_store(study: object) -> object | None:
+    """The artifact store where the study's trials uploaded their best checkpoints, so the dashboard lists them."""
+    import optuna
+
+    from sweep.study import ARTIFACTS_ATTR
+
+    folder = study.user_attrs.get(ARTIFACTS_ATTR)  # type: ignore[attr-defined]
+    if folder is None or not Path(folder).is_dir():
+        return None
+    return optuna.artifacts.FileSystemArtifactStore(folder)
 
 
 @app.command()

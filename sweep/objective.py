@@ -14,15 +14,19 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from sweep.checkpoints import TrialCheckpointer
+from sweep.checkpoints import TrialCheckpointer, collect_study
 from sweep.pruners import FastFailPruner
+from sweep.warmstart import coordinates, shape_key, warm_start_from
 from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint
 from trainer import Task, TrainingConfig, load_task, train
 from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_RESUMED_FROM,
-                         ATTR_RETRY_OF, ATTR_STEPS, ATTR_WALL)
+                         ATTR_RETRY_OF, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
+                         ATTR_CHECKPOINT)
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+    from optuna.artifacts import FileSystemArtifactStore
 
     from sweep.registry import Registry
     from sweep.spec import StudySpec
@@ -94,12 +98,17 @@ def _resume_state(trial: optuna.Trial, registry: Registry) -> TrainState | None:
     record = registry.latest_for_trial(trial.study.study_name, int(origin))
     if record is None:
         return None
+    registry.pin(record.id)  # never collected while (or after) this trial continues from it
     try:
         state = load_checkpoint(record.uri, sha256=record.sha256)
     except CheckpointError as exc:
         warnings.warn(f"trial {trial.number}: not resuming from trial {origin}'s checkpoint: {exc}", stacklevel=2)
         return None
     trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": int(origin), "step": state.step})
+    original = [t for t in trial.study.get_trials(deepcopy=False) if t.number == int(origin)]
+    lineage = original[0].user_attrs.get(ATTR_WARM_START) if original else None
+    if lineage is not None:  # the original's parent is this run's parent too (reproduce replays from it)
+        trial.set_user_attr(ATTR_WARM_START, lineage)
     return state
 
 
@@ -114,28 +123,63 @@ def task_for(name: str, args: Mapping[str, Any]) -> Task:
 
 
 def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Registry | None = None,
-              store: Path | None = None) -> Outcome:
+              store: Path | None = None, artifacts: FileSystemArtifactStore | None = None) -> Outcome:
     params = spec.suggest(trial)
     events.trial_started(trial.number, params)
     config = spec.config_for(params)
     trial.set_user_attr(ATTR_CONFIG, config.to_dict())
+    task = task_for(config.task, config.task_args)
     reporter = TrialReporter(trial, spec, config, events)
-    checkpointer, resume = None, None
+    study = trial.study.study_name
+    checkpointer, resume, warm = None, None, None
     if registry is not None and store is not None:
+        key = shape_key(config, task)
+        handoff = (spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps)
+                   if spec.warm_start.enabled else 0)
         if spec.checkpoints.enabled:
-            checkpointer = TrialCheckpointer(registry, store, trial.study.study_name, trial.number, params,
-                                             spec.checkpoints, spec.metric, spec.direction == "maximize")
+            checkpointer = TrialCheckpointer(registry, store, study, trial.number, params, spec.checkpoints,
+                                             spec.metric, spec.direction == "maximize", shape_key=key,
+                                             coords=coordinates(spec.space, params),
+                                             keep_steps=[handoff] if handoff else [])
         resume = _resume_state(trial, registry)
-    result = train(config, task_for(config.task, config.task_args), reporter, resume=resume,
-                   checkpointer=checkpointer)
+        if resume is None and handoff:
+            found = warm_start_from(registry, spec, study, trial.number, params, config, key, handoff)
+            if found is not None:
+                warm, donor = found
+                trial.set_user_attr(ATTR_WARM_START, {**donor.lineage(), "inherit": spec.warm_start.inherit})
+    result = train(config, task, reporter, resume=resume, warm_start=warm, checkpointer=checkpointer)
+    first_step = resume.step if resume is not None else warm.state.step if warm is not None else 0
     attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
-                             ATTR_STEPS: result.steps, ATTR_WALL: round(result.wall_time_s, 3),
-                             "report_ms": reporter.report_ms}
+                             ATTR_STEPS: result.steps, ATTR_STEPS_TRAINED: result.steps - first_step,
+                             ATTR_WALL: round(result.wall_time_s, 3), "report_ms": reporter.report_ms}
     if result.status == "stopped" and reporter.prune_reason is not None:
         attrs[ATTR_PRUNE] = reporter.prune_reason
-        return TrialState.PRUNED, None, attrs
-    value = result.metrics[spec.metric]
-    if not math.isfinite(value):
+        outcome: Outcome = (TrialState.PRUNED, None, attrs)
+    elif not math.isfinite(value := result.metrics[spec.metric]):
         attrs[ATTR_FAIL] = f"diverged: {spec.metric} is {value} at step {result.steps}"
         return TrialState.FAIL, None, attrs
-    return TrialState.COMPLETE, value, attrs
+    else:
+        outcome = (TrialState.COMPLETE, value, attrs)
+    if registry is not None and checkpointer is not None:
+        _finish_checkpoints(trial, spec, registry, artifacts)
+    return outcome
+
+
+def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry,
+                        artifacts: FileSystemArtifactStore | None) -> None:
+    """The trial is over: its checkpoints become warm-start donors, its best one becomes a dashboard artifact, and
+    the study's retention applies."""
+    study = trial.study.study_name
+    registry.finish_trial(study, trial.number)
+    records = registry.for_trial(study, trial.number)
+    scored = [r for r in records if r.value is not None and math.isfinite(r.value)]
+    maximize = spec.direction == "maximize"
+    if artifacts is not None and spec.checkpoints.artifacts and (scored or records):
+        best = (max(scored, key=lambda r: r.value if maximize else -r.value) if scored  # type: ignore[operator]
+                else max(records, key=lambda r: r.step))
+        artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=best.uri,
+                                                       study_or_trial=trial, mimetype="application/octet-stream")
+        trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step, "value": best.value,
+                                              "sha256": best.sha256, "size": best.size})
+    if spec.checkpoints.keep_top_trials is not None:
+        collect_study(registry, study, spec.checkpoints.keep_top_trials, maximize)

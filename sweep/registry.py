@@ -5,6 +5,11 @@ its metric, the trial's params, where the blob lives, its size and hash. Blobs l
 file by default, or a shared path every worker can read when workers run on several machines.
 
 The table is created on first use; several workers creating it at once is safe (the loser of the race finds it).
+
+Warm start looks donors up here in one indexed query: same study, same shape key, finished, and inside a box around
+the new trial's point in the normalised search space (the first `COORDS` numeric coordinates are columns, `c0` in
+the index); the exact distance is then computed over the few rows that come back. A checkpoint some trial started
+from is `pinned`: garbage collection never deletes it, so a warm-started trial can always be reproduced.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, Text, create_engine, delete, insert,
-                        select)
+from collections.abc import Sequence
+
+from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, Text, and_, create_engine, delete,
+                        func, insert, select, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from sweep.storage import sqlite_path
 
-__all__ = ["CheckpointRecord", "Registry", "default_store"]
+__all__ = ["COORDS", "CheckpointRecord", "Registry", "default_store"]
+
+COORDS = 4  # normalised coordinates kept as indexed columns for the donor lookup's box
 
 metadata = MetaData()
 checkpoints = Table(
@@ -38,8 +47,11 @@ checkpoints = Table(
     Column("size", Integer, nullable=False),
     Column("sha256", String(64), nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("final", Integer, nullable=False, default=0),  # 1 once its trial finished (completed or pruned)
+    Column("pinned", Integer, nullable=False, default=0),  # 1 once a trial started from it: never collected
+    *(Column(f"c{i}", Float, nullable=True) for i in range(COORDS)),
     Index("ix_sweep_checkpoints_trial", "study", "trial_number", "step"),
-    Index("ix_sweep_checkpoints_donors", "study", "shape_key", "value"),
+    Index("ix_sweep_checkpoints_donors", "study", "shape_key", "final", "c0"),
 )
 
 
@@ -56,10 +68,12 @@ class CheckpointRecord:
     size: int
     sha256: str
     created_at: float
+    final: int = 0
+    pinned: int = 0
 
     @classmethod
     def from_row(cls, row: Any) -> CheckpointRecord:
-        values = dict(row._mapping)
+        values = {k: v for k, v in row._mapping.items() if not (k[0] == "c" and k[1:].isdigit())}
         values["params"] = json.loads(values["params"])
         return cls(**values)
 
@@ -86,13 +100,69 @@ class Registry:
                 time.sleep(0.1 * (attempt + 1))
 
     def register(self, *, study: str, trial_number: int, step: int, value: float | None, params: dict[str, Any],
-                 shape_key: str, uri: str, size: int, sha256: str) -> int:
+                 shape_key: str, uri: str, size: int, sha256: str, coords: Sequence[float | None] = ()) -> int:
+        columns = {f"c{i}": (coords[i] if i < len(coords) else None) for i in range(COORDS)}
         with self.engine.begin() as connection:
             result = connection.execute(insert(checkpoints).values(
                 study=study, trial_number=trial_number, step=step, value=value,
                 params=json.dumps(params, sort_keys=True, default=str), shape_key=shape_key, uri=uri, size=size,
-                sha256=sha256, created_at=time.time()))
+                sha256=sha256, created_at=time.time(), final=0, pinned=0, **columns))
             return int(result.inserted_primary_key[0])
+
+    def finish_trial(self, study: str, trial_number: int) -> None:
+        """The trial completed or was pruned: its checkpoints may now be warm-start donors."""
+        with self.engine.begin() as connection:
+            connection.execute(update(checkpoints).where(checkpoints.c.study == study,
+                                                         checkpoints.c.trial_number == trial_number)
+                               .values(final=1))
+
+    def donor_candidates(self, studies: Sequence[str], shape_key: str, *, before_step: int,
+                         box: Sequence[tuple[float, float] | None] = ()) -> list[CheckpointRecord]:
+        """Finished trials' scored checkpoints with this shape key, earlier than `before_step`: one indexed query.
+        `box[i]`: `(low, high)` for coordinate column `c{i}` (None: unconstrained); only meaningful when every study
+        searched shares one search space."""
+        conditions = [checkpoints.c.study.in_(list(studies)), checkpoints.c.shape_key == shape_key,
+                      checkpoints.c.final == 1, checkpoints.c.value.is_not(None), checkpoints.c.step < before_step]
+        for i, bounds in enumerate(box[:COORDS]):
+            if bounds is not None:
+                conditions.append(checkpoints.c[f"c{i}"].between(*bounds))
+        with self.engine.connect() as connection:
+            return [CheckpointRecord.from_row(row) for row in connection.execute(select(checkpoints)
+                                                                                 .where(and_(*conditions)))]
+
+    def pin(self, checkpoint_id: int) -> bool:
+        """Protect a checkpoint from garbage collection because a trial starts from it. False: it was collected
+        in the meantime (look again)."""
+        with self.engine.begin() as connection:
+            result = connection.execute(update(checkpoints).where(checkpoints.c.id == checkpoint_id).values(pinned=1))
+            return result.rowcount == 1
+
+    def forget_broken(self, checkpoint_id: int) -> None:
+        """A checkpoint whose blob is missing or corrupt: remove its row, pinned or not, so nobody tries it again."""
+        with self.engine.begin() as connection:
+            connection.execute(delete(checkpoints).where(checkpoints.c.id == checkpoint_id))
+
+    def value_range_per_trial(self, study: str) -> dict[int, tuple[float, float]]:
+        """Each finished trial's lowest and highest checkpointed value."""
+        query = (select(checkpoints.c.trial_number, func.min(checkpoints.c.value), func.max(checkpoints.c.value))
+                 .where(checkpoints.c.study == study, checkpoints.c.final == 1, checkpoints.c.value.is_not(None))
+                 .group_by(checkpoints.c.trial_number))
+        with self.engine.connect() as connection:
+            return {int(n): (float(low), float(high)) for n, low, high in connection.execute(query)}
+
+    def forget_unpinned(self, study: str, trial_numbers: Sequence[int]) -> list[str]:
+        """Delete these finished trials' unpinned checkpoint rows; returns the blob URIs no row points to any more
+        (the caller deletes the files: rows first, so nobody is sent to a deleted file)."""
+        if not trial_numbers:
+            return []
+        where = and_(checkpoints.c.study == study, checkpoints.c.trial_number.in_(list(trial_numbers)),
+                     checkpoints.c.final == 1, checkpoints.c.pinned == 0)
+        with self.engine.begin() as connection:
+            doomed = connection.execute(delete(checkpoints).where(where).returning(checkpoints.c.uri)).scalars().all()
+            if not doomed:
+                return []
+            still = set(connection.execute(select(checkpoints.c.uri).where(checkpoints.c.uri.in_(doomed))).scalars())
+        return [uri for uri in dict.fromkeys(doomed) if uri not in still]
 
     def latest_for_trial(self, study: str, trial_number: int) -> CheckpointRecord | None:
         """The trial's most advanced checkpoint, or None if it wrote none."""
@@ -107,7 +177,11 @@ class Registry:
         with self.engine.connect() as connection:
             return [CheckpointRecord.from_row(row) for row in connection.execute(query)]
 
-    def forget(self, ids: list[int]) -> None:
-        if ids:
-            with self.engine.begin() as connection:
-                connection.execute(delete(checkpoints).where(checkpoints.c.id.in_(ids)))
+    def forget(self, ids: list[int]) -> list[int]:
+        """Delete these rows unless pinned; returns the ids actually deleted."""
+        if not ids:
+            return []
+        with self.engine.begin() as connection:
+            return list(connection.execute(delete(checkpoints).where(checkpoints.c.id.in_(ids),
+                                                                     checkpoints.c.pinned == 0)
+                                           .returning(checkpoints.c.id)).scalars())

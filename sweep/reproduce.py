@@ -1,7 +1,7 @@
 """`sweep reproduce STUDY TRIAL`: train one trial again from what the storage holds and compare its reports.
 
-The stored `config` user attr is the trial's whole `TrainingConfig` (fixed values, sampled params, seed, task), so
-nothing else is needed. The rerun reports to a local recorder, not to the study, and stops where the trial stopped
+The stored `config` user attr is the trial's whole `TrainingConfig` (fixed values, sampled params, seed, task); a
+warm-started trial also names its parent checkpoint (`warm_start_from`), which is loaded again. The rerun reports to a local recorder, not to the study, and stops where the trial stopped
 (a pruned trial is replayed up to its last report). On CPU the values must match bit for bit; on a GPU within a
 relative tolerance, since cuBLAS and cuDNN kernels are not deterministic unless `deterministic: true`.
 """
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import optuna
 
 from sweep.objective import task_for
-from sweep.study import ATTR_CONFIG
+from sweep.study import ATTR_CONFIG, ATTR_WARM_START
 from trainer import TrainingConfig, train
+from trainer.checkpoint import CheckpointError, WarmStart, load_checkpoint
 from trainer.precision import resolve_device
 
 __all__ = ["Comparison", "reproduce_trial"]
@@ -55,6 +56,20 @@ def _same(a: float, b: float, tolerance: float) -> bool:
     return math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
 
 
+def _parent(trial: optuna.trial.FrozenTrial) -> WarmStart | None:
+    """A warm-started trial is replayed from the same parent checkpoint (pinned, so never collected), checked
+    against the hash recorded when the trial started from it."""
+    lineage = trial.user_attrs.get(ATTR_WARM_START)
+    if lineage is None:
+        return None
+    try:
+        state = load_checkpoint(lineage["uri"], sha256=lineage["sha256"])
+    except CheckpointError as exc:
+        raise ValueError(f"trial {trial.number} was warm-started from trial {lineage['trial']}'s checkpoint, which "
+                         f"cannot be used: {exc}") from None
+    return WarmStart(state, optimizer=lineage.get("inherit") == "weights+optimizer")
+
+
 def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 1e-3) -> Comparison:
     trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
     if not trials:
@@ -67,7 +82,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 
     metric = study.user_attrs.get("sweep.spec", {}).get("metric", "val_loss")
     stored = dict(sorted(trial.intermediate_values.items()))
     recorder = _Recorder(max(stored), metric)
-    train(config, task_for(config.task, config.task_args), recorder)
+    train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial))
     tolerance = 0.0 if resolve_device(config.device).type == "cpu" or config.deterministic else gpu_tolerance
     difference = None
     for step, value in stored.items():

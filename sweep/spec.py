@@ -129,11 +129,41 @@ class CheckpointPolicy(_Model):
     every_steps: int | None = Field(None, ge=1)  # also save every this many steps (at log or eval steps)
     on_best: bool = True  # save at every evaluation that improves the trial's best value
     keep_top_k: int = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
+    keep_top_trials: int | None = Field(None, ge=1)  # per study: only the k best finished trials keep checkpoints
+    artifacts: bool = True  # upload each finished trial's best checkpoint as an Optuna artifact (dashboard download)
     store: str | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
 
     @property
     def enabled(self) -> bool:
         return self.on_best or self.every_steps is not None
+
+
+class WarmStartSpec(_Model):
+    """Start each trial from the checkpoint of its nearest finished or pruned neighbour (see sweep.warmstart)."""
+
+    def handoff_step(self, max_steps: int, eval_every_steps: int) -> int:
+        """The evaluation step nearest below `handoff x max_steps`: every trial keeps a checkpoint there (0: none)."""
+        return int(self.handoff * max_steps) // eval_every_steps * eval_every_steps
+
+    enabled: bool = True
+    max_distance: float = Field(0.3, gt=0)  # Euclidean, in the search space scaled to [0, 1] per key
+    match: list[str] = []  # keys whose values must be equal besides those that change tensor shapes (inferred)
+    inherit: Literal["weights", "weights+optimizer"] = "weights"
+    handoff: float = Field(0.5, gt=0, lt=1)  # a donor hands its state over at this fraction of its budget
+    from_studies: list[str] = []  # other studies in the same storage whose checkpoints may be donors too
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+    @field_validator("match", mode="after")
+    @classmethod
+    def _known_keys(cls, value: list[str]) -> list[str]:
+        unknown = [key for key in value if not TrainingConfig.is_key(key)]
+        if unknown:
+            raise ValueError(f"expected TrainingConfig keys, got unknown {', '.join(map(repr, unknown))}")
+        return value
 
 
 class StudySpec(_Model):
@@ -153,6 +183,7 @@ class StudySpec(_Model):
     heartbeat_interval: int = Field(10, ge=1)
     heartbeat_grace_period: int = Field(60, ge=2)
     checkpoints: CheckpointPolicy = CheckpointPolicy()
+    warm_start: WarmStartSpec = WarmStartSpec(enabled=False)
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}
@@ -323,6 +354,9 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if schedules - {"none"} and task.difficulty is None:
         problems.append(("curriculum.schedule", f"task {task.name!r} gives no per-sample difficulty, so it cannot "
                                                 "follow a curriculum; use schedule none or a task with difficulty"))
+    if spec.warm_start.enabled and not spec.checkpoints.enabled:
+        problems.append(("warm_start", "needs checkpoints to start from: set checkpoints.on_best or "
+                                       "checkpoints.every_steps"))
     if spec.metric not in task.metric_names:
         problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; got {spec.metric!r}"))
     problems += component_problems(spec)

@@ -54,6 +54,10 @@ ATTR_INTERRUPTED = "interrupted"
 ATTR_RETRY_OF = "retry_of"
 ATTR_RETRY_REASON = "retry_reason"
 ATTR_RESUMED_FROM = "resumed_from"
+ATTR_WARM_START = "warm_start_from"  # {study, trial, step, distance, value, checkpoint_id, uri, sha256}
+ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm or resumed trial starts later)
+ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
+ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 
 SAMPLERS: dict[str, type[optuna.samplers.BaseSampler]] = {
@@ -275,6 +279,15 @@ class RunSummary:
     stopped: bool = False  # `sweep stop` asked the workers to finish
 
 
+def _artifact_store(study: optuna.Study, store: Path) -> optuna.artifacts.FileSystemArtifactStore:
+    """Beside the studies' checkpoint folders; its place is kept on the study for `sweep dashboard`."""
+    folder = (store.parent / "_artifacts").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    if study.user_attrs.get(ARTIFACTS_ATTR) != str(folder):
+        study.set_user_attr(ARTIFACTS_ATTR, str(folder))
+    return optuna.artifacts.FileSystemArtifactStore(folder)
+
+
 def request_stop(study: optuna.Study) -> None:
     """Ask every worker running now to finish its current trial and exit; a later `sweep run` resumes."""
     study.set_user_attr(STOP_ATTR, time.time())
@@ -334,6 +347,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     registry = Registry(storage_url) if storage_url else None
     store = (Path(spec.checkpoints.store) / study.study_name if spec.checkpoints.store
              else default_store(storage_url, study.study_name)) if storage_url else None
+    artifacts = _artifact_store(study, store) if store is not None and spec.checkpoints.artifacts else None
     summary = lambda **flags: RunSummary(ran, budget_used(study), n_trials, **flags)  # noqa: E731
     while True:
         if timeout is not None and time.monotonic() - started >= timeout:
@@ -351,7 +365,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
             continue
         try:
             with _Heartbeat(study, trial):
-                outcome = run_trial(trial, spec, events, registry, store)
+                outcome = run_trial(trial, spec, events, registry, store, artifacts)
         except KeyboardInterrupt:
             _tell(study, trial, TrialState.FAIL, None, {ATTR_FAIL: "interrupted", ATTR_INTERRUPTED: True})
             study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "CheckpointInfo", "TrainState", "capture_rng", "load_checkpoint", "restore_rng",
-           "save_checkpoint", "sha256_of"]
+           "save_checkpoint", "sha256_of", "WarmStart"]
 
 FORMAT = 1
 
@@ -55,6 +55,14 @@ class TrainState:
             raise CheckpointError(f"unknown checkpoint format {payload.get('format')!r}, expected {FORMAT}")
         return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "loop",
                                               "config", "metrics")})
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Start a run from another run's checkpoint: its weights, and its optimizer state when `optimizer` is true."""
+
+    state: TrainState
+    optimizer: bool = False
 
 
 @dataclass(frozen=True)

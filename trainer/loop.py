@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointInfo, TrainState, capture_rng, restore_rng, save_checkpoint
+from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, capture_rng, restore_rng, save_checkpoint
 from trainer.config import TrainingConfig
 from trainer.curriculum import build_sampler, stage_starts
 from trainer.evaluate import evaluate
@@ -26,7 +26,8 @@ from trainer.precision import Precision, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
 from trainer.tasks import Task, load_task
 
-__all__ = ["Checkpointer", "FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients", "optimizer_step", "train"]
+__all__ = ["Checkpointer", "FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients",
+           "load_optimizer_moments", "optimizer_step", "train"]
 
 
 class Reporter(Protocol):
@@ -128,13 +129,18 @@ class Checkpointer(Protocol):
 
 
 def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None, *,
-          resume: TrainState | None = None, checkpointer: Checkpointer | None = None) -> TrainResult:
+          resume: TrainState | None = None, warm_start: WarmStart | None = None,
+          checkpointer: Checkpointer | None = None) -> TrainResult:
     """Train one config. `task` defaults to `config.task`; pass one to reuse loaded data across runs.
 
     With no `reporter`, the fast-fail rules decide locally (on val_loss); a sweep passes a reporter that asks the
     study's pruner instead. `resume` continues exactly from a checkpoint's state: the remaining steps reproduce the
-    uninterrupted run loss for loss.
+    uninterrupted run loss for loss. `warm_start` starts from another run's weights (and optionally its optimizer
+    state) at that run's step: this config's own schedule, seed and data order take over from there, and the
+    starting point is evaluated and reported first.
     """
+    if resume is not None and warm_start is not None:
+        raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
     fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
@@ -175,6 +181,16 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         steps_since_log, first_step = int(resume.loop.get("steps_since_log", 0)), resume.step
         guard.threshold = resume.loop.get("guard_threshold")
         result.steps, result.metrics = resume.step, dict(resume.metrics)
+    elif warm_start is not None:
+        model.load_state_dict(warm_start.state.model)  # strict: a donor of another shape is refused here too
+        if warm_start.optimizer:
+            load_optimizer_moments(optimizer, warm_start.state.optimizer)
+        first_step = result.steps = warm_start.state.step
+        # The starting point is this run's first report: the donor's value, on this run's validation set.
+        stopped = evaluate_and_report(first_step)
+        guard.arm(result.metrics["val_loss"])
+        if stopped:
+            return _finish(result, local, started, "stopped")
     elif fast_fail.enabled:
         # 0. With fast-fail on, evaluate before the first step: a reference value over the whole validation set (not
         #    one noisy batch) for the explosion rule, and NaN in the data is caught before any training.
@@ -244,6 +260,15 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
             checkpoint(done, result.metrics if eval_now else None)
     result.steps = done
     return _finish(result, local, started, status)
+
+
+def load_optimizer_moments(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Take another run's optimizer state (moments, step counts) but keep this run's hyperparameters:
+    `Optimizer.load_state_dict` would also overwrite betas, weight decay and eps with the donor's."""
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, own):
+        group.update(settings)
 
 
 def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: str) -> TrainResult:

@@ -1,0 +1,168 @@
+"""Warm start: a new trial starts from the checkpoint of its nearest finished or pruned neighbour.
+
+A donor must be *compatible*: its model's tensors have the same names and shapes (the shape key is computed from the
+model itself, built on the meta device, so every key that changes a shape is found without being listed), and it
+has the same value for every key the study file lists under `warm_start.match`. Among compatible donors the nearest
+wins, by Euclidean distance in the search space scaled to [0, 1] per key (log-scaled keys on the log scale; a
+categorical mismatch counts as the full range, 1), within `max_distance`; ties go to the better value. The trial
+loads the donor's weights (and its optimizer state with `inherit: weights+optimizer`) and continues from the donor's
+step, so it trains only the rest of its budget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sweep.registry import COORDS, CheckpointRecord
+from sweep.spec import CategoricalParam
+from trainer.checkpoint import CheckpointError, WarmStart, load_checkpoint
+from trainer.config import flatten
+
+if TYPE_CHECKING:
+    from sweep.registry import Registry
+    from sweep.spec import Param, StudySpec
+    from trainer import Task, TrainingConfig
+
+__all__ = ["Donor", "coordinate", "coordinates", "distance", "find_donor", "must_match", "shape_key",
+           "warm_start_from"]
+
+
+@dataclass(frozen=True)
+class Donor:
+    record: CheckpointRecord
+    distance: float
+
+    def lineage(self) -> dict[str, Any]:
+        """What the trial stores as `warm_start_from`: enough to find and check the parent again (reproduce)."""
+        return {"study": self.record.study, "trial": self.record.trial_number, "step": self.record.step,
+                "distance": round(self.distance, 6), "value": self.record.value, "checkpoint_id": self.record.id,
+                "uri": self.record.uri, "sha256": self.record.sha256}
+
+
+def coordinate(param: Param, value: Any) -> float | None:
+    """A numeric key's value scaled to [0, 1] over its range (log-scaled keys on the log scale); None for
+    categoricals, which are compared by equality."""
+    if isinstance(param, CategoricalParam):
+        return None
+    low, high, x = float(param.low), float(param.high), float(value)
+    if param.log:
+        low, high, x = math.log(low), math.log(high), math.log(x)
+    return 0.0 if high == low else (x - low) / (high - low)
+
+
+def coordinates(space: Mapping[str, Param], params: Mapping[str, Any]) -> list[float | None]:
+    """The first `COORDS` numeric coordinates in the space's order: the registry's indexed columns."""
+    numeric = [coordinate(p, params[k]) for k, p in space.items() if not isinstance(p, CategoricalParam)
+               and k in params]
+    return numeric[:COORDS]
+
+
+def distance(space: Mapping[str, Param], a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """Euclidean distance between two points of `space`; a key one side lacks counts as the full range."""
+    total = 0.0
+    for key, param in space.items():
+        if key not in a or key not in b:
+            total += 1.0
+        elif isinstance(param, CategoricalParam):
+            total += 0.0 if a[key] == b[key] else 1.0
+        else:
+            total += (coordinate(param, a[key]) - coordinate(param, b[key])) ** 2  # type: ignore[operator]
+    return math.sqrt(total)
+
+
+def shape_key(config: TrainingConfig, task: Task) -> str:
+    """A digest of the model's tensor names, shapes and dtypes: equal keys mean a checkpoint's weights load into
+    this trial's model. Every key that changes a shape (width, depth, vocabulary, context) changes it."""
+    tensors = _tensor_signature(task, json.dumps(config.model, sort_keys=True, default=str))
+    return hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:32]
+
+
+def must_match(spec: StudySpec) -> list[str]:
+    """Keys a donor must share besides its shapes: the study's `match` list, and the optimizer when its state is
+    inherited (Adam's moments mean nothing to SGD)."""
+    keys = list(spec.warm_start.match)
+    if spec.warm_start.inherit == "weights+optimizer" and "optimizer" not in keys:
+        keys.append("optimizer")
+    return keys
+
+
+_signatures: dict[tuple[int, str], list[tuple[str, list[int], str]]] = {}
+
+
+def _tensor_signature(task: Task, model_json: str) -> list[tuple[str, list[int], str]]:
+    cached = _signatures.get((id(task), model_json))
+    if cached is None:
+        cached = _signatures[(id(task), model_json)] = _build_signature(task, model_json)
+    return cached
+
+
+def _build_signature(task: Task, model_json: str) -> list[tuple[str, list[int], str]]:
+    model_config = task.model_config(json.loads(model_json))
+    try:
+        with torch.device("meta"):  # shapes without memory or initialisation cost
+            model = task.build_model(model_config)
+    except Exception:  # noqa: BLE001 - a custom model that cannot be built on meta: build it for real
+        model = task.build_model(model_config)
+    return sorted((name, list(t.shape), str(t.dtype)) for name, t in model.state_dict().items())
+
+
+def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[str, Any], config: TrainingConfig,
+               key: str, handoff_step: int) -> Donor | None:
+    """The nearest compatible checkpoint within `max_distance` at or before `handoff_step`, or None (of the nearest
+    trial's checkpoints, the latest). One indexed query for this study (its coordinates in a box of half-width
+    `max_distance`) and one for the `from_studies`, whose spaces may differ.
+
+    The `match` keys are compared where the donor's params hold them; a key absent there was fixed in the donor's
+    study (for this study: to the same value; for `from_studies`, keep such keys equal across the studies)."""
+    values = flatten(config.to_dict(), free=("model", "task_args"))
+    match = {k: values.get(k, params.get(k)) for k in must_match(spec)}
+    options = spec.warm_start
+    radius = options.max_distance
+    box = [None if c is None else (c - radius, c + radius) for c in coordinates(spec.space, params)]
+    candidates = registry.donor_candidates([study], key, before_step=handoff_step + 1, box=box)
+    others = [name for name in options.from_studies if name != study]
+    if others:
+        candidates += registry.donor_candidates(others, key, before_step=handoff_step + 1)
+    sign = -1.0 if spec.direction == "maximize" else 1.0
+    best: Donor | None = None
+    for record in candidates:
+        d = distance(spec.space, params, record.params)
+        if d > radius or record.value is None or not math.isfinite(record.value):
+            continue
+        if any(k in record.params and record.params[k] != v for k, v in match.items()):
+            continue
+        rank = (d, -record.step, sign * record.value)
+        if best is None or rank < (best.distance, -best.record.step, sign * best.record.value):  # type: ignore[operator]
+            best = Donor(record, d)
+    return best
+
+
+def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_number: int, params: Mapping[str, Any],
+                    config: TrainingConfig, key: str, handoff_step: int) -> tuple[WarmStart, Donor] | None:
+    """Find, pin and load a donor. A donor whose blob is missing or fails its hash is skipped with a warning; a
+    donor collected between the lookup and the pin is looked up again. None: the trial starts cold."""
+    refused: set[int] = set()
+    for _ in range(5):
+        donor = find_donor(registry, spec, study, params, config, key, handoff_step)
+        if donor is None or donor.record.id in refused:
+            return None
+        if not registry.pin(donor.record.id):
+            continue  # collected under us: look again
+        try:
+            state = load_checkpoint(donor.record.uri, sha256=donor.record.sha256)
+        except CheckpointError as exc:
+            warnings.warn(f"trial {trial_number}: not warm-starting from trial {donor.record.trial_number}: {exc}",
+                          stacklevel=2)
+            registry.forget_broken(donor.record.id)
+            refused.add(donor.record.id)
+            continue
+        return WarmStart(state, optimizer=spec.warm_start.inherit == "weights+optimizer"), donor
+    return None
