@@ -3,11 +3,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.pg import postgres_available, postgres_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,3 +45,12 @@ def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 300) ->
 @pytest.fixture
 def tiny_study(tmp_path: Path) -> Path:
     return write_study(tmp_path, TINY_STUDY)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A real PostgreSQL server for the whole session (unix socket only), one database."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    with postgres_server() as url:
+        yield url

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import signal
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -19,15 +19,6 @@ import pytest
 from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, run_cli, write_study
-from tests.pg import postgres_available, postgres_server
-
-
-@pytest.fixture(scope="module")
-def postgres_url() -> Iterator[str]:
-    if not postgres_available():
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    with postgres_server() as url:
-        yield url
 
 
 def busy_study(folder: Path, n_trials: int, **fixed) -> Path:
@@ -143,33 +134,42 @@ def free_port() -> int:
 
 def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
     pytest.importorskip("optuna_dashboard")
-    document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 1.0}, "n_trials": 2}
+    document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 1.0}, "n_trials": 3,
+                                            "warm_start": {"max_distance": 5.0, "handoff": 0.5}}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}  # one shape: every trial a donor
     path = write_study(tmp_path, document)
     assert run_cli("run", path).returncode == 0
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "sweep.cli", "dashboard", str(path), "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        def get(route: str) -> dict:
+        def get(route: str) -> bytes:
             deadline = time.monotonic() + 60
             while True:
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}{route}", timeout=5) as response:
-                        return json.loads(response.read())
+                        return response.read()
                 except OSError:
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise
                     time.sleep(0.3)
 
-        [summary] = get("/api/studies")["study_summaries"]
+        [summary] = json.loads(get("/api/studies"))["study_summaries"]
         assert summary["study_name"] == "tiny"
-        detail = get(f"/api/studies/{summary['study_id']}?after=0")
-        assert [t["state"] for t in detail["trials"]] == ["Pruned", "Pruned"]
+        detail = json.loads(get(f"/api/studies/{summary['study_id']}?after=0"))
+        assert [t["state"] for t in detail["trials"]] == ["Pruned"] * 3
         for trial in detail["trials"]:
             assert [v["step"] for v in trial["intermediate_values"]] == [10]
             attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
             assert "'rule': 'threshold'" in attrs["prune_reason"] or '"rule": "threshold"' in attrs["prune_reason"]
             assert "learning_rate" in attrs["config"] and "torch" in attrs["reproducibility"]
+            if trial["number"] > 0:  # warm-start lineage: which trial, which step, how far
+                assert '"trial": ' in attrs["warm_start_from"] and '"distance": ' in attrs["warm_start_from"]
+            else:  # the cold trial's best checkpoint, downloadable from the dashboard (a warm trial pruned at its
+                # starting point trained nothing of its own to upload)
+                [artifact] = trial["artifacts"]
+                blob = get(f"/artifacts/{summary['study_id']}/{trial['trial_id']}/{artifact['artifact_id']}")
+                assert hashlib.sha256(blob).hexdigest() in attrs["checkpoint"]
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -1,0 +1,181 @@
+"""Warm start's parts: the normalised distance, the shape key, and the donor lookup against a real registry on SQLite
+and on PostgreSQL (the same tests for both)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, inspect
+
+from sweep.registry import Registry
+from sweep.spec import parse_spec
+from sweep.warmstart import coordinates, distance, find_donor, shape_key
+from tests.conftest import TINY_STUDY
+from trainer import load_task
+
+SPACE_DOC = {
+    "learning_rate": {"type": "float", "low": 1e-4, "high": 1e-0, "log": True},
+    "weight_decay": {"type": "float", "low": 0.0, "high": 0.1},
+    "model.hidden": {"type": "int", "low": 8, "high": 32},
+    "optimizer": {"type": "categorical", "choices": ["adamw", "sgd"]},
+}
+
+
+def make_spec(**warm: Any):
+    document = copy.deepcopy(TINY_STUDY) | {"space": SPACE_DOC, "warm_start": {"max_distance": 0.3, **warm}}
+    document["fixed"] = {**document["fixed"], "max_steps": 100, "eval_every_steps": 10}
+    return parse_spec(document, "test.yaml")
+
+
+def test_distance_is_euclidean_in_the_normalised_space() -> None:
+    spec = make_spec()
+    a = {"learning_rate": 1e-3, "weight_decay": 0.0, "model.hidden": 8, "optimizer": "adamw"}
+    # log scale: 1e-3 -> 1e-2 is a quarter of the 1e-4..1 range, whatever the absolute difference
+    assert distance(spec.space, a, {**a, "learning_rate": 1e-2}) == pytest.approx(0.25)
+    assert distance(spec.space, a, {**a, "weight_decay": 0.05}) == pytest.approx(0.5)
+    assert distance(spec.space, a, {**a, "optimizer": "sgd"}) == 1.0  # a categorical mismatch is the full range
+    assert distance(spec.space, a, {k: v for k, v in a.items() if k != "weight_decay"}) == 1.0  # unknown: full
+    both = {**a, "learning_rate": 1e-2, "weight_decay": 0.05}
+    assert distance(spec.space, a, both) == pytest.approx(math.hypot(0.25, 0.5))
+    assert coordinates(spec.space, a) == pytest.approx([0.25, 0.0, 0.0])  # numeric keys only, in space order
+
+
+def test_the_shape_key_changes_with_shapes_and_only_with_shapes() -> None:
+    spec = make_spec()
+    digits = load_task("digits", {})
+    key = lambda **params: shape_key(spec.config_for(params), digits)  # noqa: E731
+    assert key(**{"model.hidden": 16}) == key(**{"model.hidden": 16, "learning_rate": 0.5, "optimizer": "sgd"})
+    assert key(**{"model.hidden": 16}) != key(**{"model.hidden": 17})
+    assert key(**{"model.hidden": 16}) != key(**{"model.hidden": 16, "model.depth": 3})
+    assert key(**{"model.hidden": 16}) == key(**{"model.hidden": 16, "model.dropout": 0.5})  # no tensor changes
+
+
+def register(registry: Registry, study: str, spec, number: int, params: dict[str, Any], step: int, value: float,
+             final: bool = True, key: str | None = None) -> int:
+    digits = load_task("digits", {})
+    key = key if key is not None else shape_key(spec.config_for(params), digits)
+    checkpoint_id = registry.register(study=study, trial_number=number, step=step, value=value, params=params,
+                                      shape_key=key, uri=f"/nowhere/{number}-{step}.pt", size=1, sha256="0" * 64,
+                                      coords=coordinates(spec.space, params))
+    if final:
+        registry.finish_trial(study, number)
+    return checkpoint_id
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Registry:
+    if request.param == "sqlite":
+        return Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    return Registry(request.getfixturevalue("postgres_url"))
+
+
+BASE = {"learning_rate": 1e-2, "weight_decay": 0.05, "model.hidden": 16, "optimizer": "adamw"}
+
+
+def lookup(registry: Registry, spec, study: str, params: dict[str, Any], handoff: int = 50):
+    config = spec.config_for(params)
+    return find_donor(registry, spec, study, params, config, shape_key(config, load_task("digits", {})), handoff)
+
+
+def test_the_nearest_compatible_finished_checkpoint_is_the_donor(registry: Registry) -> None:
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    near = register(registry, study, spec, 0, {**BASE, "weight_decay": 0.06}, 50, 1.0)  # distance 0.1
+    register(registry, study, spec, 1, {**BASE, "weight_decay": 0.08}, 50, 0.1)  # 0.3 away: farther, though better
+    register(registry, study, spec, 2, {**BASE, "model.hidden": 17}, 50, 0.1)  # nearer still, but another shape
+    register(registry, study, spec, 3, BASE, 50, 0.1, final=False)  # distance 0, but its trial is still running
+    register(registry, study, spec, 4, BASE, 60, 0.1)  # distance 0, but past the handoff step
+    register(registry, f"{study}-other", spec, 5, BASE, 50, 0.1)  # another study: not asked for
+    donor = lookup(registry, spec, study, BASE)
+    assert donor is not None and donor.record.id == near and donor.distance == pytest.approx(0.1)
+    assert donor.record.trial_number == 0 and donor.record.step == 50
+
+
+def test_of_the_nearest_trial_the_latest_checkpoint_before_the_handoff(registry: Registry) -> None:
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    register(registry, study, spec, 0, BASE, 20, 0.5)
+    latest = register(registry, study, spec, 0, BASE, 50, 0.9)
+    assert lookup(registry, spec, study, BASE).record.id == latest
+
+
+@pytest.mark.parametrize("change", [
+    {"learning_rate": 1.0},  # log-scale distance 0.5 > 0.3
+    {"optimizer": "sgd"},  # a categorical mismatch: 1
+    {"model.hidden": 32},  # another shape: never a donor, at any distance
+])
+def test_no_donor_beyond_max_distance_or_of_another_shape(registry: Registry, change: dict[str, Any]) -> None:
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    register(registry, study, spec, 0, {**BASE, **change}, 50, 0.1)
+    assert lookup(registry, spec, study, BASE) is None
+
+
+def test_match_keys_and_inherited_optimizer_state_must_agree(registry: Registry) -> None:
+    study = f"s-{uuid.uuid4().hex[:8]}"
+    with_optimizer = make_spec(max_distance=2.0, inherit="weights+optimizer")
+    register(registry, study, with_optimizer, 0, {**BASE, "optimizer": "sgd"}, 50, 0.1)
+    assert lookup(registry, with_optimizer, study, BASE) is None  # Adam's moments mean nothing to SGD
+    assert lookup(registry, make_spec(max_distance=2.0), study, BASE).record.trial_number == 0  # weights alone: fine
+    matched = make_spec(max_distance=2.0, match=["weight_decay"])
+    register(registry, study, matched, 1, {**BASE, "weight_decay": 0.0}, 50, 0.1)  # nearer, but another decay
+    assert lookup(registry, matched, study, BASE).record.trial_number == 0
+    assert lookup(registry, matched, study, {**BASE, "weight_decay": 0.0}).record.trial_number == 1
+
+
+def test_from_studies_finds_donors_in_other_studies(registry: Registry) -> None:
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    register(registry, f"{study}-before", spec, 7, BASE, 50, 0.1)
+    assert lookup(registry, spec, study, BASE) is None
+    donor = lookup(registry, make_spec(from_studies=[f"{study}-before"]), study, BASE)
+    assert donor is not None and (donor.record.study, donor.record.trial_number) == (f"{study}-before", 7)
+
+
+def test_a_pinned_checkpoint_is_never_collected(registry: Registry) -> None:
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    pinned = register(registry, study, spec, 0, BASE, 50, 0.1)
+    loose = register(registry, study, spec, 0, BASE, 60, 0.2)
+    assert registry.pin(pinned)
+    assert registry.forget([pinned, loose]) == [loose]
+    assert [r.id for r in registry.for_trial(study, 0)] == [pinned]
+    assert not registry.pin(loose)  # gone: a lookup that raced the collection looks again
+
+
+def _create_registry(url: str, barrier: Any, results: Any) -> None:
+    barrier.wait()
+    try:
+        registry = Registry(url)
+        registry.register(study="race", trial_number=0, step=1, value=1.0, params={}, shape_key="k", uri="u",
+                          size=1, sha256="0" * 64)
+        results.put("ok")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_several_processes_create_the_registry_at_once(backend: str, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'race.db'}"
+    else:
+        base = request.getfixturevalue("postgres_url")
+        name = f"race{uuid.uuid4().hex[:8]}"
+        with create_engine(base, isolation_level="AUTOCOMMIT").connect() as connection:
+            connection.exec_driver_sql(f"CREATE DATABASE {name}")
+        url = base.replace("/sweep?", f"/{name}?")
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(6), context.Queue()
+    workers = [context.Process(target=_create_registry, args=(url, barrier, results)) for _ in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert sorted(results.get(timeout=5) for _ in workers) == ["ok"] * 6
+    engine = create_engine(url)
+    assert "sweep_checkpoints" in inspect(engine).get_table_names()
+    indexes = {ix["name"] for ix in inspect(engine).get_indexes("sweep_checkpoints")}
+    assert {"ix_sweep_checkpoints_trial", "ix_sweep_checkpoints_donors"} <= indexes
+    assert len(Registry(url).for_trial("race", 0)) == 6
