@@ -134,8 +134,9 @@ def free_port() -> int:
 
 def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
     pytest.importorskip("optuna_dashboard")
-    document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 1.0}, "n_trials": 3,
-                                            "warm_start": {"max_distance": 5.0, "handoff": 0.5}}
+    document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 0.1, "n_warmup_steps": 15},
+                                            "n_trials": 3, "warm_start": {"max_distance": 5.0, "handoff": 0.25}}
+    document["fixed"] = {**document["fixed"], "max_steps": 40}  # pruned at step 20, after the handoff at 10
     document["space"] = {"learning_rate": document["space"]["learning_rate"]}  # one shape: every trial a donor
     path = write_study(tmp_path, document)
     assert run_cli("run", path).returncode == 0
@@ -159,7 +160,7 @@ def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
         detail = json.loads(get(f"/api/studies/{summary['study_id']}?after=0"))
         assert [t["state"] for t in detail["trials"]] == ["Pruned"] * 3
         for trial in detail["trials"]:
-            assert [v["step"] for v in trial["intermediate_values"]] == [10]
+            assert [v["step"] for v in trial["intermediate_values"]] == [10, 20]
             attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
             assert "'rule': 'threshold'" in attrs["prune_reason"] or '"rule": "threshold"' in attrs["prune_reason"]
             assert "learning_rate" in attrs["config"] and "torch" in attrs["reproducibility"]
