@@ -24,10 +24,10 @@ class TrialCheckpointer:
 
     def __init__(self, registry: Registry, store: Path, study: str, trial_number: int, params: Mapping[str, Any],
                  policy: CheckpointPolicy, metric: str, maximize: bool, shape_key: str = "",
-                 coords: Sequence[float | None] = (), keep_steps: Sequence[int] = ()) -> None:
+                 coords: Sequence[float | None] = (), cat_key: str = "", keep_steps: Sequence[int] = ()) -> None:
         self.registry, self.store, self.study, self.number = registry, store, study, trial_number
         self.params, self.policy, self.metric, self.maximize = dict(params), policy, metric, maximize
-        self.shape_key, self.coords = shape_key, list(coords)
+        self.shape_key, self.coords, self.cat_key = shape_key, list(coords), cat_key
         self.keep_steps = set(keep_steps)  # always saved and kept: the warm-start handoff point
         self.best: float | None = None
 
@@ -49,7 +49,7 @@ class TrialCheckpointer:
         value = None if metrics is None else metrics.get(self.metric)
         self.registry.register(study=self.study, trial_number=self.number, step=info.step, value=value,
                                params=self.params, shape_key=self.shape_key, uri=str(info.path), size=info.size,
-                               sha256=info.sha256, coords=self.coords)
+                               sha256=info.sha256, coords=self.coords, cat_key=self.cat_key)
         self._collect()
 
     def _collect(self) -> None:

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from sweep.checkpoints import TrialCheckpointer, collect_study
 from sweep.pruners import FastFailPruner
-from sweep.warmstart import coordinates, shape_key, warm_start_from
+from sweep.warmstart import categorical_key, coordinates, shape_key, warm_start_from
 from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint
 from trainer import Task, TrainingConfig, load_task, train
 from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_RESUMED_FROM,
@@ -140,6 +140,7 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
             checkpointer = TrialCheckpointer(registry, store, study, trial.number, params, spec.checkpoints,
                                              spec.metric, spec.direction == "maximize", shape_key=key,
                                              coords=coordinates(spec.space, params),
+                                             cat_key=categorical_key(spec.space, params),
                                              keep_steps=[handoff] if handoff else [])
         resume = _resume_state(trial, registry)
         if resume is None and handoff:

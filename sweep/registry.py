@@ -23,7 +23,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, Text, and_, create_engine, delete,
-                        func, insert, select, update)
+                        func, insert, literal, select, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -49,10 +49,16 @@ checkpoints = Table(
     Column("created_at", Float, nullable=False),
     Column("final", Integer, nullable=False, default=0),  # 1 once its trial finished (completed or pruned)
     Column("pinned", Integer, nullable=False, default=0),  # 1 once a trial started from it: never collected
+    Column("cat_key", String(32), nullable=False, default=""),  # digest of the trial's categorical values
     *(Column(f"c{i}", Float, nullable=True) for i in range(COORDS)),
     Index("ix_sweep_checkpoints_trial", "study", "trial_number", "step"),
-    Index("ix_sweep_checkpoints_donors", "study", "shape_key", "final", "c0"),
+    # Covering the whole donor filter, so the lookup reads the index alone and only its page of rows from the table.
+    Index("ix_sweep_checkpoints_donors", "study", "shape_key", "final", "cat_key", *(f"c{i}" for i in range(COORDS)),
+          "step", "value"),
 )
+
+
+_LOOKUP_ONLY = {"cat_key", "partial"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class CheckpointRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> CheckpointRecord:
-        values = {k: v for k, v in row._mapping.items() if not (k[0] == "c" and k[1:].isdigit())}
+        values = {k: v for k, v in row._mapping.items() if k not in _LOOKUP_ONLY and not (k[0] == "c" and k[1:].isdigit())}
         values["params"] = json.loads(values["params"])
         return cls(**values)
 
@@ -100,13 +106,14 @@ class Registry:
                 time.sleep(0.1 * (attempt + 1))
 
     def register(self, *, study: str, trial_number: int, step: int, value: float | None, params: dict[str, Any],
-                 shape_key: str, uri: str, size: int, sha256: str, coords: Sequence[float | None] = ()) -> int:
+                 shape_key: str, uri: str, size: int, sha256: str, coords: Sequence[float | None] = (),
+                 cat_key: str = "") -> int:
         columns = {f"c{i}": (coords[i] if i < len(coords) else None) for i in range(COORDS)}
         with self.engine.begin() as connection:
             result = connection.execute(insert(checkpoints).values(
                 study=study, trial_number=trial_number, step=step, value=value,
                 params=json.dumps(params, sort_keys=True, default=str), shape_key=shape_key, uri=uri, size=size,
-                sha256=sha256, created_at=time.time(), final=0, pinned=0, **columns))
+                sha256=sha256, created_at=time.time(), final=0, pinned=0, cat_key=cat_key, **columns))
             return int(result.inserted_primary_key[0])
 
     def finish_trial(self, study: str, trial_number: int) -> None:
@@ -117,18 +124,37 @@ class Registry:
                                .values(final=1))
 
     def donor_candidates(self, studies: Sequence[str], shape_key: str, *, before_step: int,
-                         box: Sequence[tuple[float, float] | None] = ()) -> list[CheckpointRecord]:
+                         near: Sequence[float | None] = (), radius: float | None = None, cat_key: str | None = None,
+                         limit: int | None = None, offset: int = 0) -> list[CheckpointRecord]:
         """Finished trials' scored checkpoints with this shape key, earlier than `before_step`: one indexed query.
-        `box[i]`: `(low, high)` for coordinate column `c{i}` (None: unconstrained); only meaningful when every study
-        searched shares one search space."""
+
+        With `near` (coordinate columns `c{i}`; None entries unconstrained) and `radius`, only rows whose distance
+        over those columns is within `radius` come back, nearest first, the later step first among equals: that
+        partial distance never exceeds the full one, so a caller that finds a full distance below the last row's
+        partial one has found the nearest. `cat_key`: only rows with these categorical values. The columns mean
+        the same only within one study's search space."""
         conditions = [checkpoints.c.study.in_(list(studies)), checkpoints.c.shape_key == shape_key,
                       checkpoints.c.final == 1, checkpoints.c.value.is_not(None), checkpoints.c.step < before_step]
-        for i, bounds in enumerate(box[:COORDS]):
-            if bounds is not None:
-                conditions.append(checkpoints.c[f"c{i}"].between(*bounds))
+        if cat_key is not None:
+            conditions.append(checkpoints.c.cat_key == cat_key)
+        axes = [(checkpoints.c[f"c{i}"], q) for i, q in enumerate(near[:COORDS]) if q is not None]
+        if axes and radius is not None:
+            conditions += [column.between(q - radius, q + radius) for column, q in axes]  # the index's box
+            partial = sum(((column - q) * (column - q) for column, q in axes), literal(0.0))
+            conditions.append(partial <= radius * radius)
+            # Rank inside the index, then read only the page's rows.
+            page = (select(checkpoints.c.id).where(and_(*conditions))
+                    .order_by(partial, checkpoints.c.step.desc(), checkpoints.c.id))
+            if limit is not None:
+                page = page.limit(limit).offset(offset)
+            query = (select(checkpoints, partial.label("partial")).where(checkpoints.c.id.in_(page.scalar_subquery()))
+                     .order_by(partial, checkpoints.c.step.desc(), checkpoints.c.id))
+        else:
+            query = select(checkpoints).where(and_(*conditions))
+            if limit is not None:
+                query = query.order_by(checkpoints.c.id).limit(limit).offset(offset)
         with self.engine.connect() as connection:
-            return [CheckpointRecord.from_row(row) for row in connection.execute(select(checkpoints)
-                                                                                 .where(and_(*conditions)))]
+            return [CheckpointRecord.from_row(row) for row in connection.execute(query)]
 
     def pin(self, checkpoint_id: int) -> bool:
         """Protect a checkpoint from garbage collection because a trial starts from it. False: it was collected

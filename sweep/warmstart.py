@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from sweep.spec import Param, StudySpec
     from trainer import Task, TrainingConfig
 
-__all__ = ["Donor", "coordinate", "coordinates", "distance", "find_donor", "must_match", "shape_key",
+__all__ = ["Donor", "categorical_key", "coordinate", "coordinates", "distance", "find_donor", "must_match", "shape_key",
            "warm_start_from"]
 
 
@@ -126,23 +126,53 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
     match = {k: values.get(k, params.get(k)) for k in must_match(spec)}
     options = spec.warm_start
     radius = options.max_distance
-    box = [None if c is None else (c - radius, c + radius) for c in coordinates(spec.space, params)]
-    candidates = registry.donor_candidates([study], key, before_step=handoff_step + 1, box=box)
-    others = [name for name in options.from_studies if name != study]
-    if others:
-        candidates += registry.donor_candidates(others, key, before_step=handoff_step + 1)
     sign = -1.0 if spec.direction == "maximize" else 1.0
     best: Donor | None = None
-    for record in candidates:
-        d = distance(spec.space, params, record.params)
-        if d > radius or record.value is None or not math.isfinite(record.value):
-            continue
-        if any(k in record.params and record.params[k] != v for k, v in match.items()):
-            continue
-        rank = (d, -record.step, sign * record.value)
-        if best is None or rank < (best.distance, -best.record.step, sign * best.record.value):  # type: ignore[operator]
-            best = Donor(record, d)
+
+    def consider(records: list[CheckpointRecord]) -> None:
+        nonlocal best
+        for record in records:
+            d = distance(spec.space, params, record.params)
+            if d > radius or record.value is None or not math.isfinite(record.value):
+                continue
+            if any(k in record.params and record.params[k] != v for k, v in match.items()):
+                continue
+            rank = (d, -record.step, sign * record.value)
+            if best is None or rank < (best.distance, -best.record.step, sign * best.record.value):  # type: ignore[operator]
+                best = Donor(record, d)
+
+    # This study: nearest first by the distance over the coordinate columns (a lower bound of the full distance),
+    # a page at a time, until the best full distance found is no larger than the next page could hold. Within
+    # max_distance < 1 a categorical mismatch is already too far, so the categorical values must match exactly.
+    near = coordinates(spec.space, params)
+    cat = categorical_key(spec.space, params) if radius < 1 else None
+    offset = 0
+    while True:
+        page = registry.donor_candidates([study], key, before_step=handoff_step + 1, near=near, radius=radius,
+                                         cat_key=cat, limit=PAGE, offset=offset)
+        consider(page)
+        if len(page) < PAGE or (best is not None and best.distance <= _partial(spec, params, page[-1].params)):
+            break
+        offset += PAGE
+    others = [name for name in options.from_studies if name != study]
+    if others:  # other studies' spaces may differ: their coordinate columns mean other things
+        consider(registry.donor_candidates(others, key, before_step=handoff_step + 1))
     return best
+
+
+PAGE = 64
+
+
+def categorical_key(space: Mapping[str, Param], params: Mapping[str, Any]) -> str:
+    """A digest of the trial's categorical values, kept with each checkpoint for the lookup's equality filter."""
+    values = sorted((k, params.get(k)) for k, p in space.items() if isinstance(p, CategoricalParam))
+    return hashlib.sha256(json.dumps(values, default=str).encode()).hexdigest()[:32] if values else ""
+
+
+def _partial(spec: StudySpec, a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
+    """The distance over the coordinate columns alone (what the query orders by)."""
+    return math.sqrt(sum((x - y) ** 2 for x, y in zip(coordinates(spec.space, a), coordinates(spec.space, b))
+                         if x is not None and y is not None))
 
 
 def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_number: int, params: Mapping[str, Any],

@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, inspect
 
 from sweep.registry import Registry
 from sweep.spec import parse_spec
-from sweep.warmstart import coordinates, distance, find_donor, shape_key
+from sweep.warmstart import categorical_key, coordinates, distance, find_donor, shape_key
 from tests.conftest import TINY_STUDY
 from trainer import load_task
 
@@ -62,7 +62,8 @@ def register(registry: Registry, study: str, spec, number: int, params: dict[str
     key = key if key is not None else shape_key(spec.config_for(params), digits)
     checkpoint_id = registry.register(study=study, trial_number=number, step=step, value=value, params=params,
                                       shape_key=key, uri=f"/nowhere/{number}-{step}.pt", size=1, sha256="0" * 64,
-                                      coords=coordinates(spec.space, params))
+                                      coords=coordinates(spec.space, params),
+                                      cat_key=categorical_key(spec.space, params))
     if final:
         registry.finish_trial(study, number)
     return checkpoint_id
