@@ -1,19 +1,22 @@
 """`sweep`: the command line. Thin on purpose: parse, call library functions, print.
 
 Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show); 2 bad input (study file, arguments,
-a study that exists with a different definition); 130 interrupted.
+a study that exists with a different definition); 130 interrupted (Ctrl-C); 143 preempted (SIGTERM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -26,8 +29,8 @@ from sweep import results
 from sweep.progress import LiveProgress
 from sweep.spec import StudyFileError, load_spec
 from sweep.storage import mask_url
-from sweep.study import (StudyBrokenError, StudyMismatchError, load_existing_study, open_study, request_stop,
-                         resolve_storage_url, run_study)
+from sweep.study import (Preempted, StudyBrokenError, StudyMismatchError, load_existing_study, open_study,
+                         request_stop, resolve_storage_url, run_study)
 from sweep.workers import WORKER_ENV, run_workers
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -97,10 +100,14 @@ def run(
         args = [str(study_file), "--storage", url, "--study-name", spec.name, "--n-trials", str(spec.n_trials),
                 *(["--timeout", str(timeout)] if timeout else []), *(f"--set={item}" for item in set_ or [])]
         try:
-            codes = run_workers(args, workers)
+            with _preemptible():
+                codes = run_workers(args, workers)
         except KeyboardInterrupt:
             err.print("interrupted: running trials are marked and queued again; rerun the same command to continue.")
             raise typer.Exit(130) from None
+        except Preempted:
+            err.print("preempted (SIGTERM): running trials are marked and queued again; rerun to continue.")
+            raise typer.Exit(143) from None
         _print_status(study)
         lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
         if lost:
@@ -112,11 +119,15 @@ def run(
                             live=False if worker is not None else None,
                             prefix="" if worker is None else f"[worker {worker}] ")
     try:
-        with progress:
+        with progress, _preemptible():
             summary = run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
     except KeyboardInterrupt:
         err.print("interrupted: the running trial is marked and queued again; rerun the same command to continue.")
         raise typer.Exit(130) from None
+    except Preempted:
+        err.print("preempted (SIGTERM): the running trial is marked and queued again; it resumes from its last "
+                  "checkpoint when the same command runs again.")
+        raise typer.Exit(143) from None
     except StudyBrokenError as exc:
         _print_status(study)
         raise _fail(str(exc), 1) from None
@@ -319,6 +330,21 @@ def reproduce(
         step, stored, again = comparison.first_difference
         raise _fail(f"trial {trial} differs first at step {step}: stored {stored!r}, reproduced {again!r}", 1)
     out.print(f"trial {trial} reproduced: {comparison.steps_compared} reported values identical ({how})")
+
+
+@contextlib.contextmanager
+def _preemptible() -> Iterator[None]:
+    """SIGTERM (a scheduler taking the machine back) raises `Preempted` in the main thread, so the running trial is
+    marked and queued like on Ctrl-C, instead of the process dying with the trial left RUNNING."""
+    def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second signal must not cut the clean-up short
+        raise Preempted()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _cell(value: object) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import optuna
+import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.pruners import FastFailPruner
@@ -58,7 +59,20 @@ ATTR_WARM_START = "warm_start_from"  # {study, trial, step, distance, value, che
 ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm or resumed trial starts later)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
+ATTR_RETRY_DEPTH = "retry_depth"  # how many retries led to this trial
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
+
+# Failures that are not the config's: the trial is failed, its params are queued again (resuming from its last
+# checkpoint), and it does not count towards n_trials. Anything else fails the trial for good: a config that cannot
+# work (a bad value, out of memory) fails the same way again.
+RETRYABLE_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, sqlalchemy.exc.OperationalError,
+                                                     sqlalchemy.exc.InterfaceError)
+MAX_RETRIES = 2  # per lineage of retryable errors; lost workers and interruptions are always retried
+
+
+class Preempted(BaseException):
+    """SIGTERM: the machine is being taken away (a spot instance, a cluster's preemption). Like Ctrl-C, the running
+    trial is marked and queued again; the retry resumes from its last checkpoint."""
 
 SAMPLERS: dict[str, type[optuna.samplers.BaseSampler]] = {
     "tpe": optuna.samplers.TPESampler,
@@ -366,16 +380,21 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         try:
             with _Heartbeat(study, trial):
                 outcome = run_trial(trial, spec, events, registry, store, artifacts)
-        except KeyboardInterrupt:
-            _tell(study, trial, TrialState.FAIL, None, {ATTR_FAIL: "interrupted", ATTR_INTERRUPTED: True})
-            study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,
-                                                          ATTR_RETRY_REASON: "interrupted"})
+        except (KeyboardInterrupt, Preempted) as exc:
+            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else "preempted (SIGTERM)"
+            _tell(study, trial, TrialState.FAIL, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True})
+            _retry(study, trial, reason)
             raise
         except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
             outcome = (TrialState.FAIL, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
                                                ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
+            retryable = isinstance(exc, RETRYABLE_ERRORS)
+        else:
+            retryable = False
         state, value, attrs = outcome
         frozen, sampler_stopped = _tell(study, trial, state, value, attrs)
+        if retryable and trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) < MAX_RETRIES:
+            _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}")
         ran += 1
         events.trial_finished(frozen)
         signature = failure_signature(frozen)
@@ -387,6 +406,12 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
                 f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
         if sampler_stopped:
             return summary(exhausted=True)
+
+
+def _retry(study: optuna.Study, trial: optuna.Trial, reason: str) -> None:
+    """Queue the trial's params again; the retry resumes from the trial's last checkpoint (`sweep.objective`)."""
+    study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
+                                                  ATTR_RETRY_DEPTH: trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1})
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, state: TrialState, value: float | None,

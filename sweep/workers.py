@@ -50,13 +50,16 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     except KeyboardInterrupt:
         _stop(processes, grace_s)
         raise
+    except BaseException:  # Preempted (SIGTERM) reaches only this process: pass it on
+        _stop(processes, grace_s, signal.SIGTERM)
+        raise
 
 
-def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
+def _stop(processes: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGINT) -> None:
     time.sleep(0.5)  # a terminal's Ctrl-C has already reached the workers; give them a moment to start cleaning up
     for process in processes:
         if process.poll() is None:  # signalled on its own (kill -INT of the parent alone): pass it on
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
     deadline = time.monotonic() + grace_s
     for process in processes:
         try:

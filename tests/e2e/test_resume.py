@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import signal
 import sqlite3
 import subprocess
@@ -58,3 +59,71 @@ def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Pa
     assert min(retry.intermediate_values) > 0  # it did not start over
     assert retry.user_attrs["steps"] == 3000
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
+
+
+def test_a_preempted_worker_queues_its_trial_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1,
+                                            "checkpoints": {"every_steps": 100, "on_best": False, "keep_top_k": 1}}
+    document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 500, "log_every_steps": 100}
+    path = write_study(tmp_path, document)
+    db = tmp_path / "tiny.db"
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
+            time.sleep(0.2)
+        worker.send_signal(signal.SIGTERM)  # what a scheduler sends before it takes the machine back
+        _, stderr = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == 143, stderr
+    assert "preempted" in stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["fail_reason"] == "preempted (SIGTERM)"
+    assert trials[1].state == TrialState.WAITING and trials[1].user_attrs["retry_of"] == 0
+
+    done = run_cli("run", path)  # no heartbeat to wait for: the trial was handed back, not lost
+    assert done.returncode == 0, done.stderr
+    retry = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()[1]
+    assert retry.state == TrialState.COMPLETE and retry.params == trials[0].params
+    assert retry.user_attrs["resumed_from"]["step"] >= 200 and min(retry.intermediate_values) > 0
+
+
+FLAKY_TASK = """
+from pathlib import Path
+
+from trainer.tasks import load_task
+
+CALLS = Path(__file__).with_name("calls.txt")
+
+
+def flaky_digits(**args):
+    # 1st call: the study file's check; 2nd: trial 0 loses its (pretend) data server; 3rd: its retry meets a
+    # config error; then fine.
+    calls = len(CALLS.read_text()) if CALLS.exists() else 0
+    CALLS.write_text("x" * (calls + 1))
+    if calls == 1:
+        raise ConnectionError("data server went away")
+    if calls == 2:
+        raise ValueError("this config cannot work")
+    return load_task("digits", args)
+"""
+
+
+def test_retryable_errors_are_retried_and_config_errors_are_not(tmp_path: Path) -> None:
+    (tmp_path / "flaky_tasks.py").write_text(FLAKY_TASK)
+    env_path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "task": "flaky_tasks:flaky_digits"}
+    path = write_study(tmp_path, document)
+    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": env_path}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE]
+    lost, broken, _ = trials
+    assert "ConnectionError" in lost.user_attrs["fail_reason"]
+    assert broken.user_attrs["retry_of"] == 0 and broken.params == lost.params  # retried: not the config's fault
+    assert broken.user_attrs["retry_reason"].startswith("retryable error")
+    assert "ValueError" in broken.user_attrs["fail_reason"]
+    assert not [t for t in trials if t.user_attrs.get("retry_of") == 1]  # a config error is final
