@@ -58,12 +58,17 @@ def test_three_workers_share_a_postgresql_study(tmp_path: Path, postgres_url: st
 
 
 def test_separate_commands_as_on_separate_machines(tmp_path: Path, postgres_url: str) -> None:
-    path = busy_study(tmp_path, 10)
-    args = [sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", postgres_url, "--study-name", "machines"]
+    path = busy_study(tmp_path, 10)  # checkpoints in one shared folder, as on a shared file system
+    args = [sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", postgres_url, "--study-name", "machines",
+            "--set", "warm_start.max_distance=5.0"]
     processes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
     outputs = [p.communicate(timeout=300) for p in processes]
     assert [p.returncode for p in processes] == [0, 0, 0], [err for _, err in outputs]
-    check_exact(optuna.load_study(study_name="machines", storage=postgres_url), 10)
+    study = optuna.load_study(study_name="machines", storage=postgres_url)
+    check_exact(study, 10)
+    warm = [t.user_attrs["warm_start_from"] for t in study.get_trials() if "warm_start_from" in t.user_attrs]
+    assert warm  # donors found through the shared registry, their blobs through the shared folder
+    assert all(Path(parent["uri"]).is_relative_to(tmp_path / "checkpoints") for parent in warm)
 
 
 def children(pid: int) -> list[int]:
