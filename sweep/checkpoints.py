@@ -10,9 +10,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sweep.blobs import delete_blob
 from trainer.checkpoint import CheckpointInfo
 
 if TYPE_CHECKING:
+    from sweep.blobs import CheckpointStore
     from sweep.registry import Registry
     from sweep.spec import CheckpointPolicy
 
@@ -22,7 +24,7 @@ __all__ = ["TrialCheckpointer", "collect_study"]
 class TrialCheckpointer:
     """The trainer's `Checkpointer` for one trial."""
 
-    def __init__(self, registry: Registry, store: Path, study: str, trial_number: int, params: Mapping[str, Any],
+    def __init__(self, registry: Registry, store: CheckpointStore, study: str, trial_number: int, params: Mapping[str, Any],
                  policy: CheckpointPolicy, metric: str, maximize: bool, shape_key: str = "",
                  coords: Sequence[float | None] = (), cat_key: str = "", keep_steps: Sequence[int] = ()) -> None:
         self.registry, self.store, self.study, self.number = registry, store, study, trial_number
@@ -43,12 +45,13 @@ class TrialCheckpointer:
             self.best = metrics[self.metric]  # type: ignore[index]
         if not (periodic or best or step in self.keep_steps):
             return None
-        return self.store / f"trial{self.number:05d}-step{step:08d}.pt"
+        return self.store.local_path(f"trial{self.number:05d}-step{step:08d}.pt")
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         value = None if metrics is None else metrics.get(self.metric)
         self.registry.register(study=self.study, trial_number=self.number, step=info.step, value=value,
-                               params=self.params, shape_key=self.shape_key, uri=str(info.path), size=info.size,
+                               params=self.params, shape_key=self.shape_key, uri=self.store.put(info.path),
+                               size=info.size,
                                sha256=info.sha256, coords=self.coords, cat_key=self.cat_key)
         self._collect()
 
@@ -65,7 +68,7 @@ class TrialCheckpointer:
         kept = {r.uri for r in records if r.id not in gone}
         for record in records:  # the rows first, then the files: nobody is sent to a deleted file
             if record.id in gone and record.uri not in kept:
-                Path(record.uri).unlink(missing_ok=True)
+                delete_blob(record.uri)
 
 
 def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> int:
@@ -75,5 +78,5 @@ def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bo
     ranked = sorted(ranges, key=lambda n: -ranges[n][1] if maximize else ranges[n][0])
     uris = registry.forget_unpinned(study, ranked[keep_trials:])
     for uri in uris:
-        Path(uri).unlink(missing_ok=True)
+        delete_blob(uri)
     return len(uris)

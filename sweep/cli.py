@@ -300,14 +300,13 @@ def dashboard(
 
 def dashboard_artifact_store(study: object) -> object | None:
     """The artifact store where the study's trials uploaded their best checkpoints, so the dashboard lists them."""
-    import optuna
+    from sweep.blobs import is_object_url
+    from sweep.study import ARTIFACTS_ATTR, artifact_store_at
 
-    from sweep.study import ARTIFACTS_ATTR
-
-    folder = study.user_attrs.get(ARTIFACTS_ATTR)  # type: ignore[attr-defined]
-    if folder is None or not Path(folder).is_dir():
+    location = study.user_attrs.get(ARTIFACTS_ATTR)  # type: ignore[attr-defined]
+    if location is None or not (is_object_url(location) or Path(location).is_dir()):
         return None
-    return optuna.artifacts.FileSystemArtifactStore(folder)
+    return artifact_store_at(location)
 
 
 @app.command()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
+from sweep.blobs import local_copy
 from sweep.checkpoints import TrialCheckpointer, collect_study
 from sweep.pruners import FastFailPruner
 from sweep.warmstart import categorical_key, coordinates, shape_key, warm_start_from
@@ -24,10 +25,7 @@ from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_
                          ATTR_CHECKPOINT)
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from optuna.artifacts import FileSystemArtifactStore
-
+    from sweep.blobs import CheckpointStore
     from sweep.registry import Registry
     from sweep.spec import StudySpec
     from sweep.study import Events
@@ -100,7 +98,8 @@ def _resume_state(trial: optuna.Trial, registry: Registry) -> TrainState | None:
         return None
     registry.pin(record.id)  # never collected while (or after) this trial continues from it
     try:
-        state = load_checkpoint(record.uri, sha256=record.sha256)
+        with local_copy(record.uri) as path:
+            state = load_checkpoint(path, sha256=record.sha256)
     except CheckpointError as exc:
         warnings.warn(f"trial {trial.number}: not resuming from trial {origin}'s checkpoint: {exc}", stacklevel=2)
         return None
@@ -123,7 +122,7 @@ def task_for(name: str, args: Mapping[str, Any]) -> Task:
 
 
 def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Registry | None = None,
-              store: Path | None = None, artifacts: FileSystemArtifactStore | None = None) -> Outcome:
+              store: CheckpointStore | None = None, artifacts: Any = None) -> Outcome:
     params = spec.suggest(trial)
     events.trial_started(trial.number, params)
     config = spec.config_for(params)
@@ -166,8 +165,7 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
     return outcome
 
 
-def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry,
-                        artifacts: FileSystemArtifactStore | None) -> None:
+def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry, artifacts: Any) -> None:
     """The trial is over: its checkpoints become warm-start donors, its best one becomes a dashboard artifact, and
     the study's retention applies."""
     study = trial.study.study_name
@@ -178,8 +176,9 @@ def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry
     if artifacts is not None and spec.checkpoints.artifacts and (scored or records):
         best = (max(scored, key=lambda r: r.value if maximize else -r.value) if scored  # type: ignore[operator]
                 else max(records, key=lambda r: r.step))
-        artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=best.uri,
-                                                       study_or_trial=trial, mimetype="application/octet-stream")
+        with local_copy(best.uri) as path:
+            artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=str(path),
+                                                           study_or_trial=trial, mimetype="application/octet-stream")
         trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step, "value": best.value,
                                               "sha256": best.sha256, "size": best.size})
     if spec.checkpoints.keep_top_trials is not None:

@@ -84,11 +84,11 @@ class CheckpointRecord:
         return cls(**values)
 
 
-def default_store(storage_url: str, study: str) -> Path:
-    """Next to the SQLite file (`NAME.db` -> `NAME.checkpoints/STUDY`); for a server database, the working folder."""
+def default_store(storage_url: str) -> Path:
+    """Next to the SQLite file (`NAME.db` -> `NAME.checkpoints/`, a folder per study inside); for a server
+    database, `sweep-checkpoints/` in the working folder."""
     path = sqlite_path(storage_url)
-    base = path.with_suffix(".checkpoints") if path is not None else Path("sweep-checkpoints")
-    return base / study
+    return path.with_suffix(".checkpoints") if path is not None else Path("sweep-checkpoints")
 
 
 class Registry:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import optuna
 
+from sweep.blobs import local_copy
 from sweep.objective import task_for
 from sweep.study import ATTR_CONFIG, ATTR_WARM_START
 from trainer import TrainingConfig, train
@@ -63,7 +64,8 @@ def _parent(trial: optuna.trial.FrozenTrial) -> WarmStart | None:
     if lineage is None:
         return None
     try:
-        state = load_checkpoint(lineage["uri"], sha256=lineage["sha256"])
+        with local_copy(lineage["uri"]) as path:
+            state = load_checkpoint(path, sha256=lineage["sha256"])
     except CheckpointError as exc:
         raise ValueError(f"trial {trial.number} was warm-started from trial {lineage['trial']}'s checkpoint, which "
                          f"cannot be used: {exc}") from None

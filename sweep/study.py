@@ -23,6 +23,7 @@ import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.pruners import FastFailPruner
+from sweep.blobs import CheckpointStore, artifact_store_for, is_object_url
 from sweep.registry import Registry, default_store
 from sweep.storage import ask_lock, make_storage, mask_url
 from sweep.spec import SPEC_ATTR, Component, StudyFileError, StudySpec
@@ -293,13 +294,20 @@ class RunSummary:
     stopped: bool = False  # `sweep stop` asked the workers to finish
 
 
-def _artifact_store(study: optuna.Study, store: Path) -> optuna.artifacts.FileSystemArtifactStore:
-    """Beside the studies' checkpoint folders; its place is kept on the study for `sweep dashboard`."""
-    folder = (store.parent / "_artifacts").resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    if study.user_attrs.get(ARTIFACTS_ATTR) != str(folder):
-        study.set_user_attr(ARTIFACTS_ATTR, str(folder))
-    return optuna.artifacts.FileSystemArtifactStore(folder)
+def _artifact_store(study: optuna.Study, store: CheckpointStore) -> Any:
+    """Beside the studies' checkpoint blobs; its place is kept on the study for `sweep dashboard`."""
+    location = store.artifact_location
+    if study.user_attrs.get(ARTIFACTS_ATTR) != location:
+        study.set_user_attr(ARTIFACTS_ATTR, location)
+    return artifact_store_at(location)
+
+
+def artifact_store_at(location: str) -> Any:
+    """Optuna's artifact store for a folder or an object-store URL."""
+    if is_object_url(location):
+        return artifact_store_for(location)
+    Path(location).mkdir(parents=True, exist_ok=True)
+    return optuna.artifacts.FileSystemArtifactStore(location)
 
 
 def request_stop(study: optuna.Study) -> None:
@@ -359,8 +367,8 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     streak, streak_signature = 0, None  # how many of the latest trials failed the same way, and how
     lock = (lambda: ask_lock(storage_url, study.study_name)) if storage_url else contextlib.nullcontext
     registry = Registry(storage_url) if storage_url else None
-    store = (Path(spec.checkpoints.store) / study.study_name if spec.checkpoints.store
-             else default_store(storage_url, study.study_name)) if storage_url else None
+    store = CheckpointStore(spec.checkpoints.store or default_store(storage_url), study.study_name) \
+        if storage_url else None
     artifacts = _artifact_store(study, store) if store is not None and spec.checkpoints.artifacts else None
     summary = lambda **flags: RunSummary(ran, budget_used(study), n_trials, **flags)  # noqa: E731
     while True:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sweep.blobs import local_copy
 from sweep.registry import COORDS, CheckpointRecord
 from sweep.spec import CategoricalParam
 from trainer.checkpoint import CheckpointError, WarmStart, load_checkpoint
@@ -187,7 +188,8 @@ def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_numbe
         if not registry.pin(donor.record.id):
             continue  # collected under us: look again
         try:
-            state = load_checkpoint(donor.record.uri, sha256=donor.record.sha256)
+            with local_copy(donor.record.uri) as path:
+                state = load_checkpoint(path, sha256=donor.record.sha256)
         except CheckpointError as exc:
             warnings.warn(f"trial {trial_number}: not warm-starting from trial {donor.record.trial_number}: {exc}",
                           stacklevel=2)
