@@ -17,7 +17,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sweep.results import state_counts
 from sweep.spec import SPEC_ATTR
-from sweep.study import ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, budget_counts
+from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_STEPS_TRAINED, ATTR_WARM_START,
+                         budget_counts)
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]
 
@@ -77,6 +78,30 @@ def _intermediate_values_by_state(study: optuna.Study) -> Any:
     return fig
 
 
+def _warm_row(trial: FrozenTrial) -> str:
+    parent = trial.user_attrs[ATTR_WARM_START]
+    value = "" if trial.value is None else f"{trial.value:.6g}"
+    cells = [f"#{trial.number}", f"#{parent.get('trial')} of {parent.get('study')}", str(parent.get("step")),
+             f"{float(parent.get('distance', math.nan)):.3f}", f"{float(parent.get('value', math.nan)):.6g}", value,
+             trial.state.name.lower()]
+    return "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in cells) + "</tr>"
+
+
+def _warm_start_section(trials: list[FrozenTrial]) -> str:
+    """Which trials started from which neighbour, how far away, and what they made of it; and the compute saved."""
+    warm = [t for t in trials if ATTR_WARM_START in t.user_attrs]
+    if not warm:
+        return ""
+    trained = sum(int(t.user_attrs.get(ATTR_STEPS_TRAINED, t.user_attrs.get("steps", 0))) for t in trials)
+    inherited = sum(int(t.user_attrs[ATTR_WARM_START].get("step", 0)) for t in warm)
+    rows = "".join(_warm_row(t) for t in warm)
+    return (f"<h2>Warm start</h2><p>{len(warm)} of {len(trials)} trials started from a neighbour's checkpoint, "
+            f"inheriting {inherited} steps; the study trained {trained} steps itself. A warm trial's value credits "
+            "its params with the donor's head start: confirm a winner cold.</p><table><tr><th>trial</th>"
+            "<th>donor</th><th>from step</th><th>distance</th><th>donor value</th><th>final value</th>"
+            f"<th>state</th></tr>{rows}</table>")
+
+
 def render_report(study: optuna.Study) -> str:
     trials = study.get_trials(deepcopy=False)
     spec = study.user_attrs.get(SPEC_ATTR, {})
@@ -104,6 +129,8 @@ def render_report(study: optuna.Study) -> str:
                    reasons.most_common())
     sections.append(f"<h2>Infeasible trials</h2><p>{len(bad)} of {len(trials)} trials ({share:.0f}%) diverged or "
                     f"failed.</p>" + (f"<table><tr><th>reason</th><th>trials</th></tr>{rows}</table>" if rows else ""))
+
+    sections.append(_warm_start_section(trials))
 
     try:
         best = study.best_trial

@@ -49,7 +49,7 @@ def test_the_report_renders_every_figure(warm_study: Path) -> None:
     figures = report.read_text().count('class="plotly-graph-div"')
     assert figures >= 3
     assert dom.count("main-svg") >= figures  # plotly drew each one: the inlined script ran, offline
-    assert "Best trial" in dom
+    assert "Best trial" in dom and "started from a neighbour" in dom  # the warm-start lineage table
 
 
 def test_the_dashboard_shows_lineage_and_checkpoint_artifacts(warm_study: Path) -> None:
