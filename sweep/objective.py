@@ -22,7 +22,7 @@ from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint
 from trainer import Task, TrainingConfig, load_task, train
 from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_RESUMED_FROM,
                          ATTR_RETRY_OF, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
-                         ATTR_CHECKPOINT)
+                         ATTR_CHECKPOINT, ATTR_SPEED)
 
 if TYPE_CHECKING:
     from sweep.blobs import CheckpointStore
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["TrialReporter", "run_trial"]
 
 Outcome = tuple[TrialState, "float | None", dict[str, Any]]
+SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
 
 
 class TrialReporter:
@@ -49,9 +50,11 @@ class TrialReporter:
         self.series: list[tuple[int, float]] = []
         self.prune_reason: dict[str, Any] | None = None
         self.report_ms: list[float] = []  # storage round trips of report + should_prune, kept on the trial
+        self.speed: dict[str, float] = {}  # the latest throughput and memory, kept on the trial
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.events.trial_log(self.trial.number, step, metrics)
+        self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         value = metrics[self.metric]
@@ -151,7 +154,8 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
     first_step = resume.step if resume is not None else warm.state.step if warm is not None else 0
     attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
                              ATTR_STEPS: result.steps, ATTR_STEPS_TRAINED: result.steps - first_step,
-                             ATTR_WALL: round(result.wall_time_s, 3), "report_ms": reporter.report_ms}
+                             ATTR_WALL: round(result.wall_time_s, 3), "report_ms": reporter.report_ms,
+                             ATTR_SPEED: reporter.speed}
     if result.status == "stopped" and reporter.prune_reason is not None:
         attrs[ATTR_PRUNE] = reporter.prune_reason
         outcome: Outcome = (TrialState.PRUNED, None, attrs)

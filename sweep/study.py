@@ -58,6 +58,7 @@ ATTR_RETRY_REASON = "retry_reason"
 ATTR_RESUMED_FROM = "resumed_from"
 ATTR_WARM_START = "warm_start_from"  # {study, trial, step, distance, value, checkpoint_id, uri, sha256}
 ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm or resumed trial starts later)
+ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
 ATTR_RETRY_DEPTH = "retry_depth"  # how many retries led to this trial

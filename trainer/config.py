@@ -78,7 +78,7 @@ class TrainingConfig:
     """Everything one training run needs. Defaults are safe for the built-in tasks on a CPU."""
 
     # What to train.
-    task: str = _f("digits", _task_name, "built-in task (digits, charlm, blobs) or 'package.module:function'")
+    task: str = _f("digits", _task_name, "built-in task (digits, charlm, blobs, arrays) or 'package.module:function'")
     task_args: dict[str, Any] = _f({}, doc="keyword arguments for the task factory (data size, context, ...)")
     model: dict[str, Any] = _f({}, doc="keys handed to the task's model builder; the task lists what it accepts")
 
@@ -118,9 +118,20 @@ class TrainingConfig:
     eval_batch_size: int = _f(1024, _range(1))
     log_every_steps: int = _f(50, _range(1))
 
+    # Speed: how the data reaches the model, and how the model runs.
+    data_loader: Literal["auto", "device", "dataloader"] = _f(
+        "auto", doc="device: the training set is moved to the device once and batched there; dataloader: worker "
+                    "processes gather batches on the host (memory-mapped data larger than RAM too); auto: device "
+                    "unless, on CUDA, the training set needs more than half the free device memory")
+    loader_workers: int = _f(2, _range(0), "dataloader: worker processes gathering batches (0: the main process)")
+    pin_memory: bool = _f(True, doc="dataloader on CUDA: pin host batches, so the copy to the device does not block")
+    prefetch_factor: int = _f(2, _range(1), "dataloader: batches each worker prepares ahead")
+    compile: bool = _f(False, doc="torch.compile the model; checkpoints hold the plain module's weights, loadable "
+                                  "without it")
+
     # Reproducibility and placement.
     seed: int = _f(0, _range(0, 2**63 - 1))
-    deterministic: bool = _f(False, doc="torch.use_deterministic_algorithms; slower, and exact on GPU")
+    deterministic: bool = _f(False, doc="torch.use_deterministic_algorithms and no TF32 matmuls; slower, and exact on GPU")
     device: str = _f("auto", _device, "auto: cuda if available, else cpu")
 
     # ---------------------------------------------------------------------------------------------------------------

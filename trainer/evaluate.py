@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.sync import allowed_sync
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -34,5 +36,6 @@ def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tenso
             for name, value in task.eval_metrics(out, y).items():
                 totals[name] = totals[name] + value if name in totals else value
     model.train(was_training)
-    values = torch.stack([loss_total, *(v.float() for v in totals.values())]).div(n).tolist()
+    with allowed_sync():  # the evaluation's one read-back
+        values = torch.stack([loss_total, *(v.float() for v in totals.values())]).div(n).tolist()
     return {f"val_{name}": value for name, value in zip(["loss", *totals], values)}

@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import torch
 
+from trainer.sync import allowed_sync
+
 __all__ = ["FastFailConfig", "LossGuard", "Verdict", "in_stage_grace", "judge", "latest_stage_start"]
 
 Rule = Literal["nan", "inf", "explode", "plateau"]
@@ -200,6 +202,11 @@ class LossGuard:
                 and not in_stage_grace(step, self.stage_starts, self.config.stage_grace_steps or 0)):
             bad = bad | (loss > self.threshold)
         self.flag |= bad
+
+    def tripped(self) -> bool:
+        """Read the flag: one sync, at the check interval only."""
+        with allowed_sync():
+            return bool(self.flag)
 
     def reset(self) -> None:
         self.flag.zero_()

@@ -18,12 +18,15 @@ from torch import nn
 
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, capture_rng, restore_rng, save_checkpoint
 from trainer.config import TrainingConfig
-from trainer.curriculum import build_sampler, stage_starts
+from trainer.curriculum import stage_starts
+from trainer.data import build_batches
+from trainer.device_stats import device_stats
 from trainer.evaluate import evaluate
 from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge
 from trainer.optim import build_optimizer, lr_at, set_lr
-from trainer.precision import Precision, resolve_device, resolve_precision
+from trainer.precision import Precision, allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
+from trainer.sync import allowed_sync
 from trainer.tasks import Task, load_task
 
 __all__ = ["Checkpointer", "FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients",
@@ -35,7 +38,7 @@ class Reporter(Protocol):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Training metrics at a log interval: train_loss, lr, grad_norm, samples_per_s, curriculum_level (and
-        tokens_per_s)."""
+        tokens_per_s for sequence tasks; peak_mem_mb, and gpu_util_pct where NVML answers, on CUDA)."""
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         """Validation metrics at an eval interval. Return True to stop training now."""
@@ -92,13 +95,17 @@ def accumulate_gradients(model: nn.Module, loss_fn: Callable[[torch.Tensor, torc
     Each micro-batch's loss is divided by `n_micro` so that the summed gradients equal those of one batch of
     `n_micro` times the size: the learning rate means the same whatever the accumulation.
     """
-    total = torch.zeros((), device=next(model.parameters()).device)
+    total = None
     for x, y in micro_batches:
         with precision.autocast():
             out = model(x)
-        loss = loss_fn(out.float(), y) / n_micro
+        loss = loss_fn(out.float(), y)
+        if n_micro > 1:  # dividing by 1 would only add two kernels (forward and backward) to every step
+            loss = loss / n_micro
         precision.scaler.scale(loss).backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
+    if total is None:
+        raise ValueError("accumulate_gradients needs at least one micro-batch")
     return total
 
 
@@ -149,12 +156,17 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     reporter = local if local is not None else reporter
     device = resolve_device(config.device)
     seed_everything(config.seed, deterministic=config.deterministic)
+    allow_tf32(device, config.deterministic)
     model = task.build_model(task.model_config(config.model)).to(device)
+    # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
+    # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
+    forward = torch.compile(model) if config.compile else model
     optimizer = build_optimizer(model, config, device)
     precision = resolve_precision(config.mixed_precision, device)
-    train_x, train_y = (t.to(device) for t in task.train)
     val = tuple(t.to(device) for t in task.val)
-    batches = build_sampler(config, task, device)  # the curriculum's (or the whole set's) batches, on the device
+    batches = build_batches(config, task, device)  # the curriculum's (or the whole set's) batches: on the device, or
+    #                                                gathered by loader workers when the set does not fit there
+    stats = device_stats(device)  # peak memory, GPU utilisation: nothing on a CPU
     accum = config.gradient_accumulation_steps
     samples_per_step = config.batch_size * accum
     guard = LossGuard(fast_fail, device, stages)
@@ -199,6 +211,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         if stopped:
             return _finish(result, local, started, "stopped")
 
+    @allowed_sync()  # saving reads the whole state back to the host
     def checkpoint(step: int, metrics: Mapping[str, float] | None) -> None:
         path = checkpointer.path_for(step, metrics) if checkpointer is not None else None
         if path is None:
@@ -221,24 +234,24 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
 
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
-        micro = ((train_x[idx], train_y[idx]) for idx in (batches.next(step) for _ in range(accum)))
-        step_loss = accumulate_gradients(model, task.loss, micro, accum, precision)
+        micro = (batches.next(step) for _ in range(accum))
+        step_loss = accumulate_gradients(forward, task.loss, micro, accum, precision)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
         loss_sum += step_loss
         guard.observe(step_loss, done)  # on the device: no sync
         steps_since_log += 1
 
         if log_now:
-            values = torch.stack([loss_sum / steps_since_log,
-                                  grad_norm if grad_norm is not None else torch.zeros((), device=device)]).tolist()
+            with allowed_sync():  # the log interval's one read-back
+                values = torch.stack([loss_sum / steps_since_log,
+                                      grad_norm if grad_norm is not None else torch.zeros((), device=device)]).tolist()
             elapsed = max(time.perf_counter() - mark, 1e-9)
             record = {"step": done, "train_loss": values[0], "lr": lr, "grad_norm": values[1],
                       "samples_per_s": steps_since_log * samples_per_step / elapsed,
                       "curriculum_level": batches.level_at(step)}  # a function of the step: no read-back
             if task.tokens_per_sample:
                 record["tokens_per_s"] = record["samples_per_s"] * task.tokens_per_sample
-            if device.type == "cuda":
-                record["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            record.update(stats())
             result.logs.append(record)
             reporter.log(done, record)
             loss_sum.zero_()
@@ -247,9 +260,10 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         # 1. Between evaluations, a NaN/Inf or exploding training loss trips the guard; reading it costs one sync per
         #    check interval. A tripped guard brings the next evaluation forward, and the reporter (the pruner)
         #    decides on its value, so there is one place of truth.
-        tripped = fast_fail.enabled and not eval_now and done % check_every == 0 and bool(guard.flag)
+        tripped = fast_fail.enabled and not eval_now and done % check_every == 0 and guard.tripped()
         if eval_now or tripped:
-            extra = {"train_loss": step_loss.item()} if tripped else {}
+            with allowed_sync():
+                extra = {"train_loss": step_loss.item()} if tripped else {}
             stop = evaluate_and_report(done, extra)
             guard.reset()
             mark = time.perf_counter()  # evaluation time is not training throughput
@@ -258,6 +272,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
                 break
         if log_now or eval_now:
             checkpoint(done, result.metrics if eval_now else None)
+    batches.close()  # a loader's workers stop here, not when the garbage collector gets to them
     result.steps = done
     return _finish(result, local, started, status)
 

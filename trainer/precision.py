@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Precision", "resolve_device", "resolve_precision"]
+__all__ = ["Precision", "allow_tf32", "resolve_device", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +50,13 @@ def resolve_precision(mode: str, device: torch.device) -> Precision:
     # fp16 has too little range for small gradients: scale the loss up and the gradients back down.
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     return Precision(device.type, dtype, scaler)
+
+
+def allow_tf32(device: torch.device, deterministic: bool) -> None:
+    """On CUDA, let fp32 matmuls and convolutions use TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation):
+    several times faster on Ampere and later, and below the noise of training. A `deterministic` run keeps full fp32
+    so that its numbers do not depend on the GPU generation. A process-wide setting, made again by every run."""
+    if device.type != "cuda":
+        return
+    torch.set_float32_matmul_precision("highest" if deterministic else "high")
+    torch.backends.cudnn.allow_tf32 = not deterministic

@@ -169,6 +169,7 @@ def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
             attrs = {a["key"]: a["value"] for a in trial["user_attrs"]}
             assert "'rule': 'threshold'" in attrs["prune_reason"] or '"rule": "threshold"' in attrs["prune_reason"]
             assert "learning_rate" in attrs["config"] and "torch" in attrs["reproducibility"]
+            assert "samples_per_s" in attrs["speed"]  # a slow configuration is visible
             if trial["number"] > 0:  # warm-start lineage: which trial, which step, how far
                 assert '"trial": ' in attrs["warm_start_from"] and '"distance": ' in attrs["warm_start_from"]
             else:  # the cold trial's best checkpoint, downloadable from the dashboard (a warm trial pruned at its

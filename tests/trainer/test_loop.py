@@ -189,3 +189,29 @@ def test_device_batches_cover_each_epoch_once_and_resume_exactly() -> None:
     assert [resumed.next().tolist() for _ in range(5)] == expected
     assert DeviceBatches(10, 3, seed=2, device=CPU).next().tolist() != DeviceBatches(10, 3, seed=1, device=CPU) \
         .next().tolist()
+
+
+class SaveAt:
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        return self.path if step == self.step else None
+
+    def saved(self, info, metrics) -> None:
+        pass
+
+
+def test_a_compiled_run_saves_plain_weights_that_resume_without_compile(digits, tmp_path: Path) -> None:
+    from trainer.checkpoint import load_checkpoint
+
+    compiled = train(tiny(compile=True, max_steps=20), digits, checkpointer=SaveAt(10, tmp_path / "c.pt"))
+    eager = train(tiny(max_steps=20), digits)
+    # The same computation, fused differently by inductor: equal to float rounding, not bit for bit.
+    torch.testing.assert_close(curve(compiled), curve(eager), rtol=1e-4, atol=1e-5)
+    state = load_checkpoint(tmp_path / "c.pt")
+    assert not any(key.startswith("_orig_mod.") for key in state.model)
+    digits.build_model(digits.model_config({"hidden": 16})).load_state_dict(state.model)  # strict: every key
+    resumed = train(tiny(max_steps=20), digits, resume=state)
+    assert resumed.status == "completed" and [r["step"] for r in resumed.logs] == [20]
+    torch.testing.assert_close(resumed.logs[0]["train_loss"], compiled.logs[1]["train_loss"], rtol=1e-4, atol=1e-5)

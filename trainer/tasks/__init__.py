@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainer.imports import import_callable
+from trainer.tasks.arrays import arrays
 from trainer.tasks.base import Task, accuracy_sum, cross_entropy
 from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
@@ -13,7 +14,8 @@ from trainer.tasks.digits import digits
 
 __all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "cross_entropy", "load_task", "resolve_task_factory"]
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs}
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs,
+                                                 "arrays": arrays}
 
 
 class TaskError(ValueError):

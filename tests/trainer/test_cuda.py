@@ -1,0 +1,117 @@
+"""On a CUDA device: no host-device sync between log and eval steps, compile, TF32 and the device's metrics.
+
+Skipped where torch sees no CUDA device. The sync check is torch's own: from the first report on (after the setup,
+which moves the data to the device once), `torch.cuda.set_sync_debug_mode("error")` makes every synchronising call
+raise, except inside the trainer's marked read-backs (`trainer.sync.allowed_sync`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import TrainingConfig, load_task, train
+from trainer.checkpoint import load_checkpoint
+from trainer.precision import allow_tf32
+from trainer.tasks import cross_entropy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CHARLM = {"task": "charlm", "task_args": {"context": 32, "max_chars": 50_000}, "batch_size": 8,
+          "model": {"d_model": 32, "n_layers": 1, "n_heads": 2}}
+DIGITS = {"task": "digits", "batch_size": 32, "model": {"hidden": 16, "dropout": 0.1}}
+
+
+def cuda_config(**values) -> TrainingConfig:
+    base = {"device": "cuda", "max_steps": 60, "eval_every_steps": 20, "log_every_steps": 10, "learning_rate": 3e-3}
+    return TrainingConfig.from_dict({**base, **values})
+
+
+class StrictAfterFirstReport:
+    """Turns on the sync check at the first report (fast-fail's evaluation before step 1), and notes the mode at
+    every log, to show the check was on while training ran."""
+
+    def __init__(self) -> None:
+        self.modes: list[int] = []
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.modes.append(torch.cuda.get_sync_debug_mode())
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        torch.cuda.set_sync_debug_mode("error")
+        return False
+
+
+@pytest.fixture()
+def sync_check():
+    yield StrictAfterFirstReport()
+    torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("values", [
+    DIGITS,
+    CHARLM,
+    {**CHARLM, "gradient_clip_norm": 1.0, "gradient_accumulation_steps": 2},
+    {**DIGITS, "curriculum": {"schedule": "linear", "end_fraction": 0.5}},
+    {**DIGITS, "data_loader": "dataloader", "loader_workers": 2},
+], ids=["digits", "charlm", "charlm-clip-accumulation", "digits-curriculum", "digits-dataloader"])
+def test_no_sync_between_log_and_eval_steps(sync_check: StrictAfterFirstReport, values: dict) -> None:
+    result = train(cuda_config(**values), reporter=sync_check)  # bf16 autocast: mixed_precision auto
+    assert result.status == "completed" and result.steps == 60
+    assert sync_check.modes == [2] * 6  # "error" at every log step
+
+
+def test_the_sync_check_catches_a_read_back_in_a_step(sync_check: StrictAfterFirstReport) -> None:
+    task = load_task("digits")
+
+    def loss_that_syncs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = cross_entropy(logits, targets)
+        loss.item()  # what the loop must never do between log steps
+        return loss
+
+    task.loss = loss_that_syncs
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        train(cuda_config(**DIGITS), task, sync_check)
+
+
+class SaveAt:
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        return self.path if step == self.step else None
+
+    def saved(self, info, metrics) -> None:
+        pass
+
+
+def test_a_compiled_run_trains_and_its_checkpoint_resumes_without_compile(tmp_path: Path) -> None:
+    compiled = train(cuda_config(**CHARLM, compile=True), checkpointer=SaveAt(30, tmp_path / "c.pt"))
+    assert compiled.status == "completed" and compiled.metrics["val_loss"] < 5.0
+    state = load_checkpoint(tmp_path / "c.pt")
+    assert not any(key.startswith("_orig_mod.") for key in state.model)
+    resumed = train(cuda_config(**CHARLM), resume=state)
+    assert resumed.status == "completed" and resumed.steps == 60
+    assert resumed.metrics["val_loss"] == pytest.approx(compiled.metrics["val_loss"], rel=0.05)
+
+
+def test_logs_carry_throughput_and_peak_memory() -> None:
+    result = train(cuda_config(**CHARLM))
+    for record in result.logs:
+        assert record["tokens_per_s"] > 0 and record["peak_mem_mb"] > 0
+        assert 0 <= record.get("gpu_util_pct", 0) <= 100  # present where NVML answers (nvidia-ml-py installed)
+
+
+def test_tf32_is_allowed_unless_deterministic() -> None:
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        allow_tf32(torch.device("cuda"), deterministic=False)
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        allow_tf32(torch.device("cuda"), deterministic=True)
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]

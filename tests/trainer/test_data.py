@@ -1,0 +1,137 @@
+"""The two ways batches reach the model: the data set on the device, or gathered by DataLoader workers on the host.
+Both draw the same batch indices, so on a CPU they train identically, and either resumes exactly."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import ConfigError, TrainingConfig, load_task, train
+from trainer.checkpoint import load_checkpoint
+from trainer.data import DeviceData, LoaderData, build_batches, choose_data_loader
+from trainer.tasks import TaskError
+from trainer.tasks.digits import load_digits_arrays
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_task("digits")
+
+
+def tiny(**values) -> TrainingConfig:
+    base = {"max_steps": 60, "eval_every_steps": 20, "log_every_steps": 10, "batch_size": 32,
+            "model": {"hidden": 16, "dropout": 0.1}, "learning_rate": 3e-3}  # dropout: the global RNG matters too
+    return TrainingConfig.from_dict({**base, **values})
+
+
+def curve(result) -> list:
+    return [(r["step"], r["train_loss"], r["grad_norm"]) for r in result.logs] + result.evals
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("extra", [
+    {},
+    {"gradient_accumulation_steps": 3, "batch_size": 16},
+    {"curriculum": {"schedule": "linear", "end_fraction": 0.5}},
+], ids=["plain", "accumulation", "curriculum"])
+def test_the_dataloader_path_trains_exactly_like_the_device_path(digits, workers: int, extra: dict) -> None:
+    device = train(tiny(data_loader="device", **extra), digits)
+    loader = train(tiny(data_loader="dataloader", loader_workers=workers, **extra), digits)
+    assert curve(loader) == curve(device)
+
+
+def test_auto_keeps_the_data_on_a_cpu_device(digits) -> None:
+    assert choose_data_loader(tiny(), digits, CPU) == "device"
+    assert isinstance(build_batches(tiny(), digits, CPU), DeviceData)
+    assert isinstance(build_batches(tiny(data_loader="dataloader"), digits, CPU), LoaderData)
+
+
+class SaveAt:
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        return self.path if step == self.step else None
+
+    def saved(self, info, metrics) -> None:
+        pass
+
+
+@pytest.mark.parametrize("resume_with", ["dataloader", "device"])
+def test_a_dataloader_run_resumes_exactly_on_either_path(digits, tmp_path: Path, resume_with: str) -> None:
+    # The loader runs ahead of the loop (2 workers x prefetch 2): the checkpoint must hold the loop's position.
+    config = tiny(data_loader="dataloader", loader_workers=2, prefetch_factor=2, max_steps=100)
+    full = train(config, digits, checkpointer=SaveAt(50, tmp_path / "s.pt"))  # epochs of 35 batches: mid-epoch
+    state = load_checkpoint(tmp_path / "s.pt")
+    resumed = train(tiny(data_loader=resume_with, max_steps=100), digits, resume=state)
+    assert curve(resumed) == [entry for entry in curve(full) if entry[0] > 50]
+
+
+def test_loader_workers_stop_when_training_stops(digits) -> None:
+    class StopAtFirstReport:
+        def log(self, step, metrics) -> None:
+            pass
+
+        def report(self, step, metrics) -> bool:
+            return step > 0
+
+    result = train(tiny(data_loader="dataloader", loader_workers=2), digits, StopAtFirstReport())
+    assert result.status == "stopped"
+    assert multiprocessing.active_children() == []
+
+
+@pytest.fixture()
+def digit_files(tmp_path: Path) -> dict[str, str]:
+    """The digits as .npy files: 8x8 uint8 images (any shape and dtype will do) and int32 labels."""
+    x, y = load_digits_arrays()
+    images = (x * 16).astype(np.uint8).reshape(-1, 8, 8)
+    paths = {}
+    for key, array in {"train_x": images[:1400], "train_y": y[:1400].astype(np.int32),
+                       "val_x": images[1400:], "val_y": y[1400:].astype(np.int32)}.items():
+        paths[key] = str(tmp_path / f"{key}.npy")
+        np.save(paths[key], array)
+    return paths
+
+
+def test_the_arrays_task_trains_from_memory_mapped_files(digit_files: dict[str, str]) -> None:
+    config = {"task": "arrays", "task_args": {**digit_files, "classes": 10}, "max_steps": 150,
+              "eval_every_steps": 50, "log_every_steps": 50, "batch_size": 32, "learning_rate": 1e-2,
+              "model": {"hidden": 32}}
+    task = load_task("arrays", config["task_args"])
+    assert task.train[0].shape == (1400, 8, 8) and task.train[0].dtype == torch.uint8
+    mapped = np.load(digit_files["train_x"], mmap_mode="c")
+    assert task.train[0].data_ptr() != mapped.ctypes.data  # each load maps the file anew ...
+    assert isinstance(mapped, np.memmap)  # ... as a memory map, read when touched
+    loader = train(TrainingConfig.from_dict({**config, "data_loader": "dataloader"}), task)
+    device = train(TrainingConfig.from_dict({**config, "data_loader": "device"}), task)
+    assert curve(loader) == curve(device)
+    assert loader.metrics["val_accuracy"] > 0.6
+
+
+def test_the_arrays_task_names_the_bad_argument(digit_files: dict[str, str], tmp_path: Path) -> None:
+    with pytest.raises(TaskError, match="classes"):
+        load_task("arrays", {**digit_files})
+    with pytest.raises(FileNotFoundError, match="task_args.val_y"):
+        load_task("arrays", {**digit_files, "val_y": str(tmp_path / "missing.npy"), "classes": 10})
+    np.save(tmp_path / "short.npy", np.zeros(5, dtype=np.int64))
+    with pytest.raises(ValueError, match="as many samples"):
+        load_task("arrays", {**digit_files, "train_y": str(tmp_path / "short.npy"), "classes": 10})
+    np.save(tmp_path / "floats.npy", np.zeros(1400, dtype=np.float32))
+    with pytest.raises(ValueError, match="integer class indices"):
+        load_task("arrays", {**digit_files, "train_y": str(tmp_path / "floats.npy"), "classes": 10})
+
+
+@pytest.mark.parametrize(("values", "key"), [({"data_loader": "gpu"}, "data_loader"),
+                                             ({"loader_workers": -1}, "loader_workers"),
+                                             ({"prefetch_factor": 0}, "prefetch_factor")])
+def test_loader_settings_are_validated(values: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainingConfig.from_dict(values)
+    assert [k for k, _ in info.value.problems] == [key]

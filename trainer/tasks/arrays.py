@@ -1,0 +1,87 @@
+"""`arrays`: classification over `.npy` files, memory-mapped, for data sets larger than RAM.
+
+The four files are opened with `numpy.load(mmap_mode="c")`: nothing is read until a batch touches its rows, and the
+operating system's page cache decides what stays in memory. (Copy-on-write rather than read-only, so torch can wrap
+the arrays without a copy or a warning; nothing ever writes to them.) Train with `data_loader: dataloader` (or
+`auto`, which picks it on a GPU when the set does not fit): loader workers gather each batch's rows from the mapping.
+The validation set is moved to the device once for evaluation, so keep it to what fits there.
+
+Inputs may have any shape and numeric dtype; the model flattens each sample to a vector and casts it to float32.
+Targets are integer class indices in [0, classes).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.tasks.base import Task, accuracy_sum
+from trainer.tasks.digits import MLP
+
+__all__ = ["arrays", "open_array"]
+
+MODEL_DEFAULTS = {"hidden": 64, "depth": 2, "activation": "relu", "dropout": 0.0}
+
+
+def open_array(path: str | Path, key: str) -> torch.Tensor:
+    """A tensor over a memory-mapped `.npy` file; `key` names the task argument in errors."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"task_args.{key}: no such file {str(path)!r}")
+    array = np.load(path, mmap_mode="c")
+    if array.ndim < 1 or len(array) == 0:
+        raise ValueError(f"task_args.{key}: expected samples on dimension 0, but {str(path)!r} has shape {array.shape}")
+    return torch.from_numpy(array)
+
+
+class FlatMLP(nn.Module):
+    """Flattens each sample and casts it to float32, then an MLP."""
+
+    def __init__(self, n_in: int, n_out: int, **cfg: Any) -> None:
+        super().__init__()
+        self.mlp = MLP(n_in, n_out, **cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x.flatten(1).float())
+
+
+def class_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy with targets of any integer dtype (files often hold int32 or uint8 labels)."""
+    return F.cross_entropy(logits, targets.long())
+
+
+def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> Task:
+    if classes < 2:
+        raise ValueError(f"task_args.classes must be >= 2, but got {classes=}")
+    x, y = open_array(train_x, "train_x"), open_array(train_y, "train_y")
+    vx, vy = open_array(val_x, "val_x"), open_array(val_y, "val_y")
+    for (inputs, targets), split in (((x, y), "train"), ((vx, vy), "val")):
+        if len(inputs) != len(targets):
+            raise ValueError(f"task_args.{split}_x and {split}_y must hold as many samples, but got {len(inputs)} "
+                             f"and {len(targets)}")
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() != 1:
+            raise ValueError(f"task_args.{split}_y must be a 1-D array of integer class indices, but got "
+                             f"{targets.dtype} of shape {tuple(targets.shape)}")
+    if x.shape[1:] != vx.shape[1:]:
+        raise ValueError(f"train_x and val_x samples differ in shape: {tuple(x.shape[1:])} and {tuple(vx.shape[1:])}")
+    n_in = math.prod(x.shape[1:])
+
+    def build(cfg: dict[str, Any]) -> nn.Module:
+        return FlatMLP(n_in, classes, **cfg)
+
+    return Task(
+        name="arrays",
+        train=(x, y),
+        val=(vx, vy),
+        build_model=build,
+        model_defaults=MODEL_DEFAULTS,
+        loss=class_cross_entropy,
+        eval_metrics=accuracy_sum,
+        eval_metric_names=("accuracy",),
+    )
