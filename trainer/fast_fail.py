@@ -176,16 +176,16 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
 
 
 class LossGuard:
-    """Watches the training loss on the device between evaluations: a flag set when a step's loss is NaN/Inf or above
-    the explosion threshold. Setting it costs no sync; the loop reads it at the check interval, and when it is set
+    """Watches the training loss on the device between evaluations: trips when a step's loss is NaN/Inf or above the
+    explosion threshold. Watching costs no sync; the loop reads it at the check interval, and when it has tripped
     runs an evaluation whose value goes to the reporter, so the decision is still `judge`'s (or the pruner's).
     Like `judge`, it does not apply the explosion threshold within the grace period after a curriculum stage change
-    (decided on the host from the step: still no sync); NaN/Inf always set the flag."""
+    (decided on the host from the step: still no sync); NaN/Inf always trip it."""
 
     def __init__(self, config: FastFailConfig, device: torch.device, stage_starts: Sequence[int] = ()) -> None:
         self.config = config
         self.stage_starts = tuple(stage_starts)
-        self.flag = torch.zeros((), dtype=torch.bool, device=device)
+        self.worst = torch.full((), -math.inf, device=device)  # the largest loss since the last check
         self.threshold: float | None = None
 
     def arm(self, initial: float) -> None:
@@ -195,18 +195,20 @@ class LossGuard:
             self.threshold = factor * initial
 
     def observe(self, loss: torch.Tensor, step: int) -> None:
+        """One kernel per step: a running maximum, through which NaN propagates (so it sticks) like +Inf. Where the
+        explosion rule does not apply (warmup, a stage's grace), only NaN/Inf may count: `loss - loss` is 0 for a
+        finite loss and NaN otherwise. A -Inf training loss is left to the next evaluation's NaN/Inf rule."""
         if not self.config.enabled:
             return
-        bad = ~torch.isfinite(loss)
-        if (self.threshold is not None and step >= (self.config.warmup_steps or 0)
-                and not in_stage_grace(step, self.stage_starts, self.config.stage_grace_steps or 0)):
-            bad = bad | (loss > self.threshold)
-        self.flag |= bad
+        explosion = (self.threshold is not None and step >= (self.config.warmup_steps or 0)
+                     and not in_stage_grace(step, self.stage_starts, self.config.stage_grace_steps or 0))
+        torch.maximum(self.worst, loss if explosion else loss - loss, out=self.worst)
 
     def tripped(self) -> bool:
-        """Read the flag: one sync, at the check interval only."""
+        """Read the running maximum: one sync, at the check interval only."""
         with allowed_sync():
-            return bool(self.flag)
+            worst = float(self.worst)
+        return math.isnan(worst) or worst == math.inf or (self.threshold is not None and worst > self.threshold)
 
     def reset(self) -> None:
-        self.flag.zero_()
+        self.worst.fill_(-math.inf)

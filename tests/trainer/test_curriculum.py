@@ -379,12 +379,19 @@ def test_the_loss_guard_holds_its_explosion_flag_during_a_grace_period_but_not_f
     guard.arm(2.3)
     guard.observe(torch.tensor(30.0), 260)
     guard.observe(torch.tensor(30.0), 270)
-    assert not bool(guard.flag)
+    assert not guard.tripped()
     guard.observe(torch.tensor(30.0), 271)
-    assert bool(guard.flag)
+    assert guard.tripped()
     guard.reset()
     guard.observe(torch.tensor(math.nan), 255)
-    assert bool(guard.flag)
+    guard.observe(torch.tensor(2.0), 256)  # NaN sticks until the check reads it
+    assert guard.tripped()
+    guard.reset()
+    guard.observe(torch.tensor(math.inf), 255)
+    assert guard.tripped()
+    guard.reset()
+    guard.observe(torch.tensor(2.0), 300)
+    assert not guard.tripped()
 
 
 def test_a_negative_grace_is_refused_by_name() -> None:
