@@ -26,22 +26,33 @@ def checkpointed_steps(db: Path, trial: int) -> list[int]:
         return []
 
 
-def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Path) -> None:
-    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "heartbeat_interval": 1, "heartbeat_grace_period": 3,
-                                            "checkpoints": {"every_steps": 100, "on_best": False, "keep_top_k": 1}}
+def long_study(folder: Path, **keys) -> Path:
+    """Trials long enough to be stopped mid-way, with a checkpoint every 100 steps."""
+    document = copy.deepcopy(TINY_STUDY) | keys | {
+        "checkpoints": {"every_steps": 100, "on_best": False, "keep_top_k": 1}}
     document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 500, "log_every_steps": 100}
-    path = write_study(tmp_path, document)
-    db = tmp_path / "tiny.db"
+    return write_study(folder, document)
+
+
+def signal_after_a_checkpoint(path: Path, db: Path, signum: int) -> tuple[int, str]:
+    """Run the study in a real worker process and signal it once trial 0 has a checkpoint at step 200 or later."""
     worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
             time.sleep(0.2)
-        worker.send_signal(signal.SIGKILL)
-        worker.wait(timeout=30)
+        worker.send_signal(signum)
+        _, stderr = worker.communicate(timeout=60)
     finally:
         worker.kill()
+    return worker.returncode, stderr
+
+
+def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Path) -> None:
+    path = long_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=3)
+    db = tmp_path / "tiny.db"
+    signal_after_a_checkpoint(path, db, signal.SIGKILL)
     saved = max(checkpointed_steps(db, 0))
     assert saved >= 200
     assert optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").trials[0].state == TrialState.RUNNING
@@ -62,22 +73,11 @@ def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Pa
 
 
 def test_a_preempted_worker_queues_its_trial_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1,
-                                            "checkpoints": {"every_steps": 100, "on_best": False, "keep_top_k": 1}}
-    document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 500, "log_every_steps": 100}
-    path = write_study(tmp_path, document)
+    path = long_study(tmp_path, n_trials=1)
     db = tmp_path / "tiny.db"
-    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
-            time.sleep(0.2)
-        worker.send_signal(signal.SIGTERM)  # what a scheduler sends before it takes the machine back
-        _, stderr = worker.communicate(timeout=60)
-    finally:
-        worker.kill()
-    assert worker.returncode == 143, stderr
+    # SIGTERM: what a scheduler sends before it takes the machine back
+    returncode, stderr = signal_after_a_checkpoint(path, db, signal.SIGTERM)
+    assert returncode == 143, stderr
     assert "preempted" in stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
     assert trials[0].state == TrialState.FAIL and trials[0].user_attrs["fail_reason"] == "preempted (SIGTERM)"

@@ -5,28 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
 
 from trainer import TrainingConfig, load_task, train
+from tests.trainer.support import SaveAt
 from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint, sha256_of
 
 CONFIG = {"max_steps": 60, "log_every_steps": 10, "eval_every_steps": 20, "batch_size": 32, "learning_rate": 0.01,
           "model": {"hidden": 32, "dropout": 0.2}, "optimizer": "adamw", "warmup_steps": 5}
-
-
-class SaveAt:
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path, self.infos = step, path, []
-
-    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
-        return self.path if step == self.step else None
-
-    def saved(self, info, metrics) -> None:
-        self.infos.append(info)
 
 
 RESUME = """

@@ -17,6 +17,7 @@ from trainer import TrainingConfig, load_task, train
 from trainer.checkpoint import load_checkpoint
 from trainer.precision import allow_tf32
 from trainer.tasks import cross_entropy
+from tests.trainer.support import SaveAt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -75,17 +76,6 @@ def test_the_sync_check_catches_a_read_back_in_a_step(sync_check: StrictAfterFir
     task.loss = loss_that_syncs
     with pytest.raises(RuntimeError, match="synchroniz"):
         train(cuda_config(**DIGITS), task, sync_check)
-
-
-class SaveAt:
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
-        return self.path if step == self.step else None
-
-    def saved(self, info, metrics) -> None:
-        pass
 
 
 def test_a_compiled_run_trains_and_its_checkpoint_resumes_without_compile(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ Both draw the same batch indices, so on a CPU they train identically, and either
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +15,9 @@ from trainer.checkpoint import load_checkpoint
 from trainer.data import DeviceData, LoaderData, build_batches, choose_data_loader
 from trainer.tasks import TaskError
 from trainer.tasks.digits import load_digits_arrays
+from tests.trainer.support import SaveAt
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_task("digits")
 
 
 def tiny(**values) -> TrainingConfig:
@@ -51,17 +46,6 @@ def test_auto_keeps_the_data_on_a_cpu_device(digits) -> None:
     assert choose_data_loader(tiny(), digits, CPU) == "device"
     assert isinstance(build_batches(tiny(), digits, CPU), DeviceData)
     assert isinstance(build_batches(tiny(data_loader="dataloader"), digits, CPU), LoaderData)
-
-
-class SaveAt:
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
-        return self.path if step == self.step else None
-
-    def saved(self, info, metrics) -> None:
-        pass
 
 
 @pytest.mark.parametrize("resume_with", ["dataloader", "device"])

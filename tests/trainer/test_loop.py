@@ -10,19 +10,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import trainer
-from trainer import ConfigError, TrainingConfig, load_task, train
+from trainer import ConfigError, TrainingConfig, train
 from trainer.data import DeviceBatches
 from trainer.evaluate import evaluate
 from trainer.loop import accumulate_gradients, optimizer_step
 from trainer.precision import resolve_precision
 from trainer.tasks import cross_entropy
+from tests.trainer.support import SaveAt
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_task("digits")
 
 
 def tiny(**values) -> TrainingConfig:
@@ -189,17 +185,6 @@ def test_device_batches_cover_each_epoch_once_and_resume_exactly() -> None:
     assert [resumed.next().tolist() for _ in range(5)] == expected
     assert DeviceBatches(10, 3, seed=2, device=CPU).next().tolist() != DeviceBatches(10, 3, seed=1, device=CPU) \
         .next().tolist()
-
-
-class SaveAt:
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
-        return self.path if step == self.step else None
-
-    def saved(self, info, metrics) -> None:
-        pass
 
 
 def test_a_compiled_run_saves_plain_weights_that_resume_without_compile(digits, tmp_path: Path) -> None:
