@@ -137,6 +137,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_get(port: int, route: str, server: subprocess.Popen) -> bytes:
+    """GET from a local server, waiting up to a minute for it to come up (and failing if it died)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{route}", timeout=10) as response:
+                return response.read()
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise
+            time.sleep(0.3)
+
+
+def test_the_dashboard_reading_a_live_sqlite_study_does_not_disturb_it(tmp_path: Path) -> None:
+    pytest.importorskip("optuna_dashboard")
+    path = busy_study(tmp_path, 2)
+    assert run_cli("run", path).returncode == 0  # the study exists
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "sweep.cli", "dashboard", str(path), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # its access log is long
+    try:
+        http_get(port, "/api/studies", server)
+        workers = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "3",
+                                    "--n-trials", "14"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        reads = 0
+        while workers.poll() is None:  # the dashboard reads every trial, over and over, while three workers write
+            json.loads(http_get(port, "/api/studies/1?after=0", server))
+            reads += 1
+        _, stderr = workers.communicate(timeout=60)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert workers.returncode == 0, stderr
+    assert reads >= 5 and "locked" not in stderr
+    check_exact(optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}"), 14)
+
+
 def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
     pytest.importorskip("optuna_dashboard")
     document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 0.1, "n_warmup_steps": 15},
@@ -149,17 +186,7 @@ def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
     server = subprocess.Popen([sys.executable, "-m", "sweep.cli", "dashboard", str(path), "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        def get(route: str) -> bytes:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}{route}", timeout=5) as response:
-                        return response.read()
-                except OSError:
-                    if time.monotonic() > deadline or server.poll() is not None:
-                        raise
-                    time.sleep(0.3)
-
+        get = lambda route: http_get(port, route, server)  # noqa: E731
         [summary] = json.loads(get("/api/studies"))["study_summaries"]
         assert summary["study_name"] == "tiny"
         detail = json.loads(get(f"/api/studies/{summary['study_id']}?after=0"))
