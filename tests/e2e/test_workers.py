@@ -224,5 +224,6 @@ def test_report_is_one_self_contained_html_file(tmp_path: Path) -> None:
     for section in ("Optimisation history", "Intermediate values", "Parameter importances", "Infeasible trials",
                     "Best trial"):
         assert f"<h2>{section}" in text
-    assert "python -m trainer" in text and "plotly" in text.lower()
+    assert "python -m trainer" in text and "Plotly.newPlot" in text
+    assert "Not available" not in text  # every figure was drawn (a missing plotly would say so here)
     assert "<script src=" not in text  # nothing to fetch: plotly.js is inlined
