@@ -23,7 +23,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, Text, and_, create_engine, delete,
-                        func, insert, literal, select, update)
+                        func, insert, inspect, literal, select, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -104,6 +104,30 @@ class Registry:
                 if attempt == 4 or "already exists" not in str(exc).lower():
                     raise
                 time.sleep(0.1 * (attempt + 1))
+        self._upgrade()
+
+    def _upgrade(self) -> None:
+        """A table written by an earlier version of sweep lacks the warm-start columns: add them (its rows become
+        checkpoints that are not donors: not final, no coordinates) and rebuild the donor index over them. Safe when
+        several workers upgrade at once: the loser finds the columns there."""
+        have = {column["name"] for column in inspect(self.engine).get_columns(checkpoints.name)}
+        missing = [column for column in checkpoints.columns if column.name not in have]
+        if not missing:
+            return
+        defaults = {"final": " NOT NULL DEFAULT 0", "pinned": " NOT NULL DEFAULT 0", "cat_key": " NOT NULL DEFAULT ''"}
+        try:
+            with self.engine.begin() as connection:
+                for column in missing:
+                    kind = column.type.compile(dialect=self.engine.dialect)
+                    connection.exec_driver_sql(f"ALTER TABLE {checkpoints.name} ADD COLUMN {column.name} {kind}"
+                                               f"{defaults.get(column.name, '')}")
+                donors = next(index for index in checkpoints.indexes if index.name == "ix_sweep_checkpoints_donors")
+                connection.exec_driver_sql(f"DROP INDEX IF EXISTS {donors.name}")
+                donors.create(connection)
+        except DBAPIError:
+            have = {column["name"] for column in inspect(self.engine).get_columns(checkpoints.name)}
+            if any(column.name not in have for column in checkpoints.columns):
+                raise
 
     def register(self, *, study: str, trial_number: int, step: int, value: float | None, params: dict[str, Any],
                  shape_key: str, uri: str, size: int, sha256: str, coords: Sequence[float | None] = (),

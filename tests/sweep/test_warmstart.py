@@ -180,3 +180,27 @@ def test_several_processes_create_the_registry_at_once(backend: str, tmp_path: P
     indexes = {ix["name"] for ix in inspect(engine).get_indexes("sweep_checkpoints")}
     assert {"ix_sweep_checkpoints_trial", "ix_sweep_checkpoints_donors"} <= indexes
     assert len(Registry(url).for_trial("race", 0)) == 6
+
+
+def test_a_registry_from_an_earlier_version_is_upgraded_in_place(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    with create_engine(url).begin() as connection:  # the table as the first release wrote it, with one row
+        connection.exec_driver_sql(
+            "CREATE TABLE sweep_checkpoints (id INTEGER PRIMARY KEY AUTOINCREMENT, study VARCHAR(512) NOT NULL, "
+            "trial_number INTEGER NOT NULL, step INTEGER NOT NULL, value FLOAT, params TEXT NOT NULL, "
+            "shape_key VARCHAR(64) NOT NULL, uri TEXT NOT NULL, size INTEGER NOT NULL, sha256 VARCHAR(64) NOT NULL, "
+            "created_at FLOAT NOT NULL)")
+        connection.exec_driver_sql("CREATE INDEX ix_sweep_checkpoints_donors ON sweep_checkpoints (study, shape_key, "
+                                   "value)")
+        connection.exec_driver_sql("INSERT INTO sweep_checkpoints (study, trial_number, step, value, params, "
+                                   "shape_key, uri, size, sha256, created_at) VALUES ('old', 0, 10, 1.0, '{}', '', "
+                                   "'/x.pt', 1, 'h', 0)")
+    registry = Registry(url)
+    [old] = registry.for_trial("old", 0)
+    assert old.step == 10 and not old.final and not old.pinned  # kept; not a donor
+    spec, study = make_spec(), "new"
+    register(registry, study, spec, 0, BASE, 50, 0.5)
+    assert lookup(registry, spec, study, BASE).record.trial_number == 0
+    columns = {ix["name"]: ix["column_names"] for ix in inspect(create_engine(url)).get_indexes("sweep_checkpoints")}
+    assert "cat_key" in columns["ix_sweep_checkpoints_donors"]
+    Registry(url)  # a second worker finds it upgraded
