@@ -184,9 +184,14 @@ def _print_status(study) -> None:
     table.add_row("direction / metric", f"{status['direction']} {status['metric']}")
     table.add_row("budget", f"{status['budget_used']}/{status['n_trials']} trials")
     table.add_row("states", ", ".join(f"{k} {v}" for k, v in status["states"].items()) or "no trials")
+    compute = f"{status['steps_trained']} steps trained"
+    if status["warm_started"]:
+        compute += f"; {status['warm_started']} trials warm-started"
+    table.add_row("compute", compute)
     best = status["best"]
     if best is not None:
-        table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}")
+        warm = "" if best["warm_start_from"] is None else f"  (warm-started from #{best['warm_start_from']})"
+        table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}{warm}")
         for key, value in best["params"].items():
             table.add_row(f"  {key}", f"{value:.6g}" if isinstance(value, float) else str(value))
     out.print(table)

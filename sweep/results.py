@@ -9,7 +9,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.progress import describe_outcome
-from sweep.study import ATTR_CONFIG, ATTR_STEPS, ATTR_WALL, budget_used
+from sweep.study import ATTR_CONFIG, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START, budget_used
 
 __all__ = ["best_config", "state_counts", "study_status", "trial_rows"]
 
@@ -29,6 +29,7 @@ def _best(study: optuna.Study) -> FrozenTrial | None:
 def study_status(study: optuna.Study) -> dict[str, Any]:
     spec = study.user_attrs.get("sweep.spec", {})
     best = _best(study)
+    trials = study.get_trials(deepcopy=False)
     return {
         "study": study.study_name,
         "direction": study.direction.name.lower(),
@@ -36,7 +37,11 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "n_trials": spec.get("n_trials"),
         "budget_used": budget_used(study),
         "states": state_counts(study),
-        "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params},
+        "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
+                                           "warm_start_from": best.user_attrs.get(ATTR_WARM_START, {}).get("trial")},
+        "steps_trained": sum(int(t.user_attrs.get(ATTR_STEPS_TRAINED, t.user_attrs.get(ATTR_STEPS, 0)) or 0)
+                             for t in trials),
+        "warm_started": sum(ATTR_WARM_START in t.user_attrs for t in trials),
     }
 
 
@@ -47,6 +52,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row.update({f"params.{k}": v for k, v in trial.params.items()})
         row["steps"] = trial.user_attrs.get(ATTR_STEPS)
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
+        row["warm_start_from"] = trial.user_attrs.get(ATTR_WARM_START, {}).get("trial")
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
         rows.append(row)
     return rows

@@ -49,6 +49,10 @@ def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) ->
         pinned = {row[0] for row in connection.execute("SELECT id FROM sweep_checkpoints WHERE pinned = 1")}
     assert {t.user_attrs["warm_start_from"]["checkpoint_id"] for t in warm} <= pinned
 
+    status = run_cli("status", path)
+    assert f"{len(warm)} trials warm-started" in status.stdout  # and the compute the study trained itself
+    assert f"{sum(t.user_attrs['steps_trained'] for t in trials.values())} steps trained" in status.stdout
+
     [replayed] = warm[-1:]
     again = run_cli("reproduce", path, str(replayed.number))
     assert again.returncode == 0, again.stderr
