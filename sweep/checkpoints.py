@@ -15,7 +15,7 @@ from trainer.checkpoint import CheckpointInfo
 
 if TYPE_CHECKING:
     from sweep.blobs import CheckpointStore
-    from sweep.registry import Registry
+    from sweep.registry import CheckpointRecord, Registry
     from sweep.spec import CheckpointPolicy
 
 __all__ = ["TrialCheckpointer", "collect_study"]
@@ -55,13 +55,20 @@ class TrialCheckpointer:
                                sha256=info.sha256, coords=self.coords, cat_key=self.cat_key)
         self._collect()
 
+    def finish(self) -> CheckpointRecord | None:
+        """The trial is over: its checkpoints become warm-start donors. Returns its best checkpoint (its latest when
+        none has a value), or None when it wrote none."""
+        self.registry.finish_trial(self.study, self.number)
+        records = self.registry.for_trial(self.study, self.number)
+        scored = best_first(records, self.maximize)
+        return scored[0] if scored else max(records, key=lambda r: (r.step, r.id), default=None)
+
     def _collect(self) -> None:
         records = self.registry.for_trial(self.study, self.number)
         if not records:
             return
         latest = max(records, key=lambda r: (r.step, r.id))
-        scored = sorted((r for r in records if r.value is not None and math.isfinite(r.value)),
-                        key=lambda r: -r.value if self.maximize else r.value)  # type: ignore[operator]
+        scored = best_first(records, self.maximize)
         keep = {latest.id, *(r.id for r in scored[: self.policy.keep_top_k]),
                 *(r.id for r in records if r.step in self.keep_steps)}
         gone = set(self.registry.forget([r.id for r in records if r.id not in keep]))  # pinned ones stay
@@ -69,6 +76,12 @@ class TrialCheckpointer:
         for record in records:  # the rows first, then the files: nobody is sent to a deleted file
             if record.id in gone and record.uri not in kept:
                 delete_blob(record.uri)
+
+
+def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[CheckpointRecord]:
+    """The checkpoints with a finite value, best first."""
+    scored = [r for r in records if r.value is not None and math.isfinite(r.value)]
+    return sorted(scored, key=lambda r: -r.value if maximize else r.value)  # type: ignore[operator]
 
 
 def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> int:

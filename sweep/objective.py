@@ -165,25 +165,21 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
     else:
         outcome = (TrialState.COMPLETE, value, attrs)
     if registry is not None and checkpointer is not None:
-        _finish_checkpoints(trial, spec, registry, artifacts)
+        _finish_checkpoints(trial, spec, registry, checkpointer, artifacts)
     return outcome
 
 
-def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry, artifacts: Any) -> None:
+def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry, checkpointer: TrialCheckpointer,
+                        artifacts: Any) -> None:
     """The trial is over: its checkpoints become warm-start donors, its best one becomes a dashboard artifact, and
     the study's retention applies."""
-    study = trial.study.study_name
-    registry.finish_trial(study, trial.number)
-    records = registry.for_trial(study, trial.number)
-    scored = [r for r in records if r.value is not None and math.isfinite(r.value)]
-    maximize = spec.direction == "maximize"
-    if artifacts is not None and spec.checkpoints.artifacts and (scored or records):
-        best = (max(scored, key=lambda r: r.value if maximize else -r.value) if scored  # type: ignore[operator]
-                else max(records, key=lambda r: r.step))
+    best = checkpointer.finish()
+    if artifacts is not None and best is not None:
         with local_copy(best.uri) as path:
             artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=str(path),
                                                            study_or_trial=trial, mimetype="application/octet-stream")
         trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step, "value": best.value,
                                               "sha256": best.sha256, "size": best.size})
     if spec.checkpoints.keep_top_trials is not None:
-        collect_study(registry, study, spec.checkpoints.keep_top_trials, maximize)
+        collect_study(registry, trial.study.study_name, spec.checkpoints.keep_top_trials,
+                      spec.direction == "maximize")

@@ -188,8 +188,7 @@ def storage_for(spec: StudySpec, url: str) -> optuna.storages.RDBStorage:
 
 def retry_lost_trial(study: optuna.Study, trial: FrozenTrial) -> None:
     """Queue the params of a trial whose worker died (no heartbeat) so that another worker trains them."""
-    study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,
-                                                  ATTR_RETRY_REASON: "worker lost: no heartbeat"})
+    _retry(study, trial, "worker lost: no heartbeat")
 
 
 def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> optuna.Study:
@@ -417,7 +416,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
             return summary(exhausted=True)
 
 
-def _retry(study: optuna.Study, trial: optuna.Trial, reason: str) -> None:
+def _retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, reason: str) -> None:
     """Queue the trial's params again; the retry resumes from the trial's last checkpoint (`sweep.objective`)."""
     study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
                                                   ATTR_RETRY_DEPTH: trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1})

@@ -54,7 +54,8 @@ CURVES = [
 
 
 def pruned_step(pruner: optuna.pruners.BasePruner, values: list[tuple[int, float]], direction: str = "minimize",
-                history: Sequence[list[tuple[int, float]]] = (), storage: str | None = None) -> int | None:
+                history: Sequence[list[tuple[int, float]]] = (), storage: str | None = None,
+                config: dict | None = None) -> int | None:
     """Report `values` one by one through the public API; the step at which should_prune() first says yes."""
     # A fixed name: Hyperband assigns trials to brackets by hashing the study name.
     study = optuna.create_study(direction=direction, pruner=pruner, storage=storage, study_name="curve")
@@ -71,7 +72,7 @@ def pruned_step(pruner: optuna.pruners.BasePruner, values: list[tuple[int, float
                 trial.should_prune()
         study.tell(trial, past[-1][1])
     trial = study.ask()
-    trial.set_user_attr("config", CONFIG)
+    trial.set_user_attr("config", CONFIG if config is None else config)  # the trial's stored TrainingConfig
     for step, value in values:
         trial.report(value, step)
         if trial.should_prune():

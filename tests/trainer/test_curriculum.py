@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sweep.pruners import FastFailPruner
+from tests.sweep.test_pruners import pruned_step as pruner_pruned_step
 from tests.trainer.test_loop import SyncCounter
 from trainer import ConfigError, TrainingConfig, load_task, train
 from trainer.curriculum import (CurriculumConfig, CurriculumSampler, difficulty_ranks, level_at, stage_starts)
@@ -346,14 +347,7 @@ def first_verdict(series: list[tuple[int, float]], settings_: dict, config: dict
 
 
 def pruned_step(series: list[tuple[int, float]], settings_: dict, config: dict) -> int | None:
-    study = optuna.create_study(pruner=FastFailPruner(**settings_))
-    trial = study.ask()
-    trial.set_user_attr("config", config)
-    for step, value in series:
-        trial.report(value, step)
-        if trial.should_prune():
-            return step
-    return None
+    return pruner_pruned_step(FastFailPruner(**settings_), series, config=config)
 
 
 @pytest.mark.parametrize(("series", "settings_", "with_curriculum", "without"), STAGE_CASES)
