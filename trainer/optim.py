@@ -18,33 +18,69 @@ class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the sign of an interpolated momentum.
 
     torch ships no Lion. Weight decay is decoupled, as in AdamW. Typical learning rates are 3-10x smaller than AdamW's.
+
+    `foreach` (default: on for CUDA parameters, as in torch's own optimizers): each line of the update is one
+    multi-tensor kernel over all of a group's parameters, 6 launches per group and step instead of 6 per tensor, which
+    is what a launch-bound sweep-sized model pays for on a GPU. On a CPU the per-tensor loop is faster (each tensor's
+    six passes stay in cache), so it is the default there. Both compute the same numbers, bit for bit.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+                 weight_decay: float = 0.0, foreach: bool | None = None) -> None:
         if lr <= 0:
             raise ValueError(f"Lion needs lr > 0, but got {lr=}")
-        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "foreach": foreach})
+
+    def __setstate__(self, state: dict) -> None:  # load_state_dict: a state saved before `foreach` existed
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("foreach", None)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None if closure is None else closure()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                exp_avg = state["exp_avg"]
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                # 1. the update is the sign of an interpolation between momentum and gradient,
-                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-group["lr"])
-                # 2. and the momentum itself is tracked with a slower beta.
-                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            foreach = group["foreach"] if group["foreach"] is not None else all(p.is_cuda for p in params)
+            update = _lion_foreach if foreach else _lion_per_tensor
+            update(params, [p.grad for p in params], [self._momentum(p) for p in params], group["lr"],
+                   *group["betas"], group["weight_decay"])
         return loss
+
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+
+def _lion_per_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[torch.Tensor], lr: float,
+                     beta1: float, beta2: float, decay: float) -> None:
+    for p, grad, moment in zip(params, grads, moments):
+        if decay:
+            p.mul_(1 - lr * decay)
+        # 1. the update is the sign of an interpolation between momentum and gradient,
+        p.add_(moment.mul(beta1).add_(grad, alpha=1 - beta1).sign_(), alpha=-lr)
+        # 2. and the momentum itself is tracked with a slower beta.
+        moment.mul_(beta2).add_(grad, alpha=1 - beta2)
+
+
+def _lion_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[torch.Tensor], lr: float,
+                  beta1: float, beta2: float, decay: float) -> None:
+    """`_lion_per_tensor`, each line one multi-tensor kernel."""
+    if decay:
+        torch._foreach_mul_(params, 1 - lr * decay)
+    update = torch._foreach_mul(moments, beta1)
+    torch._foreach_add_(update, grads, alpha=1 - beta1)
+    torch._foreach_sign_(update)
+    torch._foreach_add_(params, update, alpha=-lr)
+    torch._foreach_mul_(moments, beta2)
+    torch._foreach_add_(moments, grads, alpha=1 - beta2)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:

@@ -84,3 +84,55 @@ def test_every_optimizer_minimises_a_quadratic(name: str) -> None:
         loss.backward()
         opt.step()
     assert loss.item() < 0.2 * first
+
+
+def lion_by_the_paper(params: list[torch.Tensor], moments: list[torch.Tensor], lr: float, betas: tuple[float, float],
+                      decay: float) -> None:
+    """Algorithm 2 of Chen et al. (2023), one tensor at a time: what the multi-tensor Lion must compute."""
+    beta1, beta2 = betas
+    for p, m in zip(params, moments):
+        p.mul_(1 - lr * decay)
+        p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
+        m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
+def test_lion_computes_the_papers_update_bit_for_bit(foreach: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 1))
+    frozen = nn.Parameter(torch.randn(3))  # no gradient: neither moved nor given state
+    reference = [p.detach().clone() for p in model.parameters()]
+    moments = [torch.zeros_like(p) for p in reference]
+    opt = Lion([{"params": [model[0].weight, model[2].weight, frozen], "weight_decay": 0.1},
+                {"params": [model[0].bias, model[1].weight, model[1].bias, model[2].bias], "weight_decay": 0.0}],
+               lr=0.01, betas=(0.9, 0.99), foreach=foreach)
+    decays = [0.1 if p.dim() >= 2 else 0.0 for p in model.parameters()]
+    for _ in range(5):
+        loss = (model(torch.randn(16, 6)) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for p, r in zip(model.parameters(), reference):
+            r.grad = p.grad.clone()
+        for r, m, decay in zip(reference, moments, decays):
+            lion_by_the_paper([r], [m], 0.01, (0.9, 0.99), decay)
+        before = frozen.detach().clone()
+        opt.step()
+        for p, r in zip(model.parameters(), reference):
+            assert torch.equal(p.detach(), r)
+        assert torch.equal(frozen.detach(), before) and frozen not in opt.state
+    for p, m in zip(model.parameters(), moments):
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+
+
+def test_lion_loads_a_state_saved_before_it_had_foreach() -> None:
+    model = nn.Linear(3, 2)
+    opt = Lion(model.parameters(), lr=0.01)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    for group in state["param_groups"]:
+        del group["foreach"]
+    again = Lion(model.parameters(), lr=0.01)
+    again.load_state_dict(state)
+    again.step()
+    assert again.param_groups[0]["foreach"] is None
