@@ -6,22 +6,23 @@
     python bench/gpu.py --smoke                  # tiny sizes on the CPU: checks the script, not the machine
 
 Parts, each in its own process with its own time limit (a part that runs over is killed and reported as such):
-- `eager`, `compiled`: tokens/s and model-FLOPs utilisation (MFU) of studies/charlm.yaml's model (its fixed values,
-  copied below: d=384, 6 layers, 6 heads, context 256, batch 64, AdamW, clip 1.0, bf16 autocast) trained by
-  `trainer.train` for `--steps` steps, eager and with `compile: true`. Tokens/s is the median of the trainer's own
-  logged `tokens_per_s` over the log intervals after the first two, so warm-up and compilation are left out.
-  FLOPs per token = 6 N + 12 L d T: N the parameters that do matmul work (all but the position embedding; the tied
-  token embedding counts once, for the output head), plus attention scores and values counted in full (T x T, not
-  halved for the causal mask), as in the PaLM paper and nanoGPT. MFU = tokens/s x FLOPs per token / `--peak-tflops`
-  (default 989: H100/H200 SXM dense BF16 without sparsity; the table says which peak was used).
+- `eager`, `compiled`, `graphs`: tokens/s and model-FLOPs utilisation (MFU) of studies/charlm.yaml's model (its fixed
+  values, copied below: d=384, 6 layers, 6 heads, context 256, batch 64, AdamW, clip 1.0, bf16 autocast) trained by
+  `trainer.train` for `--steps` steps, eager, with `compile: true`, and with `compile_mode: reduce-overhead` too (CUDA
+  graphs; not among the default parts, `bench/gpu_all.sh` runs it last, with the time left). Tokens/s is the median of
+  the trainer's own logged `tokens_per_s` over the log intervals after the first two, so warm-up and compilation are
+  left out. FLOPs per token = 6 N + 12 L d T: N the parameters that do matmul work (all but the position embedding;
+  the tied token embedding counts once, for the output head), plus attention scores and values counted in full (T x T,
+  not halved for the causal mask), as in the PaLM paper and nanoGPT. MFU = tokens/s x FLOPs per token /
+  `--peak-tflops` (default 989: H100/H200 SXM dense BF16 without sparsity; the table says which peak was used).
 - `trials`: trials per GPU-hour for the quickstart-sized model (studies/quickstart.yaml's fixed values: the digits MLP,
   600 steps at batch 64, evaluation every 50), one trial at a time through `trainer.train` in one process with the
   task loaded once, as a sweep worker does. One warm-up trial, then `--trials` timed ones.
 - `study`: a short real study, `python -m sweep.cli run --study PATH` (default studies/quickstart.yaml), on a
   throwaway SQLite file; needs optuna (skipped, and said so, where it is missing).
 GPU utilisation is sampled by `nvidia-smi --query-gpu=utilization.gpu -lms 200` in the background while each part
-runs: for `eager`/`compiled` over the timed log intervals only, for `trials` and `study` from the first busy sample to
-the last. The figure is the share of each sample period in which any kernel ran (not how full the SMs were).
+runs: for `eager`/`compiled`/`graphs` over the timed log intervals only, for `trials` and `study` from the first busy
+sample to the last. The figure is the share of each sample period in which any kernel ran (not how full the SMs were).
 
 Imports torch and trainer only; the study part runs the sweep CLI in a subprocess.
 """
@@ -44,8 +45,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # trainer, without installing the project
-PARTS = ("eager", "compiled", "trials", "study")
-TIME_LIMITS_S = {"eager": 75, "compiled": 150, "trials": 60, "study": 75}  # worst case 6 minutes in all
+PARTS = ("eager", "compiled", "graphs", "trials", "study")
+DEFAULT_PARTS = ("eager", "compiled", "trials", "study")
+TIME_LIMITS_S = {"eager": 75, "compiled": 150, "graphs": 150, "trials": 60, "study": 75}  # the default parts: 6 min
+COMPILE = {"eager": {}, "compiled": {"compile": True}, "graphs": {"compile": True, "compile_mode": "reduce-overhead"}}
 
 # studies/charlm.yaml: task and fixed values (kept in step by hand; the learning rate is a mid-range pick of its space).
 CHARLM = {"task": "charlm", "task_args": {"context": 256, "max_chars": 4_000_000}, "batch_size": 64,
@@ -138,7 +141,7 @@ class LogClock:
         return False
 
 
-def part_throughput(args: argparse.Namespace, compiled: bool) -> dict:
+def part_throughput(args: argparse.Namespace, part: str) -> dict:
     import torch
 
     from trainer import TrainingConfig, load_task, train
@@ -147,7 +150,7 @@ def part_throughput(args: argparse.Namespace, compiled: bool) -> dict:
     steps = args.steps
     log_every = max(1, steps // 12)
     config = TrainingConfig.from_dict({**base, "max_steps": steps, "log_every_steps": log_every,
-                                       "eval_every_steps": steps, "compile": compiled, "device": args.device})
+                                       "eval_every_steps": steps, **COMPILE[part], "device": args.device})
     task = load_task("charlm", base["task_args"])
     clock = LogClock()
     started = time.time()
@@ -224,8 +227,8 @@ def part_study(args: argparse.Namespace) -> dict:
 
 
 def child(args: argparse.Namespace) -> None:
-    if args.child in ("eager", "compiled"):
-        result = part_throughput(args, compiled=args.child == "compiled")
+    if args.child in COMPILE:
+        result = part_throughput(args, args.child)
     elif args.child == "trials":
         result = part_trials(args)
     else:
@@ -240,8 +243,8 @@ def run_part(part: str, argv: list[str], limit_s: float) -> dict:
     sampler = UtilizationSampler()
     started = time.time()
     try:
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", part, *argv], cwd=ROOT, capture_output=True,
-                              text=True, timeout=limit_s, check=False)
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", part, *argv], cwd=ROOT,
+                              capture_output=True, text=True, timeout=limit_s, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         result = json.loads(lines[-1][7:]) if lines else {"error": f"exit {done.returncode}: {done.stderr[-800:]}"}
     except subprocess.TimeoutExpired:
@@ -265,7 +268,7 @@ def table(results: dict, args: argparse.Namespace) -> str:
         util = fmt(r.get("gpu_util_pct"), ".0f") + ("%" if r.get("gpu_util_pct") is not None else "")
         if "error" in r or "skipped" in r:
             rows.append(f"| {part} | {r.get('error') or r.get('skipped')} | {util} | |")
-        elif part in ("eager", "compiled"):
+        elif part in COMPILE:
             rows.append(f"| charlm {part} | {r['tokens_per_s'] / 1e6:.3f}M tokens/s, {r['tflops']:.1f} TFLOP/s, "
                         f"MFU {100 * r['mfu']:.1f}% of {args.peak_tflops:g} TFLOP/s | {util} | "
                         f"{r['params'] / 1e6:.1f}M params, {r['flops_per_token'] / 1e6:.1f} MFLOP/token, "
@@ -282,8 +285,8 @@ def table(results: dict, args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--steps", type=int, default=None, help="training steps for eager/compiled (default 300)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS))
+    parser.add_argument("--steps", type=int, default=None, help="training steps for the throughput parts (default 300)")
     parser.add_argument("--trials", type=int, default=8, help="timed trials for the trials part")
     parser.add_argument("--study", type=Path, default=ROOT / "studies" / "quickstart.yaml")
     parser.add_argument("--study-trials", type=int, default=12)

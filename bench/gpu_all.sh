@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# Every GPU check of the trainer in one go, each time-limited, about 7 minutes on an H100/H200:
+# Every GPU check of the trainer in one go, each time-limited, within BUDGET_S seconds (default 560, so that it fits
+# one 10-minute device call with the install), about 7-9 minutes on an H100/H200:
 #   bash bench/gpu_all.sh [OUT_DIR]
-# 1. the CUDA tests (no host-device sync between log/eval steps under set_sync_debug_mode("error"), compile, TF32,
-#    device metrics); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials per GPU-hour, GPU busy during a
-#    short two-worker charlm study); 3. bench/overhead.py's CUDA case (the trainer vs a hand-written loop).
-# Logs and gpu.json go to OUT_DIR (default results/). The study part needs optuna and SQLAlchemy importable; the rest
-# needs torch only.
+# 1. the CUDA tests (no host-device sync between log/eval steps under set_sync_debug_mode("error"), compile, CUDA
+#    graphs, the multi-tensor Lion, TF32, device metrics); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
+#    per GPU-hour, GPU busy during a short two-worker charlm study); 3. bench/overhead.py's CUDA case (the trainer vs
+#    a hand-written loop); 4. with the time left, bench/gpu.py's `graphs` part (compile_mode: reduce-overhead).
+# Logs and gpu.json go to OUT_DIR (default results/), the graphs part's to OUT_DIR/graphs/. The study part needs
+# optuna and SQLAlchemy importable; the rest needs torch only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
+deadline=$((SECONDS + ${BUDGET_S:-560}))
+
+# run LIMIT_S LOG COMMAND...: at most LIMIT_S seconds, and never past the deadline; the output is also in OUT/LOG.
+run() {
+    local limit=$1 log=$2 left=$((deadline - SECONDS))
+    shift 2
+    if ((left < 20)); then
+        echo "skipped, too little time left: $*" | tee "$out/$log"
+        return
+    fi
+    timeout $((left < limit ? left : limit)) "$@" 2>&1 | tee "$out/$log"
+}
+
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$python" -c "import torch; print('torch', torch.__version__)") 2>&1 | tee "$out/env.log"
-timeout 130 "$python" -m pytest tests/trainer/test_cuda.py -q -p no:cacheprovider 2>&1 | tee "$out/cuda_tests.log"
-timeout 330 "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
-    --study-timeout 25 2>&1 | tee "$out/gpu.log"
-timeout 115 "$python" bench/overhead.py --only cuda 2>&1 | tee "$out/overhead.log"
+run 150 cuda_tests.log "$python" -m pytest tests/trainer/test_cuda.py -q -p no:cacheprovider
+run 330 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
+    --study-timeout 25
+run 115 overhead.log "$python" bench/overhead.py --only cuda
+# The graphs part's own limit (150 s at --time-scale 1) is shrunk to the time left, so that its table still prints.
+scale=$(awk -v left=$((deadline - SECONDS - 10)) 'BEGIN { s = left / 150; print (s > 1 ? 1 : s) }')
+run 160 graphs.log "$python" bench/gpu.py --parts graphs --time-scale "$scale" --out "$out/graphs"

@@ -128,6 +128,9 @@ class TrainingConfig:
     prefetch_factor: int = _f(2, _range(1), "dataloader: batches each worker prepares ahead")
     compile: bool = _f(False, doc="torch.compile the model; checkpoints hold the plain module's weights, loadable "
                                   "without it")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _f(
+        "default", doc="torch.compile's mode, with compile: true; reduce-overhead replays each training step's forward "
+                       "and backward as CUDA graphs (on CUDA: for small static models, bound by kernel launches)")
 
     # Reproducibility and placement.
     seed: int = _f(0, _range(0, 2**63 - 1))
@@ -150,6 +153,8 @@ class TrainingConfig:
             problems.append(("warmup_steps", f"expected at most max_steps ({self.max_steps}), got {self.warmup_steps}"))
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             problems.append(("nesterov", "needs optimizer 'sgd' with momentum > 0"))
+        if self.compile_mode != "default" and not self.compile:
+            problems.append(("compile_mode", f"{self.compile_mode!r} needs compile: true"))
         end_steps = self.curriculum.end_steps
         if end_steps is not None and end_steps > self.max_steps:
             problems.append(("curriculum.end_steps",

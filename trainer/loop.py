@@ -160,7 +160,11 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     model = task.build_model(task.model_config(config.model)).to(device)
     # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
     # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
-    forward = torch.compile(model) if config.compile else model
+    forward = torch.compile(model, mode=config.compile_mode) if config.compile else model
+    # CUDA graphs (the modes that use them) must be told where a training step begins, so that they may reuse the
+    # memory of the last step's outputs; with no graphs the call does nothing, and it is chosen here, not per step.
+    graphs = config.compile and config.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+    begin_step = torch.compiler.cudagraph_mark_step_begin if graphs else _nothing
     optimizer = build_optimizer(model, config, device)
     precision = resolve_precision(config.mixed_precision, device)
     val = tuple(t.to(device) for t in task.val)
@@ -232,6 +236,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         log_now = done % config.log_every_steps == 0 or done == config.max_steps
         eval_now = done % config.eval_every_steps == 0 or done == config.max_steps
 
+        begin_step()
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = (batches.next(step) for _ in range(accum))
@@ -284,6 +289,10 @@ def load_optimizer_moments(optimizer: torch.optim.Optimizer, state: Mapping[str,
     optimizer.load_state_dict(state)
     for group, settings in zip(optimizer.param_groups, own):
         group.update(settings)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: str) -> TrainResult:

@@ -36,6 +36,8 @@ def test_unknown_key_names_the_key_and_the_allowed_ones() -> None:
         ({"task": "not a task!"}, "task", "package.module:function"),
         ({"warmup_steps": 20, "max_steps": 10}, "warmup_steps", "at most max_steps"),
         ({"nesterov": True, "optimizer": "adam"}, "nesterov", "optimizer 'sgd'"),
+        ({"compile_mode": "reduce-overhead"}, "compile_mode", "needs compile: true"),
+        ({"compile": True, "compile_mode": "graphs"}, "compile_mode", "'reduce-overhead'"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(values: dict, key: str, fragment: str) -> None:

@@ -1,4 +1,5 @@
-"""On a CUDA device: no host-device sync between log and eval steps, compile, TF32 and the device's metrics.
+"""On a CUDA device: no host-device sync between log and eval steps, compile, CUDA graphs, the multi-tensor Lion, TF32
+and the device's metrics.
 
 Skipped where torch sees no CUDA device. The sync check is torch's own: from the first report on (after the setup,
 which moves the data to the device once), `torch.cuda.set_sync_debug_mode("error")` makes every synchronising call
@@ -58,7 +59,8 @@ def sync_check():
     {**CHARLM, "gradient_clip_norm": 1.0, "gradient_accumulation_steps": 2},
     {**DIGITS, "curriculum": {"schedule": "linear", "end_fraction": 0.5}},
     {**DIGITS, "data_loader": "dataloader", "loader_workers": 2},
-], ids=["digits", "charlm", "charlm-clip-accumulation", "digits-curriculum", "digits-dataloader"])
+    {**CHARLM, "optimizer": "lion", "weight_decay": 0.1},
+], ids=["digits", "charlm", "charlm-clip-accumulation", "digits-curriculum", "digits-dataloader", "charlm-lion"])
 def test_no_sync_between_log_and_eval_steps(sync_check: StrictAfterFirstReport, values: dict) -> None:
     result = train(cuda_config(**values), reporter=sync_check)  # bf16 autocast: mixed_precision auto
     assert result.status == "completed" and result.steps == 60
@@ -86,6 +88,43 @@ def test_a_compiled_run_trains_and_its_checkpoint_resumes_without_compile(tmp_pa
     resumed = train(cuda_config(**CHARLM), resume=state)
     assert resumed.status == "completed" and resumed.steps == 60
     assert resumed.metrics["val_loss"] == pytest.approx(compiled.metrics["val_loss"], rel=0.05)
+
+
+def test_cuda_graphs_replay_the_training_steps(tmp_path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    values = {**CHARLM, "gradient_accumulation_steps": 2}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graphed = train(cuda_config(**values, compile=True, compile_mode="reduce-overhead"),
+                        checkpointer=SaveAt(30, tmp_path / "g.pt"))
+    launches = sum(event.count for event in prof.key_averages() if event.key == "cudaGraphLaunch")
+    # 60 steps of 2 micro-batches, a forward and a backward graph each: 240 after the first steps warm up and record.
+    assert launches >= 200, f"{launches} CUDA graph launches"
+    eager = train(cuda_config(**values))
+    assert graphed.status == "completed" and graphed.metrics["val_loss"] < 5.0
+    assert graphed.metrics["val_loss"] == pytest.approx(eager.metrics["val_loss"], rel=0.05)
+    state = load_checkpoint(tmp_path / "g.pt")
+    resumed = train(cuda_config(**values), resume=state)  # without compile, and so without graphs
+    assert resumed.metrics["val_loss"] == pytest.approx(graphed.metrics["val_loss"], rel=0.05)
+
+
+def test_multi_tensor_lion_matches_the_per_tensor_loop_on_cuda() -> None:
+    from trainer.optim import Lion
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).cuda()
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [Lion(m.parameters(), lr=1e-3, weight_decay=0.1, foreach=f) for m, f in zip(models, (False, None))]
+    for _ in range(5):
+        x = torch.randn(32, 64, device="cuda")
+        for model, optimizer in zip(models, optimizers):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert optimizers[1].param_groups[0]["foreach"] is None  # the CUDA default, which is foreach
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b)
 
 
 def test_logs_carry_throughput_and_peak_memory() -> None:
