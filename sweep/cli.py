@@ -232,7 +232,8 @@ def trials(
     study_name: NameOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
 ) -> None:
-    """Every trial: state, value, params, steps, wall time, and why it was pruned or failed."""
+    """Every trial: state, value, params, steps, wall time, warm-start parent, speed, and why it was pruned or
+    failed."""
     if fmt not in ("table", "csv", "json"):
         raise _fail(f"--format: expected table, csv or json, got {fmt!r}", 2)
     rows = results.trial_rows(_open(target, storage, study_name))

@@ -9,7 +9,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.progress import describe_outcome
-from sweep.study import ATTR_CONFIG, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START, budget_used
+from sweep.study import (ATTR_CONFIG, ATTR_SPEED, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
+                         budget_used)
 
 __all__ = ["best_config", "state_counts", "study_status", "trial_rows"]
 
@@ -53,6 +54,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["steps"] = trial.user_attrs.get(ATTR_STEPS)
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
         row["warm_start_from"] = trial.user_attrs.get(ATTR_WARM_START, {}).get("trial")
+        row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
         rows.append(row)
     return rows

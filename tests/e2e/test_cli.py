@@ -77,6 +77,7 @@ def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
     assert status.returncode == 0 and "complete 3" in status.stdout and "best trial" in status.stdout
     rows = list(csv.DictReader(io.StringIO(run_cli("trials", tiny_study, "--format", "csv").stdout)))
     assert [r["state"] for r in rows] == ["complete"] * 3 and "params.model.hidden" in rows[0]
+    assert all(float(r["samples_per_s"]) > 0 for r in rows)  # a slow configuration shows in the table
     as_json = json.loads(run_cli("trials", "--storage", f"sqlite:///{db}", "tiny", "--format", "json").stdout)
     assert [r["number"] for r in as_json] == [0, 1, 2]
     assert "params.learning_rate" in run_cli("trials", tiny_study).stdout
