@@ -121,7 +121,9 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, precision
         norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     precision.scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
     precision.scaler.update()
-    optimizer.zero_grad(set_to_none=True)  # set_to_none frees the memory and skips a memset
+    # set_to_none frees the memory and skips a memset; with CUDA graphs it is needed too: the gradients then live in
+    # the graphs' memory, which the next step's replay overwrites.
+    optimizer.zero_grad(set_to_none=True)
     return norm
 
 
@@ -161,8 +163,9 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
     # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
     forward = torch.compile(model, mode=config.compile_mode) if config.compile else model
-    # CUDA graphs (the modes that use them) must be told where a training step begins, so that they may reuse the
-    # memory of the last step's outputs; with no graphs the call does nothing, and it is chosen here, not per step.
+    # CUDA graphs (the modes that use them) must be told where an optimizer step begins (once, not per micro-batch:
+    # accumulated gradients must outlive the micro-batch), so that they may reuse the memory of the last step's
+    # outputs; with no graphs the call would do nothing, and it is chosen here, not per step.
     graphs = config.compile and config.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
     begin_step = torch.compiler.cudagraph_mark_step_begin if graphs else _nothing
     optimizer = build_optimizer(model, config, device)
