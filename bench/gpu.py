@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -240,16 +241,24 @@ def child(args: argparse.Namespace) -> None:
 # The parent: one child per part, each sampled and time-limited.
 
 def run_part(part: str, argv: list[str], limit_s: float) -> dict:
+    """Run one part in a process group of its own. Whatever is left of the group when the part ends, is stopped or
+    this script is (the study part's `sweep run` workers, say), is killed, so no part's leftovers load the next."""
     sampler = UtilizationSampler()
     started = time.time()
+    child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", part, *argv], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", part, *argv], cwd=ROOT,
-                              capture_output=True, text=True, timeout=limit_s, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        result = json.loads(lines[-1][7:]) if lines else {"error": f"exit {done.returncode}: {done.stderr[-800:]}"}
+        stdout, stderr = child.communicate(timeout=limit_s)
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        result = json.loads(lines[-1][7:]) if lines else {"error": f"exit {child.returncode}: {stderr[-800:]}"}
     except subprocess.TimeoutExpired:
         result = {"error": f"ran past its limit of {limit_s:.0f} s and was stopped"}
     finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is already empty
+        child.communicate()
         sampler.stop()
     result["part_wall_s"] = time.time() - started
     window = result.get("window")
@@ -300,6 +309,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write DIR/gpu.json")
     parser.add_argument("--child", choices=PARTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Stopped from outside (gpu_all.sh's `timeout`): unwind, so that run_part kills the part that is running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.smoke:
         args.device = "cpu"
         args.steps = args.steps or 36
