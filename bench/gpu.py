@@ -220,11 +220,14 @@ def part_study(args: argparse.Namespace) -> dict:
         if args.smoke:
             command += ["--set", "fixed.max_steps=40", "--set", "fixed.eval_every_steps=20", "--set",
                         "fixed.log_every_steps=20"]
+        elif args.study_steps:
+            command += ["--set", f"fixed.max_steps={args.study_steps}"]
         started = time.time()
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False,
                               timeout=args.study_timeout + 60)
     return {"returncode": done.returncode, "wall_s": time.time() - started, "trials": args.study_trials,
-            "workers": args.study_workers, "study": str(args.study), "stderr_tail": done.stderr[-600:]}
+            "workers": args.study_workers, "study": str(args.study), "steps": args.study_steps,
+            "stderr_tail": done.stderr[-600:]}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -287,7 +290,8 @@ def table(results: dict, args: argparse.Namespace) -> str:
                         f"({r['trial_s_median']:.2f} s per {r['steps']}-step trial) | {util} | "
                         f"median of {r['trials']}, one at a time{'; ' + r['note'] if r.get('note') else ''} |")
         else:
-            rows.append(f"| study ({Path(r['study']).name}, {r['trials']} trials, {r['workers']} worker(s)) | "
+            steps = f", {r['steps']} steps each" if r.get("steps") else ""
+            rows.append(f"| study ({Path(r['study']).name}, {r['trials']} trials{steps}, {r['workers']} worker(s)) | "
                         f"exit {r['returncode']}, {r['wall_s']:.0f} s | {util} | first to last busy sample |")
     return "\n".join(rows)
 
@@ -301,6 +305,7 @@ def main() -> None:
     parser.add_argument("--study-trials", type=int, default=12)
     parser.add_argument("--study-workers", type=int, default=1)
     parser.add_argument("--study-timeout", type=float, default=45.0, help="seconds, passed to sweep run --timeout")
+    parser.add_argument("--study-steps", type=int, help="max_steps of the study's trials (default: the study's own)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the chip's dense BF16 peak for MFU (989: H100/H200 SXM)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every part's time limit")
@@ -324,6 +329,7 @@ def main() -> None:
     argv = [f"--steps={args.steps}", f"--trials={args.trials}", f"--study={args.study}",
             f"--study-trials={args.study_trials}", f"--study-workers={args.study_workers}",
             f"--study-timeout={args.study_timeout}", f"--peak-tflops={args.peak_tflops}", f"--device={args.device}",
+            *([f"--study-steps={args.study_steps}"] if args.study_steps else []),
             *(["--smoke"] if args.smoke else [])]
     results = {}
     for part in args.parts:

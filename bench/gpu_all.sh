@@ -4,8 +4,8 @@
 #   bash bench/gpu_all.sh [OUT_DIR]
 # 1. the CUDA tests (no host-device sync between log/eval steps under set_sync_debug_mode("error"), compile, CUDA
 #    graphs, the multi-tensor Lion, TF32, device metrics); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
-#    per GPU-hour, GPU busy during a short two-worker charlm study); 3. bench/overhead.py's CUDA case (the trainer vs
-#    a hand-written loop); 4. with the time left, bench/gpu.py's `graphs` part (compile_mode: reduce-overhead).
+#    per GPU-hour, GPU busy during a short two-worker charlm study of 500-step trials); 3. bench/overhead.py's CUDA case
+#    (the trainer vs a hand-written loop); 4. with the time left, bench/gpu.py's `graphs` part (CUDA graphs).
 # Logs and gpu.json go to OUT_DIR (default results/), the graphs part's to OUT_DIR/graphs/. The study part needs
 # optuna and SQLAlchemy importable; the rest needs torch only.
 set -uo pipefail
@@ -29,8 +29,10 @@ run() {
 
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$python" -c "import torch; print('torch', torch.__version__)") 2>&1 | tee "$out/env.log"
 run 150 cuda_tests.log "$python" -m pytest tests/trainer/test_cuda.py -q -p no:cacheprovider
+# The study: charlm.yaml's trials cut to 500 steps (its pruner's warm-up), so that 4 trials on 2 workers end well
+# inside the part's 75 s.
 run 330 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
-    --study-timeout 25
+    --study-timeout 30 --study-steps 500
 run 115 overhead.log "$python" bench/overhead.py --only cuda
 # The graphs part's own limit (150 s at --time-scale 1) is shrunk to the time left, so that its table still prints.
 scale=$(awk -v left=$((deadline - SECONDS - 10)) 'BEGIN { s = left / 150; print (s > 1 ? 1 : s) }')
