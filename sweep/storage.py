@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import random
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from typing import Any
 import optuna
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
 __all__ = ["ask_lock", "make_storage", "mask_url", "sqlite_path"]
 
@@ -58,6 +59,28 @@ def _serialise_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _use_wal(url: str, patience_s: float = 60.0) -> None:
+    """Switch the SQLite file to write-ahead logging, which is persistent in the file: every later connection, the
+    dashboard's too, uses it. Switching needs the file to itself, and when several processes open a new database at
+    once, SQLite can refuse one of them at once ("database is locked") instead of waiting out the busy timeout: two
+    connections each holding a read lock and wanting the write lock would otherwise wait for each other. So the
+    refused one tries again, for up to `patience_s` seconds, the same patience as the busy timeout."""
+    engine = create_engine(url, connect_args={"timeout": patience_s})
+    deadline = time.monotonic() + patience_s
+    try:
+        while True:
+            try:
+                with engine.connect() as connection:
+                    connection.execute(text("PRAGMA journal_mode=WAL"))
+                return
+            except OperationalError as exc:
+                if "locked" not in str(exc).lower() or time.monotonic() > deadline:
+                    raise
+                time.sleep(random.uniform(0.05, 0.2))  # apart, so that the contenders do not meet again
+    finally:
+        engine.dispose()
+
+
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  stale_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
                  ) -> optuna.storages.RDBStorage:
@@ -69,9 +92,7 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     if path is not None:
         engine_kwargs["connect_args"] = {"timeout": 60}
         if path.parent.exists():
-            with contextlib.closing(create_engine(url).connect()) as connection:
-                # Persistent in the file: every later connection, the dashboard's too, uses the write-ahead log.
-                connection.execute(text("PRAGMA journal_mode=WAL"))
+            _use_wal(url)
     else:
         engine_kwargs["pool_pre_ping"] = True
     for attempt in range(5):
