@@ -20,9 +20,10 @@ class Lion(torch.optim.Optimizer):
     torch ships no Lion. Weight decay is decoupled, as in AdamW. Typical learning rates are 3-10x smaller than AdamW's.
 
     `foreach` (default: on for CUDA parameters, as in torch's own optimizers): each line of the update is one
-    multi-tensor kernel over all of a group's parameters, 6 launches per group and step instead of 6 per tensor, which
-    is what a launch-bound sweep-sized model pays for on a GPU. On a CPU the per-tensor loop is faster (each tensor's
-    six passes stay in cache), so it is the default there. Both compute the same numbers, bit for bit.
+    multi-tensor kernel over all of a group's parameters: 6 or 7 (with weight decay) launches per group and step
+    instead of that many per tensor, which is what a launch-bound sweep-sized model pays for on a GPU. On a CPU the
+    per-tensor loop is faster (each tensor's passes stay in cache), so it is the default there. Both compute the same
+    numbers, bit for bit.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
