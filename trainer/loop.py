@@ -166,7 +166,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     # CUDA graphs (the modes that use them) must be told where an optimizer step begins (once, not per micro-batch:
     # accumulated gradients must outlive the micro-batch), so that they may reuse the memory of the last step's
     # outputs; with no graphs the call would do nothing, and it is chosen here, not per step.
-    graphs = config.compile and config.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"
+    graphs = config.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"  # implies compile
     begin_step = torch.compiler.cudagraph_mark_step_begin if graphs else _nothing
     optimizer = build_optimizer(model, config, device)
     precision = resolve_precision(config.mixed_precision, device)

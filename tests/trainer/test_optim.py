@@ -86,14 +86,12 @@ def test_every_optimizer_minimises_a_quadratic(name: str) -> None:
     assert loss.item() < 0.2 * first
 
 
-def lion_by_the_paper(params: list[torch.Tensor], moments: list[torch.Tensor], lr: float, betas: tuple[float, float],
-                      decay: float) -> None:
-    """Algorithm 2 of Chen et al. (2023), one tensor at a time: what the multi-tensor Lion must compute."""
+def lion_by_the_paper(p: torch.Tensor, m: torch.Tensor, lr: float, betas: tuple[float, float], decay: float) -> None:
+    """Algorithm 2 of Chen et al. (2023) for one tensor: what both of our Lion's paths must compute."""
     beta1, beta2 = betas
-    for p, m in zip(params, moments):
-        p.mul_(1 - lr * decay)
-        p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
-        m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+    p.mul_(1 - lr * decay)
+    p.add_((m * beta1 + p.grad * (1 - beta1)).sign(), alpha=-lr)
+    m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["per-tensor", "foreach"])
@@ -114,7 +112,7 @@ def test_lion_computes_the_papers_update_bit_for_bit(foreach: bool) -> None:
         for p, r in zip(model.parameters(), reference):
             r.grad = p.grad.clone()
         for r, m, decay in zip(reference, moments, decays):
-            lion_by_the_paper([r], [m], 0.01, (0.9, 0.99), decay)
+            lion_by_the_paper(r, m, 0.01, (0.9, 0.99), decay)
         before = frozen.detach().clone()
         opt.step()
         for p, r in zip(model.parameters(), reference):
