@@ -19,7 +19,9 @@ from urllib.parse import urlparse
 
 import optuna
 
-__all__ = ["CheckpointStore", "artifact_store_for", "delete_blob", "is_object_url", "local_copy"]
+from trainer.checkpoint import TrainState, load_checkpoint
+
+__all__ = ["CheckpointStore", "artifact_store_for", "delete_blob", "is_object_url", "load_blob", "local_copy"]
 
 SCHEMES = ("s3", "gs")
 
@@ -75,6 +77,13 @@ class CheckpointStore:
             self.artifacts.write(key, handle)
         path.unlink(missing_ok=True)
         return f"{self.scheme}://{self.bucket}/{key}"
+
+
+def load_blob(uri: str, sha256: str | None) -> TrainState:
+    """The checkpoint a registry URI names, wherever it lies, checked against its hash (`weights_only`); raises
+    `trainer.checkpoint.CheckpointError` when it is missing, damaged or not what was recorded."""
+    with local_copy(uri) as path:
+        return load_checkpoint(path, sha256=sha256)
 
 
 @contextlib.contextmanager

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from sweep.blobs import local_copy
+from sweep.blobs import load_blob, local_copy
 from sweep.checkpoints import TrialCheckpointer, collect_study
 from sweep.pruners import FastFailPruner
 from sweep.warmstart import categorical_key, coordinates, shape_key, warm_start_from
-from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint
+from trainer.checkpoint import CheckpointError, TrainState
 from trainer import Task, TrainingConfig, load_task, train
 from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPRO, ATTR_RESUMED_FROM,
                          ATTR_RETRY_OF, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
@@ -101,8 +101,7 @@ def _resume_state(trial: optuna.Trial, registry: Registry) -> TrainState | None:
         return None
     registry.pin(record.id)  # never collected while (or after) this trial continues from it
     try:
-        with local_copy(record.uri) as path:
-            state = load_checkpoint(path, sha256=record.sha256)
+        state = load_blob(record.uri, record.sha256)
     except CheckpointError as exc:
         warnings.warn(f"trial {trial.number}: not resuming from trial {origin}'s checkpoint: {exc}", stacklevel=2)
         return None

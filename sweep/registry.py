@@ -58,7 +58,7 @@ checkpoints = Table(
 )
 
 
-_LOOKUP_ONLY = {"cat_key", "partial"}
+_LOOKUP_ONLY = {"cat_key"}
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Registry:
                     .order_by(partial, checkpoints.c.step.desc(), checkpoints.c.id))
             if limit is not None:
                 page = page.limit(limit).offset(offset)
-            query = (select(checkpoints, partial.label("partial")).where(checkpoints.c.id.in_(page.scalar_subquery()))
+            query = (select(checkpoints).where(checkpoints.c.id.in_(page.scalar_subquery()))
                      .order_by(partial, checkpoints.c.step.desc(), checkpoints.c.id))
         else:
             query = select(checkpoints).where(and_(*conditions))

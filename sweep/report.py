@@ -15,10 +15,9 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.results import state_counts
+from sweep.results import state_counts, steps_trained
 from sweep.spec import SPEC_ATTR
-from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_STEPS_TRAINED, ATTR_WARM_START,
-                         budget_counts)
+from sweep.study import ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_WARM_START, budget_counts
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]
 
@@ -92,7 +91,7 @@ def _warm_start_section(trials: list[FrozenTrial]) -> str:
     warm = [t for t in trials if ATTR_WARM_START in t.user_attrs]
     if not warm:
         return ""
-    trained = sum(int(t.user_attrs.get(ATTR_STEPS_TRAINED, t.user_attrs.get("steps", 0))) for t in trials)
+    trained = steps_trained(trials)
     inherited = sum(int(t.user_attrs[ATTR_WARM_START].get("step", 0)) for t in warm)
     rows = "".join(_warm_row(t) for t in warm)
     return (f"<h2>Warm start</h2><p>{len(warm)} of {len(trials)} trials started from a neighbour's checkpoint, "

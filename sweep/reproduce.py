@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import optuna
 
-from sweep.blobs import local_copy
+from sweep.blobs import load_blob
 from sweep.objective import task_for
 from sweep.study import ATTR_CONFIG, ATTR_WARM_START
 from trainer import TrainingConfig, train
-from trainer.checkpoint import CheckpointError, WarmStart, load_checkpoint
+from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.precision import resolve_device
 
 __all__ = ["Comparison", "reproduce_trial"]
@@ -64,8 +64,7 @@ def _parent(trial: optuna.trial.FrozenTrial) -> WarmStart | None:
     if lineage is None:
         return None
     try:
-        with local_copy(lineage["uri"]) as path:
-            state = load_checkpoint(path, sha256=lineage["sha256"])
+        state = load_blob(lineage["uri"], lineage["sha256"])
     except CheckpointError as exc:
         raise ValueError(f"trial {trial.number} was warm-started from trial {lineage['trial']}'s checkpoint, which "
                          f"cannot be used: {exc}") from None

@@ -12,7 +12,7 @@ from sweep.progress import describe_outcome
 from sweep.study import (ATTR_CONFIG, ATTR_SPEED, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
                          budget_used)
 
-__all__ = ["best_config", "state_counts", "study_status", "trial_rows"]
+__all__ = ["best_config", "state_counts", "steps_trained", "study_status", "trial_rows"]
 
 
 def state_counts(study: optuna.Study) -> dict[str, int]:
@@ -40,10 +40,14 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "states": state_counts(study),
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
                                            "warm_start_from": best.user_attrs.get(ATTR_WARM_START, {}).get("trial")},
-        "steps_trained": sum(int(t.user_attrs.get(ATTR_STEPS_TRAINED, t.user_attrs.get(ATTR_STEPS, 0)) or 0)
-                             for t in trials),
+        "steps_trained": steps_trained(trials),
         "warm_started": sum(ATTR_WARM_START in t.user_attrs for t in trials),
     }
+
+
+def steps_trained(trials: list[FrozenTrial]) -> int:
+    """The optimizer steps the study ran itself: a warm-started trial counts only the steps after its handoff."""
+    return sum(int(t.user_attrs.get(ATTR_STEPS_TRAINED, t.user_attrs.get(ATTR_STEPS, 0)) or 0) for t in trials)
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sweep.blobs import local_copy
+from sweep.blobs import load_blob
 from sweep.registry import COORDS, CheckpointRecord
 from sweep.spec import CategoricalParam
-from trainer.checkpoint import CheckpointError, WarmStart, load_checkpoint
+from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.config import flatten
 
 if TYPE_CHECKING:
@@ -82,7 +82,12 @@ def distance(space: Mapping[str, Param], a: Mapping[str, Any], b: Mapping[str, A
 def shape_key(config: TrainingConfig, task: Task) -> str:
     """A digest of the model's tensor names, shapes and dtypes: equal keys mean a checkpoint's weights load into
     this trial's model. Every key that changes a shape (width, depth, vocabulary, context) changes it."""
-    tensors = _tensor_signature(task, json.dumps(config.model, sort_keys=True, default=str))
+    # The shapes are a function of the task, its arguments and the model's settings: the cache is keyed by those (not
+    # by the task object, whose id() a later object may reuse once the task cache lets it go).
+    key = tuple(json.dumps(v, sort_keys=True, default=str) for v in (config.task, config.task_args, config.model))
+    tensors = _signatures.get(key)
+    if tensors is None:
+        tensors = _signatures[key] = _build_signature(task, key[2])
     return hashlib.sha256(json.dumps(tensors).encode()).hexdigest()[:32]
 
 
@@ -95,14 +100,7 @@ def must_match(spec: StudySpec) -> list[str]:
     return keys
 
 
-_signatures: dict[tuple[int, str], list[tuple[str, list[int], str]]] = {}
-
-
-def _tensor_signature(task: Task, model_json: str) -> list[tuple[str, list[int], str]]:
-    cached = _signatures.get((id(task), model_json))
-    if cached is None:
-        cached = _signatures[(id(task), model_json)] = _build_signature(task, model_json)
-    return cached
+_signatures: dict[tuple[str, ...], list[tuple[str, list[int], str]]] = {}
 
 
 def _build_signature(task: Task, model_json: str) -> list[tuple[str, list[int], str]]:
@@ -188,8 +186,7 @@ def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_numbe
         if not registry.pin(donor.record.id):
             continue  # collected under us: look again
         try:
-            with local_copy(donor.record.uri) as path:
-                state = load_checkpoint(path, sha256=donor.record.sha256)
+            state = load_blob(donor.record.uri, donor.record.sha256)
         except CheckpointError as exc:
             warnings.warn(f"trial {trial_number}: not warm-starting from trial {donor.record.trial_number}: {exc}",
                           stacklevel=2)
