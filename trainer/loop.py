@@ -200,20 +200,16 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         steps_since_log, first_step = int(resume.loop.get("steps_since_log", 0)), resume.step
         guard.threshold = resume.loop.get("guard_threshold")
         result.steps, result.metrics = resume.step, dict(resume.metrics)
-    elif warm_start is not None:
-        model.load_state_dict(warm_start.state.model)  # strict: a donor of another shape is refused here too
-        if warm_start.optimizer:
-            load_optimizer_moments(optimizer, warm_start.state.optimizer)
-        first_step = result.steps = warm_start.state.step
-        # The starting point is this run's first report: the donor's value, on this run's validation set.
+    elif warm_start is not None or fast_fail.enabled:
+        if warm_start is not None:
+            model.load_state_dict(warm_start.state.model)  # strict: a donor of another shape is refused here too
+            if warm_start.optimizer:
+                load_optimizer_moments(optimizer, warm_start.state.optimizer)
+            first_step = result.steps = warm_start.state.step
+        # 0. Evaluate before the first step. Warm, that is the run's first report: the donor's value, on this run's
+        #    validation set. With fast-fail on, it is a reference value over the whole validation set (not one noisy
+        #    batch) for the explosion rule, and NaN in the data is caught before any training.
         stopped = evaluate_and_report(first_step)
-        guard.arm(result.metrics["val_loss"])
-        if stopped:
-            return _finish(result, local, started, "stopped")
-    elif fast_fail.enabled:
-        # 0. With fast-fail on, evaluate before the first step: a reference value over the whole validation set (not
-        #    one noisy batch) for the explosion rule, and NaN in the data is caught before any training.
-        stopped = evaluate_and_report(0)
         guard.arm(result.metrics["val_loss"])
         if stopped:
             return _finish(result, local, started, "stopped")
