@@ -199,11 +199,15 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
     try:
         study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
     except KeyError:
-        study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
-                                    direction=spec.direction)
-        study.set_user_attr(SPEC_ATTR, spec.stored())
-        return study
-    stored = study.user_attrs.get(SPEC_ATTR)
+        try:
+            study = optuna.create_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner,
+                                        direction=spec.direction)
+        except optuna.exceptions.DuplicatedStudyError:  # another worker created it since we looked
+            study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
+        else:
+            study.set_user_attr(SPEC_ATTR, spec.stored())
+            return study
+    stored = _stored_spec(study)
     if stored is None:
         raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
                                  "with --study-name")
@@ -215,6 +219,16 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
             "--study-name NAME, or rerun with the original file")
     study.set_user_attr(SPEC_ATTR, spec.stored())  # the latest budget, sampler and pruner
     return study
+
+
+def _stored_spec(study: optuna.Study, patience_s: float = 5.0) -> dict[str, Any] | None:
+    """The definition the study was created with. A study that another worker has just created holds none for the
+    moment between its creation and the write of its definition (workers on several machines start together), so an
+    empty one is read again for a few seconds before it is taken for a study that sweep did not create."""
+    deadline = time.monotonic() + patience_s
+    while (stored := study.user_attrs.get(SPEC_ATTR)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stored
 
 
 def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:

@@ -1,12 +1,19 @@
-"""Opening storage the way many workers do: at once, on a database nobody has created yet."""
+"""Opening storage and studies the way many workers do: at once, on a database nobody has created yet."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import optuna
+import pytest
+
+from sweep.spec import SPEC_ATTR, load_spec
 from sweep.storage import mask_url, sqlite_path
+from sweep.study import StudyMismatchError, open_study
+from tests.conftest import TINY_STUDY, write_study
 
 OPEN = "from sweep.storage import make_storage; make_storage({url!r})"
 
@@ -36,3 +43,20 @@ def test_wal_is_on_so_readers_never_block_writers(tmp_path: Path) -> None:
 def test_mask_url_hides_the_password() -> None:
     assert mask_url("postgresql+psycopg://bob:hunter2@127.0.0.1/db") == "postgresql+psycopg://bob:***@127.0.0.1/db"
     assert mask_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_a_study_another_worker_has_just_created_is_joined_not_refused(tmp_path: Path) -> None:
+    spec, _ = load_spec(write_study(tmp_path, TINY_STUDY))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    # The moment between another worker's create_study and its write of the study's definition:
+    creator = optuna.create_study(study_name="tiny", storage=url)
+    writer = threading.Timer(0.5, lambda: creator.set_user_attr(SPEC_ATTR, spec.stored()))
+    writer.start()
+    try:
+        joined = open_study(spec, url)
+    finally:
+        writer.join()
+    assert joined.study_name == "tiny" and joined.user_attrs[SPEC_ATTR] == spec.stored()
+    other = optuna.create_study(study_name="not-ours", storage=url)  # never given a definition: refused
+    with pytest.raises(StudyMismatchError, match="not created by sweep"):
+        open_study(spec.model_copy(update={"name": other.study_name}), url)
