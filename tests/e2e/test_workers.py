@@ -16,6 +16,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, run_cli, write_study
@@ -59,6 +60,11 @@ def test_three_workers_share_a_postgresql_study(tmp_path: Path, postgres_url: st
 
 def test_separate_commands_as_on_separate_machines(tmp_path: Path, postgres_url: str) -> None:
     path = busy_study(tmp_path, 10)  # checkpoints in one shared folder, as on a shared file system
+    # One model shape for every trial, so that any finished trial can donate: with model.hidden searched over 25
+    # sizes, whether two of 10 trials shared one was left to chance.
+    document = yaml.safe_load(path.read_text())
+    del document["space"]["model.hidden"]
+    path.write_text(yaml.safe_dump(document | {"fixed": {**document["fixed"], "model": {"hidden": 16}}}))
     args = [sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", postgres_url, "--study-name", "machines",
             "--set", "warm_start.max_distance=5.0"]
     processes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
