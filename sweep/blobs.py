@@ -10,18 +10,19 @@ environment, as the cloud's own client reads them (`AWS_*`, `AWS_ENDPOINT_URL` f
 from __future__ import annotations
 
 import contextlib
+import io
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
 import optuna
 
 from trainer.checkpoint import TrainState, load_checkpoint
 
-__all__ = ["CheckpointStore", "artifact_store_for", "delete_blob", "is_object_url", "load_blob", "local_copy"]
+__all__ = ["CheckpointStore", "RetainedArtifacts", "artifact_store_for", "delete_blob", "is_object_url", "load_blob", "local_copy"]
 
 SCHEMES = ("s3", "gs")
 
@@ -77,6 +78,30 @@ class CheckpointStore:
             self.artifacts.write(key, handle)
         path.unlink(missing_ok=True)
         return f"{self.scheme}://{self.bucket}/{key}"
+
+
+class RetainedArtifacts:
+    """An artifact store as the dashboard sees it: a trial's checkpoint artifact that the study's retention removed
+    (`checkpoints.keep_top_trials`) downloads as a one-line note saying so, where the dashboard would answer a
+    server error. Everything else goes to the store as it is."""
+
+    NOTE = (b"sweep: this trial's checkpoint was deleted by the study's retention (checkpoints.keep_top_trials): "
+            b"only the best trials keep theirs\n")
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def open_reader(self, artifact_id: str) -> BinaryIO:
+        try:
+            return self.store.open_reader(artifact_id)
+        except optuna.artifacts.exceptions.ArtifactNotFound:
+            return io.BytesIO(self.NOTE)
+
+    def write(self, artifact_id: str, content_body: BinaryIO) -> None:
+        self.store.write(artifact_id, content_body)
+
+    def remove(self, artifact_id: str) -> None:
+        self.store.remove(artifact_id)
 
 
 def load_blob(uri: str, sha256: str | None) -> TrainState:

@@ -84,12 +84,12 @@ def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[Chec
     return sorted(scored, key=lambda r: -r.value if maximize else r.value)  # type: ignore[operator]
 
 
-def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> int:
+def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> list[int]:
     """Keep checkpoints only for the study's `keep_trials` best finished trials (pinned ones always stay).
-    Returns how many blobs were deleted."""
+    Returns the trials that lost checkpoints in this call (each trial is returned once: its rows are then gone)."""
     ranges = registry.value_range_per_trial(study)
     ranked = sorted(ranges, key=lambda n: -ranges[n][1] if maximize else ranges[n][0])
-    uris = registry.forget_unpinned(study, ranked[keep_trials:])
+    dropped, uris = registry.forget_unpinned(study, ranked[keep_trials:])
     for uri in uris:
         delete_blob(uri)
-    return len(uris)
+    return dropped

@@ -306,13 +306,13 @@ def dashboard(
 
 def dashboard_artifact_store(study: object) -> object | None:
     """The artifact store where the study's trials uploaded their best checkpoints, so the dashboard lists them."""
-    from sweep.blobs import is_object_url
+    from sweep.blobs import RetainedArtifacts, is_object_url
     from sweep.study import ARTIFACTS_ATTR, artifact_store_at
 
     location = study.user_attrs.get(ARTIFACTS_ATTR)  # type: ignore[attr-defined]
     if location is None or not (is_object_url(location) or Path(location).is_dir()):
         return None
-    return artifact_store_at(location)
+    return RetainedArtifacts(artifact_store_at(location))
 
 
 @app.command()

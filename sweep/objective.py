@@ -3,6 +3,7 @@ becomes an Optuna state with its reason stored on the trial."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from sweep.spec import StudySpec
     from sweep.study import Events
 
-__all__ = ["TrialReporter", "run_trial"]
+__all__ = ["TrialReporter", "close_failed_trial", "run_trial"]
 
 Outcome = tuple[TrialState, "float | None", dict[str, Any]]
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
@@ -100,6 +101,7 @@ def _resume_state(trial: optuna.Trial, registry: Registry) -> TrainState | None:
     if record is None:
         return None
     registry.pin(record.id)  # never collected while (or after) this trial continues from it
+    registry.finish_trial(trial.study.study_name, int(origin))  # the lost trial's other checkpoints: collectable
     try:
         state = load_blob(record.uri, record.sha256)
     except CheckpointError as exc:
@@ -160,7 +162,7 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
         outcome: Outcome = (TrialState.PRUNED, None, attrs)
     elif not math.isfinite(value := result.metrics[spec.metric]):
         attrs[ATTR_FAIL] = f"diverged: {spec.metric} is {value} at step {result.steps}"
-        return TrialState.FAIL, None, attrs
+        outcome = (TrialState.FAIL, None, attrs)
     else:
         outcome = (TrialState.COMPLETE, value, attrs)
     if registry is not None and checkpointer is not None:
@@ -170,15 +172,45 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
 
 def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry, checkpointer: TrialCheckpointer,
                         artifacts: Any) -> None:
-    """The trial is over: its checkpoints become warm-start donors, its best one becomes a dashboard artifact, and
-    the study's retention applies."""
+    """The trial is over (completed, pruned or diverged): its checkpoints become warm-start donors, the study's
+    retention applies, and its best checkpoint becomes a dashboard artifact unless retention has just dropped it."""
     best = checkpointer.finish()
-    if artifacts is not None and best is not None:
+    dropped = apply_retention(trial.study, spec, registry, artifacts)
+    if artifacts is not None and best is not None and trial.number not in dropped:
         with local_copy(best.uri) as path:
             artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=str(path),
                                                            study_or_trial=trial, mimetype="application/octet-stream")
         trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step, "value": best.value,
                                               "sha256": best.sha256, "size": best.size})
-    if spec.checkpoints.keep_top_trials is not None:
-        collect_study(registry, trial.study.study_name, spec.checkpoints.keep_top_trials,
-                      spec.direction == "maximize")
+
+
+def close_failed_trial(study: optuna.Study, trial_number: int, spec: StudySpec, registry: Registry,
+                       artifacts: Any) -> None:
+    """A trial that raised and will not be retried: its checkpoints (valid states from before the error) are final
+    like any ended trial's, so the study's retention counts and collects them instead of keeping them forever.
+    Cleanup only: if the storage refuses it too, the checkpoints stay as they are and the study goes on."""
+    try:
+        registry.finish_trial(study.study_name, trial_number)
+        apply_retention(study, spec, registry, artifacts)
+    except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
+        warnings.warn(f"trial {trial_number}: its checkpoints were not released: {type(exc).__name__}: {exc}",
+                      stacklevel=2)
+
+
+def apply_retention(study: optuna.Study, spec: StudySpec, registry: Registry, artifacts: Any) -> list[int]:
+    """With `keep_top_trials`, only the study's best finished trials keep checkpoints, and a trial that loses them
+    loses its dashboard artifact too (a copy of its best checkpoint), so the disk a study uses stays bounded.
+    Optuna cannot edit a finished trial, so the dashboard still lists that artifact; `sweep dashboard` serves a
+    note in its place (`sweep.blobs.RetainedArtifacts`). Returns the trials that lost checkpoints."""
+    if spec.checkpoints.keep_top_trials is None:
+        return []
+    dropped = collect_study(registry, study.study_name, spec.checkpoints.keep_top_trials,
+                            spec.direction == "maximize")
+    if artifacts is not None and dropped:
+        wanted = set(dropped)
+        for frozen in study.get_trials(deepcopy=False):
+            recorded = frozen.user_attrs.get(ATTR_CHECKPOINT) if frozen.number in wanted else None
+            if recorded is not None:
+                with contextlib.suppress(optuna.artifacts.exceptions.ArtifactNotFound):
+                    artifacts.remove(recorded["artifact_id"])
+    return dropped

@@ -15,6 +15,7 @@ from is `pinned`: garbage collection never deletes it, so a warm-started trial c
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,10 @@ class Registry:
     def register(self, *, study: str, trial_number: int, step: int, value: float | None, params: dict[str, Any],
                  shape_key: str, uri: str, size: int, sha256: str, coords: Sequence[float | None] = (),
                  cat_key: str = "") -> int:
+        """A non-finite value (a diverging trial's) is stored as NULL, as SQLite would store NaN anyway: such a
+        checkpoint is never a donor and never ranks a trial (PostgreSQL would sort NaN above every number)."""
+        if value is not None and not math.isfinite(value):
+            value = None
         columns = {f"c{i}": (coords[i] if i < len(coords) else None) for i in range(COORDS)}
         with self.engine.begin() as connection:
             result = connection.execute(insert(checkpoints).values(
@@ -200,19 +205,22 @@ class Registry:
         with self.engine.connect() as connection:
             return {int(n): (float(low), float(high)) for n, low, high in connection.execute(query)}
 
-    def forget_unpinned(self, study: str, trial_numbers: Sequence[int]) -> list[str]:
-        """Delete these finished trials' unpinned checkpoint rows; returns the blob URIs no row points to any more
-        (the caller deletes the files: rows first, so nobody is sent to a deleted file)."""
+    def forget_unpinned(self, study: str, trial_numbers: Sequence[int]) -> tuple[list[int], list[str]]:
+        """Delete these finished trials' unpinned checkpoint rows. Returns the trials that lost rows, and the blob
+        URIs no row points to any more (the caller deletes the files: rows first, so nobody is sent to a deleted
+        file)."""
         if not trial_numbers:
-            return []
+            return [], []
         where = and_(checkpoints.c.study == study, checkpoints.c.trial_number.in_(list(trial_numbers)),
                      checkpoints.c.final == 1, checkpoints.c.pinned == 0)
         with self.engine.begin() as connection:
-            doomed = connection.execute(delete(checkpoints).where(where).returning(checkpoints.c.uri)).scalars().all()
+            doomed = connection.execute(delete(checkpoints).where(where)
+                                        .returning(checkpoints.c.trial_number, checkpoints.c.uri)).all()
             if not doomed:
-                return []
-            still = set(connection.execute(select(checkpoints.c.uri).where(checkpoints.c.uri.in_(doomed))).scalars())
-        return [uri for uri in dict.fromkeys(doomed) if uri not in still]
+                return [], []
+            uris = list(dict.fromkeys(uri for _, uri in doomed))
+            still = set(connection.execute(select(checkpoints.c.uri).where(checkpoints.c.uri.in_(uris))).scalars())
+        return sorted({int(n) for n, _ in doomed}), [uri for uri in uris if uri not in still]
 
     def latest_for_trial(self, study: str, trial_number: int) -> CheckpointRecord | None:
         """The trial's most advanced checkpoint, or None if it wrote none."""

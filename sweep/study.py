@@ -372,7 +372,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     error stored and the study goes on. On Ctrl-C the running trial is marked interrupted, its params are queued for
     the next run, and KeyboardInterrupt propagates.
     """
-    from sweep.objective import run_trial
+    from sweep.objective import close_failed_trial, run_trial
 
     events = events if events is not None else NoEvents()
     n_trials = n_trials if n_trials is not None else spec.n_trials
@@ -410,13 +410,15 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
             outcome = (TrialState.FAIL, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
                                                ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
-            retryable = isinstance(exc, RETRYABLE_ERRORS)
+            raised, retryable = True, isinstance(exc, RETRYABLE_ERRORS)
         else:
-            retryable = False
+            raised = retryable = False
         state, value, attrs = outcome
         frozen, sampler_stopped = _tell(study, trial, state, value, attrs)
         if retryable and trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) < MAX_RETRIES:
-            _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}")
+            _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}")  # the retry resumes from its checkpoint
+        elif raised and registry is not None:
+            close_failed_trial(study, trial.number, spec, registry, artifacts)
         ran += 1
         events.trial_finished(frozen)
         signature = failure_signature(frozen)

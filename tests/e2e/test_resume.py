@@ -70,6 +70,8 @@ def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Pa
     assert min(retry.intermediate_values) > 0  # it did not start over
     assert retry.user_attrs["steps"] == 3000
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
+    with sqlite3.connect(db) as connection:  # the lost trial's checkpoints ended with it: donors, and collectable
+        assert connection.execute("SELECT count(*) FROM sweep_checkpoints WHERE final = 0").fetchone() == (0,)
 
 
 def test_a_preempted_worker_queues_its_trial_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:

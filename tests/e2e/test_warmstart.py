@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import sqlite3
+import subprocess
+import sys
+import wsgiref.util
 from pathlib import Path
 
 import optuna
+import optuna_dashboard
 from optuna.trial import TrialState
 
+from sweep.cli import dashboard_artifact_store
 from tests.conftest import TINY_STUDY, run_cli, write_study
 
 
@@ -75,6 +81,97 @@ def test_study_retention_keeps_the_best_trials_and_every_parent(tmp_path: Path) 
     assert parents <= {uri for _, uri, _ in rows}
     files = {str(p) for p in (tmp_path / "warm.checkpoints" / "warm").glob("*.pt")}
     assert files == {uri for _, uri, _ in rows}  # no orphan blobs, no rows without a blob
+    # A trial that retention drops loses its artifact too (a copy of its best checkpoint): only the best keeps one.
+    artifacts = {p.name for p in Path(load(tmp_path).user_attrs["sweep.artifacts"]).iterdir()}
+    assert artifacts == {best.user_attrs["checkpoint"]["artifact_id"]}
+    # Trials dropped after they finished are still listed (Optuna cannot edit a finished trial): through the real
+    # dashboard app, `sweep dashboard`'s store serves a note for them instead of a server error.
+    study = load(tmp_path)
+    app = optuna_dashboard.wsgi(f"sqlite:///{tmp_path / 'warm.db'}", artifact_store=dashboard_artifact_store(study))
+    dropped = [t for t in trials if "checkpoint" in t.user_attrs and t.number != best.number]
+    assert dropped  # seed 0: trials 0, 1 and 6 were each the best when they finished
+    for trial in [best, *dropped]:
+        status, body = get(app, f"/artifacts/{study._study_id}/{trial._trial_id}/"
+                                f"{trial.user_attrs['checkpoint']['artifact_id']}")
+        assert status.startswith("200")
+        if trial is best:
+            assert hashlib.sha256(body).hexdigest() == best.user_attrs["checkpoint"]["sha256"]
+        else:
+            assert body.startswith(b"sweep: this trial's checkpoint was deleted by the study's retention")
+
+
+def get(app, path: str) -> tuple[str, bytes]:
+    """One GET through a WSGI app, in process."""
+    environ: dict = {"PATH_INFO": path}
+    wsgiref.util.setup_testing_defaults(environ)
+    answer: list[str] = []
+    body = b"".join(app(environ, lambda status, headers, exc_info=None: answer.append(status)))
+    return answer[0], body
+
+
+UNSTABLE_TASK = """
+import torch
+from torch import nn
+from trainer.tasks import digits
+
+
+class BreaksAfter(nn.Module):
+    \"\"\"After `after` training steps its output is NaN (the trial diverges) or it raises (the trial crashes).\"\"\"
+
+    def __init__(self, inner, how, after):
+        super().__init__()
+        self.inner, self.how, self.after, self.calls = inner, how, after, 0
+
+    def forward(self, x):
+        out = self.inner(x)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.after:
+                if self.how == "raise":
+                    raise RuntimeError("the data loader's disk went away")
+                return out * float("nan")
+        return out
+
+
+def task():
+    t = digits()
+    build = t.build_model
+
+    def build_model(cfg):
+        how = {16: "nan", 24: "raise"}.get(cfg["hidden"])
+        return BreaksAfter(build(cfg), how, 25) if how else build(cfg)
+
+    t.build_model = build_model
+    return t
+"""
+
+
+def test_trials_that_diverge_or_crash_release_their_checkpoints_to_retention(tmp_path: Path) -> None:
+    # They wrote checkpoints before they broke; those were never final, so no retention rule ever deleted them.
+    (tmp_path / "unstable.py").write_text(UNSTABLE_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {
+        "name": "warm", "task": "unstable:task", "n_trials": 3, "sampler": "bruteforce",
+        "checkpoints": {"every_steps": 10, "keep_top_trials": 1}, "max_repeated_failures": 0,
+        "space": {"model.hidden": {"type": "categorical", "choices": [8, 16, 24]}}}
+    document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 10, "learning_rate": 0.01}
+    path = write_study(tmp_path, document)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    trials = {t.params["model.hidden"]: t for t in load(tmp_path).get_trials()}
+    assert trials[8].state == TrialState.COMPLETE
+    assert trials[16].state == TrialState.FAIL and trials[16].user_attrs["fail_reason"].startswith("diverged")
+    assert trials[24].state == TrialState.FAIL and "disk went away" in trials[24].user_attrs["fail_reason"]
+    with sqlite3.connect(tmp_path / "warm.db") as connection:
+        rows = connection.execute("SELECT trial_number, uri, final, value FROM sweep_checkpoints").fetchall()
+    assert rows and all(final == 1 for _, _, final, _ in rows)  # every ended trial's checkpoints are final
+    assert len({n for n, *_ in rows}) == 1  # keep_top_trials: 1 (nothing is pinned: warm start is off)
+    files = {str(p) for p in (tmp_path / "warm.checkpoints" / "warm").glob("*.pt")}
+    assert files == {uri for _, uri, _, _ in rows}
+    [kept] = [t for t in trials.values() if t.number == rows[0][0]]
+    artifacts = {p.name for p in Path(load(tmp_path).user_attrs["sweep.artifacts"]).iterdir()}
+    assert artifacts == ({kept.user_attrs["checkpoint"]["artifact_id"]} if "checkpoint" in kept.user_attrs else set())
 
 
 def test_each_trial_uploads_its_best_checkpoint_as_an_optuna_artifact(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, inspect
 
+from sweep.checkpoints import collect_study
 from sweep.registry import Registry
 from sweep.spec import parse_spec
 from sweep.warmstart import categorical_key, coordinates, distance, find_donor, shape_key
@@ -143,6 +144,19 @@ def test_a_pinned_checkpoint_is_never_collected(registry: Registry) -> None:
     assert registry.forget([pinned, loose]) == [loose]
     assert [r.id for r in registry.for_trial(study, 0)] == [pinned]
     assert not registry.pin(loose)  # gone: a lookup that raced the collection looks again
+
+
+def test_a_diverged_value_neither_donates_nor_ranks_a_trial(registry: Registry) -> None:
+    # PostgreSQL stores NaN and sorts it above every number: a diverged checkpoint would be the "highest" value.
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    register(registry, study, spec, 0, BASE, 10, 0.2)
+    diverged = register(registry, study, spec, 0, BASE, 20, float("nan"))
+    register(registry, study, spec, 1, {**BASE, "weight_decay": 0.06}, 10, 0.9)
+    assert [r.value for r in registry.for_trial(study, 0) if r.id == diverged] == [None]
+    assert registry.value_range_per_trial(study) == {0: (0.2, 0.2), 1: (0.9, 0.9)}
+    assert collect_study(registry, study, keep_trials=1, maximize=True) == [0]  # trial 1 is the better one
+    assert registry.for_trial(study, 0) == [] and len(registry.for_trial(study, 1)) == 1
+    assert collect_study(registry, study, keep_trials=1, maximize=True) == []  # each trial is dropped once
 
 
 def _create_registry(url: str, barrier: Any, results: Any) -> None:
