@@ -211,8 +211,9 @@ def part_trials(args: argparse.Namespace) -> dict:
 def part_study(args: argparse.Namespace) -> dict:
     import importlib.util
 
-    if importlib.util.find_spec("optuna") is None or importlib.util.find_spec("sqlalchemy") is None:
-        return {"skipped": "optuna/sqlalchemy not importable here"}
+    missing = [name for name in ("optuna", "sqlalchemy", "pydantic", "typer") if importlib.util.find_spec(name) is None]
+    if missing:  # the sweep CLI's own dependencies; the other parts need torch only
+        return {"skipped": f"{', '.join(missing)} not importable here"}
     with tempfile.TemporaryDirectory(prefix="bench-gpu-study-") as folder:  # a throwaway study
         command = [sys.executable, "-m", "sweep.cli", "run", str(args.study), "--storage", f"sqlite:///{folder}/s.db",
                    "--study-name", "bench-gpu", "--n-trials", str(args.study_trials), "--timeout",
@@ -331,25 +332,44 @@ def main() -> None:
             f"--study-timeout={args.study_timeout}", f"--peak-tflops={args.peak_tflops}", f"--device={args.device}",
             *([f"--study-steps={args.study_steps}"] if args.study_steps else []),
             *(["--smoke"] if args.smoke else [])]
-    results = {}
-    for part in args.parts:
-        limit = TIME_LIMITS_S[part] * args.time_scale * (4 if args.smoke else 1)
-        print(f"{part} (at most {limit:.0f} s) ...", file=sys.stderr, flush=True)
-        results[part] = run_part(part, argv, limit)
+    results: dict[str, dict] = {}
+    try:
+        for part in args.parts:
+            limit = TIME_LIMITS_S[part] * args.time_scale * (4 if args.smoke else 1)
+            print(f"{part} (at most {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            results[part] = run_part(part, argv, limit)
+            write(results, args)  # each part's figures are kept, even if a later part is cut short
+    finally:  # also when stopped from outside: the table of the parts that ran
+        report(results, args)
+
+
+def machine() -> str:
     import torch
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    print(f"\nMachine: {gpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}"
-          f"; MFU against {args.peak_tflops:g} TFLOP/s dense BF16\n")
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+
+
+def write(results: dict[str, dict], args: argparse.Namespace) -> None:
+    if not args.out:
+        return
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), "torch": torch.__version__, "peak_tflops": args.peak_tflops, "smoke": args.smoke,
+               "results": results}
+    (args.out / "gpu.json").write_text(json.dumps(payload, indent=2))
+
+
+def report(results: dict[str, dict], args: argparse.Namespace) -> None:
+    import torch
+
+    print(f"\nMachine: {machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python "
+          f"{platform.python_version()}; MFU against {args.peak_tflops:g} TFLOP/s dense BF16\n")
     print(table(results, args))
     notes = {r["gpu_util_note"] for r in results.values() if r.get("gpu_util_note")}
     for note in sorted(notes):
         print(f"\nGPU utilisation: {note}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": gpu, "torch": torch.__version__, "peak_tflops": args.peak_tflops, "smoke": args.smoke,
-                   "results": results}
-        (args.out / "gpu.json").write_text(json.dumps(payload, indent=2))
+    if args.out and results:
         print(f"\nwrote {args.out / 'gpu.json'}")
 
 

@@ -6,7 +6,7 @@
 #    graphs, the multi-tensor Lion, TF32, device metrics); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
 #    per GPU-hour, GPU busy during a short two-worker charlm study of 500-step trials); 3. bench/overhead.py's CUDA case
 #    (the trainer vs a hand-written loop); 4. with the time left, bench/gpu.py's `graphs` part (CUDA graphs).
-# Logs and gpu.json go to OUT_DIR (default results/), the graphs part's to OUT_DIR/graphs/. The study part needs
+# Logs and gpu.json (rewritten after each part) go to OUT_DIR (default results/), the graphs part's to OUT_DIR/graphs/. The study part needs
 # optuna and SQLAlchemy importable; the rest needs torch only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,7 @@ run() {
 run 150 cuda_tests.log "$python" -m pytest tests/trainer/test_cuda.py -q -p no:cacheprovider
 # The study: charlm.yaml's trials cut to 500 steps (its pruner's warm-up), so that 4 trials on 2 workers end well
 # inside the part's 75 s.
-run 330 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
+run 370 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
     --study-timeout 30 --study-steps 500
 run 115 overhead.log "$python" bench/overhead.py --only cuda
 # The graphs part's own limit (150 s at --time-scale 1) is shrunk to the time left, so that its table still prints.

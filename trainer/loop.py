@@ -7,9 +7,10 @@ The trainer knows nothing of Optuna: it talks to whoever drives it through a `Re
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -226,7 +227,22 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
                            config=config.to_dict(), metrics=dict(result.metrics))
         checkpointer.saved(save_checkpoint(path, state), metrics)
 
-    mark = time.perf_counter()
+    mark = time.perf_counter()  # the start of the log interval's training time
+    settle = _synchronize(device) if device.type == "cuda" else _nothing
+
+    @contextlib.contextmanager
+    def paused() -> Iterator[None]:
+        """Evaluation and checkpoint time is not training throughput: it is left out of the log interval it falls
+        in, whether or not that interval ends at this step. The steps queued on the device finish first, inside the
+        interval (evaluation would wait for them anyway)."""
+        nonlocal mark
+        settle()
+        started_pause = time.perf_counter()
+        try:
+            yield
+        finally:
+            mark += time.perf_counter() - started_pause
+
     done = first_step
     status = "completed"
     model.train()
@@ -268,14 +284,15 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         if eval_now or tripped:
             with allowed_sync():
                 extra = {"train_loss": step_loss.item()} if tripped else {}
-            stop = evaluate_and_report(done, extra)
+            with paused():
+                stop = evaluate_and_report(done, extra)
             guard.reset()
-            mark = time.perf_counter()  # evaluation time is not training throughput
             if stop and done < config.max_steps:  # at the last step there is nothing left to save
                 status = "stopped"
                 break
         if log_now or eval_now:
-            checkpoint(done, result.metrics if eval_now else None)
+            with paused():
+                checkpoint(done, result.metrics if eval_now else None)
     batches.close()  # a loader's workers stop here, not when the garbage collector gets to them
     result.steps = done
     return _finish(result, local, started, status)
@@ -292,6 +309,14 @@ def load_optimizer_moments(optimizer: torch.optim.Optimizer, state: Mapping[str,
 
 def _nothing() -> None:
     pass
+
+
+def _synchronize(device: torch.device) -> Callable[[], None]:
+    def synchronize() -> None:
+        with allowed_sync():  # only around evaluations and checkpoints, which read back anyway
+            torch.cuda.synchronize(device)
+
+    return synchronize
 
 
 def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: str) -> TrainResult:

@@ -30,9 +30,11 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     if deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first cuBLAS call.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+    # Process-wide switches, set by every run either way: a sweep worker trains many trials in one process, and one
+    # deterministic trial must not make the next ones slow (or refuse ops that have no deterministic kernel).
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
 
 
 def seed_worker(worker_id: int) -> None:

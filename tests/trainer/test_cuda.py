@@ -118,8 +118,19 @@ def test_cuda_graphs_replay_the_training_steps(tmp_path: Path, monkeypatch: pyte
     assert resumed.metrics["val_loss"] == pytest.approx(graphed.metrics["val_loss"], rel=0.05)
 
 
-def test_multi_tensor_lion_matches_the_per_tensor_loop_on_cuda() -> None:
+def test_multi_tensor_lion_matches_the_per_tensor_loop_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.optim
     from trainer.optim import Lion
+
+    calls = 0
+    multi_tensor = trainer.optim._lion_foreach
+
+    def counted(*args, **kwargs) -> None:
+        nonlocal calls
+        calls += 1
+        multi_tensor(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.optim, "_lion_foreach", counted)
 
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).cuda()
@@ -132,16 +143,23 @@ def test_multi_tensor_lion_matches_the_per_tensor_loop_on_cuda() -> None:
             model(x).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    assert optimizers[1].param_groups[0]["foreach"] is None  # the CUDA default, which is foreach
+    assert optimizers[1].param_groups[0]["foreach"] is None and calls == 5  # the CUDA default is the multi-tensor one
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b)
 
 
-def test_logs_carry_throughput_and_peak_memory() -> None:
-    result = train(cuda_config(**CHARLM))
+def test_logs_carry_throughput_and_each_runs_own_peak_memory() -> None:
+    import importlib.util
+
+    big = train(cuda_config(**{**CHARLM, "batch_size": 64, "model": {"d_model": 256, "n_layers": 4, "n_heads": 4}},
+                            max_steps=10))
+    result = train(cuda_config(**CHARLM))  # in the same process, as a sweep worker's next trial
+    nvml = importlib.util.find_spec("pynvml") is not None  # nvidia-ml-py: torch.cuda.utilization needs it
     for record in result.logs:
         assert record["tokens_per_s"] > 0 and record["peak_mem_mb"] > 0
-        assert 0 <= record.get("gpu_util_pct", 0) <= 100  # present where NVML answers (nvidia-ml-py installed)
+        assert ("gpu_util_pct" in record) == nvml and 0 <= record.get("gpu_util_pct", 0) <= 100
+    # The peak counter is reset at each run's start: not the bigger run's peak carried over.
+    assert max(r["peak_mem_mb"] for r in result.logs) < 0.5 * big.logs[-1]["peak_mem_mb"]
 
 
 def test_tf32_is_allowed_unless_deterministic() -> None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import dataclasses
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -102,6 +104,39 @@ def test_training_learns_and_logs_every_interval(digits) -> None:
     assert result.metrics["val_accuracy"] > 0.85
     assert all(r["samples_per_s"] > 0 and r["grad_norm"] > 0 for r in result.logs)
     assert result.reproducibility["seed"] == 0 and result.reproducibility["torch"] == torch.__version__
+
+
+class Slow(nn.Module):
+    """Each training forward takes at least `step_s`; each evaluation forward `eval_s`."""
+
+    def __init__(self, inner: nn.Module, step_s: float, eval_s: float) -> None:
+        super().__init__()
+        self.inner, self.step_s, self.eval_s = inner, step_s, eval_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.step_s if self.training else self.eval_s)
+        return self.inner(x)
+
+
+class SlowSaveAt(SaveAt):
+    def saved(self, info, metrics) -> None:
+        time.sleep(0.4)
+        super().saved(info, metrics)
+
+
+def test_throughput_leaves_out_evaluations_and_checkpoints_wherever_they_fall(digits, tmp_path: Path) -> None:
+    # Logs every 10 steps; an evaluation at step 25 (inside an interval) and a slow checkpoint at step 10.
+    step_s = 0.005
+    task = dataclasses.replace(digits, build_model=lambda cfg: Slow(digits.build_model(cfg), step_s, 0.3))
+    config = tiny(max_steps=40, log_every_steps=10, eval_every_steps=25, batch_size=32)
+    result = train(config, task, checkpointer=SlowSaveAt(10, tmp_path / "ckpt.pt"))
+    rates = {r["step"]: r["samples_per_s"] for r in result.logs}
+    assert sorted(rates) == [10, 20, 30, 40]
+    # A step takes at least step_s, so no interval can have run faster than this. Counting the 10 steps of 21-30
+    # over the time of 26-30 only (the clock restarted after the evaluation) gave about twice as much.
+    assert max(rates.values()) <= config.batch_size / step_s
+    # The 0.4 s checkpoint after step 10 is not training time of the interval 11-20 (it would cut its rate ~5x).
+    assert rates[20] >= 0.4 * max(rates.values())
 
 
 def test_gradient_accumulation_counts_samples_per_optimizer_step(digits) -> None:

@@ -47,3 +47,18 @@ def test_reproducibility_record_names_what_a_rerun_needs() -> None:
     record = reproducibility_record(5, torch.device("cpu"))
     assert record["seed"] == 5 and record["torch"] == torch.__version__ and record["device_type"] == "cpu"
     assert {"numpy", "python", "cuda", "cudnn", "device", "sweep_version", "git_commit"} <= set(record)
+
+
+def test_a_deterministic_run_does_not_make_the_next_run_in_the_process_deterministic() -> None:
+    # A sweep worker trains trial after trial in one process; torch's switch is process-wide.
+    from trainer import TrainingConfig, train
+
+    base = {"max_steps": 2, "eval_every_steps": 2, "log_every_steps": 2, "batch_size": 8, "model": {"hidden": 8}}
+    try:
+        train(TrainingConfig.from_dict({**base, "deterministic": True}))
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        train(TrainingConfig.from_dict(base))
+        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
