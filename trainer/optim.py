@@ -24,7 +24,13 @@ class Lion(torch.optim.Optimizer):
     instead of that many per tensor, which is what a launch-bound sweep-sized model pays for on a GPU. On a CPU the
     per-tensor loop is faster (each tensor's passes stay in cache), so it is the default there. Both compute the same
     numbers, bit for bit.
+
+    Under fp16's `GradScaler` it takes the scaler's `found_inf` on the device, as torch's fused optimizers do
+    (`_step_supports_amp_scaling`): a step whose gradients overflowed leaves parameters and momentum as they were,
+    without the per-step `.item()` that the scaler otherwise needs to decide whether to call `step` at all.
     """
+
+    _step_supports_amp_scaling = True  # GradScaler.step then sets `grad_scale` and `found_inf` for the step
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, foreach: bool | None = None) -> None:
@@ -47,10 +53,15 @@ class Lion(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            grads, moments = [p.grad for p in params], [self._momentum(p) for p in params]
+            grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+            if grad_scale is not None or found_inf is not None:  # inside GradScaler.step (fp16)
+                _lion_scaled(params, grads, moments, group["lr"], *group["betas"], group["weight_decay"],
+                             grad_scale, found_inf)
+                continue
             foreach = group["foreach"] if group["foreach"] is not None else all(p.is_cuda for p in params)
             update = _lion_foreach if foreach else _lion_per_tensor
-            update(params, [p.grad for p in params], [self._momentum(p) for p in params], group["lr"],
-                   *group["betas"], group["weight_decay"])
+            update(params, grads, moments, group["lr"], *group["betas"], group["weight_decay"])
         return loss
 
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
@@ -82,6 +93,29 @@ def _lion_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], moments
     torch._foreach_add_(params, update, alpha=-lr)
     torch._foreach_mul_(moments, beta2)
     torch._foreach_add_(moments, grads, alpha=1 - beta2)
+
+
+def _lion_scaled(params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[torch.Tensor], lr: float,
+                 beta1: float, beta2: float, decay: float, grad_scale: torch.Tensor | None,
+                 found_inf: torch.Tensor | None) -> None:
+    """The Lion step under a GradScaler, decided on the device: gradients divided by `grad_scale` (None: already
+    unscaled), and every change multiplied by `keep` (0 when `found_inf`), so that an overflowed step changes nothing.
+    Non-finite gradients become 0 first: only in a step that is discarded anyway, and `0 * inf` would be NaN."""
+    device = params[0].device
+    keep = 1 - found_inf.to(device) if found_inf is not None else torch.ones((), device=device)
+    grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
+    if grad_scale is not None:
+        torch._foreach_mul_(grads, grad_scale.to(device).double().reciprocal().float())
+    if decay:
+        torch._foreach_mul_(params, 1 - lr * decay * keep)
+    update = torch._foreach_mul(moments, beta1)
+    torch._foreach_add_(update, grads, alpha=1 - beta1)
+    torch._foreach_sign_(update)
+    torch._foreach_mul_(update, -lr * keep)
+    torch._foreach_add_(params, update)
+    drift = torch._foreach_sub(grads, moments)  # momentum += (1 - beta2) * keep * (grad - momentum)
+    torch._foreach_mul_(drift, (1 - beta2) * keep)
+    torch._foreach_add_(moments, drift)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainingConfig, device: torch.device) -> torch.optim.Optimizer:

@@ -60,7 +60,11 @@ def sync_check():
     {**DIGITS, "curriculum": {"schedule": "linear", "end_fraction": 0.5}},
     {**DIGITS, "data_loader": "dataloader", "loader_workers": 2},
     {**CHARLM, "optimizer": "lion", "weight_decay": 0.1},
-], ids=["digits", "charlm", "charlm-clip-accumulation", "digits-curriculum", "digits-dataloader", "charlm-lion"])
+    # fp16 (what `auto` picks on GPUs without bf16): GradScaler with fused AdamW, and with Lion's found_inf support
+    {**DIGITS, "mixed_precision": "fp16"},
+    {**CHARLM, "optimizer": "lion", "weight_decay": 0.1, "mixed_precision": "fp16"},
+], ids=["digits", "charlm", "charlm-clip-accumulation", "digits-curriculum", "digits-dataloader", "charlm-lion",
+        "digits-fp16", "charlm-lion-fp16"])
 def test_no_sync_between_log_and_eval_steps(sync_check: StrictAfterFirstReport, values: dict) -> None:
     result = train(cuda_config(**values), reporter=sync_check)  # bf16 autocast: mixed_precision auto
     assert result.status == "completed" and result.steps == 60

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from trainer.config import TrainingConfig
 from trainer.optim import Lion, build_optimizer, lr_at
@@ -134,3 +136,51 @@ def test_lion_loads_a_state_saved_before_it_had_foreach() -> None:
     again.load_state_dict(state)
     again.step()
     assert again.param_groups[0]["foreach"] is None
+
+
+class CountItems(TorchFunctionMode):
+    """Counts `Tensor.item` calls: each is a host-device sync on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.items += func is torch.Tensor.item
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("unscale_first", [True, False])  # the trainer unscales first, to clip
+def test_lion_under_a_grad_scaler_decides_on_the_device_and_skips_overflowed_steps(unscale_first: bool) -> None:
+    # fp16 (GPUs without bf16): GradScaler.step asks a plain optimizer's found_inf with .item() every step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    twin = copy.deepcopy(model)
+    scaled, plain = (Lion(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, twin))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)  # a power of two: unscaling is exact
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        scaler.scale(model(x).square().mean()).backward()
+        twin(x).square().mean().backward()
+        if unscale_first:
+            scaler.unscale_(scaled)
+        with CountItems() as counter:
+            scaler.step(scaled)
+        scaler.update()
+        plain.step()
+        scaled.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        assert counter.items == 0
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(a, b)  # the same step as without a scaler
+    before = copy.deepcopy(model.state_dict()), copy.deepcopy(scaled.state_dict())
+    scaler.scale(model(torch.randn(16, 8)).square().mean()).backward()
+    model[0].weight.grad[0, 0] = float("inf")  # an fp16 overflow
+    with CountItems() as counter:
+        scaler.step(scaled)
+    scaler.update()
+    assert counter.items == 0 and scaler.get_scale() == 2.0**9
+    for key, value in before[0].items():
+        assert torch.equal(model.state_dict()[key], value)  # the step changed nothing
+    for state, saved in zip(scaled.state_dict()["state"].values(), before[1]["state"].values()):
+        assert torch.equal(state["exp_avg"], saved["exp_avg"])
