@@ -30,6 +30,7 @@ Imports torch and trainer only; the study part runs the sweep CLI in a subproces
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -67,7 +68,8 @@ QUICKSTART = {"task": "digits", "max_steps": 600, "batch_size": 64, "eval_every_
 # GPU utilisation, sampled by nvidia-smi in the background.
 
 class UtilizationSampler:
-    """`nvidia-smi ... -lms 200` in a subprocess; each sample is stamped with the host clock when it arrives."""
+    """`nvidia-smi ... -lms 200` in a subprocess. Each sample carries nvidia-smi's own timestamp (the host's local
+    clock when it was taken), not the time its line arrives: a pipe may deliver the lines in bursts."""
 
     def __init__(self, period_ms: int = 200) -> None:
         self.samples: list[tuple[float, float]] = []
@@ -80,7 +82,7 @@ class UtilizationSampler:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
         try:
             self._proc = subprocess.Popen(
-                [exe, f"--id={visible}", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                [exe, f"--id={visible}", "--query-gpu=timestamp,utilization.gpu", "--format=csv,noheader,nounits",
                  "-lms", str(period_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         except OSError as exc:
             self.error = f"nvidia-smi failed to start: {exc}"
@@ -91,10 +93,9 @@ class UtilizationSampler:
     def _read(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
-            try:
-                self.samples.append((time.time(), float(line.strip())))
-            except ValueError:
-                continue
+            sample = parse_sample(line)
+            if sample is not None:
+                self.samples.append(sample)
 
     def stop(self) -> None:
         if self._proc is not None:
@@ -115,6 +116,20 @@ class UtilizationSampler:
         else:
             samples = [(t, v) for t, v in samples if start <= t <= end]
         return statistics.fmean(v for _, v in samples) if samples else None
+
+
+def parse_sample(line: str) -> tuple[float, float] | None:
+    """`2026/11/30 05:40:12.345, 87` -> (epoch seconds, 87.0); the arrival time when the stamp does not parse."""
+    stamp, _, value = line.rpartition(",")
+    try:
+        utilization = float(value.strip())
+    except ValueError:
+        return None
+    try:
+        taken = datetime.datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time
+    except ValueError:
+        taken = time.time()
+    return taken, utilization
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -94,7 +94,9 @@ def restore_rng(state: dict[str, Any]) -> None:
                          numpy_state["has_gauss"], numpy_state["cached"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # As many devices as both runs see: a run resumed where fewer GPUs are visible (a worker pinned to one) would
+        # otherwise fail on a device index it does not have. Training uses the first, which is always restored.
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def _tuples(value: Any) -> Any:

@@ -84,44 +84,6 @@ def test_the_sync_check_catches_a_read_back_in_a_step(sync_check: StrictAfterFir
         train(cuda_config(**DIGITS), task, sync_check)
 
 
-def test_a_compiled_run_trains_and_its_checkpoint_resumes_without_compile(tmp_path: Path) -> None:
-    compiled = train(cuda_config(**CHARLM, compile=True), checkpointer=SaveAt(30, tmp_path / "c.pt"))
-    assert compiled.status == "completed" and compiled.metrics["val_loss"] < 5.0
-    state = load_checkpoint(tmp_path / "c.pt")
-    assert not any(key.startswith("_orig_mod.") for key in state.model)
-    resumed = train(cuda_config(**CHARLM), resume=state)
-    assert resumed.status == "completed" and resumed.steps == 60
-    assert resumed.metrics["val_loss"] == pytest.approx(compiled.metrics["val_loss"], rel=0.05)
-
-
-def test_cuda_graphs_replay_the_training_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch._dynamo.utils import counters
-
-    launches = 0
-    replay = torch.cuda.CUDAGraph.replay
-
-    def counted(graph: torch.cuda.CUDAGraph) -> None:  # the real replay, counted (no profiler: CUPTI and graphs
-        nonlocal launches                                # have clashed on older CUDA)
-        launches += 1
-        replay(graph)
-
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
-    counters.clear()
-    values = {**CHARLM, "gradient_accumulation_steps": 2}
-    graphed = train(cuda_config(**values, compile=True, compile_mode="reduce-overhead"),
-                    checkpointer=SaveAt(30, tmp_path / "g.pt"))
-    # 60 steps of 2 micro-batches, a forward and a backward graph each: the first step warms up, the second records
-    # and replays, every later one replays; 236 in all.
-    assert launches >= 200, f"{launches} CUDA graph replays"
-    assert counters["inductor"]["cudagraph_skips"] == 0
-    eager = train(cuda_config(**values))
-    assert graphed.status == "completed" and graphed.metrics["val_loss"] < 5.0
-    assert graphed.metrics["val_loss"] == pytest.approx(eager.metrics["val_loss"], rel=0.05)
-    state = load_checkpoint(tmp_path / "g.pt")
-    resumed = train(cuda_config(**values), resume=state)  # without compile, and so without graphs
-    assert resumed.metrics["val_loss"] == pytest.approx(graphed.metrics["val_loss"], rel=0.05)
-
-
 def test_multi_tensor_lion_matches_the_per_tensor_loop_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     import trainer.optim
     from trainer.optim import Lion
@@ -176,3 +138,42 @@ def test_tf32_is_allowed_unless_deterministic() -> None:
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
+
+
+# Last: the two cold compiles take longest, so that a time limit cuts these, not the quick checks above.
+def test_a_compiled_run_trains_and_its_checkpoint_resumes_without_compile(tmp_path: Path) -> None:
+    compiled = train(cuda_config(**CHARLM, compile=True), checkpointer=SaveAt(30, tmp_path / "c.pt"))
+    assert compiled.status == "completed" and compiled.metrics["val_loss"] < 5.0
+    state = load_checkpoint(tmp_path / "c.pt")
+    assert not any(key.startswith("_orig_mod.") for key in state.model)
+    resumed = train(cuda_config(**CHARLM), resume=state)
+    assert resumed.status == "completed" and resumed.steps == 60
+    assert resumed.metrics["val_loss"] == pytest.approx(compiled.metrics["val_loss"], rel=0.05)
+
+
+def test_cuda_graphs_replay_the_training_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo.utils import counters
+
+    launches = 0
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(graph: torch.cuda.CUDAGraph) -> None:  # the real replay, counted (no profiler: CUPTI and graphs
+        nonlocal launches                                # have clashed on older CUDA)
+        launches += 1
+        replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    counters.clear()
+    values = {**CHARLM, "gradient_accumulation_steps": 2}
+    graphed = train(cuda_config(**values, compile=True, compile_mode="reduce-overhead"),
+                    checkpointer=SaveAt(30, tmp_path / "g.pt"))
+    # 60 steps of 2 micro-batches, a forward and a backward graph each: the first step warms up, the second records
+    # and replays, every later one replays; 236 in all.
+    assert launches >= 200, f"{launches} CUDA graph replays"
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    eager = train(cuda_config(**values))
+    assert graphed.status == "completed" and graphed.metrics["val_loss"] < 5.0
+    assert graphed.metrics["val_loss"] == pytest.approx(eager.metrics["val_loss"], rel=0.05)
+    state = load_checkpoint(tmp_path / "g.pt")
+    resumed = train(cuda_config(**values), resume=state)  # without compile, and so without graphs
+    assert resumed.metrics["val_loss"] == pytest.approx(graphed.metrics["val_loss"], rel=0.05)
