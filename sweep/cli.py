@@ -32,6 +32,7 @@ from sweep.storage import mask_url
 from sweep.study import (Preempted, StudyBrokenError, StudyMismatchError, load_existing_study, open_study,
                          request_stop, resolve_storage_url, run_study)
 from sweep.workers import WORKER_ENV, run_workers
+from trainer.seeding import deterministic_cublas
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
@@ -82,6 +83,8 @@ def run(
     except StudyFileError as exc:
         raise _fail(exc.lines(), 2) from None
     url = resolve_storage_url(spec, spec_path, storage)
+    if spec.fixed.get("deterministic") is True or "deterministic" in spec.space:
+        deterministic_cublas()  # before this process's first trial, which may not be a deterministic one
     _quiet_optuna()
     try:
         study = open_study(spec, url)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["reproducibility_record", "seed_everything", "seed_worker"]
+__all__ = ["deterministic_cublas", "reproducibility_record", "seed_everything", "seed_worker"]
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> None:
@@ -28,13 +28,19 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # seeds every CUDA device as well
     if deterministic:
-        # cuBLAS needs a fixed workspace to be deterministic; it must be set before the first cuBLAS call.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        deterministic_cublas()
         torch.backends.cudnn.benchmark = False
     # Process-wide switches, set by every run either way: a sweep worker trains many trials in one process, and one
     # deterministic trial must not make the next ones slow (or refuse ops that have no deterministic kernel).
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
+
+
+def deterministic_cublas() -> None:
+    """cuBLAS needs a fixed workspace to be deterministic. torch reads the setting once per process, at the first
+    cuBLAS call, so a process that will train a deterministic run after others (a sweep worker whose study searches
+    `deterministic`) calls this before any of them."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def seed_worker(worker_id: int) -> None:

@@ -204,3 +204,30 @@ def test_optuna_dashboard_reads_the_study(tiny_study: Path) -> None:
     assert {t["state"] for t in detail["trials"]} == {"Complete"}
     assert all(len(t["intermediate_values"]) == 2 for t in detail["trials"])
     assert any(attr["key"] == "config" for attr in detail["trials"][0]["user_attrs"])
+
+
+def test_a_study_that_searches_deterministic_fixes_cublas_before_its_first_trial(tmp_path: Path) -> None:
+    # torch reads CUBLAS_WORKSPACE_CONFIG once per process, at the first cuBLAS call: a worker whose first trial is
+    # not deterministic would otherwise leave its later deterministic trials without it.
+    (tmp_path / "envtask.py").write_text(
+        "import os\n"
+        "from trainer.tasks import digits\n"
+        "def task():\n"
+        "    t = digits()\n"
+        "    build = t.build_model\n"
+        "    def build_model(cfg):\n"
+        "        with open(os.path.join(os.path.dirname(__file__), 'seen.txt'), 'a') as f:\n"
+        "            f.write(os.environ.get('CUBLAS_WORKSPACE_CONFIG', 'unset') + '\\n')\n"
+        "        return build(cfg)\n"
+        "    t.build_model = build_model\n"
+        "    return t\n")
+    document = copy.deepcopy(TINY_STUDY) | {"task": "envtask:task", "n_trials": 1,
+                                            "space": {"deterministic": {"type": "categorical", "choices": [False]}}}
+    path = write_study(tmp_path, document)
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    seen = (tmp_path / "seen.txt").read_text().split()
+    assert seen and set(seen) == {":4096:8"}
