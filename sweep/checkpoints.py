@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from sweep.registry import CheckpointRecord, Registry
     from sweep.spec import CheckpointPolicy
 
-__all__ = ["TrialCheckpointer", "collect_study"]
+__all__ = ["TrialCheckpointer", "collect_study", "ranked_trials", "retention_keeps"]
 
 
 class TrialCheckpointer:
@@ -55,13 +55,17 @@ class TrialCheckpointer:
                                sha256=info.sha256, coords=self.coords, cat_key=self.cat_key)
         self._collect()
 
-    def finish(self) -> CheckpointRecord | None:
-        """The trial is over: its checkpoints become warm-start donors. Returns its best checkpoint (its latest when
-        none has a value), or None when it wrote none."""
-        self.registry.finish_trial(self.study, self.number)
+    def best_record(self) -> CheckpointRecord | None:
+        """The trial's best checkpoint (its latest when none has a value), or None when it wrote none. Until
+        `finish`, no other worker's retention touches the trial's checkpoints."""
         records = self.registry.for_trial(self.study, self.number)
         scored = best_first(records, self.maximize)
         return scored[0] if scored else max(records, key=lambda r: (r.step, r.id), default=None)
+
+    def finish(self, *, donor: bool) -> None:
+        """The trial is over: its checkpoints count for the study's retention, and become warm-start donors when it
+        completed or was pruned (`donor`)."""
+        self.registry.finish_trial(self.study, self.number, donor=donor)
 
     def _collect(self) -> None:
         records = self.registry.for_trial(self.study, self.number)
@@ -84,11 +88,31 @@ def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[Chec
     return sorted(scored, key=lambda r: -r.value if maximize else r.value)  # type: ignore[operator]
 
 
+def ranked_trials(ranges: Mapping[int, tuple[float | None, float | None, bool]], maximize: bool) -> list[int]:
+    """Trials best first by their best checkpointed value: those that completed or were pruned, then those that
+    failed, each without any value last."""
+    def key(number: int) -> tuple[bool, float]:
+        low, high, failed = ranges[number]
+        best = high if maximize else low
+        return failed, math.inf if best is None else (-best if maximize else best)
+
+    return sorted(ranges, key=key)
+
+
+def retention_keeps(registry: Registry, study: str, trial_number: int, value: float | None, failed: bool,
+                    keep_trials: int, maximize: bool) -> bool:
+    """Whether `collect_study` would keep this trial's checkpoints were it to end now with its best `value`."""
+    ranges = dict(registry.value_range_per_trial(study))
+    finite = value if value is not None and math.isfinite(value) else None
+    ranges[trial_number] = (finite, finite, failed)
+    return trial_number in ranked_trials(ranges, maximize)[:keep_trials]
+
+
 def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> list[int]:
-    """Keep checkpoints only for the study's `keep_trials` best finished trials (pinned ones always stay).
+    """Keep checkpoints only for the study's `keep_trials` best ended trials (`ranked_trials`; pinned ones always
+    stay).
     Returns the trials that lost checkpoints in this call (each trial is returned once: its rows are then gone)."""
-    ranges = registry.value_range_per_trial(study)
-    ranked = sorted(ranges, key=lambda n: -ranges[n][1] if maximize else ranges[n][0])
+    ranked = ranked_trials(registry.value_range_per_trial(study), maximize)
     dropped, uris = registry.forget_unpinned(study, ranked[keep_trials:])
     for uri in uris:
         delete_blob(uri)

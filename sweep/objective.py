@@ -9,14 +9,14 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import TrialState
 
 from sweep.blobs import load_blob, local_copy
-from sweep.checkpoints import TrialCheckpointer, collect_study
+from sweep.checkpoints import TrialCheckpointer, collect_study, retention_keeps
 from sweep.pruners import FastFailPruner
 from sweep.warmstart import categorical_key, coordinates, shape_key, warm_start_from
 from trainer.checkpoint import CheckpointError, TrainState
@@ -97,11 +97,16 @@ def _resume_state(trial: optuna.Trial, registry: Registry) -> TrainState | None:
     origin = trial.user_attrs.get(ATTR_RETRY_OF)
     if origin is None:
         return None
-    record = registry.latest_for_trial(trial.study.study_name, int(origin))
-    if record is None:
+    study = trial.study.study_name
+    for _ in range(3):
+        record = registry.latest_for_trial(study, int(origin))
+        if record is None:
+            return None
+        if registry.pin(record.id):  # never collected while (or after) this trial continues from it
+            break
+    else:  # collected each time between the lookup and the pin: start over
         return None
-    registry.pin(record.id)  # never collected while (or after) this trial continues from it
-    registry.finish_trial(trial.study.study_name, int(origin))  # the lost trial's other checkpoints: collectable
+    registry.finish_trial(study, int(origin), donor=False)  # the lost trial's other checkpoints: collectable
     try:
         state = load_blob(record.uri, record.sha256)
     except CheckpointError as exc:
@@ -166,39 +171,55 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, events: Events, registry: Re
     else:
         outcome = (TrialState.COMPLETE, value, attrs)
     if registry is not None and checkpointer is not None:
-        _finish_checkpoints(trial, spec, registry, checkpointer, artifacts)
+        _finish_checkpoints(trial, spec, registry, checkpointer, artifacts, donor=outcome[0] != TrialState.FAIL)
     return outcome
 
 
 def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry, checkpointer: TrialCheckpointer,
-                        artifacts: Any) -> None:
-    """The trial is over (completed, pruned or diverged): its checkpoints become warm-start donors, the study's
-    retention applies, and its best checkpoint becomes a dashboard artifact unless retention has just dropped it."""
-    best = checkpointer.finish()
-    dropped = apply_retention(trial.study, spec, registry, artifacts)
-    if artifacts is not None and best is not None and trial.number not in dropped:
-        with local_copy(best.uri) as path:
-            artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=str(path),
-                                                           study_or_trial=trial, mimetype="application/octet-stream")
-        trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step, "value": best.value,
-                                              "sha256": best.sha256, "size": best.size})
+                        artifacts: Any, *, donor: bool) -> None:
+    """The trial is over (completed, pruned or diverged). First its best checkpoint becomes a dashboard artifact, if
+    the study's retention would keep it: its checkpoints are not final yet, so no other worker's retention can delete
+    them meanwhile, and a worker that drops the trial later finds the artifact to remove. Then they count for
+    retention (and become warm-start donors if the trial completed or was pruned), and retention applies."""
+    with _cleanup(trial.number, "uploading its best checkpoint as an artifact"):
+        best = checkpointer.best_record()
+        keep = spec.checkpoints.keep_top_trials
+        if artifacts is not None and best is not None and (keep is None or retention_keeps(
+                registry, trial.study.study_name, trial.number, best.value, not donor, keep,
+                spec.direction == "maximize")):
+            with local_copy(best.uri) as path:
+                artifact_id = optuna.artifacts.upload_artifact(artifact_store=artifacts, file_path=str(path),
+                                                               study_or_trial=trial,
+                                                               mimetype="application/octet-stream")
+            trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step,
+                                                  "value": best.value, "sha256": best.sha256, "size": best.size})
+    with _cleanup(trial.number, "releasing its checkpoints"):
+        checkpointer.finish(donor=donor)
+        apply_retention(trial.study, spec, registry, artifacts)
 
 
 def close_failed_trial(study: optuna.Study, trial_number: int, spec: StudySpec, registry: Registry,
                        artifacts: Any) -> None:
-    """A trial that raised and will not be retried: its checkpoints (valid states from before the error) are final
-    like any ended trial's, so the study's retention counts and collects them instead of keeping them forever.
-    Cleanup only: if the storage refuses it too, the checkpoints stay as they are and the study goes on."""
-    try:
-        registry.finish_trial(study.study_name, trial_number)
+    """A trial that raised and will not be retried: its checkpoints (written before the error) count for the
+    study's retention like any ended trial's, instead of being kept forever; they are not donors."""
+    with _cleanup(trial_number, "releasing its checkpoints"):
+        registry.finish_trial(study.study_name, trial_number, donor=False)
         apply_retention(study, spec, registry, artifacts)
-    except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
-        warnings.warn(f"trial {trial_number}: its checkpoints were not released: {type(exc).__name__}: {exc}",
-                      stacklevel=2)
+
+
+@contextlib.contextmanager
+def _cleanup(trial_number: int, what: str) -> Iterator[None]:
+    """Checkpoint bookkeeping after training: an error here (the storage, the blob store) is a warning, never the
+    trial's outcome. A trial that trained to the end is not recorded as failed, and a failing one never takes the
+    study down; what was not released stays on disk, as before this step."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - see above
+        warnings.warn(f"trial {trial_number}: {what} failed: {type(exc).__name__}: {exc}", stacklevel=3)
 
 
 def apply_retention(study: optuna.Study, spec: StudySpec, registry: Registry, artifacts: Any) -> list[int]:
-    """With `keep_top_trials`, only the study's best finished trials keep checkpoints, and a trial that loses them
+    """With `keep_top_trials`, only the study's best ended trials keep checkpoints, and a trial that loses them
     loses its dashboard artifact too (a copy of its best checkpoint), so the disk a study uses stays bounded.
     Optuna cannot edit a finished trial, so the dashboard still lists that artifact; `sweep dashboard` serves a
     note in its place (`sweep.blobs.RetainedArtifacts`). Returns the trials that lost checkpoints."""

@@ -48,7 +48,9 @@ checkpoints = Table(
     Column("size", Integer, nullable=False),
     Column("sha256", String(64), nullable=False),
     Column("created_at", Float, nullable=False),
-    Column("final", Integer, nullable=False, default=0),  # 1 once its trial finished (completed or pruned)
+    # 0 while its trial runs; 1 once it completed or was pruned (a warm-start donor); 2 once it failed (diverged,
+    # raised, or was lost and its retry took over): counted by retention, never a donor.
+    Column("final", Integer, nullable=False, default=0),
     Column("pinned", Integer, nullable=False, default=0),  # 1 once a trial started from it: never collected
     Column("cat_key", String(32), nullable=False, default=""),  # digest of the trial's categorical values
     *(Column(f"c{i}", Float, nullable=True) for i in range(COORDS)),
@@ -145,12 +147,13 @@ class Registry:
                 sha256=sha256, created_at=time.time(), final=0, pinned=0, cat_key=cat_key, **columns))
             return int(result.inserted_primary_key[0])
 
-    def finish_trial(self, study: str, trial_number: int) -> None:
-        """The trial completed or was pruned: its checkpoints may now be warm-start donors."""
+    def finish_trial(self, study: str, trial_number: int, *, donor: bool = True) -> None:
+        """The trial ended: its checkpoints count for the study's retention from now on, and when it completed or was
+        pruned (`donor`) they may be warm-start donors. A failed trial's are not: they may lead to its failure."""
         with self.engine.begin() as connection:
             connection.execute(update(checkpoints).where(checkpoints.c.study == study,
                                                          checkpoints.c.trial_number == trial_number)
-                               .values(final=1))
+                               .values(final=1 if donor else 2))
 
     def donor_candidates(self, studies: Sequence[str], shape_key: str, *, before_step: int,
                          near: Sequence[float | None] = (), radius: float | None = None, cat_key: str | None = None,
@@ -197,13 +200,16 @@ class Registry:
         with self.engine.begin() as connection:
             connection.execute(delete(checkpoints).where(checkpoints.c.id == checkpoint_id))
 
-    def value_range_per_trial(self, study: str) -> dict[int, tuple[float, float]]:
-        """Each finished trial's lowest and highest checkpointed value."""
-        query = (select(checkpoints.c.trial_number, func.min(checkpoints.c.value), func.max(checkpoints.c.value))
-                 .where(checkpoints.c.study == study, checkpoints.c.final == 1, checkpoints.c.value.is_not(None))
+    def value_range_per_trial(self, study: str) -> dict[int, tuple[float | None, float | None, bool]]:
+        """Each ended trial's lowest and highest checkpointed value, and whether it failed; the values are None for
+        a trial whose checkpoints have none (written between evaluations, or NaN)."""
+        query = (select(checkpoints.c.trial_number, func.min(checkpoints.c.value), func.max(checkpoints.c.value),
+                        func.max(checkpoints.c.final))
+                 .where(checkpoints.c.study == study, checkpoints.c.final != 0)
                  .group_by(checkpoints.c.trial_number))
         with self.engine.connect() as connection:
-            return {int(n): (float(low), float(high)) for n, low, high in connection.execute(query)}
+            return {int(n): (None if low is None else float(low), None if high is None else float(high), final == 2)
+                    for n, low, high, final in connection.execute(query)}
 
     def forget_unpinned(self, study: str, trial_numbers: Sequence[int]) -> tuple[list[int], list[str]]:
         """Delete these finished trials' unpinned checkpoint rows. Returns the trials that lost rows, and the blob
@@ -212,7 +218,7 @@ class Registry:
         if not trial_numbers:
             return [], []
         where = and_(checkpoints.c.study == study, checkpoints.c.trial_number.in_(list(trial_numbers)),
-                     checkpoints.c.final == 1, checkpoints.c.pinned == 0)
+                     checkpoints.c.final != 0, checkpoints.c.pinned == 0)
         with self.engine.begin() as connection:
             doomed = connection.execute(delete(checkpoints).where(where)
                                         .returning(checkpoints.c.trial_number, checkpoints.c.uri)).all()

@@ -102,7 +102,8 @@ def _lion_scaled(params: list[torch.Tensor], grads: list[torch.Tensor], moments:
     unscaled), and every change multiplied by `keep` (0 when `found_inf`), so that an overflowed step changes nothing.
     Non-finite gradients become 0 first: only in a step that is discarded anyway, and `0 * inf` would be NaN."""
     device = params[0].device
-    keep = 1 - found_inf.to(device) if found_inf is not None else torch.ones((), device=device)
+    # found_inf is a sum over the devices the gradients are on: 2 when two overflowed, still one skipped step.
+    keep = 1 - found_inf.to(device).clamp(max=1) if found_inf is not None else torch.ones((), device=device)
     grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
     if grad_scale is not None:
         torch._foreach_mul_(grads, grad_scale.to(device).double().reciprocal().float())

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from sweep.checkpoints import collect_study
+from sweep.checkpoints import collect_study, retention_keeps
 from sweep.registry import Registry
 from sweep.spec import parse_spec
 from sweep.warmstart import categorical_key, coordinates, distance, find_donor, shape_key
@@ -153,10 +153,25 @@ def test_a_diverged_value_neither_donates_nor_ranks_a_trial(registry: Registry) 
     diverged = register(registry, study, spec, 0, BASE, 20, float("nan"))
     register(registry, study, spec, 1, {**BASE, "weight_decay": 0.06}, 10, 0.9)
     assert [r.value for r in registry.for_trial(study, 0) if r.id == diverged] == [None]
-    assert registry.value_range_per_trial(study) == {0: (0.2, 0.2), 1: (0.9, 0.9)}
+    assert registry.value_range_per_trial(study) == {0: (0.2, 0.2, False), 1: (0.9, 0.9, False)}
     assert collect_study(registry, study, keep_trials=1, maximize=True) == [0]  # trial 1 is the better one
     assert registry.for_trial(study, 0) == [] and len(registry.for_trial(study, 1)) == 1
     assert collect_study(registry, study, keep_trials=1, maximize=True) == []  # each trial is dropped once
+
+
+def test_failed_trials_count_for_retention_after_the_others_and_never_donate(registry: Registry) -> None:
+    spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
+    register(registry, study, spec, 0, BASE, 40, 0.01, final=False)  # the best value, then it diverged
+    registry.finish_trial(study, 0, donor=False)
+    register(registry, study, spec, 1, {**BASE, "weight_decay": 0.06}, 40, 0.5)  # completed, 0.1 away
+    register(registry, study, spec, 2, BASE, 40, float("nan"))  # completed, but its only value is NaN
+    donor = lookup(registry, spec, study, BASE)
+    assert donor is not None and donor.record.trial_number == 1  # not trial 0, though it is nearer and better
+    assert retention_keeps(registry, study, 3, 0.4, False, 2, maximize=False)  # 2nd best, after trial 1
+    assert not retention_keeps(registry, study, 3, 0.4, True, 1, maximize=False)  # failed: after trial 1
+    # Ranked: trial 1 (completed, 0.5), trial 2 (completed, no value), then trial 0 (failed); keep 1.
+    assert collect_study(registry, study, keep_trials=1, maximize=False) == [0, 2]
+    assert [r.trial_number for r in registry.for_trial(study, 0) + registry.for_trial(study, 2)] == []
 
 
 def _create_registry(url: str, barrier: Any, results: Any) -> None:

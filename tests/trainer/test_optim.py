@@ -184,3 +184,15 @@ def test_lion_under_a_grad_scaler_decides_on_the_device_and_skips_overflowed_ste
         assert torch.equal(model.state_dict()[key], value)  # the step changed nothing
     for state, saved in zip(scaled.state_dict()["state"].values(), before[1]["state"].values()):
         assert torch.equal(state["exp_avg"], saved["exp_avg"])
+
+
+def test_lion_skips_a_step_that_overflowed_on_two_devices() -> None:
+    # GradScaler passes the sum of the devices' found_inf flags: 2.0 is one skipped step too, not a step backwards.
+    model = nn.Linear(4, 2)
+    optimizer = Lion(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    before = copy.deepcopy(model.state_dict())
+    optimizer.grad_scale, optimizer.found_inf = None, torch.tensor(2.0)
+    optimizer.step()
+    for key, value in before.items():
+        assert torch.equal(model.state_dict()[key], value)
