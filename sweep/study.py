@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import optuna
 import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
@@ -131,9 +132,20 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
         raise StudyFileError("", [(where, f"{cls.__name__}: {exc}")]) from exc
 
 
-def build_sampler(spec: StudySpec) -> optuna.samplers.BaseSampler:
-    """The named sampler, seeded with the study's `seed` unless the file gives the sampler its own."""
-    return _instantiate("sampler", SAMPLERS, spec.sampler.type, spec.sampler.args, {"seed": spec.seed})
+def build_sampler(spec: StudySpec, joined_at: int = 0) -> optuna.samplers.BaseSampler:
+    """The named sampler, seeded with the study's `seed` unless the file gives the sampler its own.
+
+    `joined_at`: how many trials the study held when this process asked for its first one. A process that joins a
+    study with trials in it (a resume, a second worker, a machine that started a moment later) must not replay the
+    first process's random draws, or it trains the same configs again; its seed is derived from the seed and that
+    count, which differs between processes joining one after another (they ask under the study's lock). A single
+    process on a new study keeps the seed itself, so a seeded sweep is re-runnable."""
+    args, seed = dict(spec.sampler.args), spec.sampler.args.get("seed", spec.seed)
+    if joined_at and seed is not None:
+        seed = int(np.random.SeedSequence([int(seed), joined_at]).generate_state(1)[0])
+        if "seed" in args:
+            args["seed"] = seed
+    return _instantiate("sampler", SAMPLERS, spec.sampler.type, args, {"seed": seed})
 
 
 def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.BasePruner:
@@ -385,6 +397,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         if storage_url else None
     artifacts = _artifact_store(study, store) if store is not None and spec.checkpoints.artifacts else None
     summary = lambda **flags: RunSummary(ran, budget_used(study), n_trials, **flags)  # noqa: E731
+    asked = False
     while True:
         if timeout is not None and time.monotonic() - started >= timeout:
             return summary(timed_out=True)
@@ -392,7 +405,11 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
             return summary(stopped=True)
         with lock():
             optuna.storages.fail_stale_trials(study)
-            used, running = budget_counts(study.get_trials(deepcopy=False))
+            trials = study.get_trials(deepcopy=False)
+            if not asked and trials:  # joining a study others have sampled: draw other configs than theirs
+                study.sampler = build_sampler(spec, joined_at=len(trials))
+            asked = True
+            used, running = budget_counts(trials)
             if used >= n_trials:
                 return summary()
             trial = study.ask() if used + running < n_trials else None

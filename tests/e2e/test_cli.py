@@ -231,3 +231,18 @@ def test_a_study_that_searches_deterministic_fixes_cublas_before_its_first_trial
     assert done.returncode == 0, done.stderr
     seen = (tmp_path / "seen.txt").read_text().split()
     assert seen and set(seen) == {":4096:8"}
+
+
+def test_a_resumed_study_draws_new_configs_and_a_fresh_one_keeps_its_seed(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"sampler": {"type": "tpe"}}
+    first, again = tmp_path / "first", tmp_path / "again"
+    for folder in (first, again):
+        folder.mkdir()
+        write_study(folder, document)
+    assert run_cli("run", first / "study.yaml", "--n-trials", "2").returncode == 0
+    assert run_cli("run", first / "study.yaml", "--n-trials", "4").returncode == 0  # a resume joins the study
+    assert run_cli("run", again / "study.yaml", "--n-trials", "2").returncode == 0
+    resumed = [t.params for t in load(first / "tiny.db").get_trials()]
+    fresh = [t.params for t in load(again / "tiny.db").get_trials()]
+    assert resumed[:2] == fresh  # seeded: a new study samples the same configs every time
+    assert resumed[2] not in resumed[:2] and resumed[3] not in resumed[:2]  # not the first run's draws again

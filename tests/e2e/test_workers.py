@@ -38,6 +38,9 @@ def check_exact(study: optuna.Study, n_trials: int) -> None:
     assert len(finished) == n_trials, [(t.number, t.state, t.user_attrs.get("fail_reason")) for t in trials]
     for trial in finished:  # no lost reports: every evaluation of every trial is in the storage
         assert sorted(trial.intermediate_values) == [10, 20]
+    # No worker replays another's random draws (a retry repeats its trial's params on purpose).
+    drawn = [tuple(sorted(t.params.items())) for t in trials if "retry_of" not in t.user_attrs]
+    assert len(drawn) == len(set(drawn)), drawn
 
 
 def test_three_workers_share_a_sqlite_study_and_lose_nothing(tmp_path: Path) -> None:
