@@ -318,6 +318,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append((f"fixed.{key}", "set the task and its arguments with the top-level `task:` key"))
     if "fast_fail" in spec.fixed:
         problems.append(("fixed.fast_fail", "configure fast-fail on the pruner: `pruner: {type: fastfail, ...}`"))
+    if spec.heartbeat_grace_period < 2 * spec.heartbeat_interval:
+        problems.append(("heartbeat_grace_period", f"expected at least twice heartbeat_interval "
+                         f"({2 * spec.heartbeat_interval} s), but got {spec.heartbeat_grace_period}: a trial would "
+                         "be declared lost while its worker still trains it"))
     base = spec.base_config()
     base_problems = _config_problems(base, task)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]

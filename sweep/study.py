@@ -13,6 +13,7 @@ import math
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,7 +360,10 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self.stopped.wait(self.interval):
-            self.storage.record_heartbeat(self.trial_id)
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception:  # noqa: BLE001 - a storage blip: beat again next time rather than never again
+                continue
 
     def __enter__(self) -> _Heartbeat:
         if self.interval:
@@ -431,7 +435,14 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         else:
             raised = retryable = False
         state, value, attrs = outcome
-        frozen, sampler_stopped = _tell(study, trial, state, value, attrs)
+        try:
+            frozen, sampler_stopped = _tell(study, trial, state, value, attrs)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # Another worker declared it lost (no heartbeat within the grace period: a paused machine, a storage
+            # outage) and queued a retry, which trains it again. This worker goes on with the next trial.
+            warnings.warn(f"trial {trial.number} was declared lost while this worker trained it (no heartbeat "
+                          f"for {spec.heartbeat_grace_period} s); its retry trains it again", stacklevel=1)
+            continue
         if retryable and trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) < MAX_RETRIES:
             _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}")  # the retry resumes from its checkpoint
         elif raised and registry is not None:

@@ -74,6 +74,33 @@ def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Pa
         assert connection.execute("SELECT count(*) FROM sweep_checkpoints WHERE final = 0").fetchone() == (0,)
 
 
+def test_a_worker_paused_past_the_grace_period_goes_on_when_its_trial_was_declared_lost(tmp_path: Path) -> None:
+    # A paused VM or a storage outage: another worker fails the silent trial and queues its retry; when the paused
+    # worker comes back and reports its trial, Optuna refuses to update a finished trial. That must not kill it.
+    path = long_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=2)
+    db = tmp_path / "tiny.db"
+    paused = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not checkpointed_steps(db, 0):
+            time.sleep(0.2)
+        paused.send_signal(signal.SIGSTOP)
+        time.sleep(3.5)  # past the grace period
+        other = run_cli("run", path)  # fails trial 0 as lost, trains its retry and trial 1 or its own
+        paused.send_signal(signal.SIGCONT)
+        _, stderr = paused.communicate(timeout=240)
+    finally:
+        paused.kill()
+    assert other.returncode == 0, other.stderr
+    assert paused.returncode == 0, stderr
+    assert "trial 0 was declared lost while this worker trained it" in stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    [retry] = [t for t in trials if t.user_attrs.get("retry_of") == 0]
+    assert trials[0].state == TrialState.FAIL and retry.user_attrs["retry_reason"] == "worker lost: no heartbeat"
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
+
+
 def test_a_preempted_worker_queues_its_trial_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     path = long_study(tmp_path, n_trials=1)
     db = tmp_path / "tiny.db"

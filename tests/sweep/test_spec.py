@@ -65,6 +65,8 @@ BAD_FILES = [
     pytest.param(changed(pruner={"type": "percentile", "percentile": 200}), "pruner", "PercentilePruner",
                  id="bad-pruner-value"),
     pytest.param(changed(direction="down"), "direction", "'minimize' or 'maximize'", id="bad-direction"),
+    pytest.param(changed(heartbeat_interval=30, heartbeat_grace_period=40), "heartbeat_grace_period",
+                 "at least twice heartbeat_interval (60 s)", id="grace-shorter-than-two-beats"),
 ]
 
 
