@@ -91,8 +91,7 @@ def run(
     except StudyMismatchError as exc:
         raise _fail(str(exc), 2) from None
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
-        raise _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: "
-                    f"{str(exc).replace(url, mask_url(url))}", 1) from None
+        raise _storage_failure(url, exc) from None
 
     worker = os.environ.get(WORKER_ENV)
     status_now = results.study_status(study)
@@ -176,6 +175,14 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None):
         return load_existing_study(url, name), url
     except KeyError as exc:
         raise _fail(str(exc.args[0]) if exc.args else f"study {name!r} not found in {mask_url(url)}", 1) from None
+    except Exception as exc:  # noqa: BLE001 - as in `run`: one line, without the password
+        raise _storage_failure(url, exc) from None
+
+
+def _storage_failure(url: str, exc: Exception) -> typer.Exit:
+    """A storage that cannot be opened (unreachable, refused, damaged): one line, its password masked."""
+    first = str(exc).replace(url, mask_url(url)).strip().splitlines()
+    return _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: {first[0] if first else ''}", 1)
 
 
 Target = Annotated[str, typer.Argument(help="A study file, a SQLite .db file, or a study name with --storage.")]

@@ -247,6 +247,9 @@ def read_document(path: Path) -> dict[str, Any]:
     return data
 
 
+PARAM_FIELDS = frozenset({"type", "low", "high", "log", "step", "choices"})
+
+
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`)."""
     problems = []
@@ -255,13 +258,25 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
         if not sep or not key:
             problems.append(("--set", f"expected key=value, got {item!r}"))
             continue
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as exc:
+            problems.append((f"--set {key}", f"expected a YAML value, but {raw!r} is not one "
+                             f"({str(exc).splitlines()[0]})"))
+            continue
         node = document
-        *parents, leaf = key.split(".")
+        parts = key.split(".")
+        if parts[0] == "space" and len(parts) > 1:
+            # Space keys are dotted TrainingConfig names (`model.hidden`): the key is everything up to a
+            # parameter's field (`space.model.hidden.low=4`), or all of it (`space.model.hidden={type: ...}`).
+            field = parts[-1] if len(parts) > 2 and parts[-1] in PARAM_FIELDS else None
+            parts = ["space", ".".join(parts[1:-1] if field else parts[1:]), *([field] if field else [])]
+        *parents, leaf = parts
         for part in parents:
             if not isinstance(node.get(part), dict):
                 node[part] = {}
             node = node[part]
-        node[leaf] = yaml.safe_load(raw) if raw else None
+        node[leaf] = value
     if problems:
         raise StudyFileError("command line", problems)
     return document

@@ -253,7 +253,12 @@ def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
             found = ", ".join(names) if names else "none"
             raise KeyError(f"{mask_url(storage_url)} holds {len(names)} studies ({found}); name one with --study-name")
         name = names[0]
-    return optuna.load_study(study_name=name, storage=storage)
+    try:
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        names = optuna.get_all_study_names(storage)
+        raise KeyError(f"no study named {name!r} in {mask_url(storage_url)}; it holds: "
+                       f"{', '.join(names) if names else 'none'}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -246,3 +246,20 @@ def test_a_resumed_study_draws_new_configs_and_a_fresh_one_keeps_its_seed(tmp_pa
     fresh = [t.params for t in load(again / "tiny.db").get_trials()]
     assert resumed[:2] == fresh  # seeded: a new study samples the same configs every time
     assert resumed[2] not in resumed[:2] and resumed[3] not in resumed[:2]  # not the first run's draws again
+
+
+@pytest.mark.parametrize("command", ["status", "trials", "best", "report"])
+def test_read_commands_on_an_unreachable_storage_give_one_line_without_the_password(command: str) -> None:
+    url = "postgresql+psycopg://sweeper:secretpw@127.0.0.1:1/nothing"  # loopback, a port nothing listens on
+    done = run_cli(command, "--storage", url, "--study-name", "any")
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "secretpw" not in done.stdout + done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.strip()]
+    assert line.startswith("error: cannot open storage postgresql+psycopg://sweeper:***@127.0.0.1:1/nothing: ")
+
+
+def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
+    assert run_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    done = run_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
+    assert done.returncode == 1
+    assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr

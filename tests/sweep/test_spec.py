@@ -130,6 +130,21 @@ def test_overrides_and_defaults(tmp_path: Path) -> None:
     assert config.max_steps == 20 and config.model == {"depth": 2} and config.task == "digits"
 
 
+def test_overrides_reach_dotted_space_keys(tmp_path: Path) -> None:
+    path = write_study(tmp_path, TINY_STUDY)  # searches model.hidden over 8..32
+    spec, _ = load_spec(path, ["space.model.hidden.low=4", "space.model.depth={type: int, low: 1, high: 3}"])
+    assert (spec.space["model.hidden"].low, spec.space["model.hidden"].high) == (4, 32)
+    assert (spec.space["model.depth"].low, spec.space["model.depth"].high) == (1, 3)
+
+
+def test_an_override_that_is_not_yaml_is_a_one_line_error(tmp_path: Path) -> None:
+    path = write_study(tmp_path, TINY_STUDY)
+    done = run_cli("run", path, "--set", "fixed.max_steps=[1,")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--set fixed.max_steps: expected a YAML value, but '[1,' is not one" in done.stderr
+    assert not (tmp_path / "tiny.db").exists()
+
+
 def test_yaml_exponents_without_a_dot_work_as_numbers(tmp_path: Path) -> None:
     path = write_study(tmp_path, TINY_STUDY)
     text = path.read_text().replace("low: 0.001", "low: 1e-3")
