@@ -57,8 +57,10 @@ class CheckpointStore:
             self.scheme, self.artifacts = scheme, artifact_store_for(self.location)
             self.folder = Path(tempfile.mkdtemp(prefix="sweep-outbox-"))  # written here, uploaded, removed
         else:
+            # Absolute: the registry keeps each blob's path, which must name the same file from any working folder
+            # (`sweep reproduce` run elsewhere, a retry started from another directory).
             self.artifacts = None
-            self.folder = Path(self.location) / study
+            self.folder = Path(self.location).resolve() / study
 
     @property
     def artifact_location(self) -> str:

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -263,3 +264,14 @@ def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     done = run_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
     assert done.returncode == 1
     assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr
+
+
+def test_checkpoint_paths_are_absolute_whatever_the_working_folder(tmp_path: Path) -> None:
+    # The registry keeps each blob's path; reproduce or a retry may run from another folder.
+    (tmp_path / "a").mkdir()
+    path = write_study(tmp_path, TINY_STUDY | {"n_trials": 1})
+    done = run_cli("run", path, "--storage", "sqlite:///rel.db", cwd=tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    with sqlite3.connect(tmp_path / "a" / "rel.db") as connection:
+        uris = [row[0] for row in connection.execute("SELECT uri FROM sweep_checkpoints")]
+    assert uris and all(Path(uri).is_absolute() and Path(uri).exists() for uri in uris)
