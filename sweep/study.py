@@ -63,7 +63,7 @@ ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm 
 ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
-ATTR_RETRY_DEPTH = "retry_depth"  # how many retries led to this trial
+ATTR_RETRY_DEPTH = "retry_depth"  # how many retries for a retryable error in a row led to this trial
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 
 # Failures that are not the config's: the trial is failed, its params are queued again (resuming from its last
@@ -449,7 +449,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
                           f"for {spec.heartbeat_grace_period} s); its retry trains it again", stacklevel=1)
             continue
         if retryable and trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) < MAX_RETRIES:
-            _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}")  # the retry resumes from its checkpoint
+            _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}", error=True)  # resumes from its checkpoint
         elif raised and registry is not None:
             close_failed_trial(study, trial.number, spec, registry, artifacts)
         ran += 1
@@ -465,10 +465,13 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
             return summary(exhausted=True)
 
 
-def _retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, reason: str) -> None:
-    """Queue the trial's params again; the retry resumes from the trial's last checkpoint (`sweep.objective`)."""
+def _retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, reason: str, *, error: bool = False) -> None:
+    """Queue the trial's params again; the retry resumes from the trial's last checkpoint (`sweep.objective`).
+    `error`: a retryable error, of which a lineage gets `MAX_RETRIES` in a row; a lost worker or an interruption
+    is no fault of the trial's, and starts the count again."""
+    depth = trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1 if error else 0
     study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
-                                                  ATTR_RETRY_DEPTH: trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1})
+                                                  ATTR_RETRY_DEPTH: depth})
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, state: TrialState, value: float | None,
