@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-__all__ = ["LiveProgress", "describe_outcome"]
+__all__ = ["LOST", "LiveProgress", "describe_outcome"]
+
+LOST = "worker lost: no heartbeat"  # the reason of a trial failed by the stale-trial check, and of its retry
 
 
 def describe_outcome(trial: FrozenTrial) -> str:
@@ -27,7 +29,8 @@ def describe_outcome(trial: FrozenTrial) -> str:
             return f"pruned: {reason['message']}"
         return f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} (value={_num(reason.get('value'))})"
     if trial.state == TrialState.FAIL:
-        return f"failed: {attrs.get('fail_reason', 'unknown error')}"
+        # Every failure sweep records carries its reason; only Optuna's stale-trial check fails one without it.
+        return f"failed: {attrs.get('fail_reason', LOST)}"
     return trial.state.name.lower()
 
 

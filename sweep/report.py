@@ -17,7 +17,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sweep.results import state_counts, steps_trained
 from sweep.spec import SPEC_ATTR
-from sweep.study import ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_WARM_START, budget_counts
+from sweep.progress import LOST
+from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_RETRY_OF, ATTR_WARM_START,
+                         budget_counts)
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]
 
@@ -26,13 +28,15 @@ INFEASIBLE_RULES = {"nan", "inf", "explode"}
 
 
 def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[str]]:
-    """Trials that diverged (pruned for NaN/Inf/explosion) or failed, and how many for each reason."""
+    """Trials that diverged (pruned for NaN/Inf/explosion) or failed, and how many for each reason. A trial that was
+    retried (its worker was lost or interrupted, or a storage error) is not: its retry stands for its config."""
     bad, reasons = [], Counter()
+    retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
     for trial in trials:
         prune = trial.user_attrs.get(ATTR_PRUNE) or {}
-        if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted"):
+        if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted") and trial.number not in retried:
             bad.append(trial)
-            reasons[str(trial.user_attrs.get(ATTR_FAIL, "unknown error"))] += 1
+            reasons[str(trial.user_attrs.get(ATTR_FAIL, LOST))] += 1
         elif trial.state == TrialState.PRUNED and prune.get("rule") in INFEASIBLE_RULES:
             bad.append(trial)
             reasons[f"diverged: {prune['rule']}"] += 1

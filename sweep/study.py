@@ -24,6 +24,7 @@ import optuna
 import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.progress import LOST
 from sweep.pruners import FastFailPruner
 from sweep.blobs import CheckpointStore, artifact_store_for, is_object_url
 from sweep.registry import Registry, default_store
@@ -201,7 +202,7 @@ def storage_for(spec: StudySpec, url: str) -> optuna.storages.RDBStorage:
 
 def retry_lost_trial(study: optuna.Study, trial: FrozenTrial) -> None:
     """Queue the params of a trial whose worker died (no heartbeat) so that another worker trains them."""
-    _retry(study, trial, "worker lost: no heartbeat")
+    _retry(study, trial, LOST)
 
 
 def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> optuna.Study:
@@ -290,7 +291,7 @@ def failure_signature(trial: FrozenTrial) -> str | None:
     """What makes two failures "the same way": the same exception and message, or NaN/Inf at the same step. A
     divergence at different steps, or an explosion, is a property of the configs and has no signature."""
     if trial.state == TrialState.FAIL and not trial.user_attrs.get(ATTR_INTERRUPTED):
-        return str(trial.user_attrs.get(ATTR_FAIL, "unknown error"))
+        return str(trial.user_attrs.get(ATTR_FAIL, LOST))
     reason = trial.user_attrs.get(ATTR_PRUNE) or {}
     if trial.state == TrialState.PRUNED and reason.get("rule") in ("nan", "inf"):
         return f"{reason['rule']} at step {reason.get('step')}"
