@@ -29,6 +29,7 @@ from sweep.pruners import FastFailPruner
 from sweep.blobs import CheckpointStore, artifact_store_for, is_object_url
 from sweep.registry import Registry, default_store
 from sweep.storage import ask_lock, make_storage, mask_url
+from trainer.config import nest
 from sweep.spec import SPEC_ATTR, Component, StudyFileError, StudySpec
 
 __all__ = [
@@ -226,13 +227,23 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
         raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
                                  "with --study-name")
     before = {key: stored.get(key) for key in spec.identity()}
-    differences = [key for key, value in spec.identity().items() if before[key] != value]
+    differences = [key for key, value in spec.identity().items()
+                   if before[key] != value and not (key == "fixed" and _same_values(spec, before[key]))]
     if differences:
         raise StudyMismatchError(
             f"study {spec.name!r} already exists with a different {', '.join(differences)}; start a new study with "
             "--study-name NAME, or rerun with the original file")
     study.set_user_attr(SPEC_ATTR, spec.stored())  # the latest budget, sampler and pruner
     return study
+
+
+def _same_values(spec: StudySpec, stored_fixed: Any) -> bool:
+    """Fixed values written differently that mean the same (`1e-4`, which YAML reads as a string, and `0.0001`)."""
+    try:
+        stored = spec.model_copy(update={"fixed": nest(dict(stored_fixed or {}))})
+        return stored.config_for({}).to_dict() == spec.config_for({}).to_dict()
+    except Exception:  # noqa: BLE001 - values the trainer refuses cannot be the same as valid ones
+        return False
 
 
 def _stored_spec(study: optuna.Study, patience_s: float = 5.0) -> dict[str, Any] | None:

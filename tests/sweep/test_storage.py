@@ -77,3 +77,16 @@ def test_only_retryable_errors_in_a_row_use_up_a_lineage_s_retries(tmp_path: Pat
         trial = study.ask()  # the retry, one lineage
         depths.append(trial.user_attrs["retry_depth"])
     assert depths == [0, 0, 1, 2, 0]
+
+
+def test_fixed_values_written_differently_but_equal_resume_the_study(tmp_path: Path) -> None:
+    # YAML 1.1 reads `1e-4` (no dot) as a string; the trainer reads it as 0.0001. Same study either way.
+    path = write_study(tmp_path, TINY_STUDY)
+    path.write_text(path.read_text().replace("batch_size: 32", "batch_size: 32\n  weight_decay: 1e-4"))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    open_study(load_spec(path)[0], url)
+    path.write_text(path.read_text().replace("weight_decay: 1e-4", "weight_decay: 0.0001"))
+    open_study(load_spec(path)[0], url)  # not refused
+    path.write_text(path.read_text().replace("weight_decay: 0.0001", "weight_decay: 0.001"))
+    with pytest.raises(StudyMismatchError, match="different fixed"):
+        open_study(load_spec(path)[0], url)
