@@ -8,6 +8,7 @@ run: a rerun after an interruption finishes the remaining trials.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import math
 import threading
@@ -418,7 +419,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         if storage_url else None
     artifacts = _artifact_store(study, store) if store is not None and spec.checkpoints.artifacts else None
     summary = lambda **flags: RunSummary(ran, budget_used(study), n_trials, **flags)  # noqa: E731
-    asked = False
+    asked, adopted = False, set()  # adopted: trials this worker beat once for (see _adopt_silent_trials)
     while True:
         if timeout is not None and time.monotonic() - started >= timeout:
             return summary(timed_out=True)
@@ -435,6 +436,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
                 return summary()
             trial = study.ask() if used + running < n_trials else None
         if trial is None:  # the last trials are running elsewhere; wait in case one of their workers dies
+            _adopt_silent_trials(study, trials, spec.heartbeat_grace_period, adopted)
             time.sleep(spec.heartbeat_interval)
             continue
         try:
@@ -475,6 +477,24 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
                 f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
         if sampler_stopped:
             return summary(exhausted=True)
+
+
+def _adopt_silent_trials(study: optuna.Study, trials: list[FrozenTrial], grace_s: float, adopted: set[int]) -> None:
+    """A trial whose worker was stopped between asking for it and its first heartbeat (Ctrl-C while the sampler
+    ran) stays RUNNING with no heartbeat, and Optuna's stale check never looks at it: the study would wait for it
+    forever. One heartbeat on its behalf, once it is older than the grace period, makes it a trial that stopped
+    beating, which the stale check then fails and retries. Once per trial: for a live trial the beat changes
+    nothing, and a dead worker's trial is found stale one grace period later than it would have been."""
+    record = getattr(study._storage, "record_heartbeat", None)  # noqa: SLF001 - see _Heartbeat
+    if record is None:
+        return
+    now = datetime.datetime.now()
+    for trial in trials:
+        if trial.state == TrialState.RUNNING and trial.number not in adopted and trial.datetime_start is not None \
+                and (now - trial.datetime_start).total_seconds() > grace_s:
+            adopted.add(trial.number)
+            with contextlib.suppress(Exception):
+                record(trial._trial_id)  # noqa: SLF001
 
 
 def _retry(study: optuna.Study, trial: optuna.Trial | FrozenTrial, reason: str, *, error: bool = False) -> None:

@@ -161,3 +161,23 @@ def test_retryable_errors_are_retried_and_config_errors_are_not(tmp_path: Path) 
     assert broken.user_attrs["retry_reason"].startswith("retryable error")
     assert "ValueError" in broken.user_attrs["fail_reason"]
     assert not [t for t in trials if t.user_attrs.get("retry_of") == 1]  # a config error is final
+
+
+def test_a_trial_orphaned_before_its_first_heartbeat_is_retried_not_waited_for(tmp_path: Path) -> None:
+    # Ctrl-C while the sampler ran inside ask(): the trial is RUNNING and has never beaten. Optuna's stale check
+    # only sees trials that beat once, so `sweep run` used to wait for it forever.
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "heartbeat_interval": 1, "heartbeat_grace_period": 2}
+    path = write_study(tmp_path, document)
+    db = tmp_path / "tiny.db"
+    orphan = open_study(load_spec(path)[0], f"sqlite:///{db}").ask()  # never beats, never told
+    time.sleep(2.5)  # older than the grace period
+    done = run_cli("run", path, timeout=90)
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert trials[orphan.number].state == TrialState.FAIL
+    assert [t.user_attrs["retry_reason"] for t in trials if t.user_attrs.get("retry_of") == orphan.number] == \
+        ["worker lost: no heartbeat"]
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
