@@ -57,15 +57,10 @@ class TrialCheckpointer:
 
     def best_record(self) -> CheckpointRecord | None:
         """The trial's best checkpoint (its latest when none has a value), or None when it wrote none. Until
-        `finish`, no other worker's retention touches the trial's checkpoints."""
+        the trial ends (`Registry.finish_trial`), no other worker's retention touches its checkpoints."""
         records = self.registry.for_trial(self.study, self.number)
         scored = best_first(records, self.maximize)
         return scored[0] if scored else max(records, key=lambda r: (r.step, r.id), default=None)
-
-    def finish(self, *, donor: bool) -> None:
-        """The trial is over: its checkpoints count for the study's retention, and become warm-start donors when it
-        completed or was pruned (`donor`)."""
-        self.registry.finish_trial(self.study, self.number, donor=donor)
 
     def _collect(self) -> None:
         records = self.registry.for_trial(self.study, self.number)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from sweep.spec import StudySpec
     from sweep.study import Events
 
-__all__ = ["TrialReporter", "close_failed_trial", "run_trial"]
+__all__ = ["TrialReporter", "release_checkpoints", "run_trial"]
 
 Outcome = tuple[TrialState, "float | None", dict[str, Any]]
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
@@ -193,17 +193,16 @@ def _finish_checkpoints(trial: optuna.Trial, spec: StudySpec, registry: Registry
                                                                mimetype="application/octet-stream")
             trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step,
                                                   "value": best.value, "sha256": best.sha256, "size": best.size})
-    with _cleanup(trial.number, "releasing its checkpoints"):
-        checkpointer.finish(donor=donor)
-        apply_retention(trial.study, spec, registry, artifacts)
+    release_checkpoints(trial.study, trial.number, spec, registry, artifacts, donor=donor)
 
 
-def close_failed_trial(study: optuna.Study, trial_number: int, spec: StudySpec, registry: Registry,
-                       artifacts: Any) -> None:
-    """A trial that raised and will not be retried: its checkpoints (written before the error) count for the
-    study's retention like any ended trial's, instead of being kept forever; they are not donors."""
+def release_checkpoints(study: optuna.Study, trial_number: int, spec: StudySpec, registry: Registry, artifacts: Any,
+                        *, donor: bool) -> None:
+    """The trial ended: its checkpoints count for the study's retention (and are warm-start donors if it completed
+    or was pruned), and retention applies. Also for a trial that raised and will not be retried: its checkpoints,
+    written before the error, are then collected like any ended trial's instead of kept forever."""
     with _cleanup(trial_number, "releasing its checkpoints"):
-        registry.finish_trial(study.study_name, trial_number, donor=False)
+        registry.finish_trial(study.study_name, trial_number, donor=donor)
         apply_retention(study, spec, registry, artifacts)
 
 

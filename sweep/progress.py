@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-__all__ = ["LOST", "LiveProgress", "describe_outcome"]
+from sweep.study import LOST
 
-LOST = "worker lost: no heartbeat"  # the reason of a trial failed by the stale-trial check, and of its retry
+__all__ = ["LiveProgress", "describe_outcome"]
 
 
 def describe_outcome(trial: FrozenTrial) -> str:

@@ -17,8 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sweep.results import state_counts, steps_trained
 from sweep.spec import SPEC_ATTR
-from sweep.progress import LOST
-from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_RETRY_OF, ATTR_WARM_START,
+from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_RETRY_OF, ATTR_WARM_START, LOST,
                          budget_counts)
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]

@@ -25,7 +25,6 @@ import optuna
 import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.progress import LOST
 from sweep.pruners import FastFailPruner
 from sweep.blobs import CheckpointStore, artifact_store_for, is_object_url
 from sweep.registry import Registry, default_store
@@ -66,6 +65,7 @@ ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm 
 ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
+LOST = "worker lost: no heartbeat"  # the reason of a trial failed by the stale-trial check, and of its retry
 ATTR_RETRY_DEPTH = "retry_depth"  # how many retries for a retryable error in a row led to this trial
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 
@@ -406,7 +406,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     error stored and the study goes on. On Ctrl-C the running trial is marked interrupted, its params are queued for
     the next run, and KeyboardInterrupt propagates.
     """
-    from sweep.objective import close_failed_trial, run_trial
+    from sweep.objective import release_checkpoints, run_trial
 
     events = events if events is not None else NoEvents()
     n_trials = n_trials if n_trials is not None else spec.n_trials
@@ -465,7 +465,7 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
         if retryable and trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) < MAX_RETRIES:
             _retry(study, trial, f"retryable error: {attrs[ATTR_FAIL]}", error=True)  # resumes from its checkpoint
         elif raised and registry is not None:
-            close_failed_trial(study, trial.number, spec, registry, artifacts)
+            release_checkpoints(study, trial.number, spec, registry, artifacts, donor=False)
         ran += 1
         events.trial_finished(frozen)
         signature = failure_signature(frozen)
