@@ -24,7 +24,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, Text, and_, create_engine, delete,
-                        func, insert, inspect, literal, select, update)
+                        func, insert, inspect, literal, or_, select, update)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -249,3 +249,30 @@ class Registry:
             return list(connection.execute(delete(checkpoints).where(checkpoints.c.id.in_(ids),
                                                                      checkpoints.c.pinned == 0)
                                            .returning(checkpoints.c.id)).scalars())
+
+    def for_study(self, study: str) -> list[CheckpointRecord]:
+        """Every checkpoint row of the study, pinned or not, in trial, step and id order (`sweep check`)."""
+        query = (select(checkpoints).where(checkpoints.c.study == study)
+                 .order_by(checkpoints.c.trial_number, checkpoints.c.step, checkpoints.c.id))
+        with self.engine.connect() as connection:
+            return [CheckpointRecord.from_row(row) for row in connection.execute(query)]
+
+    def in_use(self, study: str) -> list[CheckpointRecord]:
+        """The rows a worker may be sent to, in one query: warm-start donors (`final=1`), pinned rows, and every row
+        of the trials that have not ended (`final=0`: the latest is the trial's resume point, and an earlier one
+        becomes it when the later ones go). Not failed trials' unpinned rows. In trial, step and id order."""
+        query = (select(checkpoints)
+                 .where(checkpoints.c.study == study,
+                        or_(checkpoints.c.final == 1, checkpoints.c.final == 0, checkpoints.c.pinned == 1))
+                 .order_by(checkpoints.c.trial_number, checkpoints.c.step, checkpoints.c.id))
+        with self.engine.connect() as connection:
+            return [CheckpointRecord.from_row(row) for row in connection.execute(query)]
+
+    def forget_all_broken(self, ids: Sequence[int]) -> list[int]:
+        """Checkpoints whose blobs are missing or corrupt: remove their rows, pinned or not, so nobody is sent to
+        them again. Returns the ids this call removed (a row another worker removed meanwhile is not among them)."""
+        if not ids:
+            return []
+        with self.engine.begin() as connection:
+            return sorted(connection.execute(delete(checkpoints).where(checkpoints.c.id.in_(list(ids)))
+                                             .returning(checkpoints.c.id)).scalars())

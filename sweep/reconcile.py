@@ -1,0 +1,315 @@
+"""Reconciliation of one study's checkpoint bookkeeping (`sweep check STUDY [--repair]`).
+
+Three records must agree: the registry table (a row per checkpoint: its blob's URI, size and SHA-256), the blob store
+(the study's folder, or an object store), and the Optuna artifacts that the dashboard downloads (a trial's user attr
+`checkpoint` names an artifact id in the store at the study's user attr `sweep.artifacts`). `check_study` lists
+every disagreement as a `Problem` of one `ProblemKind`; with `repair=True` it also fixes what can be fixed and says
+so on each problem. `quick_check` is the cheap part that `sweep run` runs when it opens a study: the blobs workers may
+be sent to exist, or their rows go.
+
+Safe while workers run: a worker writes its blob (a temporary, renamed into place) before it registers the row, and
+retention deletes the row before the blob. So a row never legitimately names a missing file, and a file no row names
+is either young (about to be registered) or an orphan; deleting a row some worker deleted meanwhile is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from sweep.blobs import CheckpointStore, artifact_store_for, delete_blob, is_object_url, local_copy
+from trainer.checkpoint import sha256_of
+
+if TYPE_CHECKING:
+    from sweep.registry import CheckpointRecord, Registry
+
+__all__ = ["ARTIFACTS_ATTR", "CHECKPOINT_ATTR", "CheckReport", "Problem", "ProblemKind", "check_study", "quick_check"]
+
+ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the artifact store's folder or s3:// / gs:// URL
+CHECKPOINT_ATTR = "checkpoint"  # trial user attr: {"artifact_id", "step", "value", "sha256", "size"}
+ORPHAN_MIN_AGE_S = 60.0  # a younger unregistered file may be a worker's, about to be registered
+STALE_TEMPORARY_S = 3600.0  # a temporary this old is a killed writer's leftover, not a write in progress
+
+
+class ProblemKind(str, enum.Enum):
+    """What disagrees, and what `repair` does about it."""
+
+    MISSING_BLOB = "missing_blob"
+    """A registry row names a blob that is not there. Repair: the row is deleted (pinned or not)."""
+    CORRUPT_BLOB = "corrupt_blob"
+    """A row's blob is there but its size or SHA-256 is not what the row recorded. Repair: the row is deleted
+    (pinned or not), and the file too unless a row whose hash it matches still names it."""
+    ORPHAN_FILE = "orphan_file"
+    """A file in the study's store folder that no row names and no worker is writing. Repair: the file is deleted."""
+    DANGLING_ARTIFACT = "dangling_artifact"
+    """A trial's `checkpoint` attr names an artifact the study's artifact store does not hold. Repair: the blob is
+    uploaded again under the same id when a sound registered blob of that trial has the recorded SHA-256; otherwise it
+    cannot be repaired (Optuna cannot edit a finished trial's attrs; `sweep dashboard` serves a note in its place)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One disagreement. `path_or_id`: the blob's URI or file path, or the artifact id. `repairable`: whether
+    `repair=True` can fix it; `repaired`: whether this call did."""
+
+    kind: ProblemKind
+    detail: str
+    path_or_id: str
+    repaired: bool = False
+    repairable: bool = True
+    checkpoint_id: int | None = None  # the registry row, for the row kinds
+
+    def __str__(self) -> str:
+        state = " (repaired)" if self.repaired else "" if self.repairable else " (cannot be repaired)"
+        return f"{self.kind}: {self.detail}{state}"
+
+
+@dataclass
+class CheckReport:
+    """Every problem `check_study` found in one study, and notes on what it could not check."""
+
+    study: str
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def outstanding(self) -> list[Problem]:
+        """The problems that `repair=True` would fix and that were not repaired."""
+        return [p for p in self.problems if p.repairable and not p.repaired]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing is left to repair: no problem, or each one was repaired or never can be (a dangling artifact with
+        no blob left to rebuild it from, which the dashboard already serves a note for)."""
+        return not self.outstanding
+
+    @property
+    def repaired(self) -> list[Problem]:
+        return [p for p in self.problems if p.repaired]
+
+    def counts(self) -> dict[ProblemKind, int]:
+        """How many problems of each kind, every kind listed (0 when none)."""
+        found = Counter(p.kind for p in self.problems)
+        return {kind: found[kind] for kind in ProblemKind}
+
+    def of_kind(self, kind: ProblemKind) -> list[Problem]:
+        return [p for p in self.problems if p.kind == kind]
+
+
+def check_study(registry: Registry, store_location: str, study: optuna.Study, *, repair: bool = False,
+                orphan_min_age_s: float = ORPHAN_MIN_AGE_S,
+                stale_temporary_s: float = STALE_TEMPORARY_S) -> CheckReport:
+    """Every disagreement between the registry rows of `study`, its blobs under `store_location` (a folder, or an
+    `s3://` / `gs://` URL: the study's `checkpoints.store`) and its trials' checkpoint artifacts (see `ProblemKind`).
+
+    Each blob is hashed: object-store blobs are downloaded one at a time to do so. The orphan scan lists the study's
+    folder; an object store cannot be listed through Optuna's artifact stores, so it is skipped there with a note.
+    With `repair`, rows go before files, and an artifact is rebuilt only from a blob this check found sound."""
+    name = study.study_name
+    report = CheckReport(name)
+    # The folder is listed before the rows are read: a file a worker registers in between is then known by its row.
+    files = _listing(store_location, name, report)
+    records = registry.for_study(name)
+    sound = _check_blobs(registry, records, report, repair)
+    _check_orphans(files, records, report, repair, orphan_min_age_s, stale_temporary_s)
+    _check_artifacts(study, sound, report, repair)
+    return report
+
+
+def quick_check(registry: Registry, study_name: str) -> list[Problem]:
+    """Delete the rows a worker may be sent to whose blob is missing, so no worker is sent to a missing file: warm-start
+    donors, pinned rows, and each unfinished trial's resume point (its latest row; when that one is missing, the
+    next latest, and so on, since that is where a retry would resume). Returns what this call removed, as repaired
+    `MISSING_BLOB` problems.
+
+    Cheap, for `sweep run` opening a study: one registry query (`Registry.in_use`) and one stat per distinct local
+    blob that matters (a running trial's older rows only once the later ones are missing); nothing is hashed (a
+    corrupt blob is refused by its hash when loaded). Object-store blobs are not checked: Optuna's artifact stores
+    have no existence check short of starting a download."""
+    present: dict[str, bool] = {}
+
+    def missing(record: CheckpointRecord) -> bool:
+        if is_object_url(record.uri):
+            return False
+        if record.uri not in present:
+            present[record.uri] = Path(record.uri).exists()
+        return not present[record.uri]
+
+    records = registry.in_use(study_name)
+    broken = {r.id: r for r in records if (r.final != 0 or r.pinned) and missing(r)}
+    running: dict[int, list[CheckpointRecord]] = {}
+    for record in records:
+        if record.final == 0:
+            running.setdefault(record.trial_number, []).append(record)
+    for rows in running.values():  # latest first, as `Registry.latest_for_trial` picks the resume point
+        for record in sorted(rows, key=lambda r: (r.step, r.id), reverse=True):
+            if not missing(record):
+                break
+            broken[record.id] = record
+    removed = registry.forget_all_broken(sorted(broken))
+    return [_missing(broken[i], repaired=True) for i in removed]
+
+
+@dataclass(frozen=True)
+class _File:
+    path: Path
+    age_s: float
+
+
+def _listing(store_location: str, study: str, report: CheckReport) -> list[_File] | None:
+    """The files in the study's store folder with their ages, or None (with a note) for an object store."""
+    if is_object_url(store_location):
+        report.notes.append("orphan scan not supported for object stores: Optuna's artifact stores cannot list "
+                            f"{store_location}")
+        return None
+    folder = CheckpointStore(store_location, study).folder
+    now, files = time.time(), []
+    with contextlib.suppress(FileNotFoundError):
+        for path in folder.iterdir():
+            try:
+                stat = path.lstat()
+            except FileNotFoundError:  # renamed or deleted since the listing
+                continue
+            if path.is_file() and not path.is_symlink():
+                files.append(_File(path, now - stat.st_mtime))
+    return files
+
+
+def _check_blobs(registry: Registry, records: list[CheckpointRecord], report: CheckReport,
+                 repair: bool) -> list[CheckpointRecord]:
+    """Rows whose blob is missing or fails its size or hash; returns the rows whose blob is sound."""
+    digests: dict[str, tuple[int, str] | None] = {}  # URI -> (size, sha256), None when missing; each blob once
+    for record in records:
+        if record.uri not in digests:
+            digests[record.uri] = _digest(record.uri)
+    missing = [r for r in records if digests[r.uri] is None]
+    corrupt = [r for r in records if (found := digests[r.uri]) is not None and found != (r.size, r.sha256)]
+    broken = {r.id for r in missing + corrupt}
+    sound = [r for r in records if r.id not in broken]
+    # A row that went while its blob was read (retention, another worker's repair) is no problem any more.
+    if repair:
+        removed = still = set(registry.forget_all_broken(sorted(broken)))
+        needed = {r.uri for r in sound}
+        for uri in dict.fromkeys(r.uri for r in corrupt if r.uri not in needed):
+            delete_blob(uri)
+    else:
+        removed, still = set(), {r.id for r in registry.for_study(report.study)} if broken else set()
+    missing = [r for r in missing if r.id in still]
+    corrupt = [r for r in corrupt if r.id in still]
+    report.problems += [_missing(r, repaired=r.id in removed) for r in missing]
+    for record in corrupt:
+        size, sha256 = digests[record.uri] or (0, "")
+        what = (f"{size} bytes where {record.size} were recorded" if size != record.size
+                else f"SHA-256 {sha256[:12]}… where {record.sha256[:12]}… was recorded")
+        report.problems.append(Problem(
+            ProblemKind.CORRUPT_BLOB, f"checkpoint {record.id} (trial {record.trial_number}, step {record.step}"
+            f"{', pinned' if record.pinned else ''}): {record.uri} holds {what}", record.uri,
+            repaired=record.id in removed, checkpoint_id=record.id))
+    return sound
+
+
+def _digest(uri: str) -> tuple[int, str] | None:
+    """The blob's size and SHA-256, or None when it is not there (downloaded first from an object store)."""
+    with local_copy(uri) as path:
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        try:
+            return size, sha256_of(path)
+        except FileNotFoundError:  # deleted between the stat and the read
+            return None
+
+
+def _missing(record: CheckpointRecord, *, repaired: bool) -> Problem:
+    return Problem(ProblemKind.MISSING_BLOB, f"checkpoint {record.id} (trial {record.trial_number}, step "
+                   f"{record.step}{', pinned' if record.pinned else ''}): {record.uri} is not there", record.uri,
+                   repaired=repaired, checkpoint_id=record.id)
+
+
+def _is_temporary(path: Path) -> bool:
+    """`trainer.checkpoint.save_checkpoint` writes `.NAME.PID.tmp` beside NAME, then renames it to NAME."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], report: CheckReport, repair: bool,
+                   min_age_s: float, stale_temporary_s: float) -> None:
+    if files is None:
+        return
+    named = {str(Path(r.uri).resolve()) for r in records if not is_object_url(r.uri)}
+    for file in files:
+        if str(file.path.resolve()) in named:
+            continue
+        temporary = _is_temporary(file.path)
+        if file.age_s < (stale_temporary_s if temporary else min_age_s):
+            continue
+        if repair:
+            file.path.unlink(missing_ok=True)
+        kind = "a temporary left by a writer that did not finish" if temporary else "no checkpoint row names it"
+        report.problems.append(Problem(ProblemKind.ORPHAN_FILE, f"{file.path}: {kind} ({file.age_s / 60:.0f} min old)",
+                                       str(file.path), repaired=repair))
+
+
+def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], report: CheckReport, repair: bool) -> None:
+    recorded = [(trial, trial.user_attrs[CHECKPOINT_ATTR]) for trial in study.get_trials(deepcopy=False)
+                if isinstance(trial.user_attrs.get(CHECKPOINT_ATTR), dict)
+                and trial.user_attrs[CHECKPOINT_ATTR].get("artifact_id")]
+    if not recorded:
+        return
+    location = study.user_attrs.get(ARTIFACTS_ATTR)
+    if not isinstance(location, str):
+        report.notes.append(f"{len(recorded)} trials name checkpoint artifacts but the study records no artifact "
+                            f"store (user attr {ARTIFACTS_ATTR!r}): not checked")
+        return
+    store = _artifact_store(location)
+    for trial, attr in recorded:
+        artifact_id = str(attr["artifact_id"])
+        if _artifact_exists(store, artifact_id):
+            continue
+        sha256 = attr.get("sha256")
+        source = next((r for r in sound if r.trial_number == trial.number and r.sha256 == sha256), None)
+        where = f"trial {trial.number}'s checkpoint artifact {artifact_id} (step {attr.get('step')})"
+        if source is None:
+            report.problems.append(Problem(
+                ProblemKind.DANGLING_ARTIFACT, f"{where} is not in {location}, and no sound registered checkpoint of "
+                "the trial has its hash (the study's retention may have removed both); Optuna cannot edit a "
+                "finished trial, and sweep dashboard serves a note in its place", artifact_id, repairable=False))
+            continue
+        if repair:
+            _upload(store, location, artifact_id, source)
+        report.problems.append(Problem(
+            ProblemKind.DANGLING_ARTIFACT, f"{where} is not in {location}; checkpoint {source.id} ({source.uri}) "
+            f"has its hash{', uploaded again' if repair else ''}", artifact_id, repaired=repair,
+            checkpoint_id=source.id))
+
+
+def _artifact_store(location: str) -> Any:
+    if is_object_url(location):
+        return artifact_store_for(location)
+    return optuna.artifacts.FileSystemArtifactStore(location)
+
+
+def _artifact_exists(store: Any, artifact_id: str) -> bool:
+    try:
+        reader = store.open_reader(artifact_id)
+    except optuna.artifacts.exceptions.ArtifactNotFound:
+        return False
+    reader.close()
+    return True
+
+
+def _upload(store: Any, location: str, artifact_id: str, source: CheckpointRecord) -> None:
+    if not is_object_url(location):
+        Path(location).mkdir(parents=True, exist_ok=True)
+    with local_copy(source.uri) as path, open(path, "rb") as handle:
+        store.write(artifact_id, handle)
