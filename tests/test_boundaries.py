@@ -1,4 +1,5 @@
-"""The house rules: trainer/ imports torch, numpy and the standard library only; sweep/ is never imported by it."""
+"""The house rules: trainer/ imports torch, numpy and the standard library only; sweep/ is never imported by it; the
+modules of trainer/ import each other without a cycle."""
 
 from __future__ import annotations
 
@@ -39,3 +40,72 @@ def test_importing_and_training_pulls_in_no_optuna_or_sql() -> None:
             "assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def trainer_import_graph() -> dict[str, set[str]]:
+    """Each trainer module -> the trainer modules it imports: at module level, in functions, under TYPE_CHECKING
+    alike (a function-level import hides a cycle, it does not remove it). `from trainer.x import y` is an edge to
+    `trainer.x.y` when that is a module, else to `trainer.x`. A package's own `__init__`, which Python runs before
+    any of its modules, is not counted as imported by them."""
+    paths = sorted((ROOT / "trainer").rglob("*.py"))
+    modules = {module_name(path): path for path in paths}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level - 1
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        graph[name] = {edge for edge in edges if edge in modules and edge != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as `[a, b, ..., a]`, or None (a depth-first search)."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            cycle = visit(nxt)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_trainer_modules_import_each_other_without_a_cycle() -> None:
+    graph = trainer_import_graph()
+    assert graph["trainer.loop"] >= {"trainer.config", "trainer.checkpoint"}  # the parser sees the imports
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_import_cycle_check_finds_a_hidden_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

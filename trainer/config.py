@@ -5,6 +5,10 @@ Nothing in the loop is hard-coded; a sweep drives training only through this obj
 
 Validation collects every problem and raises them together as a `ConfigError`, each naming the key, what is allowed
 and what it got.
+
+Importing this module loads neither torch nor numpy (the sweep's command line reads configs without them), so it may
+import only the standard library and the other torch-free modules: `trainer.pacing` (the curriculum's settings) and
+`trainer.fast_fail_rules` (the fast-fail settings).
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from trainer.curriculum import CurriculumConfig
-from trainer.fast_fail import FastFailConfig
+from trainer.fast_fail_rules import FastFailConfig
+from trainer.pacing import CurriculumConfig
 
 __all__ = [
     "ConfigError",
+    "CurriculumConfig",
+    "FastFailConfig",
     "TrainingConfig",
+    "coerce",
     "flatten",
     "nest",
 ]
@@ -245,7 +252,7 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> tuple[Any, list
             problems += nested_problems
             kwargs[key] = nested
             continue
-        ok, coerced, message = _coerce(value, hints[key])
+        ok, coerced, message = coerce(value, hints[key])
         if not ok:
             problems.append((f"{prefix}{key}", message))
             continue
@@ -291,13 +298,14 @@ def _describe(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
-    """(ok, value, message). Ints are accepted for floats, and so are numeric strings, since YAML 1.1 reads `1e-3`
+def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
+    """`(ok, value, message)`: `value` checked against the annotation `tp`, converted where the config allows it
+    (tasks check their `model` keys with it too). Ints are accepted for floats, and so are numeric strings, since YAML 1.1 reads `1e-3`
     (no dot) as a string."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
-            ok, coerced, _ = _coerce(value, option)
+            ok, coerced, _ = coerce(value, option)
             if ok:
                 return True, coerced, ""
         return False, value, f"expected {_describe(tp)}, got {value!r}"

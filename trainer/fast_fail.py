@@ -1,178 +1,20 @@
-"""Fast-fail rules: notice a configuration that is going nowhere within a few percent of its budget.
+"""Fast-fail in the loop: `LossGuard` watches the training loss on the device between evaluations.
 
-The rules exist once, here, as a pure function of the values a trial has reported (`judge`). Three callers use it:
-the sweep's Optuna pruner (on the values stored in the study, so every worker decides the same), the trainer when it
-runs alone, and `LossGuard` in the loop, which decides *when* to look between evaluations without syncing each step.
-
-NaN policy: a NaN or an infinity (either sign) as the latest value is always a failure ("nan" / "inf"), from the very
-first report, warmup or not. A value worse than the first one is not by itself a failure; it fails only once it is
-`loss_explosion_factor` times the initial value (minimised metrics) or shows no progress for `patience_steps`.
-
-Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
-is not a divergence. The steps at which stages begin are a function of the curriculum config alone
-(`trainer.curriculum.stage_starts`), so callers pass them in and `judge` stays a pure function: for
-`stage_grace_steps` after each stage change the explosion and plateau rules hold off (NaN/Inf still fail at once), and
-the plateau rule's patience counts from the latest stage change, since a new stage is a new start.
+The rules themselves (`FastFailConfig`, `judge`, the NaN policy, curriculum stage grace) are pure and torch-free, in
+`trainer.fast_fail_rules`; they are re-exported here, so `trainer.fast_fail` is the one place to import fast-fail from.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import torch
 
+from trainer.fast_fail_rules import FastFailConfig, Rule, Verdict, in_stage_grace, judge, latest_stage_start
 from trainer.sync import allowed_sync
 
-__all__ = ["FastFailConfig", "LossGuard", "Verdict", "in_stage_grace", "judge", "latest_stage_start"]
-
-Rule = Literal["nan", "inf", "explode", "plateau"]
-
-
-@dataclass(frozen=True)
-class FastFailConfig:
-    """The fast-fail rules' settings. Steps are optimizer steps; `None` means "derived from max_steps"."""
-
-    enabled: bool = True
-    # Explosion: the latest value above this multiple of the initial value (minimised metrics only). None: off.
-    loss_explosion_factor: float | None = 10.0
-    # Plateau: no improvement of at least `min_improvement_pct` percent over the best within this many steps.
-    # None: a quarter of max_steps, and at least three evaluation intervals. 0: off.
-    patience_steps: int | None = None
-    min_improvement_pct: float = 1.0
-    # A trial whose best has already improved on its initial value by this percentage is learning: a later flat
-    # stretch is convergence, which the wrapped pruner judges against other trials, not a failure.
-    learned_pct: float = 50.0
-    # Grace period before the explosion and plateau rules apply. None: 2% of max_steps.
-    warmup_steps: int | None = None
-    # How often the loop reads its on-device NaN/explosion flag between evaluations. None: at every log step.
-    check_every_n_steps: int | None = None
-    # Grace period after each curriculum stage change, during which explosion and plateau do not apply.
-    # None: two evaluation intervals, so that at least one evaluation of the new stage is seen before judging.
-    stage_grace_steps: int | None = None
-
-    def resolved(self, max_steps: int, eval_every_steps: int) -> FastFailConfig:
-        """A copy with every `None` step count made concrete for a run of `max_steps`."""
-        patience = max(max_steps // 4, 3 * eval_every_steps)
-        return FastFailConfig(
-            enabled=self.enabled,
-            loss_explosion_factor=self.loss_explosion_factor,
-            patience_steps=patience if self.patience_steps is None else self.patience_steps,
-            min_improvement_pct=self.min_improvement_pct,
-            learned_pct=self.learned_pct,
-            warmup_steps=max_steps // 50 if self.warmup_steps is None else self.warmup_steps,
-            check_every_n_steps=self.check_every_n_steps,
-            stage_grace_steps=2 * eval_every_steps if self.stage_grace_steps is None else self.stage_grace_steps,
-        )
-
-    def problems(self) -> list[tuple[str, str]]:
-        """Invalid settings as `(key, message)`, keys relative to `fast_fail.`."""
-        out = []
-        if self.loss_explosion_factor is not None and self.loss_explosion_factor <= 1:
-            out.append(("loss_explosion_factor", f"expected a factor > 1 or null, got {self.loss_explosion_factor}"))
-        for name in ("patience_steps", "warmup_steps", "stage_grace_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                out.append((name, f"expected >= 0 or null, got {value}"))
-        if self.check_every_n_steps is not None and self.check_every_n_steps < 1:
-            out.append(("check_every_n_steps", f"expected >= 1 or null, got {self.check_every_n_steps}"))
-        if not 0 <= self.min_improvement_pct < 100:
-            out.append(("min_improvement_pct", f"expected a percentage in [0, 100), got {self.min_improvement_pct}"))
-        if self.learned_pct <= 0:
-            out.append(("learned_pct", f"expected a percentage > 0, got {self.learned_pct}"))
-        return out
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Why a trial failed: the rule, the step and value that triggered it, and the reference values."""
-
-    rule: Rule
-    step: int
-    value: float
-    detail: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "step": self.step, "value": self.value, **self.detail}
-
-    def message(self) -> str:
-        if self.rule in ("nan", "inf"):
-            return f"{self.rule} at step {self.step}"
-        if self.rule == "explode":
-            return (f"exploded at step {self.step}: {self.value:.4g} > {self.detail['factor']:g} x initial "
-                    f"{self.detail['initial']:.4g}")
-        return (f"plateau at step {self.step}: best {self.detail['best']:.4g} (step {self.detail['best_step']}) "
-                f"not improved by {self.detail['min_improvement_pct']:g}% in {self.detail['patience_steps']} steps")
-
-
-def _improved(value: float, best: float, pct: float, maximize: bool) -> bool:
-    gain = value - best if maximize else best - value
-    return gain > 0 and gain >= abs(best) * pct / 100.0
-
-
-def latest_stage_start(step: int, stage_starts: Sequence[int]) -> int | None:
-    """The latest stage change that the value reported at `step` has seen, or None.
-
-    A reported step counts optimizer steps done; a stage that starts at (0-based) step `c` shapes the values reported
-    from step `c + 1` on. `stage_starts` is sorted (a binary search: the loop asks at every step)."""
-    i = bisect.bisect_left(stage_starts, step)
-    return stage_starts[i - 1] if i else None
-
-
-def in_stage_grace(step: int, stage_starts: Sequence[int], grace_steps: int) -> bool:
-    """Whether a value reported at `step` falls within `grace_steps` after a curriculum stage change."""
-    start = latest_stage_start(step, stage_starts)
-    return start is not None and step - start <= grace_steps
-
-
-def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximize: bool = False,
-          stage_starts: Sequence[int] = ()) -> Verdict | None:
-    """The fast-fail verdict on the latest of `(step, value)` pairs in step order, or None if the trial may go on.
-
-    `config` must be `resolved()`. The initial value is the first finite one: with fast-fail on, the trainer reports
-    an evaluation over the whole validation set before the first step, so it is not one noisy batch.
-    `stage_starts` are the steps at which a curriculum's stages begin (`trainer.curriculum.stage_starts`): the
-    explosion and plateau rules give each change a grace period, and patience restarts at it.
-    """
-    if not config.enabled or not series:
-        return None
-    step, value = series[-1]
-    if math.isnan(value):
-        return Verdict("nan", step, value)
-    if math.isinf(value):
-        return Verdict("inf", step, value)
-    finite = [(s, v) for s, v in series if math.isfinite(v)]
-    initial_step, initial = finite[0]
-    assert config.warmup_steps is not None and config.patience_steps is not None, "judge() needs a resolved config"
-    if step < config.warmup_steps or step == initial_step:
-        return None
-    # A new curriculum stage: the loss may jump while the model meets harder data. NaN/Inf were judged above.
-    if in_stage_grace(step, stage_starts, config.stage_grace_steps or 0):
-        return None
-    stage_start = latest_stage_start(step, stage_starts)
-
-    factor = config.loss_explosion_factor
-    if factor is not None and not maximize and initial > 0 and value > factor * initial:
-        return Verdict("explode", step, value, {"initial": initial, "factor": factor})
-
-    if config.patience_steps:
-        best, best_step = initial, initial_step
-        for s, v in finite[1:]:
-            if _improved(v, best, config.min_improvement_pct, maximize):
-                best, best_step = v, s
-        learned = _improved(best, initial, config.learned_pct, maximize) if initial != 0 else False
-        # Patience counts from the best value or from the latest stage change, whichever is later.
-        since = best_step if stage_start is None else max(best_step, stage_start)
-        if not learned and step - since >= config.patience_steps:
-            detail = {"best": best, "best_step": best_step, "patience_steps": config.patience_steps,
-                      "min_improvement_pct": config.min_improvement_pct}
-            if since != best_step:
-                detail["stage_start"] = since
-            return Verdict("plateau", step, value, detail)
-    return None
+__all__ = ["FastFailConfig", "LossGuard", "Rule", "Verdict", "in_stage_grace", "judge", "latest_stage_start"]
 
 
 class LossGuard:

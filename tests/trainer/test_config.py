@@ -1,8 +1,29 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from trainer.config import ConfigError, TrainingConfig, flatten, nest
+
+
+def test_importing_the_config_loads_neither_torch_nor_numpy() -> None:
+    # The sweep's command line (--help, status, trials) reads configs and study files; torch takes seconds to load.
+    code = ("import sys, trainer.config\n"
+            "from trainer.config import ConfigError, CurriculumConfig, FastFailConfig, TrainingConfig, flatten, nest\n"
+            "TrainingConfig.from_dict({'fast_fail.patience_steps': 5, 'curriculum.schedule': 'linear'})\n"
+            "loaded = [m for m in ('torch', 'numpy') if m in sys.modules]\n"
+            "assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_settings_of_config_sections_are_the_ones_their_modules_use() -> None:
+    from trainer import config, curriculum, fast_fail
+
+    assert config.FastFailConfig is fast_fail.FastFailConfig
+    assert config.CurriculumConfig is curriculum.CurriculumConfig
 
 
 def test_defaults_are_valid() -> None:

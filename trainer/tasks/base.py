@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ConfigError, _coerce
+from trainer.config import ConfigError, coerce
 
 __all__ = ["Task", "cross_entropy", "accuracy_sum"]
 
@@ -84,7 +84,7 @@ class Task:
                 problems.append((f"model.{key}", f"unknown key for task {self.name!r}; expected one of: {allowed}"))
                 continue
             default = self.model_defaults[key]
-            ok, _, message = _coerce(value, type(default)) if default is not None else (True, value, "")
+            ok, _, message = coerce(value, type(default)) if default is not None else (True, value, "")
             if not ok:
                 problems.append((f"model.{key}", message))
         return problems
@@ -97,5 +97,5 @@ class Task:
         merged = dict(self.model_defaults)
         for key, value in model.items():
             default = self.model_defaults[key]
-            merged[key] = _coerce(value, type(default))[1] if default is not None else value
+            merged[key] = coerce(value, type(default))[1] if default is not None else value
         return merged
