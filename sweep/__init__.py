@@ -1,8 +1,25 @@
-"""sweep: hyperparameter sweeps with early pruning for neural-network research, on Optuna and PyTorch."""
+"""sweep: hyperparameter sweeps with early pruning for neural-network research, on Optuna and PyTorch.
+
+The names below load their modules on first use, so `import sweep` (and `sweep --help`) costs neither torch nor
+Optuna's import time.
+"""
 
 from __future__ import annotations
 
-from sweep.spec import StudyFileError, StudySpec, load_spec
-from sweep.study import open_study, run_study
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sweep.spec import StudyFileError, StudySpec, load_spec
+    from sweep.study import open_study, run_study
 
 __all__ = ["StudyFileError", "StudySpec", "load_spec", "open_study", "run_study"]
+
+_HOMES = {"StudyFileError": "sweep.schema", "StudySpec": "sweep.schema", "load_spec": "sweep.spec",
+          "open_study": "sweep.study", "run_study": "sweep.study"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'sweep' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -22,7 +22,7 @@ import optuna
 
 from trainer.checkpoint import TrainState, load_checkpoint
 
-__all__ = ["CheckpointStore", "RetainedArtifacts", "artifact_store_for", "delete_blob", "is_object_url", "load_blob", "local_copy"]
+__all__ = ["CheckpointStore", "RetainedArtifacts", "artifact_store_at", "artifact_store_for", "delete_blob", "is_object_url", "load_blob", "local_copy"]
 
 SCHEMES = ("s3", "gs")
 
@@ -44,6 +44,15 @@ def artifact_store_for(url: str) -> Any:
     if scheme == "s3":
         return optuna.artifacts.Boto3ArtifactStore(bucket)
     return optuna.artifacts.GCSArtifactStore(bucket)
+
+
+def artifact_store_at(location: str) -> Any:
+    """Optuna's artifact store for a folder or an object-store URL (where trials' best checkpoints are uploaded for
+    the dashboard)."""
+    if is_object_url(location):
+        return artifact_store_for(location)
+    Path(location).mkdir(parents=True, exist_ok=True)
+    return optuna.artifacts.FileSystemArtifactStore(location)
 
 
 class CheckpointStore:

@@ -1,24 +1,182 @@
-"""The sweep side of checkpoints: when a trial saves (the study's policy), where the blob goes, registering it, and
-garbage collection: each trial keeps its latest plus its best k, and with `keep_top_trials` only the study's best
-finished trials keep any. A checkpoint that some trial resumed or warm-started from is pinned in the registry and
-never collected (see `Registry.pin`), so a running trial never loses its parent, and reproduce can always find it."""
+"""The checkpoint service: the registry table, the blob store and the artifact store of one study, together.
+
+It answers everything a trial's life asks of checkpoints: where a retry resumes (the newest intact checkpoint of its
+whole lineage), which donor a warm start takes, when a trial saves (the study's policy) and where the blob goes,
+what becomes of an ended trial's checkpoints (its best uploaded as a dashboard artifact, the rest released to
+retention), and garbage collection: each trial keeps its latest plus its best k, and with `keep_top_trials` only the
+study's best ended trials keep any. A checkpoint that some trial resumed or warm-started from is pinned in the
+registry and never collected (`Registry.pin`), so a running trial never loses its parent, and reproduce can always
+find it. Every registry call goes through the storage `Boundary`: an outage is waited out, or, while a trial trains,
+its registrations wait in memory until the storage is back.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sweep.blobs import delete_blob
-from trainer.checkpoint import CheckpointInfo
+import optuna
+
+from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_blob, local_copy
+from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, Outcome
+from sweep.reconcile import quick_check
+from sweep.registry import Registry, default_store
+from sweep.storage import StorageAway, sqlite_path
+from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
+from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
 
 if TYPE_CHECKING:
-    from sweep.blobs import CheckpointStore
-    from sweep.registry import CheckpointRecord, Registry
-    from sweep.spec import CheckpointPolicy
+    from sweep.registry import CheckpointRecord
+    from sweep.schema import CheckpointPolicy, StudySpec
+    from sweep.storage import Boundary
+    from trainer import TrainingConfig
 
-__all__ = ["TrialCheckpointer", "collect_study", "ranked_trials", "retention_keeps"]
+__all__ = ["CheckpointService", "Resume", "TrialCheckpointer", "collect_study", "ranked_trials", "retention_keeps"]
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a retry continues: the checkpoint's state, and which trial of the lineage wrote it."""
+
+    state: TrainState
+    trial: int
+    step: int
+
+
+class CheckpointService:
+    """One study's checkpoints: registry, blob store and artifact store, behind the storage boundary."""
+
+    def __init__(self, storage_url: str, spec: StudySpec, study: optuna.Study, boundary: Boundary) -> None:
+        self.spec, self.study_name = spec, study.study_name
+        self.maximize = spec.direction == "maximize"
+        self.boundary = boundary
+        self.registry: Registry = boundary.guard(boundary.call(Registry, storage_url))
+        self.store = CheckpointStore(spec.checkpoints.store or default_store(storage_url), study.study_name)
+        self.artifacts: Any = None
+        if spec.checkpoints.artifacts:
+            location = self.store.artifact_location
+            if study.user_attrs.get(ARTIFACTS_ATTR) != location:
+                study.set_user_attr(ARTIFACTS_ATTR, location)  # for `sweep dashboard`
+            self.artifacts = artifact_store_at(location)
+        database = sqlite_path(storage_url)
+        # The study's own folders: a missing file or a refused permission there is the machine's fault.
+        self.folders = [str(self.store.folder.parent)] + ([str(database.parent.resolve())] if database else [])
+
+    def reconcile(self) -> list[Any]:
+        """The cheap part of `sweep check`, run when a worker opens the study: rows among donors and resume points
+        whose blob is gone are removed, so no trial is sent to a missing file."""
+        return self.boundary.call(quick_check, self.registry, self.study_name)
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Starting a trial.
+
+    def resume_point(self, lineage: Sequence[int]) -> Resume | None:
+        """The newest checkpoint of the lineage (the trial being retried, the trial that one retried, ...) that loads
+        and matches its hash. One that fails is removed (row and file) with a warning, and the next newest is
+        tried. The one chosen is pinned; the lineage's other checkpoints are released to retention."""
+        records = sorted((r for n in lineage for r in self.registry.for_trial(self.study_name, n)),
+                         key=lambda r: (r.step, r.id), reverse=True)
+        chosen: Resume | None = None
+        for record in records:
+            if not self.registry.pin(record.id):  # collected since the lookup
+                continue
+            try:
+                state = load_blob(record.uri, record.sha256)
+            except CheckpointError as exc:
+                warnings.warn(f"not resuming from trial {record.trial_number}'s checkpoint at step {record.step}: "
+                              f"{exc}; trying an older one", stacklevel=2)
+                self.registry.forget_broken(record.id)
+                delete_blob(record.uri)
+                continue
+            chosen = Resume(state, record.trial_number, state.step)
+            break
+        for number in lineage:  # the lost trials' other checkpoints: collectable (the pinned one stays)
+            self.registry.finish_trial(self.study_name, number, donor=False)
+        return chosen
+
+    def warm_start(self, trial_number: int, params: Mapping[str, Any], config: TrainingConfig, key: str,
+                   handoff: int) -> tuple[WarmStart, Donor] | None:
+        return warm_start_from(self.registry, self.spec, self.study_name, trial_number, params, config, key, handoff)
+
+    def checkpointer(self, trial_number: int, params: Mapping[str, Any], key: str, handoff: int) -> TrialCheckpointer:
+        return TrialCheckpointer(self.registry, self.store, self.study_name, trial_number, params,
+                                 self.spec.checkpoints, self.spec.metric, self.maximize, shape_key=key,
+                                 coords=coordinates(self.spec.space, params),
+                                 cat_key=categorical_key(self.spec.space, params),
+                                 keep_steps=[handoff] if handoff else [])
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Ending a trial.
+
+    def release(self, trial: optuna.Trial, outcome: Outcome, checkpointer: TrialCheckpointer | None) -> None:
+        """The trial ended. First its best checkpoint becomes a dashboard artifact, if the study's retention would
+        keep it: its checkpoints are not final yet, so no other worker's retention can delete them meanwhile, and a
+        worker that drops the trial later finds the artifact to remove. Then they count for retention (and are
+        warm-start donors if it completed or was pruned), and retention applies. A retried trial's checkpoints stay
+        as they are: its retry resumes from them and releases them then.
+
+        Bookkeeping after training never changes the trial's outcome: an error here is a warning."""
+        if checkpointer is not None:
+            with _cleanup(trial.number, "registering its checkpoints"):
+                checkpointer.flush()  # what it saved while the storage was away: its retry may resume from it
+        if outcome.retried:
+            return
+        if checkpointer is not None:
+            if outcome != Outcome.FAILED:
+                with _cleanup(trial.number, "uploading its best checkpoint as an artifact"):
+                    self._upload_best(trial, checkpointer, outcome)
+        with _cleanup(trial.number, "releasing its checkpoints"):
+            self.registry.finish_trial(self.study_name, trial.number, donor=outcome.donor)
+            self.apply_retention(trial.study)
+
+    def _upload_best(self, trial: optuna.Trial, checkpointer: TrialCheckpointer, outcome: Outcome) -> None:
+        best = checkpointer.best_record()
+        keep = self.spec.checkpoints.keep_top_trials
+        if self.artifacts is None or best is None:
+            return
+        if keep is not None and not retention_keeps(self.registry, self.study_name, trial.number, best.value,
+                                                    not outcome.donor, keep, self.maximize):
+            return
+        with local_copy(best.uri) as path:
+            artifact_id = optuna.artifacts.upload_artifact(artifact_store=self.artifacts, file_path=str(path),
+                                                           study_or_trial=trial,
+                                                           mimetype="application/octet-stream")
+        trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": artifact_id, "step": best.step, "value": best.value,
+                                              "sha256": best.sha256, "size": best.size})
+
+    def apply_retention(self, study: optuna.Study) -> list[int]:
+        """With `keep_top_trials`, only the study's best ended trials keep checkpoints, and a trial that loses them
+        loses its dashboard artifact too (a copy of its best checkpoint), so the disk a study uses stays bounded.
+        Optuna cannot edit a finished trial, so the dashboard still lists that artifact; `sweep dashboard` serves a
+        note in its place (`sweep.blobs.RetainedArtifacts`). Returns the trials that lost checkpoints."""
+        keep = self.spec.checkpoints.keep_top_trials
+        if keep is None:
+            return []
+        dropped = collect_study(self.registry, self.study_name, keep, self.maximize)
+        if self.artifacts is not None and dropped:
+            wanted = set(dropped)
+            for frozen in study.get_trials(deepcopy=False):
+                recorded = frozen.user_attrs.get(ATTR_CHECKPOINT) if frozen.number in wanted else None
+                if recorded is not None:
+                    with contextlib.suppress(optuna.artifacts.exceptions.ArtifactNotFound):
+                        self.artifacts.remove(recorded["artifact_id"])
+        return dropped
+
+
+@contextlib.contextmanager
+def _cleanup(trial_number: int, what: str) -> Iterator[None]:
+    """Checkpoint bookkeeping after training: an error here (the storage, the blob store) is a warning, never the
+    trial's outcome. A trial that trained to the end is not recorded as failed, and a failing one never takes the
+    study down; what was not released stays on disk, and `sweep check` finds it."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - see above
+        warnings.warn(f"trial {trial_number}: {what} failed: {type(exc).__name__}: {exc}", stacklevel=3)
 
 
 class TrialCheckpointer:
@@ -32,6 +190,7 @@ class TrialCheckpointer:
         self.shape_key, self.coords, self.cat_key = shape_key, list(coords), cat_key
         self.keep_steps = set(keep_steps)  # always saved and kept: the warm-start handoff point
         self.best: float | None = None
+        self.pending: list[dict[str, Any]] = []  # registrations the storage could not take yet
 
     def _improves(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -48,12 +207,20 @@ class TrialCheckpointer:
         return self.store.local_path(f"trial{self.number:05d}-step{step:08d}.pt")
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
+        """Register the blob. While the storage is away (the trial keeps training), the registration waits in
+        memory and is made with the next one, or when the trial ends; the blob is on disk meanwhile."""
         value = None if metrics is None else metrics.get(self.metric)
-        self.registry.register(study=self.study, trial_number=self.number, step=info.step, value=value,
-                               params=self.params, shape_key=self.shape_key, uri=self.store.put(info.path),
-                               size=info.size,
-                               sha256=info.sha256, coords=self.coords, cat_key=self.cat_key)
-        self._collect()
+        self.pending.append(dict(study=self.study, trial_number=self.number, step=info.step, value=value,
+                                 params=self.params, shape_key=self.shape_key, uri=self.store.put(info.path),
+                                 size=info.size, sha256=info.sha256, coords=self.coords, cat_key=self.cat_key))
+        with contextlib.suppress(StorageAway):
+            self.flush()
+            self._collect()
+
+    def flush(self) -> None:
+        while self.pending:
+            self.registry.register(**self.pending[0])
+            self.pending.pop(0)
 
     def best_record(self) -> CheckpointRecord | None:
         """The trial's best checkpoint (its latest when none has a value), or None when it wrote none. Until

@@ -2,6 +2,9 @@
 
 Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show); 2 bad input (study file, arguments,
 a study that exists with a different definition); 130 interrupted (Ctrl-C); 143 preempted (SIGTERM).
+
+Each command imports the library it needs when it runs, not when this module loads: `sweep --help`, `status` and
+`trials` never import torch, and `--help` not even Optuna.
 """
 
 from __future__ import annotations
@@ -18,21 +21,15 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
 
-from sweep import results
-from sweep.progress import LiveProgress
-from sweep.spec import StudyFileError, load_spec
-from sweep.storage import mask_url
-from sweep.study import (Preempted, StudyBrokenError, StudyMismatchError, load_existing_study, open_study,
-                         request_stop, resolve_storage_url, run_study)
-from sweep.workers import WORKER_ENV, run_workers
-from trainer.seeding import deterministic_cublas
+from sweep.schema import StudyFileError, read_spec, resolve_storage_url
+from sweep.urls import mask_url
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
@@ -52,11 +49,12 @@ def _fail(lines: list[str] | str, code: int) -> typer.Exit:
 
 
 def _quiet_optuna() -> None:
+    """Libraries' messages that ask nothing of the user stay out of the way: Optuna's per-trial info lines, Alembic's
+    migrations, and the "experimental" label of features sweep relies on (its artifacts, its pruners)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    # sweep relies on the heartbeat and the pruners it names; their "experimental" label is not news to users.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
@@ -73,77 +71,81 @@ def run(
                                          "machine each is pinned to a GPU, round robin.")] = 1,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
-    overrides = list(set_ or [])
-    if study_name:
-        overrides.append(f"name={study_name}")
-    if n_trials:
-        overrides.append(f"n_trials={n_trials}")
+    from sweep.spec import load_spec
+    from sweep import results
+    from sweep.study import (InfrastructureError, Preempted, StudyBrokenError, StudyMismatchError, open_study,
+                             worker_storage)
+    from sweep.storage import StorageUnavailable
+    from sweep.workers import WORKER_ENV, prepare_process, run_local_workers
+
+    overrides = [*(set_ or []), *([f"name={study_name}"] if study_name else []),
+                 *([f"n_trials={n_trials}"] if n_trials else [])]
     try:
         spec, spec_path = load_spec(study_file, overrides)
     except StudyFileError as exc:
         raise _fail(exc.lines(), 2) from None
     url = resolve_storage_url(spec, spec_path, storage)
-    if spec.fixed.get("deterministic") is True or "deterministic" in spec.space:
-        deterministic_cublas()  # before this process's first trial, which may not be a deterministic one
+    worker = os.environ.get(WORKER_ENV)
+    prefix = "" if worker is None else f"[worker {worker}] "
+    prepare_process(spec)
     _quiet_optuna()
+    notify = lambda line: err.print(f"{prefix}{line}", markup=False)  # noqa: E731 - the storage's outage lines
     try:
-        study = open_study(spec, url)
+        study = open_study(spec, worker_storage(spec, url, notify=notify))
     except StudyMismatchError as exc:
         raise _fail(str(exc), 2) from None
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         raise _storage_failure(url, exc) from None
-
-    worker = os.environ.get(WORKER_ENV)
     status_now = results.study_status(study)
     if worker is None:
         err.print(f"study {spec.name!r} in {mask_url(url)}: {status_now['budget_used']}/{spec.n_trials} trials done",
                   markup=False)
+    try:
+        with _preemptible():
+            if workers > 1:
+                codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+            else:
+                summary = _run_here(study, spec, url, timeout, status_now, prefix, live=worker is None)
+    except KeyboardInterrupt:
+        err.print(f"{prefix}interrupted: running trials are marked and queued again; rerun the same command to "
+                  "continue.")
+        raise typer.Exit(130) from None
+    except Preempted:
+        err.print(f"{prefix}preempted (SIGTERM): running trials are marked and queued again; they resume from their "
+                  "last checkpoint when the same command runs again.")
+        raise typer.Exit(143) from None
+    except (StudyBrokenError, InfrastructureError, StorageUnavailable) as exc:
+        if not isinstance(exc, StorageUnavailable):
+            _print_status(study)
+        raise _fail(f"{prefix}{exc}", 1) from None
+    if worker is not None:
+        return  # the parent prints the summary once
+    _print_status(study)
     if workers > 1:
-        args = [str(study_file), "--storage", url, "--study-name", spec.name, "--n-trials", str(spec.n_trials),
-                *(["--timeout", str(timeout)] if timeout else []), *(f"--set={item}" for item in set_ or [])]
-        try:
-            with _preemptible():
-                codes = run_workers(args, workers)
-        except KeyboardInterrupt:
-            err.print("interrupted: running trials are marked and queued again; rerun the same command to continue.")
-            raise typer.Exit(130) from None
-        except Preempted:
-            err.print("preempted (SIGTERM): running trials are marked and queued again; rerun to continue.")
-            raise typer.Exit(143) from None
-        _print_status(study)
         lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
         if lost:
             raise _fail(lost, 1)
         return
+    for flag, message in (("stopped", "stopped by `sweep stop`; rerun the same command to continue."),
+                          ("exhausted", "the sampler has tried every point of the search space; stopped with "
+                                        f"{summary.budget_used}/{summary.n_trials} trials done."),
+                          ("timed_out", f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} "
+                                        "trials done; rerun to continue.")):
+        if getattr(summary, flag):
+            err.print(message)
+
+
+def _run_here(study: Any, spec: Any, url: str, timeout: float | None, status_now: dict[str, Any], prefix: str,
+              *, live: bool) -> Any:
+    """The worker loop in this process, with a progress display (a live one on a terminal, lines for a worker)."""
+    from sweep.progress import LiveProgress
+    from sweep.study import run_study
+
     best = status_now["best"]
     progress = LiveProgress(err, spec.n_trials, study.direction, done=status_now["budget_used"],
-                            best=None if best is None else best["value"],
-                            live=False if worker is not None else None,
-                            prefix="" if worker is None else f"[worker {worker}] ")
-    try:
-        with progress, _preemptible():
-            summary = run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
-    except KeyboardInterrupt:
-        err.print("interrupted: the running trial is marked and queued again; rerun the same command to continue.")
-        raise typer.Exit(130) from None
-    except Preempted:
-        err.print("preempted (SIGTERM): the running trial is marked and queued again; it resumes from its last "
-                  "checkpoint when the same command runs again.")
-        raise typer.Exit(143) from None
-    except StudyBrokenError as exc:
-        _print_status(study)
-        raise _fail(str(exc), 1) from None
-    if worker is not None:
-        return  # the parent prints the summary once
-    _print_status(study)
-    if summary.stopped:
-        err.print("stopped by `sweep stop`; rerun the same command to continue.")
-    if summary.exhausted:
-        err.print(f"the sampler has tried every point of the search space; stopped with "
-                  f"{summary.budget_used}/{summary.n_trials} trials done.")
-    if summary.timed_out:
-        err.print(f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} trials done; "
-                  "rerun to continue.")
+                            best=None if best is None else best["value"], live=None if live else False, prefix=prefix)
+    with progress:
+        return run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
 
 
 def _open(target: str, storage: str | None, study_name: str | None):
@@ -156,7 +158,7 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None):
     name = study_name
     if path is not None and path.suffix in (".yaml", ".yml"):
         try:
-            spec, spec_path = load_spec(path, check_trainer=False)
+            spec, spec_path = read_spec(path)
         except StudyFileError as exc:
             raise _fail(exc.lines(), 2) from None
         url = resolve_storage_url(spec, spec_path, storage)
@@ -171,6 +173,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None):
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
     _quiet_optuna()
+    from sweep.storage import load_existing_study
+
     try:
         return load_existing_study(url, name), url
     except KeyError as exc:
@@ -188,7 +192,9 @@ def _storage_failure(url: str, exc: Exception) -> typer.Exit:
 Target = Annotated[str, typer.Argument(help="A study file, a SQLite .db file, or a study name with --storage.")]
 
 
-def _print_status(study) -> None:
+def _print_status(study: Any) -> None:
+    from sweep import results
+
     status = results.study_status(study)
     table = Table(title=f"study {status['study']}", show_header=False)
     table.add_row("direction / metric", f"{status['direction']} {status['metric']}")
@@ -221,6 +227,8 @@ def best(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the YAML here.")] = None,
 ) -> None:
     """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again."""
+    from sweep import results
+
     study = _open(target, storage, study_name)
     try:
         config = results.best_config(study)
@@ -246,6 +254,8 @@ def trials(
     failed."""
     if fmt not in ("table", "csv", "json"):
         raise _fail(f"--format: expected table, csv or json, got {fmt!r}", 2)
+    from sweep import results
+
     rows = results.trial_rows(_open(target, storage, study_name))
     columns = list(dict.fromkeys(key for row in rows for key in row))
     if fmt == "json":
@@ -266,6 +276,8 @@ def trials(
 @app.command()
 def stop(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = None) -> None:
     """Ask every worker of the study to finish its current trial and exit; `sweep run` later resumes."""
+    from sweep.worker import request_stop
+
     study = _open(target, storage, study_name)
     request_stop(study)
     err.print(f"asked the workers of study {study.study_name!r} to stop after their current trial")
@@ -316,8 +328,8 @@ def dashboard(
 
 def dashboard_artifact_store(study: object) -> object | None:
     """The artifact store where the study's trials uploaded their best checkpoints, so the dashboard lists them."""
-    from sweep.blobs import RetainedArtifacts, is_object_url
-    from sweep.study import ARTIFACTS_ATTR, artifact_store_at
+    from sweep.blobs import RetainedArtifacts, artifact_store_at, is_object_url
+    from sweep.outcomes import ARTIFACTS_ATTR
 
     location = study.user_attrs.get(ARTIFACTS_ATTR)  # type: ignore[attr-defined]
     if location is None or not (is_object_url(location) or Path(location).is_dir()):

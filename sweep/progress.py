@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from sweep.study import LOST
+from sweep.outcomes import ATTR_FAIL, LOST_REASON
 
 __all__ = ["LiveProgress", "describe_outcome"]
 
@@ -30,7 +30,7 @@ def describe_outcome(trial: FrozenTrial) -> str:
         return f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} (value={_num(reason.get('value'))})"
     if trial.state == TrialState.FAIL:
         # Every failure sweep records carries its reason; only Optuna's stale-trial check fails one without it.
-        return f"failed: {attrs.get('fail_reason', LOST)}"
+        return f"failed: {attrs.get(ATTR_FAIL, LOST_REASON)}"
     return trial.state.name.lower()
 
 

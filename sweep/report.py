@@ -16,9 +16,8 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.results import state_counts, steps_trained
-from sweep.spec import SPEC_ATTR
-from sweep.study import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_RETRY_OF, ATTR_WARM_START, LOST,
-                         budget_counts)
+from sweep.outcomes import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_RETRY_OF, ATTR_WARM_START, LOST_REASON,
+                            SPEC_ATTR, budget_counts)
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]
 
@@ -35,7 +34,7 @@ def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[st
         prune = trial.user_attrs.get(ATTR_PRUNE) or {}
         if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted") and trial.number not in retried:
             bad.append(trial)
-            reasons[str(trial.user_attrs.get(ATTR_FAIL, LOST))] += 1
+            reasons[str(trial.user_attrs.get(ATTR_FAIL, LOST_REASON))] += 1
         elif trial.state == TrialState.PRUNED and prune.get("rule") in INFEASIBLE_RULES:
             bad.append(trial)
             reasons[f"diverged: {prune['rule']}"] += 1

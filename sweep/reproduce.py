@@ -16,7 +16,7 @@ import optuna
 
 from sweep.blobs import load_blob
 from sweep.objective import task_for
-from sweep.study import ATTR_CONFIG, ATTR_WARM_START
+from sweep.outcomes import ATTR_CONFIG, ATTR_WARM_START, SPEC_ATTR
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.precision import resolve_device
@@ -80,7 +80,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 
         raise ValueError(f"trial {number} has no stored config or reported values to compare (state "
                          f"{trial.state.name.lower()})")
     config = TrainingConfig.from_dict(trial.user_attrs[ATTR_CONFIG])
-    metric = study.user_attrs.get("sweep.spec", {}).get("metric", "val_loss")
+    metric = study.user_attrs.get(SPEC_ATTR, {}).get("metric", "val_loss")
     stored = dict(sorted(trial.intermediate_values.items()))
     recorder = _Recorder(max(stored), metric)
     train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial))

@@ -9,8 +9,8 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.progress import describe_outcome
-from sweep.study import (ATTR_CONFIG, ATTR_SPEED, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
-                         budget_used)
+from sweep.outcomes import (ATTR_CONFIG, ATTR_SPEED, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
+                            SPEC_ATTR, budget_counts)
 
 __all__ = ["best_config", "state_counts", "steps_trained", "study_status", "trial_rows"]
 
@@ -28,7 +28,7 @@ def _best(study: optuna.Study) -> FrozenTrial | None:
 
 
 def study_status(study: optuna.Study) -> dict[str, Any]:
-    spec = study.user_attrs.get("sweep.spec", {})
+    spec = study.user_attrs.get(SPEC_ATTR, {})
     best = _best(study)
     trials = study.get_trials(deepcopy=False)
     return {
@@ -36,7 +36,7 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "direction": study.direction.name.lower(),
         "metric": spec.get("metric"),
         "n_trials": spec.get("n_trials"),
-        "budget_used": budget_used(study),
+        "budget_used": budget_counts(trials)[0],
         "states": state_counts(study),
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
                                            "warm_start_from": best.user_attrs.get(ATTR_WARM_START, {}).get("trial")},

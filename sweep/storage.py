@@ -8,6 +8,12 @@ with "database is locked", whatever the timeout: the error Optuna's FAQ warns ab
 PostgreSQL (many machines): Optuna's RDB storage as it is, with `pool_pre_ping` so a server restart does not fail the
 next trial.
 
+Outages: every call a worker makes to the storage (Optuna's and the checkpoint registry's) goes through one
+`Boundary`, which alone decides what is transient (a lost connection, a server restarting, SQLite's disk full or
+locked) and waits it out with backoff for up to `patience` seconds, printing one line when the storage goes away and
+one when it is back. Everything else is final and raised as it is. A caller that must not wait (the reports of a
+trial that keeps training) asks for `no_wait()` and gets `StorageAway` at once.
+
 Budget: asking for a trial and counting the trials in flight happen under one lock (a lock file next to the SQLite
 file, or a PostgreSQL advisory lock), so N workers finish exactly `n_trials` trials, never one more.
 """
@@ -15,36 +21,34 @@ file, or a PostgreSQL advisory lock), so N workers finish exactly `n_trials` tri
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import random
-import re
+import sqlite3
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
+import sqlalchemy.exc
+from optuna.storages import BaseStorage
+from optuna.study import StudyDirection
+from optuna.study._frozen import FrozenStudy
+from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
 
-__all__ = ["ask_lock", "make_storage", "mask_url", "sqlite_path"]
+from sweep.urls import mask_url, sqlite_path
 
+__all__ = ["Boundary", "PatientStorage", "StorageAway", "StorageUnavailable", "ask_lock", "is_transient",
+           "load_existing_study", "make_storage", "mask_url", "sqlite_path"]
 
-def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, for anything printed or stored."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The database file of a `sqlite:///` URL, or None for anything else."""
-    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
-        return None
-    return Path(url.removeprefix("sqlite:///"))
+T = TypeVar("T")
 
 
 def _serialise_sqlite(engine: Engine) -> None:
@@ -115,8 +119,9 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
 
 
 @contextlib.contextmanager
-def ask_lock(url: str, study_name: str) -> Iterator[None]:
-    """Held while a worker counts the trials in flight and asks for a new one."""
+def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Iterator[None]:
+    """Held while a worker counts the trials in flight and asks for a new one. Taking the PostgreSQL lock goes through
+    the `boundary`; releasing it cannot fail for good: a connection that died released it with its session."""
     path = sqlite_path(url)
     if path is not None:
         lock_file = path.with_name(path.name + ".lock")
@@ -130,13 +135,25 @@ def ask_lock(url: str, study_name: str) -> Iterator[None]:
     if url.startswith("postgresql"):
         key = int.from_bytes(hashlib.sha256(f"sweep:{study_name}".encode()).digest()[:8], "big", signed=True)
         engine = _lock_engine(url)
-        with engine.connect() as connection:
-            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+
+        def acquire() -> Any:
+            connection = engine.connect()
             try:
-                yield
-            finally:
+                connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            except BaseException:
+                connection.close()
+                raise
+            return connection
+
+        connection = boundary.call(acquire) if boundary is not None else acquire()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(Exception):
                 connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
                 connection.commit()
+            with contextlib.suppress(Exception):
+                connection.close()
         return
     yield  # other backends: best effort
 
@@ -148,3 +165,304 @@ def _lock_engine(url: str) -> Engine:
     if url not in _LOCK_ENGINES:
         _LOCK_ENGINES[url] = create_engine(url, pool_size=1, pool_pre_ping=True)
     return _LOCK_ENGINES[url]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The boundary: what is transient, and waiting it out.
+
+class StorageUnavailable(RuntimeError):
+    """The storage stayed unreachable for longer than the worker's patience."""
+
+
+class StorageAway(RuntimeError):
+    """The storage is unreachable right now, and the caller asked not to wait (`Boundary.no_wait`)."""
+
+
+# Messages of errors that look like connection trouble but are final: a wrong database name, a refused login, a
+# missing table. Waiting would not change them.
+_FINAL_MESSAGES = ("does not exist", "authentication failed", "password", "no such table", "no such column",
+                   "permission denied for", "syntax error")
+_SQLITE_TRANSIENT = ("locked", "busy", "disk", "full", "unable to open", "i/o")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, is a storage fault that goes away by itself: a dropped or
+    refused connection, a server restarting (Optuna wraps those in `StorageInternalError`, "invalid data in the
+    commit"), SQLite locked or its disk full. Integrity errors, missing tables, a wrong database name or password
+    are final."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        message = str(error).lower()
+        if any(final in message for final in _FINAL_MESSAGES):
+            return False
+        if isinstance(error, sqlite3.OperationalError):
+            return any(word in message for word in _SQLITE_TRANSIENT)
+        if isinstance(error, sqlalchemy.exc.DBAPIError):
+            if error.connection_invalidated:
+                return True
+            if isinstance(error.orig, sqlite3.Error):  # SQLite's own error tells "locked" from "no such table"
+                return isinstance(error.orig, sqlite3.OperationalError) and any(
+                    word in str(error.orig).lower() for word in _SQLITE_TRANSIENT)
+        if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.DisconnectionError, sqlalchemy.exc.TimeoutError,
+                              sqlalchemy.exc.InterfaceError, ConnectionError, TimeoutError)):
+            return True
+        if type(error).__module__.startswith("psycopg") and type(error).__name__ in (
+                "OperationalError", "InterfaceError", "AdminShutdown", "CannotConnectNow", "ConnectionTimeout"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class Boundary:
+    """Every storage call of a worker goes through `call`: transient errors are retried with backoff (0.2 s,
+    doubling, at most 10 s apart) for up to `patience_s` seconds from the first failure, then
+    `StorageUnavailable` is raised. `notify` hears one line when the storage goes away and one when it is back."""
+
+    def __init__(self, patience_s: float = 600.0, *, label: str = "the storage",
+                 notify: Callable[[str], None] | None = None) -> None:
+        self.patience_s, self.label = patience_s, label
+        self.notify = notify if notify is not None else _to_stderr
+        self.down_since: float | None = None
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    @property
+    def available(self) -> bool:
+        return self.down_since is None
+
+    @contextlib.contextmanager
+    def no_wait(self) -> Iterator[None]:
+        """Calls in this block fail at once with `StorageAway` while the storage is unreachable."""
+        before = getattr(self._local, "no_wait", False)
+        self._local.no_wait = True
+        try:
+            yield
+        finally:
+            self._local.no_wait = before
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        delay = 0.2
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                since = self._went_away(exc)
+                if getattr(self._local, "no_wait", False):
+                    raise StorageAway(f"{self.label} is unreachable") from exc
+                waited = time.monotonic() - since
+                if waited >= self.patience_s:
+                    raise StorageUnavailable(
+                        f"{self.label} has been unreachable for {waited:.0f} s (storage_patience is "
+                        f"{self.patience_s:g} s): {_first_line(exc)}") from exc
+                time.sleep(min(delay, max(0.0, self.patience_s - waited)))
+                delay = min(delay * 2, 10.0)
+                continue
+            self._came_back()
+            return result
+
+    def _went_away(self, exc: BaseException) -> float:
+        with self._lock:
+            if self.down_since is None:
+                self.down_since = time.monotonic()
+                self.notify(f"{self.label} is unreachable ({_first_line(exc)}); waiting up to "
+                            f"{self.patience_s:g} s for it to come back")
+            return self.down_since
+
+    def _came_back(self) -> None:
+        if self.down_since is None:  # the common case: no lock taken
+            return
+        with self._lock:
+            if self.down_since is not None:
+                self.notify(f"{self.label} is back after {time.monotonic() - self.down_since:.0f} s")
+                self.down_since = None
+
+    def guard(self, target: T) -> T:
+        """`target` with each of its methods called through this boundary."""
+        return _Guarded(target, self)  # type: ignore[return-value]
+
+
+class _Guarded:
+    def __init__(self, target: Any, boundary: Boundary) -> None:
+        self._target, self._boundary = target, boundary
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if not callable(value):
+            return value
+        return lambda *args, **kwargs: self._boundary.call(value, *args, **kwargs)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The innermost cause's first line: a driver's message says more than Optuna's wrapper ("invalid data")."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _to_stderr(line: str) -> None:
+    print(f"sweep: {line}", file=sys.stderr, flush=True)
+
+
+class PatientStorage(BaseStorage):
+    """Optuna's storage for a worker: every call goes through the `Boundary`. Optuna's study, trials, samplers and
+    pruners call the storage for everything they do, so this one class puts all of them behind the boundary.
+
+    The heartbeat settings are kept here rather than given to Optuna: sweep beats and checks for stale trials
+    itself (`sweep.worker`), and Optuna would only warn that heartbeats belong to `Study.optimize`."""
+
+    def __init__(self, backend: optuna.storages.RDBStorage, boundary: Boundary) -> None:
+        self.backend, self.boundary = backend, boundary
+        self.cached = optuna.storages._CachedStorage(backend)  # noqa: SLF001 - what Optuna wraps an RDB in itself
+        self.heartbeat_interval = backend.heartbeat_interval
+        self.grace_period = backend.grace_period
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.boundary.call(getattr(self.cached, name), *args, **kwargs)
+
+    # Writes.
+    def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
+        return self._call("create_new_study", directions, study_name)
+
+    def delete_study(self, study_id: int) -> None:
+        self._call("delete_study", study_id)
+
+    def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._call("set_study_user_attr", study_id, key, value)
+
+    def set_study_system_attr(self, study_id: int, key: str, value: Any) -> None:
+        self._call("set_study_system_attr", study_id, key, value)
+
+    def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        return self._call("create_new_trial", study_id, template_trial)
+
+    def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
+                        distribution: optuna.distributions.BaseDistribution) -> None:
+        self._call("set_trial_param", trial_id, param_name, param_value_internal, distribution)
+
+    def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
+        """Idempotent across a lost reply: when an attempt that failed had in fact been stored, the retry finds the
+        trial finished already, in the state it was asked for, and that is success."""
+        failed_once = False
+
+        def attempt() -> bool:
+            nonlocal failed_once
+            try:
+                return bool(self.cached.set_trial_state_values(trial_id, state, values))
+            except optuna.exceptions.UpdateFinishedTrialError:
+                if failed_once and self.backend.get_trial(trial_id).state == state:
+                    return True
+                raise
+            except Exception:
+                failed_once = True
+                raise
+
+        return self.boundary.call(attempt)
+
+    def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
+        self._call("set_trial_intermediate_value", trial_id, step, intermediate_value)
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._call("set_trial_user_attr", trial_id, key, value)
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        self._call("set_trial_system_attr", trial_id, key, value)
+
+    # Reads.
+    def get_study_id_from_name(self, study_name: str) -> int:
+        return self._call("get_study_id_from_name", study_name)
+
+    def get_study_name_from_id(self, study_id: int) -> str:
+        return self._call("get_study_name_from_id", study_id)
+
+    def get_study_directions(self, study_id: int) -> list[StudyDirection]:
+        return self._call("get_study_directions", study_id)
+
+    def get_study_user_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._call("get_study_user_attrs", study_id)
+
+    def get_study_system_attrs(self, study_id: int) -> dict[str, Any]:
+        return self._call("get_study_system_attrs", study_id)
+
+    def get_all_studies(self) -> list[FrozenStudy]:
+        return self._call("get_all_studies")
+
+    def get_trial_id_from_study_id_trial_number(self, study_id: int, trial_number: int) -> int:
+        return self._call("get_trial_id_from_study_id_trial_number", study_id, trial_number)
+
+    def get_trial(self, trial_id: int) -> FrozenTrial:
+        return self._call("get_trial", trial_id)
+
+    def get_all_trials(self, study_id: int, deepcopy: bool = True,
+                       states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+        return self._call("get_all_trials", study_id, deepcopy=deepcopy, states=states)
+
+    def get_best_trial(self, study_id: int) -> FrozenTrial:
+        return self._call("get_best_trial", study_id)
+
+    def remove_session(self) -> None:
+        self.backend.remove_session()
+
+    # Heartbeats and stale trials (sweep.worker), through the boundary too.
+    def record_heartbeat(self, trial_id: int) -> None:
+        self._call("record_heartbeat", trial_id)
+
+    def stale_trial_ids(self, study_id: int) -> list[int]:
+        if self.heartbeat_interval is None:
+            return []
+        return self.boundary.call(self.backend._get_stale_trial_ids, study_id)  # noqa: SLF001
+
+    def fail_lost_trial(self, trial_id: int, reason: str) -> bool:
+        """Fail a trial whose worker stopped beating, with its reason. True for the one worker that failed it
+        (several may find it stale at once). Optuna refuses attrs on finished trials, and failing it after setting
+        the reason would let a live trial that beats again carry a failure reason: so the state changes first, the
+        row is claimed by that change, and the reason is written to Optuna's attribute table directly."""
+        if not self.boundary.call(self._fail_if_running, trial_id):
+            return False
+        self.boundary.call(self._write_user_attr, trial_id, "fail_reason", reason)
+        self.boundary.call(self._write_user_attr, trial_id, "outcome", "lost")
+        return True
+
+    def _fail_if_running(self, trial_id: int) -> bool:
+        try:
+            return bool(self.cached.set_trial_state_values(trial_id, TrialState.FAIL))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
+
+    def _write_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        import json
+
+        with self.backend.engine.begin() as connection:
+            updated = connection.execute(
+                text("UPDATE trial_user_attributes SET value_json = :v WHERE trial_id = :t AND key = :k"),
+                {"v": json.dumps(value), "t": trial_id, "k": key}).rowcount
+            if not updated:
+                connection.execute(text("INSERT INTO trial_user_attributes (trial_id, key, value_json) "
+                                        "VALUES (:t, :k, :v)"), {"v": json.dumps(value), "t": trial_id, "k": key})
+
+    def trial_age_s(self, trial: FrozenTrial) -> float:
+        if trial.datetime_start is None:
+            return 0.0
+        return (datetime.datetime.now() - trial.datetime_start).total_seconds()
+
+
+def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
+    """A study for reading (status, trials, report): by name, or the only one in the storage. Raises KeyError
+    naming the studies there when there is no such study."""
+    storage = make_storage(storage_url)
+    if name is None:
+        names = optuna.get_all_study_names(storage)
+        if len(names) != 1:
+            found = ", ".join(names) if names else "none"
+            raise KeyError(f"{mask_url(storage_url)} holds {len(names)} studies ({found}); name one with --study-name")
+        name = names[0]
+    try:
+        return optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        names = optuna.get_all_study_names(storage)
+        raise KeyError(f"no study named {name!r} in {mask_url(storage_url)}; it holds: "
+                       f"{', '.join(names) if names else 'none'}") from None

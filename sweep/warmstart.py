@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sweep.blobs import load_blob
+from sweep.blobs import delete_blob, load_blob
 from sweep.registry import COORDS, CheckpointRecord
-from sweep.spec import CategoricalParam
+from sweep.schema import CategoricalParam
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.config import flatten
 
 if TYPE_CHECKING:
     from sweep.registry import Registry
-    from sweep.spec import Param, StudySpec
+    from sweep.schema import Param, StudySpec
     from trainer import Task, TrainingConfig
 
 __all__ = ["Donor", "categorical_key", "coordinate", "coordinates", "distance", "find_donor", "must_match", "shape_key",
@@ -191,6 +191,7 @@ def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_numbe
             warnings.warn(f"trial {trial_number}: not warm-starting from trial {donor.record.trial_number}: {exc}",
                           stacklevel=2)
             registry.forget_broken(donor.record.id)
+            delete_blob(donor.record.uri)  # nobody may use it, and no row names it any more
             refused.add(donor.record.id)
             continue
         return WarmStart(state, optimizer=spec.warm_start.inherit == "weights+optimizer"), donor

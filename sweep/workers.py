@@ -14,7 +14,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["visible_gpus", "run_workers"]
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sweep.schema import StudySpec
+
+__all__ = ["prepare_process", "run_local_workers", "run_workers", "visible_gpus"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
 
@@ -27,6 +33,25 @@ def visible_gpus() -> list[str]:
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def prepare_process(spec: StudySpec) -> None:
+    """Process-wide settings a worker needs before its first trial: cuBLAS reads its workspace setting once, at its
+    first call, so a study that fixes or searches `deterministic` sets it now (the first trial may not be a
+    deterministic one)."""
+    if spec.fixed.get("deterministic") is True or "deterministic" in spec.space:
+        from trainer.seeding import deterministic_cublas
+
+        deterministic_cublas()
+
+
+def run_local_workers(study_file: Path, spec: StudySpec, url: str, n_workers: int, *, timeout: float | None,
+                      overrides: Sequence[str]) -> list[int]:
+    """`sweep run --workers N`: the same `sweep run` in N processes on this study's storage (the study exists
+    already, so none of them creates it); returns their exit codes."""
+    args = [str(study_file), "--storage", url, "--study-name", spec.name, "--n-trials", str(spec.n_trials),
+            *(["--timeout", str(timeout)] if timeout else []), *(f"--set={item}" for item in overrides)]
+    return run_workers(args, n_workers)
 
 
 def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.0) -> list[int]:

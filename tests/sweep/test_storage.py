@@ -62,23 +62,6 @@ def test_a_study_another_worker_has_just_created_is_joined_not_refused(tmp_path:
         open_study(spec.model_copy(update={"name": other.study_name}), url)
 
 
-def test_only_retryable_errors_in_a_row_use_up_a_lineage_s_retries(tmp_path: Path) -> None:
-    # Preempted twice, then one storage error: that error still gets its retries (the README's "twice in a row").
-    from sweep.study import _retry
-
-    spec, _ = load_spec(write_study(tmp_path, TINY_STUDY))
-    study = open_study(spec, f"sqlite:///{tmp_path / 'tiny.db'}")
-    depths, trial = [], study.ask()
-    for reason, error in [("preempted (SIGTERM)", False), ("preempted (SIGTERM)", False),
-                          ("retryable error: ConnectionError", True), ("retryable error: ConnectionError", True),
-                          ("worker lost: no heartbeat", False)]:
-        _retry(study, trial, reason, error=error)
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        trial = study.ask()  # the retry, one lineage
-        depths.append(trial.user_attrs["retry_depth"])
-    assert depths == [0, 0, 1, 2, 0]
-
-
 def test_fixed_values_written_differently_but_equal_resume_the_study(tmp_path: Path) -> None:
     # YAML 1.1 reads `1e-4` (no dot) as a string; the trainer reads it as 0.0001. Same study either way.
     path = write_study(tmp_path, TINY_STUDY)

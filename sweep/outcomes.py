@@ -1,0 +1,224 @@
+"""How a trial ended, as one vocabulary, and what follows from it: its Optuna state, whether it counts towards
+`n_trials`, whether its params are trained again. Also the names of everything sweep stores on a trial.
+
+| outcome          | Optuna state | counts | retried | meaning                                                          |
+|------------------|--------------|--------|---------|------------------------------------------------------------------|
+| complete         | COMPLETE     | yes    | no      | trained to `max_steps`                                           |
+| pruned           | PRUNED       | yes    | no      | stopped by the pruner (fast-fail or the wrapped one)             |
+| failed           | FAIL         | yes    | no      | the config's fault: it raised, ran out of memory, or diverged    |
+| interrupted      | FAIL         | no     | yes     | Ctrl-C                                                           |
+| preempted        | FAIL         | no     | yes     | SIGTERM: a scheduler or a spot instance took the machine back    |
+| lost             | FAIL         | no     | yes     | its worker stopped beating (killed, machine gone)                |
+| infrastructure   | FAIL         | no     | yes     | the machine's fault: disk full, storage or checkpoint folder gone |
+
+A retried trial's params are queued again; the retry (`retry_of` names the original) resumes from the newest
+checkpoint of its lineage and counts in its place. Pure functions of stored trials: no storage access here.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import math
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+__all__ = ["ATTR_CONFIG", "Outcome", "TrialResult", "budget_counts", "failure_signature", "infrastructure_fault",
+           "jsonable", "lineage", "outcome_of"]
+
+# Trial user attrs written by sweep: one name for each thing, shown as-is in optuna-dashboard.
+ATTR_CONFIG = "config"
+ATTR_REPRO = "reproducibility"
+ATTR_METRICS = "metrics"
+ATTR_STEPS = "steps"
+ATTR_WALL = "wall_time_s"
+ATTR_OUTCOME = "outcome"  # an `Outcome` value: why the trial ended, beyond Optuna's three states
+ATTR_FAIL = "fail_reason"
+ATTR_PRUNE = "prune_reason"
+ATTR_TRACEBACK = "traceback"
+ATTR_INTERRUPTED = "interrupted"
+ATTR_RETRY_OF = "retry_of"
+ATTR_RETRY_REASON = "retry_reason"
+ATTR_RETRY_DEPTH = "retry_depth"  # infrastructure faults in a row that led to this trial
+ATTR_RESUMED_FROM = "resumed_from"  # {trial, step}: the lineage's checkpoint this trial continued from
+ATTR_WARM_START = "warm_start_from"  # {study, trial, step, distance, value, checkpoint_id, uri, sha256}
+ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm or resumed trial starts later)
+ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
+ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
+ATTR_REPORT_MS = "report_ms"
+
+SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
+ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
+STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
+
+LOST_REASON = "worker lost: no heartbeat"
+
+
+class Outcome(str, enum.Enum):
+    COMPLETE = "complete"
+    PRUNED = "pruned"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    PREEMPTED = "preempted"
+    LOST = "lost"
+    INFRASTRUCTURE = "infrastructure"
+
+    @property
+    def state(self) -> TrialState:
+        return {Outcome.COMPLETE: TrialState.COMPLETE, Outcome.PRUNED: TrialState.PRUNED}.get(self, TrialState.FAIL)
+
+    @property
+    def retried(self) -> bool:
+        """Not the config's fault: its params are trained again, and it does not count towards `n_trials`."""
+        return self in (Outcome.INTERRUPTED, Outcome.PREEMPTED, Outcome.LOST, Outcome.INFRASTRUCTURE)
+
+    @property
+    def donor(self) -> bool:
+        """Its checkpoints may seed other trials (a failed trial's may be what made it fail)."""
+        return self in (Outcome.COMPLETE, Outcome.PRUNED)
+
+
+@dataclass
+class TrialResult:
+    """What a runner hands the worker: the outcome, the value (COMPLETE only) and the attrs to store."""
+
+    outcome: Outcome
+    value: float | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reason(self) -> str | None:
+        return self.attrs.get(ATTR_FAIL)
+
+
+def outcome_of(trial: FrozenTrial) -> Outcome | None:
+    """The outcome of a finished trial, also for trials stored before the `outcome` attr existed."""
+    stored = trial.user_attrs.get(ATTR_OUTCOME)
+    if stored is not None:
+        return Outcome(stored)
+    if trial.state == TrialState.COMPLETE:
+        return Outcome.COMPLETE
+    if trial.state == TrialState.PRUNED:
+        return Outcome.PRUNED
+    if trial.state != TrialState.FAIL:
+        return None
+    if trial.user_attrs.get(ATTR_INTERRUPTED):
+        reason = str(trial.user_attrs.get(ATTR_FAIL, ""))
+        return Outcome.PREEMPTED if reason.startswith("preempted") else Outcome.INTERRUPTED
+    return Outcome.FAILED if ATTR_FAIL in trial.user_attrs else Outcome.LOST
+
+
+def budget_counts(trials: Iterable[FrozenTrial]) -> tuple[int, int]:
+    """(trials that used up a unit of `n_trials`, trials running now).
+
+    Completed and pruned trials count, and failed ones, unless the failure was not the config's: a trial
+    interrupted, preempted, lost or failed by the machine has a retry queued (a later trial whose `retry_of` names
+    it), which counts in its place."""
+    trials = list(trials)
+    retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
+    used = running = 0
+    for t in trials:
+        if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+            used += 1
+        elif t.state == TrialState.FAIL and t.number not in retried:
+            used += 1
+        elif t.state == TrialState.RUNNING:
+            running += 1
+    return used, running
+
+
+def lineage(trials: Mapping[int, FrozenTrial], number: int) -> list[int]:
+    """The trial and the trials it retries, newest first: `number`, its `retry_of`, that one's, and so on."""
+    chain: list[int] = []
+    current: int | None = number
+    while current is not None and current not in chain:
+        chain.append(current)
+        trial = trials.get(current)
+        origin = None if trial is None else trial.user_attrs.get(ATTR_RETRY_OF)
+        current = None if origin is None else int(origin)
+    return chain
+
+
+def failure_signature(trial: FrozenTrial) -> str | None:
+    """What makes two failures "the same way": the same exception and message, or NaN/Inf at the same step. A
+    divergence at different steps, or an explosion, is a property of the configs and has no signature."""
+    outcome = outcome_of(trial)
+    if outcome == Outcome.FAILED:
+        return str(trial.user_attrs.get(ATTR_FAIL))
+    reason = trial.user_attrs.get(ATTR_PRUNE) or {}
+    if outcome == Outcome.PRUNED and reason.get("rule") in ("nan", "inf"):
+        return f"{reason['rule']} at step {reason.get('step')}"
+    return None
+
+
+# Errors of the machine, not of the config. Out of space or quota, a read-only filesystem and I/O errors are the
+# machine's wherever they happen; a missing file or a refused permission only under the study's own folders (its
+# checkpoint store, its database's folder): elsewhere it is a path the config names. Out of memory is never the
+# machine's: it is a property of the config (its model and batch size), and the same config runs out again.
+_ANYWHERE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+_UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ESTALE}
+
+
+def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePath] = ()) -> str | None:
+    """A one-line reason naming the path (and, for a full disk, the space left there) when `exc`, or an error it
+    was raised from, is a fault of the machine; None when it is the config's."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno is not None:
+            path = None if error.filename is None else str(error.filename)
+            own = path is not None and any(_under(path, folder) for folder in own_folders)
+            if error.errno in _ANYWHERE or (error.errno in _UNDER_OWN_FOLDERS and own):
+                text = str(error) if path is None or path in str(error) else f"{error.strerror}: {path}"
+                free = _free_space(path) if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                return text + ("" if "free)" in text else free)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _under(path: str, folder: str | PurePath) -> bool:
+    try:
+        return PurePath(path).is_relative_to(PurePath(folder))
+    except ValueError:
+        return False
+
+
+def _free_space(path: str | None) -> str:
+    if path is None:
+        return ""
+    folder = Path(str(path))
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" ({_size(free)} free)"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def jsonable(value: Any) -> Any:
+    """User attrs are stored as JSON: NaN and Inf become the strings 'nan', 'inf', '-inf' (valid JSON that the
+    dashboard can show), anything else unknown becomes its str()."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

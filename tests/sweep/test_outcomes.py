@@ -1,0 +1,136 @@
+"""The outcome vocabulary and the storage boundary: what counts, what is retried, what is the machine's fault, what is
+transient, and how an outage is waited out."""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy
+import sqlalchemy.exc
+from optuna.trial import TrialState
+
+from sweep.outcomes import Outcome, budget_counts, infrastructure_fault, lineage, outcome_of
+from sweep.storage import Boundary, PatientStorage, StorageAway, StorageUnavailable, is_transient, make_storage
+
+
+@pytest.mark.parametrize(("outcome", "state", "retried", "donor"), [
+    (Outcome.COMPLETE, TrialState.COMPLETE, False, True),
+    (Outcome.PRUNED, TrialState.PRUNED, False, True),
+    (Outcome.FAILED, TrialState.FAIL, False, False),
+    (Outcome.INTERRUPTED, TrialState.FAIL, True, False),
+    (Outcome.PREEMPTED, TrialState.FAIL, True, False),
+    (Outcome.LOST, TrialState.FAIL, True, False),
+    (Outcome.INFRASTRUCTURE, TrialState.FAIL, True, False),
+])
+def test_each_outcome_has_one_state_and_one_retry_policy(outcome: Outcome, state: TrialState, retried: bool,
+                                                          donor: bool) -> None:
+    assert (outcome.state, outcome.retried, outcome.donor) == (state, retried, donor)
+
+
+def _trial(study: optuna.Study, state: TrialState, **attrs: object) -> None:
+    trial = study.ask()
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    if state != TrialState.RUNNING:
+        study.tell(trial, 1.0 if state == TrialState.COMPLETE else None, state=state)
+
+
+def test_retried_trials_count_once_through_their_retry_and_lineages_chain() -> None:
+    study = optuna.create_study()
+    _trial(study, TrialState.COMPLETE)                                      # 0: counts
+    _trial(study, TrialState.FAIL, fail_reason="ValueError: bad")           # 1: the config's failure, counts
+    _trial(study, TrialState.FAIL, outcome="lost")                          # 2: lost, retried by 3
+    _trial(study, TrialState.FAIL, outcome="infrastructure", retry_of=2)    # 3: machine fault, retried by 4
+    _trial(study, TrialState.RUNNING, retry_of=3)                           # 4: running
+    trials = study.get_trials()
+    assert budget_counts(trials) == (2, 1)
+    assert lineage({t.number: t for t in trials}, 4) == [4, 3, 2]
+    assert [outcome_of(t) for t in trials] == [Outcome.COMPLETE, Outcome.FAILED, Outcome.LOST,
+                                               Outcome.INFRASTRUCTURE, None]
+
+
+def test_a_full_disk_is_the_machine_s_fault_anywhere_and_a_missing_file_only_in_the_study_s_folders(
+        tmp_path: Path) -> None:
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.pt"))
+    reason = infrastructure_fault(full)
+    assert reason is not None and str(tmp_path) in reason and "free)" in reason
+    wrapped = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    wrapped.__cause__ = full
+    assert infrastructure_fault(wrapped) is not None
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/train_x.npy")
+    assert infrastructure_fault(missing, [tmp_path]) is None  # a path the config names
+    ours = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "store" / "a.pt"))
+    assert infrastructure_fault(ours, [tmp_path]) is not None
+    assert infrastructure_fault(MemoryError()) is None  # out of memory is the config's
+    assert infrastructure_fault(ValueError("lr must be positive")) is None
+
+
+def test_connection_trouble_is_transient_and_wrong_names_or_data_are_not() -> None:
+    dropped = sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("server closed the connection unexpectedly"))
+    wrapped = optuna.exceptions.StorageInternalError("An exception is raised during the commit. invalid data")
+    wrapped.__cause__ = dropped
+    assert is_transient(dropped) and is_transient(wrapped) and is_transient(ConnectionResetError())
+    assert is_transient(sqlite3.OperationalError("database or disk is full"))
+    assert is_transient(sqlite3.OperationalError("database is locked"))
+    assert not is_transient(sqlite3.OperationalError("no such table: trials"))
+    assert not is_transient(sqlalchemy.exc.OperationalError("connect", {}, Exception('database "x" does not exist')))
+    assert not is_transient(sqlalchemy.exc.IntegrityError("INSERT", {}, Exception("duplicate key")))
+    assert not is_transient(ValueError("x"))
+
+
+def test_the_boundary_waits_an_outage_out_and_says_so_twice() -> None:
+    lines: list[str] = []
+    boundary = Boundary(60, label="storage db", notify=lines.append)
+    failures = iter([ConnectionRefusedError("refused")] * 3)
+
+    def flaky() -> str:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return "stored"
+
+    assert boundary.call(flaky) == "stored"
+    assert len(lines) == 2 and "unreachable" in lines[0] and "back" in lines[1]
+    assert boundary.available
+
+
+def test_past_its_patience_the_boundary_gives_up_and_without_waiting_it_answers_at_once() -> None:
+    boundary = Boundary(0.5, notify=lambda line: None)
+
+    def down() -> None:
+        raise ConnectionRefusedError("refused")
+
+    with pytest.raises(StorageUnavailable, match="unreachable for"):
+        boundary.call(down)
+    started = time.monotonic()
+    with boundary.no_wait(), pytest.raises(StorageAway):
+        boundary.call(down)
+    assert time.monotonic() - started < 0.5
+    with pytest.raises(ValueError):  # final errors pass through at once
+        boundary.call(lambda: int("x"))
+
+
+def test_a_locked_sqlite_database_is_waited_out_through_the_patient_storage(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    lines: list[str] = []
+    storage = PatientStorage(make_storage(url), Boundary(60, notify=lines.append))
+    study = optuna.create_study(storage=storage, study_name="s")
+    holder = sqlalchemy.create_engine(url, connect_args={"timeout": 0.1})
+    connection = holder.connect()
+    connection.exec_driver_sql("BEGIN EXCLUSIVE")  # a writer that holds the lock for a while
+    release = threading.Timer(1.5, lambda: (connection.exec_driver_sql("ROLLBACK"), connection.close()))
+    release.start()
+    try:
+        storage.backend.engine.dispose()
+        trial = study.ask()  # waits: SQLite's busy timeout, then the boundary
+        study.tell(trial, 1.0)
+    finally:
+        release.join()
+        holder.dispose()
+    assert study.trials[0].state == TrialState.COMPLETE
