@@ -22,7 +22,8 @@ import optuna
 
 from trainer.checkpoint import TrainState, load_checkpoint
 
-__all__ = ["CheckpointStore", "RetainedArtifacts", "artifact_store_at", "artifact_store_for", "delete_blob", "is_object_url", "load_blob", "local_copy"]
+__all__ = ["CheckpointStore", "RetainedArtifacts", "artifact_store_at", "artifact_store_for", "delete_blob",
+           "is_object_url", "load_blob", "local_copy"]
 
 SCHEMES = ("s3", "gs")
 

@@ -182,7 +182,8 @@ def _cleanup(trial_number: int, what: str) -> Iterator[None]:
 class TrialCheckpointer:
     """The trainer's `Checkpointer` for one trial."""
 
-    def __init__(self, registry: Registry, store: CheckpointStore, study: str, trial_number: int, params: Mapping[str, Any],
+    def __init__(self, registry: Registry, store: CheckpointStore, study: str, trial_number: int,
+                 params: Mapping[str, Any],
                  policy: CheckpointPolicy, metric: str, maximize: bool, shape_key: str = "",
                  coords: Sequence[float | None] = (), cat_key: str = "", keep_steps: Sequence[int] = ()) -> None:
         self.registry, self.store, self.study, self.number = registry, store, study, trial_number
@@ -246,8 +247,9 @@ class TrialCheckpointer:
 
 def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[CheckpointRecord]:
     """The checkpoints with a finite value, best first."""
-    scored = [r for r in records if r.value is not None and math.isfinite(r.value)]
-    return sorted(scored, key=lambda r: -r.value if maximize else r.value)  # type: ignore[operator]
+    sign = -1.0 if maximize else 1.0
+    scored = [(sign * r.value, r) for r in records if r.value is not None and math.isfinite(r.value)]
+    return [r for _, r in sorted(scored, key=lambda pair: pair[0])]
 
 
 def ranked_trials(ranges: Mapping[int, tuple[float | None, float | None, bool]], maximize: bool) -> list[int]:

@@ -71,11 +71,17 @@ def run(
                                          "machine each is pinned to a GPU, round robin.")] = 1,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
-    from sweep.spec import load_spec
     from sweep import results
-    from sweep.study import (InfrastructureError, Preempted, StudyBrokenError, StudyMismatchError, open_study,
-                             worker_storage)
+    from sweep.spec import load_spec
     from sweep.storage import StorageUnavailable
+    from sweep.study import (
+        InfrastructureError,
+        Preempted,
+        StudyBrokenError,
+        StudyMismatchError,
+        open_study,
+        worker_storage,
+    )
     from sweep.workers import WORKER_ENV, prepare_process, run_local_workers
 
     overrides = [*(set_ or []), *([f"name={study_name}"] if study_name else []),
@@ -89,7 +95,7 @@ def run(
     prefix = "" if worker is None else f"[worker {worker}] "
     prepare_process(spec)
     _quiet_optuna()
-    notify = lambda line: err.print(f"{prefix}{line}", markup=False)  # noqa: E731 - the storage's outage lines
+    notify = lambda line: err.print(f"{prefix}{line}", markup=False)
     try:
         study = open_study(spec, worker_storage(spec, url, notify=notify))
     except StudyMismatchError as exc:
@@ -148,12 +154,12 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, status_now
         return run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
 
 
-def _open(target: str, storage: str | None, study_name: str | None):
+def _open(target: str, storage: str | None, study_name: str | None) -> Any:
     """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
     return _open_with_url(target, storage, study_name)[0]
 
 
-def _open_with_url(target: str, storage: str | None, study_name: str | None):
+def _open_with_url(target: str, storage: str | None, study_name: str | None) -> tuple[Any, str]:
     path = Path(target) if target else None
     name = study_name
     if path is not None and path.suffix in (".yaml", ".yml"):
@@ -284,6 +290,33 @@ def stop(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = 
 
 
 @app.command()
+def check(
+    target: Target = "",
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Fix what can be fixed: delete rows whose blob is missing "
+                                         "or corrupt, delete files no row names, upload lost artifacts again.")
+                ] = False,
+) -> None:
+    """Registry and disk agree? Lists every checkpoint row whose blob is missing or fails its hash, every file in the
+    store that no row names, and every dashboard artifact that points nowhere; exit 1 while any is left."""
+    from sweep.reconcile import check_study, store_location
+    from sweep.registry import Registry
+
+    study, url = _open_with_url(target, storage, study_name)
+    report = check_study(Registry(url), store_location(study, url), study, repair=repair)
+    for problem in report.problems:
+        status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"
+        out.print(f"{problem.kind.value}: {problem.detail} [{status}]", markup=False)
+    for note in report.notes:
+        err.print(f"note: {note}", markup=False)
+    counts = ", ".join(f"{kind.value} {n}" for kind, n in report.counts().items())
+    err.print(f"study {study.study_name!r}: {counts}", markup=False)
+    if not report.ok:
+        raise _fail("registry and disk disagree; run `sweep check --repair` to fix what can be fixed", 1)
+
+
+@app.command()
 def report(
     target: Target = "",
     storage: StorageOpt = None,
@@ -363,6 +396,8 @@ def reproduce(
 def _preemptible() -> Iterator[None]:
     """SIGTERM (a scheduler taking the machine back) raises `Preempted` in the main thread, so the running trial is
     marked and queued like on Ctrl-C, instead of the process dying with the trial left RUNNING."""
+    from sweep.worker import Preempted
+
     def handler(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second signal must not cut the clean-up short
         raise Preempted()

@@ -105,5 +105,5 @@ def component_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
 def pruner_name(pruner: optuna.pruners.BasePruner | None) -> str:
     """The study file's name for a pruner object (`median`), or its class name for one sweep does not name."""
-    names = {cls: name for name, cls in PRUNERS.items()}
+    names: dict[type, str] = {cls: name for name, cls in PRUNERS.items()}
     return names.get(type(pruner), type(pruner).__name__)

@@ -20,9 +20,23 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from sweep.components import pruner_name
-from sweep.outcomes import (ATTR_CONFIG, ATTR_FAIL, ATTR_METRICS, ATTR_PRUNE, ATTR_REPORT_MS, ATTR_REPRO,
-                            ATTR_RESUMED_FROM, ATTR_SPEED, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL,
-                            ATTR_WARM_START, Outcome, TrialResult, lineage)
+from sweep.outcomes import (
+    ATTR_CONFIG,
+    ATTR_FAIL,
+    ATTR_METRICS,
+    ATTR_PRUNE,
+    ATTR_REPORT_MS,
+    ATTR_REPRO,
+    ATTR_RESUMED_FROM,
+    ATTR_SPEED,
+    ATTR_STEPS,
+    ATTR_STEPS_TRAINED,
+    ATTR_WALL,
+    ATTR_WARM_START,
+    Outcome,
+    TrialResult,
+    lineage,
+)
 from sweep.pruners import FastFailPruner
 from sweep.storage import StorageAway
 from sweep.warmstart import shape_key

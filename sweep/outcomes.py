@@ -1,15 +1,15 @@
 """How a trial ended, as one vocabulary, and what follows from it: its Optuna state, whether it counts towards
 `n_trials`, whether its params are trained again. Also the names of everything sweep stores on a trial.
 
-| outcome          | Optuna state | counts | retried | meaning                                                          |
-|------------------|--------------|--------|---------|------------------------------------------------------------------|
-| complete         | COMPLETE     | yes    | no      | trained to `max_steps`                                           |
-| pruned           | PRUNED       | yes    | no      | stopped by the pruner (fast-fail or the wrapped one)             |
-| failed           | FAIL         | yes    | no      | the config's fault: it raised, ran out of memory, or diverged    |
-| interrupted      | FAIL         | no     | yes     | Ctrl-C                                                           |
-| preempted        | FAIL         | no     | yes     | SIGTERM: a scheduler or a spot instance took the machine back    |
-| lost             | FAIL         | no     | yes     | its worker stopped beating (killed, machine gone)                |
-| infrastructure   | FAIL         | no     | yes     | the machine's fault: disk full, storage or checkpoint folder gone |
+| outcome        | state    | counts | retried | meaning                                                       |
+|----------------|----------|--------|---------|---------------------------------------------------------------|
+| complete       | COMPLETE | yes    | no      | trained to `max_steps`                                        |
+| pruned         | PRUNED   | yes    | no      | stopped by the pruner (fast-fail or the wrapped one)          |
+| failed         | FAIL     | yes    | no      | the config's fault: it raised, ran out of memory, diverged    |
+| interrupted    | FAIL     | no     | yes     | Ctrl-C                                                        |
+| preempted      | FAIL     | no     | yes     | SIGTERM: a scheduler or a spot instance took the machine      |
+| lost           | FAIL     | no     | yes     | its worker stopped beating (killed, machine gone)             |
+| infrastructure | FAIL     | no     | yes     | the machine's fault: disk full, storage or folder gone        |
 
 A retried trial's params are queued again; the retry (`retry_of` names the original) resumes from the newest
 checkpoint of its lineage and counts in its place. Pure functions of stored trials: no storage access here.

@@ -27,7 +27,8 @@ def describe_outcome(trial: FrozenTrial) -> str:
         reason = attrs.get("prune_reason") or {}
         if "message" in reason:
             return f"pruned: {reason['message']}"
-        return f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} (value={_num(reason.get('value'))})"
+        return (f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} "
+                f"(value={_num(reason.get('value'))})")
     if trial.state == TrialState.FAIL:
         # Every failure sweep records carries its reason; only Optuna's stale-trial check fails one without it.
         return f"failed: {attrs.get(ATTR_FAIL, LOST_REASON)}"

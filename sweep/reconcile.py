@@ -24,16 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from sweep.blobs import CheckpointStore, artifact_store_for, delete_blob, is_object_url, local_copy
+from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, is_object_url, local_copy
+from sweep.outcomes import ARTIFACTS_ATTR, SPEC_ATTR
+from sweep.outcomes import ATTR_CHECKPOINT as CHECKPOINT_ATTR
+from sweep.registry import default_store
 from trainer.checkpoint import sha256_of
 
 if TYPE_CHECKING:
     from sweep.registry import CheckpointRecord, Registry
 
-__all__ = ["ARTIFACTS_ATTR", "CHECKPOINT_ATTR", "CheckReport", "Problem", "ProblemKind", "check_study", "quick_check"]
+__all__ = ["CheckReport", "Problem", "ProblemKind", "check_study", "quick_check", "store_location"]
 
-ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the artifact store's folder or s3:// / gs:// URL
-CHECKPOINT_ATTR = "checkpoint"  # trial user attr: {"artifact_id", "step", "value", "sha256", "size"}
 ORPHAN_MIN_AGE_S = 60.0  # a younger unregistered file may be a worker's, about to be registered
 STALE_TEMPORARY_S = 3600.0  # a temporary this old is a killed writer's leftover, not a write in progress
 
@@ -124,6 +125,12 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
     _check_orphans(files, records, report, repair, orphan_min_age_s, stale_temporary_s)
     _check_artifacts(study, sound, report, repair)
     return report
+
+
+def store_location(study: optuna.Study, storage_url: str) -> str:
+    """Where the study's blobs live: the stored study file's `checkpoints.store`, else beside the SQLite file."""
+    stored = (study.user_attrs.get(SPEC_ATTR) or {}).get("checkpoints") or {}
+    return str(stored.get("store") or default_store(storage_url))
 
 
 def quick_check(registry: Registry, study_name: str) -> list[Problem]:
@@ -271,7 +278,7 @@ def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], report:
         report.notes.append(f"{len(recorded)} trials name checkpoint artifacts but the study records no artifact "
                             f"store (user attr {ARTIFACTS_ATTR!r}): not checked")
         return
-    store = _artifact_store(location)
+    store = artifact_store_at(location)
     for trial, attr in recorded:
         artifact_id = str(attr["artifact_id"])
         if _artifact_exists(store, artifact_id):
@@ -291,12 +298,6 @@ def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], report:
             ProblemKind.DANGLING_ARTIFACT, f"{where} is not in {location}; checkpoint {source.id} ({source.uri}) "
             f"has its hash{', uploaded again' if repair else ''}", artifact_id, repaired=repair,
             checkpoint_id=source.id))
-
-
-def _artifact_store(location: str) -> Any:
-    if is_object_url(location):
-        return artifact_store_for(location)
-    return optuna.artifacts.FileSystemArtifactStore(location)
 
 
 def _artifact_exists(store: Any, artifact_id: str) -> bool:

@@ -17,14 +17,31 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from collections.abc import Sequence
-
-from sqlalchemy import (Column, Float, Index, Integer, MetaData, String, Table, Text, and_, create_engine, delete,
-                        func, insert, inspect, literal, or_, select, update)
+from sqlalchemy import (
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+    create_engine,
+    delete,
+    func,
+    insert,
+    inspect,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -82,7 +99,8 @@ class CheckpointRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> CheckpointRecord:
-        values = {k: v for k, v in row._mapping.items() if k not in _LOOKUP_ONLY and not (k[0] == "c" and k[1:].isdigit())}
+        mapping = row._mapping  # noqa: SLF001 - SQLAlchemy's documented way to read a Row by column name
+        values = {k: v for k, v in mapping.items() if k not in _LOOKUP_ONLY and not (k[0] == "c" and k[1:].isdigit())}
         values["params"] = json.loads(values["params"])
         return cls(**values)
 
@@ -145,7 +163,9 @@ class Registry:
                 study=study, trial_number=trial_number, step=step, value=value,
                 params=json.dumps(params, sort_keys=True, default=str), shape_key=shape_key, uri=uri, size=size,
                 sha256=sha256, created_at=time.time(), final=0, pinned=0, cat_key=cat_key, **columns))
-            return int(result.inserted_primary_key[0])
+            key = result.inserted_primary_key
+            assert key is not None  # an INSERT of one row always has it
+            return int(key[0])
 
     def finish_trial(self, study: str, trial_number: int, *, donor: bool = True) -> None:
         """The trial ended: its checkpoints count for the study's retention from now on, and when it completed or was

@@ -15,9 +15,17 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.outcomes import (
+    ATTR_CONFIG,
+    ATTR_FAIL,
+    ATTR_PRUNE,
+    ATTR_RETRY_OF,
+    ATTR_WARM_START,
+    LOST_REASON,
+    SPEC_ATTR,
+    budget_counts,
+)
 from sweep.results import state_counts, steps_trained
-from sweep.outcomes import (ATTR_CONFIG, ATTR_FAIL, ATTR_PRUNE, ATTR_RETRY_OF, ATTR_WARM_START, LOST_REASON,
-                            SPEC_ATTR, budget_counts)
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]
 
@@ -28,7 +36,8 @@ INFEASIBLE_RULES = {"nan", "inf", "explode"}
 def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[str]]:
     """Trials that diverged (pruned for NaN/Inf/explosion) or failed, and how many for each reason. A trial that was
     retried (its worker was lost or interrupted, or a storage error) is not: its retry stands for its config."""
-    bad, reasons = [], Counter()
+    bad: list[FrozenTrial] = []
+    reasons: Counter[str] = Counter()
     retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
     for trial in trials:
         prune = trial.user_attrs.get(ATTR_PRUNE) or {}

@@ -8,9 +8,17 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.outcomes import (
+    ATTR_CONFIG,
+    ATTR_SPEED,
+    ATTR_STEPS,
+    ATTR_STEPS_TRAINED,
+    ATTR_WALL,
+    ATTR_WARM_START,
+    SPEC_ATTR,
+    budget_counts,
+)
 from sweep.progress import describe_outcome
-from sweep.outcomes import (ATTR_CONFIG, ATTR_SPEED, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WALL, ATTR_WARM_START,
-                            SPEC_ATTR, budget_counts)
 
 __all__ = ["best_config", "state_counts", "steps_trained", "study_status", "trial_rows"]
 

@@ -11,13 +11,24 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
-from pydantic import field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
 __all__ = ["CategoricalParam", "CheckpointPolicy", "Component", "FloatParam", "IntParam", "Param", "StudyFileError",
-           "StudySpec", "TaskSpec", "WarmStartSpec", "apply_overrides", "read_document", "read_spec", "resolve_storage_url",
+           "StudySpec", "TaskSpec", "WarmStartSpec", "apply_overrides", "read_document", "read_spec",
+           "resolve_storage_url",
            "validate_document"]
 
 class StudyFileError(Exception):
@@ -172,14 +183,14 @@ class StudySpec(_Model):
     n_trials: int = Field(ge=1)
     timeout: float | None = Field(None, gt=0)
     seed: int = Field(0, ge=0)
-    sampler: Component = Component(type="tpe")
-    pruner: Component = Component(type="fastfail", then="median")
+    sampler: Component = Field(default_factory=lambda: Component.model_validate("tpe"))
+    pruner: Component = Field(default_factory=lambda: Component.model_validate({"type": "fastfail", "then": "median"}))
     max_repeated_failures: int = Field(5, ge=0)
     heartbeat_interval: int = Field(10, ge=1)
     heartbeat_grace_period: int = Field(60, ge=2)
     storage_patience: float = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
-    checkpoints: CheckpointPolicy = CheckpointPolicy()
-    warm_start: WarmStartSpec = WarmStartSpec(enabled=False)
+    checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
+    warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}

@@ -16,8 +16,15 @@ from typing import Any
 
 from sweep.components import component_problems
 from sweep.outcomes import SPEC_ATTR
-from sweep.schema import (CategoricalParam, Component, FloatParam, StudyFileError, StudySpec, read_spec,
-                          validate_document)
+from sweep.schema import (
+    CategoricalParam,
+    Component,
+    FloatParam,
+    StudyFileError,
+    StudySpec,
+    read_spec,
+    validate_document,
+)
 from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.tasks import Task, TaskError, load_task
 
@@ -123,10 +130,10 @@ def _expected_type(key: str, task: Task) -> type | None:
     if head == "model":
         default = task.model_defaults.get(rest)
         return type(default) if default is not None else None
-    owner: type = TrainingConfig
+    owner: Any = TrainingConfig
     while True:  # walk nested config dataclasses: curriculum.stages
         hint = typing.get_type_hints(owner).get(head)
-        if rest and dataclasses.is_dataclass(hint):
+        if rest and isinstance(hint, type) and dataclasses.is_dataclass(hint):
             owner, (head, _, rest) = hint, rest.partition(".")
             continue
         break

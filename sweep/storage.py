@@ -30,7 +30,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 import optuna
@@ -205,7 +204,8 @@ def is_transient(exc: BaseException) -> bool:
             if isinstance(error.orig, sqlite3.Error):  # SQLite's own error tells "locked" from "no such table"
                 return isinstance(error.orig, sqlite3.OperationalError) and any(
                     word in str(error.orig).lower() for word in _SQLITE_TRANSIENT)
-        if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.DisconnectionError, sqlalchemy.exc.TimeoutError,
+        if isinstance(error, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.DisconnectionError,
+                              sqlalchemy.exc.TimeoutError,
                               sqlalchemy.exc.InterfaceError, ConnectionError, TimeoutError)):
             return True
         if type(error).__module__.startswith("psycopg") and type(error).__name__ in (

@@ -18,8 +18,7 @@ from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
 from sweep.outcomes import SPEC_ATTR, budget_counts
 from sweep.schema import StudySpec, resolve_storage_url
 from sweep.storage import Boundary, PatientStorage, load_existing_study, make_storage, mask_url
-from sweep.worker import (Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker,
-                          request_stop)
+from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
 from trainer.config import nest
 
 __all__ = ["PRUNERS", "SAMPLERS", "Events", "InfrastructureError", "Preempted", "RunSummary", "StudyBrokenError",

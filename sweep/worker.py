@@ -29,9 +29,23 @@ from optuna.trial import FrozenTrial, TrialState
 from sweep.checkpoints import CheckpointService
 from sweep.components import build_sampler
 from sweep.objective import TrainerTrial
-from sweep.outcomes import (ATTR_FAIL, ATTR_INTERRUPTED, ATTR_OUTCOME, ATTR_RETRY_DEPTH, ATTR_RETRY_OF,
-                            ATTR_RETRY_REASON, ATTR_TRACEBACK, LOST_REASON, STOP_ATTR, Outcome, TrialResult,
-                            budget_counts, failure_signature, infrastructure_fault, jsonable)
+from sweep.outcomes import (
+    ATTR_FAIL,
+    ATTR_INTERRUPTED,
+    ATTR_OUTCOME,
+    ATTR_RETRY_DEPTH,
+    ATTR_RETRY_OF,
+    ATTR_RETRY_REASON,
+    ATTR_TRACEBACK,
+    LOST_REASON,
+    STOP_ATTR,
+    Outcome,
+    TrialResult,
+    budget_counts,
+    failure_signature,
+    infrastructure_fault,
+    jsonable,
+)
 from sweep.schema import StudySpec
 from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient
 

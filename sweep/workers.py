@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-
 from pathlib import Path
 from typing import TYPE_CHECKING
 

@@ -50,7 +50,7 @@ def test_distance_is_euclidean_in_the_normalised_space() -> None:
 def test_the_shape_key_changes_with_shapes_and_only_with_shapes() -> None:
     spec = make_spec()
     digits = load_task("digits", {})
-    key = lambda **params: shape_key(spec.config_for(params), digits)  # noqa: E731
+    key = lambda **params: shape_key(spec.config_for(params), digits)
     assert key(**{"model.hidden": 16}) == key(**{"model.hidden": 16, "learning_rate": 0.5, "optimizer": "sgd"})
     assert key(**{"model.hidden": 16}) != key(**{"model.hidden": 17})
     assert key(**{"model.hidden": 16}) != key(**{"model.hidden": 16, "model.depth": 3})

@@ -1,0 +1,40 @@
+"""`sweep check [--repair]` through the real CLI: registry and disk made to disagree, then reconciled."""
+
+from __future__ import annotations
+
+import copy
+import sqlite3
+from pathlib import Path
+
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
+
+
+def test_check_finds_deleted_and_corrupt_blobs_and_repair_makes_registry_and_disk_agree(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 3, "checkpoints": {"every_steps": 10, "keep_top_k": 2}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    db = tmp_path / "tiny.db"
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute("SELECT id, uri FROM sweep_checkpoints ORDER BY id").fetchall()
+    assert len(rows) >= 3
+    (deleted_id, deleted), (corrupt_id, corrupt) = rows[0], rows[1]
+    Path(deleted).unlink()
+    data = bytearray(Path(corrupt).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(corrupt).write_bytes(bytes(data))
+
+    found = sweep_cli("check", path)
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert f"{deleted}" in found.stdout and "missing_blob" in found.stdout
+    assert f"{corrupt}" in found.stdout and "corrupt_blob" in found.stdout
+    with sqlite3.connect(db) as connection:  # a check alone changes nothing
+        assert connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0] == len(rows)
+
+    repaired = sweep_cli("check", path, "--repair")
+    assert repaired.returncode == 0, repaired.stdout + repaired.stderr
+    with sqlite3.connect(db) as connection:
+        left = {row[0] for row in connection.execute("SELECT id FROM sweep_checkpoints")}
+    assert deleted_id not in left and corrupt_id not in left and len(left) == len(rows) - 2
+    assert not Path(corrupt).exists()
+    again = sweep_cli("check", path)
+    assert again.returncode == 0, again.stdout + again.stderr
