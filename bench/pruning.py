@@ -118,7 +118,7 @@ def main() -> None:
                      f"{len(top_pruned)}/{len(top)} ({len(by_fast_fail)})",
                      f"{arm['wall']:.1f}"))
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"
     print(line(header))
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:

@@ -4,8 +4,8 @@ The stored `config` user attr is the trial's whole `TrainingConfig` (fixed value
 warm-started trial also names its parent checkpoint (`warm_start_from`), which is loaded again. The rerun reports to
 a local recorder, not to the study, and stops where the trial stopped (a pruned trial is replayed up to its last
 report). It runs with the torch thread counts the trial recorded (`reproducibility.threads`): a worker of
-`--workers N` trained with a share of the cores, and a sum over another number of threads rounds differently. On CPU the values must match bit for bit; on a GPU within a
-relative tolerance, since cuBLAS and cuDNN kernels are not deterministic unless `deterministic: true`.
+`--workers N` trained with a share of the cores, and a sum over another number of threads rounds differently. On CPU
+the values must match bit for bit; on a GPU within a relative tolerance, since cuBLAS and cuDNN kernels are not deterministic unless `deterministic: true`.
 """
 
 from __future__ import annotations

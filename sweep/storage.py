@@ -225,6 +225,7 @@ class Boundary:
         self.patience_s, self.label = patience_s, label
         self.notify = notify if notify is not None else _to_stderr
         self.down_since: float | None = None
+        self.recovered_at: float | None = None  # when the storage last came back (time.monotonic)
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -278,7 +279,7 @@ class Boundary:
         with self._lock:
             if self.down_since is not None:
                 self.notify(f"{self.label} is back after {time.monotonic() - self.down_since:.0f} s")
-                self.down_since = None
+                self.down_since, self.recovered_at = None, time.monotonic()
 
     def guard(self, target: T) -> T:
         """`target` with each of its methods called through this boundary."""

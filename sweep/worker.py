@@ -253,6 +253,11 @@ class Worker:
         its params queued again (the retry resumes from the lineage's checkpoint)."""
         if not isinstance(self.storage, PatientStorage):
             return
+        recovered = self.boundary.recovered_at
+        if recovered is not None and time.monotonic() - recovered < self.spec.heartbeat_grace_period:
+            # Right after an outage no worker could beat for its length: give them the grace period to beat again
+            # before anyone is judged lost, or every trial that trained through the outage would be.
+            return
         study_id = self.study._study_id  # noqa: SLF001 - Optuna has no public handle on it
         for trial_id in self.storage.stale_trial_ids(study_id):
             if self.storage.fail_lost_trial(trial_id, LOST_REASON):
