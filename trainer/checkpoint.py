@@ -13,21 +13,44 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "CheckpointInfo", "TrainState", "capture_rng", "load_checkpoint", "restore_rng",
-           "save_checkpoint", "sha256_of", "WarmStart"]
+__all__ = ["CheckpointError", "CheckpointInfo", "LoopState", "TrainState", "WarmStart", "capture_rng",
+           "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of"]
 
 FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted: missing, truncated, corrupt, or not what its hash says."""
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """The loop's own running values that an exact resume needs, besides model, optimizer, data position and RNGs.
+
+    Saved as a plain mapping of these keys (format 1, as checkpoints have always held it); a key that a mapping lacks
+    takes its default, the state of a loop that has not started.
+    """
+
+    loss_sum: float = 0.0  # the training loss summed since the last log step (read back from the device when saved)
+    steps_since_log: int = 0  # the steps in that sum
+    guard_threshold: float | None = None  # the fast-fail guard's explosion threshold, set by the step-0 evaluation
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LoopState:
+        threshold = values.get("guard_threshold")
+        return cls(loss_sum=float(values.get("loss_sum", 0.0)), steps_since_log=int(values.get("steps_since_log", 0)),
+                   guard_threshold=None if threshold is None else float(threshold))
 
 
 @dataclass
@@ -40,21 +63,21 @@ class TrainState:
     scaler: dict[str, Any]
     rng: dict[str, Any]
     data: dict[str, Any]
-    loop: dict[str, Any] = field(default_factory=dict)  # running loss since the last log, the guard's threshold
+    loop: LoopState = field(default_factory=LoopState)
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
     def payload(self) -> dict[str, Any]:
         return {"format": FORMAT, "step": self.step, "model": self.model, "optimizer": self.optimizer,
-                "scaler": self.scaler, "rng": self.rng, "data": self.data, "loop": self.loop, "config": self.config,
-                "metrics": self.metrics}
+                "scaler": self.scaler, "rng": self.rng, "data": self.data, "loop": self.loop.as_dict(),
+                "config": self.config, "metrics": self.metrics}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> TrainState:
         if payload.get("format") != FORMAT:
             raise CheckpointError(f"unknown checkpoint format {payload.get('format')!r}, expected {FORMAT}")
-        return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "loop",
-                                              "config", "metrics")})
+        return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "config",
+                                              "metrics")}, loop=LoopState.from_dict(payload["loop"]))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,10 @@
 then log and evaluate at their intervals. Every decision (device, precision, optimizer, schedule) is made before the
 loop; values are read back from the device only at log and eval intervals, never per step.
 
+`train` in four parts: `build_run` (seed; device, model, optimizer, precision, batches), then where the steps begin
+(`_restore` a checkpoint of this run, `_load_warm_start` another run's weights, and the step-0 evaluation), then the
+loop itself (`_train_steps`), whose running values between log steps are a `LoopState` in a checkpoint.
+
 The trainer knows nothing of Optuna: it talks to whoever drives it through a `Reporter`.
 """
 
@@ -9,18 +13,26 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, capture_rng, restore_rng, save_checkpoint
+from trainer.checkpoint import (
+    CheckpointInfo,
+    LoopState,
+    TrainState,
+    WarmStart,
+    capture_rng,
+    restore_rng,
+    save_checkpoint,
+)
 from trainer.config import TrainingConfig
 from trainer.curriculum import stage_starts
-from trainer.data import build_batches
+from trainer.data import DeviceData, LoaderData, build_batches
 from trainer.device_stats import device_stats
 from trainer.evaluate import evaluate
 from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge
@@ -30,8 +42,10 @@ from trainer.seeding import reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, load_task
 
-__all__ = ["Checkpointer", "FastFailReporter", "NullReporter", "Reporter", "TrainResult", "accumulate_gradients",
-           "load_optimizer_moments", "optimizer_step", "train"]
+__all__ = ["Checkpointer", "FastFailReporter", "LoopState", "NullReporter", "Reporter", "Run", "Status", "TrainResult",
+           "accumulate_gradients", "build_run", "load_optimizer_moments", "optimizer_step", "train"]
+
+Status = Literal["completed", "stopped"]
 
 
 class Reporter(Protocol):
@@ -78,7 +92,7 @@ class FastFailReporter:
 
 @dataclass
 class TrainResult:
-    status: Literal["completed", "stopped"]
+    status: Status
     steps: int
     metrics: dict[str, float]  # the last evaluation
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -88,7 +102,8 @@ class TrainResult:
     stop_reason: dict[str, Any] | None = None  # set when the trainer's own fast-fail rules stopped it
 
 
-def accumulate_gradients(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+def accumulate_gradients(model: Callable[[torch.Tensor], torch.Tensor],
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                          micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_micro: int,
                          precision: Precision) -> torch.Tensor:
     """Forward and backward over `n_micro` micro-batches; returns their mean loss as a device tensor (no sync).
@@ -138,6 +153,57 @@ class Checkpointer(Protocol):
         """Told after a checkpoint is safely on disk."""
 
 
+@dataclass
+class Run:
+    """What one run is made of, decided and built once before the loop: nothing in the loop picks a device, a
+    precision or a data path. `build_run` makes one from a config."""
+
+    config: TrainingConfig
+    task: Task
+    fast_fail: FastFailConfig  # resolved for this run's max_steps
+    stages: tuple[int, ...]  # the steps at which the curriculum changes stage: fast-fail gives each a grace period
+    device: torch.device
+    model: nn.Module  # what is evaluated and saved
+    forward: Callable[[torch.Tensor], torch.Tensor]  # what runs the training steps: `model`, compiled when asked
+    begin_step: Callable[[], None]  # marks where an optimizer step begins, for CUDA graphs; does nothing without them
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    val: tuple[torch.Tensor, torch.Tensor]  # on the device
+    batches: DeviceData | LoaderData
+    guard: LossGuard
+    stats: Callable[[], dict[str, float]]  # the device's metrics at a log step (none on a CPU)
+    settle: Callable[[], None]  # waits for the steps queued on the device (CUDA), else does nothing
+
+
+def build_run(config: TrainingConfig, task: Task) -> Run:
+    """Seed, then build the model, optimizer, precision and batches of `config` on its device, in a fixed order: the
+    model's initial weights come from the seeded RNG."""
+    fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
+    stages = stage_starts(config.curriculum, config.max_steps)
+    device = resolve_device(config.device)
+    seed_everything(config.seed, deterministic=config.deterministic)
+    allow_tf32(device, config.deterministic)
+    model = task.build_model(task.model_config(config.model)).to(device)
+    # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
+    # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
+    forward = torch.compile(model, mode=config.compile_mode) if config.compile else model
+    # CUDA graphs (the modes that use them) must be told where an optimizer step begins (once, not per micro-batch:
+    # accumulated gradients must outlive the micro-batch), so that they may reuse the memory of the last step's
+    # outputs; with no graphs the call would do nothing, and it is chosen here, not per step.
+    graphs = config.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"  # implies compile
+    optimizer = build_optimizer(model, config, device)
+    precision = resolve_precision(config.mixed_precision, device)
+    val_inputs, val_targets = task.val
+    batches = build_batches(config, task, device)  # the curriculum's (or the whole set's) batches: on the device, or
+    #                                                gathered by loader workers when the set does not fit there
+    return Run(config=config, task=task, fast_fail=fast_fail, stages=stages, device=device, model=model,
+               forward=forward, begin_step=torch.compiler.cudagraph_mark_step_begin if graphs else _nothing,
+               optimizer=optimizer, precision=precision, val=(val_inputs.to(device), val_targets.to(device)),
+               batches=batches, stats=device_stats(device),  # peak memory, GPU utilisation: nothing on a CPU
+               guard=LossGuard(fast_fail, device, stages),
+               settle=_synchronize(device) if device.type == "cuda" else _nothing)
+
+
 def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None, *,
           resume: TrainState | None = None, warm_start: WarmStart | None = None,
           checkpointer: Checkpointer | None = None) -> TrainResult:
@@ -153,152 +219,187 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
-    fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
-    stages = stage_starts(config.curriculum, config.max_steps)  # fast-fail gives each stage change a grace period
-    local = FastFailReporter(fast_fail, stage_starts=stages) if reporter is None else None
-    reporter = local if local is not None else reporter
-    device = resolve_device(config.device)
-    seed_everything(config.seed, deterministic=config.deterministic)
-    allow_tf32(device, config.deterministic)
-    model = task.build_model(task.model_config(config.model)).to(device)
-    # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
-    # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
-    forward = torch.compile(model, mode=config.compile_mode) if config.compile else model
-    # CUDA graphs (the modes that use them) must be told where an optimizer step begins (once, not per micro-batch:
-    # accumulated gradients must outlive the micro-batch), so that they may reuse the memory of the last step's
-    # outputs; with no graphs the call would do nothing, and it is chosen here, not per step.
-    graphs = config.compile_mode in ("reduce-overhead", "max-autotune") and device.type == "cuda"  # implies compile
-    begin_step = torch.compiler.cudagraph_mark_step_begin if graphs else _nothing
-    optimizer = build_optimizer(model, config, device)
-    precision = resolve_precision(config.mixed_precision, device)
-    val = tuple(t.to(device) for t in task.val)
-    batches = build_batches(config, task, device)  # the curriculum's (or the whole set's) batches: on the device, or
-    #                                                gathered by loader workers when the set does not fit there
-    stats = device_stats(device)  # peak memory, GPU utilisation: nothing on a CPU
-    accum = config.gradient_accumulation_steps
-    samples_per_step = config.batch_size * accum
-    guard = LossGuard(fast_fail, device, stages)
-    check_every = fast_fail.check_every_n_steps or config.log_every_steps
-
+    run = build_run(config, task)
+    local: FastFailReporter | None = None
+    if reporter is None:  # no study: the fast-fail rules decide here
+        reporter = local = FastFailReporter(run.fast_fail, stage_starts=run.stages)
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
-        config.seed, device, deterministic=config.deterministic))
+        config.seed, run.device, deterministic=config.deterministic))
+    try:
+        # Where the steps begin: this run's checkpoint, another run's weights, or step 0.
+        loop, first_step = LoopState(), 0
+        if resume is not None:
+            loop, first_step = _restore(run, resume), resume.step
+            result.steps, result.metrics = resume.step, dict(resume.metrics)
+        elif warm_start is not None or run.fast_fail.enabled:
+            if warm_start is not None:
+                _load_warm_start(run, warm_start)
+                first_step = result.steps = warm_start.state.step
+            # 0. Evaluate before the first step. Warm, that is the run's first report: the donor's value, on this run's
+            #    validation set. With fast-fail on, it is a reference value over the whole validation set (not one
+            #    noisy batch) for the explosion rule, and NaN in the data is caught before any training.
+            stopped = _evaluate_and_report(run, reporter, result, first_step)
+            run.guard.arm(result.metrics["val_loss"])
+            if stopped:
+                return _finish(result, local, started, "stopped")
+        status = _train_steps(run, loop, first_step, reporter, result, checkpointer)
+    finally:
+        run.batches.close()  # a loader's workers stop here, not when the garbage collector gets to them
+    return _finish(result, local, started, status)
 
-    def evaluate_and_report(step: int, extra: Mapping[str, float] = {}) -> bool:
-        metrics = evaluate(model, task, val, config.eval_batch_size, precision)
-        result.evals.append((step, metrics))
-        result.metrics, result.steps = metrics, step
-        return reporter.report(step, {**metrics, **extra})
 
-    loss_sum = torch.zeros((), device=device)  # summed on the device, read back at log steps only
-    steps_since_log, first_step = 0, 0
-    if resume is not None:
-        model.load_state_dict(resume.model)
-        optimizer.load_state_dict(resume.optimizer)
-        precision.scaler.load_state_dict(resume.scaler)
-        batches.load_state_dict(resume.data)
-        restore_rng(resume.rng)
-        loss_sum += float(resume.loop.get("loss_sum", 0.0))
-        steps_since_log, first_step = int(resume.loop.get("steps_since_log", 0)), resume.step
-        guard.threshold = resume.loop.get("guard_threshold")
-        result.steps, result.metrics = resume.step, dict(resume.metrics)
-    elif warm_start is not None or fast_fail.enabled:
-        if warm_start is not None:
-            model.load_state_dict(warm_start.state.model)  # strict: a donor of another shape is refused here too
-            if warm_start.optimizer:
-                load_optimizer_moments(optimizer, warm_start.state.optimizer)
-            first_step = result.steps = warm_start.state.step
-        # 0. Evaluate before the first step. Warm, that is the run's first report: the donor's value, on this run's
-        #    validation set. With fast-fail on, it is a reference value over the whole validation set (not one noisy
-        #    batch) for the explosion rule, and NaN in the data is caught before any training.
-        stopped = evaluate_and_report(first_step)
-        guard.arm(result.metrics["val_loss"])
-        if stopped:
-            return _finish(result, local, started, "stopped")
+def _restore(run: Run, resume: TrainState) -> LoopState:
+    """Continue where a checkpoint of this run left off: weights, optimizer, grad scaler, data position, every RNG and
+    the fast-fail guard, exactly. Returns the loop's running values."""
+    run.model.load_state_dict(resume.model)
+    run.optimizer.load_state_dict(resume.optimizer)
+    run.precision.scaler.load_state_dict(resume.scaler)
+    run.batches.load_state_dict(resume.data)
+    restore_rng(resume.rng)
+    run.guard.threshold = resume.loop.guard_threshold
+    return resume.loop
 
-    @allowed_sync()  # saving reads the whole state back to the host
-    def checkpoint(step: int, metrics: Mapping[str, float] | None) -> None:
-        path = checkpointer.path_for(step, metrics) if checkpointer is not None else None
-        if path is None:
-            return
-        state = TrainState(step=step, model=model.state_dict(), optimizer=optimizer.state_dict(),
-                           scaler=precision.scaler.state_dict(), rng=capture_rng(), data=batches.state_dict(),
-                           loop={"loss_sum": loss_sum.item(), "steps_since_log": steps_since_log,
-                                 "guard_threshold": guard.threshold},
-                           config=config.to_dict(), metrics=dict(result.metrics))
-        checkpointer.saved(save_checkpoint(path, state), metrics)
 
-    mark = time.perf_counter()  # the start of the log interval's training time
-    settle = _synchronize(device) if device.type == "cuda" else _nothing
+def _load_warm_start(run: Run, warm_start: WarmStart) -> None:
+    """Another run's weights (strict: a donor of another shape is refused here too), and its optimizer moments when
+    asked; this run's own hyperparameters, schedule, seed and data order stay."""
+    run.model.load_state_dict(warm_start.state.model)
+    if warm_start.optimizer:
+        load_optimizer_moments(run.optimizer, warm_start.state.optimizer)
 
-    @contextlib.contextmanager
-    def paused() -> Iterator[None]:
-        """Evaluation and checkpoint time is not training throughput: it is left out of the log interval it falls
-        in, whether or not that interval ends at this step. The steps queued on the device finish first, inside the
-        interval (evaluation would wait for them anyway)."""
-        nonlocal mark
-        settle()
-        started_pause = time.perf_counter()
-        try:
-            yield
-        finally:
-            mark += time.perf_counter() - started_pause
 
+def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter, result: TrainResult,
+                 checkpointer: Checkpointer | None) -> Status:
+    """The loop, from `first_step` to `max_steps`: "stopped" when the reporter stopped it early."""
+    config, model, optimizer, precision, batches, guard = (run.config, run.model, run.optimizer, run.precision,
+                                                          run.batches, run.guard)
+    accum = config.gradient_accumulation_steps
+    check_every = run.fast_fail.check_every_n_steps or config.log_every_steps
+    interval = _LogInterval(loop, run.device, run.settle)
     done = first_step
-    status = "completed"
     model.train()
     for step in range(first_step, config.max_steps):
         done = step + 1
         log_now = done % config.log_every_steps == 0 or done == config.max_steps
         eval_now = done % config.eval_every_steps == 0 or done == config.max_steps
 
-        begin_step()
+        run.begin_step()
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = (batches.next(step) for _ in range(accum))
-        step_loss = accumulate_gradients(forward, task.loss, micro, accum, precision)
+        step_loss = accumulate_gradients(run.forward, run.task.loss, micro, accum, precision)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
-        loss_sum += step_loss
+        interval.add(step_loss)
         guard.observe(step_loss, done)  # on the device: no sync
-        steps_since_log += 1
 
         if log_now:
-            with allowed_sync():  # the log interval's one read-back
-                values = torch.stack([loss_sum / steps_since_log,
-                                      grad_norm if grad_norm is not None else torch.zeros((), device=device)]).tolist()
-            elapsed = max(time.perf_counter() - mark, 1e-9)
-            record = {"step": done, "train_loss": values[0], "lr": lr, "grad_norm": values[1],
-                      "samples_per_s": steps_since_log * samples_per_step / elapsed,
-                      "curriculum_level": batches.level_at(step)}  # a function of the step: no read-back
-            if task.tokens_per_sample:
-                record["tokens_per_s"] = record["samples_per_s"] * task.tokens_per_sample
-            record.update(stats())
+            record = _log_record(run, interval, step, lr, grad_norm)
             result.logs.append(record)
             reporter.log(done, record)
-            loss_sum.zero_()
-            steps_since_log, mark = 0, time.perf_counter()
+            interval.restart()
 
         # 1. Between evaluations, a NaN/Inf or exploding training loss trips the guard; reading it costs one sync per
         #    check interval. A tripped guard brings the next evaluation forward, and the reporter (the pruner)
         #    decides on its value, so there is one place of truth.
-        tripped = fast_fail.enabled and not eval_now and done % check_every == 0 and guard.tripped()
+        tripped = run.fast_fail.enabled and not eval_now and done % check_every == 0 and guard.tripped()
         if eval_now or tripped:
             with allowed_sync():
                 extra = {"train_loss": step_loss.item()} if tripped else {}
-            with paused():
-                stop = evaluate_and_report(done, extra)
+            with interval.paused():
+                stop = _evaluate_and_report(run, reporter, result, done, extra)
             guard.reset()
             if stop and done < config.max_steps:  # at the last step there is nothing left to save
-                status = "stopped"
-                break
+                result.steps = done
+                return "stopped"
         if log_now or eval_now:
-            with paused():
-                checkpoint(done, result.metrics if eval_now else None)
-    batches.close()  # a loader's workers stop here, not when the garbage collector gets to them
+            with interval.paused():
+                _checkpoint(run, checkpointer, done, result.metrics if eval_now else None, interval, result)
     result.steps = done
-    return _finish(result, local, started, status)
+    return "completed"
 
 
-def load_optimizer_moments(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+class _LogInterval:
+    """The log interval under way: the training loss summed on the device (read back once, at the log step), the
+    steps in that sum, and when its training time began."""
+
+    def __init__(self, loop: LoopState, device: torch.device, settle: Callable[[], None]) -> None:
+        self.loss_sum = torch.full((), loop.loss_sum, device=device)
+        self.steps = loop.steps_since_log
+        self.settle = settle
+        self.began = time.perf_counter()
+
+    def add(self, step_loss: torch.Tensor) -> None:
+        self.loss_sum += step_loss
+        self.steps += 1
+
+    def restart(self) -> None:
+        self.loss_sum.zero_()
+        self.steps, self.began = 0, time.perf_counter()
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.began, 1e-9)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Evaluation and checkpoint time is not training throughput: it is left out of the log interval it falls
+        in, whether or not that interval ends at this step. The steps queued on the device finish first, inside the
+        interval (evaluation would wait for them anyway)."""
+        self.settle()
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.began += time.perf_counter() - paused_at
+
+    def state(self, guard_threshold: float | None) -> LoopState:
+        """What a checkpoint holds of the loop: reads the loss sum back from the device."""
+        with allowed_sync():
+            return LoopState(self.loss_sum.item(), self.steps, guard_threshold)
+
+
+def _log_record(run: Run, interval: _LogInterval, step: int, lr: float,
+                grad_norm: torch.Tensor | None) -> dict[str, float]:
+    """The metrics of a log step, after optimizer step `step` (0-based): the interval's one read-back."""
+    with allowed_sync():
+        values = torch.stack([interval.loss_sum / interval.steps,
+                              grad_norm if grad_norm is not None else torch.zeros((), device=run.device)]).tolist()
+    samples_per_s = interval.steps * run.config.batch_size * run.config.gradient_accumulation_steps / interval.elapsed()
+    record = {"step": step + 1, "train_loss": values[0], "lr": lr, "grad_norm": values[1],
+              "samples_per_s": samples_per_s,
+              "curriculum_level": run.batches.level_at(step)}  # a function of the step: no read-back
+    if run.task.tokens_per_sample:
+        record["tokens_per_s"] = samples_per_s * run.task.tokens_per_sample
+    record.update(run.stats())
+    return record
+
+
+def _evaluate_and_report(run: Run, reporter: Reporter, result: TrainResult, step: int,
+                         extra: Mapping[str, float] | None = None) -> bool:
+    """Evaluate on the whole validation set, record it and report it (with `extra`); True when the reporter says
+    stop."""
+    metrics = evaluate(run.model, run.task, run.val, run.config.eval_batch_size, run.precision)
+    result.evals.append((step, metrics))
+    result.metrics, result.steps = metrics, step
+    return reporter.report(step, {**metrics, **(extra or {})})
+
+
+@allowed_sync()  # saving reads the whole state back to the host
+def _checkpoint(run: Run, checkpointer: Checkpointer | None, step: int, metrics: Mapping[str, float] | None,
+                interval: _LogInterval, result: TrainResult) -> None:
+    """Save the whole training state when the checkpointer asks for it at this step, and tell it where."""
+    if checkpointer is None:
+        return
+    path = checkpointer.path_for(step, metrics)
+    if path is None:
+        return
+    state = TrainState(step=step, model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
+                       scaler=run.precision.scaler.state_dict(), rng=capture_rng(), data=run.batches.state_dict(),
+                       loop=interval.state(run.guard.threshold), config=run.config.to_dict(),
+                       metrics=dict(result.metrics))
+    checkpointer.saved(save_checkpoint(path, state), metrics)
+
+
+def load_optimizer_moments(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Take another run's optimizer state (moments, step counts) but keep this run's hyperparameters:
     `Optimizer.load_state_dict` would also overwrite betas, weight decay and eps with the donor's."""
     own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -319,8 +420,8 @@ def _synchronize(device: torch.device) -> Callable[[], None]:
     return synchronize
 
 
-def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: str) -> TrainResult:
-    result.status = status  # type: ignore[assignment]
+def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: Status) -> TrainResult:
+    result.status = status
     if status == "stopped" and local is not None and local.verdict is not None:
         result.stop_reason = local.verdict.as_dict()
     result.wall_time_s = time.perf_counter() - started

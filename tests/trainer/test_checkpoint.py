@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import TrainingConfig, load_task, train
 from tests.trainer.support import SaveAt
-from trainer.checkpoint import CheckpointError, TrainState, load_checkpoint, save_checkpoint, sha256_of
+from trainer import TrainingConfig, load_task, train
+from trainer.checkpoint import CheckpointError, LoopState, TrainState, load_checkpoint, save_checkpoint, sha256_of
 
 CONFIG = {"max_steps": 60, "log_every_steps": 10, "eval_every_steps": 20, "batch_size": 32, "learning_rate": 0.01,
           "model": {"hidden": 32, "dropout": 0.2}, "optimizer": "adamw", "warmup_steps": 5}
@@ -91,4 +91,27 @@ def test_checkpoints_hold_the_whole_training_state(tmp_path: Path) -> None:
     state = load_checkpoint(path)
     assert state.step == 20 and state.config["max_steps"] == 60
     assert {"python", "numpy", "torch"} <= set(state.rng) and state.optimizer["state"]
-    assert state.data and "val_loss" in state.metrics and state.loop["guard_threshold"] > 0
+    assert state.data and "val_loss" in state.metrics and state.loop.guard_threshold > 0
+
+
+def test_a_resume_between_log_steps_carries_the_running_loss(tmp_path: Path) -> None:
+    # Saved at an evaluation (step 20) five steps into a log interval: the log at step 30 averages steps 16 to 30.
+    config = TrainingConfig.from_dict({**CONFIG, "log_every_steps": 15})
+    full = train(config, checkpointer=SaveAt(20, tmp_path / "mid.pt"))
+    state = load_checkpoint(tmp_path / "mid.pt")
+    assert state.loop.steps_since_log == 5 and state.loop.loss_sum > 0
+    resumed = train(config, resume=state)
+    assert [(r["step"], r["train_loss"]) for r in resumed.logs] == \
+        [(r["step"], r["train_loss"]) for r in full.logs if r["step"] > 20]
+
+
+def test_the_loop_state_is_stored_as_the_plain_mapping_older_checkpoints_hold(tmp_path: Path) -> None:
+    path = tmp_path / "s.pt"
+    train(TrainingConfig.from_dict({**CONFIG, "log_every_steps": 15}), checkpointer=SaveAt(20, path))
+    payload = torch.load(path, weights_only=True)
+    assert payload["format"] == 1
+    assert payload["loop"] == load_checkpoint(path).loop.as_dict()
+    assert set(payload["loop"]) == {"loss_sum", "steps_since_log", "guard_threshold"}
+    # A mapping without some of the keys reads as a loop that had not run them: nothing summed, no threshold.
+    payload["loop"] = {"steps_since_log": 3}
+    assert TrainState.from_payload(payload).loop == LoopState(loss_sum=0.0, steps_since_log=3, guard_threshold=None)
