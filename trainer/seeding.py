@@ -1,4 +1,8 @@
-"""Seeding every source of randomness, and the record that lets someone else re-run a result."""
+"""Seeding every source of randomness, and the record that lets someone else re-run a result.
+
+On a CPU the thread counts belong to that record: a sum split over another number of threads rounds differently, so
+a rerun matches bit for bit only with the counts the run had (`apply_threads`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import os
 import platform
 import random
 import subprocess
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -14,7 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["deterministic_cublas", "reproducibility_record", "seed_everything", "seed_worker"]
+__all__ = ["THREAD_ENV", "apply_threads", "deterministic_cublas", "reproducibility_record", "seed_everything",
+           "seed_worker", "thread_record"]
+
+# The variables that set the thread counts of a process that imports torch (read once, when torch loads).
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> None:
@@ -78,7 +87,7 @@ def _project_version() -> str | None:
 
 
 def reproducibility_record(seed: int, device: torch.device, *, deterministic: bool = False) -> dict[str, Any]:
-    """What it takes to re-run a result: seed, library versions, device, and the code's version."""
+    """What it takes to re-run a result: seed, library versions, device, thread counts, and the code's version."""
     cuda = device.type == "cuda"
     return {
         "seed": seed,
@@ -91,6 +100,42 @@ def reproducibility_record(seed: int, device: torch.device, *, deterministic: bo
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
         "device_type": device.type,
+        "threads": thread_record(),
         "sweep_version": _project_version(),
         "git_commit": _git_commit(),
     }
+
+
+def thread_record() -> dict[str, int | str | None]:
+    """torch's intra-op threads (one op split across cores) and inter-op threads (ops run side by side), and the
+    environment variables that set them (None: unset)."""
+    return {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(),
+            **{name: os.environ.get(name) for name in THREAD_ENV}}
+
+
+def apply_threads(record: Mapping[str, Any]) -> None:
+    """Run this process (and the processes it starts) with the thread counts of a `reproducibility_record`.
+
+    A record without them (written before they were recorded) changes nothing. torch fixes the inter-op count once
+    inter-op work has started in a process, or once it has been set: a different count then raises a RuntimeError
+    saying to rerun in a fresh process; the same count is left as it is.
+    """
+    threads = record.get("threads")
+    if not threads:
+        return
+    for name in THREAD_ENV:  # for child processes: this one's torch read them when it was imported
+        if threads.get(name) is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(threads[name])
+    if threads.get("intra_op") is not None:
+        torch.set_num_threads(int(threads["intra_op"]))
+    inter_op = threads.get("inter_op")
+    if inter_op is None or torch.get_num_interop_threads() == int(inter_op):
+        return
+    try:
+        torch.set_num_interop_threads(int(inter_op))
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot run with the recorded {inter_op} inter-op threads: this process already uses "
+                           f"{torch.get_num_interop_threads()}, and torch fixes that count once inter-op work has "
+                           "started or it has been set; rerun in a fresh process") from exc

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.seeding import reproducibility_record, seed_everything, seed_worker
+from trainer.seeding import THREAD_ENV, apply_threads, reproducibility_record, seed_everything, seed_worker
 
 
 def test_seed_everything_seeds_python_numpy_and_torch() -> None:
@@ -46,7 +51,63 @@ def test_loader_workers_get_distinct_reproducible_seeds() -> None:
 def test_reproducibility_record_names_what_a_rerun_needs() -> None:
     record = reproducibility_record(5, torch.device("cpu"))
     assert record["seed"] == 5 and record["torch"] == torch.__version__ and record["device_type"] == "cpu"
-    assert {"numpy", "python", "cuda", "cudnn", "device", "sweep_version", "git_commit"} <= set(record)
+    assert {"numpy", "python", "cuda", "cudnn", "device", "threads", "sweep_version", "git_commit"} <= set(record)
+
+
+@pytest.fixture
+def threads_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch's intra-op thread count and the thread variables as they were before the test."""
+    before = torch.get_num_threads()
+    for name in THREAD_ENV:
+        monkeypatch.delenv(name, raising=False)  # monkeypatch puts back what was there
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_rerun_gets_the_thread_counts_the_run_recorded(threads_restored: None) -> None:
+    from trainer import TrainingConfig, train
+
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # as `sweep run --workers N` starts its workers
+    record = train(TrainingConfig.from_dict({"max_steps": 2, "eval_every_steps": 2, "batch_size": 8,
+                                             "model": {"hidden": 8}})).reproducibility
+    assert record["threads"] == {"intra_op": 1, "inter_op": torch.get_num_interop_threads(), "OMP_NUM_THREADS": "1",
+                                 "MKL_NUM_THREADS": None}
+    torch.set_num_threads(3)
+    del os.environ["OMP_NUM_THREADS"]
+    os.environ["MKL_NUM_THREADS"] = "3"
+    apply_threads(record)
+    assert torch.get_num_threads() == 1
+    assert os.environ.get("OMP_NUM_THREADS") == "1" and "MKL_NUM_THREADS" not in os.environ  # for child processes
+
+
+def test_a_record_without_thread_counts_changes_nothing(threads_restored: None) -> None:
+    torch.set_num_threads(2)
+    apply_threads({"seed": 0})  # a record written before thread counts were recorded
+    assert torch.get_num_threads() == 2 and not any(name in os.environ for name in THREAD_ENV)
+
+
+APPLY_INTEROP = """
+import sys, torch
+from trainer.seeding import apply_threads
+torch.set_num_interop_threads(1)  # torch fixes the count from here on
+apply_threads({"threads": {"intra_op": 1, "inter_op": 1}})  # the same count: nothing to change
+try:
+    apply_threads({"threads": {"intra_op": 1, "inter_op": 2}})
+except RuntimeError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_an_inter_op_count_that_torch_has_fixed_asks_for_a_fresh_process() -> None:
+    done = subprocess.run([sys.executable, "-c", APPLY_INTEROP], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 3, done.stderr
+    assert "recorded 2 inter-op threads" in done.stdout and "uses 1" in done.stdout
+    assert "fresh process" in done.stdout
 
 
 def test_a_deterministic_run_does_not_make_the_next_run_in_the_process_deterministic() -> None:
