@@ -6,13 +6,19 @@ resolved config. It is written to a temporary file, fsynced and renamed, so a cr
 the previous checkpoint intact; its SHA-256 is returned for the caller to record. It is read with
 `torch.load(weights_only=True)`: a checkpoint another worker wrote is data, never code. A file whose hash does not
 match, or that is truncated, is refused with `CheckpointError`.
+
+A write that fails is a fault of the machine, not of the run: `CheckpointWriteError`, an `OSError` whose `errno` says
+which (ENOSPC for a full disk, whether the OS said so or torch's writer only failed opaquely) and whose message names
+the path and the free space.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
+import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,14 +27,27 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "CheckpointInfo", "LoopState", "TrainState", "WarmStart", "capture_rng",
-           "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWriteError", "LoopState", "TrainState", "WarmStart",
+           "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of"]
 
 FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be trusted: missing, truncated, corrupt, or not what its hash says."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written: a full disk, a read-only or lost mount, an I/O error. A fault of the
+    machine, not of the run or its config. `errno` says which (ENOSPC: no space left; None when the failure had no
+    code), `filename` is the checkpoint's path. The temporary file is gone, and a previous checkpoint at that path is
+    as it was."""
+
+    def __init__(self, code: int | None, message: str, filename: str) -> None:
+        super().__init__(code, message, filename)
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # the one-line message, which names the path already
 
 
 @dataclass(frozen=True)
@@ -136,23 +155,34 @@ def sha256_of(path: Path) -> str:
 
 
 def save_checkpoint(path: str | Path, state: TrainState) -> CheckpointInfo:
-    """Write atomically: temporary file, fsync, rename, fsync of the folder. Returns where, its hash and size."""
+    """Write atomically: temporary file, fsync, rename, fsync of the folder. Returns where, its hash and size.
+
+    A failed write raises `CheckpointWriteError`, with the temporary file removed and a previous checkpoint at `path`
+    left as it was."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    payload = state.payload()
     try:
-        with open(tmp, "wb") as handle:
-            torch.save(state.payload(), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
-    finally:
-        tmp.unlink(missing_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # make the rename itself durable
-    finally:
-        os.close(folder)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as handle:
+                torch.save(payload, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half of one
+        finally:
+            tmp.unlink(missing_ok=True)
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # make the rename itself durable
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        raise _write_error(path, exc, _tensor_bytes(payload)) from exc
+    except RuntimeError as exc:
+        if not _is_write_failure(exc):
+            raise  # not the file system's doing
+        raise _write_error(path, exc, _tensor_bytes(payload)) from exc
     return CheckpointInfo(path, sha256_of(path), path.stat().st_size, state.step)
 
 
@@ -171,3 +201,62 @@ def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: s
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint {path} holds {type(payload).__name__}, not a training state")
     return TrainState.from_payload(payload)
+
+
+def _is_write_failure(exc: RuntimeError) -> bool:
+    """torch's zip writer reports a failed or short write as a bare RuntimeError: "[enforce fail at
+    inline_container.cc:...] . unexpected pos ..." (a full disk) or "PytorchStreamWriter failed writing file ..."."""
+    message = str(exc)
+    return "inline_container" in message or "PytorchStreamWriter" in message
+
+
+def _write_error(path: Path, exc: OSError | RuntimeError, size: int) -> CheckpointWriteError:
+    """The machine fault behind a failed write, in one line. The OS's own errno when it gave one; torch's writer gives
+    none: the disk was full if it has less free space (the temporary file gone) than the checkpoint's tensors take."""
+    free = _free_bytes(path.parent)
+    own = exc.errno if isinstance(exc, OSError) else None
+    space = "free space unknown" if free is None else f"{_bytes(free)} free"
+    code: int | None
+    if own == errno.ENOSPC or (own is None and free is not None and free < size):
+        code, reason = errno.ENOSPC, f"no space left on device ({space}; the checkpoint needs at least {_bytes(size)})"
+    elif own is not None:
+        code, reason = own, f"{os.strerror(own).lower()} ({space})"  # read-only file system, I/O error, ...
+    else:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        code = errno.EIO if isinstance(exc, RuntimeError) else None  # a short write that a full disk does not explain
+        reason = f"the write failed: {first_line} ({space})"
+    return CheckpointWriteError(code, f"cannot write checkpoint {path}: {reason}", str(path))
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Free space for an unprivileged writer on the file system of `folder` (or of its nearest existing parent)."""
+    for candidate in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return None
+
+
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in a nested payload: a lower bound of the file's size."""
+    if isinstance(value, torch.Tensor):
+        return value.element_size() * value.numel()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,15 @@ import torch
 
 from tests.trainer.support import SaveAt
 from trainer import TrainingConfig, load_task, train
-from trainer.checkpoint import CheckpointError, LoopState, TrainState, load_checkpoint, save_checkpoint, sha256_of
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    LoopState,
+    TrainState,
+    load_checkpoint,
+    save_checkpoint,
+    sha256_of,
+)
 
 CONFIG = {"max_steps": 60, "log_every_steps": 10, "eval_every_steps": 20, "batch_size": 32, "learning_rate": 0.01,
           "model": {"hidden": 32, "dropout": 0.2}, "optimizer": "adamw", "warmup_steps": 5}
@@ -58,8 +70,9 @@ def test_a_failed_write_leaves_the_previous_checkpoint_intact(tmp_path: Path) ->
             raise OSError("No space left on device (a real failure in the middle of writing)")
 
     broken = TrainState(**{**state.__dict__, "metrics": {"val_loss": Unpicklable()}})  # fails after the tensors
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointWriteError, match="No space left") as info:
         save_checkpoint(path, broken)
+    assert info.value.filename == str(path) and info.value.errno is None  # the disk has room: not ENOSPC
     assert sha256_of(path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt"]  # no temporary file left behind
     assert load_checkpoint(path, sha256=before).step == 20
@@ -115,3 +128,54 @@ def test_the_loop_state_is_stored_as_the_plain_mapping_older_checkpoints_hold(tm
     # A mapping without some of the keys reads as a loop that had not run them: nothing summed, no threshold.
     payload["loop"] = {"steps_since_log": 3}
     assert TrainState.from_payload(payload).loop == LoopState(loss_sum=0.0, steps_since_log=3, guard_threshold=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Write failures on a real small file system.
+
+def weights(step: int, floats: int) -> TrainState:
+    return TrainState(step=step, model={"w": torch.full((floats,), float(step))}, optimizer={}, scaler={}, rng={},
+                      data={})
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs, mounted for the test (root only; skipped where mounting is not possible)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True, check=True)
+
+
+def test_a_full_disk_is_a_checkpoint_write_error_and_the_previous_checkpoint_stays(small_disk: Path) -> None:
+    path = small_disk / "latest.pt"
+    before = save_checkpoint(path, weights(1, 10_000))  # 40 KB
+    free = shutil.disk_usage(small_disk).free
+    with pytest.raises(CheckpointWriteError) as info:
+        save_checkpoint(path, weights(2, 400_000))  # 1.6 MB: torch's writer fails with an opaque RuntimeError
+    error = info.value
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC and error.filename == str(path)
+    assert str(error).startswith(f"cannot write checkpoint {path}: no space left on device (")
+    assert "KiB free" in str(error) and "\n" not in str(error)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["latest.pt"]  # the temporary file is gone...
+    assert shutil.disk_usage(small_disk).free == free  # ...and so is the space it took
+    assert load_checkpoint(path, sha256=before.sha256).step == 1
+
+
+def test_a_read_only_disk_is_a_checkpoint_write_error_with_its_own_errno(small_disk: Path) -> None:
+    path = small_disk / "latest.pt"
+    before = save_checkpoint(path, weights(1, 1_000))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True, check=True)
+    with pytest.raises(CheckpointWriteError) as info:
+        save_checkpoint(path, weights(2, 1_000))
+    assert info.value.errno == errno.EROFS and info.value.filename == str(path)
+    assert str(info.value).startswith(f"cannot write checkpoint {path}: read-only file system (")
+    assert load_checkpoint(path, sha256=before.sha256).step == 1
