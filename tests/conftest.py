@@ -1,11 +1,19 @@
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
+import io
+import logging
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import yaml
@@ -35,11 +43,117 @@ def write_study(folder: Path, document: dict[str, Any] | str, name: str = "study
     return path
 
 
+CLI_ENV = {"COLUMNS": "200"}
+
+
 def run_cli(*args: str | Path, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """The real `sweep` command in a fresh interpreter."""
-    env = {**os.environ, "COLUMNS": "200"}
+    """The real `sweep` command in a fresh interpreter: for what needs a process of its own (signals, --workers,
+    several commands at once, process-wide settings). Everything else uses `sweep_cli`, which skips the seconds of
+    importing torch and optuna again."""
+    env = {**os.environ, **CLI_ENV}
     return subprocess.run([sys.executable, "-m", "sweep.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env=env)
+
+
+@dataclasses.dataclass
+class CliResult:
+    """What `run_cli` returns, the fields the tests read: exit code and the two streams as text."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+# The warning filters of a fresh `python` (no -W, no PYTHONWARNINGS): the CLI's own warnings print to its stderr.
+_FRESH_WARNING_FILTERS: list[tuple[Literal["default", "ignore"], type[Warning], str]] = [
+    ("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+    ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, "")]
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _CurrentStderr(io.TextIOBase):
+    """Whatever sys.stderr is at the time of the write: the runner's stream while a command runs."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def sweep_cli(*args: str | Path, cwd: Path | None = None, env: Mapping[str, str | None] | None = None,
+              pythonpath: Path | None = None) -> CliResult:
+    """The real `sweep` command (sweep.cli's typer app, through typer's CliRunner) in this process.
+
+    It sees what `run_cli`'s fresh interpreter sees: `cwd` as its working folder, CLI_ENV and `env` in os.environ (a
+    None value removes the variable), `pythonpath` in front of sys.path (for a task module written by the test), piped
+    (not terminal) output, and Python's default warning filters. Its warnings and Optuna's log lines land in its
+    stderr, and an exception it lets out is a traceback there and exit code 1, as from a process. Everything it
+    changes for the whole process is put back afterwards: os.environ, the working folder, sys.path and the modules
+    imported from `pythonpath`, logger levels and warning filters. A signal handler left installed fails the test.
+    """
+    from typer.testing import CliRunner
+
+    argv = [str(arg) for arg in args]
+    saved_environ, saved_cwd, saved_path = dict(os.environ), os.getcwd(), list(sys.path)
+    saved_signals = {signum: signal.getsignal(signum) for signum in _WATCHED_SIGNALS}
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    saved_levels = {logger: logger.level for logger in loggers}
+    # Optuna's handler was made at its import and holds the stderr of that moment; a fresh process's is its own.
+    to_stderr = [handler for logger in loggers for handler in logger.handlers
+                 if type(handler) is logging.StreamHandler and handler.stream in (sys.stderr, sys.__stderr__)]
+    saved_streams = {handler: handler.stream for handler in to_stderr}
+    try:
+        for key, value in {**CLI_ENV, **(env or {})}.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if cwd is not None:
+            os.chdir(cwd)
+        if pythonpath is not None:
+            sys.path.insert(0, str(pythonpath))
+            importlib.invalidate_caches()
+        for handler in to_stderr:
+            handler.setStream(_CurrentStderr())
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for action, category, module in reversed(_FRESH_WARNING_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
+            warnings.showwarning = _show_warning
+            # sweep.cli builds its rich Consoles at import, from the output they find (a pipe or a terminal, its
+            # width): build them again as a process with piped output and CLI_ENV would.
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                cli = importlib.reload(importlib.import_module("sweep.cli"))
+            result = CliRunner().invoke(cli.app, argv, prog_name="python -m sweep.cli", catch_exceptions=True)
+    finally:
+        for handler, stream in saved_streams.items():
+            handler.setStream(stream)
+        for logger, level in saved_levels.items():
+            logger.setLevel(level)
+        if pythonpath is not None:
+            for module_name, imported in list(sys.modules.items()):
+                if Path(getattr(imported, "__file__", None) or "/").is_relative_to(pythonpath):
+                    del sys.modules[module_name]
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        left = {signum: signal.getsignal(signum) for signum in _WATCHED_SIGNALS}
+        for signum, previous in saved_signals.items():
+            signal.signal(signum, previous)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    assert left == saved_signals, f"`sweep {' '.join(argv)}` left signal handlers installed: {left}"
+    return CliResult(argv, result.exit_code, result.stdout, stderr)
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.conftest import TINY_STUDY, run_cli, write_study
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
-CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)),
-                None)
+CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(name)), None)
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium installed")
 
 
@@ -38,13 +38,13 @@ def warm_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     document["fixed"] = {**document["fixed"], "max_steps": 40, "model": {"hidden": 16}}
     document["space"] = {"learning_rate": document["space"]["learning_rate"]}
     path = write_study(folder, document)
-    assert run_cli("run", path).returncode == 0
+    assert sweep_cli("run", path).returncode == 0
     return path
 
 
 def test_the_report_renders_every_figure(warm_study: Path) -> None:
     report = warm_study.with_name("report.html")
-    assert run_cli("report", warm_study, "-o", report).returncode == 0
+    assert sweep_cli("report", warm_study, "-o", report).returncode == 0
     dom = rendered(report.as_uri())
     figures = report.read_text().count('class="plotly-graph-div"')
     assert figures >= 3

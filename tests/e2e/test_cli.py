@@ -6,7 +6,6 @@ import copy
 import csv
 import io
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from tests.conftest import TINY_STUDY, run_cli, write_study
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
 
 def load(path: Path, name: str = "tiny") -> optuna.Study:
@@ -27,7 +26,7 @@ def load(path: Path, name: str = "tiny") -> optuna.Study:
 
 
 def test_a_tiny_study_lands_in_sqlite_and_reads_back_with_plain_optuna(tiny_study: Path) -> None:
-    done = run_cli("run", tiny_study)
+    done = sweep_cli("run", tiny_study)
     assert done.returncode == 0, done.stderr
     assert "trial 2: complete" in done.stderr and "3/3 trials" in done.stdout
     study = load(tiny_study.parent / "tiny.db")  # the default storage: a SQLite file next to the study file
@@ -47,20 +46,20 @@ def test_a_tiny_study_lands_in_sqlite_and_reads_back_with_plain_optuna(tiny_stud
 
 
 def test_rerun_finishes_the_budget_instead_of_adding_to_it(tiny_study: Path) -> None:
-    assert run_cli("run", tiny_study, "--n-trials", "3").returncode == 0
-    done = run_cli("run", tiny_study, "--n-trials", "5")
+    assert sweep_cli("run", tiny_study, "--n-trials", "3").returncode == 0
+    done = sweep_cli("run", tiny_study, "--n-trials", "5")
     assert done.returncode == 0, done.stderr
     assert "3/5 trials done" in done.stderr
-    assert run_cli("run", tiny_study, "--n-trials", "5").returncode == 0  # nothing left to do
+    assert sweep_cli("run", tiny_study, "--n-trials", "5").returncode == 0  # nothing left to do
     trials = load(tiny_study.parent / "tiny.db").get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3, 4]
     assert all(t.state == TrialState.COMPLETE for t in trials)
 
 
 def test_best_config_retrains_to_the_same_value(tiny_study: Path) -> None:
-    assert run_cli("run", tiny_study).returncode == 0
+    assert sweep_cli("run", tiny_study).returncode == 0
     best_yaml = tiny_study.parent / "best.yaml"
-    done = run_cli("best", tiny_study, "-o", best_yaml)
+    done = sweep_cli("best", tiny_study, "-o", best_yaml)
     assert done.returncode == 0, done.stderr
     study = load(tiny_study.parent / "tiny.db")
     assert yaml.safe_load(best_yaml.read_text())["learning_rate"] == study.best_params["learning_rate"]
@@ -72,25 +71,25 @@ def test_best_config_retrains_to_the_same_value(tiny_study: Path) -> None:
 
 
 def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
-    assert run_cli("run", tiny_study).returncode == 0
+    assert sweep_cli("run", tiny_study).returncode == 0
     db = tiny_study.parent / "tiny.db"
-    status = run_cli("status", db)
+    status = sweep_cli("status", db)
     assert status.returncode == 0 and "complete 3" in status.stdout and "best trial" in status.stdout
-    rows = list(csv.DictReader(io.StringIO(run_cli("trials", tiny_study, "--format", "csv").stdout)))
+    rows = list(csv.DictReader(io.StringIO(sweep_cli("trials", tiny_study, "--format", "csv").stdout)))
     assert [r["state"] for r in rows] == ["complete"] * 3 and "params.model.hidden" in rows[0]
     assert all(float(r["samples_per_s"]) > 0 for r in rows)  # a slow configuration shows in the table
-    as_json = json.loads(run_cli("trials", "--storage", f"sqlite:///{db}", "tiny", "--format", "json").stdout)
+    as_json = json.loads(sweep_cli("trials", "--storage", f"sqlite:///{db}", "tiny", "--format", "json").stdout)
     assert [r["number"] for r in as_json] == [0, 1, 2]
-    assert "params.learning_rate" in run_cli("trials", tiny_study).stdout
-    assert run_cli("trials", tiny_study, "--format", "xml").returncode == 2
-    missing = run_cli("status", tiny_study.parent / "nothing.db")
+    assert "params.learning_rate" in sweep_cli("trials", tiny_study).stdout
+    assert sweep_cli("trials", tiny_study, "--format", "xml").returncode == 2
+    missing = sweep_cli("status", tiny_study.parent / "nothing.db")
     assert missing.returncode == 2 and "neither a study file nor a database" in missing.stderr
 
 
 def test_pruned_trials_carry_their_reason(tmp_path: Path) -> None:
     document = copy.deepcopy(TINY_STUDY) | {"pruner": {"type": "threshold", "upper": 0.0}}
     path = write_study(tmp_path, document)
-    done = run_cli("run", path)
+    done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     assert "pruned by threshold at step 10" in done.stderr
     for trial in load(tmp_path / "tiny.db").get_trials():
@@ -98,7 +97,7 @@ def test_pruned_trials_carry_their_reason(tmp_path: Path) -> None:
         assert trial.user_attrs["prune_reason"]["rule"] == "threshold"
         assert trial.user_attrs["prune_reason"]["step"] == 10
         assert trial.user_attrs["steps"] == 10
-    assert "pruned by threshold" in run_cli("trials", path).stdout
+    assert "pruned by threshold" in sweep_cli("trials", path).stdout
 
 
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> None:
@@ -118,9 +117,7 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> No
         "space": {"model.hidden": {"type": "categorical", "choices": [8, 64]},
                   "optimizer": {"type": "categorical", "choices": ["adam", "sgd"]}}}
     path = write_study(tmp_path, document)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = sweep_cli("run", path, pythonpath=tmp_path)
     assert done.returncode == 0, done.stderr
     trials = load(tmp_path / "tiny.db").get_trials()
     by_state = {s: [t for t in trials if t.state == s] for s in (TrialState.COMPLETE, TrialState.FAIL)}
@@ -133,16 +130,16 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> No
 
 
 def test_a_changed_definition_is_refused_on_resume(tiny_study: Path) -> None:
-    assert run_cli("run", tiny_study, "--n-trials", "1").returncode == 0
-    done = run_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5")
+    assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    done = sweep_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5")
     assert done.returncode == 2
     assert "already exists with a different space" in done.stderr and "--study-name" in done.stderr
-    assert run_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5", "--study-name", "wider",
+    assert sweep_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5", "--study-name", "wider",
                    "--n-trials", "1").returncode == 0
 
 
 def test_storage_password_is_never_printed(tiny_study: Path) -> None:
-    done = run_cli("run", tiny_study, "--storage", "postgresql+psycopg://alice:s3cr3t@127.0.0.1:1/sweep")
+    done = sweep_cli("run", tiny_study, "--storage", "postgresql+psycopg://alice:s3cr3t@127.0.0.1:1/sweep")
     assert done.returncode == 1
     assert "s3cr3t" not in done.stderr + done.stdout
     assert "alice:***@127.0.0.1" in done.stderr
@@ -176,7 +173,7 @@ def test_ctrl_c_marks_the_trial_and_the_next_run_continues(tmp_path: Path) -> No
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"] is True
     assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == 0
 
-    done = run_cli("run", path)
+    done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     trials = load(db).get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]
@@ -187,7 +184,7 @@ def test_optuna_dashboard_reads_the_study(tiny_study: Path) -> None:
     optuna_dashboard = pytest.importorskip("optuna_dashboard")
     from wsgiref.util import setup_testing_defaults
 
-    assert run_cli("run", tiny_study).returncode == 0
+    assert sweep_cli("run", tiny_study).returncode == 0
     app = optuna_dashboard.wsgi(f"sqlite:///{tiny_study.parent / 'tiny.db'}")
 
     def get(path: str) -> dict:
@@ -225,10 +222,7 @@ def test_a_study_that_searches_deterministic_fixes_cublas_before_its_first_trial
     document = copy.deepcopy(TINY_STUDY) | {"task": "envtask:task", "n_trials": 1,
                                             "space": {"deterministic": {"type": "categorical", "choices": [False]}}}
     path = write_study(tmp_path, document)
-    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
-    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = sweep_cli("run", path, env={"CUBLAS_WORKSPACE_CONFIG": None}, pythonpath=tmp_path)
     assert done.returncode == 0, done.stderr
     seen = (tmp_path / "seen.txt").read_text().split()
     assert seen and set(seen) == {":4096:8"}
@@ -240,9 +234,9 @@ def test_a_resumed_study_draws_new_configs_and_a_fresh_one_keeps_its_seed(tmp_pa
     for folder in (first, again):
         folder.mkdir()
         write_study(folder, document)
-    assert run_cli("run", first / "study.yaml", "--n-trials", "2").returncode == 0
-    assert run_cli("run", first / "study.yaml", "--n-trials", "4").returncode == 0  # a resume joins the study
-    assert run_cli("run", again / "study.yaml", "--n-trials", "2").returncode == 0
+    assert sweep_cli("run", first / "study.yaml", "--n-trials", "2").returncode == 0
+    assert sweep_cli("run", first / "study.yaml", "--n-trials", "4").returncode == 0  # a resume joins the study
+    assert sweep_cli("run", again / "study.yaml", "--n-trials", "2").returncode == 0
     resumed = [t.params for t in load(first / "tiny.db").get_trials()]
     fresh = [t.params for t in load(again / "tiny.db").get_trials()]
     assert resumed[:2] == fresh  # seeded: a new study samples the same configs every time
@@ -252,7 +246,7 @@ def test_a_resumed_study_draws_new_configs_and_a_fresh_one_keeps_its_seed(tmp_pa
 @pytest.mark.parametrize("command", ["status", "trials", "best", "report"])
 def test_read_commands_on_an_unreachable_storage_give_one_line_without_the_password(command: str) -> None:
     url = "postgresql+psycopg://sweeper:secretpw@127.0.0.1:1/nothing"  # loopback, a port nothing listens on
-    done = run_cli(command, "--storage", url, "--study-name", "any")
+    done = sweep_cli(command, "--storage", url, "--study-name", "any")
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and "secretpw" not in done.stdout + done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.strip()]
@@ -260,8 +254,8 @@ def test_read_commands_on_an_unreachable_storage_give_one_line_without_the_passw
 
 
 def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
-    assert run_cli("run", tiny_study, "--n-trials", "1").returncode == 0
-    done = run_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
+    assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    done = sweep_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
     assert done.returncode == 1
     assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr
 
@@ -270,7 +264,7 @@ def test_checkpoint_paths_are_absolute_whatever_the_working_folder(tmp_path: Pat
     # The registry keeps each blob's path; reproduce or a retry may run from another folder.
     (tmp_path / "a").mkdir()
     path = write_study(tmp_path, TINY_STUDY | {"n_trials": 1})
-    done = run_cli("run", path, "--storage", "sqlite:///rel.db", cwd=tmp_path / "a")
+    done = sweep_cli("run", path, "--storage", "sqlite:///rel.db", cwd=tmp_path / "a")
     assert done.returncode == 0, done.stderr
     with sqlite3.connect(tmp_path / "a" / "rel.db") as connection:
         uris = [row[0] for row in connection.execute("SELECT uri FROM sweep_checkpoints")]

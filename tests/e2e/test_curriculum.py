@@ -9,7 +9,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from tests.conftest import ROOT, TINY_STUDY, run_cli, write_study
+from tests.conftest import ROOT, TINY_STUDY, sweep_cli, write_study
 from trainer import TrainingConfig
 
 
@@ -17,7 +17,7 @@ def test_the_shipped_curriculum_study_runs_end_to_end_and_each_trial_trains_its_
     study_file = tmp_path / "curriculum.yaml"
     shutil.copy(ROOT / "studies" / "curriculum.yaml", study_file)  # the database lands next to it, in tmp_path
     # The shipped file, shrunk to one learning rate and one seed: one short trial per schedule.
-    done = run_cli("run", study_file, "--set", "fixed.max_steps=40", "--set", "fixed.eval_every_steps=20",
+    done = sweep_cli("run", study_file, "--set", "fixed.max_steps=40", "--set", "fixed.eval_every_steps=20",
                    "--set", "fixed.log_every_steps=20", "--set", "space.learning_rate.choices=[0.01]",
                    "--set", "space.seed.choices=[0]")
     assert done.returncode == 0, done.stderr
@@ -41,7 +41,7 @@ def test_bad_curriculum_keys_are_refused_before_any_trial_runs(tmp_path: Path) -
     document["space"] = {"curriculum.schedule": {"type": "categorical", "choices": ["linear", "cubic"]},
                          "curriculum.pace": {"type": "float", "low": 0.1, "high": 0.5}}
     path = write_study(tmp_path, document)
-    done = run_cli("run", path)
+    done = sweep_cli("run", path)
     assert done.returncode == 2, done.stderr
     assert "fixed.curriculum.stages: expected at least 2" in done.stderr
     assert "space.curriculum.schedule.choices[1]: expected one of none, constant, linear" in done.stderr
@@ -54,7 +54,7 @@ def test_a_searched_curriculum_parameter_reaches_the_trial(tmp_path: Path) -> No
     document["fixed"] = {**document["fixed"], "curriculum": {"schedule": "step"}}
     document["space"] = {"curriculum.stages": {"type": "int", "low": 2, "high": 3}}
     path = write_study(tmp_path, document)
-    done = run_cli("run", path)
+    done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
     assert sorted(t.user_attrs["config"]["curriculum"]["stages"] for t in trials) == [2, 3]

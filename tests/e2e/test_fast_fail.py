@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from tests.conftest import TINY_STUDY, write_study
+from tests.conftest import TINY_STUDY, CliResult, sweep_cli, write_study
 from trainer import TrainingConfig, train
 
 DIVERGING = {"optimizer": "sgd", "learning_rate": 100.0, "scheduler": "none", "model": {"hidden": 64}}
 
 
-def sweep(path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), *args], capture_output=True, text=True,
-                          timeout=300, env=env)
+def sweep(path: Path, *args: str, pythonpath: Path | None = None) -> CliResult:
+    return sweep_cli("run", path, *args, pythonpath=pythonpath)
 
 
 def test_a_diverging_learning_rate_is_pruned_within_one_check_interval(tmp_path: Path) -> None:
@@ -63,8 +59,7 @@ def test_nan_in_the_data_stops_the_study_instead_of_burning_its_budget(tmp_path:
     document = copy.deepcopy(TINY_STUDY) | {"task": "broken:task", "n_trials": 10, "max_repeated_failures": 3}
     del document["pruner"]  # the default: fast-fail wrapping median
     path = write_study(tmp_path, document)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = sweep(path, env=env)
+    done = sweep(path, pythonpath=tmp_path)
     assert done.returncode == 1
     assert "3 trials in a row failed the same way (nan at step 0)" in done.stderr
     assert "the code or the data is likely broken" in done.stderr

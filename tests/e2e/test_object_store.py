@@ -6,18 +6,15 @@ boto3's standard environment (`AWS_ENDPOINT_URL`, credentials), as it would reac
 from __future__ import annotations
 
 import copy
-import os
 import socket
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
 
-from tests.conftest import TINY_STUDY, write_study
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -47,9 +44,7 @@ def test_checkpoints_live_in_the_object_store_and_warm_start_from_it(tmp_path: P
     document["fixed"] = {**document["fixed"], "max_steps": 40, "model": {"hidden": 16}}
     document["space"] = {"learning_rate": document["space"]["learning_rate"]}
     path = write_study(tmp_path, document)
-    run = lambda *args: subprocess.run([sys.executable, "-m", "sweep.cli", *args], capture_output=True,  # noqa: E731
-                                       text=True, timeout=300, env={**os.environ, **s3_env})
-    done = run("run", str(path))
+    done = sweep_cli("run", path)  # s3_env is in os.environ
     assert done.returncode == 0, done.stderr
 
     with sqlite3.connect(tmp_path / "remote.db") as connection:
@@ -66,5 +61,5 @@ def test_checkpoints_live_in_the_object_store_and_warm_start_from_it(tmp_path: P
     artifact = study.get_trials()[0].user_attrs["checkpoint"]["artifact_id"]
     assert artifact in keys  # the dashboard's download, from the same bucket
 
-    again = run("reproduce", str(path), str(warm[-1].number))  # the parent comes back from the bucket
+    again = sweep_cli("reproduce", path, str(warm[-1].number))  # the parent comes back from the bucket
     assert again.returncode == 0, again.stderr

@@ -8,13 +8,13 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, sweep_cli
 
 
 def test_quickstart_runs_to_completion(tmp_path: Path) -> None:
     study_file = tmp_path / "quickstart.yaml"
     shutil.copy(ROOT / "studies" / "quickstart.yaml", study_file)  # its database lands next to the copy
-    done = run_cli("run", study_file, timeout=600)
+    done = sweep_cli("run", study_file)
     assert done.returncode == 0, done.stderr
     study = optuna.load_study(study_name="quickstart", storage=f"sqlite:///{tmp_path / 'quickstart.db'}")
     states = [t.state for t in study.trials]

@@ -6,23 +6,23 @@ import copy
 import sqlite3
 from pathlib import Path
 
-from tests.conftest import TINY_STUDY, run_cli, write_study
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
 
 def test_reproduce_passes_on_an_untouched_trial_and_fails_on_a_tampered_one(tmp_path: Path) -> None:
     document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "pruner": {"type": "fastfail", "then": "median"}}
     document["fixed"] = {**document["fixed"], "model": {"dropout": 0.1}}  # randomness in training, seeded
     path = write_study(tmp_path, document)
-    assert run_cli("run", path).returncode == 0
+    assert sweep_cli("run", path).returncode == 0
 
-    done = run_cli("reproduce", path, "1")
+    done = sweep_cli("reproduce", path, "1")
     assert done.returncode == 0, done.stderr
     assert "trial 1 reproduced: 3 reported values identical (bit for bit)" in done.stdout  # steps 0, 10, 20
 
     with sqlite3.connect(tmp_path / "tiny.db") as db:  # tamper with one stored value, as a bad merge might
         db.execute("UPDATE trial_intermediate_values SET intermediate_value = intermediate_value + 1e-6 "
                    "WHERE step = 10 AND trial_id = (SELECT trial_id FROM trials WHERE number = 1)")
-    done = run_cli("reproduce", path, "1")
+    done = sweep_cli("reproduce", path, "1")
     assert done.returncode == 1
     assert "trial 1 differs first at step 10" in done.stderr
-    assert run_cli("reproduce", path, "7").returncode == 2  # no such trial
+    assert sweep_cli("reproduce", path, "7").returncode == 2  # no such trial

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 import sqlite3
-import subprocess
-import sys
 import wsgiref.util
 from pathlib import Path
 
@@ -16,7 +13,7 @@ import optuna_dashboard
 from optuna.trial import TrialState
 
 from sweep.cli import dashboard_artifact_store
-from tests.conftest import TINY_STUDY, run_cli, write_study
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
 
 def warm_study(folder: Path, **extra) -> Path:
@@ -34,7 +31,7 @@ def load(folder: Path) -> optuna.Study:
 
 def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) -> None:
     path = warm_study(tmp_path)
-    done = run_cli("run", path)
+    done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     trials = {t.number: t for t in load(tmp_path).get_trials()}
     assert all(t.state == TrialState.COMPLETE for t in trials.values())
@@ -55,23 +52,23 @@ def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) ->
         pinned = {row[0] for row in connection.execute("SELECT id FROM sweep_checkpoints WHERE pinned = 1")}
     assert {t.user_attrs["warm_start_from"]["checkpoint_id"] for t in warm} <= pinned
 
-    status = run_cli("status", path)
+    status = sweep_cli("status", path)
     assert f"{len(warm)} trials warm-started" in status.stdout  # and the compute the study trained itself
     assert f"{sum(t.user_attrs['steps_trained'] for t in trials.values())} steps trained" in status.stdout
 
     [replayed] = warm[-1:]
-    again = run_cli("reproduce", path, str(replayed.number))
+    again = sweep_cli("reproduce", path, str(replayed.number))
     assert again.returncode == 0, again.stderr
     assert "identical" in again.stdout
     parent_file = Path(replayed.user_attrs["warm_start_from"]["uri"])
     parent_file.write_bytes(parent_file.read_bytes()[:-10])  # a damaged parent is refused, not loaded
-    broken = run_cli("reproduce", path, str(replayed.number))
+    broken = sweep_cli("reproduce", path, str(replayed.number))
     assert broken.returncode != 0 and "warm-started" in broken.stderr
 
 
 def test_study_retention_keeps_the_best_trials_and_every_parent(tmp_path: Path) -> None:
     path = warm_study(tmp_path, checkpoints={"keep_top_trials": 1})
-    done = run_cli("run", path)
+    done = sweep_cli("run", path)
     assert done.returncode == 0 and "checkpoint" not in done.stderr, done.stderr  # no bookkeeping step failed
     trials = load(tmp_path).get_trials()
     parents = {t.user_attrs["warm_start_from"]["uri"] for t in trials if "warm_start_from" in t.user_attrs}
@@ -156,9 +153,7 @@ def test_trials_that_diverge_or_crash_release_their_checkpoints_to_retention(tmp
         "space": {"model.hidden": {"type": "categorical", "choices": [8, 16, 24]}}}
     document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 10, "learning_rate": 0.01}
     path = write_study(tmp_path, document)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = sweep_cli("run", path, pythonpath=tmp_path)
     assert done.returncode == 0, done.stderr
     trials = {t.params["model.hidden"]: t for t in load(tmp_path).get_trials()}
     assert trials[8].state == TrialState.COMPLETE
@@ -178,7 +173,7 @@ def test_trials_that_diverge_or_crash_release_their_checkpoints_to_retention(tmp
 
 def test_each_trial_uploads_its_best_checkpoint_as_an_optuna_artifact(tmp_path: Path) -> None:
     path = warm_study(tmp_path, n_trials=2, warm_start={"enabled": False})
-    assert run_cli("run", path).returncode == 0
+    assert sweep_cli("run", path).returncode == 0
     study = load(tmp_path)
     store = optuna.artifacts.FileSystemArtifactStore(study.user_attrs["sweep.artifacts"])
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'warm.db'}")
