@@ -117,11 +117,13 @@ class CheckpointInfo:
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG's state, as tensors and plain values (what weights_only loading accepts)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=False)  # a dict; stored as the fields of the legacy tuple
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached": float(cached)},
+        "numpy": {"kind": numpy_state["bit_generator"],
+                  "keys": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
+                  "cached": float(numpy_state["gauss"])},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -196,7 +198,7 @@ def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: s
         raise CheckpointError(f"checkpoint {path} does not match its recorded hash: refusing to load it")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - truncated zip, pickle errors, disallowed globals: all untrustworthy
+    except Exception as exc:  # truncated zip, pickle errors, disallowed globals: all untrustworthy
         raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from exc
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint {path} holds {type(payload).__name__}, not a training state")

@@ -18,9 +18,9 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from trainer.fast_fail_rules import FastFailConfig
 from trainer.pacing import CurriculumConfig
@@ -75,8 +75,7 @@ def _task_name(value: str) -> str | None:
 
 
 def _f(default: Any, check: Check | None = None, doc: str = "") -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"check": check, "doc": doc})
+    """A field with an immutable default, its check and its documentation."""
     return field(default=default, metadata={"check": check, "doc": doc})
 
 
@@ -86,13 +85,16 @@ class TrainingConfig:
 
     # What to train.
     task: str = _f("digits", _task_name, "built-in task (digits, charlm, blobs, arrays) or 'package.module:function'")
-    task_args: dict[str, Any] = _f({}, doc="keyword arguments for the task factory (data size, context, ...)")
-    model: dict[str, Any] = _f({}, doc="keys handed to the task's model builder; the task lists what it accepts")
+    task_args: dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "keyword arguments for the task factory (data size, context, ...)"})
+    model: dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "keys handed to the task's model builder; the task lists what it accepts"})
 
     # Optimisation.
     optimizer: Literal["adam", "adamw", "sgd", "lion"] = _f("adamw")
     learning_rate: float = _f(1e-3, _range(0, low_open=True), "peak learning rate")
-    weight_decay: float = _f(0.0, _range(0), "decoupled for adamw/lion; applied to matrices only, never to biases/norms")
+    weight_decay: float = _f(0.0, _range(0),
+                             "decoupled for adamw/lion; applied to matrices only, never to biases/norms")
     momentum: float = _f(0.9, _range(0, 1, high_open=True), "sgd only")
     nesterov: bool = _f(False, doc="sgd only; needs momentum > 0")
     beta1: float = _f(0.9, _range(0, 1, high_open=True), "adam/adamw/lion")
@@ -141,7 +143,8 @@ class TrainingConfig:
 
     # Reproducibility and placement.
     seed: int = _f(0, _range(0, 2**63 - 1))
-    deterministic: bool = _f(False, doc="torch.use_deterministic_algorithms and no TF32 matmuls; slower, and exact on GPU")
+    deterministic: bool = _f(False,
+                             doc="torch.use_deterministic_algorithms and no TF32 matmuls; slower, and exact on GPU")
     device: str = _f("auto", _device, "auto: cuda if available, else cpu")
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -257,9 +260,9 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> tuple[Any, list
             problems.append((f"{prefix}{key}", message))
             continue
         check = fields[key].metadata.get("check")
-        message = check(coerced) if check is not None and coerced is not None else None
-        if message:
-            problems.append((f"{prefix}{key}", message))
+        refusal = check(coerced) if check is not None and coerced is not None else None
+        if refusal:
+            problems.append((f"{prefix}{key}", refusal))
             continue
         kwargs[key] = coerced
     if problems:
@@ -276,7 +279,7 @@ def _is_key(cls: type, dotted: str) -> bool:
     if head not in fields:
         return False
     hint = _hints(cls)[head]
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return bool(rest) and _is_key(hint, rest)
     return not rest or head in ("model", "task_args")
 
@@ -300,8 +303,8 @@ def _describe(tp: Any) -> str:
 
 def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     """`(ok, value, message)`: `value` checked against the annotation `tp`, converted where the config allows it
-    (tasks check their `model` keys with it too). Ints are accepted for floats, and so are numeric strings, since YAML 1.1 reads `1e-3`
-    (no dot) as a string."""
+    (tasks check their `model` keys with it too). Ints are accepted for floats, and so are numeric strings, since
+    YAML 1.1 reads `1e-3` (no dot) as a string."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):

@@ -2,9 +2,10 @@
 
 Decided once before the loop: `device_stats(device)` returns a function that the loop calls at log steps. On a CPU it
 returns nothing; on CUDA the peak memory allocated since the run started (`peak_mem_mb`: the counter is reset here,
-so a worker process that trains many trials reports each trial's own peak, not the largest trial's so far) and, when `torch.cuda.utilization`
-works here (it needs the `nvidia-ml-py` package), the share of the last sample period in which a kernel ran on the GPU
-(`gpu_util_pct`, 0-100, every process on the GPU counted). Neither reads the device's memory: no sync.
+so a worker process that trains many trials reports each trial's own peak, not the largest trial's so far) and, when
+`torch.cuda.utilization` works here (it needs the `nvidia-ml-py` package), the share of the last sample period in
+which a kernel ran on the GPU (`gpu_util_pct`, 0-100, every process on the GPU counted). Neither reads the device's
+memory: no sync.
 """
 
 from __future__ import annotations

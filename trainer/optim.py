@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, overload
 
 import torch
 
@@ -43,8 +43,14 @@ class Lion(torch.optim.Optimizer):
         for group in self.param_groups:
             group.setdefault("foreach", None)
 
+    @overload  # torch.optim.Optimizer.step's two forms: without a closure, and with one whose loss it returns
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -54,14 +60,14 @@ class Lion(torch.optim.Optimizer):
             if not params:
                 continue
             grads, moments = [p.grad for p in params], [self._momentum(p) for p in params]
+            lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
             grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
             if grad_scale is not None or found_inf is not None:  # inside GradScaler.step (fp16)
-                _lion_scaled(params, grads, moments, group["lr"], *group["betas"], group["weight_decay"],
-                             grad_scale, found_inf)
+                _lion_scaled(params, grads, moments, lr, beta1, beta2, decay, grad_scale, found_inf)
                 continue
             foreach = group["foreach"] if group["foreach"] is not None else all(p.is_cuda for p in params)
             update = _lion_foreach if foreach else _lion_per_tensor
-            update(params, grads, moments, group["lr"], *group["betas"], group["weight_decay"])
+            update(params, grads, moments, lr, beta1, beta2, decay)
         return loss
 
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
@@ -84,10 +90,11 @@ def _lion_per_tensor(params: list[torch.Tensor], grads: list[torch.Tensor], mome
 
 def _lion_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], moments: list[torch.Tensor], lr: float,
                   beta1: float, beta2: float, decay: float) -> None:
-    """`_lion_per_tensor`, each line one multi-tensor kernel."""
+    """`_lion_per_tensor`, each line one multi-tensor kernel. torch names these kernels with an underscore only (its
+    own optimizers' foreach paths call them the same way); there is no public name to use instead."""
     if decay:
         torch._foreach_mul_(params, 1 - lr * decay)
-    update = torch._foreach_mul(moments, beta1)
+    update = torch._foreach_mul(moments, beta1)  # noqa: SLF001 (a multi-tensor kernel, see _lion_foreach)
     torch._foreach_add_(update, grads, alpha=1 - beta1)
     torch._foreach_sign_(update)
     torch._foreach_add_(params, update, alpha=-lr)
@@ -109,12 +116,12 @@ def _lion_scaled(params: list[torch.Tensor], grads: list[torch.Tensor], moments:
         torch._foreach_mul_(grads, grad_scale.to(device).double().reciprocal().float())
     if decay:
         torch._foreach_mul_(params, 1 - lr * decay * keep)
-    update = torch._foreach_mul(moments, beta1)
+    update = torch._foreach_mul(moments, beta1)  # noqa: SLF001 (a multi-tensor kernel, see _lion_foreach)
     torch._foreach_add_(update, grads, alpha=1 - beta1)
     torch._foreach_sign_(update)
     torch._foreach_mul_(update, -lr * keep)
     torch._foreach_add_(params, update)
-    drift = torch._foreach_sub(grads, moments)  # momentum += (1 - beta2) * keep * (grad - momentum)
+    drift = torch._foreach_sub(grads, moments)  # noqa: SLF001 (momentum += (1 - beta2) * keep * (grad - momentum))
     torch._foreach_mul_(drift, (1 - beta2) * keep)
     torch._foreach_add_(moments, drift)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer.support import SaveAt
 from trainer import TrainingConfig, load_task, train
 from trainer.checkpoint import load_checkpoint
 from trainer.precision import allow_tf32
 from trainer.tasks import cross_entropy
-from tests.trainer.support import SaveAt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

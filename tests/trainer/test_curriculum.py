@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from sweep.pruners import FastFailPruner
 from tests.sweep.test_pruners import pruned_step as pruner_pruned_step
 from tests.trainer.test_loop import SyncCounter
 from trainer import ConfigError, TrainingConfig, load_task, train
-from trainer.curriculum import (CurriculumConfig, CurriculumSampler, difficulty_ranks, level_at, stage_starts)
+from trainer.curriculum import CurriculumConfig, CurriculumSampler, difficulty_ranks, level_at, stage_starts
 from trainer.data import DeviceBatches
 from trainer.fast_fail import FastFailConfig, LossGuard, judge
 from trainer.tasks.blobs import make_blobs
@@ -45,7 +46,7 @@ def test_rising_schedules_go_from_the_start_level_to_1_at_the_end_step_and_never
     levels = [level_at(s, config, 1000) for s in range(1000)]
     assert levels[0] == pytest.approx(start)
     assert levels[499] < 1.0 and levels[500] == pytest.approx(1.0) and levels[999] == pytest.approx(1.0)
-    assert all(b >= a for a, b in zip(levels, levels[1:]))
+    assert all(b >= a for a, b in pairwise(levels))
     assert all(0.0 <= level <= 1.0 for level in levels)
 
 
@@ -259,7 +260,7 @@ def test_charlm_difficulty_is_the_rarity_of_a_windows_bytes() -> None:
 
 
 def test_a_task_without_difficulty_refuses_a_curriculum_by_name(digits_task_without_difficulty) -> None:
-    with pytest.raises(ConfigError, match="curriculum.schedule.*provides no per-sample difficulty"):
+    with pytest.raises(ConfigError, match=r"curriculum\.schedule.*provides no per-sample difficulty"):
         train(TrainingConfig.from_dict({"max_steps": 5, "curriculum.schedule": "linear"}),
               digits_task_without_difficulty)
     result = train(TrainingConfig.from_dict({"max_steps": 5}), digits_task_without_difficulty)  # none: no scores

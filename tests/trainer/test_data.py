@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer.support import SaveAt
 from trainer import ConfigError, TrainingConfig, load_task, train
 from trainer.checkpoint import load_checkpoint
 from trainer.data import DeviceData, LoaderData, build_batches, choose_data_loader
 from trainer.tasks import TaskError
 from trainer.tasks.digits import load_digits_arrays
-from tests.trainer.support import SaveAt
 
 CPU = torch.device("cpu")
 
@@ -102,7 +102,7 @@ def test_the_arrays_task_trains_from_memory_mapped_files(digit_files: dict[str, 
 def test_the_arrays_task_names_the_bad_argument(digit_files: dict[str, str], tmp_path: Path) -> None:
     with pytest.raises(TaskError, match="classes"):
         load_task("arrays", {**digit_files})
-    with pytest.raises(FileNotFoundError, match="task_args.val_y"):
+    with pytest.raises(FileNotFoundError, match=r"task_args\.val_y"):
         load_task("arrays", {**digit_files, "val_y": str(tmp_path / "missing.npy"), "classes": 10})
     np.save(tmp_path / "short.npy", np.zeros(5, dtype=np.int64))
     with pytest.raises(ValueError, match="as many samples"):

@@ -12,13 +12,13 @@ from torch.overrides import TorchFunctionMode
 
 import trainer
 import trainer.loop
+from tests.trainer.support import SaveAt
 from trainer import ConfigError, TrainingConfig, train
 from trainer.data import DeviceBatches
 from trainer.evaluate import evaluate
 from trainer.loop import accumulate_gradients, optimizer_step
 from trainer.precision import resolve_precision
 from trainer.tasks import cross_entropy
-from tests.trainer.support import SaveAt
 
 CPU = torch.device("cpu")
 
@@ -138,8 +138,8 @@ class SlowSaveAt(SaveAt):
         super().saved(info, metrics)
 
 
-def test_throughput_leaves_out_evaluations_and_checkpoints_wherever_they_fall(digits, tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_throughput_leaves_out_evaluations_and_checkpoints_wherever_they_fall(
+        digits, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Logs every 10 steps; an evaluation at step 25 (inside an interval) and a checkpoint at step 10 (a log step).
     clock = Clock()
     monkeypatch.setattr(trainer.loop, "time", clock)
@@ -185,7 +185,7 @@ class SyncCounter(TorchFunctionMode):
     torch's own optimizers read their CPU-side step counters with .item(); that is host memory, not a sync, so only
     calls made from the trainer's code count."""
 
-    SYNCS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"}
+    SYNCS = frozenset({"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__"})
 
     def __init__(self) -> None:
         super().__init__()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def test_decay_ends_at_min_lr_ratio(scheduler: str) -> None:
     assert lr_at(10, c) == pytest.approx(1.0)  # the peak right after warmup
     assert lr_at(100, c) == pytest.approx(0.1)  # the floor at max_steps
     values = [lr_at(s, c) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(values, values[1:]))  # never rises
+    assert all(a >= b for a, b in pairwise(values))  # never rises
     midpoint = lr_at(55, c)
     assert midpoint == pytest.approx(0.55, abs=1e-9)  # cosine and linear both cross half-way at the midpoint
 

@@ -12,7 +12,8 @@ from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
 from trainer.tasks.digits import digits
 
-__all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "cross_entropy", "load_task", "resolve_task_factory"]
+__all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "cross_entropy", "load_task",
+           "resolve_task_factory"]
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs,
                                                  "arrays": arrays}

@@ -13,7 +13,7 @@ from torch import nn
 
 from trainer.config import ConfigError, coerce
 
-__all__ = ["Task", "cross_entropy", "accuracy_sum"]
+__all__ = ["Task", "accuracy_sum", "cross_entropy"]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ def make_blobs(n: int, classes: int, dims: int, max_noise: float, seed: int) -> 
     """(inputs [n, dims] float32, labels [n] int64, noise levels [n] in [0, 1]), a function of the arguments alone."""
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(classes, dims))
-    centres /= np.linalg.norm(centres, axis=1, keepdims=True)  # unit distance from the origin: noise sets the difficulty
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)  # at distance 1 from the origin: noise sets difficulty
     labels = rng.integers(0, classes, size=n)
     noise = rng.uniform(0.0, 1.0, size=n)
     inputs = centres[labels] + rng.normal(size=(n, dims)) * (noise * max_noise)[:, None]
@@ -43,7 +43,7 @@ def blobs(n: int = 2048, classes: int = 4, dims: int = 8, max_noise: float = 1.5
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"task_args.val_fraction must be in (0, 1), but got {val_fraction=}")
     x, y, noise = make_blobs(n, classes, dims, max_noise, seed)
-    n_val = max(1, int(round(n * val_fraction)))
+    n_val = max(1, round(n * val_fraction))
 
     def build(cfg: dict[str, Any]) -> nn.Module:
         if cfg["hidden"] < 1:

@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer.tasks.base import Task, accuracy_sum
 
-__all__ = ["charlm", "CharTransformer", "load_stdlib_text", "unigram_surprisal"]
+__all__ = ["CharTransformer", "charlm", "load_stdlib_text", "unigram_surprisal"]
 
 VOCAB = 256  # bytes
 MODEL_DEFAULTS = {"d_model": 128, "n_layers": 2, "n_heads": 4, "mlp_ratio": 4, "dropout": 0.0}
@@ -68,16 +68,17 @@ class CharTransformer(nn.Module):
             raise ValueError(f"model.d_model must be divisible by model.n_heads, but got {d_model=}, {n_heads=}")
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(context, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers))
+        blocks = [Block(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB, bias=False)
         self.head.weight = self.tok.weight  # tied embeddings: fewer parameters, better small models
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.blocks:  # scale residual projections by depth (GPT-2)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for block in blocks:  # scale residual projections by depth (GPT-2)
             nn.init.normal_(block.proj.weight, std=0.02 / math.sqrt(2 * n_layers))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ def charlm(context: int = 128, max_chars: int = 1_000_000, val_fraction: float =
     data = np.frombuffer(load_stdlib_text(max_chars), dtype=np.uint8)
     n = len(data) // (context + 1)
     windows = torch.from_numpy(data[: n * (context + 1)].astype(np.int64)).view(n, context + 1)
-    n_val = max(1, int(round(n * val_fraction)))
+    n_val = max(1, round(n * val_fraction))
     train, val = windows[:-n_val], windows[-n_val:]
 
     def build(cfg: dict[str, Any]) -> nn.Module:

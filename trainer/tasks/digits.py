@@ -17,7 +17,7 @@ from torch import nn
 
 from trainer.tasks.base import Task, accuracy_sum
 
-__all__ = ["digits", "MLP", "linear_margin_difficulty", "load_digits_arrays"]
+__all__ = ["MLP", "digits", "linear_margin_difficulty", "load_digits_arrays"]
 
 MODEL_DEFAULTS = {"hidden": 64, "depth": 2, "activation": "relu", "dropout": 0.0}
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
@@ -85,7 +85,7 @@ def digits(val_fraction: float = 0.2, split_seed: int = 0) -> Task:
         raise ValueError(f"task_args.val_fraction must be in (0, 1), but got {val_fraction=}")
     x, y = load_digits_arrays()
     order = np.random.default_rng(split_seed).permutation(len(x))
-    n_val = int(round(len(x) * val_fraction))
+    n_val = round(len(x) * val_fraction)
     val, train = order[:n_val], order[n_val:]
 
     def build(cfg: dict[str, Any]) -> nn.Module:
