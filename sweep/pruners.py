@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.study import StudyDirection
 
-from trainer.curriculum import curriculum_from_dict, stage_starts
-from trainer.fast_fail import FastFailConfig, Verdict, judge
+from trainer.fast_fail_rules import FastFailConfig, Verdict, judge
+from trainer.pacing import curriculum_from_dict, stage_starts
 
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial

@@ -5,23 +5,29 @@ warm-started trial also names its parent checkpoint (`warm_start_from`), which i
 a local recorder, not to the study, and stops where the trial stopped (a pruned trial is replayed up to its last
 report). It runs with the torch thread counts the trial recorded (`reproducibility.threads`): a worker of
 `--workers N` trained with a share of the cores, and a sum over another number of threads rounds differently. On CPU
-the values must match bit for bit; on a GPU within a relative tolerance, since cuBLAS and cuDNN kernels are not deterministic unless `deterministic: true`.
+the values must match bit for bit; on a GPU within a relative tolerance, since cuBLAS and cuDNN kernels are not
+deterministic unless `deterministic: true`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
+import torch
 
 from sweep.blobs import load_blob
 from sweep.objective import task_for
-from sweep.outcomes import ATTR_CONFIG, ATTR_WARM_START, SPEC_ATTR
+from sweep.outcomes import ATTR_CONFIG, ATTR_REPRO, ATTR_WARM_START, SPEC_ATTR
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.precision import resolve_device
+from trainer.seeding import THREAD_ENV, apply_threads
 
 __all__ = ["Comparison", "reproduce_trial"]
 
@@ -73,6 +79,21 @@ def _parent(trial: optuna.trial.FrozenTrial) -> WarmStart | None:
     return WarmStart(state, optimizer=lineage.get("inherit") == "weights+optimizer")
 
 
+@contextlib.contextmanager
+def _threads_of(record: Mapping[str, Any]) -> Iterator[None]:
+    """The trial's own torch thread counts for the rerun, and this process's back afterwards."""
+    before = {"threads": {"intra_op": torch.get_num_threads(), "inter_op": torch.get_num_interop_threads(),
+                          **{name: os.environ.get(name) for name in THREAD_ENV}}}
+    try:
+        apply_threads(record)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        yield
+    finally:
+        apply_threads(before)
+
+
 def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 1e-3) -> Comparison:
     trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
     if not trials:
@@ -85,7 +106,8 @@ def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 
     metric = study.user_attrs.get(SPEC_ATTR, {}).get("metric", "val_loss")
     stored = dict(sorted(trial.intermediate_values.items()))
     recorder = _Recorder(max(stored), metric)
-    train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial))
+    with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
+        train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial))
     tolerance = 0.0 if resolve_device(config.device).type == "cpu" or config.deterministic else gpu_tolerance
     difference = None
     for step, value in stored.items():
