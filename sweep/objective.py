@@ -34,6 +34,7 @@ from sweep.outcomes import (
     ATTR_WALL,
     ATTR_WARM_START,
     Outcome,
+    TimedOut,
     TrialResult,
     lineage,
 )
@@ -41,7 +42,7 @@ from sweep.pruners import FastFailPruner
 from sweep.storage import StorageAway
 from sweep.warmstart import shape_key
 from trainer import Task, TrainingConfig, load_task, train
-from trainer.checkpoint import TrainState, WarmStart
+from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
 
 if TYPE_CHECKING:
     from sweep.checkpoints import CheckpointService, TrialCheckpointer
@@ -64,8 +65,10 @@ class TrialReporter:
     `prior`: the values its lineage reported before this trial resumed."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: TrainingConfig, events: Events,
-                 boundary: Boundary, prior: Sequence[tuple[int, float]] = ()) -> None:
+                 boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: _Deadline | None = None,
+                 ) -> None:
         self.trial, self.config, self.events, self.boundary = trial, config, events, boundary
+        self.deadline = deadline
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
         self.series: list[tuple[int, float]] = list(prior)
@@ -92,6 +95,8 @@ class TrialReporter:
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
         if prune:
             self.prune_reason = self._explain(step, value, metrics)
+        elif self.deadline is not None and step < self.config.max_steps and self.deadline.passed():
+            self.deadline.stop_at_checkpoint(step)
         return prune
 
     def flush(self) -> None:
@@ -114,6 +119,39 @@ class TrialReporter:
         if "train_loss" in metrics:  # the loop's guard brought this evaluation forward
             reason["train_loss"] = metrics["train_loss"]
         return reason
+
+
+class _Deadline:
+    """`--timeout` within one evaluation interval: once it has passed, the trial stops at its next evaluation, after
+    a checkpoint there (with checkpoints on), so that its retry, queued like an interrupted trial's, resumes from it."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.checkpointer: TrialCheckpointer | None = None
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def stop_at_checkpoint(self, step: int) -> None:
+        if self.checkpointer is None:
+            raise TimedOut()
+        self.checkpointer.keep_steps.add(step)  # saved whatever the policy says; `_Timed.saved` then stops
+
+
+class _Timed:
+    """The trainer's `Checkpointer`: the trial's own, which stops the trial after the checkpoint the deadline asked
+    for."""
+
+    def __init__(self, inner: TrialCheckpointer, deadline: _Deadline) -> None:
+        self.inner, self.deadline = inner, deadline
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Any:
+        return self.inner.path_for(step, metrics)
+
+    def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
+        self.inner.saved(info, metrics)
+        if self.deadline.passed() and info.step in self.inner.keep_steps:
+            raise TimedOut()
 
 
 @functools.lru_cache(maxsize=4)
@@ -143,9 +181,10 @@ class TrainerTrial:
     """One trial of the built-in trainer, from its params to its result; `release` hands its checkpoints back."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None) -> None:
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.checkpointer: TrialCheckpointer | None = None
+        self.deadline = None if deadline is None else _Deadline(deadline)
 
     def run(self) -> TrialResult:
         trial, spec = self.trial, self.spec
@@ -155,10 +194,15 @@ class TrainerTrial:
         trial.set_user_attr(ATTR_CONFIG, config.to_dict())
         task = task_for(config.task, config.task_args)
         start = self._start(params, config, task)
-        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior)
+        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior,
+                                 deadline=self.deadline)
+        checkpointer: Any = self.checkpointer
+        if self.deadline is not None and self.checkpointer is not None:
+            self.deadline.checkpointer = self.checkpointer
+            checkpointer = _Timed(self.checkpointer, self.deadline)
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
             result = train(config, task, reporter, resume=start.resume, warm_start=start.warm,
-                           checkpointer=self.checkpointer)
+                           checkpointer=checkpointer)
         reporter.flush()  # values held while the storage was away: the trial's curve is whole before its result
         attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
                                  ATTR_STEPS: result.steps, ATTR_STEPS_TRAINED: result.steps - start.step,

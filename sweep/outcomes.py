@@ -28,8 +28,18 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["ATTR_CONFIG", "Outcome", "TrialResult", "budget_counts", "failure_signature", "infrastructure_fault",
-           "jsonable", "lineage", "outcome_of"]
+__all__ = [
+    "ATTR_CONFIG",
+    "Outcome",
+    "TimedOut",
+    "TrialResult",
+    "budget_counts",
+    "failure_signature",
+    "infrastructure_fault",
+    "jsonable",
+    "lineage",
+    "outcome_of",
+]
 
 # Trial user attrs written by sweep: one name for each thing, shown as-is in optuna-dashboard.
 ATTR_CONFIG = "config"
@@ -57,6 +67,11 @@ ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifac
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 
 LOST_REASON = "worker lost: no heartbeat"
+
+
+class TimedOut(BaseException):
+    """`--timeout` passed while a trial trained: it stops at its next evaluation, after a checkpoint there, and is
+    queued again like an interrupted trial."""
 
 
 class Outcome(str, enum.Enum):

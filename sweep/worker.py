@@ -40,6 +40,7 @@ from sweep.outcomes import (
     LOST_REASON,
     STOP_ATTR,
     Outcome,
+    TimedOut,
     TrialResult,
     budget_counts,
     failure_signature,
@@ -120,10 +121,11 @@ class Worker:
         self.streak: tuple[int, str | None] = (0, None)  # trials in a row that failed the same way, and how
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
-        self.sampler_stopped = False  # the sampler has tried every point of the space (brute force, grid)
+        self.sampler_stopped = False
+        self.started = time.monotonic()  # the sampler has tried every point of the space (brute force, grid)
 
     def run(self) -> RunSummary:
-        started_wall, started = time.time(), time.monotonic()
+        started_wall, started = time.time(), self.started
         if self.checkpoints is not None:
             self.checkpoints.reconcile()
         first = True
@@ -159,15 +161,18 @@ class Worker:
     # One trial.
 
     def _run_one(self, trial: optuna.Trial) -> FrozenTrial | None:
-        runner = TrainerTrial(trial, self.spec, self.events, self.boundary, self.checkpoints)
+        deadline = None if self.timeout is None else self.started + self.timeout
+        runner = TrainerTrial(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=deadline)
         try:
             with self._heartbeat(trial):
                 result = runner.run()
-        except (KeyboardInterrupt, Preempted) as exc:
-            interrupted = isinstance(exc, KeyboardInterrupt)
-            outcome = Outcome.INTERRUPTED if interrupted else Outcome.PREEMPTED
-            reason = "interrupted" if interrupted else "preempted (SIGTERM)"
+        except (KeyboardInterrupt, Preempted, TimedOut) as exc:
+            outcome = Outcome.PREEMPTED if isinstance(exc, Preempted) else Outcome.INTERRUPTED
+            reason = {KeyboardInterrupt: "interrupted", Preempted: "preempted (SIGTERM)",
+                      TimedOut: f"interrupted: --timeout of {self.timeout:g} s"}[type(exc)]
             self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
+            if isinstance(exc, TimedOut):
+                return None  # the loop sees the timeout and stops
             raise
         except StorageUnavailable:
             raise  # nothing can be stored: the worker exits, and the trial is found lost and retried later
