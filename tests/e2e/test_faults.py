@@ -1,0 +1,719 @@
+"""Real faults under real workers: PostgreSQL restarted under three workers, one trial SIGKILLed and interrupted
+again and again, a checkpoint folder and a SQLite file on a full filesystem, a corrupt newest checkpoint, a retry
+that resumes at `max_steps`, and `sweep reproduce` of a trial trained by one of several workers.
+
+Every test waits on conditions it reads from the storage (with deadlines far above the normal time) and then asserts
+on what the storage holds: trial states, the `outcome` and `retry_of` of each trial, its intermediate values, the
+checkpoint registry. The random moments are drawn from a seed that each failure message names
+(`SWEEP_FAULT_SEED=N` replays it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import optuna
+import pytest
+from optuna.trial import FrozenTrial, TrialState
+
+from tests.conftest import write_study
+from tests.pg import PostgresServer, postgres_available
+
+T = TypeVar("T")
+
+CLI_ENV = {"COLUMNS": "200"}  # wide enough that no message is wrapped
+
+# One config, trained the same way every time: the random sampler over an empty space, every value fixed.
+ONE_CONFIG: dict[str, Any] = {
+    "n_trials": 1,
+    "seed": 0,
+    "sampler": {"type": "random"},
+    "pruner": "none",
+    "task": "digits",
+    "heartbeat_interval": 1,
+    "heartbeat_grace_period": 2,
+    "fixed": {"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 20, "batch_size": 64,
+              "learning_rate": 0.01, "model": {"hidden": 64}},
+    "space": {},
+}
+
+
+def one_config(name: str, **keys: Any) -> dict[str, Any]:
+    document = copy.deepcopy(ONE_CONFIG) | {"name": name} | keys
+    document["fixed"] = {**ONE_CONFIG["fixed"], **keys.get("fixed", {})}
+    return document
+
+
+def fault_rng() -> tuple[random.Random, int]:
+    seed = int(os.environ.get("SWEEP_FAULT_SEED", random.randrange(2**32)))
+    return random.Random(seed), seed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Processes and waiting.
+
+def start_sweep(*args: str | Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`sweep ARGS` in a process of its own, its output (both streams) to `log`: a file never fills up the way a
+    pipe nobody reads does. `env`: its whole environment (default: this process's)."""
+    with open(log, "ab") as handle:
+        return subprocess.Popen([sys.executable, "-m", "sweep.cli", *map(str, args)], stdout=handle,
+                                stderr=subprocess.STDOUT, env={**(os.environ if env is None else env), **CLI_ENV})
+
+
+def finish(process: subprocess.Popen[bytes], log: Path, timeout: float) -> int:
+    """Its exit code; killed, with a failure that shows its output, if it has not ended within `timeout`."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"`sweep` did not end within {timeout} s; its output ends with:\n{tail(log)}")
+
+
+def tail(log: Path, chars: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no output)"
+
+
+def sweep_run(*args: str | Path, log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:
+    return finish(start_sweep("run", *args, log=log, env=env), log, timeout)
+
+
+def wait_for(what: str, probe: Callable[[], T], timeout: float, *, interval: float = 0.05,
+             alive: subprocess.Popen[bytes] | None = None) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what` and the last value seen when `timeout`
+    passes, or at once when the process `alive` has ended (its result is then in the failure)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = probe()
+        if seen:
+            return seen
+        if alive is not None and alive.poll() is not None:
+            raise ProcessEnded(f"the process ended (exit code {alive.returncode}) before {what}; last seen: {seen!r}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout} s; last seen: {seen!r}")
+        time.sleep(interval)
+
+
+class ProcessEnded(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the storage holds.
+
+def sqlite_rows(db: Path, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Rows straight from the SQLite file, or [] while it or the table does not exist yet (or is busy)."""
+    if not db.exists():
+        return []
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)) as connection:
+            return connection.execute(query, params).fetchall()
+    except sqlite3.OperationalError:
+        return []
+
+
+def checkpoint_rows(db: Path) -> list[tuple[int, int, int, str]]:
+    """(id, trial, step, uri) of every registered checkpoint, oldest step first."""
+    return sqlite_rows(db, "SELECT id, trial_number, step, uri FROM sweep_checkpoints ORDER BY step, id")
+
+
+def running_trials(db: Path) -> list[int]:
+    return [n for (n,) in sqlite_rows(db, "SELECT number FROM trials WHERE state = 'RUNNING' ORDER BY number")]
+
+
+def load_trials(storage: str, name: str) -> list[FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+
+def retried_numbers(trials: list[FrozenTrial]) -> set[int]:
+    return {int(t.user_attrs["retry_of"]) for t in trials if t.user_attrs.get("retry_of") is not None}
+
+
+def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials that use up the budget: complete, pruned, and failed ones that no other trial retries."""
+    retried = retried_numbers(trials)
+    return [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            or (t.state == TrialState.FAIL and t.number not in retried)]
+
+
+def descendants(trials: list[FrozenTrial], number: int) -> list[FrozenTrial]:
+    """The trial and every retry of it, of its retries, and so on, in number order."""
+    by_origin: dict[int, list[FrozenTrial]] = {}
+    for t in trials:
+        if t.user_attrs.get("retry_of") is not None:
+            by_origin.setdefault(int(t.user_attrs["retry_of"]), []).append(t)
+    found, todo = [], [number]
+    while todo:
+        current = todo.pop()
+        found += [t for t in trials if t.number == current]
+        todo += [t.number for t in by_origin.get(current, [])]
+    return sorted(found, key=lambda t: t.number)
+
+
+def eval_steps(first: int, every: int, max_steps: int) -> list[int]:
+    return sorted({*range(first, max_steps, every), max_steps})
+
+
+def summary(trials: list[FrozenTrial], most: int = 16) -> str:
+    """One line per trial, for failure messages: what the storage held (the first and last few of many)."""
+    lines = []
+    shown = trials if len(trials) <= most else [*trials[: most - 4], *trials[-4:]]
+    for t in shown:
+        if len(trials) > most and t is trials[-4]:
+            lines.append(f"  ... {len(trials) - most} more")
+        attrs = {k: t.user_attrs.get(k) for k in ("outcome", "retry_of", "retry_reason", "resumed_from",
+                                                  "fail_reason", "interrupted") if k in t.user_attrs}
+        steps = sorted(t.intermediate_values)
+        span = f"{steps[0]}..{steps[-1]} ({len(steps)})" if steps else "none"
+        lines.append(f"  #{t.number} {t.state.name} value={t.value} steps={span} {attrs}")
+    return "\n".join(lines)
+
+
+class Findings:
+    """Every broken expectation of one test, reported together: a fault test that stops at the first one hides
+    what else the storage got wrong."""
+
+    def __init__(self, context: str) -> None:
+        self.context = context
+        self.problems: list[str] = []
+
+    def expect(self, condition: object, message: str) -> None:
+        if not condition:
+            self.problems.append(message)
+
+    def check(self) -> None:
+        assert not self.problems, "\n".join([f"{len(self.problems)} problem(s):", *self.problems, self.context])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A small filesystem of our own.
+
+def _mount_tmpfs(folder: Path, size: str) -> None:
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+
+
+@contextlib.contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted on `folder`, unmounted at the end whatever happens. Skips unless root."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem needs root")
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    folder.mkdir(parents=True, exist_ok=True)
+    _mount_tmpfs(folder, size)
+    try:
+        yield folder
+    finally:
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def resize(folder: Path, size: str) -> None:
+    """Give the mounted tmpfs more (or less) room, its files kept: what freeing space looks like to sweep."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True, capture_output=True)
+
+
+def used_bytes(folder: Path) -> int:
+    stats = os.statvfs(folder)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+# =====================================================================================================================
+# 1. PostgreSQL restarted under three workers.
+
+@pytest.mark.slow
+def test_three_workers_ride_out_five_postgresql_restarts(tmp_path: Path) -> None:
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    rng, seed = fault_rng()
+    n_trials, max_steps, every = 24, 300, 50
+    document = {
+        "name": "restarts", "n_trials": n_trials, "seed": 0, "sampler": {"type": "random"}, "pruner": "none",
+        "task": "digits", "heartbeat_interval": 1, "heartbeat_grace_period": 5,
+        "checkpoints": {"every_steps": every, "on_best": False, "store": str(tmp_path / "checkpoints")},
+        "fixed": {"max_steps": max_steps, "eval_every_steps": every, "log_every_steps": every, "batch_size": 64},
+        "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 3e-2, "log": True},
+                  "model.hidden": {"type": "int", "low": 16, "high": 64}},
+    }
+    path = write_study(tmp_path, document)
+    log = tmp_path / "workers.log"
+    with PostgresServer() as server:
+        engine = create_engine(server.url, poolclass=NullPool)
+
+        def progress() -> tuple[int, int] | None:
+            """(evaluations reported, trials running), or None while the server is down or the tables missing."""
+            try:
+                with engine.connect() as connection:
+                    reports = connection.execute(text("SELECT count(*) FROM trial_intermediate_values")).scalar()
+                    running = connection.execute(text("SELECT count(*) FROM trials WHERE state = 'RUNNING'")).scalar()
+                return int(reports or 0), int(running or 0)
+            except Exception:  # noqa: BLE001 - down, restarting, or not created yet
+                return None
+
+        def training_past(reports: int) -> tuple[int, int] | None:
+            now = progress()
+            return now if now is not None and now[0] > reports and now[1] > 0 else None
+
+        workers = start_sweep("run", path, "--storage", server.url, "--workers", "3", log=log)
+        restarts: list[str] = []
+        try:
+            for _ in range(5):
+                before = progress() or (0, 0)
+                try:  # a restart lands while trials train: after a new evaluation, at a random moment after it
+                    wait_for("new evaluation with trials running", partial(training_past, before[0]), 240,
+                             interval=0.1, alive=workers)
+                except ProcessEnded as exc:
+                    pytest.fail(f"the study ended after {len(restarts)} of 5 restarts ({exc}); it must last longer "
+                                f"(seed {seed}):\n{tail(log)}")
+                time.sleep(rng.uniform(0.0, 1.0))
+                down = rng.choice([0.0, 0.0, 1.0, 2.0, 3.0])
+                server.restart("fast", down_s=down)
+                restarts.append(f"{time.strftime('%H:%M:%S')} down {down} s")
+            code = finish(workers, log, 600)
+        finally:
+            if workers.poll() is None:
+                workers.kill()
+        engine.dispose()
+        trials = load_trials(server.url, "restarts")
+
+    output = log.read_text(errors="replace")
+    found = Findings(f"seed {seed}; restarts {restarts}; trials:\n{summary(trials)}\noutput ends with:\n"
+                     f"{output[-3000:]}")
+    found.expect(code == 0, f"`sweep run --workers 3` exited {code}: a worker crashed (no worker may)")
+    found.expect(not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)],
+                 f"trials left running or waiting: "
+                 f"{[t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]}")
+    used = counted(trials)
+    found.expect(len(used) == n_trials, f"{len(used)} trials counted, expected exactly {n_trials}: "
+                                        f"{[t.number for t in used]}")
+    not_complete = [(t.number, t.state.name, t.user_attrs.get("fail_reason")) for t in used
+                    if t.state != TrialState.COMPLETE]
+    found.expect(not not_complete, f"counted trials that did not complete (an outage is no config's fault): "
+                                   f"{not_complete}")
+    roots = [t for t in trials if t.user_attrs.get("retry_of") is None]
+    for root in roots:  # each sampled config counts once, however often it was retried
+        lineage = descendants(trials, root.number)
+        in_budget = [t.number for t in lineage if t.number in {u.number for u in used}]
+        found.expect(len(in_budget) == 1, f"lineage of #{root.number} counted {len(in_budget)} times: {in_budget}")
+    curve = eval_steps(every, every, max_steps)
+    for t in trials:
+        if t.state == TrialState.COMPLETE:
+            found.expect(sorted(t.intermediate_values) == curve,
+                         f"#{t.number} is COMPLETE without its whole curve: steps {sorted(t.intermediate_values)}")
+        if max_steps in t.intermediate_values:  # its training finished: the result must be kept
+            final = t.intermediate_values[max_steps]
+            kept = [d for d in descendants(trials, t.number) if d.state == TrialState.COMPLETE]
+            found.expect(len(kept) == 1 and kept[0].value == final,
+                         f"#{t.number} finished training (value {final} at step {max_steps}) but its lineage holds "
+                         f"{[(d.number, d.value) for d in kept]} as COMPLETE: a finished result was lost")
+    storage_lines = [line for line in output.splitlines() if "storage" in line.lower()]
+    found.expect(any("back" in line.lower() for line in storage_lines)
+                 and any(re.search(r"unreachable|down|lost|gone|away|wait", line.lower()) for line in storage_lines),
+                 f"no worker said the storage went away and came back; lines naming the storage: {storage_lines[:10]}")
+    found.check()
+
+
+# =====================================================================================================================
+# 2. One trial, SIGKILLed and interrupted at random moments, rerun each time.
+
+@pytest.mark.slow
+def test_a_trial_killed_and_interrupted_again_and_again_ends_as_if_never_stopped(tmp_path: Path) -> None:
+    rng, seed = fault_rng()
+    document = one_config("lineage", checkpoints={"every_steps": 20, "on_best": False, "keep_top_k": 1})
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference_log = tmp_path / "reference.log"
+    reference = start_sweep("run", write_study(reference_dir, document), log=reference_log)  # meanwhile
+    path = write_study(tmp_path, document)
+    db = tmp_path / "lineage.db"
+    log = tmp_path / "runs.log"
+
+    def newest() -> tuple[int, int] | None:
+        """(step, trial) of the lineage's newest registered checkpoint."""
+        rows = checkpoint_rows(db)
+        return None if not rows else max((step, trial) for _, trial, step, _ in rows)
+
+    def newest_from(step: int) -> tuple[int, int] | None:
+        found = newest()
+        return found if found is not None and found[0] >= step else None
+
+    def snapshot() -> tuple[int, set[int], tuple[int, int] | None]:
+        """(the highest number of a trial some run took up, the trials running, the newest checkpoint)."""
+        rows = sqlite_rows(db, "SELECT number, state FROM trials")
+        taken = max([n for n, state in rows if state != "WAITING"], default=-1)
+        return taken, {n for n, state in rows if state == "RUNNING"}, newest()
+
+    # (signal, moment): "mid" once the lineage has checkpointed further, "early" right after a new run took the
+    # trial up (while it finds and loads the checkpoint to resume from, or its first steps after).
+    schedule = [(signal.SIGKILL, "mid"), (signal.SIGINT, "mid"), (signal.SIGKILL, "early"), (signal.SIGINT, "early"),
+                (signal.SIGKILL, "mid"), (signal.SIGINT, "early")]
+    # Before each run: what `snapshot` saw. A trial that run takes up (a higher number than any taken before) must
+    # resume from exactly the newest checkpoint then: one worker, nothing else trains meanwhile.
+    before_runs: list[tuple[int, tuple[int, int] | None]] = []
+    victims: dict[int, signal.Signals] = {}  # trial number -> the signal its process got while training it
+    ended_early, events, codes = None, [], []
+    try:
+        for signum, moment in schedule:
+            taken, running_before, at_start = snapshot()
+            before_runs.append((taken, at_start))
+            run = start_sweep("run", path, log=log)
+
+            def taken_up(before: set[int] = running_before) -> list[int]:
+                return [n for n in running_trials(db) if n not in before]
+
+            try:
+                if moment == "mid":
+                    target = (at_start[0] if at_start else 0) + 20 * rng.randint(1, 3)
+                    wait_for(f"checkpoint at step >= {target}", partial(newest_from, target), 240, alive=run)
+                else:
+                    wait_for("a trial taken up", taken_up, 240, alive=run)
+                    time.sleep(rng.uniform(0.0, 0.4))
+            except ProcessEnded as exc:
+                ended_early = f"before {signum.name} at {moment}: {exc}"
+                break
+            busy = taken_up()
+            run.send_signal(signum)
+            code = finish(run, log, 120)
+            events.append(f"{signum.name} at {moment} -> exit {code}, trial {busy}, newest {newest()}")
+            codes.append((signum, code))
+            if busy:
+                victims[busy[-1]] = signum
+        before_runs.append(snapshot()[::2])
+        final_code = sweep_run(path, log=log, timeout=300)
+        reference_code = finish(reference, reference_log, 300)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+    assert reference_code == 0, tail(reference_log)
+    [expected] = load_trials(f"sqlite:///{reference_dir / 'lineage.db'}", "lineage")
+    assert expected.state == TrialState.COMPLETE and len(expected.intermediate_values) == 10
+
+    trials = load_trials(f"sqlite:///{db}", "lineage")
+    found = Findings(f"seed {seed}; events {events}; before each run (highest trial taken, newest checkpoint) "
+                     f"{before_runs}; trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
+    found.expect(ended_early is None, f"a run ended {ended_early}: the trial must train longer")
+    found.expect(all(code == 130 for signum, code in codes if signum == signal.SIGINT),
+                 f"an interrupted `sweep run` did not exit 130: {codes}")
+    found.expect(final_code == 0, f"the last `sweep run` exited {final_code}")
+    found.expect(not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)],
+                 "a trial was left running or waiting")
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    found.expect(len(complete) == 1, f"{len(complete)} COMPLETE trials, expected exactly one")
+    found.expect(len(counted(trials)) == 1, f"{len(counted(trials))} trials counted, expected 1")
+    found.expect({t.number for t in descendants(trials, 0)} == {t.number for t in trials},
+                 "not every trial belongs to trial 0's lineage")
+    if complete:
+        got = complete[0]
+        found.expect(got.intermediate_values == expected.intermediate_values,
+                     f"#{got.number}'s curve differs from the uninterrupted run's: "
+                     f"{sorted(got.intermediate_values.items())} vs {sorted(expected.intermediate_values.items())}")
+        found.expect(got.value == expected.value, f"value {got.value} vs uninterrupted {expected.value}")
+    resumed = [(t.number, t.user_attrs["resumed_from"]) for t in trials if "resumed_from" in t.user_attrs]
+    steps = [r["step"] for _, r in resumed]
+    found.expect(steps == sorted(steps), f"resumed_from went backwards: {resumed}")
+    for t in trials:
+        if t.number == 0:
+            continue
+        # The run that created this trial started after the newest checkpoint `then` was written; nothing else
+        # trained meanwhile (one worker), so that is the checkpoint it must continue from.
+        then = [n for last, n in before_runs if last < t.number][-1]
+        trained = bool(t.intermediate_values) or t.state == TrialState.COMPLETE
+        if then is not None and (trained or "resumed_from" in t.user_attrs):
+            found.expect(t.user_attrs.get("resumed_from") == {"trial": then[1], "step": then[0]},
+                         f"#{t.number} resumed from {t.user_attrs.get('resumed_from')}, but the lineage's newest "
+                         f"checkpoint was trial {then[1]}'s at step {then[0]}")
+    expected_outcomes = {signal.SIGKILL: "lost", signal.SIGINT: "interrupted"}
+    for number, signum in victims.items():
+        [t] = [t for t in trials if t.number == number]
+        found.expect(t.user_attrs.get("outcome") == expected_outcomes[signum],
+                     f"#{number} ({signum.name}) has outcome {t.user_attrs.get('outcome')!r}, expected "
+                     f"{expected_outcomes[signum]!r}")
+    for t in complete:
+        found.expect(t.user_attrs.get("outcome") == "complete", f"#{t.number}: outcome {t.user_attrs.get('outcome')!r}")
+    found.check()
+
+
+# =====================================================================================================================
+# 3. A full filesystem: the checkpoint folder, then the SQLite file.
+
+FULL_STORE_STUDY: dict[str, Any] = {
+    "name": "fullstore", "n_trials": 3, "seed": 0, "sampler": {"type": "random"}, "pruner": "none", "task": "digits",
+    "heartbeat_interval": 1, "heartbeat_grace_period": 2,
+    "fixed": {"max_steps": 200, "eval_every_steps": 50, "log_every_steps": 50, "batch_size": 64,
+              "model": {"hidden": 64}},
+    "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 3e-2, "log": True}},
+}
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_folder_stops_the_run_without_spending_the_budget(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    # A checkpoint of this model is about 130 KB: 300 KB holds two, and a trial writes four (keeping two).
+    with tmpfs(store, "300k"):
+        document = copy.deepcopy(FULL_STORE_STUDY) | {
+            "checkpoints": {"every_steps": 50, "on_best": False, "keep_top_k": 1, "store": str(store)}}
+        path = write_study(tmp_path, document)
+        db = tmp_path / "fullstore.db"
+        log = tmp_path / "first.log"
+        run = start_sweep("run", path, log=log)
+        try:  # it must stop by itself; a run that retries the same fault without end is stopped here
+            wait_for("end of the run (or a runaway: more than 30 trials)",
+                     lambda: run.poll() is not None or len(sqlite_rows(db, "SELECT number FROM trials")) > 30,
+                     300, interval=0.2)
+        finally:
+            if run.poll() is None:
+                run.kill()
+        code = run.wait()
+        first = log.read_text(errors="replace")
+        trials = load_trials(f"sqlite:///{db}", "fullstore")
+        found = Findings(f"trials:\n{summary(trials)}\noutput ends with:\n{first[-3000:]}")
+        found.expect(code == 1, f"`sweep run` on a full checkpoint folder exited {code}, expected 1 "
+                                f"({len(trials)} trials; -9: killed here, it did not stop by itself)")
+        found.expect("Traceback" not in first, "a traceback was printed")
+        found.expect(str(store) in first and "space" in first.lower(),
+                     f"the message does not name the folder ({store}) and its space")
+        found.expect(code == -9 or not [t.number for t in trials if t.state == TrialState.RUNNING],
+                     "a trial was left RUNNING")
+        infra = [t for t in trials if t.state == TrialState.FAIL]
+        found.expect(infra, "no trial failed although the checkpoint folder is full")
+        retried = retried_numbers(trials)
+        for t in infra:
+            reason = str(t.user_attrs.get("fail_reason", ""))
+            found.expect(reason.startswith("infrastructure:") and str(store) in reason
+                         and re.search(r"free|space", reason, re.IGNORECASE),
+                         f"#{t.number}: fail_reason {reason!r} does not start with 'infrastructure:' naming the "
+                         f"folder and its free space")
+            found.expect(t.user_attrs.get("outcome") == "infrastructure",
+                         f"#{t.number}: outcome {t.user_attrs.get('outcome')!r}")
+            found.expect(t.number in retried, f"#{t.number} failed for good (no retry): it counts against n_trials")
+        found.expect(not counted(trials) or all(t.state == TrialState.COMPLETE for t in counted(trials)),
+                     f"counted trials that did not complete: {[t.number for t in counted(trials)]}")
+        found.check()
+
+        resize(store, "64m")
+        log = tmp_path / "second.log"
+        code = sweep_run(path, log=log, timeout=300)
+        trials = load_trials(f"sqlite:///{db}", "fullstore")
+        found = Findings(f"after freeing space; trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
+        found.expect(code == 0, f"the rerun exited {code}")
+        found.expect(len(counted(trials)) == 3 and all(t.state == TrialState.COMPLETE for t in counted(trials)),
+                     f"counted {[(t.number, t.state.name) for t in counted(trials)]}, expected 3 COMPLETE")
+        found.expect(not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)],
+                     "a trial was left running or waiting")
+        for t in trials:
+            if t.state == TrialState.COMPLETE:
+                found.expect(sorted(t.intermediate_values) == [50, 100, 150, 200],
+                             f"#{t.number} is COMPLETE without its whole curve: {sorted(t.intermediate_values)}")
+        found.check()
+
+
+@pytest.mark.slow
+def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_rerun_finishes(tmp_path: Path) -> None:
+    folder = tmp_path / "db"
+    with tmpfs(folder, "64m"):
+        document = copy.deepcopy(FULL_STORE_STUDY) | {
+            "name": "fulldb", "n_trials": 6, "storage_patience": 5,
+            "checkpoints": {"every_steps": 50, "on_best": False, "store": str(tmp_path / "checkpoints")}}
+        document["fixed"] = {**document["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20}
+        path = write_study(tmp_path, document)
+        url = f"sqlite:///{folder / 'fulldb.db'}"
+        log = tmp_path / "setup.log"
+        code = sweep_run(path, "--storage", url, "--n-trials", "1", log=log, timeout=300)
+        assert code == 0, tail(log)  # (exit 2 with "storage_patience" named: the key is not there yet)
+        # Now leave the database a little room: enough to open and start, not enough for six trials' reports and
+        # heartbeats (each transaction appends pages of 4 KB to the write-ahead log).
+        resize(folder, str(used_bytes(folder) + 160 * 1024))
+        log = tmp_path / "full.log"
+        started = time.monotonic()
+        code = sweep_run(path, "--storage", url, log=log, timeout=300)
+        took = time.monotonic() - started
+        output = log.read_text(errors="replace")
+        trials = load_trials(url, "fulldb")
+        found = Findings(f"took {took:.1f} s; trials:\n{summary(trials)}\noutput ends with:\n{output[-3000:]}")
+        found.expect(code == 1, f"`sweep run` on a full database filesystem exited {code}, expected 1")
+        found.expect("Traceback" not in output, "a traceback was printed")
+        found.expect(re.search(r"full|space", output, re.IGNORECASE) and re.search(r"storage|database", output,
+                                                                                    re.IGNORECASE),
+                     "the message does not say the storage is full")
+        found.expect(len(counted(trials)) < 6, "all six trials finished: the filesystem never filled up")
+        found.expect(len(trials) > 1, "the filesystem was full before a trial started: leave the database more room")
+        found.check()
+
+        resize(folder, "64m")
+        log = tmp_path / "rerun.log"
+        code = sweep_run(path, "--storage", url, log=log, timeout=300)
+        trials = load_trials(url, "fulldb")
+        found = Findings(f"after freeing space; trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
+        found.expect(code == 0, f"the rerun exited {code}")
+        found.expect(len(counted(trials)) == 6 and all(t.state == TrialState.COMPLETE for t in counted(trials)),
+                     f"counted {[(t.number, t.state.name) for t in counted(trials)]}, expected 6 COMPLETE")
+        found.expect(not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)],
+                     "a trial was left running or waiting")
+        found.check()
+
+
+# =====================================================================================================================
+# 4. A corrupt newest checkpoint.
+
+def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_before(tmp_path: Path) -> None:
+    document = one_config("corrupt", checkpoints={"every_steps": 40, "on_best": False, "keep_top_k": 100},
+                          fixed={"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 40})
+    path = write_study(tmp_path, document)
+    db = tmp_path / "corrupt.db"
+    log = tmp_path / "run.log"
+    run = start_sweep("run", path, log=log)
+    try:
+        wait_for("four checkpoints", lambda: len(checkpoint_rows(db)) >= 4, 240, alive=run)
+        run.send_signal(signal.SIGINT)
+        code = finish(run, log, 120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert code == 130, tail(log)
+    rows = [row for row in checkpoint_rows(db) if row[1] == 0]
+    assert len(rows) >= 2, rows
+    (_, _, older_step, _), (_, _, corrupt_step, corrupt_uri) = rows[-2], rows[-1]
+    blob = bytearray(Path(corrupt_uri).read_bytes())
+    for i in range(len(blob) // 2, len(blob) // 2 + 64):  # flip bytes in the middle: the hash no longer matches
+        blob[i] ^= 0xFF
+    Path(corrupt_uri).write_bytes(bytes(blob))
+
+    code = sweep_run(path, log=log, timeout=300)
+    trials = load_trials(f"sqlite:///{db}", "corrupt")
+    found = Findings(f"corrupted trial 0's step {corrupt_step} ({corrupt_uri}); trials:\n{summary(trials)}\n"
+                     f"output ends with:\n{tail(log, 3000)}")
+    found.expect(code == 0, f"the rerun exited {code}")
+    retries = [t for t in trials if t.user_attrs.get("retry_of") == 0]
+    found.expect(len(retries) == 1, f"{len(retries)} retries of trial 0")
+    if retries:
+        found.expect(retries[0].state == TrialState.COMPLETE, f"the retry is {retries[0].state.name}")
+        found.expect(retries[0].user_attrs.get("resumed_from") == {"trial": 0, "step": older_step},
+                     f"the retry resumed from {retries[0].user_attrs.get('resumed_from')}, expected trial 0's "
+                     f"intact step {older_step}")
+    still = [row for row in checkpoint_rows(db) if row[3] == corrupt_uri]
+    found.expect(not still, f"the corrupt checkpoint is still registered: {still}")
+    found.expect(not Path(corrupt_uri).exists(), f"the corrupt file is still there: {corrupt_uri}")
+    found.check()
+
+
+# =====================================================================================================================
+# 5. Reproducing a trial that one of two workers trained.
+
+def test_reproduce_matches_a_trial_trained_by_one_of_two_workers(tmp_path: Path) -> None:
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: workers and reproduce use the same thread count, which would test nothing")
+    # A model wide enough that the thread count changes a matmul's rounding (digits, hidden 256, batch 128: one
+    # thread and two differ in the 7th digit on a 2-core machine).
+    document = one_config("pair", n_trials=2, fixed={"max_steps": 60, "eval_every_steps": 20, "log_every_steps": 20,
+                                                     "batch_size": 128, "model": {"hidden": 256}},
+                          space={"learning_rate": {"type": "float", "low": 1e-3, "high": 3e-2, "log": True}})
+    del document["fixed"]["learning_rate"]  # searched: each worker trains its own
+    path = write_study(tmp_path, document)
+    log = tmp_path / "run.log"
+    # The test process's own thread setting for reproduce: whatever torch picks with no variable set.
+    default_threads = {key: value for key, value in os.environ.items()
+                       if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    code = finish(start_sweep("run", path, "--workers", "2", log=log, env=default_threads), log, 300)
+    assert code == 0, tail(log)
+    trials = load_trials(f"sqlite:///{tmp_path / 'pair.db'}", "pair")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, summary(trials)
+    found = Findings(f"trials:\n{summary(trials)}")
+    logs = {t.number: tmp_path / f"reproduce{t.number}.log" for t in trials}
+    runs = {number: start_sweep("reproduce", path, str(number), log=logs[number], env=default_threads)
+            for number in logs}  # side by side: each sets its own thread count
+    for number, process in runs.items():
+        code = finish(process, logs[number], 300)
+        found.expect(code == 0, f"`sweep reproduce {number}` exited {code}: {tail(logs[number], 500).strip()}")
+    for t in trials:
+        record = t.user_attrs.get("reproducibility", {})
+        found.expect(any("thread" in key for key in record), f"#{t.number}'s reproducibility record names no thread "
+                                                             f"count: {sorted(record)}")
+    found.check()
+
+
+# =====================================================================================================================
+# 6. A retry that resumes at max_steps.
+
+def test_a_retry_resumed_at_max_steps_completes_with_its_whole_curve_and_reproduces(tmp_path: Path) -> None:
+    """The original wrote its final checkpoint at max_steps and its worker died before telling the study. Timing
+    that with a signal is luck, so the state is built: the same config trained to the end in another study gives
+    the checkpoint and the curve; the lost trial is asked, reports that curve, gets that checkpoint's registry row,
+    beats once and goes silent, as a worker killed right after its last checkpoint leaves it."""
+    fixed = {"max_steps": 200, "eval_every_steps": 50, "log_every_steps": 50}
+    checkpoints = {"every_steps": 50, "on_best": False, "keep_top_k": 1}
+    donor_dir = tmp_path / "donor"
+    donor_dir.mkdir()
+    donor_path = write_study(donor_dir, one_config("late", fixed=fixed, checkpoints=checkpoints))
+    log = tmp_path / "run.log"
+    assert sweep_run(donor_path, log=log) == 0, tail(log)
+    [finished] = load_trials(f"sqlite:///{donor_dir / 'late.db'}", "late")
+    assert sorted(finished.intermediate_values) == [50, 100, 150, 200], summary([finished])
+
+    path = write_study(tmp_path, one_config("late", fixed=fixed, checkpoints=checkpoints))
+    db = tmp_path / "late.db"
+    url = f"sqlite:///{db}"
+    assert sweep_run(path, "--timeout", "0", log=log) == 0, tail(log)  # the study and its registry, no trial
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=2)
+    study = optuna.load_study(study_name="late", storage=storage)
+    lost = study.ask()
+    lost.set_user_attr("config", finished.user_attrs["config"])
+    for at, value in sorted(finished.intermediate_values.items()):
+        lost.report(value, at)
+    # Its final checkpoint: the donor's blob and registry row, as this study's trial's.
+    [row] = sqlite_rows(donor_dir / "late.db", "SELECT * FROM sweep_checkpoints WHERE step = 200")
+    names = [c for (_, c, *_) in sqlite_rows(donor_dir / "late.db", "PRAGMA table_info(sweep_checkpoints)")]
+    values = dict(zip(names, row)) | {"trial_number": lost.number}
+    del values["id"]
+    blob = tmp_path / "late.checkpoints" / "late" / f"trial{lost.number:05d}-step00000200.pt"
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(values["uri"], blob)
+    values["uri"] = str(blob)
+    with contextlib.closing(sqlite3.connect(db, timeout=60)) as connection, connection:
+        connection.execute(f"INSERT INTO sweep_checkpoints ({', '.join(values)}) "
+                           f"VALUES ({', '.join('?' * len(values))})", tuple(values.values()))
+    storage.record_heartbeat(lost._trial_id)  # its worker beat once, then died
+
+    code = sweep_run(path, log=log, timeout=300)
+    trials = load_trials(url, "late")
+    found = Findings(f"trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
+    found.expect(code == 0, f"`sweep run` exited {code}")
+    retries = [t for t in trials if t.user_attrs.get("retry_of") == lost.number]
+    found.expect(len(retries) == 1 and len(counted(trials)) == 1,
+                 f"{len(retries)} retries, {len(counted(trials))} trials counted; expected 1 and 1")
+    if retries:
+        retry = retries[0]
+        found.expect(retry.state == TrialState.COMPLETE and retry.value == finished.value,
+                     f"the retry is {retry.state.name} with value {retry.value}, expected COMPLETE {finished.value}")
+        found.expect(retry.user_attrs.get("resumed_from") == {"trial": lost.number, "step": 200},
+                     f"resumed_from {retry.user_attrs.get('resumed_from')}")
+        found.expect(retry.intermediate_values == finished.intermediate_values,
+                     f"the retry's curve {sorted(retry.intermediate_values.items())} is not the whole curve "
+                     f"{sorted(finished.intermediate_values.items())}")
+        done = subprocess.run([sys.executable, "-m", "sweep.cli", "reproduce", str(path), str(retry.number)],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, **CLI_ENV})
+        found.expect(done.returncode == 0, f"`sweep reproduce {retry.number}` exited {done.returncode}: "
+                                           f"{(done.stdout + done.stderr).strip()[-500:]}")
+    found.check()
