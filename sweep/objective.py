@@ -95,8 +95,9 @@ class TrialReporter:
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
         if prune:
             self.prune_reason = self._explain(step, value, metrics)
-        elif self.deadline is not None and step < self.config.max_steps and self.deadline.passed():
-            self.deadline.stop_at_checkpoint(step)
+        elif self.deadline is not None and self.deadline.checkpointer is None and step < self.config.max_steps \
+                and self.deadline.passed():
+            raise TimedOut()  # nothing to resume from: stop now
         return prune
 
     def flush(self) -> None:
@@ -122,8 +123,9 @@ class TrialReporter:
 
 
 class _Deadline:
-    """`--timeout` within one evaluation interval: once it has passed, the trial stops at its next evaluation, after
-    a checkpoint there (with checkpoints on), so that its retry, queued like an interrupted trial's, resumes from it."""
+    """`--timeout` within one log or evaluation interval: once it has passed, the trial stops at its next log or
+    evaluation step, after a checkpoint there (with checkpoints on; without, at its next evaluation), and is queued
+    like an interrupted trial, its retry resuming from that checkpoint."""
 
     def __init__(self, at: float) -> None:
         self.at = at
@@ -132,25 +134,22 @@ class _Deadline:
     def passed(self) -> bool:
         return time.monotonic() >= self.at
 
-    def stop_at_checkpoint(self, step: int) -> None:
-        if self.checkpointer is None:
-            raise TimedOut()
-        self.checkpointer.keep_steps.add(step)  # saved whatever the policy says; `_Timed.saved` then stops
-
 
 class _Timed:
-    """The trainer's `Checkpointer`: the trial's own, which stops the trial after the checkpoint the deadline asked
-    for."""
+    """The trainer's `Checkpointer`: the trial's own, plus one checkpoint once the deadline has passed, after which
+    the trial stops."""
 
-    def __init__(self, inner: TrialCheckpointer, deadline: _Deadline) -> None:
-        self.inner, self.deadline = inner, deadline
+    def __init__(self, inner: TrialCheckpointer, deadline: _Deadline, max_steps: int) -> None:
+        self.inner, self.deadline, self.max_steps = inner, deadline, max_steps
 
     def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Any:
+        if self.deadline.passed():
+            self.inner.keep_steps.add(step)  # saved whatever the policy says
         return self.inner.path_for(step, metrics)
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         self.inner.saved(info, metrics)
-        if self.deadline.passed() and info.step in self.inner.keep_steps:
+        if self.deadline.passed() and info.step in self.inner.keep_steps and info.step < self.max_steps:
             raise TimedOut()
 
 
@@ -199,7 +198,7 @@ class TrainerTrial:
         checkpointer: Any = self.checkpointer
         if self.deadline is not None and self.checkpointer is not None:
             self.deadline.checkpointer = self.checkpointer
-            checkpointer = _Timed(self.checkpointer, self.deadline)
+            checkpointer = _Timed(self.checkpointer, self.deadline, config.max_steps)
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
             result = train(config, task, reporter, resume=start.resume, warm_start=start.warm,
                            checkpointer=checkpointer)

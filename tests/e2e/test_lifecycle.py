@@ -1,0 +1,59 @@
+"""The trial lifecycle through the real CLI and a real SQLite file: `--timeout` within one evaluation interval, and a
+retry that continues its lineage (one continuous curve, bit for bit the uninterrupted run's)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
+
+
+MAX_STEPS, EVERY = 6000, 500
+
+
+def one_config_study(folder: Path, name: str) -> Path:
+    """One trial of a fixed config, long enough to outlast a 2 s timeout on any machine: 6000 steps, a log, an
+    evaluation and a checkpoint every 500, fast-fail on (so step 0 is reported too)."""
+    document = copy.deepcopy(TINY_STUDY) | {"name": name, "n_trials": 1, "pruner": {"type": "fastfail"},
+                                            "checkpoints": {"every_steps": EVERY, "keep_top_k": 1}}
+    document["fixed"] = {**document["fixed"], "max_steps": MAX_STEPS, "eval_every_steps": EVERY,
+                         "log_every_steps": EVERY, "learning_rate": 0.01, "model": {"hidden": 16}}
+    document["space"] = {}
+    folder.mkdir()
+    return write_study(folder, document)
+
+
+def trials(path: Path, name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{path.parent / (name + '.db')}").get_trials()
+
+
+def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continues_the_curve(tmp_path: Path) -> None:
+    path = one_config_study(tmp_path / "cut", "cut")
+    done = sweep_cli("run", path, "--timeout", "2")
+    assert done.returncode == 0, done.stderr
+    assert "stopped by the timeout" in done.stderr
+    [cut, queued] = trials(path, "cut")
+    assert cut.state == TrialState.FAIL and cut.user_attrs["outcome"] == "interrupted"
+    assert cut.user_attrs["fail_reason"].startswith("interrupted: --timeout")
+    stopped_at = max(cut.intermediate_values)
+    assert 0 < stopped_at < MAX_STEPS  # at an evaluation after the timeout, with a checkpoint there, not at the end
+    assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == cut.number
+
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    retry = trials(path, "cut")[1]
+    assert retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from"] == {"trial": cut.number, "step": stopped_at}
+    assert retry.user_attrs["steps_trained"] == MAX_STEPS - stopped_at
+
+    reference = one_config_study(tmp_path / "whole", "whole")
+    assert sweep_cli("run", reference).returncode == 0
+    [whole] = trials(reference, "whole")
+    assert sorted(retry.intermediate_values) == list(range(0, MAX_STEPS + 1, EVERY))  # one curve, from step 0
+    assert retry.intermediate_values == whole.intermediate_values  # bit for bit, as if never interrupted
+    assert retry.value == whole.value
+    assert sweep_cli("reproduce", path, str(retry.number)).returncode == 0
