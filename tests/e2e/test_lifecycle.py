@@ -11,7 +11,6 @@ from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
-
 MAX_STEPS, EVERY = 6000, 500
 
 
