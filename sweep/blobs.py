@@ -2,9 +2,15 @@
 (`s3://bucket/prefix`, `gs://bucket/prefix`) through Optuna's artifact stores, so no storage client is hand-written.
 
 The trainer always writes a checkpoint to a local file (atomically, with its hash); an object store then receives
-it and the local copy goes. A blob is named by its URI in the registry: a path, or `s3://...`/`gs://...`, so any
-worker can read or delete it knowing nothing but the URI. Object-store credentials and endpoints come from the
-environment, as the cloud's own client reads them (`AWS_*`, `AWS_ENDPOINT_URL` for S3-compatible servers).
+it and the local copy goes. A blob is named by its URI in the registry: an absolute path, or `s3://...`/`gs://...`.
+Object-store credentials and endpoints come from the environment, as the cloud's own client reads them (`AWS_*`,
+`AWS_ENDPOINT_URL` for S3-compatible servers).
+
+A registry row is only as trustworthy as whoever can write the database, so no URI is read or deleted as it stands:
+`BlobScope.find` first checks that it names a blob inside its study's part of the store (the folder
+`STORE/STUDY/`, symlinks resolved, or keys under `PREFIX/STUDY/` in the store's bucket) and refuses anything else.
+A URI relative to `STORE/STUDY/` is accepted too. New rows keep absolute URIs: the stored study file may give the
+store as a path relative to the folder the study ran in, which a later command run elsewhere cannot know.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import io
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -22,8 +29,8 @@ import optuna
 
 from trainer.checkpoint import TrainState, load_checkpoint
 
-__all__ = ["CheckpointStore", "RetainedArtifacts", "artifact_store_at", "artifact_store_for", "delete_blob",
-           "is_object_url", "load_blob", "local_copy"]
+__all__ = ["BlobScope", "CheckpointStore", "RetainedArtifacts", "artifact_store_at", "artifact_store_for",
+           "delete_blob", "is_object_url", "load_blob", "local_copy"]
 
 SCHEMES = ("s3", "gs")
 
@@ -56,11 +63,83 @@ def artifact_store_at(location: str) -> Any:
     return optuna.artifacts.FileSystemArtifactStore(location)
 
 
+class BlobScope:
+    """Which blobs the registry rows of a store may name: for a folder store, files inside `LOCATION/STUDY/` (after
+    resolving symlinks and `..`); for an object store, keys under `PREFIX/STUDY/` in its own bucket, with no empty,
+    `.` or `..` segment. A study name that is not one plain path segment has no blobs at all."""
+
+    def __init__(self, location: str | Path) -> None:
+        self.location = str(location)
+        self.object = is_object_url(self.location)
+        if self.object:
+            self.scheme, self.bucket, self.prefix = _split(self.location)
+        else:
+            self.root = Path(self.location).resolve()
+
+    def area(self, study: str) -> str:
+        """Where `study`'s blobs may lie, for messages."""
+        if self.object:
+            return f"{self.scheme}://{self.bucket}/{self._key_base(study)}/"
+        return f"{self.root / study}/"
+
+    def _key_base(self, study: str) -> str:
+        return f"{self.prefix}/{study}" if self.prefix else study
+
+    def find(self, uri: str, study: str) -> str | None:
+        """The URI to read or delete (a resolved absolute path, or a full object URL) when `uri` names a blob inside
+        `study`'s part of the store; None for anything else (a path elsewhere, a `..` escape, a symlink that leads
+        out, another bucket or scheme, a key outside the study's prefix)."""
+        if not study or "/" in study or "\\" in study or study in (".", ".."):
+            return None
+        return self._find_object(uri, study) if self.object else self._find_file(uri, study)
+
+    def _find_file(self, uri: str, study: str) -> str | None:
+        if is_object_url(uri) or "://" in uri:
+            return None
+        try:
+            base = (self.root / study).resolve()
+            path = Path(uri) if Path(uri).is_absolute() else base / uri
+            resolved = path.resolve()  # symlinks followed: where a read or an unlink would really go
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long, a NUL
+            return None
+        if resolved == base or not resolved.is_relative_to(base):
+            return None
+        return str(resolved)
+
+    def _find_object(self, uri: str, study: str) -> str | None:
+        if is_object_url(uri):
+            try:
+                scheme, bucket, key = _split(uri)
+            except ValueError:
+                return None
+            if (scheme, bucket) != (self.scheme, self.bucket) or urlparse(uri).query or urlparse(uri).fragment:
+                return None
+        elif "://" in uri or uri.startswith("/"):
+            return None
+        else:
+            key = f"{self._key_base(study)}/{uri}"
+        base = self._key_base(study) + "/"
+        if not key.startswith(base) or any(part in ("", ".", "..") for part in key[len(base):].split("/")):
+            return None
+        return f"{self.scheme}://{self.bucket}/{key}"
+
+    def find_or_warn(self, uri: str, study: str, doing: str) -> str | None:
+        """`find`, with a warning when the URI is refused: `doing` says what was about to happen ("not loading
+        trial 3's checkpoint at step 10")."""
+        found = self.find(uri, study)
+        if found is None:
+            warnings.warn(f"{doing}: {uri!r} is not inside study {study!r}'s part of the checkpoint store "
+                          f"({self.area(study)}), so it is neither read nor deleted; whoever can write the database "
+                          "wrote that row", stacklevel=3)
+        return found
+
+
 class CheckpointStore:
     """One study's blobs. `local_path(name)` is where the trainer writes; `put(path)` files it and returns its URI."""
 
     def __init__(self, location: str | Path, study: str) -> None:
         self.location, self.study = str(location), study
+        self.scope = BlobScope(self.location)
         if is_object_url(self.location):
             scheme, self.bucket, prefix = _split(self.location)
             self.prefix = f"{prefix}/{study}" if prefix else study
@@ -117,8 +196,9 @@ class RetainedArtifacts:
 
 
 def load_blob(uri: str, sha256: str | None) -> TrainState:
-    """The checkpoint a registry URI names, wherever it lies, checked against its hash (`weights_only`); raises
-    `trainer.checkpoint.CheckpointError` when it is missing, damaged or not what was recorded."""
+    """The checkpoint at `uri` (as `BlobScope.find` returned it: never a registry row's URI as it stands), checked
+    against its hash (`weights_only`); raises `trainer.checkpoint.CheckpointError` when it is missing, damaged or not
+    what was recorded."""
     with local_copy(uri) as path:
         return load_checkpoint(path, sha256=sha256)
 

@@ -31,6 +31,7 @@ from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
 
 if TYPE_CHECKING:
+    from sweep.blobs import BlobScope
     from sweep.registry import CheckpointRecord
     from sweep.schema import CheckpointPolicy, StudySpec
     from sweep.storage import Boundary
@@ -70,7 +71,7 @@ class CheckpointService:
     def reconcile(self) -> list[Any]:
         """The cheap part of `sweep check`, run when a worker opens the study: rows among donors and resume points
         whose blob is gone are removed, so no trial is sent to a missing file."""
-        return self.boundary.call(quick_check, self.registry, self.study_name)
+        return self.boundary.call(quick_check, self.registry, self.study_name, scope=self.store.scope)
 
     # -----------------------------------------------------------------------------------------------------------------
     # Starting a trial.
@@ -85,13 +86,17 @@ class CheckpointService:
         for record in records:
             if not self.registry.pin(record.id):  # collected since the lookup
                 continue
+            where = f"not resuming from trial {record.trial_number}'s checkpoint at step {record.step}"
+            uri = self.store.scope.find_or_warn(record.uri, record.study, where)
+            if uri is None:
+                self.registry.forget_broken(record.id)  # the row only: the file it names is not ours
+                continue
             try:
-                state = load_blob(record.uri, record.sha256)
+                state = load_blob(uri, record.sha256)
             except CheckpointError as exc:
-                warnings.warn(f"not resuming from trial {record.trial_number}'s checkpoint at step {record.step}: "
-                              f"{exc}; trying an older one", stacklevel=2)
+                warnings.warn(f"{where}: {exc}; trying an older one", stacklevel=2)
                 self.registry.forget_broken(record.id)
-                delete_blob(record.uri)
+                delete_blob(uri)
                 continue
             chosen = Resume(state, record.trial_number, state.step)
             break
@@ -101,7 +106,8 @@ class CheckpointService:
 
     def warm_start(self, trial_number: int, params: Mapping[str, Any], config: TrainingConfig, key: str,
                    handoff: int) -> tuple[WarmStart, Donor] | None:
-        return warm_start_from(self.registry, self.spec, self.study_name, trial_number, params, config, key, handoff)
+        return warm_start_from(self.registry, self.spec, self.study_name, trial_number, params, config, key, handoff,
+                               scope=self.store.scope)
 
     def checkpointer(self, trial_number: int, params: Mapping[str, Any], key: str, handoff: int) -> TrialCheckpointer:
         return TrialCheckpointer(self.registry, self.store, self.study_name, trial_number, params,
@@ -142,7 +148,11 @@ class CheckpointService:
         if keep is not None and not retention_keeps(self.registry, self.study_name, trial.number, best.value,
                                                     not outcome.donor, keep, self.maximize):
             return
-        with local_copy(best.uri) as path:
+        uri = self.store.scope.find_or_warn(best.uri, best.study, f"trial {trial.number}: not uploading its best "
+                                            "checkpoint as an artifact")
+        if uri is None:
+            return
+        with local_copy(uri) as path:
             artifact_id = optuna.artifacts.upload_artifact(artifact_store=self.artifacts, file_path=str(path),
                                                            study_or_trial=trial,
                                                            mimetype="application/octet-stream")
@@ -157,7 +167,7 @@ class CheckpointService:
         keep = self.spec.checkpoints.keep_top_trials
         if keep is None:
             return []
-        dropped = collect_study(self.registry, self.study_name, keep, self.maximize)
+        dropped = collect_study(self.registry, self.study_name, keep, self.maximize, scope=self.store.scope)
         if self.artifacts is not None and dropped:
             wanted = set(dropped)
             for frozen in study.get_trials(deepcopy=False):
@@ -242,7 +252,7 @@ class TrialCheckpointer:
         kept = {r.uri for r in records if r.id not in gone}
         for record in records:  # the rows first, then the files: nobody is sent to a deleted file
             if record.id in gone and record.uri not in kept:
-                delete_blob(record.uri)
+                _delete_in_scope(self.store.scope, record.uri, record.study)
 
 
 def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[CheckpointRecord]:
@@ -272,12 +282,22 @@ def retention_keeps(registry: Registry, study: str, trial_number: int, value: fl
     return trial_number in ranked_trials(ranges, maximize)[:keep_trials]
 
 
-def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool) -> list[int]:
+def collect_study(registry: Registry, study: str, keep_trials: int, maximize: bool, *,
+                  scope: BlobScope | None = None) -> list[int]:
     """Keep checkpoints only for the study's `keep_trials` best ended trials (`ranked_trials`; pinned ones always
-    stay).
+    stay). The rows go, then the blobs they named, those inside the study's part of the store (`scope`) only; without
+    a `scope` no file is deleted.
     Returns the trials that lost checkpoints in this call (each trial is returned once: its rows are then gone)."""
     ranked = ranked_trials(registry.value_range_per_trial(study), maximize)
     dropped, uris = registry.forget_unpinned(study, ranked[keep_trials:])
-    for uri in uris:
-        delete_blob(uri)
+    if scope is not None:
+        for uri in uris:
+            _delete_in_scope(scope, uri, study)
     return dropped
+
+
+def _delete_in_scope(scope: BlobScope, uri: str, study: str) -> None:
+    """Retention deletes a blob only where its study's blobs lie; a row naming anything else loses its row alone."""
+    found = scope.find_or_warn(uri, study, f"study {study!r}: retention not deleting a checkpoint")
+    if found is not None:
+        delete_blob(found)

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sweep.schema import StudyFileError, read_spec, resolve_storage_url
-from sweep.urls import mask_url
+from sweep.urls import mask_url, redact
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
@@ -40,6 +40,9 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
                                                    "postgresql+psycopg://...); overrides the study file's.")]
 NameOpt = Annotated[Optional[str], typer.Option("--study-name", help="Study name; overrides the study file's.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-task", help="Import the task (and curriculum schedule) the database "
+                                        "names even when no study file on the command line names it: whoever can "
+                                        "write the database chooses that code.")]
 
 
 def _fail(lines: list[str] | str, code: int) -> typer.Exit:
@@ -82,8 +85,10 @@ def run(
         open_study,
         worker_storage,
     )
-    from sweep.workers import WORKER_ENV, prepare_process, run_local_workers
+    from sweep.workers import STORAGE_ENV, WORKER_ENV, prepare_process, run_local_workers
 
+    if os.environ.get(WORKER_ENV) is not None and storage is None:  # `--workers`: the URL comes by environment
+        storage = os.environ.pop(STORAGE_ENV, None)
     overrides = [*(set_ or []), *([f"name={study_name}"] if study_name else []),
                  *([f"n_trials={n_trials}"] if n_trials else [])]
     try:
@@ -191,7 +196,7 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None) -> 
 
 def _storage_failure(url: str, exc: Exception) -> typer.Exit:
     """A storage that cannot be opened (unreachable, refused, damaged): one line, its password masked."""
-    first = str(exc).replace(url, mask_url(url)).strip().splitlines()
+    first = redact(str(exc), url).strip().splitlines()
     return _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: {first[0] if first else ''}", 1)
 
 
@@ -231,15 +236,22 @@ def best(
     storage: StorageOpt = None,
     study_name: NameOpt = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the YAML here.")] = None,
+    trust_task: TrustOpt = False,
 ) -> None:
     """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again."""
     from sweep import results
+    from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
     study = _open(target, storage, study_name)
     try:
         config = results.best_config(study)
     except ValueError as exc:
         raise _fail(str(exc), 1) from None
+    try:
+        if not trust_task:  # the YAML is written to be run: `python -m trainer` would import what it names
+            refuse_untrusted_code(config, _code_named_by(target), f"writing trial {study.best_trial.number}'s config")
+    except UntrustedCode as exc:
+        raise _fail(str(exc), 2) from None
     text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
     text += yaml.safe_dump(config, sort_keys=False)
     if output is None:
@@ -376,13 +388,17 @@ def reproduce(
     trial: Annotated[int, typer.Argument(help="The trial number.")],
     storage: StorageOpt = None,
     study_name: NameOpt = None,
+    trust_task: TrustOpt = False,
 ) -> None:
     """Train one trial again from the storage alone and compare every reported value; exit 0 when identical."""
+    from sweep.reconcile import store_location
     from sweep.reproduce import reproduce_trial
 
-    study = _open(target, storage, study_name)
+    study, url = _open_with_url(target, storage, study_name)
+    spec = _study_file_spec(target)
+    store = (spec.checkpoints.store if spec is not None else None) or store_location(study, url)
     try:
-        comparison = reproduce_trial(study, trial)
+        comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target), trust_code=trust_task)
     except (KeyError, ValueError) as exc:
         raise _fail(str(exc.args[0]) if exc.args else str(exc), 2) from None
     how = "bit for bit" if comparison.tolerance == 0 else f"within a relative {comparison.tolerance:g}"
@@ -390,6 +406,22 @@ def reproduce(
         step, stored, again = comparison.first_difference
         raise _fail(f"trial {trial} differs first at step {step}: stored {stored!r}, reproduced {again!r}", 1)
     out.print(f"trial {trial} reproduced: {comparison.steps_compared} reported values identical ({how})")
+
+
+def _study_file_spec(target: str) -> Any:
+    """The study file given on the command line (already read once by `_open`), or None for a database."""
+    if Path(target).suffix not in (".yaml", ".yml"):
+        return None
+    return read_spec(Path(target))[0]
+
+
+def _code_named_by(target: str) -> set[str]:
+    """The user code (task, curriculum schedule) of the study file given on the command line: the user named it, so
+    it may be imported. A database alone names none that is trusted."""
+    from sweep.reproduce import code_in_study
+
+    spec = _study_file_spec(target)
+    return set() if spec is None else code_in_study(spec)
 
 
 @contextlib.contextmanager
@@ -416,6 +448,9 @@ def _cell(value: object) -> str:
 
 
 def main() -> None:
+    from sweep.private import private_umask
+
+    private_umask()  # what sweep writes is owner-only (see sweep.private)
     app()
 
 

@@ -46,9 +46,9 @@ from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
 
 if TYPE_CHECKING:
     from sweep.checkpoints import CheckpointService, TrialCheckpointer
+    from sweep.progress import Events
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
-    from sweep.worker import Events
 
 __all__ = ["TrainerTrial", "TrialReporter", "task_for"]
 

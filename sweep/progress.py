@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
@@ -15,7 +15,26 @@ from rich.text import Text
 
 from sweep.outcomes import ATTR_FAIL, LOST_REASON
 
-__all__ = ["LiveProgress", "describe_outcome"]
+__all__ = ["Events", "LiveProgress", "NoEvents", "describe_outcome"]
+
+
+class Events(Protocol):
+    """What a progress display hears while a study runs."""
+
+    def trial_started(self, number: int, params: Mapping[str, Any]) -> None: ...
+    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None: ...
+    def trial_finished(self, trial: FrozenTrial) -> None: ...
+
+
+class NoEvents:
+    def trial_started(self, number: int, params: Mapping[str, Any]) -> None:
+        pass
+
+    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def trial_finished(self, trial: FrozenTrial) -> None:
+        pass
 
 
 def describe_outcome(trial: FrozenTrial) -> str:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, is_object_url, local_copy
+from sweep.blobs import BlobScope, CheckpointStore, artifact_store_at, delete_blob, is_object_url, local_copy
 from sweep.outcomes import ARTIFACTS_ATTR, SPEC_ATTR
 from sweep.outcomes import ATTR_CHECKPOINT as CHECKPOINT_ATTR
 from sweep.registry import default_store
@@ -43,7 +43,8 @@ class ProblemKind(str, enum.Enum):
     """What disagrees, and what `repair` does about it."""
 
     MISSING_BLOB = "missing_blob"
-    """A registry row names a blob that is not there. Repair: the row is deleted (pinned or not)."""
+    """A registry row names a blob that is not there, or a path or key outside its study's part of the store (such a
+    file is never read or deleted: see `sweep.blobs.BlobScope`). Repair: the row is deleted (pinned or not)."""
     CORRUPT_BLOB = "corrupt_blob"
     """A row's blob is there but its size or SHA-256 is not what the row recorded. Repair: the row is deleted
     (pinned or not), and the file too unless a row whose hash it matches still names it."""
@@ -118,12 +119,13 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
     With `repair`, rows go before files, and an artifact is rebuilt only from a blob this check found sound."""
     name = study.study_name
     report = CheckReport(name)
+    scope = BlobScope(store_location)
     # The folder is listed before the rows are read: a file a worker registers in between is then known by its row.
     files = _listing(store_location, name, report)
     records = registry.for_study(name)
-    sound = _check_blobs(registry, records, report, repair)
-    _check_orphans(files, records, report, repair, orphan_min_age_s, stale_temporary_s)
-    _check_artifacts(study, sound, report, repair)
+    sound = _check_blobs(registry, records, scope, report, repair)
+    _check_orphans(files, records, scope, report, repair, orphan_min_age_s, stale_temporary_s)
+    _check_artifacts(study, sound, scope, report, repair)
     return report
 
 
@@ -133,7 +135,7 @@ def store_location(study: optuna.Study, storage_url: str) -> str:
     return str(stored.get("store") or default_store(storage_url))
 
 
-def quick_check(registry: Registry, study_name: str) -> list[Problem]:
+def quick_check(registry: Registry, study_name: str, *, scope: BlobScope | None = None) -> list[Problem]:
     """Delete the rows a worker may be sent to whose blob is missing, so no worker is sent to a missing file: warm-start
     donors, pinned rows, and each unfinished trial's resume point (its latest row; when that one is missing, the
     next latest, and so on, since that is where a retry would resume). Returns what this call removed, as repaired
@@ -142,15 +144,22 @@ def quick_check(registry: Registry, study_name: str) -> list[Problem]:
     Cheap, for `sweep run` opening a study: one registry query (`Registry.in_use`) and one stat per distinct local
     blob that matters (a running trial's older rows only once the later ones are missing); nothing is hashed (a
     corrupt blob is refused by its hash when loaded). Object-store blobs are not checked: Optuna's artifact stores
-    have no existence check short of starting a download."""
+    have no existence check short of starting a download. With the study's `scope`, a row naming a blob outside its
+    study's part of the store counts as missing (with a warning), and nothing outside is looked at."""
     present: dict[str, bool] = {}
 
     def missing(record: CheckpointRecord) -> bool:
-        if is_object_url(record.uri):
+        uri: str | None = record.uri
+        if scope is not None:
+            uri = scope.find_or_warn(record.uri, record.study, f"checkpoint {record.id} (trial "
+                                     f"{record.trial_number}, step {record.step}) is dropped from the registry")
+            if uri is None:
+                return True
+        if uri is None or is_object_url(uri):
             return False
-        if record.uri not in present:
-            present[record.uri] = Path(record.uri).exists()
-        return not present[record.uri]
+        if uri not in present:
+            present[uri] = Path(uri).exists()
+        return not present[uri]
 
     records = registry.in_use(study_name)
     broken = {r.id: r for r in records if (r.final != 0 or r.pinned) and missing(r)}
@@ -192,30 +201,40 @@ def _listing(store_location: str, study: str, report: CheckReport) -> list[_File
     return files
 
 
-def _check_blobs(registry: Registry, records: list[CheckpointRecord], report: CheckReport,
+def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: BlobScope, report: CheckReport,
                  repair: bool) -> list[CheckpointRecord]:
-    """Rows whose blob is missing or fails its size or hash; returns the rows whose blob is sound."""
+    """Rows whose blob is missing, outside the study's part of the store, or fails its size or hash; returns the rows
+    whose blob is sound."""
+    where = {r.id: scope.find(r.uri, r.study) for r in records}  # None: outside, never read or deleted
     digests: dict[str, tuple[int, str] | None] = {}  # URI -> (size, sha256), None when missing; each blob once
-    for record in records:
-        if record.uri not in digests:
-            digests[record.uri] = _digest(record.uri)
-    missing = [r for r in records if digests[r.uri] is None]
-    corrupt = [r for r in records if (found := digests[r.uri]) is not None and found != (r.size, r.sha256)]
-    broken = {r.id for r in missing + corrupt}
+    for uri in dict.fromkeys(where.values()):
+        if uri is not None:
+            digests[uri] = _digest(uri)
+    outside = [r for r in records if where[r.id] is None]
+    missing = [r for r in records if (uri := where[r.id]) is not None and digests[uri] is None]
+    corrupt = [r for r in records if (uri := where[r.id]) is not None and (found := digests[uri]) is not None
+               and found != (r.size, r.sha256)]
+    broken = {r.id for r in outside + missing + corrupt}
     sound = [r for r in records if r.id not in broken]
     # A row that went while its blob was read (retention, another worker's repair) is no problem any more.
     if repair:
         removed = still = set(registry.forget_all_broken(sorted(broken)))
-        needed = {r.uri for r in sound}
-        for uri in dict.fromkeys(r.uri for r in corrupt if r.uri not in needed):
-            delete_blob(uri)
+        needed = {where[r.id] for r in sound}
+        for uri in dict.fromkeys(where[r.id] for r in corrupt):
+            if uri is not None and uri not in needed:
+                delete_blob(uri)
     else:
         removed, still = set(), {r.id for r in registry.for_study(report.study)} if broken else set()
+    report.problems += [Problem(
+        ProblemKind.MISSING_BLOB, f"checkpoint {r.id} (trial {r.trial_number}, step {r.step}"
+        f"{', pinned' if r.pinned else ''}): {r.uri} is outside the study's part of the store "
+        f"({scope.area(r.study)}), so it was neither read nor deleted", r.uri, repaired=r.id in removed,
+        checkpoint_id=r.id) for r in outside if r.id in still]
     missing = [r for r in missing if r.id in still]
     corrupt = [r for r in corrupt if r.id in still]
     report.problems += [_missing(r, repaired=r.id in removed) for r in missing]
     for record in corrupt:
-        size, sha256 = digests[record.uri] or (0, "")
+        size, sha256 = digests[where[record.id] or ""] or (0, "")
         what = (f"{size} bytes where {record.size} were recorded" if size != record.size
                 else f"SHA-256 {sha256[:12]}… where {record.sha256[:12]}… was recorded")
         report.problems.append(Problem(
@@ -249,11 +268,11 @@ def _is_temporary(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
-def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], report: CheckReport, repair: bool,
-                   min_age_s: float, stale_temporary_s: float) -> None:
+def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], scope: BlobScope,
+                   report: CheckReport, repair: bool, min_age_s: float, stale_temporary_s: float) -> None:
     if files is None:
         return
-    named = {str(Path(r.uri).resolve()) for r in records if not is_object_url(r.uri)}
+    named = {found for r in records if (found := scope.find(r.uri, r.study)) is not None}
     for file in files:
         if str(file.path.resolve()) in named:
             continue
@@ -267,7 +286,8 @@ def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], r
                                        str(file.path), repaired=repair))
 
 
-def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], report: CheckReport, repair: bool) -> None:
+def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], scope: BlobScope, report: CheckReport,
+                     repair: bool) -> None:
     recorded = [(trial, trial.user_attrs[CHECKPOINT_ATTR]) for trial in study.get_trials(deepcopy=False)
                 if isinstance(trial.user_attrs.get(CHECKPOINT_ATTR), dict)
                 and trial.user_attrs[CHECKPOINT_ATTR].get("artifact_id")]
@@ -292,11 +312,12 @@ def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], report:
                 "the trial has its hash (the study's retention may have removed both); Optuna cannot edit a "
                 "finished trial, and sweep dashboard serves a note in its place", artifact_id, repairable=False))
             continue
-        if repair:
-            _upload(store, location, artifact_id, source)
+        uri = scope.find(source.uri, source.study)  # a sound row's: inside the scope
+        if repair and uri is not None:
+            _upload(store, location, artifact_id, uri)
         report.problems.append(Problem(
             ProblemKind.DANGLING_ARTIFACT, f"{where} is not in {location}; checkpoint {source.id} ({source.uri}) "
-            f"has its hash{', uploaded again' if repair else ''}", artifact_id, repaired=repair,
+            f"has its hash{', uploaded again' if repair else ''}", artifact_id, repaired=repair and uri is not None,
             checkpoint_id=source.id))
 
 
@@ -309,8 +330,9 @@ def _artifact_exists(store: Any, artifact_id: str) -> bool:
     return True
 
 
-def _upload(store: Any, location: str, artifact_id: str, source: CheckpointRecord) -> None:
+def _upload(store: Any, location: str, artifact_id: str, uri: str) -> None:
+    """Upload the blob at `uri` (found in the study's scope: `sound` rows only) as the artifact `artifact_id`."""
     if not is_object_url(location):
         Path(location).mkdir(parents=True, exist_ok=True)
-    with local_copy(source.uri) as path, open(path, "rb") as handle:
+    with local_copy(uri) as path, open(path, "rb") as handle:
         store.write(artifact_id, handle)

@@ -26,6 +26,7 @@ from sweep.outcomes import (
     budget_counts,
 )
 from sweep.results import state_counts, steps_trained
+from sweep.urls import mask_urls
 
 __all__ = ["edge_warnings", "infeasible", "render_report"]
 
@@ -135,7 +136,8 @@ def render_report(study: optuna.Study) -> str:
     add_figure("Parameter importances", lambda: optuna.visualization.plot_param_importances(study))
 
     share = 100 * len(bad) / len(trials) if trials else 0.0
-    rows = "".join(f"<tr><td>{html.escape(reason)}</td><td>{count}</td></tr>" for reason, count in
+    # A failure reason may quote a storage error, and that the storage URL: never its password.
+    rows = "".join(f"<tr><td>{html.escape(mask_urls(reason))}</td><td>{count}</td></tr>" for reason, count in
                    reasons.most_common())
     sections.append(f"<h2>Infeasible trials</h2><p>{len(bad)} of {len(trials)} trials ({share:.0f}%) diverged or "
                     f"failed.</p>" + (f"<table><tr><th>reason</th><th>trials</th></tr>{rows}</table>" if rows else ""))
@@ -151,7 +153,7 @@ def render_report(study: optuna.Study) -> str:
     else:
         warnings = edge_warnings(spec.get("space", {}), best.params)
         warning_html = "".join(f"<p class='warning'>&#9888; {html.escape(w)}</p>" for w in warnings)
-        config = yaml.safe_dump(best.user_attrs.get(ATTR_CONFIG, best.params), sort_keys=False)
+        config = mask_urls(yaml.safe_dump(best.user_attrs.get(ATTR_CONFIG, best.params), sort_keys=False))
         sections.append(f"<h2>Best trial: #{best.number}, {html.escape(str(spec.get('metric', 'value')))} = "
                         f"{best.value:.6g}</h2>{warning_html}<p>Its full config; <code>python -m trainer "
                         f"best.yaml</code> trains it again:</p><pre>{html.escape(config)}</pre>")

@@ -7,6 +7,11 @@ report). It runs with the torch thread counts the trial recorded (`reproducibili
 `--workers N` trained with a share of the cores, and a sum over another number of threads rounds differently. On CPU
 the values must match bit for bit; on a GPU within a relative tolerance, since cuBLAS and cuDNN kernels are not
 deterministic unless `deterministic: true`.
+
+What the database names is not trusted: whoever can write it could name any `module:function` as the task (or the
+curriculum schedule), and reproducing imports and calls it. So only built-in tasks and schedules and those of the
+study file given on the command line run; anything else needs `trust_code` (`--trust-task`). The parent checkpoint
+is read only from inside its study's part of the checkpoint store (`sweep.blobs.BlobScope`).
 """
 
 from __future__ import annotations
@@ -14,22 +19,71 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 import torch
 
-from sweep.blobs import load_blob
+from sweep.blobs import BlobScope, load_blob
 from sweep.objective import task_for
 from sweep.outcomes import ATTR_CONFIG, ATTR_REPRO, ATTR_WARM_START, SPEC_ATTR
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
+from trainer.pacing import BUILTIN_SCHEDULES
 from trainer.precision import resolve_device
 from trainer.seeding import THREAD_ENV, apply_threads
+from trainer.tasks import BUILTIN_TASKS
 
-__all__ = ["Comparison", "reproduce_trial"]
+if TYPE_CHECKING:
+    from sweep.schema import StudySpec
+
+__all__ = ["Comparison", "UntrustedCode", "code_in_study", "refuse_untrusted_code", "reproduce_trial",
+           "user_code"]
+
+
+class UntrustedCode(ValueError):
+    """A stored config names user code (a task, a curriculum schedule) that only the database names."""
+
+
+def user_code(config: Mapping[str, Any]) -> dict[str, str]:
+    """The user code a stored `TrainingConfig` dict names, by what it is: `{"task": "pkg.mod:fn"}`, and
+    `"curriculum schedule"` likewise; built-in names are left out. Nested and dotted spellings are both read, since
+    the trainer accepts both."""
+    curriculum = config.get("curriculum")
+    found = {"task": [config.get("task")],
+             "curriculum schedule": [config.get("curriculum.schedule"),
+                                     curriculum.get("schedule") if isinstance(curriculum, Mapping) else None]}
+    builtin = {"task": set(BUILTIN_TASKS), "curriculum schedule": set(BUILTIN_SCHEDULES)}
+    return {f"{what} {value!r}": str(value) for what, values in found.items() for value in values
+            if value is not None and value not in builtin[what]}
+
+
+def code_in_study(spec: StudySpec) -> set[str]:
+    """The user code a study file names, trusted because the user named the file: its task, and its curriculum
+    schedule, fixed or among a searched key's choices."""
+    from trainer.config import flatten
+
+    names = {spec.task.name}
+    fixed = flatten(spec.fixed, free=("model", "task_args"))
+    if isinstance(fixed.get("curriculum.schedule"), str):
+        names.add(fixed["curriculum.schedule"])
+    searched = spec.space.get("curriculum.schedule")
+    names.update(str(choice) for choice in getattr(searched, "choices", None) or ())
+    return names
+
+
+def refuse_untrusted_code(config: Mapping[str, Any], trusted: Collection[str], what: str) -> None:
+    """Raise `UntrustedCode` when `config` names user code that is neither built in nor in `trusted`; `what` is the
+    action that would run it ("reproducing trial 3")."""
+    for label, name in user_code(config).items():
+        if name not in trusted:
+            raise UntrustedCode(
+                f"{what} would import and run {label}, which only the database names (it is neither built in nor "
+                "named by a study file given on the command line), and whoever can write the database chose it. "
+                "Give the study file that defines the study instead of the database, or pass --trust-task if you "
+                "trust whoever can write it")
 
 
 @dataclass
@@ -65,14 +119,20 @@ def _same(a: float, b: float, tolerance: float) -> bool:
     return math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance)
 
 
-def _parent(trial: optuna.trial.FrozenTrial) -> WarmStart | None:
+def _parent(trial: optuna.trial.FrozenTrial, scope: BlobScope) -> WarmStart | None:
     """A warm-started trial is replayed from the same parent checkpoint (pinned, so never collected), checked
-    against the hash recorded when the trial started from it."""
+    against the hash recorded when the trial started from it, and read only from inside its study's part of the
+    store."""
     lineage = trial.user_attrs.get(ATTR_WARM_START)
     if lineage is None:
         return None
+    uri = scope.find(str(lineage.get("uri")), str(lineage.get("study")))
+    if uri is None:
+        raise ValueError(f"trial {trial.number} was warm-started from {lineage.get('uri')!r}, which is not inside "
+                         f"study {lineage.get('study')!r}'s part of the checkpoint store ({scope.location}): "
+                         "refused, not read")
     try:
-        state = load_blob(lineage["uri"], lineage["sha256"])
+        state = load_blob(uri, lineage["sha256"])
     except CheckpointError as exc:
         raise ValueError(f"trial {trial.number} was warm-started from trial {lineage['trial']}'s checkpoint, which "
                          f"cannot be used: {exc}") from None
@@ -94,20 +154,27 @@ def _threads_of(record: Mapping[str, Any]) -> Iterator[None]:
         apply_threads(before)
 
 
-def reproduce_trial(study: optuna.Study, number: int, *, gpu_tolerance: float = 1e-3) -> Comparison:
+def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Collection[str] = (),
+                    trust_code: bool = False, gpu_tolerance: float = 1e-3) -> Comparison:
+    """Train trial `number` again and compare its reports. `store`: the study's checkpoint store (a warm-started
+    trial's parent is read from there only). User code the stored config names runs only when it is in `trusted`
+    (the study file's) or with `trust_code`; otherwise `UntrustedCode` is raised before anything is imported."""
     trials = [t for t in study.get_trials(deepcopy=False) if t.number == number]
     if not trials:
         raise KeyError(f"study {study.study_name!r} has no trial {number}")
     trial = trials[0]
-    if ATTR_CONFIG not in trial.user_attrs or not trial.intermediate_values:
+    stored_config = trial.user_attrs.get(ATTR_CONFIG)
+    if not isinstance(stored_config, dict) or not trial.intermediate_values:
         raise ValueError(f"trial {number} has no stored config or reported values to compare (state "
                          f"{trial.state.name.lower()})")
-    config = TrainingConfig.from_dict(trial.user_attrs[ATTR_CONFIG])
+    if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
+        refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
+    config = TrainingConfig.from_dict(stored_config)
     metric = study.user_attrs.get(SPEC_ATTR, {}).get("metric", "val_loss")
     stored = dict(sorted(trial.intermediate_values.items()))
     recorder = _Recorder(max(stored), metric)
     with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
-        train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial))
+        train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial, BlobScope(store)))
     tolerance = 0.0 if resolve_device(config.device).type == "cpu" or config.deterministic else gpu_tolerance
     difference = None
     for step, value in stored.items():

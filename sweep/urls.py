@@ -1,23 +1,94 @@
-"""Storage URLs: what may be printed of them, and where a SQLite one's file is. Light on purpose (no Optuna), so
-commands that only print can use it."""
+"""Storage URLs: what may be printed of them, and where a SQLite one's file is. Light on purpose (no Optuna, no
+SQLAlchemy), so commands that only print can use it.
+
+A password may sit in a URL in several places, and every one is masked: the userinfo (`user:pw@host`, also with an
+unescaped `@` in the password, `user:p@ss@host`, and percent-encoded), and the query string (`?password=pw`, which
+libpq accepts, as do `sslpassword` and friends). A libpq `key=value` string is masked the same way.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from urllib.parse import unquote, unquote_plus
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+__all__ = ["MASK", "mask_url", "mask_urls", "redact", "sqlite_path", "url_secrets"]
 
-__all__ = ["mask_url", "sqlite_path"]
+MASK = "***"
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)(.*)", re.S)
+# A `key=value` pair of a query string or a libpq connection string; a value may be single-quoted (libpq).
+_PAIR = re.compile(r"(?P<lead>^|[?&;\s])(?P<key>[^=&?;#\s]+)=(?P<value>'(?:[^'\\]|\\.)*'|[^&;#\s]*)")
+_SECRET_WORDS = ("pass", "pwd", "secret", "token", "credential")
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]*")
+
+
+def _is_secret_key(key: str) -> bool:
+    name = unquote_plus(key).lower()
+    return any(word in name for word in _SECRET_WORDS)
+
+
+def _userinfo_end(rest: str) -> int:
+    """Where the userinfo ends (the index of its `@`), or -1. The last `@` counts, not the first: a password may hold
+    an unescaped `@` (`user:p@ss@host`). A URL whose text after `//` starts with `/` (SQLite's) has no userinfo."""
+    return -1 if rest.startswith("/") else rest.rfind("@")
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ***, for anything printed or stored."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+    """The URL with every password in it replaced by ***, for anything printed or stored: the userinfo's password
+    (everything between the first `:` and the last `@`) and the value of every query or `key=value` pair whose key
+    names a secret (password, sslpassword, passfile, token, ...). Masks too much rather than too little: a query
+    string holding an `@` hides the host too."""
+    match = _SCHEME.match(url)
+    if match is not None:
+        scheme, rest = match.groups()
+        end = _userinfo_end(rest)
+        if end >= 0:
+            user, colon, _ = rest[:end].partition(":")
+            rest = (f"{user}:{MASK}" if colon else user) + rest[end:]
+        url = scheme + rest
+    return _PAIR.sub(_mask_pair, url)
+
+
+def _mask_pair(match: re.Match[str]) -> str:
+    if not _is_secret_key(match["key"]):
+        return match[0]
+    return f"{match['lead']}{match['key']}={MASK}"
+
+
+def mask_urls(text: str) -> str:
+    """Free text (a stored failure reason, a driver's message) with every URL in it masked (`mask_url`), and every
+    `password=...` pair outside them too, when the URL it came from is not known."""
+    return _PAIR.sub(_mask_pair, _URL_IN_TEXT.sub(lambda match: mask_url(match[0]), text))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets a URL holds, as written and percent-decoded, longest first: what must never appear in text that
+    also shows the URL (a driver's error message may quote a mis-parsed host that holds a password's tail)."""
+    found: list[str] = []
+    match = _SCHEME.match(url)
+    rest = match.group(2) if match is not None else ""
+    end = _userinfo_end(rest) if match is not None else -1
+    if end >= 0:
+        _, colon, password = rest[:end].partition(":")
+        if colon:
+            found.append(password)
+            # What a parser that ends the userinfo at the first `@` takes for the host: the password's tails.
+            found += [password[i + 1:] for i, char in enumerate(password) if char == "@"]
+    for pair in _PAIR.finditer(url):
+        if _is_secret_key(pair["key"]):
+            found.append(pair["value"].strip("'"))
+    secrets = {form for secret in found for form in (secret, unquote(secret), unquote_plus(secret)) if form}
+    return sorted(secrets, key=len, reverse=True)
+
+
+def redact(text: str, url: str) -> str:
+    """`text` (an error message, a log line) with `url` masked and each of its secrets replaced by *** where it
+    stands alone (not inside a longer word: a password's tail `ss` is not hidden in `address`)."""
+    text = text.replace(url, mask_url(url))
+    for secret in url_secrets(url):
+        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", MASK, text)
+    return text
 
 
 def sqlite_path(url: str) -> Path | None:

@@ -28,6 +28,7 @@ from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.config import flatten
 
 if TYPE_CHECKING:
+    from sweep.blobs import BlobScope
     from sweep.registry import Registry
     from sweep.schema import Param, StudySpec
     from trainer import Task, TrainingConfig
@@ -175,9 +176,12 @@ def _partial(spec: StudySpec, a: Mapping[str, Any], b: Mapping[str, Any]) -> flo
 
 
 def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_number: int, params: Mapping[str, Any],
-                    config: TrainingConfig, key: str, handoff_step: int) -> tuple[WarmStart, Donor] | None:
-    """Find, pin and load a donor. A donor whose blob is missing or fails its hash is skipped with a warning; a
-    donor collected between the lookup and the pin is looked up again. None: the trial starts cold."""
+                    config: TrainingConfig, key: str, handoff_step: int, *,
+                    scope: BlobScope) -> tuple[WarmStart, Donor] | None:
+    """Find, pin and load a donor. A donor whose blob is missing or fails its hash is skipped with a warning, and so
+    is one whose row names a blob outside its study's part of the store (`scope`: that file is neither read nor
+    deleted, the row goes); a donor collected between the lookup and the pin is looked up again. None: the trial
+    starts cold. Donors of `from_studies` are found in the same store, in their own study's folder or prefix."""
     refused: set[int] = set()
     for _ in range(5):
         donor = find_donor(registry, spec, study, params, config, key, handoff_step)
@@ -185,14 +189,20 @@ def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_numbe
             return None
         if not registry.pin(donor.record.id):
             continue  # collected under us: look again
+        record = donor.record
+        where = f"trial {trial_number}: not warm-starting from trial {record.trial_number} of study {record.study!r}"
+        uri = scope.find_or_warn(record.uri, record.study, where)
+        if uri is None:
+            registry.forget_broken(record.id)  # the row only: the file it names is not ours to touch
+            refused.add(record.id)
+            continue
         try:
-            state = load_blob(donor.record.uri, donor.record.sha256)
+            state = load_blob(uri, record.sha256)
         except CheckpointError as exc:
-            warnings.warn(f"trial {trial_number}: not warm-starting from trial {donor.record.trial_number}: {exc}",
-                          stacklevel=2)
-            registry.forget_broken(donor.record.id)
-            delete_blob(donor.record.uri)  # nobody may use it, and no row names it any more
-            refused.add(donor.record.id)
+            warnings.warn(f"{where}: {exc}", stacklevel=2)
+            registry.forget_broken(record.id)
+            delete_blob(uri)  # nobody may use it, and no row names it any more
+            refused.add(record.id)
             continue
         return WarmStart(state, optimizer=spec.warm_start.inherit == "weights+optimizer"), donor
     return None

@@ -19,9 +19,8 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -47,6 +46,7 @@ from sweep.outcomes import (
     infrastructure_fault,
     jsonable,
 )
+from sweep.progress import Events, NoEvents
 from sweep.schema import StudySpec
 from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient
 
@@ -67,25 +67,6 @@ class StudyBrokenError(Exception):
 
 class InfrastructureError(Exception):
     """The same fault of the machine (disk full, checkpoint folder gone) repeated: fix it, then rerun."""
-
-
-class Events(Protocol):
-    """What a progress display hears while a study runs."""
-
-    def trial_started(self, number: int, params: Mapping[str, Any]) -> None: ...
-    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None: ...
-    def trial_finished(self, trial: FrozenTrial) -> None: ...
-
-
-class NoEvents:
-    def trial_started(self, number: int, params: Mapping[str, Any]) -> None:
-        pass
-
-    def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None:
-        pass
-
-    def trial_finished(self, trial: FrozenTrial) -> None:
-        pass
 
 
 @dataclass

@@ -3,6 +3,10 @@
 Each worker is the same `sweep run` in its own process, so a worker that dies takes nothing else with it; the others
 notice its trial's stale heartbeat and train its params again. On a GPU machine worker k sees only GPU k mod G
 (round robin over the visible devices; more workers than GPUs put several small trials on each GPU).
+
+The storage URL reaches the workers in their environment (`SWEEP_STORAGE_URL`), never on their command lines: any
+local user can read a process's arguments (`ps`, /proc/PID/cmdline), and the URL may hold a password. A process's
+environment is readable by its owner only.
 """
 
 from __future__ import annotations
@@ -12,16 +16,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["prepare_process", "run_local_workers", "run_workers", "visible_gpus"]
+__all__ = ["STORAGE_ENV", "WORKER_ENV", "prepare_process", "run_local_workers", "run_workers", "visible_gpus"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
+STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
 
 
 def visible_gpus() -> list[str]:
@@ -47,14 +52,18 @@ def prepare_process(spec: StudySpec) -> None:
 def run_local_workers(study_file: Path, spec: StudySpec, url: str, n_workers: int, *, timeout: float | None,
                       overrides: Sequence[str]) -> list[int]:
     """`sweep run --workers N`: the same `sweep run` in N processes on this study's storage (the study exists
-    already, so none of them creates it); returns their exit codes."""
-    args = [str(study_file), "--storage", url, "--study-name", spec.name, "--n-trials", str(spec.n_trials),
-            *(["--timeout", str(timeout)] if timeout else []), *(f"--set={item}" for item in overrides)]
-    return run_workers(args, n_workers)
+    already, so none of them creates it); returns their exit codes. The URL goes by environment (`STORAGE_ENV`), and
+    a `--set storage=...` override stays off the workers' command lines: the URL it gave is that one."""
+    args = [str(study_file), "--study-name", spec.name, "--n-trials", str(spec.n_trials),
+            *(["--timeout", str(timeout)] if timeout else []),
+            *(f"--set={item}" for item in overrides if item.partition("=")[0].strip() != "storage")]
+    return run_workers(args, n_workers, env={STORAGE_ENV: url})
 
 
-def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.0) -> list[int]:
-    """Start `sweep run RUN_ARGS` in `n_workers` processes and wait for them; returns their exit codes.
+def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.0,
+                env: Mapping[str, str] | None = None) -> list[int]:
+    """Start `sweep run RUN_ARGS` in `n_workers` processes, with `env` added to their environment, and wait for
+    them; returns their exit codes.
 
     Ctrl-C reaches every worker from the terminal (one process group); each marks its running trial interrupted and
     exits. A worker still running `grace_s` seconds later is killed.
@@ -65,10 +74,11 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     threads = str(max(1, (os.cpu_count() or 1) // n_workers))
     processes = []
     for index in range(n_workers):
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, WORKER_ENV: str(index)}
+        worker_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, **(env or {}),
+                      WORKER_ENV: str(index)}
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
-        processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=env))
+            worker_env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+        processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=worker_env))
     try:
         return [process.wait() for process in processes]
     except KeyboardInterrupt:

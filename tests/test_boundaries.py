@@ -47,12 +47,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def trainer_import_graph() -> dict[str, set[str]]:
-    """Each trainer module -> the trainer modules it imports: at module level, in functions, under TYPE_CHECKING
-    alike (a function-level import hides a cycle, it does not remove it). `from trainer.x import y` is an edge to
+def trainer_import_graph(package_name: str = "trainer") -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports: at module level, in functions, under
+    TYPE_CHECKING alike (a function-level import hides a cycle, it does not remove it). `from trainer.x import y` is an edge to
     `trainer.x.y` when that is a module, else to `trainer.x`. A package's own `__init__`, which Python runs before
     any of its modules, is not counted as imported by them."""
-    paths = sorted((ROOT / "trainer").rglob("*.py"))
+    paths = sorted((ROOT / package_name).rglob("*.py"))
     modules = {module_name(path): path for path in paths}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -103,6 +103,32 @@ def test_trainer_modules_import_each_other_without_a_cycle() -> None:
     assert graph["trainer.loop"] >= {"trainer.config", "trainer.checkpoint"}  # the parser sees the imports
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_sweep_modules_import_each_other_without_a_cycle() -> None:
+    graph = trainer_import_graph("sweep")
+    assert graph["sweep.worker"] >= {"sweep.objective", "sweep.checkpoints", "sweep.storage"}
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cli_s_help_status_and_trials_never_import_torch(tmp_path: Path) -> None:
+    """`sweep --help` imports neither torch nor Optuna; `status` and `trials` read the storage with Optuna, without
+    torch. Each in a fresh interpreter, the modules loaded read at its end."""
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study = optuna.create_study(study_name="s", storage=storage)
+    study.set_user_attr("sweep.spec", {"metric": "val_loss", "n_trials": 1})
+    study.tell(study.ask(), 1.0)
+    probe = ("import sys\nfrom sweep.cli import main\nsys.argv = ['sweep', *sys.argv[1:]]\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+             "print('LOADED', 'torch' in sys.modules, 'optuna' in sys.modules)\nsys.exit(code)")
+    for args, optuna_too in ((["--help"], False), (["status", "--storage", storage, "s"], True),
+                             (["trials", "--storage", storage, "s"], True)):
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == f"LOADED False {optuna_too}", (args, done.stdout[-300:])
 
 
 def test_the_import_cycle_check_finds_a_hidden_cycle() -> None:
