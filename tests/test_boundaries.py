@@ -47,11 +47,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def trainer_import_graph(package_name: str = "trainer") -> dict[str, set[str]]:
+def import_graph(package_name: str = "trainer") -> dict[str, set[str]]:
     """Each module of the package -> the modules of the package it imports: at module level, in functions, under
-    TYPE_CHECKING alike (a function-level import hides a cycle, it does not remove it). `from trainer.x import y` is an edge to
-    `trainer.x.y` when that is a module, else to `trainer.x`. A package's own `__init__`, which Python runs before
-    any of its modules, is not counted as imported by them."""
+    TYPE_CHECKING alike (a function-level import hides a cycle, it does not remove it). `from trainer.x import y` is
+    an edge to `trainer.x.y` when that is a module, else to `trainer.x`. A package's own `__init__`, which Python runs
+    before any of its modules, is not counted as imported by them."""
     paths = sorted((ROOT / package_name).rglob("*.py"))
     modules = {module_name(path): path for path in paths}
     graph: dict[str, set[str]] = {}
@@ -99,14 +99,14 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_trainer_modules_import_each_other_without_a_cycle() -> None:
-    graph = trainer_import_graph()
+    graph = import_graph()
     assert graph["trainer.loop"] >= {"trainer.config", "trainer.checkpoint"}  # the parser sees the imports
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
 
 def test_sweep_modules_import_each_other_without_a_cycle() -> None:
-    graph = trainer_import_graph("sweep")
+    graph = import_graph("sweep")
     assert graph["sweep.worker"] >= {"sweep.objective", "sweep.checkpoints", "sweep.storage"}
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
