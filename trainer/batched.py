@@ -1,0 +1,744 @@
+"""Batched training: K configs that share a batch signature trained as one stacked model, each as if alone.
+
+A cohort holds K slots. Each slot's parameters are one row of stacked tensors (`torch.func.stack_module_state`'s
+layout); one step runs every slot's forward and backward at once (`vmap(functional_call(template, ...))`) and one
+stacked optimizer update (`trainer.batched_optim`). Everything else is per member, as in the ordinary loop:
+
+- its own init seed (the model is built under the member's seed, exactly as `build_run` builds it) and its own
+  dropout generator, continuing the global RNG the single run would use;
+- its own data order and curriculum (`build_sampler` under its own seed and max_steps);
+- its own learning-rate schedule (`lr_at` on the host, per member), weight decay, betas, eps, momentum, Nesterov,
+  gradient-clipping norm (each member clipped by its own norm), max_steps;
+- its own step counter: a member that joins at global step G counts from its own 0 (or from its checkpoint's step);
+  members join only at evaluation boundaries (global steps that are multiples of the shared `eval_every_steps`),
+  so evaluations line up and run as one vmapped pass;
+- its own loss guard, evaluations, logs, reporter, fast-fail verdict, checkpoints and `TrainResult`.
+
+Members never mix: vmapped ops work on each slice alone, a member's loss is computed on its own rows, and the
+backward of the summed losses gives each member the gradient of its own loss. A member that diverges (NaN/Inf)
+changes no other member's numbers; it is stopped by its own guard, like a single run.
+
+On a CPU in fp32 each member's values are those of `trainer.train` for the same config, bit for bit (the tests check
+it): the linear layers and dropout are swapped for exact stacked versions (`trainer.batched_ops`), the loss is
+computed per member on its own rows, and the stacked optimizers reproduce torch's single-tensor updates.
+
+A member's checkpoint is the plain single-model checkpoint of `trainer.checkpoint`: a batched run can be resumed or
+warm-started by the ordinary loop and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from trainer.batched_ops import dropout_rates, member_randomness, prepare_template
+from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
+from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoint
+from trainer.config import TrainingConfig
+from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
+from trainer.data import choose_data_loader
+from trainer.fast_fail import FastFailConfig, in_stage_grace
+from trainer.loop import Checkpointer, FastFailReporter, Reporter, TrainResult, train
+from trainer.optim import build_optimizer, lr_at
+from trainer.precision import allow_tf32, resolve_device, resolve_precision
+from trainer.seeding import reproducibility_record, seed_everything
+from trainer.sync import allowed_sync
+from trainer.tasks import Task, load_task
+
+__all__ = ["Cohort", "CohortMember", "available_memory", "batch_problem", "batch_signature", "max_cohort_size",
+           "train_batched"]
+
+MEMORY_SAFETY = 0.7  # a cohort may plan on this share of the free memory; the rest is for the allocator and the OS
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What may share a cohort.
+
+def _static_attributes(model: nn.Module) -> list[tuple[str, str, list[tuple[str, str]]]]:
+    """Each module's type and plain settings (ints, floats, strings, ...), but not dropout rates, which may differ
+    per member: two members whose modules differ in anything else (an attention dropout rate kept as a float, say)
+    cannot share one template."""
+    out = []
+    for name, module in model.named_modules():
+        plain = sorted((k, repr(v)) for k, v in vars(module).items()
+                       if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool, tuple))
+                       and not (type(module) is nn.Dropout and k == "p"))
+        out.append((name, type(module).__name__, plain))
+    return out
+
+
+def _meta_model(config: TrainingConfig, task: Task) -> nn.Module:
+    model_config = task.model_config(config.model)
+    try:
+        with torch.device("meta"):  # shapes without memory or initialisation cost, as warm start's shape key
+            return task.build_model(model_config)
+    except Exception:  # noqa: BLE001 - a custom model that cannot be built on meta: build it for real
+        return task.build_model(model_config)
+
+
+def batch_signature(config: TrainingConfig, task: Task) -> str:
+    """A digest of what members of one cohort must share: task and task args, the model's tensor names, shapes and
+    dtypes and its modules' settings (from the model built on the meta device), optimizer kind, precision, batch size,
+    accumulation, evaluation interval and batch size, device and determinism. Everything else may differ."""
+    model = _meta_model(config, task)
+    device = resolve_device(config.device)
+    shared = {
+        "task": config.task, "task_args": config.task_args,
+        "tensors": sorted((n, list(t.shape), str(t.dtype)) for n, t in model.state_dict().items()),
+        "modules": _static_attributes(model),
+        "optimizer": config.optimizer, "precision": resolve_precision(config.mixed_precision, device).name,
+        "batch_size": config.batch_size, "accumulation": config.gradient_accumulation_steps,
+        "eval_every_steps": config.eval_every_steps, "eval_batch_size": config.eval_batch_size,
+        "device": str(device), "deterministic": config.deterministic,
+    }
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def batch_problem(config: TrainingConfig, task: Task) -> str | None:
+    """Why `config` cannot be trained batched (the ordinary loop then trains it), or None. Checks the settings, then
+    tries one vmapped forward and backward of the model: anything vmap cannot batch (BatchNorm in training mode,
+    random ops other than `nn.Dropout`, in-place updates of buffers) fails there, not later with a wrong answer."""
+    device = resolve_device(config.device)
+    if config.compile:
+        return "compile: true is not batched (the stacked model runs eagerly)"
+    if resolve_precision(config.mixed_precision, device).name == "fp16":
+        return "fp16 needs a grad scaler per member; use bf16 or fp32 to batch"
+    if choose_data_loader(config, task, device) != "device":
+        return "the training set is read by loader workers (data_loader: dataloader), which the cohort does not use"
+    model = task.build_model(task.model_config(config.model)).to(device)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
+            return (f"module {name or 'model'} is {type(module).__name__}: its running statistics are updated in "
+                    "place in training mode, which vmap cannot batch")
+    try:
+        template = prepare_template(model)
+        params = {n: p.detach().unsqueeze(0).clone().requires_grad_() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().unsqueeze(0).clone() for n, b in model.named_buffers()}
+        x, y = task.train
+        idx = torch.arange(min(len(x), config.batch_size))
+        # Dropout layers are the engine's own (each member draws from its own generator, inside the vmap rule); the
+        # probe turns them off, so that vmap's randomness check finds any other random op in the model.
+        generator = torch.Generator(device=device).manual_seed(0)
+        with member_randomness([[0.0] * len(dropout_rates(model))], [generator]):
+            out = vmap(_forward(template), randomness="error")(params, buffers, x[idx].to(device).unsqueeze(0))
+        task.loss(out[0].float(), y[idx].to(device)).backward()
+    except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the ordinary loop trains
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"vmap cannot batch this model ({type(exc).__name__}: {first_line})"
+    return None
+
+
+def _forward(template: nn.Module) -> Callable[..., torch.Tensor]:
+    def forward(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(template, (params, buffers), (x,))
+
+    return forward
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Memory.
+
+def available_memory(device: torch.device) -> int:
+    """Free bytes on `device`: CUDA's free memory, else the host's available RAM (psutil when installed, else
+    /proc/meminfo's MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil  # type: ignore[import-untyped]
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def member_bytes(config: TrainingConfig, task: Task) -> int:
+    """An estimate of one member's memory: parameters, gradients and optimizer state, the temporaries of the update
+    (two more copies), and the activations one training step saves for backward (measured on one batch), doubled for
+    the backward's own temporaries."""
+    device = resolve_device(config.device)
+    model = task.build_model(task.model_config(config.model)).to(device)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    x, y = task.train
+    idx = torch.arange(min(len(x), config.batch_size))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x[idx].to(device))
+        task.loss(out.float(), y[idx].to(device))
+    states = len(OPTIMIZER_STATES[config.optimizer])
+    return param_bytes * (2 + states + 2) + 2 * saved[0] + 2 * out.numel() * out.element_size()
+
+
+def max_cohort_size(config: TrainingConfig, task: Task, free: int | None = None) -> int:
+    """The largest cohort of `config`'s signature that fits `MEMORY_SAFETY` of the free memory (at least 1)."""
+    device = resolve_device(config.device)
+    free = available_memory(device) if free is None else free
+    return max(1, int(free * MEMORY_SAFETY) // max(1, member_bytes(config, task)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The cohort.
+
+@dataclass
+class CohortMember:
+    """One config in a cohort, with what the ordinary `train` would take besides it."""
+
+    config: TrainingConfig
+    reporter: Reporter | None = None
+    resume: TrainState | None = None
+    warm_start: WarmStart | None = None
+    checkpointer: Checkpointer | None = None
+
+
+@dataclass
+class _Slot:
+    """A member's running state in its slot."""
+
+    id: int
+    member: CohortMember
+    reporter: Reporter
+    local: FastFailReporter | None
+    fast_fail: FastFailConfig
+    stages: tuple[int, ...]
+    sampler: CurriculumSampler
+    generator: torch.Generator
+    rates: list[float]
+    result: TrainResult
+    started: float
+    done: int = 0  # the member's own optimizer steps done
+    optimizer_steps: int = 0  # what Adam's bias correction counts (a warm start's donor count goes on)
+    steps_since_log: int = 0
+    threshold: float | None = None
+    interval_began: float = field(default_factory=time.perf_counter)
+
+    @property
+    def config(self) -> TrainingConfig:
+        return self.member.config
+
+
+class Cohort:
+    """K slots of one batch signature, trained as one stacked model. Add members (`add`) at evaluation boundaries,
+    remove them (`remove`) at any step, advance all of them by one step (`step`), or `run` until every slot is free.
+    `results[id]` holds each member's `TrainResult` once it has finished, stopped or been removed."""
+
+    def __init__(self, task: Task, like: TrainingConfig, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a cohort needs capacity >= 1, but got {capacity=}")
+        self.task = task
+        self.like = like
+        self.signature = batch_signature(like, task)
+        self.capacity = capacity
+        self.device = resolve_device(like.device)
+        self.precision = resolve_precision(like.mixed_precision, self.device)
+        seed_everything(like.seed, deterministic=like.deterministic)
+        allow_tf32(self.device, like.deterministic)
+        shell = task.build_model(task.model_config(like.model)).to(self.device)  # the layout; its values are not used
+        self.shell = shell
+        self.template = prepare_template(shell)
+        # "same": the member dropout's own draws (from each member's generator, on the stacked tensor) run inside
+        # vmap's rule; `batch_problem` has checked with "error" that the model draws nothing else.
+        self.forward = vmap(_forward(self.template), randomness="same")
+        self.eval_forward = vmap(_forward(self.template), in_dims=(0, 0, None), randomness="error")
+        self.params = {n: torch.zeros(capacity, *p.shape, dtype=p.dtype, device=self.device, requires_grad=True)
+                       for n, p in shell.named_parameters()}
+        self.buffers = {n: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
+                        for n, b in shell.named_buffers()}
+        self.optimizer = StackedOptimizer(like.optimizer, self.params)
+        self.train_x, self.train_y = (t.to(self.device) for t in task.train)
+        self.val = tuple(t.to(self.device) for t in task.val)
+        self.slots: list[_Slot | None] = [None] * capacity
+        self.results: dict[int, TrainResult] = {}
+        self.step_count = 0  # global steps run
+        self._ids = 0
+        self._loss_sum = torch.zeros(capacity, device=self.device)
+        self._worst = torch.full((capacity,), -math.inf, device=self.device)
+        self._idle_batch = torch.arange(like.batch_size, device=self.device)
+        self._order = self._optimizer_order()
+        self._plan: ClipPlan | None = None
+
+    # -- membership ----------------------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, slot in enumerate(self.slots) if slot is None]
+
+    @property
+    def active(self) -> list[int]:
+        return [i for i, slot in enumerate(self.slots) if slot is not None]
+
+    def at_boundary(self) -> bool:
+        """Whether a member may join now: at a multiple of the shared evaluation interval."""
+        return self.step_count % self.like.eval_every_steps == 0
+
+    def add(self, member: CohortMember | TrainingConfig) -> int:
+        """Start a member in a free slot, its parameters and optimizer state set in place; returns its id. Its
+        step-0 (or warm-start) evaluation runs now when fast-fail is on, as in `train`."""
+        member = member if isinstance(member, CohortMember) else CohortMember(member)
+        config = member.config
+        if not self.at_boundary():
+            raise ValueError(f"members join at evaluation boundaries (multiples of eval_every_steps="
+                             f"{self.like.eval_every_steps}), but the cohort is at step {self.step_count}")
+        if not self.free_slots:
+            raise ValueError(f"the cohort's {self.capacity} slots are all taken")
+        if member.resume is not None and member.warm_start is not None:
+            raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
+        problem = batch_problem(config, self.task)
+        if problem is not None:
+            raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
+        if batch_signature(config, self.task) != self.signature:
+            raise ValueError("this config's batch signature differs from the cohort's (task, model shapes, optimizer, "
+                             "precision, batch size, accumulation, evaluation interval or device)")
+        index = self.free_slots[0]
+        # Built as `build_run` builds it: seed, then the model from the seeded RNG; what the RNG holds after that is
+        # what the single run's dropout draws from.
+        seed_everything(config.seed, deterministic=config.deterministic)
+        model = self.task.build_model(self.task.model_config(config.model)).to(self.device)
+        if _static_attributes(model) != _static_attributes(self.shell):
+            raise ValueError("this config's modules differ from the cohort's in a setting other than dropout")
+        generator = torch.Generator(device=self.device)
+        if self.device.type == "cuda":
+            generator.set_state(torch.cuda.get_rng_state(self.device))
+        else:
+            generator.set_state(torch.get_rng_state())
+        fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
+        stages = stage_starts(config.curriculum, config.max_steps)
+        local = None
+        reporter = member.reporter
+        if reporter is None:
+            reporter = local = FastFailReporter(fast_fail, stage_starts=stages)
+        result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
+            config.seed, self.device, deterministic=config.deterministic))
+        result.reproducibility["batched"] = True
+        slot = _Slot(id=self._ids, member=member, reporter=reporter, local=local, fast_fail=fast_fail, stages=stages,
+                     sampler=build_sampler(config, self.task, self.device), generator=generator,
+                     rates=dropout_rates(model), result=result, started=time.perf_counter())
+        self._ids += 1
+        self._load_model(index, model.state_dict())
+        self.optimizer.reset(index)
+        self._loss_sum[index] = 0.0
+        self._worst[index] = -math.inf
+        self.slots[index] = slot
+        self._plan = None
+        if member.resume is not None:
+            self._restore(index, slot, member.resume)
+        elif member.warm_start is not None or fast_fail.enabled:
+            if member.warm_start is not None:
+                self._load_model(index, member.warm_start.state.model)
+                if member.warm_start.optimizer:
+                    slot.optimizer_steps = self._load_optimizer(index, member.warm_start.state.optimizer)
+                slot.done = result.steps = member.warm_start.state.step
+            stopped = self._evaluate_and_report([index], slot.done)[0]
+            self._arm(slot, result.metrics["val_loss"])
+            if stopped:
+                self._finish(index, "stopped")
+        return slot.id
+
+    def remove(self, member_id: int) -> TrainResult:
+        """Take a member out now, at any step; its slot is free for the next boundary. Its result says "stopped"."""
+        for index, slot in enumerate(self.slots):
+            if slot is not None and slot.id == member_id:
+                slot.result.steps = slot.done
+                return self._finish(index, "stopped")
+        raise KeyError(f"no member {member_id} in this cohort")
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self, on_boundary: Callable[[Cohort], None] | None = None) -> dict[int, TrainResult]:
+        """Step until every slot is free. `on_boundary(self)` is called at each evaluation boundary (after the
+        step's evaluations), where it may `add` members to free slots or `remove` any."""
+        while self.active:
+            self.step()
+            if on_boundary is not None and self.at_boundary():
+                on_boundary(self)
+        return self.results
+
+    def step(self) -> None:
+        """One optimizer step of every member: learning rate, forward, loss, backward, clip, step; then each
+        member's logs, guard, evaluations and checkpoints at its own intervals."""
+        slots = self.slots
+        configs = [s.config if s is not None else None for s in slots]
+        steps = [s.done if s is not None else 0 for s in slots]
+        lrs = [lr_at(step, c) if c is not None else 0.0 for step, c in zip(steps, configs)]
+        for s in slots:
+            if s is not None:
+                s.optimizer_steps += 1
+        scalars = host_scalars(configs, lrs, [s.optimizer_steps if s is not None else 1 for s in slots], self.device)
+        accum = self.like.gradient_accumulation_steps
+        step_loss = self._accumulate(steps, accum)
+        logging = [s is not None and self._log_now(s) for s in slots]
+        norm = clip_stacked([p.grad for p in self.params.values() if p.grad is not None],
+                            self._clip_plan()) if any(logging) or self._clip_plan() is not None else None
+        self.optimizer.step(scalars)
+        for p in self.params.values():
+            p.grad = None
+        self._loss_sum += step_loss
+        self._observe(step_loss)
+        self.step_count += 1
+        for s in slots:
+            if s is not None:
+                s.done += 1
+                s.steps_since_log += 1
+        self._after_step(lrs, norm, step_loss)
+
+    def _accumulate(self, steps: list[int], accum: int) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for _ in range(accum):
+            idx = torch.stack([s.sampler.next(step) if s is not None else self._idle_batch
+                               for s, step in zip(self.slots, steps)])
+            x, y = self.train_x[idx], self.train_y[idx]
+            rates = [s.rates if s is not None else [] for s in self.slots]
+            generators = [s.generator if s is not None else None for s in self.slots]
+            with self.precision.autocast(), member_randomness(rates, generators):
+                out = self.forward(self.params, self.buffers, x)
+            # Each member's loss on its own rows, as the single model computes it (a vmapped loss sums in another
+            # order); the backward of their sum gives each member the gradient of its own loss.
+            losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
+            if accum > 1:
+                losses = losses / accum
+            losses.sum().backward()
+            total = losses.detach() if total is None else total + losses.detach()
+        assert total is not None
+        return total
+
+    def _after_step(self, lrs: list[float], norm: torch.Tensor | None, step_loss: torch.Tensor) -> None:
+        logs = [i for i, s in enumerate(self.slots) if s is not None and self._log_now(s, after=True)]
+        if logs:
+            self._log(logs, lrs, norm)
+        evals = [i for i, s in enumerate(self.slots) if s is not None and self._eval_now(s)]
+        checks = [i for i, s in enumerate(self.slots)
+                  if s is not None and i not in evals and s.fast_fail.enabled
+                  and s.done % (s.fast_fail.check_every_n_steps or s.config.log_every_steps) == 0]
+        tripped: dict[int, float] = {}
+        if checks:
+            with allowed_sync():  # one read-back for every member that checks its guard now
+                worst, losses = self._worst.tolist(), step_loss.tolist()
+            for i in checks:
+                slot = self.slots[i]
+                assert slot is not None
+                value = worst[i]
+                if math.isnan(value) or value == math.inf or (slot.threshold is not None and value > slot.threshold):
+                    tripped[i] = losses[i]
+        due = evals + list(tripped)
+        if due:
+            stops = self._evaluate_and_report(due, None, tripped)
+            for i in due:
+                self._worst[i] = -math.inf
+            for i, stop in zip(due, stops):
+                slot = self.slots[i]
+                assert slot is not None
+                if stop and slot.done < slot.config.max_steps:
+                    slot.result.steps = slot.done
+                    self._finish(i, "stopped")
+        for i in sorted(set(logs) | set(evals)):
+            slot = self.slots[i]
+            if slot is not None:
+                self._checkpoint(i, slot, slot.result.metrics if i in evals else None)
+        for i, slot in enumerate(self.slots):
+            if slot is not None and slot.done >= slot.config.max_steps:
+                slot.result.steps = slot.done
+                self._finish(i, "completed")
+
+    @staticmethod
+    def _log_now(slot: _Slot, after: bool = False) -> bool:
+        done = slot.done if after else slot.done + 1
+        return done % slot.config.log_every_steps == 0 or done == slot.config.max_steps
+
+    @staticmethod
+    def _eval_now(slot: _Slot) -> bool:
+        return slot.done % slot.config.eval_every_steps == 0 or slot.done == slot.config.max_steps
+
+    def _clip_plan(self) -> ClipPlan | None:
+        if self._plan is None:
+            norms = [s.config.gradient_clip_norm if s is not None else None for s in self.slots]
+            if all(n is None for n in norms):
+                return None
+            self._plan = ClipPlan(torch.tensor([n or 1.0 for n in norms], device=self.device),
+                                  torch.tensor([n is not None for n in norms], device=self.device))
+        return self._plan
+
+    def _observe(self, step_loss: torch.Tensor) -> None:
+        """Every member's guard in one kernel: a running maximum of the training loss where the explosion rule
+        applies, else of `loss - loss` (0, or NaN for a NaN/Inf loss), as `LossGuard.observe`."""
+        explosion, watched = [], []
+        for s in self.slots:
+            on = s is not None and s.fast_fail.enabled
+            watched.append(on)
+            explosion.append(on and s is not None and s.threshold is not None
+                             and s.done + 1 >= (s.fast_fail.warmup_steps or 0)
+                             and not in_stage_grace(s.done + 1, s.stages, s.fast_fail.stage_grace_steps or 0))
+        if not any(watched):
+            return
+        mask = torch.tensor(explosion, device=self.device)
+        seen = torch.where(mask, step_loss, step_loss - step_loss)
+        seen = torch.where(torch.tensor(watched, device=self.device), seen, torch.full_like(seen, -math.inf))
+        torch.maximum(self._worst, seen, out=self._worst)
+
+    def _log(self, logs: list[int], lrs: list[float], norm: torch.Tensor | None) -> None:
+        steps = torch.tensor([max(1, s.steps_since_log) if s is not None else 1 for s in self.slots],
+                             dtype=torch.float32, device=self.device)
+        with allowed_sync():  # the interval's one read-back, for every member that logs now
+            means = (self._loss_sum / steps).tolist()
+            norms = norm.tolist() if norm is not None else [0.0] * self.capacity
+        now = time.perf_counter()
+        for i in logs:
+            slot = self.slots[i]
+            assert slot is not None
+            config = slot.config
+            samples_per_s = (slot.steps_since_log * config.batch_size * config.gradient_accumulation_steps
+                             / max(now - slot.interval_began, 1e-9))
+            record = {"step": slot.done, "train_loss": means[i], "lr": lrs[i], "grad_norm": norms[i],
+                      "samples_per_s": samples_per_s, "curriculum_level": slot.sampler.level_at(slot.done - 1)}
+            if self.task.tokens_per_sample:
+                record["tokens_per_s"] = samples_per_s * self.task.tokens_per_sample
+            slot.result.logs.append(record)
+            slot.reporter.log(slot.done, record)
+            self._loss_sum[i] = 0.0
+            slot.steps_since_log, slot.interval_began = 0, now
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _evaluate(self, indices: list[int]) -> list[dict[str, float]]:
+        """Each listed member's evaluation over the whole validation set, as `trainer.evaluate` computes it: one
+        vmapped forward per validation batch for all of them, the loss and metrics per member, one read-back."""
+        where = torch.tensor(indices, device=self.device)
+        params = {n: p.detach().index_select(0, where) for n, p in self.params.items()}
+        buffers = {n: b.index_select(0, where) for n, b in self.buffers.items()}
+        inputs, targets = self.val
+        n = len(inputs)
+        loss_totals = [torch.zeros((), device=self.device) for _ in indices]
+        totals: list[dict[str, torch.Tensor]] = [{} for _ in indices]
+        self.template.eval()
+        try:
+            size = self.like.eval_batch_size
+            for start in range(0, n, size):
+                x, y = inputs[start: start + size], targets[start: start + size]
+                with self.precision.autocast():
+                    out = self.eval_forward(params, buffers, x)
+                for j in range(len(indices)):
+                    loss_totals[j] += self.task.loss(out[j].float(), y) * len(x)
+                    if self.task.eval_metrics is not None:
+                        for name, value in self.task.eval_metrics(out[j], y).items():
+                            totals[j][name] = totals[j][name] + value if name in totals[j] else value
+        finally:
+            self.template.train()
+        rows = torch.stack([torch.stack([loss_totals[j], *(v.float() for v in totals[j].values())])
+                            for j in range(len(indices))]).div(n)
+        with allowed_sync():
+            values = rows.tolist()
+        names = ["loss", *totals[0]]
+        return [{f"val_{name}": v for name, v in zip(names, row)} for row in values]
+
+    def _evaluate_and_report(self, indices: list[int], step: int | None,
+                             extra: Mapping[int, float] | None = None) -> list[bool]:
+        stops = []
+        for i, metrics in zip(indices, self._evaluate(indices)):
+            slot = self.slots[i]
+            assert slot is not None
+            at = slot.done if step is None else step
+            slot.result.evals.append((at, metrics))
+            slot.result.metrics, slot.result.steps = metrics, at
+            more = {"train_loss": extra[i]} if extra and i in extra else {}
+            stops.append(bool(slot.reporter.report(at, {**metrics, **more})))
+        return stops
+
+    def _arm(self, slot: _Slot, initial: float) -> None:
+        factor = slot.fast_fail.loss_explosion_factor
+        if slot.fast_fail.enabled and factor is not None and math.isfinite(initial) and initial > 0:
+            slot.threshold = factor * initial
+
+    def _finish(self, index: int, status: str) -> TrainResult:
+        slot = self.slots[index]
+        assert slot is not None
+        result = slot.result
+        result.status = "stopped" if status == "stopped" else "completed"
+        if status == "stopped" and slot.local is not None and slot.local.verdict is not None:
+            result.stop_reason = slot.local.verdict.as_dict()
+        result.wall_time_s = time.perf_counter() - slot.started
+        self.results[slot.id] = result
+        self.slots[index] = None
+        self._plan = None
+        return result
+
+    # -- state in and out: the plain single-model formats --------------------------------------------------------
+    def _optimizer_order(self) -> list[str]:
+        """The parameter names in the order `build_optimizer` numbers them in its state dict."""
+        names = {id(p): n for n, p in self.shell.named_parameters()}
+        optimizer = build_optimizer(self.shell, self.like, self.device)
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def _load_model(self, index: int, state: Mapping[str, torch.Tensor]) -> None:
+        self.shell.load_state_dict(state)  # strict: a state of another shape is refused, as by the ordinary loop
+        for name, p in self.shell.named_parameters():
+            self.params[name][index].copy_(p)
+        for name, b in self.shell.named_buffers():
+            self.buffers[name][index].copy_(b)
+
+    @torch.no_grad()
+    def _load_optimizer(self, index: int, state: Mapping[str, Any]) -> int:
+        """A single-model optimizer state dict into `index`'s slices; returns its step count (0 when it has none)."""
+        count = 0
+        for number, values in state["state"].items():
+            name = self._order[int(number)]
+            for key, tensor in values.items():
+                if key == "step":
+                    count = int(tensor)
+                elif tensor is not None and key in self.optimizer.state[name]:
+                    self.optimizer.state[name][key][index].copy_(tensor)
+        return count
+
+    def _restore(self, index: int, slot: _Slot, resume: TrainState) -> None:
+        self._load_model(index, resume.model)
+        slot.optimizer_steps = self._load_optimizer(index, resume.optimizer) or resume.step
+        slot.sampler.load_state_dict(resume.data)
+        rng = resume.rng
+        if self.device.type == "cuda" and "cuda" in rng:
+            slot.generator.set_state(rng["cuda"][self.device.index or 0])
+        else:
+            slot.generator.set_state(rng["torch"])
+        slot.done = slot.result.steps = resume.step
+        slot.result.metrics = dict(resume.metrics)
+        slot.threshold = resume.loop.guard_threshold
+        self._loss_sum[index] = resume.loop.loss_sum
+        slot.steps_since_log = resume.loop.steps_since_log
+
+    @torch.no_grad()
+    def member_state(self, member_id: int) -> TrainState:
+        """A member's whole training state as the ordinary loop's checkpoint holds it."""
+        index = next(i for i, s in enumerate(self.slots) if s is not None and s.id == member_id)
+        slot = self.slots[index]
+        assert slot is not None
+        config = slot.config
+        for name, p in self.shell.named_parameters():
+            p.copy_(self.params[name][index])
+        for name, b in self.shell.named_buffers():
+            b.copy_(self.buffers[name][index])
+        model = {k: v.detach().clone() for k, v in self.shell.state_dict().items()}
+        optimizer = build_optimizer(self.shell, config, self.device)
+        names = {n: p for n, p in self.shell.named_parameters()}
+        if slot.optimizer_steps > 0:
+            for name in self._order:
+                p = names[name]
+                values = {k: t[index].clone() for k, t in self.optimizer.state[name].items()}
+                if config.optimizer in ("adam", "adamw"):
+                    values["step"] = torch.tensor(float(slot.optimizer_steps))
+                if config.optimizer == "sgd" and config.momentum == 0:
+                    values = {}
+                if values:
+                    optimizer.state[p] = values
+        with allowed_sync():
+            loss_sum = float(self._loss_sum[index])
+        return TrainState(step=slot.done, model=model, optimizer=optimizer.state_dict(),
+                          scaler=self.precision.scaler.state_dict(), rng=self._member_rng(slot),
+                          data=slot.sampler.state_dict(),
+                          loop=LoopState(loss_sum, slot.steps_since_log, slot.threshold),
+                          config=config.to_dict(), metrics=dict(slot.result.metrics))
+
+    def _member_rng(self, slot: _Slot) -> dict[str, Any]:
+        """What `capture_rng` would hold in the single run: python and numpy as seeded (training draws none), and
+        the torch generator that its dropout draws from."""
+        seed = slot.config.seed
+        numpy_state = np.random.RandomState(seed % 2**32).get_state(legacy=False)
+        state: dict[str, Any] = {
+            "python": random.Random(seed).getstate(),
+            "numpy": {"kind": numpy_state["bit_generator"],
+                      "keys": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                      "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
+                      "cached": float(numpy_state["gauss"])},
+            "torch": slot.generator.get_state() if self.device.type == "cpu" else torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            cuda = torch.cuda.get_rng_state_all()
+            if self.device.type == "cuda":
+                cuda[self.device.index or 0] = slot.generator.get_state()
+            state["cuda"] = cuda
+        return state
+
+    def _checkpoint(self, index: int, slot: _Slot, metrics: Mapping[str, float] | None) -> None:
+        checkpointer = slot.member.checkpointer
+        if checkpointer is None:
+            return
+        path = checkpointer.path_for(slot.done, metrics)
+        if path is None:
+            return
+        checkpointer.saved(save_checkpoint(path, self.member_state(slot.id)), metrics)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Many configs: group by signature, batch what can be batched, train the rest alone.
+
+def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task | None = None, *,
+                  capacity: int | None = None, say: Callable[[str], None] | None = None) -> list[TrainResult]:
+    """Train every member; results in the order given. Members that share a batch signature train together, up to
+    `capacity` at a time (default: as many as fit the free memory; a larger request is cut, with a message); a
+    finished member's slot is refilled from the queue at the next evaluation boundary. A member that cannot be
+    batched (`batch_problem`) is trained by the ordinary loop, with a message. `say` receives the messages
+    (default: stderr)."""
+    say = say if say is not None else (lambda message: print(message, file=sys.stderr))
+    items = [m if isinstance(m, CohortMember) else CohortMember(m) for m in members]
+    tasks: dict[str, Task] = {}
+    groups: dict[str, list[int]] = {}
+    results: dict[int, TrainResult] = {}
+    for i, item in enumerate(items):
+        key = json.dumps([item.config.task, item.config.task_args], sort_keys=True, default=str)
+        member_task = task if task is not None else tasks.get(key) or tasks.setdefault(
+            key, load_task(item.config.task, item.config.task_args))
+        problem = batch_problem(item.config, member_task)
+        if problem is not None:
+            say(f"config {i}: not batched, trained alone: {problem}")
+            results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
+                               warm_start=item.warm_start, checkpointer=item.checkpointer)
+            continue
+        groups.setdefault(f"{key}/{batch_signature(item.config, member_task)}", []).append(i)
+    for indices in groups.values():
+        first = items[indices[0]].config
+        key = json.dumps([first.task, first.task_args], sort_keys=True, default=str)
+        group_task = task if task is not None else tasks[key]
+        fits = max_cohort_size(first, group_task)
+        size = min(len(indices), capacity or len(indices))
+        if size > fits:
+            say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
+            size = fits
+        results.update(_run_queue(group_task, [items[i] for i in indices], indices, size))
+    return [results[i] for i in range(len(items))]
+
+
+def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int) -> dict[int, TrainResult]:
+    cohort = Cohort(task, members[0].config, size)
+    queue = list(zip(indices, members))
+    placed: dict[int, int] = {}  # member id -> input index
+
+    def refill(c: Cohort) -> None:
+        while queue and c.free_slots:
+            index, member = queue.pop(0)
+            placed[c.add(member)] = index
+
+    refill(cohort)
+    cohort.run(on_boundary=refill)
+    while queue:  # every member stopped before the first boundary: start the next ones
+        refill(cohort)
+        cohort.run(on_boundary=refill)
+    return {placed[member_id]: result for member_id, result in cohort.results.items()}

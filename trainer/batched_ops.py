@@ -1,0 +1,165 @@
+"""The two layers whose vmapped form does not compute what the single model computes, and their replacements.
+
+`torch.func.vmap` batches any module, but two of its rules differ from the single-model path:
+
+1. `nn.Linear`: vmap's rule for `linear` computes the weight gradient as `(x^T g)^T`, where the single model's
+   `addmm` backward computes `g^T x`: the same sum in another order, a few ulps apart for non-square weights.
+   `StackedLinear` computes the batched forward and backward with `baddbmm`/`bmm` in the single model's order (a
+   custom operator with a vmap rule, so it stays inside `vmap(functional_call(...))`), and each member's values are
+   then those of the single model, bit for bit on a CPU.
+2. `nn.Dropout`: under vmap a random op either draws one mask for all members or fails. `MemberDropout` draws each
+   member's mask from that member's own generator with the member's own rate, exactly as `F.dropout` draws it
+   (`bernoulli_(1 - p)`, divided by `1 - p`), so a member sees the masks it would see alone.
+
+`prepare_template` swaps both into a copy of a member's module; other random ops inside the model (attention dropout,
+say) are left alone and make the vmapped forward fail with vmap's randomness error, which the engine turns into the
+ordinary loop (never a wrong answer).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["MemberDropout", "StackedLinear", "dropout_rates", "member_randomness", "prepare_template"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Linear.
+
+@torch.library.custom_op("trainer_batched::stacked_linear", mutates_args=())
+def _stacked_linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """x [K, N, in], weight [K, out, in], bias [K, out] -> [K, N, out]: `addmm(bias, x, weight.t())` per member."""
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
+def _stacked_linear_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _stacked_linear_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    x, weight = ctx.saved_tensors
+    # addmm's backward for one model: grad_x = g @ W, grad_W = g^T @ x (not (x^T @ g)^T), grad_b = g summed over rows.
+    return torch.bmm(grad, weight), torch.bmm(grad.transpose(1, 2), x), grad.sum(1)
+
+
+torch.library.register_autograd("trainer_batched::stacked_linear", _stacked_linear_backward,
+                                setup_context=_stacked_linear_context)
+
+
+@torch.library.custom_op("trainer_batched::linear", mutates_args=())
+def _linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+@torch.library.register_vmap("trainer_batched::linear")
+def _linear_vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, weight: Tensor,
+                 bias: Tensor) -> tuple[Tensor, int]:
+    k = info.batch_size
+    x = x.movedim(in_dims[0], 0) if in_dims[0] is not None else x.expand(k, *x.shape)
+    weight = weight.movedim(in_dims[1], 0) if in_dims[1] is not None else weight.expand(k, *weight.shape)
+    bias = bias.movedim(in_dims[2], 0) if in_dims[2] is not None else bias.expand(k, *bias.shape)
+    rows = x.reshape(k, -1, x.shape[-1])  # F.linear flattens leading dims into rows too
+    out = _stacked_linear(rows.contiguous(), weight.contiguous(), bias.contiguous())
+    return out.reshape(*x.shape[:-1], weight.shape[1]), 0
+
+
+class StackedLinear(nn.Linear):
+    """`nn.Linear` whose vmapped form computes each member's values as the single model does. Same parameters and
+    state dict; without a bias it is plain `F.linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None:
+            return F.linear(x, self.weight)
+        return _linear(x, self.weight, self.bias)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dropout.
+
+class _Randomness:
+    """The cohort's per-member dropout, set around each training forward: `rates[k][layer]` and `generators[k]`."""
+
+    rates: Sequence[Sequence[float]] = ()
+    generators: Sequence[torch.Generator | None] = ()
+
+
+_RANDOMNESS = _Randomness()
+
+
+@contextmanager
+def member_randomness(rates: Sequence[Sequence[float]], generators: Sequence[torch.Generator | None]) -> Iterator[None]:
+    """Within this block, `MemberDropout` layer `i` of member `k` drops with `rates[k][i]`, drawing from
+    `generators[k]` (None: a free slot, which draws nothing and keeps everything)."""
+    _RANDOMNESS.rates, _RANDOMNESS.generators = rates, generators
+    try:
+        yield
+    finally:
+        _RANDOMNESS.rates, _RANDOMNESS.generators = (), ()
+
+
+@torch.library.custom_op("trainer_batched::member_dropout", mutates_args=())
+def _member_dropout(x: Tensor, layer: int) -> Tensor:
+    raise RuntimeError("MemberDropout draws per member and runs only inside the batched engine's vmap")
+
+
+@torch.library.register_vmap("trainer_batched::member_dropout")
+def _member_dropout_vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, layer: int) -> tuple[Tensor, int]:
+    x = x.movedim(in_dims[0], 0) if in_dims[0] is not None else x.expand(info.batch_size, *x.shape)
+    noises = []
+    for rates, generator in zip(_RANDOMNESS.rates, _RANDOMNESS.generators, strict=True):
+        p = rates[layer] if generator is not None else 0.0
+        if p == 0.0:  # F.dropout returns its input untouched and draws nothing
+            noises.append(torch.ones_like(x[0]))
+            continue
+        # F.dropout on a CPU: noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise
+        noises.append(torch.empty_like(x[0]).bernoulli_(1 - p, generator=generator).div_(1 - p))
+    return x * torch.stack(noises), 0
+
+
+class MemberDropout(nn.Module):
+    """`nn.Dropout` with a rate and a generator per member (see `member_randomness`). `layer`: its index among the
+    model's dropout layers, in module order."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _member_dropout(x, self.layer) if self.training else x
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The template.
+
+def dropout_rates(model: nn.Module) -> list[float]:
+    """The rates of a model's `nn.Dropout` layers, in module order."""
+    return [float(m.p) for m in model.modules() if type(m) is nn.Dropout]
+
+
+def prepare_template(model: nn.Module) -> nn.Module:
+    """A copy of `model` on the meta device with `StackedLinear` for `nn.Linear` and `MemberDropout` for `nn.Dropout`
+    (exact types only: a subclass may do something else). Parameter and buffer names stay as they were."""
+    template = copy.deepcopy(model).to("meta")
+    modules = dict(template.named_modules())
+    layer = 0
+    for qualified, child in list(modules.items()):  # module order, as `dropout_rates` counts
+        if not qualified or type(child) not in (nn.Linear, nn.Dropout):  # the root has no parent to swap it in
+            continue
+        parent_name, _, name = qualified.rpartition(".")
+        parent = modules[parent_name]
+        if type(child) is nn.Linear:
+            swapped = StackedLinear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            swapped.weight, swapped.bias = child.weight, child.bias  # the same (tied) parameter objects
+            setattr(parent, name, swapped)
+        else:
+            setattr(parent, name, MemberDropout(layer))
+            layer += 1
+    return template

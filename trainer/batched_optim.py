@@ -1,0 +1,153 @@
+"""Optimizers over stacked parameters: K members' tensors of one name stacked on dimension 0, each member with its own
+hyperparameters as a [K] tensor.
+
+Every update is a handful of tensor ops over the whole stack (no per-member Python loop, no read-back from the
+device); a member's hyperparameters broadcast along its slice. The ops are chosen to compute, element for element,
+what the single-model optimizers of `trainer.optim.build_optimizer` compute on a CPU (torch's single-tensor AdamW,
+Adam and SGD, and our `Lion`): a scalar `alpha` of `add_` becomes an `addcmul` with the per-member tensor, a scalar
+`value` of `addcdiv_` multiplies the numerator first, as torch's kernel does. `tests/trainer/test_batched.py` checks
+them bit for bit against the single-model optimizers.
+
+The per-member scalars that the single-model optimizers compute in Python (bias corrections, `1 - lr * decay`) are
+computed the same way here, on the host, from the members' configs and step counts (`host_scalars`), and reach the
+device as one small tensor per step: the host knows them without reading anything back.
+
+Weight decay applies to matrices only (a member's tensor of dim >= 2), as in `build_optimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.config import TrainingConfig
+
+__all__ = ["OPTIMIZER_STATES", "ClipPlan", "StackedOptimizer", "clip_stacked", "host_scalars"]
+
+# The state tensors each optimizer keeps per parameter, named as torch's (and our Lion's) state dicts name them.
+OPTIMIZER_STATES: dict[str, tuple[str, ...]] = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
+                                                "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
+
+# The columns of `host_scalars`, per member.
+_COLUMNS = ("lr", "neg_lr", "decay_factor", "weight_decay", "one_minus_beta1", "beta1", "beta2", "one_minus_beta2",
+            "bias2_sqrt", "eps", "neg_step_size", "momentum", "nesterov")
+
+
+def host_scalars(configs: Sequence[TrainingConfig | None], lrs: Sequence[float], steps: Sequence[int],
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """Each member's scalars for its optimizer step number `steps[k]` (1-based, as torch's `state["step"]` after the
+    increment), computed in Python floats exactly as the single-model optimizers compute them, then sent to the device
+    as float32 (what a Python scalar becomes in a float32 kernel). A free slot (`None`) gets a zero learning rate."""
+    rows = []
+    for config, lr, step in zip(configs, lrs, steps):
+        if config is None:
+            rows.append([0.0, -0.0, 1.0, 0.0, 0.1, 0.9, 0.999, 0.001, 1.0, 1e-8, -0.0, 0.0, 0.0])
+            continue
+        beta1, beta2, decay = config.beta1, config.resolved_beta2, config.weight_decay
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2**step
+        rows.append([lr, -lr, 1 - lr * decay, decay, 1 - beta1, beta1, beta2, 1 - beta2, bias2**0.5, config.eps,
+                     -(lr / bias1), config.momentum if config.optimizer == "sgd" else 0.0, float(config.nesterov)])
+    table = torch.tensor(rows, dtype=torch.float64).to(torch.float32).to(device)
+    return {name: table[:, i].contiguous() for i, name in enumerate(_COLUMNS)}
+
+
+def _per_member(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A [K] tensor shaped to broadcast along each member's slice of a stacked [K, ...] tensor."""
+    return value.view(-1, *([1] * (like.dim() - 1)))
+
+
+@dataclass
+class ClipPlan:
+    """Gradient clipping per member: `max_norm` [K] (any value where `clip` is False) and `clip` [K] bool."""
+
+    max_norm: torch.Tensor
+    clip: torch.Tensor
+
+
+def clip_stacked(grads: Sequence[torch.Tensor], plan: ClipPlan | None) -> torch.Tensor:
+    """Each member's total gradient norm [K] (as `torch.nn.utils.get_total_norm`: the norm of the per-tensor norms),
+    and, with a plan, its gradients scaled as `clip_grad_norm_` scales them: by `min(1, max_norm / (norm + 1e-6))`,
+    only for the members that clip."""
+    # Each row is reduced on its own, as a whole single-model tensor would be: the same kernel, the same order.
+    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1) for g in grads], dim=1)
+    total = torch.linalg.vector_norm(norms, 2, dim=1)
+    if plan is not None:
+        coef = torch.clamp(plan.max_norm / (total + 1e-6), max=1.0)
+        coef = torch.where(plan.clip, coef, torch.ones_like(coef))  # a member that does not clip is left as it is
+        for g in grads:
+            g.mul_(_per_member(coef, g))
+    return total
+
+
+class StackedOptimizer:
+    """AdamW, Adam, SGD (momentum, Nesterov) or Lion over stacked parameters. State per parameter name, stacked like
+    the parameters; zeros mean "no state yet" (for SGD's momentum buffer the first step then gives `buf = grad`, as
+    torch's `grad.clone()` does)."""
+
+    def __init__(self, kind: str, params: Mapping[str, torch.Tensor]) -> None:
+        if kind not in OPTIMIZER_STATES:
+            raise ValueError(f"unknown optimizer {kind!r}; expected one of {sorted(OPTIMIZER_STATES)}")
+        self.kind = kind
+        self.params = dict(params)
+        self.state = {name: {key: torch.zeros_like(p) for key in OPTIMIZER_STATES[kind]}
+                      for name, p in self.params.items()}
+
+    def reset(self, slot: int) -> None:
+        """A fresh member in `slot`: no moments yet."""
+        for states in self.state.values():
+            for tensor in states.values():
+                tensor[slot].zero_()
+
+    @torch.no_grad()
+    def step(self, scalars: Mapping[str, torch.Tensor]) -> None:
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            update = {"adamw": self._adam, "adam": self._adam, "sgd": self._sgd, "lion": self._lion}[self.kind]
+            update(p, p.grad, self.state[name], scalars, decays=p.dim() - 1 >= 2)
+
+    def _adam(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+              s: Mapping[str, torch.Tensor], decays: bool) -> None:
+        def m(key: str) -> torch.Tensor:
+            return _per_member(s[key], p)
+
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        if decays and self.kind == "adamw":
+            p.mul_(m("decay_factor"))  # param.mul_(1 - lr * weight_decay)
+        elif decays:
+            grad = torch.addcmul(grad, p, m("weight_decay"))  # grad.add(param, alpha=weight_decay)
+        exp_avg.lerp_(grad, m("one_minus_beta1"))
+        exp_avg_sq.mul_(m("beta2")).addcmul_(grad * m("one_minus_beta2"), grad)  # addcmul_(g, g, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / m("bias2_sqrt")).add_(m("eps"))
+        p.addcdiv_(exp_avg * m("neg_step_size"), denom)  # torch's kernel: param + (value * exp_avg) / denom
+
+    def _sgd(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+             s: Mapping[str, torch.Tensor], decays: bool) -> None:
+        def m(key: str) -> torch.Tensor:
+            return _per_member(s[key], p)
+
+        if decays:
+            grad = torch.addcmul(grad, p, m("weight_decay"))
+        buf = state["momentum_buffer"]
+        buf.mul_(m("momentum")).add_(grad)  # momentum 0: buf = grad, the update of plain SGD
+        update = torch.where(m("nesterov") > 0, torch.addcmul(grad, buf, m("momentum")), buf)
+        p.addcmul_(update, m("neg_lr"))  # param.add_(update, alpha=-lr)
+
+    def _lion(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
+              s: Mapping[str, torch.Tensor], decays: bool) -> None:
+        def m(key: str) -> torch.Tensor:
+            return _per_member(s[key], p)
+
+        moment = state["exp_avg"]
+        if decays:
+            p.mul_(m("decay_factor"))
+        # 1. the update is the sign of an interpolation between momentum and gradient,
+        update = torch.addcmul(moment * m("beta1"), grad, m("one_minus_beta1")).sign_()
+        p.addcmul_(update, m("neg_lr"))
+        # 2. and the momentum itself is tracked with a slower beta.
+        moment.mul_(m("beta2")).addcmul_(grad, m("one_minus_beta2"))
