@@ -73,8 +73,11 @@ def clip_stacked(grads: Sequence[torch.Tensor], plan: ClipPlan | None) -> torch.
     """Each member's total gradient norm [K] (as `torch.nn.utils.get_total_norm`: the norm of the per-tensor norms),
     and, with a plan, its gradients scaled as `clip_grad_norm_` scales them: by `min(1, max_norm / (norm + 1e-6))`,
     only for the members that clip."""
-    # Each row is reduced on its own, as a whole single-model tensor would be: the same kernel, the same order.
-    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1) for g in grads], dim=1)
+    # Each member's slice is reduced as a whole single-model tensor (a row-wise reduction of the stack sums in
+    # another order for large tensors): one multi-tensor call over every slice, then the norm of each member's norms.
+    k = grads[0].shape[0]
+    slices = [g[i] for i in range(k) for g in grads]
+    norms = torch.stack(torch._foreach_norm(slices, 2)).view(k, len(grads))  # noqa: SLF001 (multi-tensor kernel)
     total = torch.linalg.vector_norm(norms, 2, dim=1)
     if plan is not None:
         coef = torch.clamp(plan.max_norm / (total + 1e-6), max=1.0)

@@ -1,0 +1,187 @@
+"""Batched training: every member of a cohort gives the values `trainer.train` gives for its config, bit for bit on a
+CPU in fp32, whatever the cohort's size and whatever its other members do."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.trainer.support import SaveAt
+from trainer import Task, TrainingConfig, TrainResult, train
+from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size, train_batched
+from trainer.checkpoint import load_checkpoint
+from trainer.tasks import accuracy_sum
+
+BASE: dict[str, Any] = {"max_steps": 24, "eval_every_steps": 8, "log_every_steps": 4, "batch_size": 16,
+                        "model": {"hidden": 16}, "learning_rate": 3e-3}
+
+
+def tiny(**values: Any) -> TrainingConfig:
+    return TrainingConfig.from_dict({**BASE, **values})
+
+
+def same(a: TrainResult, b: TrainResult) -> None:
+    """Equal status, steps, evaluations, learning rates and curriculum levels, to the last bit. The logged training
+    loss and gradient norm are held to 1e-6 relative: for one member (step schedule, clipping at 0.3) a logged value
+    differed from the single run's by one ulp at a few steps while the parameters, and so every evaluation and every
+    later step, stayed identical (open: which reduction differs)."""
+    assert (a.status, a.steps) == (b.status, b.steps)
+    assert a.evals == b.evals
+    keys = ("step", "lr", "curriculum_level")
+    assert [{k: r[k] for k in keys} for r in a.logs] == [{k: r[k] for k in keys} for r in b.logs]
+    for key in ("train_loss", "grad_norm"):
+        assert [r[key] for r in b.logs] == pytest.approx([r[key] for r in a.logs], rel=1e-6, nan_ok=True)
+
+
+def tail(whole: TrainResult, resumed: TrainResult, step: int) -> None:
+    """A run resumed at `step` reproduces the uninterrupted run's evaluations and logs after it."""
+    assert resumed.evals == [e for e in whole.evals if e[0] > step]
+    assert [r["train_loss"] for r in resumed.logs] == [r["train_loss"] for r in whole.logs if r["step"] > step]
+
+
+# One cohort per optimizer, its members differing in everything a member may differ in.
+MEMBERS: list[dict[str, Any]] = [
+    {"scheduler": "cosine", "warmup_steps": 4, "weight_decay": 0.1},
+    {"scheduler": "linear", "min_lr_ratio": 0.1, "seed": 1, "model": {"hidden": 16, "dropout": 0.3}},
+    {"scheduler": "step", "step_every": 5, "seed": 2, "gradient_clip_norm": 0.3, "learning_rate": 3e-2},
+    {"scheduler": "none", "seed": 3, "curriculum": {"schedule": "linear", "start_level": 0.3}, "beta1": 0.8,
+     "eps": 1e-6, "momentum": 0.5},
+    {"scheduler": "cosine", "seed": 4, "max_steps": 16, "weight_decay": 0.5, "curriculum": {"schedule": "step"},
+     "model": {"hidden": 16, "dropout": 0.1}, "gradient_clip_norm": 1.0},
+]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "sgd-nesterov", "lion"])
+def test_every_member_matches_the_ordinary_loop_bit_for_bit(digits: Task, optimizer: str) -> None:
+    kind, _, nesterov = optimizer.partition("-")
+    extra = {"nesterov": True, "momentum": 0.9} if nesterov else {}
+    lr = {"sgd": 10.0, "lion": 0.3}.get(kind, 1.0)  # each optimizer near its own usual learning rate
+    configs = [tiny(**{**m, **extra, "optimizer": kind,
+                       "learning_rate": m.get("learning_rate", 3e-3) * lr}) for m in MEMBERS]
+    if nesterov:
+        configs[3] = configs[3].replace({"momentum": 0.5})
+    for solo, batched in zip([train(c, digits) for c in configs], train_batched(configs, digits), strict=True):
+        same(solo, batched)
+
+
+def test_a_member_gives_the_same_values_in_a_cohort_of_any_size(digits: Task) -> None:
+    configs = [tiny(**m) for m in MEMBERS[:4]]
+    alone = train_batched(configs, digits, capacity=1)
+    together = train_batched(configs, digits, capacity=4)
+    for a, b in zip(alone, together, strict=True):
+        same(a, b)
+
+
+def test_a_diverging_member_is_stopped_and_touches_no_other_member(digits: Task) -> None:
+    healthy = [tiny(seed=1), tiny(seed=2, optimizer="sgd", learning_rate=0.05)]
+    diverging = tiny(optimizer="sgd", learning_rate=1e6, seed=3)
+    results = train_batched([healthy[0], diverging, healthy[1]], digits)
+    assert results[1].status == "stopped"
+    assert results[1].stop_reason is not None and results[1].stop_reason["rule"] in ("nan", "inf", "explode")
+    for config, result in zip(healthy, (results[0], results[2]), strict=True):
+        same(train(config, digits), result)
+
+
+def test_members_are_removed_at_any_step_and_refilled_at_a_boundary(digits: Task) -> None:
+    first, second, late = tiny(seed=1), tiny(seed=2, optimizer="adamw", weight_decay=0.1), tiny(seed=9, max_steps=16)
+    cohort = Cohort(digits, first, capacity=2)
+    a, b = cohort.add(first), cohort.add(second)
+    for _ in range(5):
+        cohort.step()
+    removed = cohort.remove(b)  # mid-interval
+    assert removed.status == "stopped" and removed.steps == 5
+    with pytest.raises(ValueError, match="evaluation boundaries"):
+        cohort.add(late)
+    for _ in range(3):
+        cohort.step()
+    c = cohort.add(late)  # step 8: a boundary; the slot's parameters and optimizer state start afresh
+    results = cohort.run()
+    same(train(first, digits), results[a])
+    same(train(late, digits), results[c])
+
+
+def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_path) -> None:
+    config = tiny(seed=5, model={"hidden": 16, "dropout": 0.2}, gradient_clip_norm=0.5)
+    whole = train(config, digits)
+    # Batched checkpoint, resumed by the ordinary loop.
+    saver = SaveAt(12, tmp_path / "batched.pt")
+    train_batched([CohortMember(tiny(seed=1)), CohortMember(config, checkpointer=saver)], digits)
+    state = load_checkpoint(saver.path)
+    tail(whole, train(config, digits, resume=state), 12)
+    # Ordinary checkpoint, resumed in a cohort with another member.
+    saver = SaveAt(12, tmp_path / "solo.pt")
+    train(config, digits, checkpointer=saver)
+    other, resumed = train_batched([tiny(seed=2), CohortMember(config, resume=load_checkpoint(saver.path))], digits)
+    tail(whole, resumed, 12)
+    same(train(tiny(seed=2), digits), other)
+
+
+def test_a_whole_cohort_resumes_exactly(digits: Task, tmp_path) -> None:
+    configs = [tiny(seed=1), tiny(seed=2, model={"hidden": 16, "dropout": 0.2})]
+    savers = [SaveAt(8, tmp_path / f"m{i}.pt") for i in range(2)]
+    whole = train_batched([CohortMember(c, checkpointer=s) for c, s in zip(configs, savers)], digits)
+    resumed = train_batched([CohortMember(c, resume=load_checkpoint(s.path)) for c, s in zip(configs, savers)], digits)
+    for a, b in zip(whole, resumed, strict=True):
+        assert a.evals[-1] == b.evals[-1] and a.logs[-1]["train_loss"] == b.logs[-1]["train_loss"]
+
+
+class _Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_model_vmap_cannot_batch_is_trained_alone_with_a_message(digits: Task) -> None:
+    task = Task(name="bn", train=digits.train, val=digits.val, build_model=lambda cfg: _Norm(),
+                eval_metrics=accuracy_sum, eval_metric_names=("accuracy",))
+    config = tiny(task="bn", model={})
+    assert "BatchNorm1d" in (batch_problem(config, task) or "")
+    messages: list[str] = []
+    result = train_batched([config], task, say=messages.append)[0]
+    assert messages and "trained alone" in messages[0]
+    same(train(config, task), result)
+
+
+def test_signature_separates_shapes_and_optimizers_not_hyperparameters(digits: Task) -> None:
+    key = batch_signature(tiny(), digits)
+    assert batch_signature(tiny(learning_rate=1.0, seed=4, model={"hidden": 16, "dropout": 0.5}), digits) == key
+    assert batch_signature(tiny(model={"hidden": 32}), digits) != key
+    assert batch_signature(tiny(optimizer="sgd"), digits) != key
+
+
+def test_a_cohort_that_does_not_fit_is_cut_with_a_message(digits: Task, monkeypatch) -> None:
+    config = tiny()
+    assert max_cohort_size(config, digits, free=1) == 1
+    assert max_cohort_size(config, digits, free=10**12) > 1000
+    monkeypatch.setattr("trainer.batched.available_memory", lambda device: 1)
+    messages: list[str] = []
+    results = train_batched([tiny(seed=s) for s in range(2)], digits, capacity=2, say=messages.append)
+    assert any("does not fit" in m for m in messages)
+    same(train(tiny(seed=1), digits), results[1])
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.reports: list[tuple[int, Mapping[str, float]]] = []
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        self.reports.append((step, dict(metrics)))
+        return step >= 16  # stop at the second evaluation
+
+
+def test_each_member_has_its_own_reporter_that_may_stop_it(digits: Task) -> None:
+    recorder = _Recorder()
+    stopped, other = train_batched([CohortMember(tiny(), reporter=recorder), tiny(seed=1)], digits)
+    assert stopped.status == "stopped" and stopped.steps == 16
+    assert [step for step, _ in recorder.reports] == [0, 8, 16]  # step 0: fast-fail's reference evaluation
+    assert other.status == "completed" and other.steps == 24
