@@ -1,5 +1,8 @@
 """`python -m trainer config.yaml [--set key=value ...]`: train one config, no study needed.
 
+`python -m trainer a.yaml b.yaml c.yaml --batched`: train several configs together, those that share a batch
+signature as one stacked model (`trainer.batched`), and print one JSON result line per config, in order.
+
 The config file is a `TrainingConfig` as YAML or JSON (what `sweep best` prints). Progress goes to stderr as one line
 per log and eval; the final result is printed to stdout as JSON.
 """
@@ -61,29 +64,40 @@ def _number(raw: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", type=Path, help="TrainingConfig as YAML or JSON")
+    parser.add_argument("config", type=Path, nargs="+", help="TrainingConfig as YAML or JSON (several with --batched)")
+    parser.add_argument("--batched", action="store_true", help="train the configs together as stacked cohorts")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) key")
     args = parser.parse_args(argv)
+    if len(args.config) > 1 and not args.batched:
+        parser.error("several configs need --batched")
+    configs = []
+    for path in args.config:
+        try:
+            values = _load(path)
+            values.update(_parse_set(args.set))
+            configs.append(TrainingConfig.from_dict(values))
+        except ConfigError as exc:
+            for key, message in exc.problems:
+                print(f"{path}: {key}: {message}", file=sys.stderr)
+            return 2
+        except (OSError, ValueError) as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 2
     try:
-        values = _load(args.config)
-        values.update(_parse_set(args.set))
-        config = TrainingConfig.from_dict(values)
-    except ConfigError as exc:
-        for key, message in exc.problems:
-            print(f"{args.config}: {key}: {message}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = train(config, reporter=PrintReporter())
-    except (ConfigError, TaskError) as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({"status": result.status, "steps": result.steps, "metrics": result.metrics,
-                      "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}))
-    return 0
+        if args.batched:
+            from trainer.batched import train_batched  # loads torch.func only when asked
 
+            results = train_batched(configs)
+        else:
+            results = [train(configs[0], reporter=PrintReporter())]
+    except (ConfigError, TaskError) as exc:
+        print(f"{args.config[0]}: {exc}", file=sys.stderr)
+        return 2
+    for path, result in zip(args.config, results):
+        line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
+                "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}
+        print(json.dumps({"config": str(path), **line} if args.batched else line))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,7 @@ CPU in fp32, whatever the cohort's size and whatever its other members do."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,7 +105,7 @@ def test_members_are_removed_at_any_step_and_refilled_at_a_boundary(digits: Task
     same(train(late, digits), results[c])
 
 
-def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_path) -> None:
+def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_path: Path) -> None:
     config = tiny(seed=5, model={"hidden": 16, "dropout": 0.2}, gradient_clip_norm=0.5)
     whole = train(config, digits)
     # Batched checkpoint, resumed by the ordinary loop.
@@ -120,7 +121,7 @@ def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_p
     same(train(tiny(seed=2), digits), other)
 
 
-def test_a_whole_cohort_resumes_exactly(digits: Task, tmp_path) -> None:
+def test_a_whole_cohort_resumes_exactly(digits: Task, tmp_path: Path) -> None:
     configs = [tiny(seed=1), tiny(seed=2, model={"hidden": 16, "dropout": 0.2})]
     savers = [SaveAt(8, tmp_path / f"m{i}.pt") for i in range(2)]
     whole = train_batched([CohortMember(c, checkpointer=s) for c, s in zip(configs, savers)], digits)
@@ -156,7 +157,7 @@ def test_signature_separates_shapes_and_optimizers_not_hyperparameters(digits: T
     assert batch_signature(tiny(optimizer="sgd"), digits) != key
 
 
-def test_a_cohort_that_does_not_fit_is_cut_with_a_message(digits: Task, monkeypatch) -> None:
+def test_a_cohort_that_does_not_fit_is_cut_with_a_message(digits: Task, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tiny()
     assert max_cohort_size(config, digits, free=1) == 1
     assert max_cohort_size(config, digits, free=10**12) > 1000
@@ -185,3 +186,19 @@ def test_each_member_has_its_own_reporter_that_may_stop_it(digits: Task) -> None
     assert stopped.status == "stopped" and stopped.steps == 16
     assert [step for step, _ in recorder.reports] == [0, 8, 16]  # step 0: fast-fail's reference evaluation
     assert other.status == "completed" and other.steps == 24
+
+
+def test_the_command_line_trains_several_configs_batched(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from trainer.__main__ import main
+
+    paths = []
+    for seed in (1, 2):
+        path = tmp_path / f"c{seed}.json"
+        path.write_text(json.dumps({**BASE, "max_steps": 8, "seed": seed}))
+        paths.append(str(path))
+    assert main([*paths, "--batched"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["config"] for line in lines] == paths
+    assert all(line["status"] == "completed" and line["steps"] == 8 for line in lines)
