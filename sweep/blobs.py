@@ -76,6 +76,14 @@ class BlobScope:
         else:
             self.root = Path(self.location).resolve()
 
+    @property
+    def artifact_location(self) -> str:
+        """Where the store's trials upload their dashboard artifacts: `_artifacts` beside the studies' folders, or
+        the store's bucket."""
+        if self.object:
+            return f"{self.scheme}://{self.bucket}"
+        return str((self.root / "_artifacts").resolve())
+
     def area(self, study: str) -> str:
         """Where `study`'s blobs may lie, for messages."""
         if self.object:
@@ -154,9 +162,7 @@ class CheckpointStore:
     @property
     def artifact_location(self) -> str:
         """Where trials' dashboard artifacts go: beside the studies' blobs."""
-        if self.artifacts is not None:
-            return f"{self.scheme}://{self.bucket}"
-        return str((self.folder.parent / "_artifacts").resolve())
+        return self.scope.artifact_location
 
     def local_path(self, name: str) -> Path:
         return self.folder / name

@@ -298,6 +298,10 @@ def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], scope: 
         report.notes.append(f"{len(recorded)} trials name checkpoint artifacts but the study records no artifact "
                             f"store (user attr {ARTIFACTS_ATTR!r}): not checked")
         return
+    if location != scope.artifact_location:  # a repair writes there: only where this store's artifacts belong
+        report.notes.append(f"{len(recorded)} trials name checkpoint artifacts in {location}, but this checkpoint "
+                            f"store keeps them in {scope.artifact_location}: not checked, nothing written there")
+        return
     store = artifact_store_at(location)
     for trial, attr in recorded:
         artifact_id = str(attr["artifact_id"])

@@ -169,7 +169,7 @@ def test_retention_never_deletes_a_file_outside_the_store(registry: Registry, tm
     registry.register(trial_number=2, value=0.9, **common, **checkpoint_at(store.local_path("t2.pt"), 10))
     for number in range(3):
         registry.finish_trial("s", number)
-    with pytest.warns(UserWarning, match="precious.pt.*not inside study 's'"):
+    with pytest.warns(UserWarning, match=r"precious\.pt.*not inside study 's'"):
         dropped = collect_study(registry, "s", keep_trials=1, maximize=False, scope=store.scope)
     assert dropped == [1, 2]
     assert Path(victim["uri"]).exists()  # its row went, the file stays
@@ -274,7 +274,7 @@ def test_only_code_the_study_file_names_is_trusted() -> None:
     assert {"my_project.tasks:mine", "my_project.pacing:slow"} <= trusted
     refuse_untrusted_code({"task": "my_project.tasks:mine", "curriculum": {"schedule": "my_project.pacing:slow"}},
                           trusted, "reproducing trial 0")
-    with pytest.raises(UntrustedCode, match="reproducing trial 0 would import and run task 'os:system'.*--trust-task"):
+    with pytest.raises(UntrustedCode, match=r"reproducing trial 0 would import and run task 'os:system'.*--trust-task"):
         refuse_untrusted_code({"task": "os:system"}, trusted, "reproducing trial 0")
 
 
@@ -310,3 +310,26 @@ def test_sweep_creates_files_owner_only_unless_sweep_umask_says_otherwise(
     assert (tmp_path / "file").stat().st_mode & 0o777 == 0o666 & ~expected
     assert (tmp_path / "folder").stat().st_mode & 0o777 == 0o777 & ~expected
     assert ("is not an octal umask" in capsys.readouterr().err) == (setting in ("rw-r--r--", "1777"))
+
+
+def test_check_repair_uploads_artifacts_only_where_the_store_keeps_them(registry: Registry, tmp_path: Path) -> None:
+    from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT
+
+    url = f"sqlite:///{tmp_path / 'sweep.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    store = CheckpointStore(tmp_path / "store", "s")
+    blob = checkpoint_at(store.local_path("t0.pt"), 10)
+    registry.register(study="s", trial_number=0, step=10, value=0.5, params={}, shape_key="k", **blob)
+    trial = study.ask()
+    trial.set_user_attr(ATTR_CHECKPOINT, {"artifact_id": "dotfile", "sha256": blob["sha256"], "step": 10})
+    study.tell(trial, 0.5)
+    home = tmp_path / "home"
+    home.mkdir()
+    study.set_user_attr(ARTIFACTS_ATTR, str(home))  # as whoever writes the database would have it
+    report = check_study(registry, str(tmp_path / "store"), study, repair=True)
+    assert not (home / "dotfile").exists() and list(home.iterdir()) == []
+    assert any("nothing written there" in note for note in report.notes)
+
+    study.set_user_attr(ARTIFACTS_ATTR, store.artifact_location)  # where this store keeps them: rebuilt
+    assert check_study(registry, str(tmp_path / "store"), study, repair=True).ok
+    assert (Path(store.artifact_location) / "dotfile").exists()
