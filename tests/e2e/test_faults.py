@@ -578,6 +578,7 @@ def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_reru
 # =====================================================================================================================
 # 4. A corrupt newest checkpoint.
 
+@pytest.mark.slow
 def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_before(tmp_path: Path) -> None:
     document = one_config("corrupt", checkpoints={"every_steps": 40, "on_best": False, "keep_top_k": 100},
                           fixed={"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 40})
@@ -622,6 +623,7 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
 # =====================================================================================================================
 # 5. Reproducing a trial that one of two workers trained.
 
+@pytest.mark.slow
 def test_reproduce_matches_a_trial_trained_by_one_of_two_workers(tmp_path: Path) -> None:
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: workers and reproduce use the same thread count, which would test nothing")
@@ -657,38 +659,35 @@ def test_reproduce_matches_a_trial_trained_by_one_of_two_workers(tmp_path: Path)
 # =====================================================================================================================
 # 6. A retry that resumes at max_steps.
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
 def test_a_retry_resumed_at_max_steps_completes_with_its_whole_curve_and_reproduces(tmp_path: Path) -> None:
     """The original wrote its final checkpoint at max_steps and its worker died before telling the study. Timing
-    that with a signal is luck, so the state is built: the same config trained to the end in another study gives
-    the checkpoint and the curve; the lost trial is asked, reports that curve, gets that checkpoint's registry row,
-    beats once and goes silent, as a worker killed right after its last checkpoint leaves it."""
-    fixed = {"max_steps": 200, "eval_every_steps": 50, "log_every_steps": 50}
-    checkpoints = {"every_steps": 50, "on_best": False, "keep_top_k": 1}
-    donor_dir = tmp_path / "donor"
-    donor_dir.mkdir()
-    donor_path = write_study(donor_dir, one_config("late", fixed=fixed, checkpoints=checkpoints))
-    log = tmp_path / "run.log"
-    assert sweep_run(donor_path, log=log) == 0, tail(log)
-    [finished] = load_trials(f"sqlite:///{donor_dir / 'late.db'}", "late")
-    assert sorted(finished.intermediate_values) == [50, 100, 150, 200], summary([finished])
-
-    path = write_study(tmp_path, one_config("late", fixed=fixed, checkpoints=checkpoints))
+    that with a signal is luck, so the state is built: trial 0 trains the config to the end and gives the curve and
+    the checkpoint; trial 1, asked through Optuna, reports that curve, gets a copy of that checkpoint registered as
+    its own, beats once and goes silent, as a worker killed right after its last checkpoint leaves a trial. The
+    budget then grows to 2, and `sweep run` must finish trial 1's lineage without training a step."""
+    path = write_study(tmp_path, one_config("late", fixed={"max_steps": 200, "eval_every_steps": 50,
+                                                           "log_every_steps": 50},
+                                            checkpoints={"every_steps": 50, "on_best": False, "keep_top_k": 1}))
     db = tmp_path / "late.db"
     url = f"sqlite:///{db}"
-    assert sweep_run(path, "--timeout", "0", log=log) == 0, tail(log)  # the study and its registry, no trial
+    log = tmp_path / "run.log"
+    assert sweep_run(path, log=log) == 0, tail(log)
+    [finished] = load_trials(url, "late")
+    assert sorted(finished.intermediate_values) == [50, 100, 150, 200], summary([finished])
+
     storage = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=2)
-    study = optuna.load_study(study_name="late", storage=storage)
-    lost = study.ask()
+    lost = optuna.load_study(study_name="late", storage=storage).ask()
     lost.set_user_attr("config", finished.user_attrs["config"])
     for at, value in sorted(finished.intermediate_values.items()):
         lost.report(value, at)
-    # Its final checkpoint: the donor's blob and registry row, as this study's trial's.
-    [row] = sqlite_rows(donor_dir / "late.db", "SELECT * FROM sweep_checkpoints WHERE step = 200")
-    names = [c for (_, c, *_) in sqlite_rows(donor_dir / "late.db", "PRAGMA table_info(sweep_checkpoints)")]
+    # Its final checkpoint: a copy of trial 0's blob, registered with trial 0's row as this trial's.
+    [row] = sqlite_rows(db, "SELECT * FROM sweep_checkpoints WHERE trial_number = 0 AND step = 200")
+    names = [column for (_, column, *_) in sqlite_rows(db, "PRAGMA table_info(sweep_checkpoints)")]
     values = dict(zip(names, row)) | {"trial_number": lost.number}
     del values["id"]
-    blob = tmp_path / "late.checkpoints" / "late" / f"trial{lost.number:05d}-step00000200.pt"
-    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob = Path(values["uri"]).with_name(f"trial{lost.number:05d}-step00000200.pt")
     shutil.copyfile(values["uri"], blob)
     values["uri"] = str(blob)
     with contextlib.closing(sqlite3.connect(db, timeout=60)) as connection, connection:
@@ -696,13 +695,13 @@ def test_a_retry_resumed_at_max_steps_completes_with_its_whole_curve_and_reprodu
                            f"VALUES ({', '.join('?' * len(values))})", tuple(values.values()))
     storage.record_heartbeat(lost._trial_id)  # its worker beat once, then died
 
-    code = sweep_run(path, log=log, timeout=300)
+    code = sweep_run(path, "--n-trials", "2", log=log, timeout=300)
     trials = load_trials(url, "late")
     found = Findings(f"trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
     found.expect(code == 0, f"`sweep run` exited {code}")
     retries = [t for t in trials if t.user_attrs.get("retry_of") == lost.number]
-    found.expect(len(retries) == 1 and len(counted(trials)) == 1,
-                 f"{len(retries)} retries, {len(counted(trials))} trials counted; expected 1 and 1")
+    found.expect(len(retries) == 1 and len(counted(trials)) == 2,
+                 f"{len(retries)} retries of #{lost.number}, {len(counted(trials))} trials counted; expected 1 and 2")
     if retries:
         retry = retries[0]
         found.expect(retry.state == TrialState.COMPLETE and retry.value == finished.value,
