@@ -15,6 +15,7 @@ import io
 import ipaddress
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -28,7 +29,14 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from sweep.schema import StudyFileError, read_spec, resolve_storage_url
+from sweep.schema import (
+    StudyFileError,
+    name_problem,
+    read_spec,
+    resolve_storage_url,
+    sqlite_file_problem,
+    storage_url_problem,
+)
 from sweep.urls import mask_url, redact
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -65,12 +73,12 @@ def _quiet_optuna() -> None:
 def run(
     study_file: Annotated[Path, typer.Argument(help="The study file (YAML).")],
     storage: StorageOpt = None,
-    n_trials: Annotated[Optional[int], typer.Option("--n-trials", min=1, help="The study's total budget.")] = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", min=0, help="Stop this run after S seconds.")] = None,
+    n_trials: Annotated[Optional[int], typer.Option("--n-trials", help="The study's total budget (>= 1).")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Stop this run after S seconds (> 0).")] = None,
     study_name: NameOpt = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a study-file key: "
                                                       "--set fixed.max_steps=200 --set n_trials=5.")] = None,
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Worker processes sharing the study; on a GPU "
+    workers: Annotated[int, typer.Option("--workers", help="Worker processes sharing the study; on a GPU "
                                          "machine each is pinned to a GPU, round robin.")] = 1,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
@@ -89,13 +97,27 @@ def run(
 
     if os.environ.get(WORKER_ENV) is not None and storage is None:  # `--workers`: the URL comes by environment
         storage = os.environ.pop(STORAGE_ENV, None)
-    overrides = [*(set_ or []), *([f"name={study_name}"] if study_name else []),
-                 *([f"n_trials={n_trials}"] if n_trials else [])]
+    problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
+                                workers=workers)
+    options_ok = not problems
+    # The options' values go in as YAML strings (JSON is YAML): `--study-name 2024` is the name "2024", not a number.
+    overrides = [*(set_ or []), *([f"name={json.dumps(study_name)}"] if study_name and options_ok else []),
+                 *([f"n_trials={n_trials}"] if n_trials is not None and options_ok else [])]
     try:
         spec, spec_path = load_spec(study_file, overrides)
     except StudyFileError as exc:
-        raise _fail(exc.lines(), 2) from None
+        raise _fail([*problems, *exc.lines()], 2) from None
+    if problems:
+        raise _fail(problems, 2)
     url = resolve_storage_url(spec, spec_path, storage)
+    # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
+    from sweep.spec import store_problems
+
+    where = "--storage" if storage is not None else f"{study_file}: storage"
+    problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
+    problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
+    if problems:
+        raise _fail(problems, 2)
     worker = os.environ.get(WORKER_ENV)
     prefix = "" if worker is None else f"[worker {worker}] "
     prepare_process(spec)
@@ -159,12 +181,36 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, status_now
         return run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
 
 
-def _open(target: str, storage: str | None, study_name: str | None) -> Any:
+def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND") -> Any:
     """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
-    return _open_with_url(target, storage, study_name)[0]
+    return _open_with_url(target, storage, study_name, command)[0]
 
 
-def _open_with_url(target: str, storage: str | None, study_name: str | None) -> tuple[Any, str]:
+def _option_problems(*, storage: str | None = None, study_name: str | None = None, n_trials: int | None = None,
+                     timeout: float | None = None, workers: int = 1) -> list[str]:
+    """The options' values that no command can use, one line each (typer checks only their types)."""
+    problems = []
+    if storage is not None and (problem := storage_url_problem(storage)):
+        problems.append(f"--storage: {problem}")
+    if study_name is not None and (problem := name_problem(study_name)):
+        problems.append(f"--study-name: {problem}")
+    if n_trials is not None and n_trials < 1:
+        problems.append(f"--n-trials: expected at least 1 trial, got {n_trials}")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        problems.append(f"--timeout: expected a number of seconds > 0, got {timeout:g}")
+    if workers < 1:
+        problems.append(f"--workers: expected at least 1 worker, got {workers}")
+    return problems
+
+
+def _open_with_url(target: str, storage: str | None, study_name: str | None,
+                   command: str = "COMMAND") -> tuple[Any, str]:
+    problems = _option_problems(storage=storage, study_name=study_name)
+    if not target and storage is None:
+        err.print(f"Usage: sweep {command} [OPTIONS] TARGET", markup=False)
+        problems.insert(0, "missing TARGET: a study file, a SQLite .db file, or --storage URL [--study-name NAME]")
+    if problems:
+        raise _fail(problems, 2)
     path = Path(target) if target else None
     name = study_name
     if path is not None and path.suffix in (".yaml", ".yml"):
@@ -178,6 +224,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None) -> 
         url, name = storage, name or (target or None)
     elif path is not None and path.exists():
         url = f"sqlite:///{path.resolve()}"
+        if problem := sqlite_file_problem(url):
+            raise _fail(problem, 2)
     else:
         raise _fail(f"{target!r} is neither a study file nor a database; give a study file, a .db file, "
                     "or --storage URL [--study-name NAME]", 2)
@@ -208,8 +256,11 @@ def _print_status(study: Any) -> None:
 
     status = results.study_status(study)
     table = Table(title=f"study {status['study']}", show_header=False)
-    table.add_row("direction / metric", f"{status['direction']} {status['metric']}")
-    table.add_row("budget", f"{status['budget_used']}/{status['n_trials']} trials")
+    table.add_row("direction / metric", f"{status['direction']} {status['metric'] or '(unnamed)'}")
+    if status["n_trials"] is None:  # a study sweep did not create: no budget to count against
+        table.add_row("budget", f"{status['budget_used']} trials; no budget (study not created by sweep)")
+    else:
+        table.add_row("budget", f"{status['budget_used']}/{status['n_trials']} trials")
     table.add_row("states", ", ".join(f"{k} {v}" for k, v in status["states"].items()) or "no trials")
     compute = f"{status['steps_trained']} steps trained"
     if status["warm_started"]:
@@ -227,7 +278,7 @@ def _print_status(study: Any) -> None:
 @app.command()
 def status(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = None) -> None:
     """Counts by state, the budget used, and the best trial."""
-    _print_status(_open(target, storage, study_name))
+    _print_status(_open(target, storage, study_name, "status"))
 
 
 @app.command()
@@ -242,9 +293,11 @@ def best(
     from sweep import results
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
-    study = _open(target, storage, study_name)
+    study = _open(target, storage, study_name, "best")
     try:
         config = results.best_config(study)
+    except results.ForeignStudyError as exc:
+        raise _fail(str(exc), 2) from None
     except ValueError as exc:
         raise _fail(str(exc), 1) from None
     try:
@@ -274,7 +327,7 @@ def trials(
         raise _fail(f"--format: expected table, csv or json, got {fmt!r}", 2)
     from sweep import results
 
-    rows = results.trial_rows(_open(target, storage, study_name))
+    rows = results.trial_rows(_open(target, storage, study_name, "trials"))
     columns = list(dict.fromkeys(key for row in rows for key in row))
     if fmt == "json":
         sys.stdout.write(json.dumps(rows, indent=1, default=str) + "\n")
@@ -294,9 +347,14 @@ def trials(
 @app.command()
 def stop(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = None) -> None:
     """Ask every worker of the study to finish its current trial and exit; `sweep run` later resumes."""
+    from sweep import results
     from sweep.worker import request_stop
 
-    study = _open(target, storage, study_name)
+    study = _open(target, storage, study_name, "stop")
+    try:  # nothing is written into a study sweep did not create
+        results.require_sweep_study(study, "ask its workers to stop (it has none)")
+    except results.ForeignStudyError as exc:
+        raise _fail(str(exc), 2) from None
     request_stop(study)
     err.print(f"asked the workers of study {study.study_name!r} to stop after their current trial")
 
@@ -315,7 +373,7 @@ def check(
     from sweep.reconcile import check_study, store_location
     from sweep.registry import Registry
 
-    study, url = _open_with_url(target, storage, study_name)
+    study, url = _open_with_url(target, storage, study_name, "check")
     report = check_study(Registry(url), store_location(study, url), study, repair=repair)
     for problem in report.problems:
         status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"
@@ -338,7 +396,7 @@ def report(
     """One self-contained HTML file to share: history, intermediate values, importances, infeasible trials, best."""
     from sweep.report import render_report
 
-    study = _open(target, storage, study_name)
+    study = _open(target, storage, study_name, "report")
     tmp = output.with_name(output.name + ".tmp")
     tmp.write_text(render_report(study))
     tmp.replace(output)  # never a half-written report
@@ -359,7 +417,7 @@ def dashboard(
         import optuna_dashboard
     except ImportError:
         raise _fail("optuna-dashboard is not installed: pip install 'sweep[dashboard]'", 1) from None
-    study, url = _open_with_url(target, storage, study_name)
+    study, url = _open_with_url(target, storage, study_name, "dashboard")
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -1,8 +1,16 @@
-"""Samplers and pruners by name, their arguments checked against the constructor's signature before any trial."""
+"""Samplers and pruners by name, their arguments checked against the constructor's signature before any trial:
+the names, then each value against the parameter's annotation (a constructor keeps `n_startup_trials="abc"` without
+a word, and every trial fails later), then the constructor's own checks."""
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
+import math
+import sys
+import types
+import typing
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +18,7 @@ import numpy as np
 import optuna
 
 from sweep.pruners import FastFailPruner
-from sweep.schema import Component, StudyFileError
+from sweep.schema import Component, StudyFileError, did_you_mean, short_repr
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -45,20 +53,131 @@ WRAPPING = {"patient": ("wrapped", "wrapped_pruner"), "fastfail": ("then", "then
 def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict[str, Any],
                  extra: dict[str, Any] | None = None) -> Any:
     if kind not in registry:
-        raise StudyFileError("", [(f"{where}.type", f"unknown {where} {kind!r}; expected one of: "
-                                                    + ", ".join(registry))])
+        raise StudyFileError("", [(f"{where}.type", f"unknown {where} {kind!r}{did_you_mean(kind, registry)}; "
+                                                    "expected one of: " + ", ".join(registry))])
     cls = registry[kind]
     accepted = {name: p for name, p in inspect.signature(cls).parameters.items()
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     unknown = [name for name in args if name not in accepted]
     if unknown:
-        raise StudyFileError("", [(f"{where}.{name}", f"unknown argument of {cls.__name__}; expected one of: "
+        raise StudyFileError("", [(f"{where}.{name}", f"unknown argument of {cls.__name__}"
+                                                      f"{did_you_mean(name, accepted)}; expected one of: "
                                                       + ", ".join(accepted)) for name in unknown])
+    problems = []
+    for name, value in list(args.items()):
+        try:
+            args[name] = _conform(value, _annotation(cls, accepted[name]))
+        except _Mismatch as exc:
+            cannot = "" if exc.givable else " (which a study file cannot give)"
+            problems.append((f"{where}.{name}", f"{cls.__name__}'s {name} takes {exc}{cannot}, got "
+                                                f"{short_repr(value)}"))
+    if problems:
+        raise StudyFileError("", problems)
     kwargs = {**{k: v for k, v in (extra or {}).items() if k in accepted and k not in args}, **args}
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise StudyFileError("", [(where, f"{cls.__name__}: {exc}")]) from exc
+
+
+class _Mismatch(Exception):
+    """A value that its parameter's annotation refuses; the message says what the parameter takes, and `givable`
+    whether a study file could give it at all (a number can be written in YAML, a function cannot)."""
+
+    def __init__(self, expected: str, givable: bool = True) -> None:
+        super().__init__(expected)
+        self.givable = givable
+
+
+# Names Optuna's constructors annotate with but import only for type checkers.
+_TYPING_NAMES: dict[str, Any] = {**vars(typing), "Callable": collections.abc.Callable, "np": np,
+                                 "FrozenTrial": optuna.trial.FrozenTrial, "Study": optuna.Study,
+                                 "TrialState": optuna.trial.TrialState,
+                                 "BaseDistribution": optuna.distributions.BaseDistribution}
+
+
+def _annotation(cls: type, parameter: inspect.Parameter) -> Any:
+    """The parameter's annotation as a type, or Any when it cannot be read (then only the constructor checks)."""
+    annotation = parameter.annotation
+    if annotation is inspect.Parameter.empty:
+        return Any
+    if not isinstance(annotation, str):
+        return annotation
+    namespace = {**_TYPING_NAMES, **vars(sys.modules[cls.__module__])}
+    try:
+        return eval(annotation, namespace)  # an annotation of an installed library, not input
+    except Exception:  # noqa: BLE001 - a name only a type checker sees
+        return collections.abc.Callable if annotation.startswith("Callable") else Any
+
+
+def _conform(value: Any, hint: Any) -> Any:
+    """`value` as the parameter annotated `hint` takes it (a YAML string `1e-3` for a float becomes the float), or
+    `_Mismatch` naming what it takes. What a YAML file cannot give (a function, an object) is refused by name."""
+    origin = typing.get_origin(hint)
+    if hint is Any or hint is object:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        refused = []
+        for option in typing.get_args(hint):
+            try:
+                return _conform(value, option)
+            except _Mismatch as exc:
+                refused.append(exc)
+        raise _Mismatch(" or ".join(dict.fromkeys(map(str, refused))), all(exc.givable for exc in refused))
+    if hint is type(None) or hint is None:
+        if value is None:
+            return None
+        raise _Mismatch("null")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch("true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch("an integer")
+    if hint is float:
+        number = _finite(value)
+        if number is None:
+            raise _Mismatch("a finite number")
+        return number
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch("a string")
+    if origin is typing.Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise _Mismatch("one of " + ", ".join(map(repr, typing.get_args(hint))))
+    if collections.abc.Callable in (origin, hint):
+        raise _Mismatch("a function", givable=False)
+    if origin in (list, tuple, collections.abc.Sequence):
+        items = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise _Mismatch("a list")
+        item = items[0] if items and (origin is not tuple or (len(items) == 2 and items[1] is ...)) else Any
+        return [_conform(element, item) for element in value]
+    if origin in (dict, collections.abc.Mapping):
+        if not isinstance(value, dict):
+            raise _Mismatch("a mapping")
+        key, item = typing.get_args(hint) or (Any, Any)
+        return {_conform(k, key): _conform(v, item) for k, v in value.items()}
+    if isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        raise _Mismatch(f"a {hint.__name__} object", givable=False)
+    return value  # an annotation this check does not read: the constructor decides
+
+
+def _finite(value: Any) -> float | None:
+    """A finite float from an int, a float or a numeric string (YAML reads `1e-3` as one), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def build_sampler(spec: StudySpec, joined_at: int = 0) -> optuna.samplers.BaseSampler:
@@ -94,10 +213,14 @@ def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.
 
 
 def component_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """Every problem of the sampler's and the pruner's arguments, found by building both (quietly: Optuna labels some
+    of them experimental, which is no news while a file is being checked)."""
     problems = []
     for build in (lambda: build_sampler(spec), lambda: build_pruner(spec.pruner)):
         try:
-            build()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                build()
         except StudyFileError as exc:
             problems += exc.problems
     return problems

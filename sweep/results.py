@@ -20,7 +20,25 @@ from sweep.outcomes import (
 )
 from sweep.progress import describe_outcome
 
-__all__ = ["best_config", "state_counts", "steps_trained", "study_status", "trial_rows"]
+__all__ = ["ForeignStudyError", "best_config", "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained",
+           "study_status", "trial_rows"]
+
+
+class ForeignStudyError(Exception):
+    """A command that needs what sweep stores on a study (its definition, each trial's config) was given an Optuna
+    study that sweep did not create: bad input, not a broken study."""
+
+
+def made_by_sweep(study: optuna.Study) -> bool:
+    """Whether sweep created the study: it stores the study's definition on it."""
+    return SPEC_ATTR in study.user_attrs
+
+
+def require_sweep_study(study: optuna.Study, doing: str) -> None:
+    """Raise `ForeignStudyError` (saying what could not be done) unless sweep created the study."""
+    if not made_by_sweep(study):
+        raise ForeignStudyError(f"study {study.study_name!r} was not created by sweep (it holds no {SPEC_ATTR!r}), so "
+                                f"sweep cannot {doing}; it reads such a study with `sweep status` and `sweep trials`")
 
 
 def state_counts(study: optuna.Study) -> dict[str, int]:
@@ -36,13 +54,17 @@ def _best(study: optuna.Study) -> FrozenTrial | None:
 
 
 def study_status(study: optuna.Study) -> dict[str, Any]:
+    """The status of a study. `n_trials` is None for a study sweep did not create (`made_by_sweep` False): such a
+    study has no budget, and its metric is the name Optuna holds for it, if any."""
     spec = study.user_attrs.get(SPEC_ATTR, {})
     best = _best(study)
     trials = study.get_trials(deepcopy=False)
+    metric_names = study.metric_names
     return {
         "study": study.study_name,
+        "made_by_sweep": made_by_sweep(study),
         "direction": study.direction.name.lower(),
-        "metric": spec.get("metric"),
+        "metric": spec.get("metric", metric_names[0] if metric_names else None),
         "n_trials": spec.get("n_trials"),
         "budget_used": budget_counts(trials)[0],
         "states": state_counts(study),
@@ -74,8 +96,12 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
 
 def best_config(study: optuna.Study) -> dict[str, Any]:
     """The resolved `TrainingConfig` of the best trial, ready for `python -m trainer`. Raises ValueError if no trial
-    has completed."""
+    has completed, and `ForeignStudyError` for a study (or a best trial) that sweep did not make."""
+    require_sweep_study(study, "write its best trial's TrainingConfig")
     best = _best(study)
     if best is None:
         raise ValueError(f"study {study.study_name!r} has no complete trial yet")
+    if ATTR_CONFIG not in best.user_attrs:
+        raise ForeignStudyError(f"the best trial of study {study.study_name!r}, #{best.number}, holds no recorded "
+                                f"config ({ATTR_CONFIG!r}): it was not run by sweep")
     return best.user_attrs[ATTR_CONFIG]

@@ -6,13 +6,20 @@ module is what commands that only read a study need (`status`, `trials`), and it
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import difflib
+import math
+import re
+import reprlib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import (
+    AllowInfNan,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -26,9 +33,10 @@ from pydantic import (
 
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
-__all__ = ["CategoricalParam", "CheckpointPolicy", "Component", "FloatParam", "IntParam", "Param", "StudyFileError",
-           "StudySpec", "TaskSpec", "WarmStartSpec", "apply_overrides", "read_document", "read_spec",
-           "resolve_storage_url",
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
+           "FloatParam", "IntParam", "Param", "StudyFileError", "StudySpec", "TaskSpec", "WarmStartSpec",
+           "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
+           "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
            "validate_document"]
 
 class StudyFileError(Exception):
@@ -48,12 +56,25 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _not_a_bool(value: Any) -> Any:
+    """YAML's `true` is not 1: a number field refuses it (pydantic's lax mode would take it)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    return value
+
+
+# A finite number: an int, a float or a string that reads as one (PyYAML reads `1e-3`, without a dot, as a string);
+# not a bool, not .inf or .nan (a range end of .inf fails every trial).
+Number = Annotated[float, BeforeValidator(_not_a_bool), AllowInfNan(False)]
+SEED_MAX = 2**32 - 1  # numpy's and therefore every Optuna sampler's limit
+
+
 class FloatParam(_Model):
     type: Literal["float"]
-    low: float
-    high: float
-    log: bool = False
-    step: float | None = Field(None, gt=0)
+    low: Number
+    high: Number
+    log: StrictBool = False
+    step: Number | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> FloatParam:
@@ -68,7 +89,7 @@ class IntParam(_Model):
     type: Literal["int"]
     low: StrictInt
     high: StrictInt
-    log: bool = False
+    log: StrictBool = False
     step: StrictInt = Field(1, ge=1)
 
     @model_validator(mode="after")
@@ -80,7 +101,7 @@ class IntParam(_Model):
         return trial.suggest_int(name, self.low, self.high, log=self.log, step=self.step)
 
 
-Choice = Union[StrictBool, StrictInt, StrictFloat, StrictStr, None]
+Choice = Union[StrictBool, StrictInt, Annotated[StrictFloat, AllowInfNan(False)], StrictStr, None]
 
 
 class CategoricalParam(_Model):
@@ -98,6 +119,8 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
         raise ValueError(f"log: true needs low > 0, got low={low}")
     if log and step is not None:
         raise ValueError("log: true and step cannot be combined")
+    if not math.isfinite(high - low):
+        raise ValueError(f"the range from {low} to {high} is too wide to sample (high - low overflows)")
 
 
 Param = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discriminator="type")]
@@ -132,12 +155,20 @@ class TaskSpec(_Model):
 class CheckpointPolicy(_Model):
     """When trials write checkpoints, how many each keeps, and where the blobs go."""
 
-    every_steps: int | None = Field(None, ge=1)  # also save every this many steps (at log or eval steps)
-    on_best: bool = True  # save at every evaluation that improves the trial's best value
-    keep_top_k: int = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
-    keep_top_trials: int | None = Field(None, ge=1)  # per study: only the k best finished trials keep checkpoints
-    artifacts: bool = True  # upload each finished trial's best checkpoint as an Optuna artifact (dashboard download)
-    store: str | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
+    every_steps: StrictInt | None = Field(None, ge=1)  # also save every this many steps (at log or eval steps)
+    on_best: StrictBool = True  # save at every evaluation that improves the trial's best value
+    keep_top_k: StrictInt = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
+    keep_top_trials: StrictInt | None = Field(None, ge=1)  # per study: only the k best finished trials keep some
+    artifacts: StrictBool = True  # upload each finished trial's best checkpoint as an Optuna artifact (dashboard)
+    store: StrictStr | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
+
+    @field_validator("store", mode="after")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        problem = None if value is None else store_url_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @property
     def enabled(self) -> bool:
@@ -151,12 +182,12 @@ class WarmStartSpec(_Model):
         """The evaluation step nearest below `handoff x max_steps`: every trial keeps a checkpoint there (0: none)."""
         return int(self.handoff * max_steps) // eval_every_steps * eval_every_steps
 
-    enabled: bool = True
-    max_distance: float = Field(0.3, gt=0)  # Euclidean, in the search space scaled to [0, 1] per key
-    match: list[str] = []  # keys whose values must be equal besides those that change tensor shapes (inferred)
+    enabled: StrictBool = True
+    max_distance: Number = Field(0.3, gt=0)  # Euclidean, in the search space scaled to [0, 1] per key
+    match: list[StrictStr] = []  # keys whose values must be equal besides those that change tensor shapes (inferred)
     inherit: Literal["weights", "weights+optimizer"] = "weights"
-    handoff: float = Field(0.5, gt=0, lt=1)  # a donor hands its state over at this fraction of its budget
-    from_studies: list[str] = []  # other studies in the same storage whose checkpoints may be donors too
+    handoff: Number = Field(0.5, gt=0, lt=1)  # a donor hands its state over at this fraction of its budget
+    from_studies: list[StrictStr] = []  # other studies in the same storage whose checkpoints may be donors too
 
     @model_validator(mode="before")
     @classmethod
@@ -175,25 +206,41 @@ class WarmStartSpec(_Model):
 class StudySpec(_Model):
     """The validated study file. `source` is where it came from (not a key of the file)."""
 
-    name: str = Field(min_length=1, pattern=r"^[\w.\-]+$")
-    description: str = ""
-    storage: str | None = None
+    name: StrictStr
+    description: StrictStr = ""
+    storage: StrictStr | None = None
     direction: Literal["minimize", "maximize"] = "minimize"
-    metric: str = "val_loss"
-    n_trials: int = Field(ge=1)
-    timeout: float | None = Field(None, gt=0)
-    seed: int = Field(0, ge=0)
+    metric: StrictStr = "val_loss"
+    n_trials: StrictInt = Field(ge=1)
+    timeout: Number | None = Field(None, gt=0)
+    seed: StrictInt = Field(0, ge=0, le=SEED_MAX)
     sampler: Component = Field(default_factory=lambda: Component.model_validate("tpe"))
     pruner: Component = Field(default_factory=lambda: Component.model_validate({"type": "fastfail", "then": "median"}))
-    max_repeated_failures: int = Field(5, ge=0)
-    heartbeat_interval: int = Field(10, ge=1)
-    heartbeat_grace_period: int = Field(60, ge=2)
-    storage_patience: float = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
+    max_repeated_failures: StrictInt = Field(5, ge=0)
+    heartbeat_interval: StrictInt = Field(10, ge=1)
+    heartbeat_grace_period: StrictInt = Field(60, ge=2)
+    storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
     warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}
+
+    @field_validator("name", mode="after")
+    @classmethod
+    def _folder_name(cls, value: str) -> str:
+        problem = name_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("storage", mode="after")
+    @classmethod
+    def _storage_url(cls, value: str | None) -> str | None:
+        problem = None if value is None else storage_url_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("fixed", mode="after")
     @classmethod
@@ -235,20 +282,241 @@ class StudySpec(_Model):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Loading.
+# Reading a study file: bytes, then YAML, then the schema. Whatever the input's size or shape, it is accepted or
+# refused in well under a second, and an error never renders the input (an alias bomb expands to gigabytes).
+
+MAX_FILE_BYTES = 1 << 20  # a study file is a few kilobytes; 1 MiB is far more than any needs
+MAX_DEPTH = 32  # nesting of mappings and lists, aliases expanded (a study file needs about 6)
+MAX_VALUES = 10_000  # values in the document with every alias expanded: anchors share values, they do not multiply
+_MAX_PROBLEMS = 20  # reported of one file; a file with more is mostly not a study file
+
+_SAFE: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when there: a 1 MiB file parses in ~0.1 s
+
+
+class _Loader(_SAFE):
+    """The safe loader, without YAML 1.1's implicit dates: a study file has none, and `2024-13-45` would raise."""
+
+    yaml_implicit_resolvers: ClassVar = {
+        first: [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
+        for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
+
+
+_LOADER = _Loader
+_CORE = "tag:yaml.org,2002:"
+# Explicit tags that only restate a plain value. Others (`!!python/object`, `!!binary`, `!!set`, `!custom`) are
+# refused: a study file holds plain values, and the safe loader would fail on most with a message of many lines.
+_PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float", "bool", "null", "seq", "map"))})
+_BOMS = [(b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
+         (b"\xff\xfe", "UTF-16")]
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxset = 4
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)`, at most about 60 characters, in time bounded by that length (never the whole of a large value)."""
+    return _SHORT.repr(value)
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+    """`" (did you mean 'n_trials'?)"` for a close match among `options`, or ''."""
+    matches = difflib.get_close_matches(word, list(options), n=1, cutoff=0.75)
+    return f" (did you mean {matches[0]!r}?)" if matches else ""
+
+
+def read_text(path: Path) -> str:
+    """The file as text, refused with one line when it is too large, binary, or not UTF-8. A UTF-8 byte-order mark
+    is dropped; a UTF-16 or UTF-32 file is refused (save it as UTF-8)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise StudyFileError(path, [("", f"cannot read the study file: {exc.strerror or exc}")]) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise StudyFileError(path, [("", f"the file is larger than {MAX_FILE_BYTES >> 20} MiB; a study file is a few "
+                                         "kilobytes of YAML (is it the right file?)")])
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            raise StudyFileError(path, [("", f"the file is {encoding} text; save it as UTF-8")])
+    if b"\x00" in data:
+        line = data[:data.index(b"\x00")].count(b"\n") + 1
+        raise StudyFileError(path, [("", f"line {line}: a NUL byte: this is a binary file, not YAML text")])
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise StudyFileError(path, [("", f"line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8; "
+                                         "save the file as UTF-8 text")]) from None
+
+
+class _Node:
+    """A mapping or list being read in `_structure_problems`: where it is and what it holds so far."""
+
+    def __init__(self, path: str, mapping: bool, anchor: str | None) -> None:
+        self.path, self.mapping, self.anchor = path, mapping, anchor
+        self.key: str | None = None  # a mapping's key whose value comes next; None: a key comes next
+        self.keys: dict[str, int] = {}  # a mapping's keys so far, and the line of each
+        self.index = 0  # a list's next item
+        self.size, self.height = 1, 1  # values in it (itself too) and its depth, aliases expanded
+
+    def child_path(self) -> str:
+        if not self.mapping:
+            return f"{self.path}[{self.index}]"
+        return f"{self.path}.{self.key}" if self.path else str(self.key)
+
+
+class _Fatal(Exception):
+    """A problem after which reading further is pointless or unbounded (a bomb, a loop, a deep nest)."""
+
+
+def _structure_problems(text: str, prefix: str = "") -> list[tuple[str, str]]:
+    """Problems of the YAML's shape, found from the parser's events, before any value is built: duplicate keys,
+    keys that are not plain, tags, more than one document, and the size and depth the document has once its aliases
+    are expanded. Linear in the text: the expansion is counted (an anchor's size times its uses), never done."""
+    problems: list[tuple[str, str]] = []
+    anchors: dict[str, tuple[int, int]] = {}  # name: (values, depth) of the anchored value
+    stack: list[_Node] = []
+    total, documents = 0, 0
+
+    def where(path: str) -> str:
+        path = path if len(path) <= 60 else path[:60] + "..."  # 30 levels of [0] say no more than 3 do
+        return f"{prefix}{'' if path.startswith('[') or not prefix or not path else '.'}{path}"
+
+    def fatal(path: str, message: str) -> _Fatal:
+        problems.append((where(path), message))
+        return _Fatal()
+
+    def add(size: int, height: int, new: int) -> None:
+        """A finished value of `size` values (`new` of them not counted yet): count it in its parent and the
+        document."""
+        nonlocal total
+        total += new
+        if total > MAX_VALUES:
+            expanded = " once its aliases are expanded (an alias bomb?)" if anchors else ""
+            raise fatal(parent_path(), f"line {line}: the file holds more than {MAX_VALUES} values{expanded}; a "
+                                       "study file holds a few hundred")
+        if stack:
+            parent = stack[-1]
+            parent.size += size
+            parent.height = max(parent.height, height + 1)
+            if len(stack) + height > MAX_DEPTH:
+                raise fatal(parent.path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
+            if parent.mapping:
+                parent.key = None
+            else:
+                parent.index += 1
+
+    def parent_path() -> str:
+        return stack[-1].path if stack else ""
+
+    def place(event: Any) -> str | None:
+        """The path of the value this event starts; None when it is a mapping's key (read here)."""
+        if not stack:
+            return ""
+        parent = stack[-1]
+        if not parent.mapping or parent.key is not None:
+            return parent.child_path()
+        if not isinstance(event, yaml.ScalarEvent) or event.anchor is not None:
+            raise fatal(parent.path, f"line {line}: a key must be a plain name, not a list, a mapping or an alias")
+        key = event.value
+        if key == "<<" and event.tag is None and event.implicit[0]:  # a merge key: `<<: *defaults`
+            pass
+        elif key in parent.keys:
+            first = parent.keys[key]
+            lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
+            problems.append((where(f"{parent.path}.{key}" if parent.path else key),
+                             f"duplicate key ({lines}): the second would silently replace the first"))
+        else:
+            parent.keys[key] = line
+        parent.key = key
+        return None
+
+    def check_tag(event: Any, path: str) -> None:
+        if event.tag is not None and event.tag not in _PLAIN_TAGS:
+            tag = event.tag.replace(_CORE, "!!")
+            problems.append((where(path), f"line {line}: the tag {short_repr(tag)} is not allowed; a study file holds "
+                                          "plain values (numbers, strings, true/false, lists, mappings)"))
+
+    loader = _LOADER(text)
+    line = 1
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            line = event.start_mark.line + 1
+            if isinstance(event, yaml.DocumentStartEvent):
+                documents += 1
+                if documents > 1:
+                    raise fatal("", f"line {line}: a second YAML document (---); a study file is one document")
+            elif isinstance(event, yaml.AliasEvent):
+                path = place(event)
+                if event.anchor in {node.anchor for node in stack}:
+                    raise fatal(path or "", f"line {line}: the alias *{event.anchor} refers to a value that holds it "
+                                            "(a loop)")
+                if event.anchor not in anchors:
+                    raise fatal(path or "", f"line {line}: the alias *{event.anchor} has no anchor &{event.anchor} "
+                                            "before it")
+                size, height = anchors[event.anchor]
+                add(size, height, size)
+            elif isinstance(event, yaml.ScalarEvent):
+                path = place(event)
+                if path is not None:
+                    check_tag(event, path)
+                    if event.anchor is not None:
+                        anchors[event.anchor] = (1, 0)
+                    add(1, 0, 1)
+            elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                path = place(event) or ""
+                check_tag(event, path)
+                stack.append(_Node(path, isinstance(event, yaml.MappingStartEvent), event.anchor))
+                if len(stack) > MAX_DEPTH:
+                    raise fatal(path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                node = stack.pop()
+                if node.anchor is not None:
+                    anchors[node.anchor] = (node.size, node.height)
+                add(node.size, node.height, 1)
+            if len(problems) >= _MAX_PROBLEMS:
+                break
+    except _Fatal:
+        pass
+    except yaml.YAMLError as exc:
+        problems.append((prefix, _yaml_error(exc, text)))
+    return problems
+
+
+def _yaml_error(exc: yaml.YAMLError, text: str) -> str:
+    """A parser's error as one line: where, and what (PyYAML's own text spans several and quotes the input)."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text[:exc.position].count("\n") + 1 if isinstance(exc.position, int) else "?"
+        char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
+        return f"invalid YAML: line {line}: the character U+{char:04X} is not allowed (a control character)"
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    return f"invalid YAML: {where}{problem}" + (f" ({context})" if context and "while" not in context else "")
+
+
+def load_yaml(text: str, source: str | Path, prefix: str = "") -> Any:
+    """YAML text as plain Python values, refused (`StudyFileError`, every problem a line) when its shape is not one a
+    study file can have: see `_structure_problems`. `prefix` is the key the text is the value of (for `--set`)."""
+    problems = _structure_problems(text, prefix)
+    if problems:
+        raise StudyFileError(source, problems)
+    try:
+        return yaml.load(text, Loader=_LOADER)  # the safe loader: libyaml's CSafeLoader, or SafeLoader
+    except yaml.YAMLError as exc:
+        raise StudyFileError(source, [(prefix, _yaml_error(exc, text))]) from None
+    except (ValueError, TypeError, OverflowError) as exc:  # a value its tag refuses: `!!int abc`, `2024-13-45`
+        raise StudyFileError(source, [(prefix, f"a value YAML cannot read: {short_repr(str(exc))}")]) from None
+
 
 def read_document(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise StudyFileError(path, [("", f"cannot read the study file: {exc.strerror or exc}")]) from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise StudyFileError(path, [("", f"invalid YAML: {where}{problem}")]) from exc
+    data = load_yaml(read_text(path), path)
+    if data is None:
+        raise StudyFileError(path, [("", "the file is empty; expected a mapping of study keys (name, n_trials, task, "
+                                         "...)")])
     if not isinstance(data, dict):
         raise StudyFileError(path, [("", f"expected a mapping of study keys, got {type(data).__name__}")])
     return data
@@ -258,18 +526,22 @@ PARAM_FIELDS = frozenset({"type", "low", "high", "log", "step", "choices"})
 
 
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`)."""
+    """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`), as strictly as a file."""
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            problems.append(("--set", f"expected key=value, got {item!r}"))
+            problems.append(("--set", f"expected key=value, got {short_repr(item)}"))
+            continue
+        if any(not part.strip() for part in key.split(".")):
+            problems.append((f"--set {key}", "expected a dotted key path like fixed.max_steps, with no empty part"))
             continue
         try:
-            value = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError as exc:
-            problems.append((f"--set {key}", f"expected a YAML value, but {raw!r} is not one "
-                             f"({str(exc).splitlines()[0]})"))
+            value = load_yaml(raw, "command line", f"--set {key}") if raw else None
+        except StudyFileError as exc:
+            problems += [(where, message if "invalid YAML" not in message
+                          else f"expected a YAML value, but {short_repr(raw)} is not one ({message})")
+                         for where, message in exc.problems]
             continue
         node = document
         parts = key.split(".")
@@ -279,11 +551,14 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
             field = parts[-1] if len(parts) > 2 and parts[-1] in PARAM_FIELDS else None
             parts = ["space", ".".join(parts[1:-1] if field else parts[1:]), *([field] if field else [])]
         *parents, leaf = parts
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[leaf] = value
+        for depth, part in enumerate(parents):
+            if part in node and not isinstance(node[part], dict):
+                problems.append((f"--set {key}", f"{'.'.join(parents[:depth + 1])} is "
+                                 f"{short_repr(node[part])}, not a mapping: it has no key {parts[depth + 1]!r}"))
+                break
+            node = node.setdefault(part, {})
+        else:
+            node[leaf] = value
     if problems:
         raise StudyFileError("command line", problems)
     return document
@@ -304,18 +579,132 @@ def validate_document(document: Mapping[str, Any], source: str | Path) -> StudyS
         raise StudyFileError(source, [_pydantic_problem(error) for error in exc.errors()]) from None
 
 
+_TAGS: dict[str, type[BaseModel]] = {"float": FloatParam, "int": IntParam, "categorical": CategoricalParam}
+_SECTIONS: dict[str, type[BaseModel]] = {"checkpoints": CheckpointPolicy, "warm_start": WarmStartSpec,
+                                         "task": TaskSpec}
+
+
+def _known_keys(loc: Sequence[Any]) -> list[str]:
+    """The keys a mapping at pydantic's location `loc` (of one of its keys) may have, for "did you mean"."""
+    parent = [str(part) for part in loc[:-1] if not str(part).startswith(("function-", "tagged-union"))]
+    model: type[BaseModel] | None = None
+    if not parent:
+        model = StudySpec
+    elif parent[0] == "space" and len(parent) == 3:
+        model = _TAGS.get(parent[2])
+    elif len(parent) == 1:
+        model = _SECTIONS.get(parent[0])
+    return list(model.model_fields) if model is not None else []
+
+
 def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
     loc = [str(part) for part in error["loc"]
            if not (isinstance(part, str) and part in ("float", "int", "categorical", "function-after[_check()]"))]
     loc = [part for part in loc if not part.startswith(("function-", "tagged-union"))]
     message = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
-        message = "unknown key"
+        message = "unknown key" + did_you_mean(loc[-1], _known_keys(error["loc"]))
     elif error["type"] == "missing":
         message = "required key is missing"
     elif "input" in error and error["type"] not in ("value_error",) and not isinstance(error["input"], dict):
-        message = f"{message}, got {error['input']!r}"
-    return ".".join(loc), message
+        message = f"{message}, got {short_repr(error['input'])}"
+    return _dotted(loc), message
+
+
+def _dotted(loc: Sequence[str]) -> str:
+    """`['space', 'lr', 'choices', '1']` as `space.lr.choices[1]`."""
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if part.isdigit() and text else f".{part}" if text else part
+    return text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Names, storage URLs and checkpoint stores, checked before anything is created.
+
+_NAME = re.compile(r"^[\w.\-]+$")
+MAX_NAME = 128
+
+
+def name_problem(name: str) -> str | None:
+    """What is wrong with a study name, or None. A name is a folder of the checkpoint store, so `.` and `..` (which
+    would put blobs outside the study's folder) and names with slashes are refused."""
+    if not name:
+        return "expected a study name, got ''"
+    if not _NAME.match(name):
+        return f"expected letters, digits, '_', '-' and '.' (the name is a folder), got {short_repr(name)}"
+    if set(name) == {"."}:
+        return f"{name!r} is not a folder of its own; choose a name with a letter or digit"
+    if len(name) > MAX_NAME:
+        return f"expected at most {MAX_NAME} characters (the name is a folder), got {len(name)}"
+    return None
+
+
+_OBJECT_STORES = ("s3", "gs")  # sweep.blobs.SCHEMES (not imported: it imports torch)
+
+
+def store_url_problem(store: str) -> str | None:
+    """What is wrong with `checkpoints.store` as written (a folder, `s3://bucket/prefix` or `gs://bucket/prefix`),
+    or None. Whether the folder can be made is `sweep.spec.store_problems`'s."""
+    if not store.strip():
+        return "expected a folder, s3://bucket/prefix or gs://bucket/prefix, got ''"
+    if "://" not in store:
+        return None
+    parsed = urlparse(store)
+    if parsed.scheme not in _OBJECT_STORES:
+        return f"expected a folder, s3://bucket/prefix or gs://bucket/prefix, got {short_repr(store)}"
+    if not parsed.netloc:
+        return f"expected {parsed.scheme}://bucket/prefix, with a bucket, got {short_repr(store)}"
+    return None
+
+
+def storage_url_problem(url: str) -> str | None:
+    """What is wrong with a storage URL before anything opens it, or None: empty, not a URL SQLAlchemy can read, an
+    unknown database, or a database whose driver is not installed (named with the `pip install` that adds it)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    if not url.strip():
+        return "expected a storage URL (sqlite:///FILE.db, postgresql+psycopg://USER@HOST/DB), got ''"
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return ("expected a storage URL like sqlite:///FILE.db or postgresql+psycopg://USER@HOST/DB, and this is "
+                "not one (a password with '@', ':' or '/' must be percent-encoded)")
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:
+        return (f"unknown storage {parsed.drivername!r}; expected sqlite:///FILE.db or "
+                "postgresql+psycopg://USER@HOST/DB")
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        if parsed.get_backend_name() == "postgresql":
+            return (f"the PostgreSQL driver of {parsed.drivername!r} is not installed ({exc}): pip install "
+                    "'sweep[postgres]' and use postgresql+psycopg://USER@HOST/DB")
+        return f"the driver of {parsed.drivername!r} is not installed ({exc}): install it with pip"
+    return None
+
+
+def sqlite_file_problem(url: str) -> str | None:
+    """For a SQLite URL: what is wrong with its file before anything creates it, or None. The folder must exist;
+    the path must not be a folder, nor a file that is not a SQLite database (it would not be written into)."""
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        return None
+    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+    if path.is_dir():
+        return f"{path} is a folder; expected a SQLite file such as {path / 'study.db'}"
+    if not path.parent.is_dir():
+        return f"the folder {path.parent} does not exist; create it first, or give a SQLite file in an existing one"
+    if path.is_file() and path.stat().st_size > 0:
+        try:
+            with open(path, "rb") as handle:
+                header = handle.read(16)
+        except OSError as exc:
+            return f"cannot read {path}: {exc.strerror or exc}"
+        if header != b"SQLite format 3\x00":
+            return f"{path} is not a SQLite database; give a new or existing .db file"
+    return None
 
 
 def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str | None = None) -> str:

@@ -9,6 +9,7 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,13 +23,15 @@ from sweep.schema import (
     FloatParam,
     StudyFileError,
     StudySpec,
+    did_you_mean,
     read_spec,
     validate_document,
 )
 from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.tasks import Task, TaskError, load_task
 
-__all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "trainer_problems"]
+__all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "store_problems",
+           "trainer_problems"]
 
 
 def load_spec(path: str | Path, overrides: Sequence[str] = (), *, check_trainer: bool = True) -> tuple[StudySpec, Path]:
@@ -79,17 +82,18 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     for key, param in spec.space.items():
         where = f"space.{key}"
         if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model") or key.startswith("fast_fail."):
-            problems.append((where, "not a searchable TrainingConfig key; expected one of: "
-                                    + ", ".join(k for k in TrainingConfig.keys()
-                                                if k not in ("task", "task_args", "fast_fail"))
-                                    + ", model.<key>, task_args.<key>"))
+            searchable = [k for k in TrainingConfig.keys() if k not in ("task", "task_args", "fast_fail")]
+            problems.append((where, "not a searchable TrainingConfig key"
+                                    + did_you_mean(key, [*searchable, *(f"model.{k}" for k in task.model_defaults)])
+                                    + "; expected one of: " + ", ".join(searchable) + ", model.<key>, task_args.<key>"))
             continue
         if key in fixed_keys:
             problems.append((where, "is both fixed and searched; remove it from one of them"))
             continue
         if key.startswith("model.") and key.removeprefix("model.") not in task.model_defaults:
-            problems.append((where, f"unknown key for task {task.name!r}; expected one of: "
-                                    + ", ".join(f"model.{k}" for k in sorted(task.model_defaults))))
+            known = [f"model.{k}" for k in sorted(task.model_defaults)]
+            problems.append((where, f"unknown key for task {task.name!r}{did_you_mean(key, known)}; expected one of: "
+                                    + ", ".join(known)))
             continue
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))
@@ -120,8 +124,37 @@ def _config_problems(values: dict[str, Any], task: Task) -> list[tuple[str, str]
     try:
         config = TrainingConfig.from_dict(values)
     except ConfigError as exc:  # fast_fail.* values come from the pruner, whose own check reports them
-        return [(key, message) for key, message in exc.problems if not key.startswith("fast_fail")]
-    return task.model_problems(config.model)
+        return [(key, _suggest(key, message)) for key, message in exc.problems if not key.startswith("fast_fail")]
+    return [(key, _suggest(key, message)) for key, message in task.model_problems(config.model)]
+
+
+def _suggest(key: str, message: str) -> str:
+    """The trainer's "unknown key; expected one of: a, b" with a "did you mean" for the closest of them."""
+    head, found, options = message.partition("; expected one of: ")
+    if not found or not head.startswith("unknown key"):
+        return message
+    return f"{head}{did_you_mean(key.rpartition('.')[2], options.split(', '))}{found}{options}"
+
+
+def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
+    """Whether the study's checkpoint folder can be made where it goes (`checkpoints.store`, or next to the SQLite
+    file), checked before anything is created: no part of it may be a file, and its nearest existing folder must
+    be writable. An object store is not contacted here."""
+    from sweep.registry import default_store
+
+    store = spec.checkpoints.store
+    if store is not None and "://" in store:
+        return []
+    folder = Path(store).expanduser() if store is not None else default_store(storage_url)
+    which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
+    for path in (folder / spec.name, folder, *folder.resolve().parents):
+        if path.exists():
+            if not path.is_dir():
+                return [(which, f"{path} is a file; the checkpoints need a folder there")]
+            if not os.access(path, os.W_OK | os.X_OK):
+                return [(which, f"cannot create folders in {path}: permission denied")]
+            return []
+    return []
 
 
 def _expected_type(key: str, task: Task) -> type | None:
