@@ -9,7 +9,6 @@ Each command imports the library it needs when it runs, not when this module loa
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import ipaddress
@@ -17,10 +16,8 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -83,6 +80,7 @@ def run(
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
     from sweep import results
+    from sweep.signals import graceful_signals
     from sweep.spec import load_spec
     from sweep.storage import StorageUnavailable
     from sweep.study import (
@@ -134,7 +132,7 @@ def run(
         err.print(f"study {spec.name!r} in {mask_url(url)}: {status_now['budget_used']}/{spec.n_trials} trials done",
                   markup=False)
     try:
-        with _preemptible():
+        with graceful_signals():
             if workers > 1:
                 codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
             else:
@@ -480,23 +478,6 @@ def _code_named_by(target: str) -> set[str]:
 
     spec = _study_file_spec(target)
     return set() if spec is None else code_in_study(spec)
-
-
-@contextlib.contextmanager
-def _preemptible() -> Iterator[None]:
-    """SIGTERM (a scheduler taking the machine back) raises `Preempted` in the main thread, so the running trial is
-    marked and queued like on Ctrl-C, instead of the process dying with the trial left RUNNING."""
-    from sweep.worker import Preempted
-
-    def handler(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second signal must not cut the clean-up short
-        raise Preempted()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _cell(value: object) -> str:

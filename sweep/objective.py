@@ -39,6 +39,7 @@ from sweep.outcomes import (
     lineage,
 )
 from sweep.pruners import FastFailPruner
+from sweep.signals import raise_pending
 from sweep.storage import StorageAway
 from sweep.warmstart import shape_key
 from trainer import Task, TrainingConfig, load_task, train
@@ -78,10 +79,12 @@ class TrialReporter:
         self.speed: dict[str, float] = {}  # the latest throughput and memory, kept on the trial
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
         self.events.trial_log(self.trial.number, step, metrics)
         self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        raise_pending()
         value = metrics[self.metric]
         self.series.append((step, value))
         self.unsent.append((step, value))
@@ -230,7 +233,7 @@ class TrainerTrial:
                    if spec.warm_start.enabled else 0)
         if spec.checkpoints.enabled:
             self.checkpointer = self.checkpoints.checkpointer(trial.number, params, key, handoff)
-        start = self._resume()
+        start = self._resume(config)
         if start is None and handoff:
             found = self.checkpoints.warm_start(trial.number, params, config, key, handoff)
             if found is not None:
@@ -239,7 +242,7 @@ class TrainerTrial:
                 start = _Start(warm=warm)
         return start or _Start()
 
-    def _resume(self) -> _Start | None:
+    def _resume(self, config: TrainingConfig) -> _Start | None:
         trial = self.trial
         if self.checkpoints is None or trial.user_attrs.get("retry_of") is None:
             return None
@@ -250,7 +253,8 @@ class TrainerTrial:
         source = trials[found.trial]
         prior = {step: value for step, value in source.intermediate_values.items() if step <= found.step}
         stored = found.state.metrics.get(self.spec.metric)
-        if found.step not in prior and stored is not None:
+        evaluated = found.step % config.eval_every_steps == 0 or found.step == config.max_steps
+        if found.step not in prior and stored is not None and evaluated:
             prior[found.step] = stored  # evaluated and checkpointed, but lost before its report was stored
         for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
             trial.report(value, step)

@@ -30,6 +30,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 __all__ = [
     "ATTR_CONFIG",
+    "Fault",
     "Outcome",
     "TimedOut",
     "TrialResult",
@@ -179,9 +180,18 @@ _ANYWHERE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 _UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ESTALE}
 
 
-def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePath] = ()) -> str | None:
-    """A one-line reason naming the path (and, for a full disk, the space left there) when `exc`, or an error it
-    was raised from, is a fault of the machine; None when it is the config's."""
+@dataclass(frozen=True)
+class Fault:
+    """A fault of the machine: the one-line reason stored on the trial, and its kind (the error in a folder, without
+    the file: the same full disk fails each trial on another file)."""
+
+    reason: str
+    kind: str
+
+
+def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePath] = ()) -> Fault | None:
+    """The fault, with a reason naming the path (and, for a full disk, the space left there), when `exc`, or an error
+    it was raised from, is a fault of the machine; None when it is the config's."""
     seen: set[int] = set()
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:
@@ -192,7 +202,9 @@ def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePat
             if error.errno in _ANYWHERE or (error.errno in _UNDER_OWN_FOLDERS and own):
                 text = str(error) if path is None or path in str(error) else f"{error.strerror}: {path}"
                 free = _free_space(path) if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-                return text + ("" if "free)" in text else free)
+                folder = "" if path is None else str(PurePath(path).parent)
+                return Fault(text + ("" if " free" in text else free),
+                             f"{errno.errorcode.get(error.errno, error.errno)} in {folder}")
         error = error.__cause__ or error.__context__
     return None
 

@@ -433,10 +433,17 @@ def _structure_problems(text: str, prefix: str = "") -> list[tuple[str, str]]:
         return None
 
     def check_tag(event: Any, path: str) -> None:
-        if event.tag is not None and event.tag not in _PLAIN_TAGS:
-            tag = event.tag.replace(_CORE, "!!")
+        if event.tag is None:
+            return
+        tag = event.tag.replace(_CORE, "!!")
+        if event.tag not in _PLAIN_TAGS:
             problems.append((where(path), f"line {line}: the tag {short_repr(tag)} is not allowed; a study file holds "
                                           "plain values (numbers, strings, true/false, lists, mappings)"))
+        elif isinstance(event, yaml.ScalarEvent) and event.tag.startswith(_CORE):
+            try:  # `!!int abc`: the value its tag refuses, found here where its key is known
+                loader.construct_object(yaml.ScalarNode(event.tag, event.value))
+            except Exception:  # noqa: BLE001 - PyYAML's constructors raise what their conversion raises
+                problems.append((where(path), f"line {line}: {short_repr(event.value)} is not a valid {tag}"))
 
     loader = _LOADER(text)
     line = 1
@@ -508,7 +515,7 @@ def load_yaml(text: str, source: str | Path, prefix: str = "") -> Any:
         return yaml.load(text, Loader=_LOADER)  # the safe loader: libyaml's CSafeLoader, or SafeLoader
     except yaml.YAMLError as exc:
         raise StudyFileError(source, [(prefix, _yaml_error(exc, text))]) from None
-    except (ValueError, TypeError, OverflowError) as exc:  # a value its tag refuses: `!!int abc`, `2024-13-45`
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a value its tag refuses (checked above)
         raise StudyFileError(source, [(prefix, f"a value YAML cannot read: {short_repr(str(exc))}")]) from None
 
 
@@ -615,6 +622,7 @@ def _dotted(loc: Sequence[str]) -> str:
     """`['space', 'lr', 'choices', '1']` as `space.lr.choices[1]`."""
     text = ""
     for part in loc:
+        part = part if len(part) <= 60 else part[:60] + "..."  # a key can be as long as the file
         text += f"[{part}]" if part.isdigit() and text else f".{part}" if text else part
     return text
 

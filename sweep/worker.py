@@ -38,6 +38,7 @@ from sweep.outcomes import (
     ATTR_TRACEBACK,
     LOST_REASON,
     STOP_ATTR,
+    Fault,
     Outcome,
     TimedOut,
     TrialResult,
@@ -48,17 +49,13 @@ from sweep.outcomes import (
 )
 from sweep.progress import Events, NoEvents
 from sweep.schema import StudySpec
+from sweep.signals import Preempted, raise_pending
 from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
            "request_stop"]
 
 MAX_INFRA_REPEATS = 3  # the same fault of the machine this many times in a row stops the worker
-
-
-class Preempted(BaseException):
-    """SIGTERM: the machine is being taken away (a spot instance, a cluster's preemption). Like Ctrl-C, the running
-    trial is marked and queued again; the retry resumes from its last checkpoint."""
 
 
 class StudyBrokenError(Exception):
@@ -103,6 +100,7 @@ class Worker:
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
         self.sampler_stopped = False
+        self.fault_kind: str | None = None  # the latest fault of the machine, as compared for repeats
         self.started = time.monotonic()  # the sampler has tried every point of the space (brute force, grid)
 
     def run(self) -> RunSummary:
@@ -111,6 +109,7 @@ class Worker:
             self.checkpoints.reconcile()
         first = True
         while True:
+            raise_pending()
             if self.timeout is not None and time.monotonic() - started >= self.timeout:
                 return self._summary(timed_out=True)
             if self._stop_requested(started_wall):
@@ -149,8 +148,8 @@ class Worker:
                 result = runner.run()
         except (KeyboardInterrupt, Preempted, TimedOut) as exc:
             outcome = Outcome.PREEMPTED if isinstance(exc, Preempted) else Outcome.INTERRUPTED
-            reason = {KeyboardInterrupt: "interrupted", Preempted: "preempted (SIGTERM)",
-                      TimedOut: f"interrupted: --timeout of {self.timeout:g} s"}[type(exc)]
+            reason = ("preempted (SIGTERM)" if isinstance(exc, Preempted) else
+                      f"interrupted: --timeout of {self.timeout:g} s" if isinstance(exc, TimedOut) else "interrupted")
             self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
             if isinstance(exc, TimedOut):
                 return None  # the loop sees the timeout and stops
@@ -165,9 +164,11 @@ class Worker:
         folders = self.checkpoints.folders if self.checkpoints is not None else []
         fault = infrastructure_fault(exc, folders)
         if fault is None and is_transient(exc):
-            fault = f"lost connection: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            fault = Fault(f"lost connection: {type(exc).__name__}: {first}", f"connection: {type(exc).__name__}")
         if fault is not None:
-            return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault}"})
+            self.fault_kind = fault.kind
+            return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}"})
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
                                                   ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
 
@@ -210,7 +211,7 @@ class Worker:
         self.study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
                                                            ATTR_RETRY_DEPTH: depth})
         if infrastructure:
-            kind = reason.split(":")[1].strip() if ":" in reason else reason
+            kind = self.fault_kind  # the same errno in the same folder, whichever file it was
             count = self.infra[0] + 1 if self.infra[1] == kind else 1
             self.infra = (count, kind)
             if count >= MAX_INFRA_REPEATS:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sweep.signals import raise_pending
+
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
@@ -80,7 +82,10 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
             worker_env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
         processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=worker_env))
     try:
-        return [process.wait() for process in processes]
+        while any(process.poll() is None for process in processes):
+            raise_pending()  # Ctrl-C or SIGTERM sent to this process alone: passed on below
+            time.sleep(0.2)
+        return [process.returncode for process in processes]
     except KeyboardInterrupt:
         _stop(processes, grace_s)
         raise
