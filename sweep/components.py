@@ -205,9 +205,9 @@ def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.
         if inner is not None:
             try:
                 inner_component = Component.model_validate(inner)
-            except ValueError as exc:
-                raise StudyFileError("", [(f"{where}.{key}", f"expected a pruner name or {{type: ...}}: {exc}")]) \
-                    from None
+            except ValueError:
+                raise StudyFileError("", [(f"{where}.{key}", "expected a pruner name or {type: ...}, got "
+                                                            f"{short_repr(inner)}")]) from None
             args[parameter] = build_pruner(inner_component, f"{where}.{key}")
     return _instantiate(where, PRUNERS, component.type, args)
 

@@ -17,13 +17,13 @@ from urllib.parse import urlparse
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AllowInfNan,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -101,7 +101,17 @@ class IntParam(_Model):
         return trial.suggest_int(name, self.low, self.high, log=self.log, step=self.step)
 
 
-Choice = Union[StrictBool, StrictInt, Annotated[StrictFloat, AllowInfNan(False)], StrictStr, None]
+def _plain_choice(value: Any) -> Any:
+    """A categorical choice is a plain value: a number (finite), a string, true/false or null. One check, so a bad
+    choice is one line (a union of types would report one per type)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise ValueError(f"expected a number, a string, true/false or null, got {short_repr(value)}")
+    return value
+
+
+Choice = Annotated[Any, AfterValidator(_plain_choice)]
 
 
 class CategoricalParam(_Model):

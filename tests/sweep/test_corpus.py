@@ -1,0 +1,683 @@
+"""The corpus of malformed inputs: study files and command lines that must be refused.
+
+Every case, whatever its kind, is held to one contract (`test_malformed_input_is_refused`): exit code 2; on stderr,
+one line per problem that names the file and the key (or the option), and nothing else (no traceback; a command
+given no target prints its usage line first); nothing created or written in the folder; and an answer well within a
+second (the bound asserted is 5 s, slack for a loaded machine; the cases take a few hundredths of a second). The
+command runs in process (`sweep_cli`), so the time is the validation's, not an interpreter's start.
+
+Cases are grouped by kind in tables; a kind's table says what a fix must hold for the kind, not for one file.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
+
+STUDY = "study.yaml"  # every case runs in its own folder, with the study file (if any) under this name
+WALL_LIMIT_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str
+    id: str
+    args: tuple[str, ...]  # the command line after `sweep`; "{tmp}" stands for the case's folder
+    lines: tuple[str, ...]  # what each stderr line starts with (after "error: "), in order: one per problem
+    fragment: str  # somewhere in stderr: the message says what is wrong
+    document: dict[str, Any] | str | bytes | None = None  # the study file; None: none is written
+    setup: Callable[[Path], None] | None = None  # makes what the case needs in the folder (before the listing)
+    usage: bool = False  # a usage line comes first
+    absent: str | None = None  # a module the case needs to be missing (a database driver)
+
+
+def changed(**edits: Any) -> dict[str, Any]:
+    """TINY_STUDY with edits by key path (`space__learning_rate__low=...`, `__` between keys); ... deletes a key."""
+    document = copy.deepcopy(TINY_STUDY)
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split("__")
+        node = document
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is ...:
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    return document
+
+
+TINY_YAML = yaml.safe_dump(TINY_STUDY, sort_keys=False)
+
+
+def yaml_with(*extra: str, replace: tuple[str, str] | None = None) -> str:
+    """TINY_STUDY as YAML text, with a textual replacement and extra lines (for what a dict cannot hold: duplicate
+    keys, tags, anchors)."""
+    text = TINY_YAML if replace is None else TINY_YAML.replace(*replace)
+    assert replace is None or text != TINY_YAML, f"{replace[0]!r} is not in TINY_STUDY's YAML"
+    return text + "".join(line + "\n" for line in extra)
+
+
+def bad_file(kind: str, id: str, document: dict[str, Any] | str | bytes, key: str | tuple[str, ...], fragment: str,
+             *, args: tuple[str, ...] = (), setup: Callable[[Path], None] | None = None) -> Case:
+    """`sweep run study.yaml ARGS` with this study file: one line per key, `study.yaml: KEY: ...`."""
+    keys = (key,) if isinstance(key, str) else key
+    return Case(kind, id, ("run", STUDY, *args), tuple(_start(k) for k in keys), fragment, document, setup)
+
+
+def _start(key: str) -> str:
+    """How the line of a problem at `key` starts. A key ending in `*` is the start of one: a deep path is cut short
+    in the message (30 levels of `[0]` say no more than 10)."""
+    if key.endswith("*"):
+        return f"{STUDY}: {key[:-1]}"
+    return f"{STUDY}: {key}: " if key else f"{STUDY}: "
+
+
+def bad_args(kind: str, id: str, args: tuple[str, ...], line: str | tuple[str, ...], fragment: str, *,
+             document: dict[str, Any] | str | bytes | None = TINY_STUDY, setup: Callable[[Path], None] | None = None,
+             usage: bool = False, absent: str | None = None) -> Case:
+    """`sweep ARGS` (with TINY_STUDY as study.yaml unless `document` says otherwise): one line per problem."""
+    return Case(kind, id, args, (line,) if isinstance(line, str) else line, fragment, document, setup, usage, absent)
+
+
+def _file(name: str, content: str = "not a folder\n") -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_text(content)
+
+
+def _folder(name: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).mkdir()
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = [1]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+LR = "space.learning_rate"
+HIDDEN = "space.model.hidden"
+FLOAT = {"type": "float", "low": 1e-3, "high": 1e-1}
+
+TYPES = [
+    bad_file("types", "n_trials-true", changed(n_trials=True), "n_trials", "valid integer, got True"),
+    bad_file("types", "n_trials-false", changed(n_trials=False), "n_trials", "valid integer, got False"),
+    bad_file("types", "n_trials-quoted", changed(n_trials="3"), "n_trials", "valid integer, got '3'"),
+    bad_file("types", "n_trials-float", changed(n_trials=3.5), "n_trials", "valid integer, got 3.5"),
+    bad_file("types", "n_trials-list", changed(n_trials=[3]), "n_trials", "valid integer"),
+    bad_file("types", "n_trials-null", changed(n_trials=None), "n_trials", "valid integer, got None"),
+    bad_file("types", "n_trials-str-tag", yaml_with(replace=("n_trials: 3", "n_trials: !!str 3")), "n_trials",
+             "valid integer, got '3'"),
+    bad_file("types", "seed-true", changed(seed=True), "seed", "valid integer, got True"),
+    bad_file("types", "seed-float", changed(seed=1.5), "seed", "valid integer"),
+    bad_file("types", "timeout-true", changed(timeout=True), "timeout", "expected a number, got True"),
+    bad_file("types", "timeout-word", changed(timeout="soon"), "timeout", "valid number"),
+    bad_file("types", "name-number", changed(name=2024), "name", "valid string, got 2024"),
+    bad_file("types", "direction-number", changed(direction=1), "direction", "'minimize' or 'maximize'"),
+    bad_file("types", "metric-list", changed(metric=["val_loss"]), "metric", "valid string"),
+    bad_file("types", "low-word", changed(space__learning_rate={**FLOAT, "low": "abc"}), f"{LR}.low",
+             "valid number"),
+    bad_file("types", "low-bool", changed(space__learning_rate={**FLOAT, "low": True}), f"{LR}.low",
+             "expected a number, got True"),
+    bad_file("types", "log-quoted-yes", changed(space__learning_rate={**FLOAT, "log": "yes"}), f"{LR}.log",
+             "valid boolean, got 'yes'"),
+    bad_file("types", "int-low-float", changed(space__model__hidden=None, space={"model.hidden": {
+        "type": "int", "low": 8.5, "high": 32}}), f"{HIDDEN}.low", "valid integer, got 8.5"),
+    bad_file("types", "int-high-bool", changed(space={"model.hidden": {"type": "int", "low": 8, "high": True}}),
+             f"{HIDDEN}.high", "valid integer, got True"),
+    bad_file("types", "choices-string", changed(space={"optimizer": {"type": "categorical", "choices": "adam"}}),
+             "space.optimizer.choices", "valid list"),
+    bad_file("types", "choices-mapping-item", changed(space={"optimizer": {"type": "categorical",
+                                                                            "choices": [{"a": 1}]}}),
+             "space.optimizer.choices[0]", "expected a number, a string, true/false or null, got {'a': 1}"),
+    bad_file("types", "checkpoints-number", changed(checkpoints=5), "checkpoints", "valid dictionary"),
+    bad_file("types", "on_best-quoted", changed(checkpoints={"on_best": "yes"}), "checkpoints.on_best",
+             "valid boolean"),
+    bad_file("types", "keep_top_k-float", changed(checkpoints={"keep_top_k": 1.5}), "checkpoints.keep_top_k",
+             "valid integer"),
+    bad_file("types", "warm_start-word", changed(warm_start="yes please"), "warm_start", "valid dictionary"),
+    bad_file("types", "fixed-list", changed(fixed=[1, 2]), "fixed", "valid dictionary"),
+    bad_file("types", "space-list", changed(space=["learning_rate"]), "space", "valid dictionary"),
+    bad_file("types", "task-number", changed(task=5), "task", "valid dictionary"),
+    bad_file("types", "task-args-list", changed(task={"name": "digits", "args": [1]}), "task.args",
+             "valid dictionary"),
+    bad_file("types", "max_repeated_failures-bool", changed(max_repeated_failures=False), "max_repeated_failures",
+             "valid integer, got False"),
+    bad_file("types", "heartbeat-quoted", changed(heartbeat_interval="10"), "heartbeat_interval", "valid integer"),
+    bad_file("types", "storage_patience-bool", changed(storage_patience=True), "storage_patience",
+             "expected a number"),
+    bad_file("types", "fixed-int-bool", changed(fixed__batch_size=True), "fixed.batch_size", "expected an integer"),
+    bad_file("types", "sampler-number", changed(sampler=5), "sampler", "valid dictionary"),
+    bad_file("types", "top-level-list", "- name: x\n- n_trials: 3\n", "", "expected a mapping of study keys"),
+    bad_file("types", "top-level-scalar", "just a sentence\n", "", "expected a mapping of study keys, got str"),
+]
+
+RANGES = [
+    bad_file("ranges", "n_trials-zero", changed(n_trials=0), "n_trials", "greater than or equal to 1"),
+    bad_file("ranges", "n_trials-negative", changed(n_trials=-1), "n_trials", "greater than or equal to 1"),
+    bad_file("ranges", "seed-negative", changed(seed=-1), "seed", "greater than or equal to 0"),
+    bad_file("ranges", "seed-above-2**32", changed(seed=2**32), "seed", "less than or equal to 4294967295"),
+    bad_file("ranges", "timeout-zero", changed(timeout=0), "timeout", "greater than 0"),
+    bad_file("ranges", "timeout-inf", yaml_with("timeout: .inf"), "timeout", "finite number"),
+    bad_file("ranges", "storage_patience-nan", yaml_with("storage_patience: .nan"), "storage_patience",
+             "got nan"),
+    bad_file("ranges", "low-above-high", changed(space__learning_rate={**FLOAT, "low": 0.2}), LR, "low <= high"),
+    bad_file("ranges", "log-low-zero", changed(space__learning_rate={**FLOAT, "low": 0, "log": True}), LR,
+             "needs low > 0"),
+    bad_file("ranges", "low-minus-inf", yaml_with(replace=("low: 0.001", "low: -.inf")), f"{LR}.low",
+             "finite number, got -inf"),
+    bad_file("ranges", "high-inf", yaml_with(replace=("high: 0.1", "high: .inf")), f"{LR}.high",
+             "finite number, got inf"),
+    bad_file("ranges", "high-nan", yaml_with(replace=("high: 0.1", "high: .NaN")), f"{LR}.high",
+             "finite number, got nan"),
+    bad_file("ranges", "high-inf-string", changed(space__learning_rate={**FLOAT, "high": "inf"}), f"{LR}.high",
+             "finite number"),
+    bad_file("ranges", "range-overflows", changed(space__learning_rate={"type": "float", "low": -1e308,
+                                                                        "high": 1e308}), LR, "too wide"),
+    bad_file("ranges", "float-step-zero", changed(space__learning_rate={**FLOAT, "step": 0}), f"{LR}.step",
+             "greater than 0"),
+    bad_file("ranges", "int-step-zero", changed(space={"model.hidden": {"type": "int", "low": 8, "high": 32,
+                                                                        "step": 0}}),
+             f"{HIDDEN}.step", "greater than or equal to 1"),
+    bad_file("ranges", "choices-empty", changed(space={"optimizer": {"type": "categorical", "choices": []}}),
+             "space.optimizer.choices", "at least 1 item"),
+    bad_file("ranges", "choice-nan", yaml_with("  batch_size: {type: categorical, choices: [16, .nan]}"),
+             "space.batch_size.choices[1]", "expected a finite number, got nan"),
+    bad_file("ranges", "heartbeat-zero", changed(heartbeat_interval=0), "heartbeat_interval",
+             "greater than or equal to 1"),
+    bad_file("ranges", "grace-below-two-beats", changed(heartbeat_interval=30, heartbeat_grace_period=40),
+             "heartbeat_grace_period", "at least twice heartbeat_interval"),
+    bad_file("ranges", "handoff-above-1", changed(warm_start={"handoff": 1.5}), "warm_start.handoff",
+             "less than 1"),
+    bad_file("ranges", "max_distance-zero", changed(warm_start={"max_distance": 0}), "warm_start.max_distance",
+             "greater than 0"),
+    bad_file("ranges", "keep_top_k-zero", changed(checkpoints={"keep_top_k": 0}), "checkpoints.keep_top_k",
+             "greater than or equal to 1"),
+    bad_file("ranges", "fixed-value", changed(fixed__batch_size=0), "fixed.batch_size", ""),
+]
+
+
+def _bytes(text: str) -> bytes:
+    return text.encode()
+
+
+ENCODINGS = [
+    bad_file("encodings", "binary", bytes(range(256)) * 4, "", "NUL byte: this is a binary file"),
+    bad_file("encodings", "png-header", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "", "binary file"),
+    bad_file("encodings", "latin-1", _bytes(TINY_YAML).replace(b"name: tiny", b"name: t\xe9l\xe9"), "",
+             "line 1, column 8: byte 0xe9 is not UTF-8"),
+    bad_file("encodings", "utf-16-le-bom", b"\xff\xfe" + TINY_YAML.encode("utf-16-le"), "",
+             "the file is UTF-16 text; save it as UTF-8"),
+    bad_file("encodings", "utf-16-be-bom", b"\xfe\xff" + TINY_YAML.encode("utf-16-be"), "", "UTF-16"),
+    bad_file("encodings", "utf-32-le-bom", b"\xff\xfe\x00\x00" + TINY_YAML.encode("utf-32-le"), "", "UTF-32"),
+    bad_file("encodings", "utf-16-no-bom", TINY_YAML.encode("utf-16-le"), "", "NUL byte"),
+    bad_file("encodings", "nul-in-text", _bytes(TINY_YAML + "description: a\x00b\n"), "", "NUL byte"),
+    bad_file("encodings", "bell-character", TINY_YAML + "description: ring \x07\n", "", "U+0007 is not allowed"),
+    bad_file("encodings", "escape-character", TINY_YAML + "description: \x1b[31mred\n", "", "U+001B"),
+    bad_file("encodings", "utf-8-surrogate", _bytes(TINY_YAML) + b"description: \xed\xa0\x80\n", "",
+             "byte 0xed is not UTF-8"),
+    bad_file("encodings", "overlong-utf-8", _bytes(TINY_YAML) + b"description: \xc0\xaf\n", "", "not UTF-8"),
+    bad_file("encodings", "truncated-utf-8", _bytes(TINY_YAML) + b"description: \xe2\x82", "", "not UTF-8"),
+    bad_file("encodings", "bom-then-bad-key", "\ufeff" + yaml_with("n_trails: 3"), "n_trails", "unknown key"),
+]
+
+HUGE = 2 * 1024 * 1024
+SIZES = [
+    bad_file("sizes", "huge-file", "# padding\n" * (HUGE // 10), "", "larger than 1 MiB"),
+    bad_file("sizes", "huge-string-value", changed(description="x" * HUGE), "", "larger than 1 MiB"),
+    bad_file("sizes", "many-keys", changed(task={"name": "digits", "args": {f"k{i}": i for i in range(12_000)}}),
+             "task.args", "more than 10000 values"),
+    bad_file("sizes", "long-list", yaml_with("description: [" + "0, " * 20_000 + "0]"), "description",
+             "more than 10000 values"),
+    bad_file("sizes", "empty-file", "", "", "the file is empty"),
+    bad_file("sizes", "only-comments", "# a study, some day\n", "", "the file is empty"),
+    bad_file("sizes", "only-whitespace", "\n   \n\n", "", "the file is empty"),
+    bad_file("sizes", "long-name", changed(name="n" * 500_000), "name", "at most 128 characters"),
+    bad_file("sizes", "long-unknown-key", changed(**{"k" * 100_000: 1}), "k" * 60 + "...", "unknown key"),
+]
+
+NESTING = [
+    bad_file("nesting", "5000-brackets", yaml_with("description: " + "[" * 5000 + "]" * 5000), "",
+             "nesting depth"),
+    bad_file("nesting", "5000-braces", yaml_with("description: " + "{a: " * 5000 + "1" + "}" * 5000),
+             "description.a.a.a*", "nested more than 32 levels deep"),
+    bad_file("nesting", "40-brackets", yaml_with("description: " + "[" * 40 + "]" * 40),
+             "description" + "[0]" * 10 + "*", "nested more than 32 levels deep"),
+    bad_file("nesting", "40-block-mappings", yaml_with("deep:", *("  " * (i + 1) + "a:" for i in range(40)),
+                                                       "  " * 41 + "1"),
+             "deep" + ".a" * 10 + "*", "nested more than 32"),
+    bad_file("nesting", "compact-block-lists", yaml_with("description: ", "  " + "- " * 100 + "1"),
+             "description" + "[0]" * 10 + "*", "nested more than 32"),
+    bad_file("nesting", "deep-in-task-args", changed(task={"name": "digits", "args": {"a": _nested(36)}}),
+             "task.args.a" + "[0]" * 10 + "*", "nested more than 32"),
+    bad_file("nesting", "deep-through-aliases", yaml_with("x-deep: &deep " + "[" * 20 + "1" + "]" * 20,
+                                                          "description: " + "[" * 20 + "*deep" + "]" * 20),
+             "description" + "[0]" * 10 + "*", "nested more than 32"),
+]
+
+LAUGHS = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 10))
+ALIASES = [
+    bad_file("aliases", "billion-laughs", yaml_with('l0: &l0 "lol"', LAUGHS), "l5",
+             "more than 10000 values once its aliases are expanded"),
+    bad_file("aliases", "billion-laughs-mappings", yaml_with("m0: &m0 {a: lol, b: lol}", *(
+        f"m{i}: &m{i} {{" + ", ".join(f"k{j}: *m{i - 1}" for j in range(9)) + "}" for i in range(1, 10))),
+             "m4", "alias bomb"),
+    bad_file("aliases", "quadratic", yaml_with("x-row: &row [" + ", ".join(["1"] * 200) + "]",
+                                               "description: [" + ", ".join(["*row"] * 200) + "]"),
+             "description", "more than 10000 values"),
+    bad_file("aliases", "merge-key-bomb", yaml_with("x0: &x0 {" + ", ".join(f"k{j}: [1,2,3,4,5,6,7,8,9]"
+                                                                             for j in range(50)) + "}",
+                                                    *(f"x{i}: &x{i} {{<<: *x{i - 1}, " + ", ".join(
+                                                        f"y{j}: *x{i - 1}" for j in range(9)) + "}"
+                                                      for i in range(1, 6))),
+             "x2", "more than 10000 values"),
+    bad_file("aliases", "recursive-alias", yaml_with("description: &loop [1, *loop]"), "description[1]",
+             "refers to a value that holds it"),
+    bad_file("aliases", "recursive-mapping", yaml_with("x-self: &self {a: *self}"), "x-self.a", "(a loop)"),
+    bad_file("aliases", "undefined-alias", yaml_with(replace=("n_trials: 3", "n_trials: *budget")), "n_trials",
+             "*budget has no anchor &budget before it"),
+    bad_file("aliases", "alias-as-key", yaml_with("x-key: &k n_trials", "*k : 5"), "",
+             "a key must be a plain name"),
+    bad_file("aliases", "anchor-on-key", yaml_with("&k n_trials2: 5"), "", "a key must be a plain name"),
+    bad_file("aliases", "forward-alias", yaml_with("description: *later", "x-later: &later text"),
+             "description", "has no anchor &later before it"),
+]
+
+TAGS = [
+    bad_file("tags", "python-object", yaml_with("description: !!python/object:os.system echo"), "description",
+             "the tag '!!python/object:os.system' is not allowed"),
+    bad_file("tags", "python-object-apply", yaml_with("description: !!python/object/apply:os.system [echo hi]"),
+             "description", "!!python/object/apply:os.system"),
+    bad_file("tags", "python-name", yaml_with(replace=("task: digits", "task: !!python/name:os.system ''")),
+             "task", "!!python/name:os.system"),
+    bad_file("tags", "python-module", yaml_with("description: !!python/module:os ''"), "description",
+             "!!python/module:os"),
+    bad_file("tags", "local-tag", yaml_with(replace=("n_trials: 3", "n_trials: !budget 3")), "n_trials",
+             "the tag '!budget' is not allowed"),
+    bad_file("tags", "binary", yaml_with("description: !!binary aGVsbG8="), "description", "'!!binary'"),
+    bad_file("tags", "set", yaml_with("description: !!set {a, b}"), "description", "'!!set'"),
+    bad_file("tags", "omap", yaml_with("description: !!omap [a: 1]"), "description", "'!!omap'"),
+    bad_file("tags", "timestamp", yaml_with("description: !!timestamp 2024-01-01"), "description",
+             "'!!timestamp'"),
+    bad_file("tags", "verbatim-tag", yaml_with("description: !<tag:example.com,2024:x> y"), "description",
+             "is not allowed"),
+    bad_file("tags", "int-tag-on-word", yaml_with(replace=("n_trials: 3", "n_trials: !!int three")), "n_trials",
+             "'three' is not a valid !!int"),
+    bad_file("tags", "bool-tag-on-word", yaml_with("x-flag: !!bool maybe"), "x-flag",
+             "'maybe' is not a valid !!bool"),
+    bad_file("tags", "tag-on-mapping", yaml_with("checkpoints: !!python/object:x {on_best: true}"),
+             "checkpoints", "!!python/object:x"),
+]
+
+DUPLICATES = [
+    bad_file("duplicates", "top-level", yaml_with("n_trials: 100"), "n_trials",
+             "duplicate key (lines 2 and 23)"),
+    bad_file("duplicates", "in-space", yaml_with(replace=("  model.hidden:", "  learning_rate:\n    type: int\n"
+                                                           "    low: 1\n    high: 2\n  model.hidden:")),
+             LR, "duplicate key (lines 14 and 19)"),
+    bad_file("duplicates", "in-a-parameter", yaml_with(replace=("    low: 0.001\n", "    low: 0.001\n"
+                                                                                   "    low: 0.0001\n")),
+             f"{LR}.low", "duplicate key (lines 16 and 17)"),
+    bad_file("duplicates", "in-fixed", yaml_with(replace=("  batch_size: 32\n", "  batch_size: 32\n"
+                                                                                "  batch_size: 64\n")),
+             "fixed.batch_size", "duplicate key"),
+    bad_file("duplicates", "in-flow-mapping", yaml_with("checkpoints: {keep_top_k: 1, keep_top_k: 2}"),
+             "checkpoints.keep_top_k", "twice on line 23"),
+    bad_file("duplicates", "in-list-item", yaml_with("  optimizer: {type: categorical, choices: [{a: 1, a: 2}]}"),
+             "space.optimizer.choices[0].a", "duplicate key"),
+    bad_file("duplicates", "quoted-and-plain", yaml_with('"n_trials": 4'), "n_trials", "duplicate key"),
+    bad_file("duplicates", "two-levels", yaml_with("seed: 1", "seed: 2", "checkpoints: {on_best: true, "
+                                                                         "on_best: false}"),
+             ("seed", "seed", "checkpoints.on_best"), "duplicate key (lines 3 and 24)"),
+    bad_file("duplicates", "in-task-args", yaml_with(replace=("task: digits", "task: {name: digits, args: {n: 1, "
+                                                                 "n: 2}}")), "task.args.n", "duplicate key"),
+]
+
+
+def _foreign_study(folder: Path) -> None:
+    """An Optuna study that sweep did not create, with four finished trials."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="theirs", storage=f"sqlite:///{folder / 'theirs.db'}")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=4)
+
+
+NAMES = [
+    bad_file("names", "dot", changed(name="."), "name", "'.' is not a folder of its own"),
+    bad_file("names", "dot-dot", changed(name=".."), "name", "'..' is not a folder of its own"),
+    bad_file("names", "empty", changed(name=""), "name", "expected a study name, got ''"),
+    bad_file("names", "slash", changed(name="a/b"), "name", "(the name is a folder), got 'a/b'"),
+    bad_file("names", "parent-escape", changed(name="../escape"), "name", "got '../escape'"),
+    bad_file("names", "absolute", changed(name="/etc/sweep"), "name", "got '/etc/sweep'"),
+    bad_file("names", "backslash", changed(name="a\\b"), "name", "the name is a folder"),
+    bad_file("names", "space", changed(name="my study"), "name", "the name is a folder"),
+    bad_file("names", "null", changed(name=None), "name", "valid string, got None"),
+    bad_args("names", "cli-dot-dot", ("run", STUDY, "--study-name", ".."), "--study-name: ",
+             "'..' is not a folder of its own"),
+    bad_args("names", "cli-slash", ("run", STUDY, "--study-name", "x/../../y"), "--study-name: ",
+             "the name is a folder"),
+    bad_args("names", "cli-empty", ("run", STUDY, "--study-name", ""), "--study-name: ",
+             "expected a study name, got ''"),
+    bad_args("names", "status-empty-name", ("status", "theirs.db", "--study-name", ""), "--study-name: ",
+             "expected a study name", document=None, setup=_foreign_study),
+]
+
+PATHS = [
+    bad_file("paths", "store-is-a-file", changed(checkpoints={"store": "afile"}), "checkpoints.store",
+             "afile is a file; the checkpoints need a folder there", setup=_file("afile")),
+    bad_file("paths", "store-under-a-file", changed(checkpoints={"store": "afile/sub"}), "checkpoints.store",
+             "is a file", setup=_file("afile")),
+    bad_file("paths", "store-empty", changed(checkpoints={"store": ""}), "checkpoints.store",
+             "expected a folder, s3://bucket/prefix or gs://bucket/prefix, got ''"),
+    bad_file("paths", "default-store-is-a-file", TINY_STUDY, "checkpoints.store (default: next to the SQLite file)",
+             "tiny.checkpoints is a file", setup=_file("tiny.checkpoints")),
+    bad_file("paths", "study-folder-is-a-file", changed(checkpoints={"store": "blobs"}), "checkpoints.store",
+             "blobs/tiny is a file", setup=lambda folder: (_folder("blobs")(folder), _file("blobs/tiny")(folder))),
+    bad_file("paths", "sqlite-folder-missing", changed(storage="sqlite:///missing/tiny.db"), "storage",
+             "missing does not exist"),
+    bad_args("paths", "sqlite-is-a-folder", ("run", STUDY, "--storage", "sqlite:///{tmp}/adir"), "--storage: ",
+             "adir is a folder", setup=_folder("adir")),
+    bad_args("paths", "sqlite-is-the-study-file", ("run", STUDY, "--storage", "sqlite:///{tmp}/study.yaml"),
+             "--storage: ", "study.yaml is not a SQLite database"),
+    bad_args("paths", "study-file-is-a-folder", ("run", "adir.yaml"), "adir.yaml: ",
+             "cannot read the study file: Is a directory", setup=_folder("adir.yaml")),
+    bad_args("paths", "study-file-missing", ("run", "missing.yaml"), "missing.yaml: ",
+             "cannot read the study file: No such file or directory"),
+    bad_args("paths", "status-of-a-text-file", ("status", "notes.txt"), "", "notes.txt is not a SQLite database",
+             setup=_file("notes.txt", "a" * 100)),
+    bad_args("paths", "status-of-nothing", ("status", "nothing"), "'nothing' is neither a study file nor a",
+             "give a study file, a .db file"),
+    bad_args("paths", "status-of-a-bad-file", ("status", STUDY), f"{STUDY}: n_trials: ", "valid integer",
+             document=changed(n_trials="x")),
+]
+
+URLS = [
+    bad_file("urls", "ftp-storage", changed(storage="ftp://x/y"), "storage", "unknown storage 'ftp'"),
+    bad_file("urls", "not-a-url", changed(storage="not a url"), "storage", "this is not one"),
+    bad_file("urls", "bare-scheme-separator", changed(storage="://"), "storage", "this is not one"),
+    bad_file("urls", "unknown-driver", changed(storage="postgresql+nosuchdriver://u@h/db"), "storage",
+             "unknown storage 'postgresql+nosuchdriver'"),
+    dataclasses.replace(bad_file("urls", "postgres-driver-missing", changed(storage="postgresql+pg8000://u@h/db"),
+                                 "storage", "pip install 'sweep[postgres]'"), absent="pg8000"),
+    bad_file("urls", "http-storage", changed(storage="http://example.com/db"), "storage", "unknown storage 'http'"),
+    bad_file("urls", "storage-empty", changed(storage=""), "storage", "expected a storage URL"),
+    bad_args("urls", "cli-ftp-storage", ("run", STUDY, "--storage", "ftp://x/y"), "--storage: ",
+             "unknown storage 'ftp'"),
+    bad_args("urls", "cli-unparsable-storage", ("run", STUDY, "--storage", "postgresql+psycopg://u:p@h:port/db"),
+             "--storage: ", "this is not one"),
+    bad_args("urls", "cli-postgres-driver-missing", ("run", STUDY, "--storage", "postgresql+pg8000://u:pw@h/db"),
+             "--storage: ", "pip install 'sweep[postgres]'", absent="pg8000"),
+    bad_args("urls", "status-ftp-storage", ("status", "--storage", "ftp://x/y", "--study-name", "x"), "--storage: ",
+             "unknown storage 'ftp'", document=None),
+    bad_file("urls", "store-ftp", changed(checkpoints={"store": "ftp://x/y"}), "checkpoints.store",
+             "got 'ftp://x/y'"),
+    bad_file("urls", "store-s3-no-bucket", changed(checkpoints={"store": "s3://"}), "checkpoints.store",
+             "with a bucket"),
+    bad_file("urls", "store-http", changed(checkpoints={"store": "http://host/blobs"}), "checkpoints.store",
+             "expected a folder"),
+    bad_file("urls", "store-file-url", changed(checkpoints={"store": "file:///tmp/blobs"}), "checkpoints.store",
+             "expected a folder"),
+]
+
+CLI = [
+    bad_args("cli values", "timeout-zero", ("run", STUDY, "--timeout", "0"), "--timeout: ", "> 0, got 0"),
+    bad_args("cli values", "timeout-negative", ("run", STUDY, "--timeout", "-5"), "--timeout: ", "got -5"),
+    bad_args("cli values", "timeout-nan", ("run", STUDY, "--timeout", "nan"), "--timeout: ", "got nan"),
+    bad_args("cli values", "timeout-inf", ("run", STUDY, "--timeout", "inf"), "--timeout: ", "got inf"),
+    bad_args("cli values", "n-trials-zero", ("run", STUDY, "--n-trials", "0"), "--n-trials: ", "at least 1"),
+    bad_args("cli values", "n-trials-negative", ("run", STUDY, "--n-trials", "-3"), "--n-trials: ", "got -3"),
+    bad_args("cli values", "workers-zero", ("run", STUDY, "--workers", "0"), "--workers: ", "at least 1 worker"),
+    bad_args("cli values", "storage-empty", ("run", STUDY, "--storage", ""), "--storage: ",
+             "expected a storage URL"),
+    bad_args("cli values", "several-at-once", ("run", STUDY, "--timeout", "0", "--n-trials", "0", "--storage", ""),
+             ("--storage: ", "--n-trials: ", "--timeout: "), "expected"),
+    bad_args("cli values", "options-and-file", ("run", STUDY, "--timeout", "0"), ("--timeout: ", f"{STUDY}: seed"),
+             "greater than or equal to 0", document=changed(seed=-1)),
+    bad_args("cli values", "set-without-equals", ("run", STUDY, "--set", "n_trials"), "command line: --set: ",
+             "expected key=value, got 'n_trials'"),
+    bad_args("cli values", "set-empty-key", ("run", STUDY, "--set", "=3"), "command line: --set: ",
+             "expected key=value"),
+    bad_args("cli values", "set-empty-part", ("run", STUDY, "--set", "fixed..max_steps=3"),
+             "command line: --set fixed..max_steps: ", "no empty part"),
+    bad_args("cli values", "set-not-yaml", ("run", STUDY, "--set", "fixed.max_steps=[1,"),
+             "command line: --set fixed.max_steps: ", "is not one"),
+    bad_args("cli values", "set-bool-for-int", ("run", STUDY, "--set", "n_trials=true"), f"{STUDY}: n_trials: ",
+             "got True"),
+    bad_args("cli values", "set-empty-value", ("run", STUDY, "--set", "n_trials="), f"{STUDY}: n_trials: ",
+             "got None"),
+    bad_args("cli values", "set-into-a-string", ("run", STUDY, "--set", "name.x=1"),
+             "command line: --set name.x: ", "name is 'tiny', not a mapping"),
+    bad_args("cli values", "set-tag", ("run", STUDY, "--set", "description=!!python/object:os.system ls"),
+             "command line: --set description: ", "is not allowed"),
+    bad_args("cli values", "set-deep", ("run", STUDY, "--set", "description=" + "[" * 40 + "]" * 40),
+             "command line: --set description[0]", "nested more than 32"),
+    bad_args("cli values", "set-duplicate", ("run", STUDY, "--set", "checkpoints={on_best: true, on_best: false}"),
+             "command line: --set checkpoints.on_best: ", "duplicate key"),
+    bad_args("cli values", "set-alias-bomb", ("run", STUDY, "--set", "description={l0: &l0 [lol], " + ", ".join(
+        f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 10)) + "}"),
+             "command line: --set description.l", "alias bomb"),
+    *(bad_args("cli values", f"{command}-without-target", (command,), "missing TARGET: ",
+               "a study file, a SQLite .db file, or --storage URL", document=None, usage=True)
+      for command in ("status", "trials", "best", "stop", "report", "check")),
+]
+
+COMPONENTS = [
+    bad_file("components", "n_startup_trials-word", changed(sampler={"type": "tpe", "n_startup_trials": "abc"}),
+             "sampler.n_startup_trials", "TPESampler's n_startup_trials takes an integer, got 'abc'"),
+    bad_file("components", "n_startup_trials-bool", changed(sampler={"type": "tpe", "n_startup_trials": True}),
+             "sampler.n_startup_trials", "takes an integer, got True"),
+    bad_file("components", "n_startup_trials-float", changed(sampler={"type": "tpe", "n_startup_trials": 2.5}),
+             "sampler.n_startup_trials", "takes an integer, got 2.5"),
+    bad_file("components", "sampler-seed-word", changed(sampler={"type": "random", "seed": "x"}), "sampler.seed",
+             "takes an integer or null"),
+    bad_file("components", "sampler-function-arg", changed(sampler={"type": "tpe", "gamma": 3}), "sampler.gamma",
+             "which a study file cannot give"),
+    bad_file("components", "sampler-bool-quoted", changed(sampler={"type": "tpe", "multivariate": "yes"}),
+             "sampler.multivariate", "takes true or false or null"),
+    bad_file("components", "pruner-int-word", changed(pruner={"type": "median", "n_warmup_steps": "x"}),
+             "pruner.n_warmup_steps", "MedianPruner's n_warmup_steps takes an integer"),
+    bad_file("components", "pruner-float-word", changed(pruner={"type": "threshold", "upper": "high"}),
+             "pruner.upper", "takes a finite number or null"),
+    bad_file("components", "pruner-percentile-range", changed(pruner={"type": "percentile", "percentile": 200}),
+             "pruner", "PercentilePruner"),
+    bad_file("components", "patient-float", changed(pruner={"type": "patient", "patience": 1.5}),
+             "pruner.patience", "takes an integer"),
+    bad_file("components", "wrapped-arg", changed(pruner={"type": "fastfail", "then": {
+        "type": "median", "n_startup_trials": "abc"}}), "pruner.then.n_startup_trials", "takes an integer"),
+    bad_file("components", "wrapped-not-a-pruner", changed(pruner={"type": "fastfail", "then": 5}), "pruner.then",
+             "expected a pruner name"),
+    bad_file("components", "fastfail-arg", changed(pruner={"type": "fastfail", "patience_steps": "x"}),
+             "pruner.patience_steps", "takes an integer or null"),
+    bad_file("components", "unknown-sampler", changed(sampler="tpee"), "sampler.type", "did you mean 'tpe'?"),
+    bad_file("components", "unknown-pruner-arg", changed(pruner={"type": "median", "n_warmup_step": 3}),
+             "pruner.n_warmup_step", "did you mean 'n_warmup_steps'?"),
+]
+
+DID_YOU_MEAN = [
+    bad_file("did you mean", "top-level", changed(n_trails=3), "n_trails", "unknown key (did you mean 'n_trials'?)"),
+    bad_file("did you mean", "checkpoints", changed(checkpoints={"keep_topk": 2}), "checkpoints.keep_topk",
+             "did you mean 'keep_top_k'?"),
+    bad_file("did you mean", "warm-start", changed(warm_start={"handof": 0.5}), "warm_start.handof",
+             "did you mean 'handoff'?"),
+    bad_file("did you mean", "parameter", changed(space__learning_rate={**FLOAT, "hihg": 1}), f"{LR}.hihg",
+             "did you mean 'high'?"),
+    bad_file("did you mean", "task", changed(task={"name": "digits", "arg": {}}), "task.arg",
+             "did you mean 'args'?"),
+    bad_file("did you mean", "fixed", changed(fixed__max_step=10), "fixed.max_step",
+             "did you mean 'max_steps'?"),
+    bad_file("did you mean", "space-key", changed(space__learning_rat=FLOAT), "space.learning_rat",
+             "did you mean 'learning_rate'?"),
+    bad_file("did you mean", "model-key", changed(space={"model.hiden": {"type": "int", "low": 8, "high": 32}}),
+             "space.model.hiden", "did you mean 'model.hidden'?"),
+    bad_file("did you mean", "several", changed(n_trails=3, sede=1), ("n_trails", "sede"), "did you mean"),
+]
+
+FOREIGN = [
+    bad_args("foreign study", "best", ("best", "theirs.db"), "study 'theirs' was not created by sweep",
+             "cannot write its best trial's TrainingConfig", document=None, setup=_foreign_study),
+    bad_args("foreign study", "stop", ("stop", "theirs.db"), "study 'theirs' was not created by sweep",
+             "cannot ask its workers to stop", document=None, setup=_foreign_study),
+]
+
+CORPUS = [*TYPES, *RANGES, *ENCODINGS, *SIZES, *NESTING, *ALIASES, *TAGS, *DUPLICATES, *NAMES, *PATHS, *URLS, *CLI,
+          *COMPONENTS, *DID_YOU_MEAN, *FOREIGN]
+TIMES: dict[str, list[float]] = defaultdict(list)
+
+
+def test_the_corpus_is_large_and_its_ids_unique() -> None:
+    assert len(CORPUS) >= 100
+    ids = [f"{case.kind}/{case.id}" for case in CORPUS]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_and_tabulate(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Import what `sweep run` imports once (torch, Optuna) so that each case's time is its validation's, and print
+    the table by kind at the end with -v."""
+    import sweep.spec
+    import sweep.study  # noqa: F401
+
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None or request.config.get_verbosity() < 1 or not TIMES:
+        return
+    rows = [f"{kind:<16}{len(TIMES[kind]):>6}  {max(TIMES[kind]):>6.3f}"
+            for kind in dict.fromkeys(case.kind for case in CORPUS) if kind in TIMES]
+    rows.append(f"{'all':<16}{sum(map(len, TIMES.values())):>6}  {max(map(max, TIMES.values())):>6.3f}")
+    with capture.global_and_fixture_disabled():
+        for line in ["", f"{'kind':<16}{'cases':>6}  {'max s':>6}  (every case: exit 2)", *rows]:
+            reporter.write_line(line)
+
+
+def _listing(folder: Path) -> dict[str, tuple[bool, int, int]]:
+    """Every file and folder under `folder`, with its size and modification time. An existing SQLite database that a
+    command opens is switched to write-ahead logging (its header changes; `-wal` and `-shm` files appear): that is
+    the storage opening, not the command writing, so a database is compared by name only, and the study in it by
+    `test_stop_writes_nothing_into_a_study_sweep_did_not_create`."""
+    def entry(path: Path) -> tuple[bool, int, int]:
+        if path.is_dir() or path.suffix == ".db":
+            return path.is_dir(), 0, 0
+        return False, path.stat().st_size, path.stat().st_mtime_ns
+
+    return {str(path.relative_to(folder)): entry(path) for path in sorted(folder.rglob("*"))
+            if not path.name.endswith(("-wal", "-shm"))}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, id=f"{case.kind}/{case.id}", marks=pytest.mark.skipif(
+        case.absent is not None and importlib.util.find_spec(case.absent) is not None,
+        reason=f"{case.absent} is installed: the case needs it missing")) for case in CORPUS])
+def test_malformed_input_is_refused(tmp_path: Path, case: Case) -> None:
+    if isinstance(case.document, bytes):
+        (tmp_path / STUDY).write_bytes(case.document)
+    elif case.document is not None:
+        write_study(tmp_path, case.document, STUDY)
+    if case.setup is not None:
+        case.setup(tmp_path)
+    before = _listing(tmp_path)
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in case.args]
+
+    start = time.perf_counter()
+    done = sweep_cli(*args, cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    TIMES[case.kind].append(elapsed)
+
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.rstrip("\n").split("\n")
+    if case.usage:
+        usage = lines.pop(0)
+        assert usage == f"Usage: sweep {args[0]} [OPTIONS] TARGET", usage
+    assert len(lines) == len(case.lines), lines
+    for line, start_of_line in zip(lines, case.lines, strict=True):
+        assert line.startswith(f"error: {start_of_line}"), (line, start_of_line)
+        assert len(line) < 1000, line  # a line, not the input rendered back
+    assert case.fragment in done.stderr, done.stderr
+    assert _listing(tmp_path) == before, "the command created or changed files"
+    assert elapsed < WALL_LIMIT_S, f"{elapsed:.2f} s"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A study that sweep did not create: read commands show it, the others refuse it and write nothing.
+
+def _foreign_state(folder: Path) -> tuple[dict[str, Any], list[tuple[int, str, float | None]]]:
+    study = optuna.load_study(study_name="theirs", storage=f"sqlite:///{folder / 'theirs.db'}")
+    return study.user_attrs, [(t.number, t.state.name, t.value) for t in study.get_trials()]
+
+
+@pytest.mark.parametrize("command", ["stop", "best"])
+def test_a_study_sweep_did_not_create_is_refused_and_left_as_it_was(tmp_path: Path, command: str) -> None:
+    _foreign_study(tmp_path)
+    before = _foreign_state(tmp_path)
+    done = sweep_cli(command, "theirs.db", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: study 'theirs' was not created by sweep") and done.stderr.count("\n") == 1
+    assert _foreign_state(tmp_path) == before
+
+
+def test_status_of_a_study_sweep_did_not_create_says_its_budget_is_unknown(tmp_path: Path) -> None:
+    """Chosen: `sweep status` shows such a study (exit 0), as it shows its trials; the budget row says there is
+    none rather than `4/None`."""
+    _foreign_study(tmp_path)
+    done = sweep_cli("status", "theirs.db", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "4 trials; no budget (study not created by sweep)" in done.stdout
+    assert "None" not in done.stdout
+
+
+def test_postgres_without_its_driver_names_the_extra(tmp_path: Path) -> None:
+    """The real import of a PostgreSQL driver that is not installed (pg8000; sweep's extra installs psycopg)."""
+    if importlib.util.find_spec("pg8000") is not None:
+        pytest.skip("pg8000 is installed: this test needs a PostgreSQL driver that is missing")
+    write_study(tmp_path, TINY_STUDY, STUDY)
+    for args in (("run", STUDY), ("status", STUDY)):
+        done = sweep_cli(*args, "--storage", "postgresql+pg8000://sweep:secret@db.internal/sweep", cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip() == (
+            "error: --storage: the PostgreSQL driver of 'postgresql+pg8000' is not installed (No module named "
+            "'pg8000'): pip install 'sweep[postgres]' and use postgresql+psycopg://USER@HOST/DB")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the corpus must not catch: valid inputs near its edges are still accepted.
+
+ACCEPTED = [
+    pytest.param("\ufeff" + TINY_YAML, id="utf-8-bom"),
+    pytest.param(TINY_YAML.replace("low: 0.001", "low: 1e-3"), id="exponent-without-dot"),
+    pytest.param(TINY_YAML.replace("eval_every_steps: 10", "eval_every_steps: &every 10").replace(
+        "log_every_steps: 10", "log_every_steps: *every"), id="anchor-and-alias"),
+    pytest.param(TINY_YAML.replace("name: tiny", "name: tiny.v2-final_3"), id="dots-in-a-name"),
+    pytest.param(TINY_YAML + "description: 2024-01-01\n", id="a-date-is-a-string"),
+    pytest.param(TINY_YAML + "description: 'caf\u00e9 \u2603'\n", id="non-ascii-text"),
+    pytest.param(TINY_YAML.replace("sampler:\n  type: random", "sampler:\n  type: tpe\n  n_startup_trials: 5\n"
+                                   "  gamma: null"), id="sampler-arguments"),
+    pytest.param(TINY_YAML.replace("pruner: none", "pruner: {type: threshold, upper: 1e3}"), id="pruner-exponent"),
+]
+
+
+@pytest.mark.parametrize("text", ACCEPTED)
+def test_valid_inputs_near_the_edges_are_accepted(tmp_path: Path, text: str) -> None:
+    from sweep.spec import load_spec
+
+    path = tmp_path / STUDY
+    path.write_text(text)
+    spec, _ = load_spec(path)
+    assert spec.name.startswith("tiny") and spec.n_trials == 3
+
+
+def test_anchors_and_merge_keys_share_values(tmp_path: Path) -> None:
+    from sweep.schema import load_yaml
+
+    data = load_yaml("base: &base {low: 1, high: 2}\nlr:\n  <<: *base\n  high: 3\nsame: *base\n", "x.yaml")
+    assert data == {"base": {"low": 1, "high": 2}, "lr": {"low": 1, "high": 3}, "same": {"low": 1, "high": 2}}
