@@ -180,7 +180,8 @@ class StorageAway(RuntimeError):
 # Messages of errors that look like connection trouble but are final: a wrong database name, a refused login, a
 # missing table. Waiting would not change them.
 _FINAL_MESSAGES = ("does not exist", "authentication failed", "password", "no such table", "no such column",
-                   "permission denied for", "syntax error")
+                   "permission denied for", "syntax error", "could not translate host name",
+                   "name or service not known", "nodename nor servname")
 _SQLITE_TRANSIENT = ("locked", "busy", "disk", "full", "unable to open", "i/o")
 
 

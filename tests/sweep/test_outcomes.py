@@ -58,8 +58,10 @@ def test_retried_trials_count_once_through_their_retry_and_lineages_chain() -> N
 def test_a_full_disk_is_the_machine_s_fault_anywhere_and_a_missing_file_only_in_the_study_s_folders(
         tmp_path: Path) -> None:
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.pt"))
-    reason = infrastructure_fault(full)
-    assert reason is not None and str(tmp_path) in reason and "free)" in reason
+    fault = infrastructure_fault(full)
+    assert fault is not None and str(tmp_path) in fault.reason and "free)" in fault.reason
+    other_file = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "y.pt"))
+    assert infrastructure_fault(other_file) == fault.__class__(fault.reason.replace("x.pt", "y.pt"), fault.kind)
     wrapped = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
     wrapped.__cause__ = full
     assert infrastructure_fault(wrapped) is not None
