@@ -10,6 +10,7 @@ import difflib
 import math
 import re
 import reprlib
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -582,11 +583,18 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
 
 def read_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[StudySpec, Path]:
     """Read, override and type-check a study file, without the checks that need the trainer (`sweep.spec.load_spec`
-    adds them). Returns the spec and the file's resolved path."""
+    adds them). Returns the spec and the file's resolved path.
+
+    The file's folder becomes importable, as a script's is: a task or schedule named `my_project.tasks:spirals`
+    is found in `my_project/` next to the study file, from any working folder."""
     path = Path(path)
     document = apply_overrides(read_document(path), overrides)
     document.setdefault("name", path.stem)
-    return validate_document(document, path), path.resolve()
+    spec = validate_document(document, path)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)  # after the installed packages: a file there never shadows one of them
+    return spec, path.resolve()
 
 
 def validate_document(document: Mapping[str, Any], source: str | Path) -> StudySpec:

@@ -19,7 +19,9 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise error(f"cannot import {what} module {module_name!r}: {exc}") from exc
+        hint = ("; a module of your own must be importable: put it next to the study file, or install it, or add "
+                "its folder to PYTHONPATH") if isinstance(exc, ModuleNotFoundError) else ""
+        raise error(f"cannot import {what} module {module_name!r}: {exc}{hint}") from exc
     function = getattr(module, attr, None)
     if not callable(function):
         raise error(f"{what} {path!r}: module {module_name!r} has no function {attr!r}")

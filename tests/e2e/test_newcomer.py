@@ -1,0 +1,54 @@
+"""A newcomer's layout: their own task in a package next to the study file, run from another folder."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import TINY_STUDY, sweep_cli
+
+TASK = '''
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+
+def spirals(n: int = 400) -> Task:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 2, generator=g)
+    y = (x[:, 0] * x[:, 1] > 0).long()
+    return Task(name="spirals", train=(x[:320], y[:320]), val=(x[320:], y[320:]), model_defaults={"hidden": 16},
+                build_model=lambda cfg: nn.Sequential(nn.Linear(2, cfg["hidden"]), nn.ReLU(),
+                                                      nn.Linear(cfg["hidden"], 2)))
+'''
+
+
+def test_a_task_package_next_to_the_study_file_is_found_from_any_working_folder(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    (project / "newcomer_tasks").mkdir(parents=True)
+    (project / "newcomer_tasks" / "__init__.py").write_text("")
+    (project / "newcomer_tasks" / "spirals.py").write_text(TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "task": "newcomer_tasks.spirals:spirals"}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    (project / "study.yaml").write_text(yaml.safe_dump(document))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    try:
+        done = sweep_cli("run", project / "study.yaml", cwd=elsewhere)
+        assert done.returncode == 0, done.stderr
+        assert "2/2 trials" in done.stdout
+    finally:
+        for name in [m for m in sys.modules if m.startswith("newcomer_tasks")]:
+            del sys.modules[name]
+
+
+def test_a_task_module_that_cannot_be_found_says_where_to_put_it(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"task": "nowhere_to_be_found.tasks:spirals"}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(document))
+    done = sweep_cli("run", tmp_path / "study.yaml")
+    assert done.returncode == 2
+    assert "next to the study file" in done.stderr and "nowhere_to_be_found" in done.stderr
+    assert "Traceback" not in done.stderr
