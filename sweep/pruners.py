@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.study import StudyDirection
+from optuna.trial import TrialState
 
-from trainer.fast_fail_rules import FastFailConfig, Verdict, judge
+from sweep.outcomes import ATTR_WARM_START
+from trainer.fast_fail_rules import FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
 
 if TYPE_CHECKING:
@@ -16,18 +19,33 @@ if TYPE_CHECKING:
 
 __all__ = ["FastFailPruner"]
 
+_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 class FastFailPruner(optuna.pruners.BasePruner):
-    """Prune a trial whose values are NaN/Inf, have exploded, or have stopped improving; otherwise ask `then`.
+    """Prune a trial whose values are NaN/Inf, have exploded, or never left their initial value; otherwise ask `then`.
 
-    Stateless: the rules (`trainer.fast_fail.judge`) are applied to the intermediate values Optuna stores for the
-    trial, so the answer is the same in any worker, after a restart, on SQLite or PostgreSQL.
+    Guarantees (minimised metric; a maximised one mirrors them, without the explosion rule):
 
-    NaN policy: a NaN or an infinity (either sign) as the latest reported value prunes at once, at any step, before
-    the warmup and before `then` is asked. A finite value worse than the first is not pruned for that alone: it must
-    exceed `loss_explosion_factor` x the initial value (minimised metrics; the explosion rule does not apply to
-    maximised ones), or show no `min_improvement_pct` improvement for `patience_steps` while the trial has not yet
-    improved its initial value by `learned_pct`.
+    - `nan`, `inf`: the latest value is NaN or an infinity of either sign; at any step, before the warmup and before
+      `then` is asked.
+    - `explode`: the latest value, after `warmup_steps` and outside a curriculum stage's grace, is above
+      `loss_explosion_factor` x the initial value. A finite value worse than the first is not pruned for that alone.
+    - `plateau` and `stuck` prune only a trial that is still *near its initial value*: its best so far has covered
+      less than `near_initial_pct`% of the way from its initial value to the best value the study's finished (complete
+      or pruned) trials reported. A trial that has left its initial value is never pruned by fast-fail for going
+      slowly, sitting on an intermediate plateau, being noisy or converging: that is `then`'s call, against the other
+      trials. Until a finished trial has improved on this one's start, "near" means "improved by less than
+      `learned_pct`% of the initial value", as when the trainer runs alone.
+    - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
+      its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
+    - `stuck`: near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the study's
+      learners (finished trials that left their initial value, warm-started ones excepted) took to leave theirs,
+      counted from the end of its own learning-rate warmup: its patience follows from the study's own curves. Off
+      until `min_learners` finished trials have left their initial value (until then, `plateau` is the floor).
+
+    Stateless: the rules (`trainer.fast_fail_rules.judge`) are applied to the intermediate values Optuna stores for the
+    trial and to the study's finished trials, so the answer is the same in any worker, after a restart, on SQLite or
+    PostgreSQL. The study's reference (`reference_for`) is computed once per number of finished trials.
 
     Step 0 is the trainer's reference evaluation before any training: fast-fail judges it for NaN/Inf only, and `then`
     is never asked there, so a pruner comparing trials does not prune on initial weights.
@@ -38,28 +56,63 @@ class FastFailPruner(optuna.pruners.BasePruner):
     Curricula: the steps at which the trial's curriculum changes stage are computed from the same stored config
     (`trainer.curriculum.stage_starts`, a function of the config alone), so a loss that jumps or stalls when a harder
     stage begins gets `stage_grace_steps` (None: two evaluation intervals) before explosion and plateau apply again.
+
+    Wrapping keeps the wrapped pruner's type: `FastFailPruner(then=HyperbandPruner())` is an instance of a subclass
+    of both (`FastFailHyperbandPruner`), whose other methods and attributes are the wrapped instance's. Optuna
+    decides some behaviours by the study's pruner type (with Hyperband, the sampler sees only the trial's bracket:
+    `optuna.pruners._filter_study`), and they stay on.
     """
+
+    then: optuna.pruners.BasePruner | None
+
+    def __new__(cls, then: optuna.pruners.BasePruner | None = None, **settings: Any) -> FastFailPruner:
+        # `FastFailPruner(then=X())` builds a `FastFail` + `X` subclass, so `isinstance(pruner, X)` holds.
+        return object.__new__(cls if then is None else _wrapper_class(type(then)))
 
     def __init__(self, then: optuna.pruners.BasePruner | None = None, *, enabled: bool = True,
                  loss_explosion_factor: float | None = 10.0, patience_steps: int | None = None,
-                 min_improvement_pct: float = 1.0, learned_pct: float = 50.0, warmup_steps: int | None = None,
-                 check_every_n_steps: int | None = None, stage_grace_steps: int | None = None) -> None:
+                 min_improvement_pct: float = 1.0, learned_pct: float = 50.0, near_initial_pct: float = 10.0,
+                 learners_factor: float | None = 2.0, learners_quantile: float = 0.9, min_learners: int = 5,
+                 warmup_steps: int | None = None, check_every_n_steps: int | None = None,
+                 stage_grace_steps: int | None = None) -> None:
         self.config = FastFailConfig(enabled=enabled, loss_explosion_factor=loss_explosion_factor,
                                      patience_steps=patience_steps, min_improvement_pct=min_improvement_pct,
-                                     learned_pct=learned_pct, warmup_steps=warmup_steps,
-                                     check_every_n_steps=check_every_n_steps,
-                                     stage_grace_steps=stage_grace_steps)
+                                     learned_pct=learned_pct, near_initial_pct=near_initial_pct,
+                                     learners_factor=learners_factor, learners_quantile=learners_quantile,
+                                     min_learners=min_learners, warmup_steps=warmup_steps,
+                                     check_every_n_steps=check_every_n_steps, stage_grace_steps=stage_grace_steps)
         problems = self.config.problems()
         if problems:
             raise ValueError("; ".join(f"{key}: {message}" for key, message in problems))
         self.then = then
+        # (study name, finished trials) -> the study's reference; the latest one, for `verdict` without a study.
+        self._reference: tuple[tuple[str, int], StudyReference] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The subclass is made at run time: rebuild through the constructor, which makes it again.
+        settings = {k: v for k, v in self.config.__dict__.items() if k != "check_every_n_steps" or v is not None}
+        return (_rebuild, (self.then, settings))
 
     @property
     def then_name(self) -> str | None:
         return None if self.then is None else type(self.then).__name__
 
-    def verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool) -> Verdict | None:
-        """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict."""
+    def reference_for(self, study: optuna.Study) -> StudyReference:
+        """What the study's finished trials say about the next one (`trainer.fast_fail_rules.study_reference`):
+        recomputed only when the number of finished trials changes, so `should_prune` stays cheap."""
+        finished = study.get_trials(deepcopy=False, states=_FINISHED)
+        key = (study.study_name, len(finished))
+        if self._reference is None or self._reference[0] != key:
+            curves = [sorted(t.intermediate_values.items()) for t in finished
+                      if t.intermediate_values and ATTR_WARM_START not in t.user_attrs]
+            maximize = study.direction == StudyDirection.MAXIMIZE
+            self._reference = (key, study_reference(curves, self.config, maximize=maximize))
+        return self._reference[1]
+
+    def verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
+                study: optuna.Study | None = None) -> Verdict | None:
+        """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict.
+        Without `study`, the reference of the study this pruner judged last (in `prune`) is used, if any."""
         max_steps = int(config.get("max_steps", 0))
         if max_steps > 0:
             resolved = self.config.resolved(max_steps, int(config.get("eval_every_steps", 1)))
@@ -67,7 +120,12 @@ class FastFailPruner(optuna.pruners.BasePruner):
             resolved = FastFailConfig(**{**self.config.__dict__, "patience_steps": self.config.patience_steps or 0,
                                          "warmup_steps": self.config.warmup_steps or 0,
                                          "stage_grace_steps": self.config.stage_grace_steps or 0})
-        return judge(series, resolved, maximize=maximize, stage_starts=self.stage_starts(config, max_steps))
+        if study is not None:
+            reference: StudyReference | None = self.reference_for(study)
+        else:
+            reference = None if self._reference is None else self._reference[1]
+        return judge(series, resolved, maximize=maximize, stage_starts=self.stage_starts(config, max_steps),
+                     reference=reference, lr_warmup_steps=int(config.get("warmup_steps") or 0))
 
     @staticmethod
     def stage_starts(config: Mapping[str, Any], max_steps: int) -> tuple[int, ...]:
@@ -86,8 +144,56 @@ class FastFailPruner(optuna.pruners.BasePruner):
         if not series:
             return False
         maximize = study.direction == StudyDirection.MAXIMIZE
-        if self.verdict(series, trial.user_attrs.get("config", {}), maximize) is not None:
+        if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study) is not None:
             return True
         if self.then is None or series[-1][0] == 0:
             return False
         return self.then.prune(study, trial)
+
+
+# What the constructor takes is `__init__`'s signature (inspect would read `__new__`'s): the study file's arguments are
+# checked against it (`sweep.components`).
+_init = inspect.signature(FastFailPruner.__init__)
+setattr(FastFailPruner, "__signature__", _init.replace(parameters=list(_init.parameters.values())[1:]))  # noqa: B010
+
+
+def _rebuild(then: optuna.pruners.BasePruner | None, settings: dict[str, Any]) -> FastFailPruner:
+    return FastFailPruner(then, **settings)
+
+
+_WRAPPERS: dict[type, type[FastFailPruner]] = {}
+# Methods every pruner has, which the wrapper keeps as its own or as BasePruner's.
+_OWN = {name for klass in (FastFailPruner, optuna.pruners.BasePruner, object) for name in vars(klass)}
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def forwarded(self: FastFailPruner, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.then, name)(*args, **kwargs)
+    forwarded.__name__ = name
+    return forwarded
+
+
+def _delegate(self: FastFailPruner, name: str) -> Any:
+    """Attributes the wrapper lacks are the wrapped instance's (`_n_brackets`, `_min_resource`...)."""
+    then = self.__dict__.get("then")
+    if then is None:
+        raise AttributeError(name)
+    return getattr(then, name)
+
+
+def _wrapper_class(wrapped: type) -> type[FastFailPruner]:
+    """`FastFailPruner` as a subclass of `wrapped` too: every method of `wrapped` but `prune` runs on the wrapped
+    instance, so whatever Optuna asks of a pruner of that type (`_get_bracket_id`, `_create_bracket_study`) is
+    answered from the wrapped pruner's own state. One class per wrapped class."""
+    if issubclass(wrapped, FastFailPruner):
+        return wrapped  # fast-fail around fast-fail: the outer one forwards to the inner one, which forwards on
+    if wrapped not in _WRAPPERS:
+        methods = {name: _forward(name) for klass in wrapped.__mro__ if klass not in (optuna.pruners.BasePruner, object)
+                   for name, member in vars(klass).items()
+                   if name not in _OWN and (inspect.isfunction(member) or isinstance(member, (classmethod,
+                                                                                               staticmethod)))}
+        name = f"FastFail{wrapped.__name__}"
+        _WRAPPERS[wrapped] = type(name, (FastFailPruner, wrapped), {
+            **methods, "__getattr__": _delegate, "__module__": __name__, "__qualname__": name,
+            "__doc__": f"`FastFailPruner` wrapping a `{wrapped.__name__}`, and an instance of it."})
+    return _WRAPPERS[wrapped]

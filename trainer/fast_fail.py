@@ -11,10 +11,20 @@ from collections.abc import Sequence
 
 import torch
 
-from trainer.fast_fail_rules import FastFailConfig, Rule, Verdict, in_stage_grace, judge, latest_stage_start
+from trainer.fast_fail_rules import (
+    FastFailConfig,
+    Rule,
+    StudyReference,
+    Verdict,
+    in_stage_grace,
+    judge,
+    latest_stage_start,
+    study_reference,
+)
 from trainer.sync import allowed_sync
 
-__all__ = ["FastFailConfig", "LossGuard", "Rule", "Verdict", "in_stage_grace", "judge", "latest_stage_start"]
+__all__ = ["FastFailConfig", "LossGuard", "Rule", "StudyReference", "Verdict", "in_stage_grace", "judge",
+           "latest_stage_start", "study_reference"]
 
 
 class LossGuard:

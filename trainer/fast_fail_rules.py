@@ -7,7 +7,17 @@ without syncing each step.
 
 NaN policy: a NaN or an infinity (either sign) as the latest value is always a failure ("nan" / "inf"), from the very
 first report, warmup or not. A value worse than the first one is not by itself a failure; it fails only once it is
-`loss_explosion_factor` times the initial value (minimised metrics) or shows no progress for `patience_steps`.
+`loss_explosion_factor` times the initial value (minimised metrics), or while the run is still near its initial value
+(below) and shows no progress for `patience_steps` ("plateau") or stays there long after a study's learners left
+theirs ("stuck").
+
+Safe by construction: "plateau" and "stuck" judge only a run that is still *near its initial value*: its best has
+covered less than `near_initial_pct` percent of the way from its initial value to the best value the study has seen
+(`StudyReference`, derived by `study_reference` from the study's finished curves). A run that has left its initial
+value, however slowly it goes on (a two-phase learner sitting on an intermediate plateau, a noisy or converged curve),
+is never failed by these rules: comparing it with other runs is the wrapped pruner's job. Without a study (the
+trainer alone, a study's first trials) "near" means "improved by less than `learned_pct` percent of the initial
+value", and "stuck" is off.
 
 Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
 is not a divergence. The steps at which stages begin are a function of the curriculum config alone
@@ -28,9 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FastFailConfig", "Rule", "Verdict", "in_stage_grace", "judge", "latest_stage_start"]
+__all__ = ["FastFailConfig", "Rule", "StudyReference", "Verdict", "in_stage_grace", "judge", "latest_stage_start",
+           "leave_step", "study_reference"]
 
-Rule = Literal["nan", "inf", "explode", "plateau"]
+Rule = Literal["nan", "inf", "explode", "plateau", "stuck"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +55,19 @@ class FastFailConfig:
     # None: a quarter of max_steps, and at least three evaluation intervals. 0: off.
     patience_steps: int | None = None
     min_improvement_pct: float = 1.0
-    # A trial whose best has already improved on its initial value by this percentage is learning: a later flat
-    # stretch is convergence, which the wrapped pruner judges against other trials, not a failure.
+    # Without a study to compare with (the trainer alone, a study's first trials): a run whose best has improved on
+    # its initial value by this percentage of it has learned, and plateau no longer applies to it.
     learned_pct: float = 50.0
+    # In a study: a run is still near its initial value while its best has covered less than this percentage of the
+    # way from its initial value to the best value the study's finished trials reported. Only such a run can fail by
+    # plateau or stuck; every other one is the wrapped pruner's to judge.
+    near_initial_pct: float = 10.0
+    # Stuck: a run still near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the
+    # study's learners took to leave theirs (counted from the end of its own learning-rate warmup) has not started
+    # and will not. Needs `min_learners` finished trials that left their initial value; None: off.
+    learners_factor: float | None = 2.0
+    learners_quantile: float = 0.9
+    min_learners: int = 5
     # Grace period before the explosion and plateau rules apply. None: 2% of max_steps.
     warmup_steps: int | None = None
     # How often the loop reads its on-device NaN/explosion flag between evaluations. None: at every log step.
@@ -64,6 +85,10 @@ class FastFailConfig:
             patience_steps=patience if self.patience_steps is None else self.patience_steps,
             min_improvement_pct=self.min_improvement_pct,
             learned_pct=self.learned_pct,
+            near_initial_pct=self.near_initial_pct,
+            learners_factor=self.learners_factor,
+            learners_quantile=self.learners_quantile,
+            min_learners=self.min_learners,
             warmup_steps=max_steps // 50 if self.warmup_steps is None else self.warmup_steps,
             check_every_n_steps=self.check_every_n_steps,
             stage_grace_steps=2 * eval_every_steps if self.stage_grace_steps is None else self.stage_grace_steps,
@@ -84,7 +109,30 @@ class FastFailConfig:
             out.append(("min_improvement_pct", f"expected a percentage in [0, 100), got {self.min_improvement_pct}"))
         if self.learned_pct <= 0:
             out.append(("learned_pct", f"expected a percentage > 0, got {self.learned_pct}"))
+        if not 0 < self.near_initial_pct <= 100:
+            out.append(("near_initial_pct", f"expected a percentage in (0, 100], got {self.near_initial_pct}"))
+        if self.learners_factor is not None and self.learners_factor < 1:
+            out.append(("learners_factor", f"expected a factor >= 1 or null, got {self.learners_factor}"))
+        if not 0 < self.learners_quantile <= 1:
+            out.append(("learners_quantile", f"expected a quantile in (0, 1], got {self.learners_quantile}"))
+        if self.min_learners < 1:
+            out.append(("min_learners", f"expected >= 1, got {self.min_learners}"))
         return out
+
+
+@dataclass(frozen=True)
+class StudyReference:
+    """What a study's finished trials say about a new one (`study_reference`).
+
+    `best`: the best value any of them reported (None: none finite). `learners`: how many left their initial value
+    (covered `near_initial_pct` of the way to `best`); `learners_step`: the `learners_quantile` quantile of the steps
+    they took. `stuck_after`: steps after which a run still near its initial value is stuck (None: fewer than
+    `min_learners` learners, or the rule is off)."""
+
+    best: float | None = None
+    learners: int = 0
+    learners_step: int | None = None
+    stuck_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +153,10 @@ class Verdict:
         if self.rule == "explode":
             return (f"exploded at step {self.step}: {self.value:.4g} > {self.detail['factor']:g} x initial "
                     f"{self.detail['initial']:.4g}")
+        if self.rule == "stuck":
+            return (f"stuck at step {self.step}: best {self.detail['best']:.4g} still near initial "
+                    f"{self.detail['initial']:.4g} after {self.detail['stuck_after']} steps; the study's learners "
+                    f"left theirs within {self.detail['learners_step']} steps")
         return (f"plateau at step {self.step}: best {self.detail['best']:.4g} (step {self.detail['best_step']}) "
                 f"not improved by {self.detail['min_improvement_pct']:g}% in {self.detail['patience_steps']} steps")
 
@@ -112,6 +164,57 @@ class Verdict:
 def _improved(value: float, best: float, pct: float, maximize: bool) -> bool:
     gain = value - best if maximize else best - value
     return gain > 0 and gain >= abs(best) * pct / 100.0
+
+
+def _gain(start: float, value: float, maximize: bool) -> float:
+    """How much better `value` is than `start` (negative: worse)."""
+    return value - start if maximize else start - value
+
+
+def _near_initial(initial: float, best: float, config: FastFailConfig, reference: StudyReference | None,
+                  maximize: bool) -> bool:
+    """Whether a run whose best so far is `best` is still near its `initial` value (module docstring)."""
+    gain = _gain(initial, best, maximize)
+    if reference is not None and reference.best is not None:
+        distance = _gain(initial, reference.best, maximize)
+        if distance > 0:
+            return gain < distance * config.near_initial_pct / 100.0
+    # No study, or nothing in it better than this run's start: the trainer-alone rule.
+    return initial == 0 or gain < abs(initial) * config.learned_pct / 100.0
+
+
+def leave_step(series: Sequence[tuple[int, float]], best: float, near_initial_pct: float,
+               maximize: bool = False) -> int | None:
+    """Steps a run took, from its first finite report, to cover `near_initial_pct` of the way from its initial
+    value to `best`; None if it never did (or `best` is no better than its start)."""
+    finite = [(s, v) for s, v in series if math.isfinite(v)]
+    if not finite:
+        return None
+    start_step, initial = finite[0]
+    threshold = _gain(initial, best, maximize) * near_initial_pct / 100.0
+    if threshold <= 0:
+        return None
+    return next((s - start_step for s, v in finite[1:] if _gain(initial, v, maximize) >= threshold), None)
+
+
+def study_reference(curves: Sequence[Sequence[tuple[int, float]]], config: FastFailConfig, *,
+                    maximize: bool = False) -> StudyReference:
+    """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value seen, and
+    when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
+    (nearest rank: never below it) of the steps the learners took to leave their initial values."""
+    values = [v for series in curves for _, v in series if math.isfinite(v)]
+    if not values:
+        return StudyReference()
+    best = max(values) if maximize else min(values)
+    leaves = sorted(step for series in curves
+                    if (step := leave_step(series, best, config.near_initial_pct, maximize)) is not None)
+    if not leaves:
+        return StudyReference(best=best)
+    quantile = leaves[max(0, math.ceil(config.learners_quantile * len(leaves)) - 1)]
+    stuck_after = None
+    if config.learners_factor is not None and len(leaves) >= config.min_learners:
+        stuck_after = math.ceil(config.learners_factor * max(quantile, 1))
+    return StudyReference(best=best, learners=len(leaves), learners_step=quantile, stuck_after=stuck_after)
 
 
 def latest_stage_start(step: int, stage_starts: Sequence[int]) -> int | None:
@@ -130,13 +233,17 @@ def in_stage_grace(step: int, stage_starts: Sequence[int], grace_steps: int) -> 
 
 
 def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximize: bool = False,
-          stage_starts: Sequence[int] = ()) -> Verdict | None:
+          stage_starts: Sequence[int] = (), reference: StudyReference | None = None,
+          lr_warmup_steps: int = 0) -> Verdict | None:
     """The fast-fail verdict on the latest of `(step, value)` pairs in step order, or None if the trial may go on.
 
     `config` must be `resolved()`. The initial value is the first finite one: with fast-fail on, the trainer reports
     an evaluation over the whole validation set before the first step, so it is not one noisy batch.
     `stage_starts` are the steps at which a curriculum's stages begin (`trainer.pacing.stage_starts`): the
     explosion and plateau rules give each change a grace period, and patience restarts at it.
+    `reference`: what the study's finished trials say (`study_reference`); None: judged alone.
+    `lr_warmup_steps`: the run's learning-rate warmup; the plateau and stuck clocks start after it, since a run
+    whose learning rate is still ramping up may sit still or rise (a warmup bump) without being broken.
     """
     if not config.enabled or not series:
         return None
@@ -159,18 +266,32 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
     if factor is not None and not maximize and initial > 0 and value > factor * initial:
         return Verdict("explode", step, value, {"initial": initial, "factor": factor})
 
+    # Plateau and stuck judge only a run still near its initial value: one that has left it is learning, however
+    # slowly or unevenly, and only a comparison with other runs (the wrapped pruner) may stop it.
+    best_ever = max(v for _, v in finite) if maximize else min(v for _, v in finite)
+    if not _near_initial(initial, best_ever, config, reference, maximize):
+        return None
+    clock = max(initial_step, lr_warmup_steps)
+
+    if reference is not None and reference.stuck_after is not None:
+        stuck_after = max(reference.stuck_after, config.warmup_steps)
+        if step - clock >= stuck_after:
+            detail = {"best": best_ever, "initial": initial, "stuck_after": stuck_after,
+                      "learners_step": reference.learners_step, "study_best": reference.best,
+                      "learners": reference.learners}
+            return Verdict("stuck", step, value, detail)
+
     if config.patience_steps:
         best, best_step = initial, initial_step
         for s, v in finite[1:]:
             if _improved(v, best, config.min_improvement_pct, maximize):
                 best, best_step = v, s
-        learned = _improved(best, initial, config.learned_pct, maximize) if initial != 0 else False
-        # Patience counts from the best value or from the latest stage change, whichever is later.
-        since = best_step if stage_start is None else max(best_step, stage_start)
-        if not learned and step - since >= config.patience_steps:
+        # Patience counts from the best value, the latest stage change or the end of warmup, whichever is later.
+        since = max(best_step, clock if stage_start is None else max(clock, stage_start))
+        if step - since >= config.patience_steps:
             detail = {"best": best, "best_step": best_step, "patience_steps": config.patience_steps,
-                      "min_improvement_pct": config.min_improvement_pct}
+                                      "min_improvement_pct": config.min_improvement_pct}
             if since != best_step:
-                detail["stage_start"] = since
+                detail["since"] = since
             return Verdict("plateau", step, value, detail)
     return None

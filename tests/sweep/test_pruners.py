@@ -100,10 +100,10 @@ def test_bad_settings_name_the_value(bad: dict) -> None:
         FastFailPruner(**bad)
 
 
-# Finished trials that learn well, and a trial that does worse: fast-fail has nothing against it (no NaN, no
-# explosion, no long plateau), so whatever prunes it is the wrapped pruner.
+# Finished trials that learn well, and a trial that does worse but has left its initial value: fast-fail has nothing
+# against it (no NaN, no explosion, not near its initial value), so whatever prunes it is the wrapped pruner.
 GOOD = [curve(decaying(31, 2.3, 0.9 - 0.01 * k), start=10) for k in range(6)]
-WORSE = curve(decaying(31, 2.3, 0.985), start=10)
+WORSE = curve([2.3] + decaying(30, 1.9, 0.985), start=10)
 RISING = curve([2.3, 2.0, 1.8, 1.9, 2.0, 2.1, 2.2], start=10)
 WRAPPED = [
     pytest.param(lambda: optuna.pruners.MedianPruner(n_startup_trials=3), WORSE, id="median"),
