@@ -1,0 +1,208 @@
+"""The fast-fail rules on families of learning curves: which are failures, which must be left alone.
+
+A study's finished trials (`HISTORY`: learners that leave their initial value between step 20 and 120) give the
+reference; each case is a curve of a 1000-step run evaluated every 10 steps, and the step at which `judge` first
+fails it (None: never), with the rule. The guarantee under test: a curve that has left its initial value is never
+failed by plateau or stuck, so no learner that finishes well is lost to fast-fail, whatever its shape.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from trainer.fast_fail_rules import FastFailConfig, StudyReference, judge, leave_step, study_reference
+
+NAN = math.nan
+STEPS = range(0, 1001, 10)
+CONFIG = FastFailConfig().resolved(1000, 10)  # patience 250 steps, warmup 20
+Curve = list[tuple[int, float]]
+
+
+def shaped(value_at: Callable[[int], float]) -> Curve:
+    return [(s, value_at(s)) for s in STEPS]
+
+
+def learner(start_step: int = 0, final: float = 0.05, rate: float = 0.97, initial: float = 2.3) -> Curve:
+    """At its initial value until `start_step`, then an exponential approach to `final`."""
+    return shaped(lambda s: initial if s <= start_step else final + (initial - final) * rate ** ((s - start_step) / 10))
+
+
+def two_phase(plateau: float, until: int, final: float = 0.04) -> Curve:
+    """Down to an intermediate plateau within 100 steps, sits there until `until`, then the second phase."""
+    def value(s: int) -> float:
+        if s <= 100:
+            return 2.3 - (2.3 - plateau) * s / 100
+        if s <= until:
+            return plateau
+        return final + (plateau - final) * 0.95 ** ((s - until) / 10)
+    return shaped(value)
+
+
+def noisy(curve: Curve, amplitude: float, seed: int = 0) -> Curve:
+    rng = random.Random(seed)
+    return [(s, v * (1 + rng.uniform(-amplitude, amplitude))) if s else (s, v) for s, v in curve]
+
+
+def then(curve: Curve, at: int, value: float) -> Curve:
+    return [(s, v) for s, v in curve if s < at] + [(at, value)]
+
+
+def staged(curve: Curve, starts: Sequence[int], jump: float) -> Curve:
+    """A curriculum: each new stage's harder data lifts the loss by `jump`, which then decays again."""
+    out = []
+    for s, v in curve:
+        lift = sum(jump * 0.8 ** ((s - c) / 10) for c in starts if s > c)
+        out.append((s, v + lift))
+    return out
+
+
+HISTORY = [learner(start, final, rate=0.93) for start, final in zip(range(0, 100, 10), [0.05, 0.08, 0.1, 0.15, 0.2,
+                                                                                         0.3, 0.4, 0.5, 0.6, 0.8])]
+REFERENCE = study_reference(HISTORY, CONFIG)
+STUCK_AFTER = 200  # 2 x the 90% quantile (100 steps) of the learners' steps to leave their initial value
+
+# (curve, reference, learning-rate warmup, curriculum stage starts, expected (step, rule) or None)
+FAMILIES = [
+    pytest.param(learner(), REFERENCE, 0, (), None, id="fast-learner"),
+    pytest.param(two_phase(1.2, 600), REFERENCE, 0, (), None, id="two-phase-long-intermediate-plateau"),
+    pytest.param(two_phase(1.95, 700), REFERENCE, 0, (), None, id="two-phase-small-first-phase"),
+    pytest.param(learner(150, 0.06), REFERENCE, 0, (), None, id="slow-starter-within-the-study-s-spread"),
+    pytest.param(noisy(learner(30, 0.05, 0.98), 0.15), REFERENCE, 0, (), None, id="noisy-learner"),
+    pytest.param(noisy(two_phase(1.5, 500), 0.05, seed=3), REFERENCE, 0, (), None, id="noisy-two-phase"),
+    pytest.param(shaped(lambda s: 2.3 + 0.4 * math.sin(math.pi * s / 300) if s <= 300
+                        else 0.05 + 2.25 * 0.97 ** ((s - 300) / 10)), REFERENCE, 300, (), None,
+                 id="warmup-bump-over-a-long-learning-rate-warmup"),
+    pytest.param(staged(learner(0, 0.1), (250, 500, 750), 2.5), REFERENCE, 0, (250, 500, 750), None,
+                 id="curriculum-stage-jumps-above-the-initial-value"),
+    pytest.param(shaped(lambda s: 2.3 - 2.2 * s / 1000), REFERENCE, 0, (), None, id="slow-steady-learner-to-0.1"),
+    # Failures.
+    pytest.param(shaped(lambda s: 2.3), REFERENCE, 0, (), (STUCK_AFTER, "stuck"), id="never-learner"),
+    pytest.param(shaped(lambda s: 2.316 - 0.131 * s / 1000), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
+                 id="creeps-from-2.316-to-2.185"),
+    pytest.param(noisy(shaped(lambda s: 2.3), 0.01), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
+                 id="never-learner-with-noise"),
+    pytest.param(shaped(lambda s: 2.3 if s == 0 else 2.31), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
+                 id="collapsed-to-a-constant-guess"),
+    pytest.param(learner(400, 0.05), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
+                 id="starts-later-than-twice-the-study-s-slowest-learners"),
+    pytest.param(shaped(lambda s: 2.3 + 0.4 * math.sin(math.pi * s / 300) if s <= 300
+                        else 0.05 + 2.25 * 0.97 ** ((s - 300) / 10)), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
+                 id="the-same-bump-without-its-warmup-is-stuck"),
+    pytest.param(learner(0, 0.1, rate=0.995), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
+                 id="so-slow-it-would-finish-at-1.4-behind-every-learner"),
+    pytest.param(then(learner(), 500, NAN), REFERENCE, 0, (), (500, "nan"), id="diverges-to-nan"),
+    pytest.param(then(learner(), 400, 30.0), REFERENCE, 0, (), (400, "explode"), id="late-explosion"),
+    pytest.param(then(two_phase(1.2, 600), 300, math.inf), REFERENCE, 0, (), (300, "inf"), id="inf-on-a-plateau"),
+    # Too few learners in the study: stuck is off, and plateau is the floor.
+    pytest.param(shaped(lambda s: 2.3), study_reference(HISTORY[:4], CONFIG), 0, (), (250, "plateau"),
+                 id="never-learner-with-four-learners-only"),
+]
+
+
+def first_failure(curve: Curve, reference: StudyReference | None, lr_warmup: int = 0,
+                  starts: Sequence[int] = (), maximize: bool = False,
+                  config: FastFailConfig = CONFIG) -> tuple[int, str] | None:
+    for i in range(len(curve)):
+        verdict = judge(curve[: i + 1], config, maximize=maximize, stage_starts=starts, reference=reference,
+                        lr_warmup_steps=lr_warmup)
+        if verdict is not None:
+            return verdict.step, verdict.rule
+    return None
+
+
+def test_the_history_gives_the_reference_the_table_assumes() -> None:
+    assert REFERENCE.best == pytest.approx(0.05, abs=0.002) and REFERENCE.learners == 10
+    assert REFERENCE.learners_step == 100 and REFERENCE.stuck_after == STUCK_AFTER
+
+
+@pytest.mark.parametrize(("curve", "reference", "lr_warmup", "starts", "expected"), FAMILIES)
+def test_curve_families(curve: Curve, reference: StudyReference, lr_warmup: int, starts: Sequence[int],
+                        expected: tuple[int, str] | None) -> None:
+    assert first_failure(curve, reference, lr_warmup, starts) == expected
+
+
+def test_alone_a_two_phase_learner_is_still_judged_by_learned_pct() -> None:
+    # Without a study the rules cannot know the intermediate plateau is not the end: the trainer-alone rule (improved
+    # by less than learned_pct of the initial value) applies, and stuck is off. In a study it is left alone (above).
+    assert first_failure(two_phase(1.2, 600), None) == (350, "plateau")
+    assert first_failure(two_phase(1.2, 600), REFERENCE) is None
+    assert first_failure(shaped(lambda s: 2.316 - 0.131 * s / 1000), None) is None  # a creeper needs the study
+
+
+def test_maximized_metrics_mirror_the_rules() -> None:
+    accuracy = [shaped(lambda s, k=k: 0.95 - 0.85 * 0.97 ** (max(0, s - 10 * k) / 10)) for k in range(8)]
+    reference = study_reference(accuracy, CONFIG, maximize=True)
+    assert reference.best > 0.9 and reference.stuck_after is not None
+    at_chance = noisy(shaped(lambda s: 0.1), 0.05, seed=1)
+    assert first_failure(at_chance, reference, maximize=True) == (reference.stuck_after, "stuck")
+    two_phase_accuracy = shaped(lambda s: 0.1 + 0.3 * min(1, s / 100) + (0.5 * (1 - 0.95 ** ((s - 600) / 10))
+                                                                          if s > 600 else 0))
+    assert first_failure(two_phase_accuracy, reference, maximize=True) is None
+
+
+def test_leave_step_counts_from_the_first_finite_report() -> None:
+    assert leave_step([(100, 2.3), (110, 2.2), (120, 1.0)], best=0.1, near_initial_pct=10) == 20
+    assert leave_step([(0, NAN), (10, 2.3), (20, 2.0)], best=0.1, near_initial_pct=10) == 10
+    assert leave_step([(0, 2.3), (10, 2.3)], best=0.1, near_initial_pct=10) is None
+    assert leave_step([(0, 0.05), (10, 0.04)], best=0.1, near_initial_pct=10) is None  # started past the best
+
+
+def test_the_reference_needs_min_learners_and_can_be_turned_off() -> None:
+    assert study_reference([], CONFIG) == StudyReference()
+    assert study_reference(HISTORY[:4], CONFIG).stuck_after is None
+    off = FastFailConfig(learners_factor=None).resolved(1000, 10)
+    assert study_reference(HISTORY, off).stuck_after is None
+    assert study_reference(HISTORY, FastFailConfig(learners_quantile=0.5).resolved(1000, 10)).stuck_after == 120
+
+
+@pytest.mark.parametrize("bad", [{"near_initial_pct": 0}, {"learners_factor": 0.5}, {"learners_quantile": 0},
+                                 {"min_learners": 0}])
+def test_bad_settings_are_named(bad: dict) -> None:
+    assert [key for key, _ in FastFailConfig(**bad).problems()] == list(bad)
+
+
+def population(seed: int, n: int = 120) -> list[Curve]:
+    """A study's worth of curves from every family, with random shapes: learners starting anywhere in the first
+    150 steps, two-phase learners on plateaus from 5% to 60% of the way down lasting up to 800 steps, noise, and a
+    third of never-learners, creepers and divergers."""
+    rng = random.Random(seed)
+    curves = []
+    for _ in range(n):
+        kind = rng.random()
+        final = rng.uniform(0.03, 1.0)
+        if kind < 0.3:
+            curve = learner(rng.randrange(0, 150, 10), final, rng.uniform(0.9, 0.995))
+        elif kind < 0.55:
+            plateau = 2.3 - (2.3 - final) * rng.uniform(0.12, 0.6)
+            curve = two_phase(plateau, rng.randrange(150, 800, 10), final)
+        elif kind < 0.7:
+            curve = noisy(learner(rng.randrange(0, 100, 10), final, rng.uniform(0.9, 0.99)), 0.1, rng.randrange(99))
+        elif kind < 0.85:
+            curve = noisy(shaped(lambda s: 2.3 - rng.uniform(0, 0.1) * s / 1000), 0.01, rng.randrange(99))
+        else:
+            curve = then(learner(0, final), rng.randrange(100, 900, 10), NAN)
+        curves.append(curve)
+    return curves
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_top_quarter_finisher_is_failed_in_a_sequential_study(seed: int) -> None:
+    curves = population(seed)
+    finals = [curve[-1][1] if math.isfinite(curve[-1][1]) else math.inf for curve in curves]
+    top = set(sorted(range(len(curves)), key=finals.__getitem__)[: len(curves) // 4])
+    failed, finished = {}, []
+    for i, curve in enumerate(curves):  # one trial after another: each judged against those before it
+        verdict = first_failure(curve, study_reference(finished, CONFIG))
+        finished.append(curve if verdict is None else [p for p in curve if p[0] <= verdict[0]])
+        if verdict is not None:
+            failed[i] = verdict
+    assert not {i: failed[i] for i in top if i in failed}
+    stuck = [step for step, rule in failed.values() if rule == "stuck"]
+    assert len(stuck) >= 10 and max(stuck) <= 400  # and the never-learners are stopped early
+    # The population has teeth: judged alone (plateau below learned_pct of the initial value, the rule before the
+    # study reference), some of the best quarter are failed.
+    assert any(first_failure(curves[i], None) is not None for i in top)
