@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optuna
 
+from sweep.forecast import ForecastPruner
 from sweep.pruners import FastFailPruner
 from sweep.schema import Component, StudyFileError, did_you_mean, short_repr
 
@@ -44,6 +45,7 @@ PRUNERS: dict[str, type[optuna.pruners.BasePruner]] = {
     "threshold": optuna.pruners.ThresholdPruner,
     "patient": optuna.pruners.PatientPruner,
     "fastfail": FastFailPruner,
+    "forecast": ForecastPruner,
     "none": optuna.pruners.NopPruner,
 }
 # Pruners that wrap another: the argument in the study file, and the constructor's name for it.

@@ -9,10 +9,13 @@ import optuna
 import pytest
 
 import sweep.pruners
+from sweep.components import build_pruner
+from sweep.forecast import ForecastPruner, log_linear_forecast, value_at
 from sweep.outcomes import ATTR_WARM_START
 from sweep.pruners import FastFailPruner
-from tests.sweep.test_pruners import curve, pruned_step
-from tests.trainer.test_fast_fail_rules import HISTORY, STUCK_AFTER, learner, shaped, two_phase
+from sweep.schema import Component, StudyFileError
+from tests.sweep.test_pruners import NAN, curve, pruned_step
+from tests.trainer.test_fast_fail_rules import HISTORY, STUCK_AFTER, learner, noisy, shaped, two_phase
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -103,3 +106,52 @@ def test_a_wrapped_pruner_that_never_prunes_leaves_the_never_learner_to_fast_fai
     assert pruned_step(FastFailPruner(then=optuna.pruners.NopPruner()), FLAT, history=HISTORY) == STUCK_AFTER
     assert pruned_step(FastFailPruner(then=optuna.pruners.NopPruner()), curve([2.3, 1.5, 1.2, 1.1]),
                        history=HISTORY) is None
+
+
+# ForecastPruner: against HISTORY's completed trials (finals 0.05 to 0.8; the top quarter's bar, the 3rd best, 0.102).
+TOP_TWO_PHASE = two_phase(1.2, 400, final=0.01)  # ends at 0.065: a top-quarter finisher
+
+
+@pytest.mark.parametrize(("values", "history", "expected"), [
+    pytest.param(learner(0, 0.03, rate=0.93), HISTORY, None, id="the-best-curve"),
+    pytest.param(noisy(learner(0, 0.03, rate=0.93), 0.15), HISTORY, None, id="the-best-curve-noisy"),
+    pytest.param(learner(0, 0.8, rate=0.93), HISTORY, 120, id="a-curve-like-the-worst-finisher"),
+    pytest.param(two_phase(1.2, 350, final=0.01), [*HISTORY, TOP_TWO_PHASE], None,
+                 id="two-phase-dropping-no-later-than-one-the-study-saw-end-well"),
+    # The limit of any forecast: a two-phase learner whose drop comes later than any the study has seen looks like
+    # a finished plateau, and is pruned (as its drop begins) although it would end in the top quarter (at 0.08).
+    # Fast-fail never does that; the forecast is only as safe as the study's experience.
+    pytest.param(two_phase(1.2, 450, final=0.01), [*HISTORY, TOP_TWO_PHASE], 470,
+                 id="limit-two-phase-dropping-later-than-any-the-study-saw"),
+    pytest.param(learner(0, 0.03, rate=0.93), HISTORY[:4], None, id="fewer-than-n-startup-trials"),
+    pytest.param([(0, 2.3), (10, 2.0), (20, NAN)], HISTORY, 20, id="nan"),
+])
+def test_forecast_prunes_what_cannot_reach_the_top_quarter(values: list[tuple[int, float]],
+                                                           history: list[list[tuple[int, float]]],
+                                                           expected: int | None) -> None:
+    assert pruned_step(ForecastPruner(n_startup_trials=5), values, history=history) == expected
+
+
+def test_forecast_mirrors_for_maximized_metrics() -> None:
+    flip = [[(s, -v) for s, v in past] for past in HISTORY]
+    assert pruned_step(ForecastPruner(), [(s, -v) for s, v in learner(0, 0.8, rate=0.93)], "maximize",
+                       history=flip) == 120
+    assert pruned_step(ForecastPruner(), [(s, -v) for s, v in learner(0, 0.03, rate=0.93)], "maximize",
+                       history=flip) is None
+
+
+def test_forecast_composes_with_fast_fail_and_is_registered() -> None:
+    pruner = build_pruner(Component.model_validate({"type": "fastfail", "then": {"type": "forecast",
+                                                                                 "top_fraction": 0.5}}))
+    assert isinstance(pruner, ForecastPruner) and pruner.top_fraction == 0.5
+    assert pruned_step(pruner, FLAT, history=HISTORY) is not None
+    with pytest.raises(StudyFileError, match="optimism"):
+        build_pruner(Component.model_validate({"type": "forecast", "optimism": 0.5}))
+
+
+def test_the_log_linear_forecast_is_optimistic_for_power_laws() -> None:
+    for power in (0.3, 1.0, 2.0):
+        values = [(s, 0.05 + 2.25 * (s / 10) ** -c) for s in range(10, 1001, 10) for c in [power]]
+        for upto in (100, 300, 600):
+            forecast = log_linear_forecast(value_at(values, upto), 1000)
+            assert forecast is not None and forecast <= values[-1][1]
