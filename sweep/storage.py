@@ -42,7 +42,7 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from sweep.urls import mask_url, sqlite_path
+from sweep.urls import mask_url, mask_urls, sqlite_path
 
 __all__ = ["Boundary", "PatientStorage", "StorageAway", "StorageUnavailable", "ask_lock", "is_transient",
            "load_existing_study", "make_storage", "mask_url", "sqlite_path"]
@@ -221,9 +221,12 @@ class Boundary:
     doubling, at most 10 s apart) for up to `patience_s` seconds from the first failure, then
     `StorageUnavailable` is raised. `notify` hears one line when the storage goes away and one when it is back."""
 
+    FIRST_CONTACT_S = 10.0  # a storage never reached yet is more likely a wrong URL than an outage
+
     def __init__(self, patience_s: float = 600.0, *, label: str = "the storage",
                  notify: Callable[[str], None] | None = None) -> None:
         self.patience_s, self.label = patience_s, label
+        self.reached = False  # whether any call has succeeded yet
         self.notify = notify if notify is not None else _to_stderr
         self.down_since: float | None = None
         self.recovered_at: float | None = None  # when the storage last came back (time.monotonic)
@@ -256,13 +259,15 @@ class Boundary:
                 if getattr(self._local, "no_wait", False):
                     raise StorageAway(f"{self.label} is unreachable") from exc
                 waited = time.monotonic() - since
-                if waited >= self.patience_s:
-                    raise StorageUnavailable(
-                        f"{self.label} has been unreachable for {waited:.0f} s (storage_patience is "
-                        f"{self.patience_s:g} s): {_first_line(exc)}") from exc
-                time.sleep(min(delay, max(0.0, self.patience_s - waited)))
+                patience = self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
+                if waited >= patience:
+                    what = f"storage_patience is {self.patience_s:g} s" if self.reached else "never reached yet"
+                    raise StorageUnavailable(f"{self.label} has been unreachable for {waited:.0f} s ({what}): "
+                                             f"{_first_line(exc)}") from exc
+                time.sleep(min(delay, max(0.0, patience - waited)))
                 delay = min(delay * 2, 10.0)
                 continue
+            self.reached = True
             self._came_back()
             return result
 
@@ -303,7 +308,7 @@ def _first_line(exc: BaseException) -> str:
     while exc.__cause__ is not None:
         exc = exc.__cause__
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+    return mask_urls(f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300])
 
 
 def _to_stderr(line: str) -> None:
