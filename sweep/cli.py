@@ -369,10 +369,18 @@ def check(
     """Registry and disk agree? Lists every checkpoint row whose blob is missing or fails its hash, every file in the
     store that no row names, and every dashboard artifact that points nowhere; exit 1 while any is left."""
     from sweep.reconcile import check_study, store_location
-    from sweep.registry import Registry
+    from sweep.registry import Registry, default_store
 
     study, url = _open_with_url(target, storage, study_name, "check")
-    report = check_study(Registry(url), store_location(study, url), study, repair=repair)
+    # The store is the study file's when one is given. Named only by the database, a store other than the default
+    # one beside it is not trusted to delete files in: whoever can write the database could point it anywhere.
+    if target.endswith((".yaml", ".yml")):
+        spec, _ = read_spec(Path(target))
+        location, trusted = str(spec.checkpoints.store or default_store(url)), True
+    else:
+        location = store_location(study, url)
+        trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
+    report = check_study(Registry(url), location, study, repair=repair, delete_orphans=trusted)
     for problem in report.problems:
         status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"
         out.print(f"{problem.kind.value}: {problem.detail} [{status}]", markup=False)

@@ -109,6 +109,7 @@ class CheckReport:
 
 
 def check_study(registry: Registry, store_location: str, study: optuna.Study, *, repair: bool = False,
+                delete_orphans: bool = True,
                 orphan_min_age_s: float = ORPHAN_MIN_AGE_S,
                 stale_temporary_s: float = STALE_TEMPORARY_S) -> CheckReport:
     """Every disagreement between the registry rows of `study`, its blobs under `store_location` (a folder, or an
@@ -124,7 +125,10 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
     files = _listing(store_location, name, report)
     records = registry.for_study(name)
     sound = _check_blobs(registry, records, scope, report, repair)
-    _check_orphans(files, records, scope, report, repair, orphan_min_age_s, stale_temporary_s)
+    _check_orphans(files, records, scope, report, repair and delete_orphans, orphan_min_age_s, stale_temporary_s)
+    if repair and not delete_orphans and report.of_kind(ProblemKind.ORPHAN_FILE):
+        report.notes.append("files no row names were left in place: the store is named only by the database; give "
+                            "the study file to let --repair delete them")
     _check_artifacts(study, sound, scope, report, repair)
     return report
 

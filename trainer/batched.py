@@ -152,16 +152,10 @@ def _forward(template: nn.Module) -> Callable[..., torch.Tensor]:
 # Memory.
 
 def available_memory(device: torch.device) -> int:
-    """Free bytes on `device`: CUDA's free memory, else the host's available RAM (psutil when installed, else
-    /proc/meminfo's MemAvailable)."""
+    """Free bytes on `device`: CUDA's free memory, else the host's available RAM (/proc/meminfo's MemAvailable,
+    else the physical pages the OS reports free)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        import psutil  # type: ignore[import-untyped]
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
