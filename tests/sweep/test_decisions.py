@@ -4,6 +4,7 @@ finished trials, the stuck rule's patience that follows from them, and the same 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import optuna
 import pytest
@@ -16,6 +17,7 @@ from sweep.pruners import FastFailPruner
 from sweep.schema import Component, StudyFileError
 from tests.sweep.test_pruners import NAN, curve, pruned_step
 from tests.trainer.test_fast_fail_rules import HISTORY, STUCK_AFTER, learner, noisy, shaped, two_phase
+from trainer.fast_fail_rules import StudyReference
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -70,7 +72,12 @@ def test_the_reference_reads_complete_and_pruned_trials_but_not_warm_started_one
 def test_the_reference_is_computed_once_per_number_of_finished_trials(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = sweep.pruners.study_reference
-    monkeypatch.setattr(sweep.pruners, "study_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def counted(*args: Any, **kwargs: Any) -> StudyReference:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep.pruners, "study_reference", counted)
     pruner = FastFailPruner()
     study = study_with(HISTORY)
     study.pruner = pruner

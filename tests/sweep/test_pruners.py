@@ -276,5 +276,5 @@ def test_optuna_s_bracket_questions_are_answered_from_the_wrapped_hyperband_s_st
     sampled_params(pruner, n_trials=8)
     inner = pruner.then
     assert isinstance(inner, optuna.pruners.HyperbandPruner)
-    assert inner._n_brackets == 4 and pruner._pruners is inner._pruners
+    assert inner._n_brackets == 4 and getattr(pruner, "_pruners") is inner._pruners  # noqa: B009 - via __getattr__
     assert "_pruners" not in vars(pruner)  # nothing of Hyperband's state was written on the wrapper

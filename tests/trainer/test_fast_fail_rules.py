@@ -134,9 +134,11 @@ def test_alone_a_two_phase_learner_is_still_judged_by_learned_pct() -> None:
 
 
 def test_maximized_metrics_mirror_the_rules() -> None:
-    accuracy = [shaped(lambda s, k=k: 0.95 - 0.85 * 0.97 ** (max(0, s - 10 * k) / 10)) for k in range(8)]
-    reference = study_reference(accuracy, CONFIG, maximize=True)
-    assert reference.best > 0.9 and reference.stuck_after is not None
+    def accuracy(start: int) -> Curve:
+        return shaped(lambda s: 0.95 - 0.85 * 0.97 ** (max(0, s - start) / 10))
+
+    reference = study_reference([accuracy(10 * k) for k in range(8)], CONFIG, maximize=True)
+    assert reference.best is not None and reference.best > 0.9 and reference.stuck_after is not None
     at_chance = noisy(shaped(lambda s: 0.1), 0.05, seed=1)
     assert first_failure(at_chance, reference, maximize=True) == (reference.stuck_after, "stuck")
     two_phase_accuracy = shaped(lambda s: 0.1 + 0.3 * min(1, s / 100) + (0.5 * (1 - 0.95 ** ((s - 600) / 10))
@@ -194,7 +196,8 @@ def test_no_top_quarter_finisher_is_failed_in_a_sequential_study(seed: int) -> N
     curves = population(seed)
     finals = [curve[-1][1] if math.isfinite(curve[-1][1]) else math.inf for curve in curves]
     top = set(sorted(range(len(curves)), key=finals.__getitem__)[: len(curves) // 4])
-    failed, finished = {}, []
+    failed: dict[int, tuple[int, str]] = {}
+    finished: list[Curve] = []
     for i, curve in enumerate(curves):  # one trial after another: each judged against those before it
         verdict = first_failure(curve, study_reference(finished, CONFIG))
         finished.append(curve if verdict is None else [p for p in curve if p[0] <= verdict[0]])
