@@ -186,6 +186,23 @@ def summary(trials: list[FrozenTrial], most: int = 16) -> str:
     return "\n".join(lines)
 
 
+def fault_row(scenario: str, trials: list[FrozenTrial], n_trials: int, crashed: int | str) -> None:
+    """One row of the closing note's fault table, printed (`pytest -s` shows it): trials asked, counted towards
+    n_trials, finished as complete or pruned, failed as lost / infrastructure / interrupted (each retried), workers
+    crashed, and finished results lost (a trial that reported at max_steps whose line of retries did not complete)."""
+    by_outcome = {name: sum(t.user_attrs.get("outcome") == name for t in trials)
+                  for name in ("lost", "infrastructure", "interrupted", "preempted")}
+    final = {t.number: max(t.intermediate_values) for t in trials if t.intermediate_values}
+    top = max(final.values(), default=0)
+    lost_results = sum(1 for t in trials if final.get(t.number) == top and t.state != TrialState.COMPLETE
+                       and not any(d.state == TrialState.COMPLETE for d in descendants(trials, t.number)))
+    print(f"FAULT-TABLE | {scenario} | asked {len(trials)} | counted {len(counted(trials))}/{n_trials} | "
+          f"complete {sum(t.state == TrialState.COMPLETE for t in trials)} | "
+          + " | ".join(f"{k} {v}" for k, v in by_outcome.items())
+          + f" | running {sum(t.state == TrialState.RUNNING for t in trials)} | crashed workers {crashed} | "
+          f"results lost {lost_results} |")
+
+
 class Findings:
     """Every broken expectation of one test, reported together: a fault test that stops at the first one hides
     what else the storage got wrong."""
@@ -333,6 +350,7 @@ def test_three_workers_ride_out_five_postgresql_restarts(tmp_path: Path) -> None
     found.expect(any("back" in line.lower() for line in storage_lines)
                  and any(re.search(r"unreachable|down|lost|gone|away|wait", line.lower()) for line in storage_lines),
                  f"no worker said the storage went away and came back; lines naming the storage: {storage_lines[:10]}")
+    fault_row("PostgreSQL restarted 5x (pg_ctl restart -m fast), 3 workers", trials, n_trials, int(code != 0))
     found.check()
 
 
@@ -453,6 +471,7 @@ def test_a_trial_killed_and_interrupted_again_and_again_ends_as_if_never_stopped
                      f"{expected_outcomes[signum]!r}")
     for t in complete:
         found.expect(t.user_attrs.get("outcome") == "complete", f"#{t.number}: outcome {t.user_attrs.get('outcome')!r}")
+    fault_row(f"one trial SIGKILLed/SIGINTed {len(events)}x, rerun each time", trials, 1, "-")
     found.check()
 
 
@@ -527,6 +546,7 @@ def test_a_full_checkpoint_folder_stops_the_run_without_spending_the_budget(tmp_
             if t.state == TrialState.COMPLETE:
                 found.expect(sorted(t.intermediate_values) == [50, 100, 150, 200],
                              f"#{t.number} is COMPLETE without its whole curve: {sorted(t.intermediate_values)}")
+        fault_row("checkpoint folder on a full tmpfs, then grown", trials, 3, 0)
         found.check()
 
 
@@ -572,6 +592,7 @@ def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_reru
                      f"counted {[(t.number, t.state.name) for t in counted(trials)]}, expected 6 COMPLETE")
         found.expect(not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)],
                      "a trial was left running or waiting")
+        fault_row("SQLite file on a full tmpfs, then grown", trials, len(counted(trials)), 0)
         found.check()
 
 
