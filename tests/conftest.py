@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import io
 import logging
@@ -13,6 +14,7 @@ import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
 import pytest
@@ -87,6 +89,24 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
+@functools.cache
+def _cli_module() -> ModuleType:
+    """sweep.cli as a process with piped output and CLI_ENV has it.
+
+    Its rich Consoles are made at import, from the output they find then (a terminal or a pipe, and its width); a test
+    module that imported sweep.cli under `pytest -s` on a terminal would leave them colouring and wrapping for that
+    terminal. So it is imported again once, with piped output; not at every call, which would mix a newer sweep.cli
+    with the sweep modules already loaded when the files change during a session."""
+    saved = dict(os.environ)
+    os.environ.update(CLI_ENV)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return importlib.reload(importlib.import_module("sweep.cli"))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def sweep_cli(*args: str | Path, cwd: Path | None = None, env: Mapping[str, str | None] | None = None,
               pythonpath: Path | None = None) -> CliResult:
     """The real `sweep` command (sweep.cli's typer app, through typer's CliRunner) in this process.
@@ -128,11 +148,8 @@ def sweep_cli(*args: str | Path, cwd: Path | None = None, env: Mapping[str, str 
             for action, category, module in reversed(_FRESH_WARNING_FILTERS):
                 warnings.filterwarnings(action, category=category, module=module)
             warnings.showwarning = _show_warning
-            # sweep.cli builds its rich Consoles at import, from the output they find (a pipe or a terminal, its
-            # width): build them again as a process with piped output and CLI_ENV would.
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                cli = importlib.reload(importlib.import_module("sweep.cli"))
-            result = CliRunner().invoke(cli.app, argv, prog_name="python -m sweep.cli", catch_exceptions=True)
+            result = CliRunner().invoke(_cli_module().app, argv, prog_name="python -m sweep.cli",
+                                        catch_exceptions=True)
     finally:
         for handler, stream in saved_streams.items():
             handler.setStream(stream)
