@@ -9,6 +9,7 @@ Each command imports the library it needs when it runs, not when this module loa
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import ipaddress
@@ -18,6 +19,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -79,27 +81,46 @@ def run(
                                          "machine each is pinned to a GPU, round robin.")] = 1,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
-    from sweep import results
-    from sweep.signals import graceful_signals
-    from sweep.spec import load_spec
-    from sweep.storage import StorageUnavailable
-    from sweep.study import (
-        InfrastructureError,
-        Preempted,
-        StudyBrokenError,
-        StudyMismatchError,
-        open_study,
-        worker_storage,
-    )
-    from sweep.workers import STORAGE_ENV, WORKER_ENV, prepare_process, run_local_workers
+    from sweep.workers import STORAGE_ENV, WORKER_ENV, run_local_workers
 
-    if os.environ.get(WORKER_ENV) is not None and storage is None:  # `--workers`: the URL comes by environment
+    worker = os.environ.get(WORKER_ENV)
+    if worker is not None and storage is None:  # `--workers`: the URL comes by environment, never by argument
         storage = os.environ.pop(STORAGE_ENV, None)
+    spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, workers, set_ or [])
+    prefix = "" if worker is None else f"[worker {worker}] "
+    study = _open_for_run(spec, url, prefix)
+    with _run_outcomes(study, prefix):
+        if workers > 1:
+            codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+            _print_status(study)
+            lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
+            if lost:
+                raise _fail(lost, 1)
+            return
+        summary = _run_here(study, spec, url, timeout, prefix, live=worker is None)
+    if worker is not None:
+        return  # the parent prints the summary once
+    _print_status(study)
+    for flag, message in (("stopped", "stopped by `sweep stop`; rerun the same command to continue."),
+                          ("exhausted", "the sampler has tried every point of the search space; stopped with "
+                                        f"{summary.budget_used}/{summary.n_trials} trials done."),
+                          ("timed_out", f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} "
+                                        "trials done; rerun to continue.")):
+        if getattr(summary, flag):
+            err.print(message)
+
+
+def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_trials: int | None,
+              timeout: float | None, workers: int, set_: list[str]) -> tuple[Any, str]:
+    """The validated spec and the storage URL of `sweep run`, every problem of the options and the file reported
+    together (exit 2), and nothing created before they are all fine."""
+    from sweep.spec import load_spec, store_problems
+
     problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                 workers=workers)
     options_ok = not problems
     # The options' values go in as YAML strings (JSON is YAML): `--study-name 2024` is the name "2024", not a number.
-    overrides = [*(set_ or []), *([f"name={json.dumps(study_name)}"] if study_name and options_ok else []),
+    overrides = [*set_, *([f"name={json.dumps(study_name)}"] if study_name and options_ok else []),
                  *([f"n_trials={n_trials}"] if n_trials is not None and options_ok else [])]
     try:
         spec, spec_path = load_spec(study_file, overrides)
@@ -109,15 +130,19 @@ def run(
         raise _fail(problems, 2)
     url = resolve_storage_url(spec, spec_path, storage)
     # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
-    from sweep.spec import store_problems
-
     where = "--storage" if storage is not None else f"{study_file}: storage"
     problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
     problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
     if problems:
         raise _fail(problems, 2)
-    worker = os.environ.get(WORKER_ENV)
-    prefix = "" if worker is None else f"[worker {worker}] "
+    return spec, url
+
+
+def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
+    """Create or resume the study behind the storage boundary, whose outage lines go to stderr."""
+    from sweep.study import StudyMismatchError, open_study, worker_storage
+    from sweep.workers import prepare_process
+
     prepare_process(spec)
     _quiet_optuna()
     notify = lambda line: err.print(f"{prefix}{line}", markup=False)
@@ -127,16 +152,25 @@ def run(
         raise _fail(str(exc), 2) from None
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         raise _storage_failure(url, exc) from None
-    status_now = results.study_status(study)
-    if worker is None:
-        err.print(f"study {spec.name!r} in {mask_url(url)}: {status_now['budget_used']}/{spec.n_trials} trials done",
-                  markup=False)
+    if not prefix:  # the launching process, not one of its workers
+        from sweep.outcomes import budget_counts
+
+        used = budget_counts(study.get_trials(deepcopy=False))[0]
+        err.print(f"study {spec.name!r} in {mask_url(url)}: {used}/{spec.n_trials} trials done", markup=False)
+    return study
+
+
+@contextlib.contextmanager
+def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
+    """Ctrl-C and SIGTERM as requests the worker honours at a clean point, and how a run that ends early exits:
+    130 interrupted, 143 preempted, 1 a broken study, a repeated fault of the machine or a storage gone too long."""
+    from sweep.signals import Preempted, graceful_signals
+    from sweep.storage import StorageUnavailable
+    from sweep.worker import InfrastructureError, StudyBrokenError
+
     try:
         with graceful_signals():
-            if workers > 1:
-                codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
-            else:
-                summary = _run_here(study, spec, url, timeout, status_now, prefix, live=worker is None)
+            yield
     except KeyboardInterrupt:
         err.print(f"{prefix}interrupted: running trials are marked and queued again; rerun the same command to "
                   "continue.")
@@ -149,29 +183,15 @@ def run(
         if not isinstance(exc, StorageUnavailable):
             _print_status(study)
         raise _fail(f"{prefix}{exc}", 1) from None
-    if worker is not None:
-        return  # the parent prints the summary once
-    _print_status(study)
-    if workers > 1:
-        lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
-        if lost:
-            raise _fail(lost, 1)
-        return
-    for flag, message in (("stopped", "stopped by `sweep stop`; rerun the same command to continue."),
-                          ("exhausted", "the sampler has tried every point of the search space; stopped with "
-                                        f"{summary.budget_used}/{summary.n_trials} trials done."),
-                          ("timed_out", f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} "
-                                        "trials done; rerun to continue.")):
-        if getattr(summary, flag):
-            err.print(message)
 
 
-def _run_here(study: Any, spec: Any, url: str, timeout: float | None, status_now: dict[str, Any], prefix: str,
-              *, live: bool) -> Any:
+def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: str, *, live: bool) -> Any:
     """The worker loop in this process, with a progress display (a live one on a terminal, lines for a worker)."""
+    from sweep import results
     from sweep.progress import LiveProgress
     from sweep.study import run_study
 
+    status_now = results.study_status(study)
     best = status_now["best"]
     progress = LiveProgress(err, spec.n_trials, study.direction, done=status_now["budget_used"],
                             best=None if best is None else best["value"], live=None if live else False, prefix=prefix)
