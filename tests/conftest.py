@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -37,6 +38,22 @@ TINY_STUDY: dict[str, Any] = {
         "model.hidden": {"type": "int", "low": 8, "high": 32},
     },
 }
+
+
+def changed(**edits: Any) -> dict[str, Any]:
+    """TINY_STUDY with edits by key path (`space__learning_rate__low=...`, `__` between keys); a value of ... deletes
+    the key."""
+    document = copy.deepcopy(TINY_STUDY)
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split("__")
+        node = document
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is ...:
+            node.pop(leaf)
+        else:
+            node[leaf] = value
+    return document
 
 
 def write_study(folder: Path, document: dict[str, Any] | str, name: str = "study.yaml") -> Path:

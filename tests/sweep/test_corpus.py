@@ -11,7 +11,6 @@ Cases are grouped by kind in tables; a kind's table says what a fix must hold fo
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import time
@@ -24,7 +23,7 @@ import optuna
 import pytest
 import yaml
 
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, changed, sweep_cli, write_study
 
 STUDY = "study.yaml"  # every case runs in its own folder, with the study file (if any) under this name
 WALL_LIMIT_S = 5.0
@@ -41,21 +40,6 @@ class Case:
     setup: Callable[[Path], None] | None = None  # makes what the case needs in the folder (before the listing)
     usage: bool = False  # a usage line comes first
     absent: str | None = None  # a module the case needs to be missing (a database driver)
-
-
-def changed(**edits: Any) -> dict[str, Any]:
-    """TINY_STUDY with edits by key path (`space__learning_rate__low=...`, `__` between keys); ... deletes a key."""
-    document = copy.deepcopy(TINY_STUDY)
-    for dotted, value in edits.items():
-        *parents, leaf = dotted.split("__")
-        node = document
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is ...:
-            node.pop(leaf)
-        else:
-            node[leaf] = value
-    return document
 
 
 TINY_YAML = yaml.safe_dump(TINY_STUDY, sort_keys=False)

@@ -3,30 +3,12 @@ nothing is written to the storage."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from sweep.spec import StudyFileError, load_spec
-from tests.conftest import TINY_STUDY, run_cli, write_study
-
-
-def changed(**edits: Any) -> dict[str, Any]:
-    """TINY_STUDY with dotted-path edits; a value of ... deletes the key."""
-    document = copy.deepcopy(TINY_STUDY)
-    for dotted, value in edits.items():
-        *parents, leaf = dotted.split("__")
-        node = document
-        for part in parents:
-            node = node.setdefault(part, {})
-        if value is ...:
-            node.pop(leaf)
-        else:
-            node[leaf] = value
-    return document
-
+from tests.conftest import TINY_STUDY, changed, run_cli, write_study
 
 LR = "learning_rate"
 BAD_FILES = [
