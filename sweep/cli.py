@@ -450,18 +450,32 @@ def dashboard(
         loopback = host == "localhost"
     if not loopback:
         err.print(f"warning: binding to {host}: anyone who can reach this machine can read and edit the study")
-    artifacts = dashboard_artifact_store(study)
+    from sweep.outcomes import SPEC_ATTR
+    from sweep.reconcile import store_location
+    from sweep.study import label_for_dashboard
+
+    if isinstance(stored := study.user_attrs.get(SPEC_ATTR), dict):
+        label_for_dashboard(study, stored)  # the metric's name and the readable definition, for older studies too
+    spec = _study_file_spec(target)
+    artifacts = dashboard_artifact_store(study, (spec.checkpoints.store if spec is not None else None)
+                                         or store_location(study, url))
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
     optuna_dashboard.run_server(url, host=host, port=port, artifact_store=artifacts)
 
 
-def dashboard_artifact_store(study: object) -> object | None:
-    """The artifact store where the study's trials uploaded their best checkpoints, so the dashboard lists them."""
-    from sweep.blobs import RetainedArtifacts, artifact_store_at, is_object_url
+def dashboard_artifact_store(study: Any, store: str) -> object | None:
+    """The artifact store where the study's trials uploaded their best checkpoints, so the dashboard lists them: the
+    checkpoint store's own (`BlobScope.artifact_location`). The location the study records is whatever whoever can
+    write the database wrote, so a different one is not served (with a warning)."""
+    from sweep.blobs import BlobScope, RetainedArtifacts, artifact_store_at, is_object_url
     from sweep.outcomes import ARTIFACTS_ATTR
 
-    location = study.user_attrs.get(ARTIFACTS_ATTR)  # type: ignore[attr-defined]
-    if location is None or not (is_object_url(location) or Path(location).is_dir()):
+    location = BlobScope(store).artifact_location
+    recorded = study.user_attrs.get(ARTIFACTS_ATTR)
+    if recorded is not None and recorded != location:
+        err.print(f"warning: the study records its checkpoint artifacts in {recorded!r}, but its checkpoint store "
+                  f"keeps them in {location!r}: serving only the store's", markup=False)
+    if not (is_object_url(location) or Path(location).is_dir()):
         return None
     return RetainedArtifacts(artifact_store_at(location))
 

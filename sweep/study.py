@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial
+import yaml
 
 from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
 from sweep.outcomes import SPEC_ATTR, budget_counts
@@ -22,7 +22,8 @@ from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, Stu
 from trainer.config import nest
 
 __all__ = ["PRUNERS", "SAMPLERS", "Events", "InfrastructureError", "Preempted", "RunSummary", "StudyBrokenError",
-           "StudyMismatchError", "budget_used", "load_existing_study", "mask_url", "open_study", "request_stop",
+           "StudyMismatchError", "budget_used", "definition_note",
+           "label_for_dashboard", "load_existing_study", "mask_url", "open_study", "request_stop",
            "resolve_storage_url", "run_study", "worker_storage"]
 
 
@@ -54,7 +55,7 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
             study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
         else:
             study.set_user_attr(SPEC_ATTR, spec.stored())
-            study.set_metric_names([spec.metric])
+            label_for_dashboard(study, spec.stored())
             return study
     stored = _stored_spec(study)
     if stored is None:
@@ -68,7 +69,33 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
             f"study {spec.name!r} already exists with a different {', '.join(differences)}; start a new study with "
             "--study-name NAME, or rerun with the original file")
     study.set_user_attr(SPEC_ATTR, spec.stored())  # the latest budget, sampler and pruner
+    label_for_dashboard(study, spec.stored())
     return study
+
+
+def label_for_dashboard(study: optuna.Study, stored: dict[str, Any]) -> None:
+    """What optuna-dashboard shows of a sweep study: the metric's name, not "Objective 0", and the study's
+    definition as readable YAML in the study's note (the `sweep.spec` attr holds the same as one JSON line). A study
+    created before this existed gets both the next time a worker or `sweep dashboard` opens it. The note needs
+    optuna-dashboard installed; it is written only when it changed, so reopening adds no note versions."""
+    if study.metric_names is None:
+        study.set_metric_names([str(stored.get("metric") or "value")])
+    try:
+        from optuna_dashboard import get_note, save_note
+    except ImportError:
+        return
+    body = definition_note(stored)
+    if get_note(study) != body:
+        save_note(study, body)
+
+
+def definition_note(stored: dict[str, Any]) -> str:
+    """The study's note: a summary line, then the definition as YAML (the storage URL is never part of it)."""
+    summary = (f"{stored.get('direction', 'minimize')} **{stored.get('metric', 'value')}** over "
+               f"{stored.get('n_trials', '?')} trials; task `{stored.get('task', '?')}`")
+    definition = yaml.safe_dump(stored, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return (f"## Study definition (sweep)\n\n{summary}\n\n```yaml\n{definition}```\n\n"
+            "Written by sweep from the study file; `sweep run` with the same definition resumes this study.\n")
 
 
 def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = None, timeout: float | None = None,
@@ -103,5 +130,3 @@ def _stored_spec(study: optuna.Study, patience_s: float = 5.0) -> dict[str, Any]
     return stored
 
 
-def trial_by_number(study: optuna.Study, number: int) -> FrozenTrial | None:
-    return next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)

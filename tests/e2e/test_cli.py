@@ -18,6 +18,8 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from sweep.spec import load_spec
+from sweep.study import definition_note, open_study
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
 
@@ -202,6 +204,34 @@ def test_optuna_dashboard_reads_the_study(tiny_study: Path) -> None:
     assert {t["state"] for t in detail["trials"]} == {"Complete"}
     assert all(len(t["intermediate_values"]) == 2 for t in detail["trials"])
     assert any(attr["key"] == "config" for attr in detail["trials"][0]["user_attrs"])
+    # The metric by its name, not "Objective 0"; the definition readable in the study's note, not one JSON line.
+    assert detail["objective_names"] == ["val_loss"]
+    note = detail["note"]["body"]
+    assert note.startswith("## Study definition") and "\n  learning_rate:\n    type: float\n" in note
+    assert note == definition_note(load(tiny_study.parent / "tiny.db").user_attrs["sweep.spec"])
+
+
+def test_a_study_created_before_gets_its_metric_name_and_note_when_opened(tmp_path: Path) -> None:
+    pytest.importorskip("optuna_dashboard")
+    from optuna_dashboard import get_note
+
+    spec, _ = load_spec(write_study(tmp_path, TINY_STUDY))
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = optuna.create_study(study_name="tiny", storage=url)  # as sweep created studies before: the spec attr only
+    old.set_user_attr("sweep.spec", spec.stored())
+    assert old.metric_names is None and get_note(old) == ""
+    versions = len(system_attrs(url))
+
+    study = open_study(spec, url)
+    assert study.metric_names == ["val_loss"] and get_note(study) == definition_note(spec.stored())
+    versions_after = len(system_attrs(url))
+    open_study(spec, url)  # unchanged: no new note version
+    assert len(system_attrs(url)) == versions_after > versions
+
+
+def system_attrs(url: str) -> dict:
+    study = optuna.load_study(study_name="tiny", storage=url)
+    return study._storage.get_study_system_attrs(study._study_id)
 
 
 def test_a_study_that_searches_deterministic_fixes_cublas_before_its_first_trial(tmp_path: Path) -> None:

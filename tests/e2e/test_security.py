@@ -245,3 +245,23 @@ def test_a_study_s_files_are_owner_only_whatever_the_login_umask(tmp_path: Path)
     subprocess.run([*command, "run", str(path)], env={**env, "SWEEP_UMASK": "022"}, umask=0o077, check=True,
                    capture_output=True)
     assert _mode(shared / "tiny.db") == 0o644 and _mode(shared / "tiny.checkpoints") == 0o755
+
+
+def test_the_dashboard_serves_artifacts_only_from_the_study_s_own_store(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import optuna
+
+    from sweep.cli import dashboard_artifact_store
+
+    store = tmp_path / "study.checkpoints"
+    (store / "_artifacts").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    study = optuna.create_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    study.set_user_attr("sweep.artifacts", str(tmp_path / "elsewhere"))  # as whoever can write the database may
+    served = dashboard_artifact_store(study, str(store))
+    assert served is not None and Path(served.store._base_path) == store / "_artifacts"
+    assert "serving only the store's" in capsys.readouterr().err
+
+    study.set_user_attr("sweep.artifacts", str(store / "_artifacts"))  # what a worker records: no warning
+    assert dashboard_artifact_store(study, str(store)) is not None
+    assert capsys.readouterr().err == ""

@@ -85,7 +85,8 @@ def test_study_retention_keeps_the_best_trials_and_every_parent(tmp_path: Path) 
     # Trials dropped after they finished are still listed (Optuna cannot edit a finished trial): through the real
     # dashboard app, `sweep dashboard`'s store serves a note for them instead of a server error.
     study = load(tmp_path)
-    app = optuna_dashboard.wsgi(f"sqlite:///{tmp_path / 'warm.db'}", artifact_store=dashboard_artifact_store(study))
+    app = optuna_dashboard.wsgi(f"sqlite:///{tmp_path / 'warm.db'}", artifact_store=dashboard_artifact_store(
+        study, str(tmp_path / "warm.checkpoints")))
     dropped = [t for t in trials if "checkpoint" in t.user_attrs and t.number != best.number]
     assert dropped  # seed 0: trials 0, 1 and 6 were each the best when they finished
     for trial in [best, *dropped]:
