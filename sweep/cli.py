@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -27,6 +27,7 @@ import typer
 import yaml
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from sweep.schema import (
     StudyFileError,
@@ -38,7 +39,36 @@ from sweep.schema import (
 )
 from sweep.urls import mask_url, redact
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# click's exception classes, wherever this typer takes click from (its own vendored copy, or click itself).
+_CLICK_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class _Commands(TyperGroup):
+    """The command group, with click's own usage errors (an unknown option or command, a value of the wrong type, a
+    missing argument) as one line naming the command, like every other bad input, rather than a boxed panel."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
+        prog_name = "sweep"  # also as `python -m sweep.cli`: messages name the command users type
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, windows_expand_args, **extra)
+        except _CLICK_ERROR as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `sweep` alone: the help, as before
+                exc.show()
+            else:
+                ctx = getattr(exc, "ctx", None)
+                command = ctx.command_path if ctx is not None else "sweep"
+                err.print(f"error: {command}: {exc.format_message().rstrip('.')} (see {command} --help)", markup=False)
+            code = exc.exit_code
+        except typer.Abort:
+            err.print("error: aborted", markup=False)
+            code = 1
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
 # Piped output (a file, CI, `less`) has no width: let tables be as wide as they need rather than 80 columns.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 240)

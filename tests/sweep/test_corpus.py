@@ -414,6 +414,16 @@ URLS = [
 ]
 
 CLI = [
+    # What click itself refuses (before any of sweep's code runs): one line too, naming the command, not a panel.
+    bad_args("cli values", "workers-not-a-number", ("run", STUDY, "--workers", "abc"), "sweep run: Invalid value "
+             "for '--workers'", "(see sweep run --help)"),
+    bad_args("cli values", "unknown-option", ("run", STUDY, "--worker", "2"), "sweep run: No such option: --worker",
+             "(Possible options: --workers)"),
+    bad_args("cli values", "unknown-command", ("rnu", STUDY), "sweep: No such command 'rnu'", "(see sweep --help)"),
+    bad_args("cli values", "option-without-value", ("run", STUDY, "--timeout"), "sweep: Option '--timeout' requires "
+             "an argument", "--timeout"),
+    bad_args("cli values", "missing-argument", ("reproduce", STUDY), "sweep reproduce: Missing argument 'trial'",
+             "(see sweep reproduce --help)"),
     bad_args("cli values", "timeout-zero", ("run", STUDY, "--timeout", "0"), "--timeout: ", "> 0, got 0"),
     bad_args("cli values", "timeout-negative", ("run", STUDY, "--timeout", "-5"), "--timeout: ", "got -5"),
     bad_args("cli values", "timeout-nan", ("run", STUDY, "--timeout", "nan"), "--timeout: ", "got nan"),
