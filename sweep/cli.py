@@ -158,7 +158,10 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
         raise _fail([*problems, *exc.lines()], 2) from None
     if problems:
         raise _fail(problems, 2)
-    url = resolve_storage_url(spec, spec_path, storage)
+    try:
+        url = resolve_storage_url(spec, spec_path, storage)
+    except StudyFileError as exc:  # named as the user gave it, like the file's other problems
+        raise _fail(StudyFileError(study_file, exc.problems).lines(), 2) from None
     # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
     where = "--storage" if storage is not None else f"{study_file}: storage"
     problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
@@ -264,9 +267,9 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None,
     if path is not None and path.suffix in (".yaml", ".yml"):
         try:
             spec, spec_path = read_spec(path)
+            url = resolve_storage_url(spec, spec_path, storage)
         except StudyFileError as exc:
-            raise _fail(exc.lines(), 2) from None
-        url = resolve_storage_url(spec, spec_path, storage)
+            raise _fail(StudyFileError(target, exc.problems).lines(), 2) from None
         name = name or spec.name
     elif storage:
         url, name = storage, name or (target or None)

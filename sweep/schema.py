@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import reprlib
 import sys
@@ -220,6 +221,7 @@ class StudySpec(_Model):
     name: StrictStr
     description: StrictStr = ""
     storage: StrictStr | None = None
+    storage_password_env: StrictStr | None = None  # the environment variable that holds the storage password
     direction: Literal["minimize", "maximize"] = "minimize"
     metric: StrictStr = "val_loss"
     n_trials: StrictInt = Field(ge=1)
@@ -251,6 +253,14 @@ class StudySpec(_Model):
         problem = None if value is None else storage_url_problem(value)
         if problem:
             raise ValueError(problem)
+        return value
+
+    @field_validator("storage_password_env", mode="after")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError(f"expected the name of an environment variable (letters, digits, _), got "
+                             f"{short_repr(value)}")
         return value
 
     @field_validator("fixed", mode="after")
@@ -735,14 +745,39 @@ def sqlite_file_problem(url: str) -> str | None:
 
 def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str | None = None) -> str:
     """`--storage` wins, then the file's `storage:`, then a SQLite file next to the study file. A relative SQLite path
-    in the file is relative to the file, so a study runs the same from any working directory."""
+    in the file is relative to the file, so a study runs the same from any working directory. A server URL without a
+    password takes it from the environment variable `storage_password_env` names, when the file names one (raises
+    `StudyFileError` when that variable is not set)."""
     if override:
-        return override
-    if spec.storage is None:
+        url = override
+    elif spec.storage is None:
         folder = spec_path.parent if spec_path is not None else Path.cwd()
         return f"sqlite:///{(folder / f'{spec.name}.db').resolve()}"
-    if spec.storage.startswith("sqlite:///") and spec_path is not None:
+    elif spec.storage.startswith("sqlite:///") and spec_path is not None:
         path = spec.storage.removeprefix("sqlite:///")
+        url = spec.storage
         if path and not path.startswith("/") and path != ":memory:":
             return f"sqlite:///{(spec_path.parent / path).resolve()}"
-    return spec.storage
+    else:
+        url = spec.storage
+    return _with_password(url, spec, spec_path)
+
+
+def _with_password(url: str, spec: StudySpec, spec_path: Path | None) -> str:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    name = spec.storage_password_env
+    if name is None or url.startswith("sqlite"):
+        return url
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return url  # refused with its own message where the URL is checked
+    if parsed.password is not None:
+        return url  # a password given in the URL itself (`--storage`) wins
+    password = os.environ.get(name)
+    if not password:
+        raise StudyFileError(spec_path or "study", [("storage_password_env", f"the environment variable {name} is "
+                                                    "not set or empty; export it with the storage password")])
+    return parsed.set(password=password).render_as_string(hide_password=False)

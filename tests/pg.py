@@ -39,12 +39,14 @@ class PostgresServer:
     and comes back), "smart" (waits for sessions to end) or "immediate" (like a crash: recovery on start). `down_s`
     keeps it stopped that long in between, for an outage longer than a restart. `stop` and `start` do the halves."""
 
-    def __init__(self, database: str = "sweep") -> None:
+    def __init__(self, database: str = "sweep", password: str | None = None) -> None:
+        """With `password`, the server asks for it (scram-sha-256) instead of trusting every local connection; `url`
+        then holds no password: give it the way a user would."""
         self.database = database
         self.folder = Path(tempfile.mkdtemp(prefix="sweep-pg-"))
         self.data, self.socket_dir, self.log = self.folder / "data", self.folder / "socket", self.folder / "log"
         self.url = f"postgresql+psycopg://postgres@/{database}?host={self.socket_dir}"
-        self._env = {**os.environ, "LC_ALL": "C"}
+        self._env = {**os.environ, "LC_ALL": "C", **({"PGPASSWORD": password} if password else {})}
         # listen_addresses='' : no TCP socket at all, only the unix socket in our own folder.
         self._options = (f"-c listen_addresses='' -c unix_socket_directories={self.socket_dir} -c fsync=off "
                          "-c max_connections=200 -c synchronous_commit=off")
@@ -53,8 +55,15 @@ class PostgresServer:
             user = pwd.getpwnam("postgres")
             for path in (self.folder, self.socket_dir):
                 os.chown(path, user.pw_uid, user.pw_gid)
+        auth = ["--auth=trust"]
+        if password is not None:
+            secret = self.folder / "pwfile"
+            secret.write_text(password + "\n")
+            if os.geteuid() == 0:
+                os.chown(secret, pwd.getpwnam("postgres").pw_uid, pwd.getpwnam("postgres").pw_gid)
+            auth = ["--auth=scram-sha-256", f"--pwfile={secret}"]
         try:
-            self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+            self._run("initdb", "-D", str(self.data), "-U", "postgres", *auth, "-E", "UTF8", "--no-sync")
             self.start()
             self._create_database()
         except BaseException:

@@ -265,3 +265,31 @@ def test_the_dashboard_serves_artifacts_only_from_the_study_s_own_store(tmp_path
     study.set_user_attr("sweep.artifacts", str(store / "_artifacts"))  # what a worker records: no warning
     assert dashboard_artifact_store(study, str(store)) is not None
     assert capsys.readouterr().err == ""
+
+
+def test_the_storage_password_comes_from_the_variable_the_study_file_names(tmp_path: Path) -> None:
+    from tests.pg import PostgresServer, postgres_available
+
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    password = "n0t-in-any-file"
+    with PostgresServer(password=password) as server:  # this server refuses a connection without the password
+        document = copy.deepcopy(TINY_STUDY) | {"name": "pw-env", "n_trials": 4, "storage": server.url,
+                                                "storage_password_env": "SWEEP_TEST_DB_PASSWORD"}
+        path = write_study(tmp_path, document)
+        env = {key: value for key, value in os.environ.items() if key not in ("PGPASSWORD", "SWEEP_TEST_DB_PASSWORD")}
+
+        unset = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                               env={**env, **CLI_ENV}, timeout=300)
+        assert unset.returncode == 2, unset.stderr
+        assert unset.stderr == (f"error: {path}: storage_password_env: the environment variable SWEEP_TEST_DB_PASSWORD "
+                                "is not set or empty; export it with the storage password\n")
+
+        done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
+                              capture_output=True, text=True, timeout=300,
+                              env={**env, **CLI_ENV, "SWEEP_TEST_DB_PASSWORD": password})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert password not in done.stdout + done.stderr
+        status = subprocess.run([sys.executable, "-m", "sweep.cli", "status", str(path)], capture_output=True,
+                                text=True, timeout=300, env={**env, **CLI_ENV, "SWEEP_TEST_DB_PASSWORD": password})
+        assert status.returncode == 0 and "4/4" in status.stdout, status.stdout + status.stderr

@@ -338,6 +338,11 @@ def _foreign_study(folder: Path) -> None:
 
 NAMES = [
     bad_file("names", "dot", changed(name="."), "name", "'.' is not a folder of its own"),
+    bad_file("names", "password-env-not-a-name", changed(storage_password_env="MY-PASSWORD"), "storage_password_env",
+             "expected the name of an environment variable"),
+    bad_file("names", "password-env-unset", changed(storage="postgresql+psycopg://sweeper@127.0.0.1:9/sweeps",
+                                                    storage_password_env="SWEEP_CORPUS_UNSET_VARIABLE"),
+             "storage_password_env", "SWEEP_CORPUS_UNSET_VARIABLE is not set"),
     bad_file("names", "dot-dot", changed(name=".."), "name", "'..' is not a folder of its own"),
     bad_file("names", "empty", changed(name=""), "name", "expected a study name, got ''"),
     bad_file("names", "slash", changed(name="a/b"), "name", "(the name is a folder), got 'a/b'"),
