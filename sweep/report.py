@@ -28,7 +28,7 @@ from sweep.outcomes import (
 from sweep.results import state_counts, steps_trained
 from sweep.urls import mask_urls
 
-__all__ = ["edge_warnings", "infeasible", "render_report"]
+__all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
 
 STATE_COLOURS = {"COMPLETE": "#2a9d8f", "PRUNED": "#e9a23b", "FAIL": "#d62828", "RUNNING": "#577590"}
 INFEASIBLE_RULES = {"nan", "inf", "explode"}
@@ -76,6 +76,25 @@ def _figure(fig: Any, first: bool) -> str:
     return fig.to_html(full_html=False, include_plotlyjs="inline" if first else False)
 
 
+def focus_range(trials: list[FrozenTrial], maximize: bool) -> tuple[float, float] | None:
+    """The part of the intermediate values' axis that matters: from the best value any trial reached to the worst
+    final value of a completed trial (a trial's last value while none has completed), with a margin. The first
+    evaluations (a loss of 2.3 at step 0) and trials that never learned stretch the axis over a range where the
+    comparison is not; they stay one "full range" click away. None when the focus would show nearly everything."""
+    values = [v for t in trials for v in t.intermediate_values.values() if math.isfinite(v)]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    ends = [t.intermediate_values[max(t.intermediate_values)] for t in (complete or trials) if t.intermediate_values]
+    ends = [v for v in ends if math.isfinite(v)]
+    if not values or not ends:
+        return None
+    full_low, full_high = min(values), max(values)
+    low, high = (min(ends), full_high) if maximize else (full_low, max(ends))
+    if full_high <= full_low or (high - low) >= 0.8 * (full_high - full_low):
+        return None
+    margin = 0.08 * (high - low) if high > low else 0.05 * max(abs(low), 1e-12)
+    return low - margin, high + margin
+
+
 def _intermediate_values_by_state(study: optuna.Study) -> Any:
     fig = optuna.visualization.plot_intermediate_values(study)
     states = {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
@@ -86,6 +105,13 @@ def _intermediate_values_by_state(study: optuna.Study) -> Any:
             trace.update(line={"color": STATE_COLOURS.get(state, "#888")}, legendgroup=state,
                          name=f"{trace.name} ({state.lower()})", opacity=0.8)
     fig.update_layout(title="Intermediate values (green: complete, orange: pruned, red: failed)")
+    focus = focus_range(study.get_trials(deepcopy=False), study.direction == optuna.study.StudyDirection.MAXIMIZE)
+    if focus is not None:
+        fig.update_layout(yaxis={"range": list(focus), "autorange": False}, updatemenus=[{
+            "type": "buttons", "direction": "right", "x": 1.0, "xanchor": "right", "y": 1.12, "yanchor": "bottom",
+            "showactive": True, "buttons": [
+                {"label": "focus", "method": "relayout", "args": [{"yaxis.range": list(focus)}]},
+                {"label": "full range", "method": "relayout", "args": [{"yaxis.autorange": True}]}]}])
     return fig
 
 

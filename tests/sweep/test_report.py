@@ -1,0 +1,59 @@
+"""The report's figures: the intermediate values' axis shows the range where trials are compared."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState, create_trial
+
+from sweep.report import _intermediate_values_by_state, focus_range, render_report
+
+
+def _study(tmp_path: Path, curves: list[tuple[TrialState, list[float]]], direction: str = "minimize") -> optuna.Study:
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'r.db'}", direction=direction)
+    for x, (state, curve) in enumerate(curves):
+        values = dict(enumerate(curve))
+        study.add_trial(create_trial(
+            state=state, value=curve[-1] if state == TrialState.COMPLETE else None, params={"x": float(x)},
+            distributions={"x": FloatDistribution(0, 100)}, intermediate_values=values))
+    return study
+
+
+CURVES = [  # every trial starts at chance (2.3); the ones that finished end between 0.05 and 0.15
+    (TrialState.COMPLETE, [2.3, 0.4, 0.12, 0.05]),
+    (TrialState.COMPLETE, [2.3, 0.6, 0.2, 0.15]),
+    (TrialState.COMPLETE, [2.3, 0.5, 0.1, 0.08]),
+    (TrialState.PRUNED, [2.3, 2.29]),
+    (TrialState.PRUNED, [2.3, float("nan")]),
+]
+
+
+def test_the_axis_focuses_on_the_values_that_matter_and_keeps_the_full_range_a_click_away(tmp_path: Path) -> None:
+    study = _study(tmp_path, CURVES)
+    fig = _intermediate_values_by_state(study)
+    low, high = fig.layout.yaxis.range
+    assert 0.0 < low < 0.05 and 0.15 < high < 0.2  # the region 0.05 to 0.15 fills the plot
+    buttons = {b.label: b.args[0] for b in fig.layout.updatemenus[0].buttons}
+    assert buttons == {"focus": {"yaxis.range": [low, high]}, "full range": {"yaxis.autorange": True}}
+    assert '"full range"' in render_report(study)
+
+
+def test_maximised_metrics_focus_from_the_worst_finisher_up(tmp_path: Path) -> None:
+    flipped = [(state, [1 - v for v in curve]) for state, curve in CURVES]
+    focus = focus_range(_study(tmp_path, flipped, "maximize").get_trials(), maximize=True)
+    assert focus is not None and 0.8 < focus[0] < 0.85 and 0.95 < focus[1] < 1.0
+
+
+@pytest.mark.parametrize("curves", [
+    [(TrialState.COMPLETE, [1.0, 0.98, 0.95]), (TrialState.COMPLETE, [1.0, 0.7, 0.1])],  # finals span the range
+    [(TrialState.PRUNED, [math.nan])],  # nothing finite
+    [(TrialState.COMPLETE, [0.5, 0.5])],  # one value
+])
+def test_no_focus_where_it_would_hide_nothing(tmp_path: Path, curves: list[tuple[TrialState, list[float]]]) -> None:
+    study = _study(tmp_path, curves)
+    assert focus_range(study.get_trials(), maximize=False) is None
+    assert _intermediate_values_by_state(study).layout.updatemenus == ()
