@@ -319,10 +319,15 @@ def _print_status(study: Any) -> None:
     table.add_row("compute", compute)
     best = status["best"]
     if best is not None:
-        warm = "" if best["warm_start_from"] is None else f"  (warm-started from #{best['warm_start_from']})"
-        table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}{warm}")
+        table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}")
+        if best["lineage"]:
+            table.add_row("  lineage", best["lineage"])
         for key, value in best["params"].items():
             table.add_row(f"  {key}", f"{value:.6g}" if isinstance(value, float) else str(value))
+    for row in status["confirmations"]:
+        cold = f"{row['cold_value']:.6g}" if row["cold_value"] is not None else row["cold_state"]
+        warm = f"{row['warm_value']:.6g}" if row["warm_value"] is not None else "?"
+        table.add_row("confirmed cold", f"warm #{row['warm']} {warm} -> cold #{row['cold']} {cold}")
     out.print(table)
 
 
@@ -351,12 +356,19 @@ def best(
         raise _fail(str(exc), 2) from None
     except ValueError as exc:
         raise _fail(str(exc), 1) from None
+    chosen = results.best_trial(study)
+    assert chosen is not None  # best_config found one
     try:
         if not trust_task:  # the YAML is written to be run: `python -m trainer` would import what it names
-            refuse_untrusted_code(config, _code_named_by(target), f"writing trial {study.best_trial.number}'s config")
+            refuse_untrusted_code(config, _code_named_by(target), f"writing trial {chosen.number}'s config")
     except UntrustedCode as exc:
         raise _fail(str(exc), 2) from None
     text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
+    lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
+    if lineage and not lineage.startswith("cold"):  # a warm value: this config alone, trained cold, may not reach it
+        err.print(f"warning: trial {chosen.number}'s value {chosen.value:.6g} is a warm start's: {lineage}",
+                  markup=False)
+        text += f"# trial {chosen.number}, value {chosen.value:.6g}, {lineage}\n"
     text += yaml.safe_dump(config, sort_keys=False)
     if output is None:
         sys.stdout.write(text)

@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from sweep.components import pruner_name
+from sweep.confirm import warm_lineage
 from sweep.outcomes import (
     ATTR_CONFIG,
+    ATTR_CONFIRMS,
     ATTR_FAIL,
+    ATTR_LINEAGE,
     ATTR_METRICS,
     ATTR_PRUNE,
     ATTR_REPORT_MS,
@@ -63,12 +66,15 @@ class TrialReporter:
 
     While the storage is away the trial keeps training: its values wait here and are reported, in order, at the
     first evaluation the storage answers again (or by `flush` when the trial ends); the pruner is asked then.
-    `prior`: the values its lineage reported before this trial resumed."""
+    `prior`: the values its lineage reported before this trial resumed. `inherited_until`: a warm trial's handoff
+    step; its evaluation there is the donor's work, so it is neither stored nor judged: pruners see only the steps the
+    trial trained itself. `judged=False` (a cold confirmation): values are stored, the pruner is never asked."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: TrainingConfig, events: Events,
                  boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: _Deadline | None = None,
-                 ) -> None:
+                 inherited_until: int | None = None, judged: bool = True) -> None:
         self.trial, self.config, self.events, self.boundary = trial, config, events, boundary
+        self.inherited_until, self.judged = inherited_until, judged
         self.deadline = deadline
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
@@ -85,6 +91,8 @@ class TrialReporter:
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         raise_pending()
+        if self.inherited_until is not None and step <= self.inherited_until:
+            return False  # the donor's value at the handoff: its lineage's, not this trial's
         value = metrics[self.metric]
         self.series.append((step, value))
         self.unsent.append((step, value))
@@ -92,7 +100,7 @@ class TrialReporter:
         try:
             with self.boundary.no_wait():
                 self.flush()
-                prune = step < self.config.max_steps and self.trial.should_prune()
+                prune = self.judged and step < self.config.max_steps and self.trial.should_prune()
         except StorageAway:
             return False  # keep training; the pruner judges this value with the next one the storage takes
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
@@ -115,7 +123,8 @@ class TrialReporter:
         pruner = self.trial.study.pruner
         reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
         if isinstance(pruner, FastFailPruner):
-            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize)
+            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize, self.trial.study,
+                                     warm=ATTR_WARM_START in self.trial.user_attrs)
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
             else:
@@ -195,9 +204,14 @@ class TrainerTrial:
         config = spec.config_for(params)
         trial.set_user_attr(ATTR_CONFIG, config.to_dict())
         task = task_for(config.task, config.task_args)
-        start = self._start(params, config, task)
+        confirming = trial.user_attrs.get(ATTR_CONFIRMS)
+        start = self._start(params, config, task, warm_allowed=confirming is None)
+        if confirming is not None:
+            trial.set_user_attr(ATTR_LINEAGE, f"cold confirmation of warm trial #{confirming}: its own config from "
+                                "step 0, never pruned")
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior,
-                                 deadline=self.deadline)
+                                 deadline=self.deadline, judged=confirming is None,
+                                 inherited_until=None if start.warm is None else start.warm.state.step)
         checkpointer: Any = self.checkpointer
         if self.deadline is not None and self.checkpointer is not None:
             self.deadline.checkpointer = self.checkpointer
@@ -222,9 +236,10 @@ class TrainerTrial:
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, outcome, self.checkpointer)
 
-    def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task) -> _Start:
-        """A retry resumes from its lineage's newest intact checkpoint; otherwise, with warm start on, the trial
-        starts from its nearest donor's checkpoint; otherwise from scratch."""
+    def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task, *,
+               warm_allowed: bool = True) -> _Start:
+        """A retry resumes from its lineage's newest intact checkpoint; otherwise, with warm start on (and not a cold
+        confirmation), the trial starts from its nearest donor's checkpoint; otherwise from scratch."""
         if self.checkpoints is None:
             return _Start()
         spec, trial = self.spec, self.trial
@@ -234,11 +249,13 @@ class TrainerTrial:
         if spec.checkpoints.enabled:
             self.checkpointer = self.checkpoints.checkpointer(trial.number, params, key, handoff)
         start = self._resume(config)
-        if start is None and handoff:
+        if start is None and handoff and warm_allowed:
             found = self.checkpoints.warm_start(trial.number, params, config, key, handoff)
             if found is not None:
                 warm, donor = found
-                trial.set_user_attr(ATTR_WARM_START, {**donor.lineage(), "inherit": spec.warm_start.inherit})
+                parent = {**donor.lineage(), "inherit": spec.warm_start.inherit}
+                trial.set_user_attr(ATTR_WARM_START, parent)
+                trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, config.max_steps))
                 start = _Start(warm=warm)
         return start or _Start()
 
@@ -262,4 +279,5 @@ class TrainerTrial:
         parent = source.user_attrs.get(ATTR_WARM_START)
         if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
             trial.set_user_attr(ATTR_WARM_START, parent)
+            trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, config.max_steps))
         return _Start(resume=found.state, prior=tuple(sorted(prior.items())))

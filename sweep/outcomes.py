@@ -62,6 +62,8 @@ ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm 
 ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ATTR_REPORT_MS = "report_ms"
+ATTR_CONFIRMS = "confirms"  # on a cold confirmation trial: the number of the warm trial it retrains
+ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came from (for optuna-dashboard)
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)

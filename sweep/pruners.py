@@ -110,9 +110,19 @@ class FastFailPruner(optuna.pruners.BasePruner):
         return self._reference[1]
 
     def verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
-                study: optuna.Study | None = None) -> Verdict | None:
+                study: optuna.Study | None = None, *, warm: bool = False) -> Verdict | None:
         """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict.
-        Without `study`, the reference of the study this pruner judged last (in `prune`) is used, if any."""
+        Without `study`, the reference of the study this pruner judged last (in `prune`) is used, if any.
+
+        `warm`: the trial started from a donor's checkpoint, so its lineage has left its initial value whatever its
+        own first report says: only NaN, Inf and explosion apply (its own reports start after the handoff)."""
+        found = self._verdict(series, config, maximize, study)
+        if warm and found is not None and found.rule in ("plateau", "stuck"):
+            return None
+        return found
+
+    def _verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
+                 study: optuna.Study | None) -> Verdict | None:
         max_steps = int(config.get("max_steps", 0))
         if max_steps > 0:
             resolved = self.config.resolved(max_steps, int(config.get("eval_every_steps", 1)))
@@ -144,7 +154,8 @@ class FastFailPruner(optuna.pruners.BasePruner):
         if not series:
             return False
         maximize = study.direction == StudyDirection.MAXIMIZE
-        if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study) is not None:
+        if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study,
+                        warm=ATTR_WARM_START in trial.user_attrs) is not None:
             return True
         if self.then is None or series[-1][0] == 0:
             return False

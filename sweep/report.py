@@ -15,6 +15,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.confirm import confirmation_rows, is_warm, lineage_label
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
@@ -25,7 +26,7 @@ from sweep.outcomes import (
     SPEC_ATTR,
     budget_counts,
 )
-from sweep.results import state_counts, steps_trained
+from sweep.results import best_trial, state_counts, steps_trained
 from sweep.urls import mask_urls
 
 __all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
@@ -126,17 +127,30 @@ def _warm_row(trial: FrozenTrial) -> str:
 
 def _warm_start_section(trials: list[FrozenTrial]) -> str:
     """Which trials started from which neighbour, how far away, and what they made of it; and the compute saved."""
-    warm = [t for t in trials if ATTR_WARM_START in t.user_attrs]
+    warm = [t for t in trials if is_warm(t)]
     if not warm:
         return ""
     trained = steps_trained(trials)
     inherited = sum(int(t.user_attrs[ATTR_WARM_START].get("step", 0)) for t in warm)
     rows = "".join(_warm_row(t) for t in warm)
+    confirmed = confirmation_rows(trials)
+    confirmations = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in (
+            f"#{r['warm']}", "" if r["warm_value"] is None else f"{r['warm_value']:.6g}", f"#{r['cold']}",
+            r["cold_state"], "" if r["cold_value"] is None else f"{r['cold_value']:.6g}")) + "</tr>"
+        for r in confirmed)
+    confirmation_html = (
+        "<h3>Confirmed cold</h3><p>Each warm trial below was trained again from its own config, from scratch "
+        "(<code>warm_start.confirm</code>); the study's best is the best cold value.</p><table><tr><th>warm trial"
+        f"</th><th>warm value</th><th>cold trial</th><th>state</th><th>cold value</th></tr>{confirmations}</table>"
+        if confirmed else "<p class='note'>No warm trial was confirmed cold: set <code>warm_start.confirm: K"
+        "</code> to retrain the best K at the end of the study.</p>")
     return (f"<h2>Warm start</h2><p>{len(warm)} of {len(trials)} trials started from a neighbour's checkpoint, "
-            f"inheriting {inherited} steps; the study trained {trained} steps itself. A warm trial's value credits "
-            "its params with the donor's head start: confirm a winner cold.</p><table><tr><th>trial</th>"
+            f"inheriting {inherited} steps; the study trained {trained} steps itself. A warm trial's value belongs to "
+            "its lineage (the donor's config trained the steps before the handoff, its own the rest), not to its "
+            "config alone.</p><table><tr><th>trial</th>"
             "<th>donor</th><th>from step</th><th>distance</th><th>donor value</th><th>final value</th>"
-            f"<th>state</th></tr>{rows}</table>")
+            f"<th>state</th></tr>{rows}</table>{confirmation_html}")
 
 
 def render_report(study: optuna.Study) -> str:
@@ -170,16 +184,18 @@ def render_report(study: optuna.Study) -> str:
 
     sections.append(_warm_start_section(trials))
 
-    try:
-        best = study.best_trial
-    except ValueError:
-        best = None
+    best = best_trial(study)
     if best is None:
         sections.append("<h2>Best trial</h2><p>No trial has completed yet.</p>")
     else:
         warnings = edge_warnings(spec.get("space", {}), best.params)
         warning_html = "".join(f"<p class='warning'>&#9888; {html.escape(w)}</p>" for w in warnings)
         config = mask_urls(yaml.safe_dump(best.user_attrs.get(ATTR_CONFIG, best.params), sort_keys=False))
+        lineage = lineage_label(best, trials)
+        if lineage and not lineage.startswith("cold"):
+            warning_html += f"<p class='warning'>&#9888; {html.escape(lineage)}</p>"
+        elif lineage:
+            warning_html += f"<p class='note'>{html.escape(lineage)}</p>"
         sections.append(f"<h2>Best trial: #{best.number}, {html.escape(str(spec.get('metric', 'value')))} = "
                         f"{best.value:.6g}</h2>{warning_html}<p>Its full config; <code>python -m trainer "
                         f"best.yaml</code> trains it again:</p><pre>{html.escape(config)}</pre>")

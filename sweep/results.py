@@ -6,10 +6,13 @@ from collections import Counter
 from typing import Any
 
 import optuna
+from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.confirm import confirmation_rows, lineage_label, study_best
 from sweep.outcomes import (
     ATTR_CONFIG,
+    ATTR_CONFIRMS,
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
@@ -20,8 +23,8 @@ from sweep.outcomes import (
 )
 from sweep.progress import describe_outcome
 
-__all__ = ["ForeignStudyError", "best_config", "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained",
-           "study_status", "trial_rows"]
+__all__ = ["ForeignStudyError", "best_config", "best_trial", "lineage_label", "made_by_sweep", "require_sweep_study",
+           "state_counts", "steps_trained", "study_status", "trial_rows"]
 
 
 class ForeignStudyError(Exception):
@@ -46,18 +49,19 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def _best(study: optuna.Study) -> FrozenTrial | None:
-    try:
-        return study.best_trial
-    except ValueError:  # no complete trial yet
-        return None
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The study's best trial as sweep reports it (`sweep.confirm.study_best`): with `warm_start.confirm` on, the best
+    trial trained cold; otherwise the best complete trial, warm or not. None while no trial has completed."""
+    spec = study.user_attrs.get(SPEC_ATTR, {})
+    confirm = int((spec.get("warm_start") or {}).get("confirm") or 0) if isinstance(spec, dict) else 0
+    return study_best(study.get_trials(deepcopy=False), study.direction == StudyDirection.MAXIMIZE, confirm=confirm)
 
 
 def study_status(study: optuna.Study) -> dict[str, Any]:
     """The status of a study. `n_trials` is None for a study sweep did not create (`made_by_sweep` False): such a
     study has no budget, and its metric is the name Optuna holds for it, if any."""
     spec = study.user_attrs.get(SPEC_ATTR, {})
-    best = _best(study)
+    best = best_trial(study)
     trials = study.get_trials(deepcopy=False)
     metric_names = study.metric_names
     return {
@@ -69,7 +73,9 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "budget_used": budget_counts(trials)[0],
         "states": state_counts(study),
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
-                                           "warm_start_from": best.user_attrs.get(ATTR_WARM_START, {}).get("trial")},
+                                           "warm_start_from": best.user_attrs.get(ATTR_WARM_START, {}).get("trial"),
+                                           "lineage": lineage_label(best, trials)},
+        "confirmations": confirmation_rows(trials),
         "steps_trained": steps_trained(trials),
         "warm_started": sum(ATTR_WARM_START in t.user_attrs for t in trials),
     }
@@ -88,6 +94,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["steps"] = trial.user_attrs.get(ATTR_STEPS)
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
         row["warm_start_from"] = trial.user_attrs.get(ATTR_WARM_START, {}).get("trial")
+        row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
         row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
         rows.append(row)
@@ -98,7 +105,7 @@ def best_config(study: optuna.Study) -> dict[str, Any]:
     """The resolved `TrainingConfig` of the best trial, ready for `python -m trainer`. Raises ValueError if no trial
     has completed, and `ForeignStudyError` for a study (or a best trial) that sweep did not make."""
     require_sweep_study(study, "write its best trial's TrainingConfig")
-    best = _best(study)
+    best = best_trial(study)
     if best is None:
         raise ValueError(f"study {study.study_name!r} has no complete trial yet")
     if ATTR_CONFIG not in best.user_attrs:

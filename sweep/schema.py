@@ -200,6 +200,7 @@ class WarmStartSpec(_Model):
     inherit: Literal["weights", "weights+optimizer"] = "weights"
     handoff: Number = Field(0.5, gt=0, lt=1)  # a donor hands its state over at this fraction of its budget
     from_studies: list[StrictStr] = []  # other studies in the same storage whose checkpoints may be donors too
+    confirm: StrictInt = Field(0, ge=0)  # the last K trials of the budget retrain the best K warm trials cold
 
     @model_validator(mode="before")
     @classmethod

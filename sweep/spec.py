@@ -74,6 +74,9 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         problems.append(("heartbeat_grace_period", f"expected at least twice heartbeat_interval "
                          f"({2 * spec.heartbeat_interval} s), but got {spec.heartbeat_grace_period}: a trial would "
                          "be declared lost while its worker still trains it"))
+    if spec.warm_start.enabled and spec.warm_start.confirm >= spec.n_trials:
+        problems.append(("warm_start.confirm", f"expected fewer than n_trials ({spec.n_trials}): the confirmations "
+                         f"are the last trials of the budget, after the search, but got {spec.warm_start.confirm}"))
     base = spec.base_config()
     base_problems = _config_problems(base, task)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]

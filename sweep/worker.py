@@ -27,8 +27,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sweep.checkpoints import CheckpointService
 from sweep.components import build_sampler
+from sweep.confirm import confirmations_due
 from sweep.objective import TrainerTrial
 from sweep.outcomes import (
+    ATTR_CONFIRMS,
     ATTR_FAIL,
     ATTR_INTERRUPTED,
     ATTR_OUTCOME,
@@ -123,7 +125,10 @@ class Worker:
                 used, running = budget_counts(trials)
                 if used >= self.n_trials:
                     return self._summary()
-                trial = self.study.ask() if used + running < self.n_trials else None
+                trial = None
+                if used + running < self.n_trials:
+                    self._queue_confirmation(trials, used + running)
+                    trial = self.study.ask()
             if trial is None:  # the last trials run elsewhere; wait in case one of their workers dies
                 self._adopt_silent_trials(trials)
                 time.sleep(self.spec.heartbeat_interval)
@@ -203,13 +208,24 @@ class Worker:
             self.sampler_stopped = True
             return self.study.get_trials(deepcopy=False)[trial.number]
 
+    def _queue_confirmation(self, trials: list[FrozenTrial], taken: int) -> None:
+        """With `warm_start.confirm: K`, the last trials of the budget retrain the best K warm trials cold: when no
+        more budget is left than confirmations are due, the next one is queued, so that `ask` takes it."""
+        warm_start = self.spec.warm_start
+        due = confirmations_due(trials, warm_start.confirm if warm_start.enabled else 0,
+                                self.spec.direction == "maximize")
+        if not due or self.n_trials - taken > len(due) or any(t.state == TrialState.WAITING for t in trials):
+            return
+        self.study.enqueue_trial(due[0].params, user_attrs={ATTR_CONFIRMS: due[0].number})
+
     def _retry(self, trial: FrozenTrial, reason: str, *, infrastructure: bool = False) -> None:
         """Queue the trial's params again; the retry resumes from the newest checkpoint of its lineage. Faults of
         the machine in a row are counted (`retry_depth`), and the same one `MAX_INFRA_REPEATS` times stops this
         worker: retrying cannot help until someone fixes the machine."""
         depth = trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1 if infrastructure else 0
+        carried = {ATTR_CONFIRMS: trial.user_attrs[ATTR_CONFIRMS]} if ATTR_CONFIRMS in trial.user_attrs else {}
         self.study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
-                                                           ATTR_RETRY_DEPTH: depth})
+                                                           ATTR_RETRY_DEPTH: depth, **carried})
         if infrastructure:
             kind = self.fault_kind  # the same errno in the same folder, whichever file it was
             count = self.infra[0] + 1 if self.infra[1] == kind else 1

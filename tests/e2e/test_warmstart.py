@@ -43,9 +43,10 @@ def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) ->
         assert donor.params["model.hidden"] == trial.params["model.hidden"]  # never across shapes
         assert donor.datetime_complete <= trial.datetime_start  # only finished trials donate
         assert parent["step"] == 20  # the handoff: half of the 40-step budget
-        # Its first report is the donor's state evaluated again: the donor's own value at that step.
-        assert min(trial.intermediate_values) == 20
-        assert abs(trial.intermediate_values[20] - donor.intermediate_values[20]) <= 1e-6
+        # Its reports start with the steps it trained itself: the donor's state at the handoff is the lineage's
+        # value, not this trial's, so it is neither stored nor judged.
+        assert min(trial.intermediate_values) == 30
+        assert f"steps 0-20 trained with the config of trial #{donor.number}" in trial.user_attrs["lineage"]
         assert trial.user_attrs["steps_trained"] == 20 and trial.user_attrs["steps"] == 40
         assert Path(parent["uri"]).exists()
     with sqlite3.connect(tmp_path / "warm.db") as connection:
@@ -188,3 +189,51 @@ def test_each_trial_uploads_its_best_checkpoint_as_an_optuna_artifact(tmp_path: 
                                            file_path=str(target))
         assert hashlib.sha256(target.read_bytes()).hexdigest() == recorded["sha256"]
         assert recorded["value"] == trial.value  # the best checkpoint is the trial's final best
+
+
+def test_confirm_retrains_the_best_warm_trials_cold_within_the_budget(tmp_path: Path) -> None:
+    path = warm_study(tmp_path, warm_start={"max_distance": 1.0, "confirm": 2})
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert len(trials) == 8 and all(t.state == TrialState.COMPLETE for t in trials)  # counted in the budget
+    confirmations = [t for t in trials if "confirms" in t.user_attrs]
+    assert [t.number for t in confirmations] == [6, 7]  # the last two trials of the budget
+    warm = sorted((t for t in trials if "warm_start_from" in t.user_attrs), key=lambda t: t.value)
+    assert {t.user_attrs["confirms"] for t in confirmations} == {t.number for t in warm[:2]}  # the best two warm
+    by_number = {t.number: t for t in trials}
+    for cold in confirmations:
+        original = by_number[cold.user_attrs["confirms"]]
+        assert cold.params == original.params and "warm_start_from" not in cold.user_attrs
+        assert min(cold.intermediate_values) == 10 and cold.user_attrs["steps_trained"] == 40  # from scratch
+        assert cold.user_attrs["lineage"].startswith(f"cold confirmation of warm trial #{original.number}")
+
+    # The study's best is the best value a trial reached cold; warm values are shown beside their confirmations.
+    cold_best = min((t for t in trials if "warm_start_from" not in t.user_attrs), key=lambda t: t.value)
+    status = sweep_cli("status", path)
+    assert status.returncode == 0, status.stderr
+    assert f"#{cold_best.number}  value {cold_best.value:.6g}" in status.stdout
+    for cold in confirmations:
+        original = by_number[cold.user_attrs["confirms"]]
+        assert (f"warm #{original.number} {original.value:.6g} -> cold #{cold.number} {cold.value:.6g}"
+                in status.stdout)
+    best = sweep_cli("best", path)
+    assert best.returncode == 0 and "warning" not in best.stderr, best.stderr
+    assert f"learning_rate: {cold_best.user_attrs['config']['learning_rate']}" in best.stdout
+    report = tmp_path / "report.html"
+    assert sweep_cli("report", path, "-o", report).returncode == 0
+    assert "Confirmed cold" in report.read_text()
+
+
+def test_best_says_when_its_value_is_a_warm_start_s(tmp_path: Path) -> None:
+    path = warm_study(tmp_path)
+    assert sweep_cli("run", path).returncode == 0
+    study = load(tmp_path)
+    best = min(study.get_trials(), key=lambda t: t.value)
+    assert "warm_start_from" in best.user_attrs  # seed 0: the best of this study is a warm trial
+    done = sweep_cli("best", path)
+    assert done.returncode == 0, done.stderr
+    assert f"warning: trial {best.number}'s value" in done.stderr and "not confirmed cold" in done.stderr
+    assert f"# trial {best.number}, value" in done.stdout  # the written YAML says so too
+    status = sweep_cli("status", path)
+    assert "lineage" in status.stdout and "its value belongs to this lineage" in status.stdout

@@ -1,0 +1,113 @@
+"""Warm-started results, told honestly.
+
+A warm trial starts from a donor's checkpoint at the handoff step: its value belongs to its *lineage* (the donor's
+config trained the inherited steps, its own config the rest), not to its config alone. Trained cold from that config,
+it may never reach that value. So:
+
+- every warm trial says so (`lineage_label`: in `sweep trials`, `sweep status`, `sweep best`, the report, and the
+  trial's `lineage` user attr in optuna-dashboard);
+- `warm_start.confirm: K` spends the last K trials of the budget retraining the best K warm trials cold, from their own
+  configs (a *confirmation*: same params, no warm start, never pruned, user attr `confirms` naming the warm trial);
+- with confirmation on, the study's best (`study_best`) is the best value a cold trial reached (a confirmation's
+  included); a warm trial's own value is never the study's best.
+
+Pure functions of the study's trials: the worker, the CLI and the report use the same ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from sweep.outcomes import ATTR_CONFIRMS, ATTR_STEPS, ATTR_WARM_START
+
+__all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm", "lineage_label", "study_best",
+           "warm_lineage"]
+
+
+def is_warm(trial: FrozenTrial) -> bool:
+    """Whether the trial's value was reached from a donor's checkpoint (a confirmation never is)."""
+    return ATTR_WARM_START in trial.user_attrs and ATTR_CONFIRMS not in trial.user_attrs
+
+
+def _complete(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    return [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and math.isfinite(t.value)]
+
+
+def _ranked(trials: Sequence[FrozenTrial], maximize: bool) -> list[FrozenTrial]:
+    return sorted(trials, key=lambda t: (-t.value if maximize else t.value, t.number))  # type: ignore[operator]
+
+
+def confirmation_of(trials: Sequence[FrozenTrial]) -> dict[int, FrozenTrial]:
+    """Each confirmed warm trial's confirmation: the latest trial whose `confirms` names it (a retry of an
+    interrupted confirmation carries the attr too, and the latest one is the one that finished)."""
+    found: dict[int, FrozenTrial] = {}
+    for trial in trials:
+        target = trial.user_attrs.get(ATTR_CONFIRMS)
+        if target is not None and (int(target) not in found or trial.number > found[int(target)].number):
+            found[int(target)] = trial
+    return found
+
+
+def confirmations_due(trials: Sequence[FrozenTrial], k: int, maximize: bool) -> list[FrozenTrial]:
+    """The best `k` complete warm trials that no trial confirms yet (none queued, running or finished), best first."""
+    if k <= 0:
+        return []
+    best_warm = _ranked([t for t in _complete(trials) if is_warm(t)], maximize)[:k]
+    confirmed = confirmation_of(trials)
+    return [t for t in best_warm if t.number not in confirmed]
+
+
+def study_best(trials: Sequence[FrozenTrial], maximize: bool, *, confirm: int = 0) -> FrozenTrial | None:
+    """The study's best trial as sweep reports it. With `confirm` on, only trials trained cold count (confirmations
+    included); without, the best complete trial, warm or not (its `lineage_label` says which)."""
+    complete = _complete(trials)
+    if confirm > 0:
+        complete = [t for t in complete if not is_warm(t)]
+    ranked = _ranked(complete, maximize)
+    return ranked[0] if ranked else None
+
+
+def warm_lineage(parent: Mapping[str, Any], last_step: object) -> str:
+    """Where a warm trial's value came from, given its `warm_start_from` attr and its last step."""
+    step = parent.get("step", "?")
+    donor = f"trial #{parent.get('trial')}" + (f" (study {parent['study']})" if parent.get("study") else "")
+    return (f"warm: steps 0-{step} trained with the config of {donor}, {step}-{last_step} with its own; its value "
+            "belongs to this lineage, not to its config alone")
+
+
+def lineage_label(trial: FrozenTrial, trials: Sequence[FrozenTrial] | None = None) -> str:
+    """One line on where a trial's value came from: "" for a plain cold trial. With the study's `trials`, a warm
+    trial's line says what its cold confirmation reached, or that it has none."""
+    confirms = trial.user_attrs.get(ATTR_CONFIRMS)
+    if confirms is not None:
+        return f"cold confirmation of warm trial #{confirms}"
+    parent = trial.user_attrs.get(ATTR_WARM_START)
+    if not isinstance(parent, Mapping):
+        return ""
+    label = warm_lineage(parent, trial.user_attrs.get(ATTR_STEPS, "?"))
+    if trials is not None:
+        label += "; " + _confirmation_text(confirmation_of(trials).get(trial.number))
+    return label
+
+
+def _confirmation_text(confirmation: FrozenTrial | None) -> str:
+    if confirmation is None:
+        return "not confirmed cold (warm_start.confirm: K retrains the best K warm trials cold)"
+    if confirmation.state == TrialState.COMPLETE and confirmation.value is not None:
+        return f"cold from its own config: {confirmation.value:.6g} (trial #{confirmation.number})"
+    return f"cold confirmation trial #{confirmation.number} is {confirmation.state.name.lower()}"
+
+
+def confirmation_rows(trials: Sequence[FrozenTrial]) -> list[dict[str, Any]]:
+    """Each confirmed warm trial beside its cold retrain: warm number and value, cold number, state and value."""
+    by_number = {t.number: t for t in trials}
+    rows = []
+    for warm_number, cold in sorted(confirmation_of(trials).items()):
+        warm = by_number.get(warm_number)
+        rows.append({"warm": warm_number, "warm_value": None if warm is None else warm.value,
+                     "cold": cold.number, "cold_state": cold.state.name.lower(), "cold_value": cold.value})
+    return rows
