@@ -2,15 +2,17 @@
 (`s3://bucket/prefix`, `gs://bucket/prefix`) through Optuna's artifact stores, so no storage client is hand-written.
 
 The trainer always writes a checkpoint to a local file (atomically, with its hash); an object store then receives
-it and the local copy goes. A blob is named by its URI in the registry: an absolute path, or `s3://...`/`gs://...`.
+it and the local copy goes. A blob is named by its URI in the registry: a path relative to the study's folder of the
+store, or `s3://...`/`gs://...`.
 Object-store credentials and endpoints come from the environment, as the cloud's own client reads them (`AWS_*`,
 `AWS_ENDPOINT_URL` for S3-compatible servers).
 
 A registry row is only as trustworthy as whoever can write the database, so no URI is read or deleted as it stands:
 `BlobScope.find` first checks that it names a blob inside its study's part of the store (the folder
 `STORE/STUDY/`, symlinks resolved, or keys under `PREFIX/STUDY/` in the store's bucket) and refuses anything else.
-A URI relative to `STORE/STUDY/` is accepted too. New rows keep absolute URIs: the stored study file may give the
-store as a path relative to the folder the study ran in, which a later command run elsewhere cannot know.
+New rows name their blob relative to `STORE/STUDY/` (rows written before, with absolute paths, are still read
+when they lie inside): the registry names no machine's mount point, and a store copied or mounted elsewhere along with
+its database still works.
 """
 
 from __future__ import annotations
@@ -154,8 +156,7 @@ class CheckpointStore:
             self.scheme, self.artifacts = scheme, artifact_store_for(self.location)
             self.folder = Path(tempfile.mkdtemp(prefix="sweep-outbox-"))  # written here, uploaded, removed
         else:
-            # Absolute: the registry keeps each blob's path, which must name the same file from any working folder
-            # (`sweep reproduce` run elsewhere, a retry started from another directory).
+            # Resolved: the trainer's files land in the same folder from any working directory.
             self.artifacts = None
             self.folder = Path(self.location).resolve() / study
 
@@ -168,8 +169,11 @@ class CheckpointStore:
         return self.folder / name
 
     def put(self, path: Path) -> str:
+        """File a blob the trainer wrote at `local_path(name)`; returns the URI its registry row keeps: for a folder,
+        the name relative to the study's folder (`BlobScope.find` resolves it), so a store moved or mounted elsewhere
+        with its database keeps working; for an object store, the full `s3://`/`gs://` URL."""
         if self.artifacts is None:
-            return str(path)
+            return path.relative_to(self.folder).as_posix()
         key = f"{self.prefix}/{path.name}"
         with open(path, "rb") as handle:
             self.artifacts.write(key, handle)

@@ -139,7 +139,7 @@ def store_location(study: optuna.Study, storage_url: str) -> str:
     return str(stored.get("store") or default_store(storage_url))
 
 
-def quick_check(registry: Registry, study_name: str, *, scope: BlobScope | None = None) -> list[Problem]:
+def quick_check(registry: Registry, study_name: str, *, scope: BlobScope) -> list[Problem]:
     """Delete the rows a worker may be sent to whose blob is missing, so no worker is sent to a missing file: warm-start
     donors, pinned rows, and each unfinished trial's resume point (its latest row; when that one is missing, the
     next latest, and so on, since that is where a retry would resume). Returns what this call removed, as repaired
@@ -153,13 +153,11 @@ def quick_check(registry: Registry, study_name: str, *, scope: BlobScope | None 
     present: dict[str, bool] = {}
 
     def missing(record: CheckpointRecord) -> bool:
-        uri: str | None = record.uri
-        if scope is not None:
-            uri = scope.find_or_warn(record.uri, record.study, f"checkpoint {record.id} (trial "
-                                     f"{record.trial_number}, step {record.step}) is dropped from the registry")
-            if uri is None:
-                return True
-        if uri is None or is_object_url(uri):
+        uri = scope.find_or_warn(record.uri, record.study, f"checkpoint {record.id} (trial "
+                                 f"{record.trial_number}, step {record.step}) is dropped from the registry")
+        if uri is None:
+            return True
+        if is_object_url(uri):
             return False
         if uri not in present:
             present[uri] = Path(uri).exists()
@@ -177,7 +175,7 @@ def quick_check(registry: Registry, study_name: str, *, scope: BlobScope | None 
                 break
             broken[record.id] = record
     removed = registry.forget_all_broken(sorted(broken))
-    return [_missing(broken[i], repaired=True) for i in removed]
+    return [_missing(broken[i], repaired=True, path=scope.find(broken[i].uri, broken[i].study)) for i in removed]
 
 
 @dataclass(frozen=True)
@@ -236,14 +234,15 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
         checkpoint_id=r.id) for r in outside if r.id in still]
     missing = [r for r in missing if r.id in still]
     corrupt = [r for r in corrupt if r.id in still]
-    report.problems += [_missing(r, repaired=r.id in removed) for r in missing]
+    report.problems += [_missing(r, repaired=r.id in removed, path=where[r.id]) for r in missing]
     for record in corrupt:
         size, sha256 = digests[where[record.id] or ""] or (0, "")
         what = (f"{size} bytes where {record.size} were recorded" if size != record.size
                 else f"SHA-256 {sha256[:12]}… where {record.sha256[:12]}… was recorded")
+        path = where[record.id] or record.uri
         report.problems.append(Problem(
             ProblemKind.CORRUPT_BLOB, f"checkpoint {record.id} (trial {record.trial_number}, step {record.step}"
-            f"{', pinned' if record.pinned else ''}): {record.uri} holds {what}", record.uri,
+            f"{', pinned' if record.pinned else ''}): {path} holds {what}", path,
             repaired=record.id in removed, checkpoint_id=record.id))
     return sound
 
@@ -261,9 +260,11 @@ def _digest(uri: str) -> tuple[int, str] | None:
             return None
 
 
-def _missing(record: CheckpointRecord, *, repaired: bool) -> Problem:
+def _missing(record: CheckpointRecord, *, repaired: bool, path: str | None) -> Problem:
+    """`path`: where the row's blob should be (its URI resolved in the study's part of the store)."""
+    shown = path or record.uri
     return Problem(ProblemKind.MISSING_BLOB, f"checkpoint {record.id} (trial {record.trial_number}, step "
-                   f"{record.step}{', pinned' if record.pinned else ''}): {record.uri} is not there", record.uri,
+                   f"{record.step}{', pinned' if record.pinned else ''}): {shown} is not there", shown,
                    repaired=repaired, checkpoint_id=record.id)
 
 
@@ -297,15 +298,13 @@ def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], scope: 
                 and trial.user_attrs[CHECKPOINT_ATTR].get("artifact_id")]
     if not recorded:
         return
-    location = study.user_attrs.get(ARTIFACTS_ATTR)
-    if not isinstance(location, str):
-        report.notes.append(f"{len(recorded)} trials name checkpoint artifacts but the study records no artifact "
-                            f"store (user attr {ARTIFACTS_ATTR!r}): not checked")
-        return
-    if location != scope.artifact_location:  # a repair writes there: only where this store's artifacts belong
-        report.notes.append(f"{len(recorded)} trials name checkpoint artifacts in {location}, but this checkpoint "
-                            f"store keeps them in {scope.artifact_location}: not checked, nothing written there")
-        return
+    # Always the checkpoint store's own artifact location (a repair writes there): the one the study records is
+    # whatever whoever can write the database wrote, and an absolute path that a moved store no longer has.
+    location = scope.artifact_location
+    named = study.user_attrs.get(ARTIFACTS_ATTR)
+    if isinstance(named, str) and named != location:
+        report.notes.append(f"the study records its checkpoint artifacts in {named}; checked this checkpoint "
+                            f"store's own, {location}")
     store = artifact_store_at(location)
     for trial, attr in recorded:
         artifact_id = str(attr["artifact_id"])

@@ -245,7 +245,8 @@ class Registry:
             if not doomed:
                 return [], []
             uris = list(dict.fromkeys(uri for _, uri in doomed))
-            still = set(connection.execute(select(checkpoints.c.uri).where(checkpoints.c.uri.in_(uris))).scalars())
+            still = set(connection.execute(select(checkpoints.c.uri).where(  # a URI is relative to its study's folder
+                checkpoints.c.study == study, checkpoints.c.uri.in_(uris))).scalars())
         return sorted({int(n) for n, _ in doomed}), [uri for uri in uris if uri not in still]
 
     def latest_for_trial(self, study: str, trial_number: int) -> CheckpointRecord | None:

@@ -17,8 +17,9 @@ def test_check_finds_deleted_and_corrupt_blobs_and_repair_makes_registry_and_dis
     with sqlite3.connect(db) as connection:
         rows = connection.execute("SELECT id, uri FROM sweep_checkpoints ORDER BY id").fetchall()
     assert len(rows) >= 3
-    (deleted_id, deleted), (corrupt_id, corrupt) = rows[0], rows[1]
-    Path(deleted).unlink()
+    folder = (tmp_path / "tiny.checkpoints" / "tiny").resolve()  # row URIs are relative to the study's folder
+    (deleted_id, deleted), (corrupt_id, corrupt) = ((i, folder / uri) for i, uri in rows[:2])
+    deleted.unlink()
     data = bytearray(Path(corrupt).read_bytes())
     data[len(data) // 2] ^= 0xFF
     Path(corrupt).write_bytes(bytes(data))

@@ -290,12 +290,18 @@ def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr
 
 
-def test_checkpoint_paths_are_absolute_whatever_the_working_folder(tmp_path: Path) -> None:
-    # The registry keeps each blob's path; reproduce or a retry may run from another folder.
+def test_a_study_folder_moved_elsewhere_keeps_its_checkpoints(tmp_path: Path) -> None:
+    # The registry names each blob relative to the study's folder of the store, never a machine's absolute path: a
+    # database and its checkpoint folder copied or mounted elsewhere (another machine, a new home) still agree.
     (tmp_path / "a").mkdir()
-    path = write_study(tmp_path, TINY_STUDY | {"n_trials": 1})
+    path = write_study(tmp_path, TINY_STUDY | {"n_trials": 2})
     done = sweep_cli("run", path, "--storage", "sqlite:///rel.db", cwd=tmp_path / "a")
     assert done.returncode == 0, done.stderr
     with sqlite3.connect(tmp_path / "a" / "rel.db") as connection:
         uris = [row[0] for row in connection.execute("SELECT uri FROM sweep_checkpoints")]
-    assert uris and all(Path(uri).is_absolute() and Path(uri).exists() for uri in uris)
+    assert uris and all("/" not in uri and (tmp_path / "a" / "rel.checkpoints" / "tiny" / uri).exists()
+                        for uri in uris)
+    (tmp_path / "a").rename(tmp_path / "moved")
+    check = sweep_cli("check", tmp_path / "moved" / "rel.db", "--study-name", "tiny")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "missing_blob 0, corrupt_blob 0, orphan_file 0, dangling_artifact 0" in check.stderr, check.stderr

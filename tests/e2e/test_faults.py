@@ -617,7 +617,8 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
     assert code == 130, tail(log)
     rows = [row for row in checkpoint_rows(db) if row[1] == 0]
     assert len(rows) >= 2, rows
-    (_, _, older_step, _), (_, _, corrupt_step, corrupt_uri) = rows[-2], rows[-1]
+    (_, _, older_step, _), (_, _, corrupt_step, corrupt_name) = rows[-2], rows[-1]
+    corrupt_uri = str(tmp_path / "corrupt.checkpoints" / "corrupt" / corrupt_name)  # URIs: relative to the folder
     blob = bytearray(Path(corrupt_uri).read_bytes())
     for i in range(len(blob) // 2, len(blob) // 2 + 64):  # flip bytes in the middle: the hash no longer matches
         blob[i] ^= 0xFF
@@ -635,7 +636,7 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
         found.expect(retries[0].user_attrs.get("resumed_from") == {"trial": 0, "step": older_step},
                      f"the retry resumed from {retries[0].user_attrs.get('resumed_from')}, expected trial 0's "
                      f"intact step {older_step}")
-    still = [row for row in checkpoint_rows(db) if row[3] == corrupt_uri]
+    still = [row for row in checkpoint_rows(db) if row[3] == corrupt_name]
     found.expect(not still, f"the corrupt checkpoint is still registered: {still}")
     found.expect(not Path(corrupt_uri).exists(), f"the corrupt file is still there: {corrupt_uri}")
     found.check()
@@ -708,9 +709,10 @@ def test_a_retry_resumed_at_max_steps_completes_with_its_whole_curve_and_reprodu
     names = [column for (_, column, *_) in sqlite_rows(db, "PRAGMA table_info(sweep_checkpoints)")]
     values = dict(zip(names, row)) | {"trial_number": lost.number}
     del values["id"]
-    blob = Path(values["uri"]).with_name(f"trial{lost.number:05d}-step00000200.pt")
-    shutil.copyfile(values["uri"], blob)
-    values["uri"] = str(blob)
+    folder = tmp_path / "late.checkpoints" / "late"  # registry URIs are relative to the study's folder
+    blob = folder / f"trial{lost.number:05d}-step00000200.pt"
+    shutil.copyfile(folder / values["uri"], blob)
+    values["uri"] = blob.name
     with contextlib.closing(sqlite3.connect(db, timeout=60)) as connection, connection:
         connection.execute(f"INSERT INTO sweep_checkpoints ({', '.join(values)}) "
                            f"VALUES ({', '.join('?' * len(values))})", tuple(values.values()))

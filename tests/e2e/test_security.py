@@ -109,7 +109,7 @@ def test_reproduce_refuses_a_parent_checkpoint_outside_the_store(tmp_path: Path)
     with sqlite3.connect(tmp_path / "warm.db") as connection:
         [(lineage,)] = connection.execute("SELECT value_json FROM trial_user_attributes a JOIN trials t ON "
                                           "a.trial_id = t.trial_id WHERE t.number = 1 AND key = 'warm_start_from'")
-    parent = Path(json.loads(lineage)["uri"])
+    parent = tmp_path / "warm.checkpoints" / "warm" / json.loads(lineage)["uri"]
     outside = tmp_path / "elsewhere.pt"
     outside.write_bytes(parent.read_bytes())  # the very same checkpoint, hash and all: only its place is wrong
     set_trial_attr(tmp_path / "warm.db", 1, "warm_start_from", lambda value: value | {"uri": str(outside)})

@@ -48,7 +48,7 @@ def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) ->
         assert min(trial.intermediate_values) == 30
         assert f"steps 0-20 trained with the config of trial #{donor.number}" in trial.user_attrs["lineage"]
         assert trial.user_attrs["steps_trained"] == 20 and trial.user_attrs["steps"] == 40
-        assert Path(parent["uri"]).exists()
+        assert (tmp_path / "warm.checkpoints" / "warm" / parent["uri"]).exists()  # relative to the study's folder
     with sqlite3.connect(tmp_path / "warm.db") as connection:
         pinned = {row[0] for row in connection.execute("SELECT id FROM sweep_checkpoints WHERE pinned = 1")}
     assert {t.user_attrs["warm_start_from"]["checkpoint_id"] for t in warm} <= pinned
@@ -61,7 +61,7 @@ def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) ->
     again = sweep_cli("reproduce", path, str(replayed.number))
     assert again.returncode == 0, again.stderr
     assert "identical" in again.stdout
-    parent_file = Path(replayed.user_attrs["warm_start_from"]["uri"])
+    parent_file = tmp_path / "warm.checkpoints" / "warm" / replayed.user_attrs["warm_start_from"]["uri"]
     parent_file.write_bytes(parent_file.read_bytes()[:-10])  # a damaged parent is refused, not loaded
     broken = sweep_cli("reproduce", path, str(replayed.number))
     assert broken.returncode != 0 and "warm-started" in broken.stderr
@@ -78,7 +78,7 @@ def test_study_retention_keeps_the_best_trials_and_every_parent(tmp_path: Path) 
         rows = connection.execute("SELECT trial_number, uri, pinned FROM sweep_checkpoints").fetchall()
     assert {n for n, _, pinned in rows if not pinned} <= {best.number}  # others keep only what a trial started from
     assert parents <= {uri for _, uri, _ in rows}
-    files = {str(p) for p in (tmp_path / "warm.checkpoints" / "warm").glob("*.pt")}
+    files = {p.name for p in (tmp_path / "warm.checkpoints" / "warm").glob("*.pt")}  # URIs: relative names
     assert files == {uri for _, uri, _ in rows}  # no orphan blobs, no rows without a blob
     # A trial that retention drops loses its artifact too (a copy of its best checkpoint): only the best keeps one.
     artifacts = {p.name for p in Path(load(tmp_path).user_attrs["sweep.artifacts"]).iterdir()}
@@ -167,7 +167,7 @@ def test_trials_that_diverge_or_crash_release_their_checkpoints_to_retention(tmp
     assert rows and all(final == 1 for _, _, final, _ in rows)  # every ended trial's checkpoints are final
     # keep_top_trials: 1 (nothing is pinned: warm start is off); failed trials rank after the completed one
     assert {n for n, *_ in rows} == {trials[8].number}
-    files = {str(p) for p in (tmp_path / "warm.checkpoints" / "warm").glob("*.pt")}
+    files = {p.name for p in (tmp_path / "warm.checkpoints" / "warm").glob("*.pt")}  # URIs: relative names
     assert files == {uri for _, uri, _, _ in rows}
     artifacts = {p.name for p in Path(load(tmp_path).user_attrs["sweep.artifacts"]).iterdir()}
     assert artifacts == {trials[8].user_attrs["checkpoint"]["artifact_id"]}

@@ -78,7 +78,7 @@ def test_separate_commands_as_on_separate_machines(tmp_path: Path, postgres_url:
     check_exact(study, 10)
     warm = [t.user_attrs["warm_start_from"] for t in study.get_trials() if "warm_start_from" in t.user_attrs]
     assert warm  # donors found through the shared registry, their blobs through the shared folder
-    assert all(Path(parent["uri"]).is_relative_to(tmp_path / "checkpoints") for parent in warm)
+    assert all((tmp_path / "checkpoints" / "machines" / parent["uri"]).exists() for parent in warm)
 
 
 def children(pid: int) -> list[int]:

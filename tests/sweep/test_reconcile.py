@@ -17,7 +17,7 @@ import optuna
 import pytest
 import torch
 
-from sweep.blobs import CheckpointStore
+from sweep.blobs import BlobScope, CheckpointStore
 from sweep.reconcile import ARTIFACTS_ATTR, CHECKPOINT_ATTR, ProblemKind, check_study, quick_check
 from sweep.registry import CheckpointRecord, Registry
 from tests.conftest import TINY_STUDY
@@ -60,6 +60,13 @@ def save_and_register(registry: Registry, store: CheckpointStore, trial: int, st
                                       size=info.size, sha256=info.sha256)
     [record] = [r for r in registry.for_trial(store.study, trial) if r.id == checkpoint_id]
     return record
+
+
+def blob(store: CheckpointStore, record: CheckpointRecord) -> Path:
+    """Where a row's blob lies: its URI is relative to the study's folder of the store."""
+    found = store.scope.find(record.uri, record.study)
+    assert found is not None, record.uri
+    return Path(found)
 
 
 def found(problems: list) -> set[tuple[ProblemKind, str]]:
@@ -107,15 +114,15 @@ def test_check_finds_every_disagreement_and_repair_fixes_what_it_can(ran: Ran) -
     assert check_study(ran.registry, ran.store, ran.study).problems == []  # what a run leaves agrees with itself
 
     # Trial 0 loses the blob its artifact was made from, and the artifact: nothing is left to rebuild it from.
-    Path(source[0].uri).unlink()
+    (folder / source[0].uri).unlink()
     (ran.artifacts / ran.artifact(0)["artifact_id"]).unlink()
     # Trial 1 loses its artifact, whose blob is still registered and sound; and its other blob, which is pinned.
     (ran.artifacts / ran.artifact(1)["artifact_id"]).unlink()
     [pinned] = [r for r in ran.rows(1) if r.id != source[1].id]
     assert ran.registry.pin(pinned.id)
-    Path(pinned.uri).unlink()
+    (folder / pinned.uri).unlink()
     # Trial 2's best blob is damaged.
-    flip_bytes(Path(source[2].uri))
+    flip_bytes(folder / source[2].uri)
     # Files no row names: an old stray, a killed writer's temporary; and two that are left alone: a file a worker
     # may be about to register, a temporary being written now.
     stray = write(folder / "stray.pt", b"x", 3600)
@@ -126,7 +133,8 @@ def test_check_finds_every_disagreement_and_repair_fixes_what_it_can(ran: Ran) -
 
     report = check_study(ran.registry, ran.store, ran.study)
     assert found(report.problems) == {
-        (MISSING, source[0].uri), (MISSING, pinned.uri), (CORRUPT, source[2].uri),
+        (MISSING, str(folder / source[0].uri)), (MISSING, str(folder / pinned.uri)),
+        (CORRUPT, str(folder / source[2].uri)),
         (ORPHAN, str(stray)), (ORPHAN, str(leftover)),
         (DANGLING, ran.artifact(0)["artifact_id"]), (DANGLING, ran.artifact(1)["artifact_id"])}
     assert report.counts() == {MISSING: 2, CORRUPT: 1, ORPHAN: 2, DANGLING: 2}
@@ -137,7 +145,7 @@ def test_check_finds_every_disagreement_and_repair_fixes_what_it_can(ran: Ran) -
     assert lost.path_or_id == ran.artifact(0)["artifact_id"]
     assert len(report.outstanding) == 6
     assert ran.registry.for_study(ran.study.study_name) == rows_before  # a check alone changes nothing
-    assert stray.exists() and leftover.exists() and Path(source[2].uri).exists()
+    assert stray.exists() and leftover.exists() and (folder / source[2].uri).exists()
 
     repaired = check_study(ran.registry, ran.store, ran.study, repair=True)
     assert found(repaired.problems) == found(report.problems)
@@ -146,7 +154,7 @@ def test_check_finds_every_disagreement_and_repair_fixes_what_it_can(ran: Ran) -
     assert repaired.ok and repaired.outstanding == []
     left = {r.id for r in ran.registry.for_study(ran.study.study_name)}
     assert left == {r.id for r in rows_before} - {source[0].id, pinned.id, source[2].id}
-    assert not Path(source[2].uri).exists()  # the corrupt file goes with its row
+    assert not (folder / source[2].uri).exists()  # the corrupt file goes with its row
     assert not stray.exists() and not leftover.exists()
     assert fresh.exists() and writing.exists()
     restored = ran.artifacts / ran.artifact(1)["artifact_id"]
@@ -154,7 +162,7 @@ def test_check_finds_every_disagreement_and_repair_fixes_what_it_can(ran: Ran) -
 
     again = check_study(ran.registry, ran.store, ran.study, repair=True)
     assert again.ok and found(again.problems) == {(DANGLING, ran.artifact(0)["artifact_id"])}
-    assert quick_check(ran.registry, ran.study.study_name) == []
+    assert quick_check(ran.registry, ran.study.study_name, scope=BlobScope(ran.store)) == []
 
 
 @pytest.fixture
@@ -179,17 +187,17 @@ def test_quick_check_removes_only_rows_in_use_whose_blob_is_missing(registry: Re
     elsewhere = save_and_register(registry, other, 0, 10)
     registry.finish_trial(other.study, 0)
     for record in (donor_gone, lost_old, lost_latest, running_old, failed_pinned, failed, elsewhere):
-        Path(record.uri).unlink()
-    flip_bytes(Path(donor_corrupt.uri))  # existence only: the loader refuses it by its hash
+        blob(store, record).unlink()  # one scope for the whole store: `elsewhere` lies in its own study's folder
+    flip_bytes(blob(store, donor_corrupt))  # existence only: the loader refuses it by its hash
 
-    removed = quick_check(registry, name)
+    removed = quick_check(registry, name, scope=store.scope)
     assert {p.checkpoint_id for p in removed} == {donor_gone.id, lost_latest.id, lost_old.id, failed_pinned.id}
     assert all(p.kind == MISSING and p.repaired for p in removed)
     assert {r.id for r in registry.for_study(name)} == {donor_kept.id, donor_corrupt.id, running_old.id,
                                                         running_latest.id, failed.id}
     assert registry.latest_for_trial(name, 3) is None  # a retry of trial 3 starts over instead of failing to load
     assert [r.id for r in registry.for_study(other.study)] == [elsewhere.id]  # another study's rows: not asked
-    assert quick_check(registry, name) == []
+    assert quick_check(registry, name, scope=store.scope) == []
 
 
 @pytest.mark.parametrize(("name", "age_s", "orphan"), [
@@ -204,13 +212,13 @@ def test_which_unregistered_files_are_orphans(tmp_path: Path, name: str, age_s: 
     registry, study = Registry(url), optuna.create_study(study_name="s", storage=url)
     store = CheckpointStore(tmp_path / "blobs", "s")
     registered = save_and_register(registry, store, 0, 10)
-    os.utime(registered.uri, (time.time() - 3600,) * 2)  # registered: never an orphan, however old
+    os.utime(blob(store, registered), (time.time() - 3600,) * 2)  # registered: never an orphan, however old
     path = write(store.folder / name, b"x", age_s)
     (store.folder / "sub").mkdir()  # folders are not the trainer's
     assert found(check_study(registry, str(tmp_path / "blobs"), study).problems) == (
         {(ORPHAN, str(path))} if orphan else set())
     check_study(registry, str(tmp_path / "blobs"), study, repair=True)
-    assert path.exists() is not orphan and Path(registered.uri).exists()
+    assert path.exists() is not orphan and blob(store, registered).exists()
 
 
 def test_an_empty_or_absent_study_folder_is_clean(tmp_path: Path) -> None:
@@ -246,7 +254,7 @@ def test_object_stores_are_checked_through_optuna_artifact_stores(tmp_path: Path
                                               "sha256": kept.sha256, "size": kept.size})
         study.tell(trial, 0.1)
 
-        assert quick_check(registry, "s") == []  # no cheap existence check there: left to the loader's
+        assert quick_check(registry, "s", scope=store.scope) == []  # no cheap existence check: left to the loader
         report = check_study(registry, "s3://ckpts/sweeps", study)
         assert found(report.problems) == {(MISSING, gone.uri), (DANGLING, "missing-artifact")}
         assert report.notes == ["orphan scan not supported for object stores: Optuna's artifact stores cannot list "

@@ -327,9 +327,10 @@ def test_check_repair_uploads_artifacts_only_where_the_store_keeps_them(registry
     home.mkdir()
     study.set_user_attr(ARTIFACTS_ATTR, str(home))  # as whoever writes the database would have it
     report = check_study(registry, str(tmp_path / "store"), study, repair=True)
-    assert not (home / "dotfile").exists() and list(home.iterdir()) == []
-    assert any("nothing written there" in note for note in report.notes)
+    assert list(home.iterdir()) == []  # never written where the database points
+    assert any(f"checked this checkpoint store's own, {store.artifact_location}" in note for note in report.notes)
+    assert (Path(store.artifact_location) / "dotfile").exists()  # rebuilt where the store keeps its artifacts
 
-    study.set_user_attr(ARTIFACTS_ATTR, store.artifact_location)  # where this store keeps them: rebuilt
-    assert check_study(registry, str(tmp_path / "store"), study, repair=True).ok
-    assert (Path(store.artifact_location) / "dotfile").exists()
+    study.set_user_attr(ARTIFACTS_ATTR, store.artifact_location)
+    again = check_study(registry, str(tmp_path / "store"), study, repair=True)
+    assert again.ok and again.problems == [] and again.notes == []
