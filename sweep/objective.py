@@ -45,7 +45,7 @@ from sweep.pruners import FastFailPruner
 from sweep.signals import raise_pending
 from sweep.storage import StorageAway
 from sweep.warmstart import shape_key
-from trainer import Task, TrainingConfig, load_task, train
+from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
 
-__all__ = ["TrainerTrial", "TrialReporter", "task_for"]
+__all__ = ["Prepared", "TrainerTrial", "TrialReporter", "task_for"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
 
@@ -188,6 +188,18 @@ class _Start:
         return self.resume.step if self.resume is not None else self.warm.state.step if self.warm is not None else 0
 
 
+@dataclass
+class Prepared:
+    """A trial ready to train: what `TrainerTrial.prepare` returns."""
+
+    params: dict[str, Any]
+    config: TrainingConfig
+    task: Task
+    start: _Start
+    reporter: TrialReporter
+    checkpointer: Any
+
+
 class TrainerTrial:
     """One trial of the built-in trainer, from its params to its result; `release` hands its checkpoints back."""
 
@@ -198,6 +210,15 @@ class TrainerTrial:
         self.deadline = None if deadline is None else _Deadline(deadline)
 
     def run(self) -> TrialResult:
+        prepared = self.prepare()
+        with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
+            result = train(prepared.config, prepared.task, prepared.reporter, resume=prepared.start.resume,
+                           warm_start=prepared.start.warm, checkpointer=prepared.checkpointer)
+        return self.result_of(prepared, result)
+
+    def prepare(self) -> Prepared:
+        """Everything `trainer.train` (or a batched cohort) takes for this trial: its config from the sampled params,
+        where it starts (its lineage's checkpoint, a donor's, or scratch), its reporter and its checkpointer."""
         trial, spec = self.trial, self.spec
         params = spec.suggest(trial)
         self.events.trial_started(trial.number, params)
@@ -216,20 +237,23 @@ class TrainerTrial:
         if self.deadline is not None and self.checkpointer is not None:
             self.deadline.checkpointer = self.checkpointer
             checkpointer = _Timed(self.checkpointer, self.deadline, config.max_steps)
-        with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
-            result = train(config, task, reporter, resume=start.resume, warm_start=start.warm,
-                           checkpointer=checkpointer)
+        return Prepared(params, config, task, start, reporter, checkpointer)
+
+    def result_of(self, prepared: Prepared, result: TrainResult) -> TrialResult:
+        """The trial's outcome from what training returned: complete, pruned (with the rule that pruned) or failed
+        (diverged)."""
+        reporter, metric = prepared.reporter, self.spec.metric
         reporter.flush()  # values held while the storage was away: the trial's curve is whole before its result
         attrs: dict[str, Any] = {ATTR_REPRO: result.reproducibility, ATTR_METRICS: result.metrics,
-                                 ATTR_STEPS: result.steps, ATTR_STEPS_TRAINED: result.steps - start.step,
+                                 ATTR_STEPS: result.steps, ATTR_STEPS_TRAINED: result.steps - prepared.start.step,
                                  ATTR_WALL: round(result.wall_time_s, 3), ATTR_REPORT_MS: reporter.report_ms,
                                  ATTR_SPEED: reporter.speed}
         if result.status == "stopped" and reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
-        value = result.metrics[spec.metric]
+        value = result.metrics.get(metric, math.nan)
         if not math.isfinite(value):
             return TrialResult(Outcome.FAILED, None,
-                               {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {result.steps}"})
+                               {**attrs, ATTR_FAIL: f"diverged: {metric} is {value} at step {result.steps}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
     def release(self, outcome: Outcome) -> None:
