@@ -61,9 +61,9 @@ def job_manifest(spec: StudySpec, spec_path: Path, options: K8sSpec, *, timeout:
                *(["--workers", str(options.gpus_per_worker)] if options.gpus_per_worker > 1 else [])]
     resources: dict[str, Any] = {}
     if options.gpus_per_worker:
-        resources["limits"] = {"nvidia.com/gpu": options.gpus_per_worker}
-    requests = {key: value for key, value in (("cpu", options.cpus_per_worker), ("memory", options.memory))
-                if value is not None}
+        resources["limits"] = {"nvidia.com/gpu": str(options.gpus_per_worker)}  # quantities are strings
+    requests = {key: f"{value:g}" if isinstance(value, float) else value
+                for key, value in (("cpu", options.cpus_per_worker), ("memory", options.memory)) if value is not None}
     if requests:
         resources["requests"] = requests
     container: dict[str, Any] = {
