@@ -53,6 +53,7 @@ __all__ = ["SCRIPT_FILE", "STORAGE_FILE", "SlurmError", "SlurmTask", "batch_scri
 STORAGE_FILE = "storage.json"  # in the job folder, 0600: the storage URL (see the module's docstring)
 SCRIPT_FILE = "submit.sbatch"
 LOG_PATTERN = "%A_%a.log"  # array job id _ task id: one log per array task, appended to across requeues
+_NO_VAL = "4294967294"  # Slurm's "no value" as an array task id
 _FAILED = ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "DEADLINE")
 
 
@@ -204,8 +205,14 @@ def study_tasks(study: optuna.Study) -> list[SlurmTask]:
             tasks.append(SlurmTask(job_id, f"0-{int(job['tasks']) - 1}", "UNKNOWN", 0, "", "no longer known to "
                                    "Slurm (finished long ago?)", None))
             continue
+        seen = {int(r["ArrayTaskId"]) for r in records if r.get("ArrayTaskId", "").isdigit()
+                and r["ArrayTaskId"] != _NO_VAL}
         for record in records:
             task = record.get("ArrayTaskId", "0")
+            if task == _NO_VAL:  # the tasks that never left the queue, once they are all cancelled: Slurm drops
+                task = _ranges(sorted(set(range(int(job["tasks"]))) - seen))  # their ids, we know them
+                if not task:
+                    continue
             log = folder / f"{job_id}_{task}.log"
             tasks.append(SlurmTask(job_id, task, record.get("JobState", "UNKNOWN"), int(record.get("Restarts", 0)),
                                    record.get("ExitCode", ""), record.get("Reason", "None"),
@@ -234,6 +241,17 @@ def cancel_queued(study: optuna.Study) -> list[str]:
         if done.returncode != 0 and "Invalid job id" not in done.stderr:
             raise SlurmError(f"scancel failed ({done.returncode}): {done.stderr.strip()}")
     return jobs
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """`[1, 2, 3, 5]` as Slurm writes it: `1-3,5`."""
+    parts: list[str] = []
+    for index in ids:
+        if parts and index == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{index}"
+        else:
+            parts.append(str(index))
+    return ",".join(parts)
 
 
 def task_count(task: str) -> int:

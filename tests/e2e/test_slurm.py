@@ -212,8 +212,8 @@ def test_stop_cancels_queued_tasks_and_lets_the_running_one_finish_its_trial(
     log("sweep stop")
     wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
     log(f"job over: {states(slurm_cluster, job)}")
-    found = tasks(slurm_cluster, job)
-    assert sorted(r["JobState"] for r in found.values()) == ["CANCELLED", "CANCELLED", "COMPLETED"]
+    found = tasks(slurm_cluster, job)  # the cancelled tasks are one record (Slurm drops their ids)
+    assert sorted(r["JobState"] for r in found.values()) == ["CANCELLED", "COMPLETED"]
     [ran] = [r for r in found.values() if r["JobState"] == "COMPLETED"]
     assert ran["ExitCode"] == "0:0"  # it finished its trial and exited on the stop request
     trials = load(url, name).get_trials()
