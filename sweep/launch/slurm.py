@@ -82,10 +82,11 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
                                                                   "cpus_per_task")
                 if (value := getattr(options, key)) is not None),
               *([f"--gres=gpu:{gpus}"] if gpus else []), *options.sbatch]
-    workers = f"{options.workers} array tasks" + (f" x {gpus} GPUs, one worker each" if gpus else ", one worker each")
+    each = "one worker" if not gpus else "1 GPU and its worker" if gpus == 1 else f"{gpus} GPUs, a worker on each"
     lines = [
         "#!/bin/bash",
-        f"# Workers of study {spec.name!r}: {workers}, each the ordinary `sweep run` loop on the study's storage.",
+        f"# Workers of study {spec.name!r}: {options.workers} array tasks, {each}; every worker is the ordinary",
+        "# `sweep run` loop on the study's storage.",
         f"# Written by `sweep submit {spec_path.name} --slurm`; logs in {folder}/.",
         *(f"#SBATCH {option}" for option in sbatch),
         "",

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import stat
 import subprocess
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 import yaml
 
 from sweep.workers import STORAGE_FILE_ENV, storage_from_environment, write_storage_file
-from tests.conftest import changed, sweep_cli, write_study
+from tests.conftest import ROOT, changed, sweep_cli, write_study
 
 PASSWORD = "s3cret-pw"
 URL = f"postgresql+psycopg://sweeper:{PASSWORD}@db.example/sweeps"
@@ -137,6 +139,21 @@ def test_a_worker_whose_storage_file_is_missing_exits_2_naming_it(tmp_path: Path
     assert done.returncode == 2
     assert "cannot read the storage URL its launcher left" in done.stderr and str(missing) in done.stderr
     assert not (tmp_path / "tiny.db").exists()
+
+
+def test_every_sweep_submit_the_readme_shows_prints_its_script(tmp_path: Path) -> None:
+    """Each `sweep submit` command of the README, as written, with --dry-run added where it would submit."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^sweep submit studies/.*$", readme, flags=re.M)
+    assert len(commands) >= 2
+    before = created(ROOT / "studies")
+    for command in commands:
+        words = shlex.split(command)[1:]
+        words += [] if "--dry-run" in words else ["--dry-run"]
+        done = sweep_cli(*words, cwd=ROOT)
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+        assert done.stdout.startswith("#!/bin/bash") and "#SBATCH --array=0-7" in done.stdout, command
+    assert created(ROOT / "studies") == before
 
 
 # -- Kubernetes ---------------------------------------------------------------------------------------------------
