@@ -167,7 +167,13 @@ class SlurmCluster:
         return done
 
     def close(self) -> None:
-        """Stop the daemons (slurmd and slurmctld first, munged last) and delete the folder."""
+        """Cancel what is left of the jobs (slurmstepd would outlive slurmd), stop the daemons (slurmd and slurmctld
+        first, munged last) and delete the folder."""
+        if len(self._processes) == len(_DAEMONS) and all(p.poll() is None for p in self._processes):
+            self.run("scancel", f"--user={pwd.getpwuid(os.geteuid()).pw_name}", check=False)
+            deadline = time.monotonic() + 60
+            while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
         for process in reversed(self._processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
