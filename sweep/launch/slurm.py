@@ -130,8 +130,11 @@ def _clean_environment(url: str) -> dict[str, str]:
     """This process's environment for sbatch, which hands it to the job and keeps it in Slurm's records: without the
     variables that hold a password, nor any whose value holds one of the URL's secrets."""
     secrets = url_secrets(url)
+    # A password of a few characters is found inside unrelated values (PATH): those are kept, a value that is the
+    # password is not.
     return {name: value for name, value in os.environ.items()
-            if name not in SECRET_ENV_NAMES and not any(secret in value for secret in secrets)}
+            if name not in SECRET_ENV_NAMES and value not in secrets
+            and not any(secret in value for secret in secrets if len(secret) >= 4)}
 
 
 def submit(script: str, url: str, folder: Path, *, workdir: Path) -> str:

@@ -200,3 +200,17 @@ def test_k8s_needs_an_image(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--image: required with --k8s" in done.stderr
     assert not (tmp_path / "job.yaml").exists()
 
+
+
+def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sweep.launch.slurm import _clean_environment
+
+    monkeypatch.setenv("PGPASSWORD", "from-libpq")
+    monkeypatch.setenv("SWEEP_STORAGE_URL", URL)
+    monkeypatch.setenv("MY_DATABASE", URL)  # a variable of the user's own
+    monkeypatch.setenv("DB_PASS", PASSWORD)
+    kept = _clean_environment(URL)
+    assert {"PGPASSWORD", "SWEEP_STORAGE_URL", "MY_DATABASE", "DB_PASS"}.isdisjoint(kept)
+    assert kept["PATH"] == os.environ["PATH"]  # everything else goes to the job as sbatch always sends it
+    short = "postgresql+psycopg://sweeper:a@db.example/sweeps"  # a one-letter password is inside PATH: kept
+    assert _clean_environment(short)["PATH"] == os.environ["PATH"]
