@@ -111,11 +111,14 @@ def run(
                                          "machine each is pinned to a GPU, round robin.")] = 1,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
-    from sweep.workers import STORAGE_ENV, WORKER_ENV, run_local_workers
+    from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
 
     worker = os.environ.get(WORKER_ENV)
-    if worker is not None and storage is None:  # `--workers`: the URL comes by environment, never by argument
-        storage = os.environ.pop(STORAGE_ENV, None)
+    if worker is not None and storage is None:  # a launched worker: the URL comes by environment, never by argument
+        try:
+            storage = storage_from_environment()
+        except (OSError, ValueError) as exc:
+            raise _fail(f"cannot read the storage URL its launcher left: {exc}", 2) from None
     spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, workers, set_ or [])
     prefix = "" if worker is None else f"[worker {worker}] "
     study = _open_for_run(spec, url, prefix)
@@ -232,6 +235,103 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: st
         return run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
 
 
+@app.command()
+def submit(
+    study_file: Annotated[Path, typer.Argument(help="The study file (YAML), on a path every node sees.")],
+    slurm: Annotated[bool, typer.Option("--slurm", help="Submit the workers as a Slurm job array.")] = False,
+    k8s: Annotated[bool, typer.Option("--k8s", help="Write a Kubernetes Indexed Job manifest (with -o).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit and create nothing.")
+                       ] = False,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="--k8s: the manifest to write "
+                                                   "(default: standard output).")] = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Array tasks (--k8s: pods), one worker "
+                                                   "each.")] = None,
+    partition: Annotated[Optional[str], typer.Option("--partition")] = None,
+    time_limit: Annotated[Optional[str], typer.Option("--time", help="Slurm time limit per task, e.g. 4:00:00.")
+                          ] = None,
+    account: Annotated[Optional[str], typer.Option("--account")] = None,
+    qos: Annotated[Optional[str], typer.Option("--qos")] = None,
+    mem: Annotated[Optional[str], typer.Option("--mem", help="Memory per task, e.g. 16G.")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option("--cpus-per-task")] = None,
+    gpus_per_task: Annotated[Optional[int], typer.Option("--gpus-per-task", help="GPUs per array task (pod), "
+                                                         "one worker pinned to each.")] = None,
+    warning_s: Annotated[Optional[int], typer.Option("--warning-s", help="Slurm's warning signal this many "
+                                                     "seconds before the time limit (default 120).")] = None,
+    sbatch: Annotated[Optional[list[str]], typer.Option("--sbatch", help="An extra #SBATCH option, e.g. "
+                                                        "--sbatch=--constraint=a100 (repeatable).")] = None,
+    image: Annotated[Optional[str], typer.Option("--image", help="--k8s: a container image with sweep "
+                                                 "installed.")] = None,
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    n_trials: Annotated[Optional[int], typer.Option("--n-trials", help="The study's total budget (>= 1).")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="Stop each worker after S seconds.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override a study-file key.")] = None,
+) -> None:
+    """Launch the study's workers on a cluster: a Slurm job array (--slurm), or a Kubernetes Job manifest (--k8s)."""
+    from sweep.schema import with_options
+
+    if slurm == k8s:
+        raise _fail("give one of --slurm (submit a job array) or --k8s (write a Job manifest)", 2)
+    spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, 1, set_ or [])
+    given: dict[str, Any] = {"workers": workers, "gpus_per_task" if slurm else "gpus_per_worker": gpus_per_task}
+    if slurm:
+        given |= {"partition": partition, "time": time_limit, "account": account, "qos": qos, "mem": mem,
+                  "cpus_per_task": cpus_per_task, "warning_s": warning_s, "sbatch": sbatch or None}
+    else:
+        given |= {"image": image}
+    try:
+        options = with_options(spec.launch.slurm if slurm else spec.launch.k8s, given)
+    except StudyFileError as exc:
+        raise _fail(exc.lines(), 2) from None
+    spec_path = study_file.resolve()
+    if slurm:
+        _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])
+    else:
+        _write_k8s(spec, spec_path, options, output, timeout=timeout, overrides=set_ or [])
+
+
+def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run: bool, timeout: float | None,
+                  overrides: list[str]) -> None:
+    from sweep.launch import slurm
+    from sweep.urls import sqlite_path
+
+    folder, workdir = slurm.job_folder(spec, spec_path, options), Path.cwd()
+    script = slurm.batch_script(spec, spec_path, options, folder=folder, workdir=workdir, timeout=timeout,
+                                overrides=overrides)
+    if (path := sqlite_path(url)) is not None:
+        err.print(f"warning: SQLite storage {path}: every node must see this file on a shared filesystem, and "
+                  "SQLite's locks are unreliable over NFS; use PostgreSQL for workers on many machines", markup=False)
+    if dry_run:
+        sys.stdout.write(script)
+        return
+    try:
+        slurm.check_tools()
+        study = _open_for_run(spec, url, "")  # created once, here: no array task creates another
+        job_id = slurm.submit(script, url, folder, workdir=workdir)
+    except slurm.SlurmError as exc:
+        raise _fail(str(exc), 1) from None
+    slurm.record_job(study, job_id, options, folder)
+    err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "
+              f"`sweep status {spec_path.name}` shows them", markup=False)
+    sys.stdout.write(f"{job_id}\n")
+
+
+def _write_k8s(spec: Any, spec_path: Path, options: Any, output: Path | None, *, timeout: float | None,
+               overrides: list[str]) -> None:
+    from sweep.launch import k8s
+
+    if options.image is None:
+        raise _fail("--image: required with --k8s (or launch.k8s.image in the study file): an image with sweep "
+                    "installed", 2)
+    text = k8s.job_manifest(spec, spec_path, options, timeout=timeout, overrides=overrides)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.write_text(text)
+    err.print(f"wrote {output}: `kubectl apply -f {output}` after creating the Secret {options.secret!r} "
+              "(see the README)", markup=False)
+
+
 def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND") -> Any:
     """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
     return _open_with_url(target, storage, study_name, command)[0]
@@ -333,8 +433,37 @@ def _print_status(study: Any) -> None:
 
 @app.command()
 def status(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = None) -> None:
-    """Counts by state, the budget used, and the best trial."""
-    _print_status(_open(target, storage, study_name, "status"))
+    """Counts by state, the budget used, the best trial, and the study's Slurm jobs with their logs."""
+    study = _open(target, storage, study_name, "status")
+    _print_status(study)
+    _print_slurm(study)
+
+
+def _print_slurm(study: Any) -> None:
+    """The array tasks of the study's Slurm jobs: state, requeues, log; a failed one's last log lines."""
+    from sweep.outcomes import SLURM_JOBS_ATTR
+
+    if not study.user_attrs.get(SLURM_JOBS_ATTR):
+        return
+    from sweep.launch import slurm
+
+    try:
+        tasks = slurm.study_tasks(study)
+    except slurm.SlurmError as exc:
+        err.print(f"note: the study has Slurm jobs, but {exc}", markup=False)
+        return
+    counts = slurm.summary(tasks)
+    table = Table("job", "state", "requeued", "exit", "log", title="Slurm workers: " +
+                  ", ".join(f"{label} {n}" for label, n in counts.items()))
+    for task in tasks:
+        table.add_row(f"{task.job_id}_{task.task}", task.label, str(task.restarts), task.exit_code,
+                      str(task.log or "") or (task.reason if task.reason != "None" else ""))
+    out.print(table)
+    for task in tasks:
+        if task.failed and task.log is not None:
+            out.print(f"{task.job_id}_{task.task} failed; the end of {task.log}:", markup=False)
+            for line in slurm.log_tail(task.log):
+                out.print(f"  {line}", markup=False)
 
 
 @app.command()
@@ -420,6 +549,22 @@ def stop(target: Target = "", storage: StorageOpt = None, study_name: NameOpt = 
         raise _fail(str(exc), 2) from None
     request_stop(study)
     err.print(f"asked the workers of study {study.study_name!r} to stop after their current trial")
+    _cancel_queued(study)
+
+
+def _cancel_queued(study: Any) -> None:
+    """`sweep stop` on a study with Slurm jobs: their array tasks still in the queue are cancelled."""
+    from sweep.outcomes import SLURM_JOBS_ATTR
+
+    if not study.user_attrs.get(SLURM_JOBS_ATTR):
+        return
+    from sweep.launch import slurm
+
+    try:
+        jobs = slurm.cancel_queued(study)
+    except slurm.SlurmError as exc:
+        raise _fail(f"could not cancel the queued Slurm tasks: {exc}", 1) from None
+    err.print(f"cancelled the queued array tasks of Slurm job {', '.join(jobs)}", markup=False)
 
 
 @app.command()

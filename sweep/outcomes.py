@@ -68,6 +68,7 @@ ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
+SLURM_JOBS_ATTR = "sweep.slurm_jobs"  # study user attr: the Slurm job arrays `sweep submit` started (job id, log dir)
 
 LOST_REASON = "worker lost: no heartbeat"
 

@@ -14,7 +14,7 @@ import reprlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 from urllib.parse import urlparse
 
 import yaml
@@ -36,10 +36,11 @@ from pydantic import (
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
-           "FloatParam", "IntParam", "Param", "StudyFileError", "StudySpec", "TaskSpec", "WarmStartSpec",
+           "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "Param", "SlurmSpec", "StudyFileError", "StudySpec",
+           "TaskSpec", "WarmStartSpec",
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
            "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
-           "validate_document"]
+           "validate_document", "with_options"]
 
 class StudyFileError(Exception):
     """Bad input in a study file: every problem as `(key path, message)`, reported together."""
@@ -56,6 +57,9 @@ class StudyFileError(Exception):
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+_ModelT = TypeVar("_ModelT", bound=_Model)
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -216,6 +220,70 @@ class WarmStartSpec(_Model):
         return value
 
 
+# Slurm's own syntax for what goes into `#SBATCH` lines: checked here so that nothing else can reach the script.
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*$")  # partitions, accounts, QOS (comma lists)
+_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?)?)$")
+_SLURM_MEM = re.compile(r"^\d+[KMGT]?$")
+_SBATCH_LINE = re.compile(r"^--?[A-Za-z][A-Za-z0-9\-]*([= ][^\n\r]*)?$")
+
+
+def _matching(pattern: re.Pattern[str], expected: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if not pattern.fullmatch(value):
+            raise ValueError(f"expected {expected}, got {short_repr(value)}")
+        return value
+
+    return AfterValidator(check)
+
+
+SlurmName = Annotated[StrictStr, _matching(_SLURM_NAME, "a Slurm name (letters, digits, '_', '-', '.')")]
+SlurmTime = Annotated[StrictStr, _matching(_SLURM_TIME, "a Slurm time such as 90, 4:00:00 or 2-12:00:00")]
+SlurmMem = Annotated[StrictStr, _matching(_SLURM_MEM, "a Slurm memory size such as 16G or 4000M")]
+
+
+def _sbatch_line(value: str) -> str:
+    line = value.strip().removeprefix("#SBATCH").strip()
+    if not _SBATCH_LINE.fullmatch(line):
+        raise ValueError(f"expected one sbatch option such as --constraint=a100, got {short_repr(value)}")
+    return line
+
+
+class SlurmSpec(_Model):
+    """`launch.slurm`: how `sweep submit --slurm` asks Slurm for the workers (see sweep.launch.slurm)."""
+
+    workers: StrictInt = Field(1, ge=1)  # array tasks, one `sweep run` worker each (G with gpus_per_task: G)
+    partition: SlurmName | None = None
+    time: SlurmTime | None = None
+    account: SlurmName | None = None
+    qos: SlurmName | None = None
+    mem: SlurmMem | None = None
+    cpus_per_task: StrictInt | None = Field(None, ge=1)
+    gpus_per_task: StrictInt = Field(0, ge=0)  # G GPUs per array task, one worker pinned to each
+    warning_s: StrictInt = Field(120, ge=1)  # Slurm's warning this many seconds before the time limit
+    log_dir: StrictStr | None = None  # default NAME.slurm next to the study file; on a path every node sees
+    sbatch: list[Annotated[StrictStr, AfterValidator(_sbatch_line)]] = []  # extra `#SBATCH` options, one each
+
+
+class K8sSpec(_Model):
+    """`launch.k8s`: the Indexed Job manifest of `sweep submit --k8s` (see sweep.launch.k8s)."""
+
+    workers: StrictInt = Field(1, ge=1)
+    image: StrictStr | None = None  # an image with sweep installed; required, here or with --image
+    namespace: SlurmName | None = None
+    secret: SlurmName = "sweep-storage"  # the Secret whose key `url` holds the storage URL
+    gpus_per_worker: StrictInt = Field(0, ge=0)
+    cpus_per_worker: Number | None = Field(None, gt=0)
+    memory: StrictStr | None = None  # a Kubernetes quantity such as 8Gi
+    grace_period_s: StrictInt = Field(120, ge=1)  # from SIGTERM to SIGKILL when a pod is evicted or preempted
+
+
+class LaunchSpec(_Model):
+    """`launch`: defaults of `sweep submit`; its command-line options win."""
+
+    slurm: SlurmSpec = Field(default_factory=lambda: SlurmSpec.model_validate({}))
+    k8s: K8sSpec = Field(default_factory=lambda: K8sSpec.model_validate({}))
+
+
 class StudySpec(_Model):
     """The validated study file. `source` is where it came from (not a key of the file)."""
 
@@ -239,6 +307,7 @@ class StudySpec(_Model):
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}
+    launch: LaunchSpec = Field(default_factory=lambda: LaunchSpec.model_validate({}))
 
     @field_validator("name", mode="after")
     @classmethod
@@ -608,6 +677,20 @@ def read_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[StudySpe
     return spec, path.resolve()
 
 
+def with_options(model: _ModelT, given: Mapping[str, Any]) -> _ModelT:
+    """`model` (a section of the study file) with the command-line options that were given (not None) put over it;
+    raises StudyFileError naming each bad option as `--key-name`."""
+    given = {key: value for key, value in given.items() if value is not None}
+    try:
+        type(model).model_validate(given)  # the options alone first: their problems are the command line's
+    except ValidationError as exc:
+        problems = [_pydantic_problem(error) for error in exc.errors() if error["type"] != "missing"]
+        problems = [("--" + key.split(".")[0].split("[")[0].replace("_", "-"), message) for key, message in problems]
+        if problems:
+            raise StudyFileError("command line", problems) from None
+    return type(model).model_validate({**model.model_dump(), **given})
+
+
 def validate_document(document: Mapping[str, Any], source: str | Path) -> StudySpec:
     try:
         return StudySpec.model_validate(document)
@@ -617,7 +700,8 @@ def validate_document(document: Mapping[str, Any], source: str | Path) -> StudyS
 
 _TAGS: dict[str, type[BaseModel]] = {"float": FloatParam, "int": IntParam, "categorical": CategoricalParam}
 _SECTIONS: dict[str, type[BaseModel]] = {"checkpoints": CheckpointPolicy, "warm_start": WarmStartSpec,
-                                         "task": TaskSpec}
+                                         "task": TaskSpec, "launch": LaunchSpec}
+_SUBSECTIONS: dict[tuple[str, str], type[BaseModel]] = {("launch", "slurm"): SlurmSpec, ("launch", "k8s"): K8sSpec}
 
 
 def _known_keys(loc: Sequence[Any]) -> list[str]:
@@ -630,6 +714,8 @@ def _known_keys(loc: Sequence[Any]) -> list[str]:
         model = _TAGS.get(parent[2])
     elif len(parent) == 1:
         model = _SECTIONS.get(parent[0])
+    elif len(parent) == 2:
+        model = _SUBSECTIONS.get((parent[0], parent[1]))
     return list(model.model_fields) if model is not None else []
 
 

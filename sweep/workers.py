@@ -7,10 +7,15 @@ notice its trial's stale heartbeat and train its params again. On a GPU machine 
 The storage URL reaches the workers in their environment (`SWEEP_STORAGE_URL`), never on their command lines: any
 local user can read a process's arguments (`ps`, /proc/PID/cmdline), and the URL may hold a password. A process's
 environment is readable by its owner only.
+
+Workers that a scheduler starts (`sweep submit --slurm`) get it from an owner-only file instead, named by
+`SWEEP_STORAGE_URL_FILE`: a scheduler keeps the environment of each job it was given in its own records (Slurm's
+state files, its accounting database), where its administrators and tools read them. See `write_storage_file`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,10 +30,52 @@ from sweep.signals import raise_pending
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["STORAGE_ENV", "WORKER_ENV", "prepare_process", "run_local_workers", "run_workers", "visible_gpus"]
+__all__ = ["SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "prepare_process",
+           "run_local_workers", "run_workers", "storage_from_environment", "visible_gpus", "worker_args",
+           "write_storage_file"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
 STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
+STORAGE_FILE_ENV = "SWEEP_STORAGE_URL_FILE"  # or the path of an owner-only file holding it (`write_storage_file`)
+# Variables that hold a database password by convention (libpq's): they travel in the file, never in a job's record.
+SECRET_ENV_NAMES = ("PGPASSWORD", STORAGE_ENV)
+
+
+def write_storage_file(path: Path, url: str) -> None:
+    """Write `url` for workers started elsewhere into `path`, readable and writable by its owner only (0600, like
+    ~/.pgpass), with libpq's `PGPASSWORD` when it is set: the workers' environment will not carry it."""
+    secrets = {"url": url, "env": {name: os.environ[name] for name in ("PGPASSWORD",) if name in os.environ}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an existing file keeps its mode through O_CREAT; this one must not
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(secrets, handle)
+
+
+def storage_from_environment() -> str | None:
+    """In a worker: the storage URL its launcher handed over, from `STORAGE_ENV` or the file `STORAGE_FILE_ENV`
+    names (whose libpq variables are set too), or None. The variable is removed: the trials' code never sees it.
+    Raises OSError or ValueError for a file that cannot be read."""
+    url = os.environ.pop(STORAGE_ENV, None)
+    path = os.environ.get(STORAGE_FILE_ENV)
+    if url is not None or not path:
+        return url
+    try:
+        secrets = json.loads(Path(path).read_text())
+        url, extra = secrets["url"], secrets.get("env", {})
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a storage file written by sweep submit ({type(exc).__name__})") from None
+    os.environ.update({str(name): str(value) for name, value in extra.items()})
+    return str(url)
+
+
+def worker_args(study_file: Path, spec: StudySpec, *, timeout: float | None, overrides: Sequence[str]) -> list[str]:
+    """The arguments of `sweep run` in a worker of a study that exists already: the study file, its name and budget
+    (so that no worker creates another study), `--set` overrides but never `--set storage=...` (the URL goes by
+    `STORAGE_ENV` or `STORAGE_FILE_ENV`, and may hold a password)."""
+    return [str(study_file), "--study-name", spec.name, "--n-trials", str(spec.n_trials),
+            *(["--timeout", str(timeout)] if timeout else []),
+            *(f"--set={item}" for item in overrides if item.partition("=")[0].strip() != "storage")]
 
 
 def visible_gpus() -> list[str]:
@@ -56,10 +103,8 @@ def run_local_workers(study_file: Path, spec: StudySpec, url: str, n_workers: in
     """`sweep run --workers N`: the same `sweep run` in N processes on this study's storage (the study exists
     already, so none of them creates it); returns their exit codes. The URL goes by environment (`STORAGE_ENV`), and
     a `--set storage=...` override stays off the workers' command lines: the URL it gave is that one."""
-    args = [str(study_file), "--study-name", spec.name, "--n-trials", str(spec.n_trials),
-            *(["--timeout", str(timeout)] if timeout else []),
-            *(f"--set={item}" for item in overrides if item.partition("=")[0].strip() != "storage")]
-    return run_workers(args, n_workers, env={STORAGE_ENV: url})
+    return run_workers(worker_args(study_file, spec, timeout=timeout, overrides=overrides), n_workers,
+                       env={STORAGE_ENV: url})
 
 
 def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.0,

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from tests.pg import postgres_available, postgres_server
+from tests.slurm import SlurmCluster, slurm_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -202,3 +203,13 @@ def postgres_url() -> Iterator[str]:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
     with postgres_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A real single-node Slurm 22.05 cluster for the whole session (tests/slurm.py); its `env` holds SLURM_CONF."""
+    reason = slurm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with SlurmCluster() as cluster:
+        yield cluster

@@ -1,0 +1,275 @@
+"""`sweep submit study.yaml --slurm`: the study's workers as one Slurm job array, written as a plain batch script.
+
+Each array task runs the ordinary `sweep run` worker (sweep.worker) on the study's storage; the study exists before
+the submission (the caller creates it), so no task creates another, and each exits when the budget is spent.
+
+Why `sbatch` with a script we write, not submitit: the script is the contract with the cluster. Ours is one a user
+could have written (`--dry-run` prints it; `scontrol write batch_script` shows the same), and preemption goes through
+the path sweep already has for SIGTERM (checkpoint, mark the trial preempted, exit 143). submitit's script runs a
+pickled function (its arguments, and so the storage URL, pickled on the shared disk), and it checkpoints and requeues
+by a protocol of its own (USR2, `__submitit_checkpoint__`) that would duplicate ours.
+
+Preemption and time limits:
+- `--signal=B:USR1@S` asks Slurm for USR1, S seconds before the time limit, sent to the batch shell only; the
+  script passes it on as SIGTERM to the worker, which checkpoints its trial, marks it preempted and exits 143, and
+  then requeues its own array task (`scontrol requeue`): the task starts again later and continues the study, the
+  preempted trial resuming from its checkpoint.
+- A TERM from Slurm itself (preemption with PreemptMode=REQUEUE, `scontrol requeue`, `scancel`) reaches the worker
+  directly; the script only waits for it. Slurm requeues what it preempts (`--requeue`); a cancelled task stays
+  cancelled. A task killed without warning leaves a trial whose heartbeat stops; another worker retries it.
+
+The storage URL may hold a password. sbatch sends its whole environment to the controller, which keeps it in its state
+files (and, with accounting's job_env flag, in its database); so the URL is written to an owner-only file in the job
+folder (`sweep.workers.write_storage_file`), the script and the environment name only that file, and the variables
+that hold a password by convention (`PGPASSWORD`) are left out of sbatch's environment and go in the file too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sweep.outcomes import SLURM_JOBS_ATTR
+from sweep.urls import mask_urls, url_secrets
+from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV, WORKER_ENV, worker_args, write_storage_file
+
+if TYPE_CHECKING:
+    import optuna
+
+    from sweep.schema import SlurmSpec, StudySpec
+
+__all__ = ["SCRIPT_FILE", "STORAGE_FILE", "SlurmError", "SlurmTask", "batch_script", "cancel_queued", "check_tools",
+           "job_folder", "log_tail", "record_job", "study_tasks", "submit", "summary", "task_count"]
+
+STORAGE_FILE = "storage.json"  # in the job folder, 0600: the storage URL (see the module's docstring)
+SCRIPT_FILE = "submit.sbatch"
+LOG_PATTERN = "%A_%a.log"  # array job id _ task id: one log per array task, appended to across requeues
+_NO_VAL = "4294967294"  # Slurm's "no value" as an array task id
+_FAILED = ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "DEADLINE")
+
+
+class SlurmError(Exception):
+    """A Slurm command that is missing or failed: one line for the user."""
+
+
+def job_folder(spec: StudySpec, spec_path: Path, options: SlurmSpec) -> Path:
+    """Where the script, the storage file and the logs go: `launch.slurm.log_dir` (relative to the study file) or
+    NAME.slurm next to the study file. Every node must see it."""
+    folder = Path(options.log_dir) if options.log_dir else Path(f"{spec.name}.slurm")
+    return folder if folder.is_absolute() else (spec_path.parent / folder).resolve()
+
+
+def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder: Path, workdir: Path,
+                 timeout: float | None = None, overrides: Sequence[str] = (), python: str = sys.executable) -> str:
+    """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
+    any secret."""
+    gpus = options.gpus_per_task
+    run = [python, "-m", "sweep.cli", "run", *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
+           *(["--workers", str(gpus)] if gpus > 1 else [])]
+    sbatch = [f"--job-name=sweep-{spec.name}", f"--array=0-{options.workers - 1}",
+              f"--output={folder / LOG_PATTERN}", "--open-mode=append", "--requeue",
+              f"--signal=B:USR1@{options.warning_s}",
+              *(f"--{key.replace('_', '-')}={value}" for key in ("partition", "time", "account", "qos", "mem",
+                                                                  "cpus_per_task")
+                if (value := getattr(options, key)) is not None),
+              *([f"--gres=gpu:{gpus}"] if gpus else []), *options.sbatch]
+    each = "one worker" if not gpus else "1 GPU and its worker" if gpus == 1 else f"{gpus} GPUs, a worker on each"
+    lines = [
+        "#!/bin/bash",
+        f"# Workers of study {spec.name!r}: {options.workers} array tasks, {each}; every worker is the ordinary",
+        "# `sweep run` loop on the study's storage.",
+        f"# Written by `sweep submit {spec_path.name} --slurm`; logs in {folder}/.",
+        *(f"#SBATCH {option}" for option in sbatch),
+        "",
+        "# The storage URL may hold a password: it is in this owner-only file, never in the script or the job's",
+        "# environment (Slurm keeps both in its records).",
+        f"export {STORAGE_FILE_ENV}={shlex.quote(str(folder / STORAGE_FILE))}",
+        f'export {WORKER_ENV}="$SLURM_ARRAY_TASK_ID"',
+        f"cd {shlex.quote(str(workdir))}",
+        "",
+        "# Slurm's warning before the time limit (--signal) comes to this shell as USR1: the worker gets SIGTERM,",
+        "# checkpoints its trial, marks it preempted and exits 143, and this task goes back in the queue to continue",
+        "# the study. A TERM from Slurm itself (preemption, scancel, scontrol requeue) reaches the worker directly.",
+        "trap 'preempted=1; kill -TERM \"$worker\"' USR1",
+        "trap ':' TERM",
+        f"{shlex.join(run)} &",
+        "worker=$!",
+        'while true; do wait "$worker"; code=$?; kill -0 "$worker" 2>/dev/null || break; done',
+        'if [ "${preempted:-0}" = 1 ]; then',
+        '    scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+        "fi",
+        'exit "$code"',
+        ""]
+    return "\n".join(lines)
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SlurmError(f"{name} not found: run `sweep submit --slurm` on a machine with Slurm's commands (a login "
+                         "node), or use --dry-run to see the script")
+    return path
+
+
+def check_tools() -> None:
+    """Raise SlurmError unless sbatch, scontrol and scancel are on PATH (before the study is created)."""
+    for name in ("sbatch", "scontrol", "scancel"):
+        _tool(name)
+
+
+def _clean_environment(url: str) -> dict[str, str]:
+    """This process's environment for sbatch, which hands it to the job and keeps it in Slurm's records: without the
+    variables that hold a password, nor any whose value holds one of the URL's secrets."""
+    secrets = url_secrets(url)
+    # A password of a few characters is found inside unrelated values (PATH): those are kept, a value that is the
+    # password is not.
+    return {name: value for name, value in os.environ.items()
+            if name not in SECRET_ENV_NAMES and value not in secrets
+            and not any(secret in value for secret in secrets if len(secret) >= 4)}
+
+
+def submit(script: str, url: str, folder: Path, *, workdir: Path) -> str:
+    """Write the storage file and the script into `folder`, submit the script with sbatch and return the job id."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_storage_file(folder / STORAGE_FILE, url)
+    path = folder / SCRIPT_FILE
+    path.write_text(script)
+    done = subprocess.run([_tool("sbatch"), "--parsable", str(path)], capture_output=True, text=True, cwd=workdir,
+                          env=_clean_environment(url), timeout=120)
+    if done.returncode != 0:
+        detail = mask_urls(done.stderr.strip()).splitlines()
+        raise SlurmError(f"sbatch refused the job ({done.returncode}): {detail[-1] if detail else 'no message'}")
+    return done.stdout.strip().split(";")[0]
+
+
+def record_job(study: optuna.Study, job_id: str, options: SlurmSpec, folder: Path) -> None:
+    """Remember the job array on the study, for `sweep status` and `sweep stop` on any machine."""
+    jobs = list(study.user_attrs.get(SLURM_JOBS_ATTR, []))
+    jobs.append({"job_id": job_id, "tasks": options.workers, "log_dir": str(folder), "submitted_at": time.time()})
+    study.set_user_attr(SLURM_JOBS_ATTR, jobs)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmTask:
+    """One array task (or, while they wait together, several: `task` is then a range such as `1-2`)."""
+
+    job_id: str
+    task: str
+    state: str  # Slurm's JobState: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...; UNKNOWN when Slurm forgot it
+    restarts: int  # times it was requeued
+    exit_code: str
+    reason: str
+    log: Path | None  # its log file, once it has started
+
+    @property
+    def failed(self) -> bool:
+        return self.state in _FAILED or (self.state == "COMPLETED" and self.exit_code not in ("0:0", ""))
+
+    @property
+    def label(self) -> str:
+        """queued, running, requeued (queued again after a preemption), failed, done, or Slurm's state."""
+        if self.state == "PENDING":
+            return "requeued" if self.restarts else "queued"
+        if self.state == "REQUEUED":
+            return "requeued"
+        if self.failed:
+            return "failed"
+        return {"RUNNING": "running", "COMPLETED": "done", "COMPLETING": "finishing"}.get(self.state,
+                                                                                         self.state.lower())
+
+
+_PAIR = re.compile(r"(\w[\w/:]*)=(\S*)")
+
+
+def _job_records(job_id: str) -> list[dict[str, str]]:
+    done = subprocess.run([_tool("scontrol"), "show", "job", "--oneliner", job_id], capture_output=True, text=True,
+                          timeout=60)
+    if done.returncode != 0:
+        return []  # "Invalid job id": finished and purged (MinJobAge), or submitted to another cluster
+    return [dict(_PAIR.findall(line)) for line in done.stdout.splitlines() if line.strip()]
+
+
+def study_tasks(study: optuna.Study) -> list[SlurmTask]:
+    """Every array task of the study's Slurm jobs as Slurm sees it now; a job Slurm no longer knows is one task of
+    state UNKNOWN, with the logs left in its folder."""
+    tasks = []
+    for job in study.user_attrs.get(SLURM_JOBS_ATTR, []):
+        job_id, folder = str(job["job_id"]), Path(job["log_dir"])
+        records = _job_records(job_id)
+        if not records:
+            tasks.append(SlurmTask(job_id, f"0-{int(job['tasks']) - 1}", "UNKNOWN", 0, "", "no longer known to "
+                                   "Slurm (finished long ago?)", None))
+            continue
+        seen = {int(r["ArrayTaskId"]) for r in records if r.get("ArrayTaskId", "").isdigit()
+                and r["ArrayTaskId"] != _NO_VAL}
+        for record in records:
+            task = record.get("ArrayTaskId", "0")
+            if task == _NO_VAL:  # the tasks that never left the queue, once they are all cancelled: Slurm drops
+                task = _ranges(sorted(set(range(int(job["tasks"]))) - seen))  # their ids, we know them
+                if not task:
+                    continue
+            log = folder / f"{job_id}_{task}.log"
+            tasks.append(SlurmTask(job_id, task, record.get("JobState", "UNKNOWN"), int(record.get("Restarts", 0)),
+                                   record.get("ExitCode", ""), record.get("Reason", "None"),
+                                   log if log.exists() else None))
+    return sorted(tasks, key=lambda t: (t.job_id, int(re.split(r"\D", t.task)[0] or 0)))
+
+
+def log_tail(path: Path, lines: int = 5) -> list[str]:
+    """The last lines of a worker's log, with any URL's password masked."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - 8192))
+            text = handle.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [mask_urls(line) for line in text.splitlines()[-lines:]]
+
+
+def cancel_queued(study: optuna.Study) -> list[str]:
+    """Cancel the array tasks of the study's jobs that wait in the queue (running ones finish their trial on `sweep
+    stop`'s request); returns the job ids asked."""
+    jobs = [str(job["job_id"]) for job in study.user_attrs.get(SLURM_JOBS_ATTR, [])]
+    if jobs:
+        done = subprocess.run([_tool("scancel"), "--state=PENDING", *jobs], capture_output=True, text=True,
+                              timeout=60)
+        if done.returncode != 0 and "Invalid job id" not in done.stderr:
+            raise SlurmError(f"scancel failed ({done.returncode}): {done.stderr.strip()}")
+    return jobs
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """`[1, 2, 3, 5]` as Slurm writes it: `1-3,5`."""
+    parts: list[str] = []
+    for index in ids:
+        if parts and index == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{index}"
+        else:
+            parts.append(str(index))
+    return ",".join(parts)
+
+
+def task_count(task: str) -> int:
+    """How many array tasks an `ArrayTaskId` names: `3`, `1-2`, `0-9%4` (at most 4 at once), `1,3-4`."""
+    count = 0
+    for part in task.split("%")[0].split(","):
+        low, _, high = part.partition("-")
+        count += int(high) - int(low) + 1 if high else 1
+    return count
+
+
+def summary(tasks: Sequence[SlurmTask]) -> dict[str, int]:
+    """Counts of array tasks by label (queued, running, requeued, failed, done, ...)."""
+    counts: dict[str, int] = {}
+    for task in tasks:
+        counts[task.label] = counts.get(task.label, 0) + task_count(task.task)
+    return counts

@@ -1,0 +1,236 @@
+"""`sweep submit --slurm` on a real single-node Slurm 22.05 (tests/slurm.py) with the suite's PostgreSQL as the
+storage: exact counts, no password anywhere Slurm keeps things, preemption and requeue, `sweep stop` and `sweep
+status`. Each test prints its timeline (pytest -s)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import FrozenTrial, TrialState
+
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.slurm import SlurmCluster
+
+pytestmark = pytest.mark.slow
+
+PASSWORD = "pw-Zq81x-never-shown"  # trust authentication: the server never asks for it, but it is in the URL
+LIBPQ_PASSWORD = "libpq-Kd93-never-shown"  # PGPASSWORD in the submitting shell: it must not reach Slurm either
+
+
+class Timeline:
+    def __init__(self, title: str) -> None:
+        self.start, self.title = time.monotonic(), title
+        print(f"\n{title}")
+
+    def __call__(self, event: str) -> None:
+        print(f"  {time.monotonic() - self.start:6.1f} s  {event}")
+
+
+def wait_for(condition: Callable[[], Any], what: str, seen: Callable[[], object], patience_s: float = 300) -> Any:
+    """Poll `condition` until it is true; fail with what was last seen after a generous deadline."""
+    deadline = time.monotonic() + patience_s
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {patience_s:g} s; last seen: {seen()}")
+        time.sleep(0.5)
+    return result
+
+
+def study_file(folder: Path, name: str, n_trials: int, checkpoint_every: int | None = None, **fixed: Any) -> Path:
+    checkpoints = {"store": str(folder / "checkpoints"), "every_steps": checkpoint_every}
+    document = copy.deepcopy(TINY_STUDY) | {"name": name, "n_trials": n_trials,
+                                            "checkpoints": {k: v for k, v in checkpoints.items() if v is not None}}
+    document["fixed"] = {**document["fixed"], **fixed}
+    return write_study(folder, document)
+
+
+def url_with_password(postgres_url: str) -> str:
+    return postgres_url.replace("postgres@", f"postgres:{PASSWORD}@", 1)
+
+
+def submit(cluster: SlurmCluster, path: Path, url: str, *args: str) -> str:
+    done = sweep_cli("submit", path, "--slurm", "--storage", url, *args, cwd=path.parent,
+                     env={"SLURM_CONF": str(cluster.conf), "PGPASSWORD": LIBPQ_PASSWORD})
+    assert done.returncode == 0, done.stderr
+    assert PASSWORD not in done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+def tasks(cluster: SlurmCluster, job: str) -> dict[str, dict[str, str]]:
+    """Slurm's view of each array task: {task id: scontrol's fields}."""
+    done = cluster.run("scontrol", "show", "job", "--oneliner", job, check=False)
+    records = [dict(re.findall(r"(\w[\w/:]*)=(\S*)", line)) for line in done.stdout.splitlines() if line.strip()]
+    return {record.get("ArrayTaskId", "?"): record for record in records}
+
+
+def states(cluster: SlurmCluster, job: str) -> dict[str, str]:
+    return {task: f"{record['JobState']} restarts={record['Restarts']}" for task, record in tasks(cluster, job).items()}
+
+
+def finished(cluster: SlurmCluster, job: str) -> bool:
+    found = tasks(cluster, job)
+    return bool(found) and all(r["JobState"] in ("COMPLETED", "FAILED", "CANCELLED") for r in found.values())
+
+
+def load(url: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=url)
+
+
+def slurm_status(cluster: SlurmCluster, path: Path, url: str) -> str:
+    done = sweep_cli("status", path, "--storage", url, env={"SLURM_CONF": str(cluster.conf)})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def files_holding(folder: Path, secret: str) -> list[Path]:
+    return [path for path in folder.rglob("*") if path.is_file() and secret.encode() in path.read_bytes()]
+
+
+def test_submitted_workers_finish_the_study_with_exact_counts_and_no_password_in_slurm(
+        tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    url, name = url_with_password(postgres_url), "slurm_counts"
+    path = study_file(tmp_path, name, 6)
+    log = Timeline("3 workers, 6 trials")
+    job = submit(slurm_cluster, path, url, "--workers", "3")
+    log(f"submitted job array {job}")
+    wait_for(lambda: all(r["JobState"] == "RUNNING" for r in tasks(slurm_cluster, job).values())
+             and len(tasks(slurm_cluster, job)) == 3, "3 running tasks", lambda: states(slurm_cluster, job))
+    log("3 array tasks running")
+    # What Slurm keeps while the job runs: the submitting environment and the script in its state folder, `scontrol
+    # show job`, the logs. (The environment is sbatch's whole one: SLURM_CONF came from the test's.)
+    environments = list((slurm_cluster.folder / "state").rglob("environment"))
+    assert environments and all(b"SLURM_CONF=" in p.read_bytes() for p in environments)
+    shown = slurm_cluster.run("scontrol", "show", "job", "-dd", job).stdout
+    script = slurm_cluster.run("scontrol", "write", "batch_script", f"{job}_0", "-").stdout
+    assert "sweep.cli run" in script and "SWEEP_STORAGE_URL_FILE" in script
+    for secret in (PASSWORD, LIBPQ_PASSWORD):
+        assert secret not in shown and secret not in script
+        assert files_holding(slurm_cluster.folder, secret) == []  # state, spool, daemon logs
+    wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
+    log("every array task finished")
+
+    assert {r["JobState"] for r in tasks(slurm_cluster, job).values()} == {"COMPLETED"}
+    assert optuna.get_all_study_names(url).count(name) == 1  # created once, before the submission
+    trials = load(url, name).get_trials()
+    assert sorted(t.number for t in trials) == list(range(6))  # exactly the budget, unique numbers, none lost
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    job_folder = tmp_path / f"{name}.slurm"
+    logs = sorted(job_folder.glob(f"{job}_*.log"))
+    assert len(logs) == 3
+    assert files_holding(job_folder, PASSWORD) == [job_folder / "storage.json"]  # the one owner-only file
+    assert files_holding(job_folder, LIBPQ_PASSWORD) == [job_folder / "storage.json"]
+    assert (job_folder / "storage.json").stat().st_mode & 0o077 == 0
+    assert files_holding(slurm_cluster.folder, PASSWORD) == []
+    status = slurm_status(slurm_cluster, path, url)
+    assert re.search(r"budget\s+│\s+6/6 trials", status) and "Slurm workers: done 3" in status
+    assert all(str(path) in status for path in logs)  # where each worker's log is
+    log(f"status: 6/6 trials complete, {len(logs)} logs, no password in Slurm's records")
+
+
+def preempted(trial: FrozenTrial) -> bool:
+    return trial.user_attrs.get("outcome") == "preempted"
+
+
+def test_a_requeued_task_and_a_warned_task_continue_the_study_and_resume_their_trials(
+        tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    url, name = url_with_password(postgres_url), "slurm_preempt"
+    # Trials long enough to be caught in the middle, with a checkpoint every 50 steps.
+    path = study_file(tmp_path, name, 2, checkpoint_every=50, max_steps=600, eval_every_steps=50,
+                      log_every_steps=50)
+    log = Timeline("2 workers, 2 trials; one task requeued (scontrol requeue), one warned (scancel --signal USR1)")
+    job = submit(slurm_cluster, path, url, "--workers", "2")
+    log(f"submitted job array {job}")
+
+    def both_past_a_checkpoint() -> bool:
+        try:
+            running = [t for t in load(url, name).get_trials() if t.state == TrialState.RUNNING]
+        except KeyError:
+            return False
+        return len(running) == 2 and all(max(t.intermediate_values, default=0) >= 100 for t in running)
+
+    wait_for(both_past_a_checkpoint, "2 running trials past step 100",
+             lambda: [(t.number, t.state, sorted(t.intermediate_values)) for t in load(url, name).get_trials()])
+    log("both trials past step 100")
+    slurm_cluster.run("scontrol", "requeue", f"{job}_0")  # as preemption with PreemptMode=REQUEUE: SIGTERM now
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", f"{job}_1")  # the --signal warning before a time limit
+    log("requeued task 0, sent task 1 the warning signal")
+
+    def both_requeued() -> bool:
+        found = tasks(slurm_cluster, job)
+        return len(found) == 2 and all(r["JobState"] == "PENDING" and r["Restarts"] == "1" for r in found.values())
+
+    wait_for(both_requeued, "2 requeued tasks", lambda: states(slurm_cluster, job))
+    log("both tasks back in the queue (Restarts=1)")
+    trials = load(url, name).get_trials()
+    assert sum(preempted(t) for t in trials) == 2, [(t.number, t.state, t.user_attrs) for t in trials]
+    status = slurm_status(slurm_cluster, path, url)
+    assert "requeued 2" in status
+    for task in ("0", "1"):  # Slurm holds a requeued job for a while (BeginTime); the test does not wait it out
+        slurm_cluster.run("scontrol", "update", f"JobId={job}_{task}", "StartTime=now")
+    wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
+    log("every array task finished")
+
+    assert {(r["JobState"], r["Restarts"]) for r in tasks(slurm_cluster, job).values()} == {("COMPLETED", "1")}
+    trials = load(url, name).get_trials()
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    stopped = [t for t in trials if preempted(t)]
+    assert len(done) == 2 and len(stopped) == 2 and len(trials) == 4, [(t.number, t.state) for t in trials]
+    for trial in stopped:  # no trial lost: each preempted one was trained again from its checkpoint
+        [retry] = [t for t in done if t.user_attrs.get("retry_of") == trial.number]
+        assert retry.params == trial.params
+        resumed = retry.user_attrs["resumed_from"]
+        assert resumed["trial"] == trial.number and resumed["step"] >= 100
+        assert sorted(retry.intermediate_values)[-1] == 600
+        log(f"trial {trial.number} preempted at step {max(trial.intermediate_values)}; retry {retry.number} "
+            f"resumed from step {resumed['step']} and completed")
+    logs = "".join(p.read_text() for p in (tmp_path / f"{name}.slurm").glob(f"{job}_*.log"))
+    assert logs.count("preempted (SIGTERM)") == 2 and PASSWORD not in logs
+
+
+def test_stop_cancels_queued_tasks_and_lets_the_running_one_finish_its_trial(
+        tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    url, name = url_with_password(postgres_url), "slurm_stop"
+    path = study_file(tmp_path, name, 50, max_steps=100, eval_every_steps=50, log_every_steps=50)
+    log = Timeline("3 tasks of 8 CPUs on an 8-CPU node: one runs, two wait; then sweep stop")
+    job = submit(slurm_cluster, path, url, "--workers", "3", "--cpus-per-task", "8")
+    wait_for(lambda: any(t.state == TrialState.COMPLETE for t in load(url, name).get_trials())
+             if name in optuna.get_all_study_names(url) else False, "a complete trial",
+             lambda: states(slurm_cluster, job))
+    found = tasks(slurm_cluster, job)
+    assert [r["JobState"] for r in found.values()].count("PENDING") >= 1, states(slurm_cluster, job)
+    log(f"one task running, queued: {states(slurm_cluster, job)}")
+    done = sweep_cli("stop", path, "--storage", url, env={"SLURM_CONF": str(slurm_cluster.conf)})
+    assert done.returncode == 0, done.stderr
+    assert f"cancelled the queued array tasks of Slurm job {job}" in done.stderr
+    log("sweep stop")
+    wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
+    log(f"job over: {states(slurm_cluster, job)}")
+    found = tasks(slurm_cluster, job)  # the cancelled tasks are one record (Slurm drops their ids)
+    assert sorted(r["JobState"] for r in found.values()) == ["CANCELLED", "COMPLETED"]
+    [ran] = [r for r in found.values() if r["JobState"] == "COMPLETED"]
+    assert ran["ExitCode"] == "0:0"  # it finished its trial and exited on the stop request
+    trials = load(url, name).get_trials()
+    assert trials and all(t.state == TrialState.COMPLETE for t in trials)  # nothing cut off, nothing lost
+    assert len(trials) < 50
+    assert "cancelled 2" in slurm_status(slurm_cluster, path, url)
+
+
+def test_a_worker_that_cannot_start_is_shown_in_status_with_its_log(
+        tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    url, name = url_with_password(postgres_url), "slurm_broken"
+    path = study_file(tmp_path, name, 2)
+    job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold")
+    (tmp_path / f"{name}.slurm" / "storage.json").unlink()  # as on a node that does not see the job folder
+    slurm_cluster.run("scontrol", "release", job)
+    wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
+    status = slurm_status(slurm_cluster, path, url)
+    assert "Slurm workers: failed 1" in status
+    assert f"{job}_0 failed; the end of {tmp_path / f'{name}.slurm' / f'{job}_0.log'}:" in status
+    assert "cannot read the storage URL its launcher left" in status  # the log's last lines, here

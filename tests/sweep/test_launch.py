@@ -1,0 +1,216 @@
+"""`sweep submit` without a cluster: the batch script of --dry-run, the Kubernetes manifest, and bad launch options
+(exit 2, one line naming where, nothing created). The real cluster runs in tests/e2e/test_slurm.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sweep.workers import STORAGE_FILE_ENV, storage_from_environment, write_storage_file
+from tests.conftest import ROOT, changed, sweep_cli, write_study
+
+PASSWORD = "s3cret-pw"
+URL = f"postgresql+psycopg://sweeper:{PASSWORD}@db.example/sweeps"
+
+# Every Slurm option, from the command line, with the #SBATCH line it must become.
+OPTIONS = {"--workers": ("3", "--array=0-2"), "--partition": ("gpu", "--partition=gpu"),
+           "--time": ("4:00:00", "--time=4:00:00"), "--account": ("lab", "--account=lab"),
+           "--qos": ("normal", "--qos=normal"), "--mem": ("16G", "--mem=16G"),
+           "--cpus-per-task": ("4", "--cpus-per-task=4"), "--gpus-per-task": ("2", "--gres=gpu:2"),
+           "--warning-s": ("300", "--signal=B:USR1@300"), "--sbatch": ("--constraint=a100", "--constraint=a100")}
+
+
+def created(folder: Path) -> set[str]:
+    return {str(path.relative_to(folder)) for path in folder.rglob("*")}
+
+
+def test_dry_run_prints_a_plain_script_naming_every_option_and_creates_nothing(tmp_path: Path) -> None:
+    path = write_study(tmp_path, document := changed(storage=URL))
+    before = created(tmp_path)
+    args = ["submit", path, "--slurm", "--dry-run", *(item for flag, (value, _) in OPTIONS.items()
+                                                       for item in (flag, value))]
+    first, again = sweep_cli(*args, cwd=tmp_path), sweep_cli(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == again.stdout  # stable: no date, nothing random
+    assert created(tmp_path) == before  # no study, no job folder, no storage file
+    script = first.stdout
+    directives = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
+    for flag, (_, line) in OPTIONS.items():
+        assert line in directives, flag
+    assert {"--requeue", "--open-mode=append", f"--output={tmp_path}/tiny.slurm/%A_%a.log"} <= set(directives)
+    assert PASSWORD not in script and "db.example" not in script  # the URL is in the storage file, not here
+    assert f"export {STORAGE_FILE_ENV}={tmp_path}/tiny.slurm/storage.json" in script
+    # The worker: the ordinary `sweep run` of this study, with its name and budget, two workers for two GPUs.
+    assert f"-m sweep.cli run {path} --study-name tiny --n-trials {document['n_trials']} --workers 2 &" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
+
+
+def test_the_study_files_launch_section_is_used_and_the_command_line_wins(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(launch={"slurm": {"partition": "cpu", "time": "30", "workers": 5,
+                                                            "sbatch": ["#SBATCH --exclusive"], "log_dir": "logs"}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", "--partition", "gpu", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "#SBATCH --partition=gpu" in lines and "#SBATCH --partition=cpu" not in lines
+    assert {"#SBATCH --time=30", "#SBATCH --array=0-4", "#SBATCH --exclusive",
+            f"#SBATCH --output={tmp_path}/logs/%A_%a.log"} <= set(lines)
+
+
+def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
+    done = sweep_cli("submit", write_study(tmp_path, changed()), "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0
+    assert "warning: SQLite storage" in done.stderr and "every node must see this file" in done.stderr
+
+
+@pytest.mark.parametrize(("document", "args", "expected"), [
+    (changed(launch={"slurm": {"time": "1h"}}), [], "study.yaml: launch.slurm.time: expected a Slurm time"),
+    (changed(launch={"slurm": {"partiton": "gpu"}}), [], "launch.slurm.partiton: unknown key (did you mean "
+                                                         "'partition'?)"),
+    (changed(launch={"slurm": {"workers": 0}}), [], "launch.slurm.workers: Input should be greater than or equal"),
+    (changed(launch={"slurm": {"sbatch": ["--x\n#SBATCH --y"]}}), [], "launch.slurm.sbatch[0]: expected one sbatch"),
+    (changed(launch={"slurm": {"mem": 16}}), [], "launch.slurm.mem: Input should be a valid string"),
+    (changed(launch={"cloud": {}}), [], "launch.cloud: unknown key"),
+    (changed(), ["--partition", "a b"], "command line: --partition: expected a Slurm name"),
+    (changed(), ["--sbatch", "--x\nrm -rf /"], "command line: --sbatch: expected one sbatch option"),
+    (changed(), ["--sbatch", "echo hi"], "command line: --sbatch: expected one sbatch option"),
+    (changed(), ["--workers", "0"], "command line: --workers: Input should be greater than or equal to 1"),
+    (changed(), ["--time", "1:00:00:00:00"], "command line: --time: expected a Slurm time"),
+    (changed(), ["--cpus-per-task", "0"], "command line: --cpus-per-task: Input should be greater"),
+    (changed(), ["--n-trials", "0"], "--n-trials: expected at least 1 trial"),
+])
+def test_bad_launch_options_exit_2_with_one_line_and_nothing_created(tmp_path: Path, document: dict[str, Any],
+                                                                     args: list[str], expected: str) -> None:
+    path = write_study(tmp_path, document)
+    before = created(tmp_path)
+    done = sweep_cli("submit", path, "--slurm", *args, cwd=tmp_path)  # not a dry run: it would submit
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert expected in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert created(tmp_path) == before
+
+
+@pytest.mark.parametrize("flags", [[], ["--slurm", "--k8s"]])
+def test_submit_needs_exactly_one_launcher(tmp_path: Path, flags: list[str]) -> None:
+    done = sweep_cli("submit", write_study(tmp_path, changed()), *flags, cwd=tmp_path)
+    assert done.returncode == 2 and "give one of --slurm" in done.stderr
+
+
+def test_without_slurm_commands_nothing_is_created(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed())
+    before = created(tmp_path)
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    done = sweep_cli("submit", path, "--slurm", cwd=tmp_path, env={"PATH": str(empty)})
+    assert done.returncode == 1
+    assert "sbatch not found" in done.stderr and "--dry-run" in done.stderr
+    assert created(tmp_path) == before | {"bin"}  # the study is created only when it can be submitted
+
+
+def test_the_storage_file_is_owner_only_and_gives_workers_the_url(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "job" / "storage.json"
+    path.parent.mkdir()
+    path.write_text("{}")
+    os.chmod(path, 0o644)  # an older file with open modes is not reused as it is
+    monkeypatch.setenv("PGPASSWORD", "from-libpq")
+    write_storage_file(path, URL)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    monkeypatch.delenv("PGPASSWORD")
+    monkeypatch.setenv(STORAGE_FILE_ENV, str(path))
+    assert storage_from_environment() == URL
+    assert os.environ["PGPASSWORD"] == "from-libpq"  # libpq's variable travels in the file too
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="not a storage file written by sweep submit"):
+        storage_from_environment()
+
+
+def test_a_worker_whose_storage_file_is_missing_exits_2_naming_it(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed())
+    missing = tmp_path / "gone" / "storage.json"
+    done = sweep_cli("run", path, cwd=tmp_path, env={"SWEEP_WORKER": "0", STORAGE_FILE_ENV: str(missing)})
+    assert done.returncode == 2
+    assert "cannot read the storage URL its launcher left" in done.stderr and str(missing) in done.stderr
+    assert not (tmp_path / "tiny.db").exists()
+
+
+def test_every_sweep_submit_the_readme_shows_prints_its_script(tmp_path: Path) -> None:
+    """Each `sweep submit` command of the README, as written, with --dry-run added where it would submit."""
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^sweep submit studies/.*$", readme, flags=re.M)
+    assert len(commands) >= 2
+    before = created(ROOT / "studies")
+    for command in commands:
+        words = shlex.split(command)[1:]
+        words += [] if "--dry-run" in words else ["--dry-run"]
+        done = sweep_cli(*words, cwd=ROOT)
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+        assert done.stdout.startswith("#!/bin/bash") and "#SBATCH --array=0-7" in done.stdout, command
+    assert created(ROOT / "studies") == before
+
+
+# -- Kubernetes ---------------------------------------------------------------------------------------------------
+
+def k8s_documents(tmp_path: Path, *args: str, document: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    path = write_study(tmp_path, document or changed(storage=URL))
+    out = tmp_path / "job.yaml"
+    done = sweep_cli("submit", path, "--k8s", "-o", out, *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert PASSWORD not in text and "db.example" not in text  # the URL comes from the Secret
+    return list(yaml.safe_load_all(text))
+
+
+def test_k8s_manifest_is_an_indexed_job_the_kubernetes_models_accept(tmp_path: Path) -> None:
+    kubernetes = pytest.importorskip("kubernetes", reason="the kubernetes client (the test extra) is not installed")
+    config_map, job = k8s_documents(tmp_path, "--image", "ghcr.io/lab/sweep:1", "--workers", "4",
+                                    "--gpus-per-task", "1")
+    client = kubernetes.client.ApiClient()
+    for manifest, kind in ((config_map, "V1ConfigMap"), (job, "V1Job")):
+        model = client._ApiClient__deserialize(manifest, kind)  # the client's own models
+        # A misspelt or misplaced key is dropped by the models: what survives the round trip is all of it.
+        assert client.sanitize_for_serialization(model) == manifest
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 4, 4)
+    pod = spec["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 120 and pod["restartPolicy"] == "Never"
+    [container] = pod["containers"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert container["command"][:5] == ["python", "-m", "sweep.cli", "run", "/etc/sweep/study.yaml"]
+    env = {item["name"]: item["valueFrom"] for item in container["env"]}
+    assert env["SWEEP_STORAGE_URL"] == {"secretKeyRef": {"name": "sweep-storage", "key": "url"}}
+    assert "job-completion-index" in env["SWEEP_WORKER"]["fieldRef"]["fieldPath"]
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in rules
+    assert any(rule["action"] == "Ignore" and rule.get("onExitCodes", {}).get("values") == [143] for rule in rules)
+    study = yaml.safe_load(config_map["data"]["study.yaml"])
+    assert "storage" not in study and study["name"] == "tiny"
+
+
+def test_k8s_needs_an_image(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed())
+    done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2 and "--image: required with --k8s" in done.stderr
+    assert not (tmp_path / "job.yaml").exists()
+
+
+
+def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sweep.launch.slurm import _clean_environment
+
+    monkeypatch.setenv("PGPASSWORD", "from-libpq")
+    monkeypatch.setenv("SWEEP_STORAGE_URL", URL)
+    monkeypatch.setenv("MY_DATABASE", URL)  # a variable of the user's own
+    monkeypatch.setenv("DB_PASS", PASSWORD)
+    kept = _clean_environment(URL)
+    assert {"PGPASSWORD", "SWEEP_STORAGE_URL", "MY_DATABASE", "DB_PASS"}.isdisjoint(kept)
+    assert kept["PATH"] == os.environ["PATH"]  # everything else goes to the job as sbatch always sends it
+    short = "postgresql+psycopg://sweeper:a@db.example/sweeps"  # a one-letter password is inside PATH: kept
+    assert _clean_environment(short)["PATH"] == os.environ["PATH"]
