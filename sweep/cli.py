@@ -109,9 +109,14 @@ def run(
                                                       "--set fixed.max_steps=200 --set n_trials=5.")] = None,
     workers: Annotated[int, typer.Option("--workers", help="Worker processes sharing the study; on a GPU "
                                          "machine each is pinned to a GPU, round robin.")] = 1,
+    cohort: Annotated[Optional[str], typer.Option("--cohort", help="Trials each worker trains at once as one "
+                                                  "stacked model (K, or auto); overrides execution.cohort.")] = None,
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used."""
     from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
+
+    if cohort is not None:  # the same as --set execution.cohort=K, so the local workers get it too
+        set_ = [*(set_ or []), f"execution.cohort={json.dumps(cohort) if cohort == 'auto' else cohort}"]
 
     worker = os.environ.get(WORKER_ENV)
     if worker is not None and storage is None:  # a launched worker: the URL comes by environment, never by argument

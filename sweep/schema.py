@@ -284,6 +284,24 @@ class LaunchSpec(_Model):
     k8s: K8sSpec = Field(default_factory=lambda: K8sSpec.model_validate({}))
 
 
+class ExecutionSpec(_Model):
+    """How a worker runs its trials: one at a time, or `cohort` of them at once as one stacked model (`auto`: as many
+    as the device's free memory holds)."""
+
+    cohort: StrictInt | Literal["auto"] = 1
+
+    @field_validator("cohort", mode="after")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"expected a number of trials (at least 1) or 'auto', got {value}")
+        return value
+
+    def cohort_size(self) -> int:
+        """The cohort size; 0 for `auto`."""
+        return 0 if self.cohort == "auto" else int(self.cohort)
+
+
 class StudySpec(_Model):
     """The validated study file. `source` is where it came from (not a key of the file)."""
 
@@ -304,6 +322,7 @@ class StudySpec(_Model):
     storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
     warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
+    execution: ExecutionSpec = Field(default_factory=lambda: ExecutionSpec.model_validate({}))
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}

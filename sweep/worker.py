@@ -21,6 +21,7 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -68,6 +69,28 @@ class InfrastructureError(Exception):
     """The same fault of the machine (disk full, checkpoint folder gone) repeated: fix it, then rerun."""
 
 
+class Beats:
+    """The trials a worker's heartbeat thread beats for: one, or a cohort's members."""
+
+    def __init__(self, storage: PatientStorage | None) -> None:
+        self.storage, self._ids, self._guard = storage, set[int](), threading.Lock()
+
+    def add(self, trial: optuna.Trial) -> None:
+        trial_id = trial._trial_id  # noqa: SLF001 - Optuna has no public id of a running trial
+        if self.storage is not None:
+            self.storage.record_heartbeat(trial_id)  # the first beat now, before the trial trains
+        with self._guard:
+            self._ids.add(trial_id)
+
+    def discard(self, trial: optuna.Trial) -> None:
+        with self._guard:
+            self._ids.discard(trial._trial_id)  # noqa: SLF001
+
+    def ids(self) -> list[int]:
+        with self._guard:
+            return sorted(self._ids)
+
+
 @dataclass
 class RunSummary:
     ran: int  # trials this worker finished
@@ -90,7 +113,8 @@ class Worker:
     propagates. `storage_url` is None only for an in-memory study (no lock, no checkpoints)."""
 
     def __init__(self, study: optuna.Study, spec: StudySpec, *, storage_url: str | None, boundary: Boundary,
-                 events: Events | None = None, n_trials: int | None = None, timeout: float | None = None) -> None:
+                 events: Events | None = None, n_trials: int | None = None, timeout: float | None = None,
+                 cohort: int | None = None) -> None:
         self.study, self.spec, self.url, self.boundary = study, spec, storage_url, boundary
         self.events = events if events is not None else NoEvents()
         self.n_trials = n_trials if n_trials is not None else spec.n_trials
@@ -104,43 +128,71 @@ class Worker:
         self.sampler_stopped = False
         self.fault_kind: str | None = None  # the latest fault of the machine, as compared for repeats
         self.started = time.monotonic()  # the sampler has tried every point of the space (brute force, grid)
+        self.first = True  # no trial asked yet: a worker joining a study reseeds its sampler at its first ask
+        self.cohort_size = cohort if cohort is not None else spec.execution.cohort_size()
 
     def run(self) -> RunSummary:
-        started_wall, started = time.time(), self.started
+        started_wall = time.time()
         if self.checkpoints is not None:
             self.checkpoints.reconcile()
-        first = True
+        if self.cohort_size != 1:  # 0: as large as the device's memory allows
+            from sweep.cohort import CohortLoop
+
+            return CohortLoop(self, self.cohort_size).run(started_wall)
+        return self.run_single(started_wall)
+
+    def run_single(self, started_wall: float) -> RunSummary:
+        """The loop with one trial at a time."""
+        started = self.started
         while True:
             raise_pending()
             if self.timeout is not None and time.monotonic() - started >= self.timeout:
                 return self._summary(timed_out=True)
             if self._stop_requested(started_wall):
                 return self._summary(stopped=True)
-            with self._lock():
-                self._fail_lost_trials()
-                trials = self.study.get_trials(deepcopy=False)
-                if first and trials:  # joining a study others have sampled: draw other configs than theirs
-                    self.study.sampler = build_sampler(self.spec, joined_at=len(trials))
-                first = False
-                used, running = budget_counts(trials)
-                if used >= self.n_trials:
-                    return self._summary()
-                trial = None
-                if used + running < self.n_trials:
-                    self._queue_confirmation(trials, used + running)
-                    trial = self.study.ask()
+            trial, spent, trials = self._ask_next()
+            if spent:
+                return self._summary()
             if trial is None:  # the last trials run elsewhere; wait in case one of their workers dies
                 self._adopt_silent_trials(trials)
                 time.sleep(self.spec.heartbeat_interval)
                 continue
             frozen = self._run_one(trial)
-            if frozen is None:
-                continue
-            self.ran += 1
-            self.events.trial_finished(frozen)
-            self._check_streak(frozen)
-            if self.sampler_stopped:
+            if frozen is not None and self.finished(frozen):
                 return self._summary(exhausted=True)
+
+    def finished(self, frozen: FrozenTrial) -> bool:
+        """Count a trial this worker ended; True when the sampler has tried every point (the loop ends)."""
+        self.ran += 1
+        self.events.trial_finished(frozen)
+        self._check_streak(frozen)
+        return self.sampler_stopped
+
+    def _ask_next(self, fixed: dict[str, Any] | None = None,
+                  distributions: dict[str, Any] | None = None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+        """Under the study's lock: fail lost trials, count the budget and ask for the next trial. Returns (the trial
+        or None while the last trials run elsewhere, whether the budget is spent, the study's trials). `fixed`: params
+        the sampler must not change (a cohort's shape keys), through Optuna's `PartialFixedSampler`; the trial's
+        `distributions` are then sampled at once, while that sampler is in place."""
+        with self._lock():
+            self._fail_lost_trials()
+            trials = self.study.get_trials(deepcopy=False)
+            if self.first and trials:  # joining a study others have sampled: draw other configs than theirs
+                self.study.sampler = build_sampler(self.spec, joined_at=len(trials))
+            self.first = False
+            used, running = budget_counts(trials)
+            if used >= self.n_trials:
+                return None, True, trials
+            if used + running >= self.n_trials:
+                return None, False, trials
+            self._queue_confirmation(trials, used + running)
+            sampler = self.study.sampler
+            if fixed:
+                self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)
+            try:
+                return self.study.ask(distributions if fixed else None), False, trials
+            finally:
+                self.study.sampler = sampler
 
     # -----------------------------------------------------------------------------------------------------------------
     # One trial.
@@ -283,24 +335,32 @@ class Worker:
 
     @contextlib.contextmanager
     def _heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
-        """Beats for the running trial from a background thread, so a worker that dies stops beating. Straight to
-        the database, not through the boundary: a beat missed in an outage is simply the next one's job."""
-        if not isinstance(self.storage, PatientStorage) or self.storage.heartbeat_interval is None:
+        with self.beating() as beats:
+            beats.add(trial)
             yield
+
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[Beats]:
+        """Beats for the running trials (add and discard them as they start and end) from a background thread, so
+        a worker that dies stops beating. Straight to the database, not through the boundary: a beat missed in an
+        outage is simply the next one's job."""
+        if not isinstance(self.storage, PatientStorage) or self.storage.heartbeat_interval is None:
+            yield Beats(None)
             return
-        backend, interval, trial_id = self.storage.backend, self.storage.heartbeat_interval, trial._trial_id  # noqa: SLF001
+        beats = Beats(self.storage)
+        backend, interval = self.storage.backend, self.storage.heartbeat_interval
         stopped = threading.Event()
 
         def beat() -> None:
             while not stopped.wait(interval):
-                with contextlib.suppress(Exception):  # a storage blip: beat again next time rather than never again
-                    backend.record_heartbeat(trial_id)
+                for trial_id in beats.ids():
+                    with contextlib.suppress(Exception):  # a storage blip: beat again next time rather than never
+                        backend.record_heartbeat(trial_id)
 
-        self.storage.record_heartbeat(trial_id)
-        thread = threading.Thread(target=beat, daemon=True, name=f"heartbeat-{trial.number}")
+        thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
         thread.start()
         try:
-            yield
+            yield beats
         finally:
             stopped.set()
             thread.join()

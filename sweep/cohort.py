@@ -1,0 +1,268 @@
+"""Cohorts: a worker keeps up to K trials in flight as one stacked model (`trainer.batched.Cohort`), and the study
+sees nothing different but the speed: every member is an ordinary Optuna trial with its own params, reports, pruning
+decision, checkpoints and outcome.
+
+- Sampling: members must share a batch signature (the same model shapes, optimizer kind, batch size...), while the
+  study may search keys that change it (`model.hidden`). The first member of a cohort is sampled freely; the keys
+  whose values would change its signature (its *shape keys*, found by building the model on the meta device with each
+  searched key moved to another value) are then fixed for the cohort's later members through Optuna's
+  `PartialFixedSampler`, so every other key stays the sampler's. A cohort takes `GENERATIONS` (4) times its size in
+  members, then drains, and the next cohort's first member draws its shapes freely: the choice of shapes stays the
+  sampler's too, at the cost of a partly empty cohort while one drains.
+- Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
+  completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
+  at the next evaluation boundary, so the device stays full until the budget is spent.
+- Everything else is the worker's: the budget (asked under the study's lock), heartbeats (one thread for every
+  member), retries, confirmations. A retry whose shapes differ from the cohort's, and a study whose model cannot be
+  batched, train one trial at a time (with one line saying why).
+- Stopping: `sweep stop` lets the members finish and asks for no more; `--timeout`, Ctrl-C and SIGTERM end every
+  member as interrupted (or preempted) and queue its retry, which resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from sweep.objective import Prepared, TrainerTrial
+from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
+from sweep.signals import Preempted, raise_pending
+from sweep.storage import StorageUnavailable
+from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
+
+if TYPE_CHECKING:
+    from sweep.schema import Param, StudySpec
+    from sweep.worker import Beats, RunSummary, Worker
+    from trainer import Task, TrainingConfig
+
+__all__ = ["ATTR_COHORT", "CohortLoop", "distributions", "shape_keys"]
+
+ATTR_COHORT = "cohort"  # {id, size, member}: the cohort a trial trained in
+GENERATIONS = 4  # a cohort takes this many times its size in members, then drains; the next one draws its shapes anew
+
+
+def shape_keys(spec: StudySpec, params: dict[str, Any], config: TrainingConfig, task: Task) -> list[str]:
+    """The searched keys whose values change `config`'s batch signature: each is moved to another value of its
+    range (its ends, or another choice) and the model built again on the meta device."""
+    signature = batch_signature(config, task)
+    keys = []
+    for key, param in spec.space.items():
+        for other in _other_values(param, params.get(key)):
+            try:
+                changed = batch_signature(spec.config_for({**params, key: other}), task)
+            except Exception:  # noqa: BLE001 - a value the trainer refuses cannot share the signature either
+                changed = None
+            if changed != signature:
+                keys.append(key)
+                break
+    return keys
+
+
+def distributions(spec: StudySpec) -> dict[str, Any]:
+    """The Optuna distribution of every searched key, as `Param.suggest` asks for it."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from sweep.schema import FloatParam, IntParam
+
+    found: dict[str, Any] = {}
+    for key, param in spec.space.items():
+        if isinstance(param, FloatParam):
+            found[key] = FloatDistribution(param.low, param.high, log=param.log, step=param.step)
+        elif isinstance(param, IntParam):
+            found[key] = IntDistribution(param.low, param.high, log=param.log, step=param.step)
+        else:
+            found[key] = CategoricalDistribution(param.choices)
+    return found
+
+
+def _other_values(param: Param, value: Any) -> list[Any]:
+    choices = getattr(param, "choices", None)
+    if choices is not None:
+        return [c for c in choices if c != value]
+    return [v for v in (param.low, param.high) if v != value]  # type: ignore[union-attr]
+
+
+@dataclass
+class _Member:
+    trial: optuna.Trial
+    runner: TrainerTrial
+    prepared: Prepared
+
+
+class CohortLoop:
+    """The worker's loop with up to `size` trials in flight at once (0: as many as the device holds)."""
+
+    def __init__(self, worker: Worker, size: int) -> None:
+        self.worker, self.size = worker, size
+        self.cohort: Cohort | None = None
+        self.members: dict[int, _Member] = {}  # by the cohort's member id
+        self.fixed: dict[str, Any] | None = None
+        self.distributions = distributions(worker.spec)
+        self.keys: list[str] | None = None  # the study's shape keys, found with the first cohort
+        self.single = False  # the model cannot be batched: one trial at a time
+        self.spent = False
+        self.cohorts = 0
+        self.admitted = 0  # members the current cohort has taken
+        self.tag = f"{socket.gethostname()}:{os.getpid()}"
+
+    def run(self, started_wall: float) -> RunSummary:
+        from sweep.worker import InfrastructureError, StudyBrokenError
+
+        worker = self.worker
+        stopping = timed_out = False
+        with worker.beating() as beats:
+            try:
+                while True:
+                    raise_pending()
+                    timed_out = timed_out or (worker.timeout is not None
+                                              and time.monotonic() - worker.started >= worker.timeout)
+                    stopping = stopping or timed_out or worker._stop_requested(started_wall)  # noqa: SLF001
+                    cohort = self.cohort
+                    if cohort is None or cohort.at_boundary():
+                        if timed_out and cohort is not None:
+                            self._interrupt_all(beats, "interrupted: --timeout of "
+                                                f"{worker.timeout:g} s", Outcome.INTERRUPTED)
+                        elif not stopping:
+                            self._fill(beats)
+                    cohort = self.cohort
+                    if cohort is not None and not cohort.active:
+                        self._collect(beats)
+                        self.cohort = cohort = None  # drained: the next one's shapes are the sampler's choice
+                        if not stopping and not self.spent:
+                            continue
+                    if cohort is None or not cohort.active:
+                        self._collect(beats)
+                        if self.single and not stopping and not self.spent:
+                            return worker.run_single(started_wall)
+                        if stopping or self.spent:
+                            return worker._summary(timed_out=timed_out, stopped=stopping and not timed_out)  # noqa: SLF001
+                        trials = worker.study.get_trials(deepcopy=False)
+                        worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
+                        time.sleep(worker.spec.heartbeat_interval)
+                        continue
+                    with worker.boundary.no_wait():
+                        cohort.step()
+                    if self._collect(beats):
+                        return worker._summary(exhausted=True)  # noqa: SLF001
+            except (KeyboardInterrupt, Preempted, TimedOut) as exc:
+                preempted = isinstance(exc, Preempted)
+                self._interrupt_all(beats, "preempted (SIGTERM)" if preempted else "interrupted",
+                                    Outcome.PREEMPTED if preempted else Outcome.INTERRUPTED)
+                raise
+            except StorageUnavailable:
+                raise  # nothing can be stored: the members are found lost and retried later
+            except (StudyBrokenError, InfrastructureError):
+                self._interrupt_all(beats, "interrupted: the worker stopped", Outcome.INTERRUPTED)
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failing cohort must never take the study down
+                result = worker._failure(exc)  # noqa: SLF001
+                for member_id in list(self.members):
+                    self._end(beats, member_id, result)
+                self.cohort = None
+                return self.run(started_wall)
+
+    # -- members -----------------------------------------------------------------------------------------------------
+    def _fill(self, beats: Beats) -> None:
+        """Ask trials for the free slots (all of them when there is no cohort yet)."""
+        worker = self.worker
+        while not self.spent and not self.single and (self.cohort is None or (
+                self.cohort.free_slots and self.admitted < GENERATIONS * self.cohort.capacity)):
+            trial, spent, _ = worker._ask_next(self.fixed, self.distributions)  # noqa: SLF001
+            self.spent = spent
+            if trial is None:
+                return
+            runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints)
+            try:
+                prepared = runner.prepare()
+            except Exception as exc:  # noqa: BLE001 - the trial's config or start failed: it alone fails
+                worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
+                continue
+            if self.cohort is None and not self._start_cohort(trial, prepared):
+                self._alone(beats, trial, runner, prepared)  # the model cannot be batched: this one, then singly
+                return
+            assert self.cohort is not None
+            if batch_signature(prepared.config, prepared.task) != self.cohort.signature:
+                # A retry (or a confirmation) of another shape than the cohort's: it trains alone now, the
+                # cohort waits at this boundary.
+                self._alone(beats, trial, runner, prepared)
+                continue
+            beats.add(trial)
+            member_id = self.cohort.add(CohortMember(prepared.config, prepared.reporter, prepared.start.resume,
+                                                     prepared.start.warm, prepared.checkpointer))
+            trial.set_user_attr(ATTR_COHORT, {"id": f"{self.tag}:{self.cohorts}", "size": self.cohort.capacity,
+                                              "member": member_id})
+            self.members[member_id] = _Member(trial, runner, prepared)
+            self.admitted += 1
+
+    def _start_cohort(self, trial: optuna.Trial, prepared: Prepared) -> bool:
+        """A new cohort shaped like `prepared`'s config; False (with one warning) when its model cannot be batched."""
+        problem = batch_problem(prepared.config, prepared.task)
+        if problem is not None:
+            warnings.warn(f"execution.cohort: this study's model cannot be trained in cohorts ({problem}); its trials "
+                          "train one at a time", stacklevel=2)
+            self.single = True
+            return False
+        size = self.size or max_cohort_size(prepared.config, prepared.task)
+        self.cohort = Cohort(prepared.task, prepared.config, max(1, size))
+        self.cohorts += 1
+        self.admitted = 0
+        if self.keys is None:
+            self.keys = shape_keys(self.worker.spec, prepared.params, prepared.config, prepared.task)
+        self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
+        return True
+
+    def _alone(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, prepared: Prepared) -> None:
+        """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""
+        from trainer import train
+
+        worker = self.worker
+        beats.add(trial)
+        try:
+            with worker.boundary.no_wait():
+                trained = train(prepared.config, prepared.task, prepared.reporter, resume=prepared.start.resume,
+                                warm_start=prepared.start.warm, checkpointer=prepared.checkpointer)
+            result = runner.result_of(prepared, trained)
+        except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
+            result = worker._failure(exc)  # noqa: SLF001
+        finally:
+            beats.discard(trial)
+        frozen = worker._end(trial, result, runner)  # noqa: SLF001
+        if frozen is not None:
+            worker.finished(frozen)
+
+    def _collect(self, beats: Beats) -> bool:
+        """Tell the study every member that left the cohort since the last look. True when the sampler has tried
+        every point (the loop ends)."""
+        if self.cohort is None:
+            return False
+        exhausted = False
+        for member_id in [m for m in self.members if m in self.cohort.results]:
+            member = self.members[member_id]
+            result = member.runner.result_of(member.prepared, self.cohort.results[member_id])
+            exhausted = self._end(beats, member_id, result) or exhausted
+        return exhausted
+
+    def _end(self, beats: Beats, member_id: int, result: TrialResult) -> bool:
+        member = self.members.pop(member_id)
+        beats.discard(member.trial)
+        frozen = self.worker._end(member.trial, result, member.runner)  # noqa: SLF001
+        return frozen is not None and self.worker.finished(frozen)
+
+    def _interrupt_all(self, beats: Beats, reason: str, outcome: Outcome) -> None:
+        """End every member now as interrupted or preempted: each is queued again and resumes from its newest
+        checkpoint."""
+        for member_id in list(self.members):
+            if self.cohort is not None and member_id not in self.cohort.results:
+                with contextlib.suppress(KeyError):
+                    self.cohort.remove(member_id)
+            self._end(beats, member_id, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}))
+        self.cohort = None
