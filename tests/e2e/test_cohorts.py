@@ -11,7 +11,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 
 
 def cohort_study(folder: Path, lr: tuple[float, float] = (1e-3, 1e-1), fixed: dict[str, Any] | None = None,
@@ -77,3 +77,15 @@ def test_a_diverging_member_is_pruned_alone_and_the_others_train_on(tmp_path: Pa
     assert shared  # a healthy member that trained beside a diverging one
     again = sweep_cli("reproduce", path, str(shared[0].number))
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_two_workers_with_cohorts_share_a_postgresql_study_exactly(tmp_path: Path, postgres_url: str) -> None:
+    path = cohort_study(tmp_path, n_trials=12)
+    done = run_cli("run", path, "--workers", "2", "--cohort", "4", "--storage", postgres_url, "--study-name",
+                   "pg-cohorts")
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = optuna.load_study(study_name="pg-cohorts", storage=postgres_url).get_trials()
+    assert sorted(t.number for t in trials) == list(range(12))
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    assert all(t.user_attrs["cohort"]["size"] == 4 for t in trials)
+    assert max(in_flight(trials)) <= 8  # at most two cohorts of four (a worker that starts late may find none left)
