@@ -288,14 +288,14 @@ class ExecutionSpec(_Model):
     """How a worker runs its trials: one at a time, or `cohort` of them at once as one stacked model (`auto`: as many
     as the device's free memory holds)."""
 
-    cohort: StrictInt | Literal["auto"] = 1
+    cohort: Any = 1  # an int >= 1 or "auto": one check, so a bad value is one line
 
-    @field_validator("cohort", mode="after")
+    @field_validator("cohort", mode="before")
     @classmethod
-    def _positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"expected a number of trials (at least 1) or 'auto', got {value}")
-        return value
+    def _size(cls, value: Any) -> int | str:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"expected a number of trials (at least 1) or 'auto', got {short_repr(value)}")
 
     def cohort_size(self) -> int:
         """The cohort size; 0 for `auto`."""
