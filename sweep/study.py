@@ -8,6 +8,7 @@ run: a rerun after an interruption finishes the remaining trials. The loop itsel
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,9 @@ def label_for_dashboard(study: optuna.Study, stored: dict[str, Any]) -> None:
     created before this existed gets both the next time a worker or `sweep dashboard` opens it. The note needs
     optuna-dashboard installed; it is written only when it changed, so reopening adds no note versions."""
     if study.metric_names is None:
-        study.set_metric_names([str(stored.get("metric") or "value")])
+        with warnings.catch_warnings():  # "experimental" since Optuna 3.2; the dashboard reads it
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([str(stored.get("metric") or "value")])
     try:
         from optuna_dashboard import get_note, save_note
     except ImportError:
