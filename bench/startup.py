@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,16 +26,18 @@ def main() -> None:
     parser.add_argument("--study", required=True, help="a study file whose database exists")
     parser.add_argument("--repeats", type=int, default=5)
     options = parser.parse_args()
-    cases = {"--help": ["--help"], "status": ["status", options.study], "trials": ["trials", options.study]}
+    study = os.path.abspath(options.study)
+    cases = {"--help": ["--help"], "status": ["status", study], "trials": ["trials", study]}
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(options.repeats):
-        for label, path in (("before", options.before), ("after", None)):
-            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            if path is not None:
-                env["PYTHONPATH"] = path
+        for label, path in (("before", os.path.abspath(options.before)), ("after", ROOT)):
+            # Run from inside the checkout, with it first on PYTHONPATH: `python -m` puts the working folder first
+            # on sys.path, so run from this project's root the "before" run would import this code instead.
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": path}
             for name, args in cases.items():
                 started = time.perf_counter()
-                done = subprocess.run([sys.executable, "-m", "sweep.cli", *args], env=env, capture_output=True)
+                done = subprocess.run([sys.executable, "-m", "sweep.cli", *args], env=env, capture_output=True,
+                                      cwd=path)
                 if done.returncode != 0:
                     sys.exit(f"{label} `sweep {' '.join(args)}` failed: {done.stderr.decode()[-500:]}")
                 times.setdefault((name, label), []).append(time.perf_counter() - started)
