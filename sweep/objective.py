@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
 
-__all__ = ["TrainerTrial", "TrialReporter", "task_for"]
+__all__ = ["TrainerTrial", "TrialReporter", "resume_lineage", "task_for", "warm_start"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
 
@@ -63,12 +63,15 @@ class TrialReporter:
 
     While the storage is away the trial keeps training: its values wait here and are reported, in order, at the
     first evaluation the storage answers again (or by `flush` when the trial ends); the pruner is asked then.
-    `prior`: the values its lineage reported before this trial resumed."""
+    `prior`: the values its lineage reported before this trial resumed. `config`: the trial's config as plain data
+    (a `TrainingConfig`'s dict, or a user loop's own), which the fast-fail rules read (`max_steps` and the like)."""
 
-    def __init__(self, trial: optuna.Trial, spec: StudySpec, config: TrainingConfig, events: Events,
+    def __init__(self, trial: optuna.Trial, spec: StudySpec, config: Mapping[str, Any], events: Events,
                  boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: _Deadline | None = None,
                  ) -> None:
-        self.trial, self.config, self.events, self.boundary = trial, config, events, boundary
+        self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
+        max_steps = config.get("max_steps")  # a user's loop may have none: then no step is known to be the last
+        self.max_steps = max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None
         self.deadline = deadline
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
@@ -92,16 +95,19 @@ class TrialReporter:
         try:
             with self.boundary.no_wait():
                 self.flush()
-                prune = step < self.config.max_steps and self.trial.should_prune()
+                prune = not self._last(step) and self.trial.should_prune()
         except StorageAway:
             return False  # keep training; the pruner judges this value with the next one the storage takes
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
         if prune:
             self.prune_reason = self._explain(step, value, metrics)
-        elif self.deadline is not None and self.deadline.checkpointer is None and step < self.config.max_steps \
+        elif self.deadline is not None and self.deadline.checkpointer is None and not self._last(step) \
                 and self.deadline.passed():
             raise TimedOut()  # nothing to resume from: stop now
         return prune
+
+    def _last(self, step: int) -> bool:
+        return self.max_steps is not None and step >= self.max_steps
 
     def flush(self) -> None:
         while self.unsent:
@@ -115,7 +121,7 @@ class TrialReporter:
         pruner = self.trial.study.pruner
         reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
         if isinstance(pruner, FastFailPruner):
-            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize)
+            verdict = pruner.verdict(self.series, self.config, self.maximize)
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
             else:
@@ -196,7 +202,7 @@ class TrainerTrial:
         trial.set_user_attr(ATTR_CONFIG, config.to_dict())
         task = task_for(config.task, config.task_args)
         start = self._start(params, config, task)
-        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior,
+        reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
                                  deadline=self.deadline)
         checkpointer: Any = self.checkpointer
         if self.deadline is not None and self.checkpointer is not None:
@@ -233,33 +239,48 @@ class TrainerTrial:
                    if spec.warm_start.enabled else 0)
         if spec.checkpoints.enabled:
             self.checkpointer = self.checkpoints.checkpointer(trial.number, params, key, handoff)
-        start = self._resume(config)
+
+        def evaluated(step: int) -> bool:
+            return step % config.eval_every_steps == 0 or step == config.max_steps
+
+        start = resume_lineage(trial, self.checkpoints, spec.metric, evaluated)
         if start is None and handoff:
-            found = self.checkpoints.warm_start(trial.number, params, config, key, handoff)
-            if found is not None:
-                warm, donor = found
-                trial.set_user_attr(ATTR_WARM_START, {**donor.lineage(), "inherit": spec.warm_start.inherit})
-                start = _Start(warm=warm)
+            start = warm_start(trial, spec, self.checkpoints, params, config, key, handoff)
         return start or _Start()
 
-    def _resume(self, config: TrainingConfig) -> _Start | None:
-        trial = self.trial
-        if self.checkpoints is None or trial.user_attrs.get("retry_of") is None:
-            return None
-        trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
-        found = self.checkpoints.resume_point(lineage(trials, trial.number)[1:])
-        if found is None:
-            return None
-        source = trials[found.trial]
-        prior = {step: value for step, value in source.intermediate_values.items() if step <= found.step}
-        stored = found.state.metrics.get(self.spec.metric)
-        evaluated = found.step % config.eval_every_steps == 0 or found.step == config.max_steps
-        if found.step not in prior and stored is not None and evaluated:
-            prior[found.step] = stored  # evaluated and checkpointed, but lost before its report was stored
-        for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
-            trial.report(value, step)
-        trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": found.trial, "step": found.step})
-        parent = source.user_attrs.get(ATTR_WARM_START)
-        if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
-            trial.set_user_attr(ATTR_WARM_START, parent)
-        return _Start(resume=found.state, prior=tuple(sorted(prior.items())))
+
+def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: str,
+                   evaluated: Callable[[int], bool]) -> _Start | None:
+    """A retry's start: the newest intact checkpoint of its lineage, after the lineage's reported values up to there
+    are copied onto this trial (one continuous curve, from the lineage's first report). None: not a retry, or no
+    checkpoint to resume from. `evaluated(step)`: whether the runner reports at that step (a checkpointed value
+    whose report was lost is reported again then)."""
+    if trial.user_attrs.get("retry_of") is None:
+        return None
+    trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
+    found = checkpoints.resume_point(lineage(trials, trial.number)[1:])
+    if found is None:
+        return None
+    source = trials[found.trial]
+    prior = {step: value for step, value in source.intermediate_values.items() if step <= found.step}
+    stored = found.state.metrics.get(metric)
+    if found.step not in prior and stored is not None and evaluated(found.step):
+        prior[found.step] = stored  # evaluated and checkpointed, but lost before its report was stored
+    for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
+        trial.report(value, step)
+    trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": found.trial, "step": found.step})
+    parent = source.user_attrs.get(ATTR_WARM_START)
+    if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
+        trial.set_user_attr(ATTR_WARM_START, parent)
+    return _Start(resume=found.state, prior=tuple(sorted(prior.items())))
+
+
+def warm_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService, params: Mapping[str, Any],
+               config: TrainingConfig | Mapping[str, Any], key: str, handoff: int) -> _Start | None:
+    """A fresh trial's start from its nearest donor's checkpoint (recorded on the trial), or None."""
+    found = checkpoints.warm_start(trial.number, params, config, key, handoff)
+    if found is None:
+        return None
+    warm, donor = found
+    trial.set_user_attr(ATTR_WARM_START, {**donor.lineage(), "inherit": spec.warm_start.inherit})
+    return _Start(warm=warm)
