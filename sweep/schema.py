@@ -31,6 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
@@ -268,9 +269,12 @@ class StudySpec(_Model):
     @model_validator(mode="after")
     def _one_form(self) -> StudySpec:
         given = [form for form in FORMS if getattr(self, form) is not None]
-        if len(given) != 1:
+        if not given:  # reported as the missing `task` key it has always been (`_pydantic_problem`)
+            raise PydanticCustomError("missing_form", "required key is missing (or give loop: package.module:function, "
+                                      "or command: a command line)")
+        if len(given) > 1:
             raise ValueError(f"expected exactly one of task, loop, command (what each trial runs), got "
-                             f"{', '.join(given) if given else 'none'}")
+                             f"{', '.join(given)}")
         return self
 
     @field_validator("fixed", mode="after")
@@ -658,6 +662,8 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
            if not (isinstance(part, str) and part in ("float", "int", "categorical", "function-after[_check()]"))]
     loc = [part for part in loc if not part.startswith(("function-", "tagged-union"))]
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing_form":
+        return "task", message
     if error["type"] == "extra_forbidden":
         message = "unknown key" + did_you_mean(loc[-1], _known_keys(error["loc"]))
     elif error["type"] == "missing":

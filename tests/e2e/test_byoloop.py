@@ -227,7 +227,7 @@ def test_a_loop_may_return_its_value(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("edit", "expected"), [
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
-    ({"task": ...}, "expected exactly one of task, loop, command (what each trial runs), got none"),
+    ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),
     ({"task": ..., "loop": "no colon"}, "loop: expected package.module:function, got 'no colon'"),
     ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import 'nowhere_module' (ModuleNotFoundError"),
     ({"task": ..., "loop": "direct:absent"}, "loop: module 'direct' has no function 'absent'"),
