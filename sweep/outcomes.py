@@ -62,6 +62,7 @@ ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm 
 ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ATTR_REPORT_MS = "report_ms"
+ATTR_LOG = "log"  # a command trial's log file: its stdout and stderr
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)

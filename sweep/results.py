@@ -10,6 +10,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from sweep.outcomes import (
     ATTR_CONFIG,
+    ATTR_LOG,
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
@@ -90,6 +91,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["warm_start_from"] = trial.user_attrs.get(ATTR_WARM_START, {}).get("trial")
         row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
+        if ATTR_LOG in trial.user_attrs:  # a command's stdout and stderr
+            row["log"] = trial.user_attrs[ATTR_LOG]
         rows.append(row)
     return rows
 

@@ -40,6 +40,7 @@ from sweep.objective import TrialReporter, _Deadline
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
+    ATTR_LOG,
     ATTR_METRICS,
     ATTR_PRUNE,
     ATTR_REPORT_MS,
@@ -60,9 +61,8 @@ if TYPE_CHECKING:
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
 
-__all__ = ["ATTR_LOG", "CommandError", "CommandTrial", "command_line", "last_json_value"]
+__all__ = ["CommandError", "CommandTrial", "command_line", "last_json_value"]
 
-ATTR_LOG = "log"  # the trial's log file (stdout and stderr of its command)
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.\-]*)\}")
 _POLL_S = 0.1
 
