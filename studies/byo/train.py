@@ -1,4 +1,4 @@
-"""An existing training script, swept as it is: `command: python byo/train.py --lr {learning_rate} ...`
+"""An existing training script, swept as it is: `command: python studies/byo/train.py --lr {learning_rate} ...`
 (studies/command.yaml). It reads its arguments as before; the two lines that involve sweep are the import and
 `client.report`, which does nothing when the script runs alone."""
 
