@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWriteError", "LoopState", "TrainState", "WarmStart",
-           "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of"]
+           "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of", "user_checkpoint"]
 
 FORMAT = 1
 
@@ -102,6 +102,15 @@ class TrainState:
         return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "config",
                                               "metrics")}, loop=LoopState.from_dict(payload["loop"]),
                    user=payload.get("user") or {})
+
+
+def user_checkpoint(step: int, state: Mapping[str, Any], config: Mapping[str, Any],
+                    metrics: Mapping[str, float] | None = None) -> TrainState:
+    """A checkpoint of a user's own training loop (a sweep `loop` or `command`): its `state` (tensors and plain
+    values, as `state_dict()`s are) as `user`, with every RNG's state now, its config and the metrics reported at
+    `step`. The same file format, hash and `weights_only` loading as the trainer's."""
+    return TrainState(step=int(step), model={}, optimizer={}, scaler={}, rng=capture_rng(), data={},
+                      config=dict(config), metrics=dict(metrics or {}), user=dict(state))
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sweep.client import ENV_CONFIG, ENV_REPORT_FD, ENV_TRIAL
+from sweep.client import (
+    ENV_CONFIG,
+    ENV_REPORT_FD,
+    ENV_START,
+    ENV_START_KIND,
+    ENV_START_SHA256,
+    ENV_START_STEP,
+    ENV_TRIAL,
+)
 from sweep.objective import TrialReporter, _Deadline
 from sweep.outcomes import (
     ATTR_CONFIG,
@@ -50,13 +58,15 @@ from sweep.outcomes import (
     TimedOut,
     TrialResult,
 )
+from sweep.runners.loop import save_path, user_start
 from sweep.signals import raise_pending
+from trainer.checkpoint import CheckpointInfo, save_checkpoint
 from trainer.config import flatten
 
 if TYPE_CHECKING:
     import optuna
 
-    from sweep.checkpoints import CheckpointService
+    from sweep.checkpoints import CheckpointService, TrialCheckpointer
     from sweep.progress import Events
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
@@ -130,10 +140,11 @@ class CommandTrial:
                  checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.deadline = None if deadline is None else _Deadline(deadline)
+        self.checkpointer: TrialCheckpointer | None = None
 
     def release(self, outcome: Outcome) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, outcome, None)
+            self.checkpoints.release(self.trial, outcome, self.checkpointer)
 
     def log_path(self) -> Path:
         folder = (self.checkpoints.store.folder if self.checkpoints is not None and self.checkpoints.store.artifacts
@@ -151,10 +162,11 @@ class CommandTrial:
         log = self.log_path()
         log.parent.mkdir(parents=True, exist_ok=True)
         trial.set_user_attr(ATTR_LOG, str(log))
-        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, deadline=self.deadline)
+        start, self.checkpointer = user_start(trial, spec, self.checkpoints, params, config)
+        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline)
         ours, theirs = socket.socketpair()
         env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(trial.number),
-               ENV_CONFIG: json.dumps(config)}
+               ENV_CONFIG: json.dumps(config), **_start_env(start, log.with_suffix(".start.pt"))}
         started = time.perf_counter()
         with open(log, "ab") as output, ours:
             try:
@@ -162,7 +174,7 @@ class CommandTrial:
                                            env=env, pass_fds=[theirs.fileno()], start_new_session=True)
             finally:
                 theirs.close()
-            session = _Session(process, ours, reporter, self.deadline, spec.stop_grace_period)
+            session = _Session(process, ours, reporter, self.deadline, spec.stop_grace_period, self.checkpointer)
             try:
                 with self.boundary.no_wait():
                     code = session.wait()
@@ -187,13 +199,26 @@ class CommandTrial:
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
 
+def _start_env(start: Any, path: Path) -> dict[str, str]:
+    """The state a retry or a warm-started trial starts from, handed to the command as a file of its own (the lineage's
+    blob may be in an object store, or collected while the command runs)."""
+    state = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
+    if state is None:
+        return {}
+    info = save_checkpoint(path, state)
+    return {ENV_START: str(info.path), ENV_START_SHA256: info.sha256, ENV_START_STEP: str(info.step),
+            ENV_START_KIND: "resume" if start.resume is not None else "warm"}
+
+
 class _Session:
     """The worker's side of one command's socket: each report line goes to the study (`TrialReporter`) and is
     answered "go" or "stop"; a command told to stop that has not exited after the grace period is killed."""
 
     def __init__(self, process: subprocess.Popen[bytes], connection: socket.socket, reporter: TrialReporter,
-                 deadline: _Deadline | None, grace: float) -> None:
+                 deadline: _Deadline | None, grace: float, checkpointer: TrialCheckpointer | None) -> None:
         self.process, self.connection, self.reporter = process, connection, reporter
+        self.checkpointer = checkpointer
+        self.offered: set[str] = set()  # checkpoint paths handed out, the only ones registered back
         self.deadline, self.grace = deadline, grace
         self.buffer = b""
         self.metrics: dict[str, float] = {}  # the latest report's
@@ -230,9 +255,12 @@ class _Session:
             self._answer(line)
 
     def _answer(self, line: bytes) -> None:
+        message = json.loads(line)
+        if "save" in message or "saved" in message:
+            self._reply(json.dumps(self._checkpoint(message)).encode())
+            return
         stop = self.stop_sent is not None
         if not stop:
-            message = json.loads(line)
             metrics = {str(k): float(v) for k, v in dict(message["metrics"]).items()}
             if self.reporter.metric not in metrics:
                 raise ValueError(f"client.report at step {message['step']}: the study's metric "
@@ -241,8 +269,31 @@ class _Session:
             self.metrics = metrics
             if stop:
                 self.stop_sent = time.monotonic()
+        self._reply(b"stop" if stop else b"go")
+
+    def _reply(self, answer: bytes) -> None:
         with contextlib.suppress(OSError):  # it may have exited meanwhile
-            self.connection.sendall(b"stop\n" if stop else b"go\n")
+            self.connection.sendall(answer + b"\n")
+
+    def _checkpoint(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """`{"save": step}` asks where the checkpoint at `step` goes (no path: checkpoints are off); `{"saved":
+        {...}}` registers the file the command wrote there (`sweep.client.save`), as a loop's save is."""
+        if self.checkpointer is None:
+            return {"path": None, "saved": False}
+        if "save" in message:
+            step = int(message["save"])
+            metrics = self.metrics if self.reporter.series and self.reporter.series[-1][0] == step else None
+            path = str(save_path(self.checkpointer, step, metrics))
+            self.offered.add(path)
+            return {"path": path}
+        saved = dict(message["saved"])
+        if saved["path"] not in self.offered:
+            raise ValueError(f"client.save registered {saved['path']!r}, which the worker did not hand out")
+        step = int(saved["step"])
+        metrics = self.metrics if self.reporter.series and self.reporter.series[-1][0] == step else None
+        self.checkpointer.saved(CheckpointInfo(Path(saved["path"]), str(saved["sha256"]), int(saved["size"]), step),
+                                metrics)
+        return {"saved": True}
 
 
 def _kill_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -36,6 +36,7 @@ import inspect
 import math
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -55,7 +56,7 @@ from sweep.outcomes import (
     Outcome,
     TrialResult,
 )
-from trainer.checkpoint import TrainState, capture_rng, restore_rng, save_checkpoint
+from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
 from trainer.seeding import reproducibility_record, seed_everything
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
 
-__all__ = ["LoopError", "LoopTrial", "Run", "StopTrial", "load_loop", "loop_value"]
+__all__ = ["LoopError", "LoopTrial", "Run", "StopTrial", "load_loop", "loop_value", "save_path", "user_start"]
 
 SHAPE_KEY = "loop"  # a loop's model is its own: donors are told apart by the study's `match` keys alone
 
@@ -158,8 +159,7 @@ class Run:
             return
         at = self.step if step is None else int(step)
         metrics = self.metrics if at == self.step and self.metrics else None
-        self._saver(TrainState(step=at, model={}, optimizer={}, scaler={}, rng=capture_rng(), data={},
-                               config=self.config, metrics=dict(metrics or {}), user=dict(state)), metrics)
+        self._saver(user_checkpoint(at, state, self.config, metrics), metrics)
 
     def load(self) -> dict[str, Any] | None:
         """The saved state to start from, or None. A resume also puts every RNG back where it was at that save."""
@@ -249,22 +249,33 @@ class LoopTrial:
             self.checkpoints.release(self.trial, outcome, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> _Start:
-        """As the trainer's: a retry resumes from its lineage's newest save, else with warm start on a fresh trial
-        starts from its nearest donor's newest save, else from scratch."""
-        if self.checkpoints is None or not self.spec.checkpoints.enabled:
-            return _Start()
-        spec, trial = self.spec, self.trial
-        self.checkpointer = self.checkpoints.checkpointer(trial.number, params, SHAPE_KEY, 0)
-        start = resume_lineage(trial, self.checkpoints, spec.metric, lambda step: True)
-        if start is None and spec.warm_start.enabled:
-            start = warm_start(trial, spec, self.checkpoints, params, config, SHAPE_KEY, ANY_STEP)
-        return start or _Start()
+        start, self.checkpointer = user_start(self.trial, self.spec, self.checkpoints, params, config)
+        return start
 
     def _save(self, state: TrainState, metrics: Mapping[str, float] | None) -> None:
         checkpointer = self.checkpointer
         assert checkpointer is not None
-        path = checkpointer.path_for(state.step, metrics) or checkpointer.path_at(state.step)
-        checkpointer.saved(save_checkpoint(path, state), metrics)
+        checkpointer.saved(save_checkpoint(save_path(checkpointer, state.step, metrics), state), metrics)
+
+
+def save_path(checkpointer: TrialCheckpointer, step: int, metrics: Mapping[str, float] | None) -> Path:
+    """Where a user's save at `step` goes: a user's loop saves when it chooses (the policy's `on_best` still tracks
+    the trial's best; retention keeps the latest and the best `keep_top_k`)."""
+    return checkpointer.path_for(step, metrics) or checkpointer.path_at(step)
+
+
+def user_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService | None,
+               params: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[_Start, TrialCheckpointer | None]:
+    """Where a user's loop or command starts, as the trainer's trials do: a retry from its lineage's newest save,
+    else (warm start on) a fresh trial from its nearest donor's newest save, else from scratch; and the trial's
+    checkpointer (None: no checkpoints, its saves are dropped)."""
+    if checkpoints is None or not spec.checkpoints.enabled:
+        return _Start(), None
+    checkpointer = checkpoints.checkpointer(trial.number, params, SHAPE_KEY, 0)
+    start = resume_lineage(trial, checkpoints, spec.metric, lambda step: True)
+    if start is None and spec.warm_start.enabled:
+        start = warm_start(trial, spec, checkpoints, params, config, SHAPE_KEY, ANY_STEP)
+    return start or _Start(), checkpointer
 
 
 ANY_STEP = 2**31 - 2  # a loop's donor hands over its newest save, whatever its step (the registry's step is an int32)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,8 +16,9 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 
-from tests.conftest import sweep_cli, write_study
+from tests.conftest import run_cli, sweep_cli, write_study
 
 ARGS_SCRIPT = '''
 import argparse
@@ -65,6 +67,7 @@ raise RuntimeError("the data loader exploded")
 # Told to stop (NaN), it keeps sleeping, and so does a child it started: both are killed with the group.
 STUBBORN_SCRIPT = '''
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,6 +80,39 @@ with open(sys.argv[1], "w") as pids:
 client.report(1, val_loss=1.0)
 client.report(2, val_loss=float("nan"))
 time.sleep(600)
+'''
+
+
+# Saves its state at each step through the client; on its first run it kills its worker (SIGKILL) after the save at
+# step 3, as a machine that dies would. Its retry starts from that save.
+RESUMING_SCRIPT = '''
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from sweep import client
+
+marker, events = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+kind, at = client.start()
+state = client.load()  # a resume also puts the RNGs back where they were at the save
+weight = state["weight"] if state is not None else torch.zeros(3)
+first = state["step"] + 1 if state is not None else 1
+with events.open("a") as out:
+    out.write(json.dumps({"trial": client.trial_number(), "start": kind, "step": at}) + "\\n")
+for step in range(first, 7):
+    weight = weight + torch.rand(3)  # the RNG was put back too: the resumed run draws what an unbroken one would
+    client.report(step, val_loss=1.0 / step)
+    assert client.save({"weight": weight, "step": step})
+    if step == 3 and not marker.exists():
+        marker.write_text("killed")
+        os.kill(os.getppid(), signal.SIGKILL)
+        sys.exit(0)
+print(json.dumps({"weight": weight.tolist()}))
 '''
 
 
@@ -187,6 +223,30 @@ def test_the_client_outside_a_study_changes_nothing(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) == 5  # every step ran: report() said go on
+
+
+@pytest.mark.slow
+def test_a_command_whose_worker_is_killed_is_retried_from_its_saved_state(tmp_path: Path) -> None:
+    marker, events = tmp_path / "marker", tmp_path / "events.jsonl"
+    path = command_study(tmp_path, RESUMING_SCRIPT, f"train.py {marker} {events}", heartbeat_interval=1,
+                         heartbeat_grace_period=2, pruner="none")
+    killed = run_cli("run", path, cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = run_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lost, retry = trials_of(path)
+    assert lost.state.name == "FAIL" and lost.user_attrs["fail_reason"] == "worker lost: no heartbeat"
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 3}
+    assert sorted(retry.intermediate_values) == [1, 2, 3, 4, 5, 6] and retry.value == 1.0 / 6
+    starts = [json.loads(line) for line in events.read_text().splitlines()]
+    assert starts == [{"trial": 0, "start": None, "step": 0}, {"trial": 1, "start": "resume", "step": 3}]
+    # The same weights as six unbroken steps from the same seed: state and RNG both came back.
+    torch.manual_seed(0)
+    expected = torch.zeros(3)
+    for _ in range(6):
+        expected = expected + torch.rand(3)
+    resumed = json.loads(Path(retry.user_attrs["log"]).read_text().strip().splitlines()[-1])["weight"]
+    assert resumed == pytest.approx(expected.tolist(), abs=0)
 
 
 def test_commands_report_the_same_with_postgresql_storage(tmp_path: Path, postgres_url: str) -> None:
