@@ -204,6 +204,16 @@ def test_a_worker_killed_mid_trial_is_retried_from_the_loops_saved_state(tmp_pat
     assert retry.user_attrs["steps_trained"] == 10
 
 
+@pytest.mark.slow
+def test_workers_share_a_loop_study(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, n_trials=4)
+    done = run_cli("run", path, "--workers", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [t.state.name for t in trials_of(path)] == ["COMPLETE"] * 4
+    seen = events(tmp_path)
+    assert sorted(e["trial"] for e in seen) == [0, 1, 2, 3]  # each trial trained once, by one of the workers
+
+
 def test_a_loop_that_ignores_stop_is_stopped_at_its_next_report(tmp_path: Path) -> None:
     (tmp_path / "stubborn.py").write_text(
         "def main(config, run):\n"
