@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
 
-__all__ = ["TrainerTrial", "TrialReporter", "resume_lineage", "task_for", "warm_start"]
+__all__ = ["Deadline", "Start", "TrainerTrial", "TrialReporter", "resume_lineage", "task_for", "warm_start"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
 
@@ -67,7 +67,7 @@ class TrialReporter:
     (a `TrainingConfig`'s dict, or a user loop's own), which the fast-fail rules read (`max_steps` and the like)."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: Mapping[str, Any], events: Events,
-                 boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: _Deadline | None = None,
+                 boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: Deadline | None = None,
                  ) -> None:
         self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
         max_steps = config.get("max_steps")  # a user's loop may have none: then no step is known to be the last
@@ -131,7 +131,7 @@ class TrialReporter:
         return reason
 
 
-class _Deadline:
+class Deadline:
     """`--timeout` within one log or evaluation interval: once it has passed, the trial stops at its next log or
     evaluation step, after a checkpoint there (with checkpoints on; without, at its next evaluation), and is queued
     like an interrupted trial, its retry resuming from that checkpoint."""
@@ -148,7 +148,7 @@ class _Timed:
     """The trainer's `Checkpointer`: the trial's own, plus one checkpoint once the deadline has passed, after which
     the trial stops."""
 
-    def __init__(self, inner: TrialCheckpointer, deadline: _Deadline, max_steps: int) -> None:
+    def __init__(self, inner: TrialCheckpointer, deadline: Deadline, max_steps: int) -> None:
         self.inner, self.deadline, self.max_steps = inner, deadline, max_steps
 
     def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Any:
@@ -173,7 +173,7 @@ def task_for(name: str, args: Mapping[str, Any]) -> Task:
 
 
 @dataclass
-class _Start:
+class Start:
     """Where a trial's training begins: from its lineage's checkpoint, from a donor's, or from scratch."""
 
     resume: TrainState | None = None
@@ -192,7 +192,7 @@ class TrainerTrial:
                  checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.checkpointer: TrialCheckpointer | None = None
-        self.deadline = None if deadline is None else _Deadline(deadline)
+        self.deadline = None if deadline is None else Deadline(deadline)
 
     def run(self) -> TrialResult:
         trial, spec = self.trial, self.spec
@@ -228,11 +228,11 @@ class TrainerTrial:
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, outcome, self.checkpointer)
 
-    def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task) -> _Start:
+    def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task) -> Start:
         """A retry resumes from its lineage's newest intact checkpoint; otherwise, with warm start on, the trial
         starts from its nearest donor's checkpoint; otherwise from scratch."""
         if self.checkpoints is None:
-            return _Start()
+            return Start()
         spec, trial = self.spec, self.trial
         key = shape_key(config, task)
         handoff = (spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps)
@@ -246,11 +246,11 @@ class TrainerTrial:
         start = resume_lineage(trial, self.checkpoints, spec.metric, evaluated)
         if start is None and handoff:
             start = warm_start(trial, spec, self.checkpoints, params, config, key, handoff)
-        return start or _Start()
+        return start or Start()
 
 
 def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: str,
-                   evaluated: Callable[[int], bool]) -> _Start | None:
+                   evaluated: Callable[[int], bool]) -> Start | None:
     """A retry's start: the newest intact checkpoint of its lineage, after the lineage's reported values up to there
     are copied onto this trial (one continuous curve, from the lineage's first report). None: not a retry, or no
     checkpoint to resume from. `evaluated(step)`: whether the runner reports at that step (a checkpointed value
@@ -272,15 +272,15 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
     parent = source.user_attrs.get(ATTR_WARM_START)
     if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
         trial.set_user_attr(ATTR_WARM_START, parent)
-    return _Start(resume=found.state, prior=tuple(sorted(prior.items())))
+    return Start(resume=found.state, prior=tuple(sorted(prior.items())))
 
 
 def warm_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService, params: Mapping[str, Any],
-               config: TrainingConfig | Mapping[str, Any], key: str, handoff: int) -> _Start | None:
+               config: TrainingConfig | Mapping[str, Any], key: str, handoff: int) -> Start | None:
     """A fresh trial's start from its nearest donor's checkpoint (recorded on the trial), or None."""
     found = checkpoints.warm_start(trial.number, params, config, key, handoff)
     if found is None:
         return None
     warm, donor = found
     trial.set_user_attr(ATTR_WARM_START, {**donor.lineage(), "inherit": spec.warm_start.inherit})
-    return _Start(warm=warm)
+    return Start(warm=warm)

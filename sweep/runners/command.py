@@ -44,7 +44,7 @@ from sweep.client import (
     ENV_START_STEP,
     ENV_TRIAL,
 )
-from sweep.objective import TrialReporter, _Deadline
+from sweep.objective import Deadline, Start, TrialReporter
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
@@ -139,7 +139,7 @@ class CommandTrial:
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
                  checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
-        self.deadline = None if deadline is None else _Deadline(deadline)
+        self.deadline = None if deadline is None else Deadline(deadline)
         self.checkpointer: TrialCheckpointer | None = None
 
     def release(self, outcome: Outcome) -> None:
@@ -199,7 +199,7 @@ class CommandTrial:
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
 
-def _start_env(start: Any, path: Path) -> dict[str, str]:
+def _start_env(start: Start, path: Path) -> dict[str, str]:
     """The state a retry or a warm-started trial starts from, handed to the command as a file of its own (the lineage's
     blob may be in an object store, or collected while the command runs)."""
     state = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
@@ -215,7 +215,7 @@ class _Session:
     answered "go" or "stop"; a command told to stop that has not exited after the grace period is killed."""
 
     def __init__(self, process: subprocess.Popen[bytes], connection: socket.socket, reporter: TrialReporter,
-                 deadline: _Deadline | None, grace: float, checkpointer: TrialCheckpointer | None) -> None:
+                 deadline: Deadline | None, grace: float, checkpointer: TrialCheckpointer | None) -> None:
         self.process, self.connection, self.reporter = process, connection, reporter
         self.checkpointer = checkpointer
         self.offered: set[str] = set()  # checkpoint paths handed out, the only ones registered back

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from sweep.objective import TrialReporter, _Deadline, _Start, resume_lineage, warm_start
+from sweep.objective import Deadline, Start, TrialReporter, resume_lineage, warm_start
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
@@ -206,7 +206,7 @@ class LoopTrial:
                  checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.checkpointer: TrialCheckpointer | None = None
-        self.deadline = None if deadline is None else _Deadline(deadline)
+        self.deadline = None if deadline is None else Deadline(deadline)
 
     def run(self) -> TrialResult:
         trial, spec = self.trial, self.spec
@@ -248,7 +248,7 @@ class LoopTrial:
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, outcome, self.checkpointer)
 
-    def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> _Start:
+    def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> Start:
         start, self.checkpointer = user_start(self.trial, self.spec, self.checkpoints, params, config)
         return start
 
@@ -265,17 +265,17 @@ def save_path(checkpointer: TrialCheckpointer, step: int, metrics: Mapping[str, 
 
 
 def user_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService | None,
-               params: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[_Start, TrialCheckpointer | None]:
+               params: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[Start, TrialCheckpointer | None]:
     """Where a user's loop or command starts, as the trainer's trials do: a retry from its lineage's newest save,
     else (warm start on) a fresh trial from its nearest donor's newest save, else from scratch; and the trial's
     checkpointer (None: no checkpoints, its saves are dropped)."""
     if checkpoints is None or not spec.checkpoints.enabled:
-        return _Start(), None
+        return Start(), None
     checkpointer = checkpoints.checkpointer(trial.number, params, SHAPE_KEY, 0)
     start = resume_lineage(trial, checkpoints, spec.metric, lambda step: True)
     if start is None and spec.warm_start.enabled:
         start = warm_start(trial, spec, checkpoints, params, config, SHAPE_KEY, ANY_STEP)
-    return start or _Start(), checkpointer
+    return start or Start(), checkpointer
 
 
 ANY_STEP = 2**31 - 2  # a loop's donor hands over its newest save, whatever its step (the registry's step is an int32)
