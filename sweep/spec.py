@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -138,9 +139,14 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
         from sweep.runners.command import CommandError, command_line
 
         try:
-            command_line(spec.command, spec.user_config({key: _example(param) for key, param in spec.space.items()}))
+            argv = command_line(spec.command, spec.user_config({key: _example(param)
+                                                                 for key, param in spec.space.items()}))
         except CommandError as exc:
             problems.append(("command", str(exc)))
+        else:
+            if shutil.which(argv[0]) is None:
+                problems.append(("command", f"{argv[0]!r} is not an executable on PATH nor a path to one (from the "
+                                            "folder `sweep run` runs in)"))
     fixed_keys = set(flatten(spec.fixed))
     for key in spec.space:
         if key in fixed_keys:

@@ -244,6 +244,7 @@ def test_a_loop_may_return_its_value(tmp_path: Path) -> None:
     ({"task": ..., "loop": "direct:one"}, "loop: direct:one must take two arguments, (config, run)"),
     ({"task": ..., "command": "python x.py --lr {lr}"}, "command: {lr} is not a key of the config"),
     ({"task": ..., "command": "python 'x.py"}, "command: cannot split the command into arguments"),
+    ({"task": ..., "command": "no-such-program-here --x {x}"}, "command: 'no-such-program-here' is not an executable"),
 ])
 def test_bad_loop_or_command_is_one_line_exit_2_and_nothing_created(tmp_path: Path, edit: dict[str, Any],
                                                                      expected: str) -> None:
