@@ -134,7 +134,7 @@ class Run:
         self.step = self.start_step  # the latest reported step
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
-
+        self.first_step: int | None = None  # this run's first report
     def seed_everything(self, *, deterministic: bool = False) -> None:
         seed_everything(self.seed, deterministic=deterministic)
 
@@ -149,6 +149,8 @@ class Run:
             raise LoopError(f"run.report at step {step}: the study's metric {self.metric!r} is not among "
                             f"{sorted(reported)}")
         self.step, self.metrics = int(step), reported
+        if self.first_step is None:
+            self.first_step = self.step
         self.stopped = bool(self._reporter.report(self.step, reported))
         return self.stopped
 
@@ -230,7 +232,7 @@ class LoopTrial:
         reporter.flush()
         attrs: dict[str, Any] = {ATTR_REPRO: {**reproducibility_record(seed, device), "loop": spec.loop},
                                  ATTR_METRICS: run.metrics, ATTR_STEPS: run.step,
-                                 ATTR_STEPS_TRAINED: run.step - start.step,
+                                 ATTR_STEPS_TRAINED: steps_trained(run, start),
                                  ATTR_WALL: round(time.perf_counter() - started, 3), ATTR_REPORT_MS: reporter.report_ms,
                                  ATTR_SPEED: reporter.speed}
         if reporter.prune_reason is not None:
@@ -279,6 +281,17 @@ def user_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointServ
 
 
 ANY_STEP = 2**31 - 2  # a loop's donor hands over its newest save, whatever its step (the registry's step is an int32)
+
+
+def steps_trained(run: Run, start: Start) -> int:
+    """The steps this trial trained itself: after a resume, from the resumed step; after a warm start, from the
+    donor's step if the loop went on from there (its first report is past it), else all of them (it took the
+    donor's weights and counted its steps from the start)."""
+    if run.first_step is None:
+        return 0
+    if start.resume is not None or (start.warm is not None and run.first_step > start.step):
+        return max(0, run.step - start.step)
+    return run.step
 
 
 def loop_seed(config: Mapping[str, Any]) -> int:

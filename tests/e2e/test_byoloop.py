@@ -161,6 +161,7 @@ def test_warm_start_hands_the_nearest_donors_state_to_the_loop(tmp_path: Path) -
     donor = second.user_attrs["warm_start_from"]
     assert donor["trial"] == 0 and donor["step"] == 20 and len(donor["sha256"]) == 64
     assert [(e["trial"], e["start"], e["step"]) for e in events(tmp_path)] == [(0, None, 0), (1, "warm", 20)]
+    assert second.user_attrs["steps_trained"] == 20  # it took the weights and trained its own 20 steps
     # The loop took the donor's trained weights: five steps in, it is far below where the cold donor was then.
     assert second.intermediate_values[5] < first.intermediate_values[5] / 2
     again = sweep_cli("reproduce", path, "1", pythonpath=tmp_path)  # replayed from the same donor checkpoint
