@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.py").write_text(SCRIPT.format(reports=options.reports))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWEEP_")}
     alone = subprocess.run([sys.executable, str(folder / "report.py")], capture_output=True, text=True, env=env,
                            check=True)
