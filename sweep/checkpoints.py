@@ -104,7 +104,8 @@ class CheckpointService:
             self.registry.finish_trial(self.study_name, number, donor=False)
         return chosen
 
-    def warm_start(self, trial_number: int, params: Mapping[str, Any], config: TrainingConfig, key: str,
+    def warm_start(self, trial_number: int, params: Mapping[str, Any], config: TrainingConfig | Mapping[str, Any],
+                   key: str,
                    handoff: int) -> tuple[WarmStart, Donor] | None:
         return warm_start_from(self.registry, self.spec, self.study_name, trial_number, params, config, key, handoff,
                                scope=self.store.scope)
@@ -215,6 +216,11 @@ class TrialCheckpointer:
             self.best = metrics[self.metric]  # type: ignore[index]
         if not (periodic or best or step in self.keep_steps):
             return None
+        return self.path_at(step)
+
+    def path_at(self, step: int) -> Path:
+        """Where the trial's checkpoint at `step` goes, whatever the policy says (a user's loop saves when it
+        chooses; retention keeps its latest and its best k)."""
         return self.store.local_path(f"trial{self.number:05d}-step{step:08d}.pt")
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:

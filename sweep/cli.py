@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -479,7 +480,8 @@ def best(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the YAML here.")] = None,
     trust_task: TrustOpt = False,
 ) -> None:
-    """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again."""
+    """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again. For a `loop` or
+    `command` study: its config as the loop got it (a command's with its command line)."""
     from sweep import results
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
@@ -490,14 +492,26 @@ def best(
         raise _fail(str(exc), 2) from None
     except ValueError as exc:
         raise _fail(str(exc), 1) from None
+    from sweep.outcomes import SPEC_ATTR
+
     chosen = results.best_trial(study)
     assert chosen is not None  # best_config found one
-    try:
-        if not trust_task:  # the YAML is written to be run: `python -m trainer` would import what it names
-            refuse_untrusted_code(config, _code_named_by(target), f"writing trial {chosen.number}'s config")
-    except UntrustedCode as exc:
-        raise _fail(str(exc), 2) from None
-    text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
+    stored = study.user_attrs.get(SPEC_ATTR, {})
+    if stored.get("loop") is not None:  # the user's own config: nothing here runs it
+        text = (f"# best trial of study {study.study_name!r}: its config, as {stored['loop']}(config, run) "
+                "received it\n")
+    elif stored.get("command") is not None:
+        from sweep.runners.command import command_line
+
+        text = (f"# best trial of study {study.study_name!r}: its config; as a command line:\n"
+                f"#   {shlex.join(command_line(stored['command'], config))}\n")
+    else:
+        try:
+            if not trust_task:  # the YAML is written to be run: `python -m trainer` would import what it names
+                refuse_untrusted_code(config, _code_named_by(target), f"writing trial {chosen.number}'s config")
+        except UntrustedCode as exc:
+            raise _fail(str(exc), 2) from None
+        text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
     lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
     if lineage and not lineage.startswith("cold"):  # a warm value: this config alone, trained cold, may not reach it
         err.print(f"warning: trial {chosen.number}'s value {chosen.value:.6g} is a warm start's: {lineage}",

@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
 
-__all__ = ["Prepared", "TrainerTrial", "TrialReporter", "task_for"]
+__all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "resume_lineage", "task_for",
+           "warm_start"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
 
@@ -66,15 +67,19 @@ class TrialReporter:
 
     While the storage is away the trial keeps training: its values wait here and are reported, in order, at the
     first evaluation the storage answers again (or by `flush` when the trial ends); the pruner is asked then.
-    `prior`: the values its lineage reported before this trial resumed. `inherited_until`: a warm trial's handoff
-    step; its evaluation there is the donor's work, so it is neither stored nor judged: pruners see only the steps the
-    trial trained itself. `judged=False` (a cold confirmation): values are stored, the pruner is never asked."""
+    `prior`: the values its lineage reported before this trial resumed. `config`: the trial's config as plain data
+    (a `TrainingConfig`'s dict, or a user loop's own), which the fast-fail rules read (`max_steps` and the like).
+    `inherited_until`: a warm trial's handoff step; its evaluation there is the donor's work, so it is neither stored
+    nor judged: pruners see only the steps the trial trained itself. `judged=False` (a cold confirmation): values are
+    stored, the pruner is never asked."""
 
-    def __init__(self, trial: optuna.Trial, spec: StudySpec, config: TrainingConfig, events: Events,
-                 boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: _Deadline | None = None,
+    def __init__(self, trial: optuna.Trial, spec: StudySpec, config: Mapping[str, Any], events: Events,
+                 boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: Deadline | None = None,
                  inherited_until: int | None = None, judged: bool = True) -> None:
-        self.trial, self.config, self.events, self.boundary = trial, config, events, boundary
+        self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
         self.inherited_until, self.judged = inherited_until, judged
+        max_steps = config.get("max_steps")  # a user's loop may have none: then no step is known to be the last
+        self.max_steps = max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None
         self.deadline = deadline
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
@@ -100,16 +105,19 @@ class TrialReporter:
         try:
             with self.boundary.no_wait():
                 self.flush()
-                prune = self.judged and step < self.config.max_steps and self.trial.should_prune()
+                prune = self.judged and not self._last(step) and self.trial.should_prune()
         except StorageAway:
             return False  # keep training; the pruner judges this value with the next one the storage takes
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
         if prune:
             self.prune_reason = self._explain(step, value, metrics)
-        elif self.deadline is not None and self.deadline.checkpointer is None and step < self.config.max_steps \
+        elif self.deadline is not None and self.deadline.checkpointer is None and not self._last(step) \
                 and self.deadline.passed():
             raise TimedOut()  # nothing to resume from: stop now
         return prune
+
+    def _last(self, step: int) -> bool:
+        return self.max_steps is not None and step >= self.max_steps
 
     def flush(self) -> None:
         while self.unsent:
@@ -123,7 +131,7 @@ class TrialReporter:
         pruner = self.trial.study.pruner
         reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
         if isinstance(pruner, FastFailPruner):
-            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize, self.trial.study,
+            verdict = pruner.verdict(self.series, self.config, self.maximize, self.trial.study,
                                      warm=ATTR_WARM_START in self.trial.user_attrs)
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
@@ -134,7 +142,7 @@ class TrialReporter:
         return reason
 
 
-class _Deadline:
+class Deadline:
     """`--timeout` within one log or evaluation interval: once it has passed, the trial stops at its next log or
     evaluation step, after a checkpoint there (with checkpoints on; without, at its next evaluation), and is queued
     like an interrupted trial, its retry resuming from that checkpoint."""
@@ -151,7 +159,7 @@ class _Timed:
     """The trainer's `Checkpointer`: the trial's own, plus one checkpoint once the deadline has passed, after which
     the trial stops."""
 
-    def __init__(self, inner: TrialCheckpointer, deadline: _Deadline, max_steps: int) -> None:
+    def __init__(self, inner: TrialCheckpointer, deadline: Deadline, max_steps: int) -> None:
         self.inner, self.deadline, self.max_steps = inner, deadline, max_steps
 
     def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Any:
@@ -176,7 +184,7 @@ def task_for(name: str, args: Mapping[str, Any]) -> Task:
 
 
 @dataclass
-class _Start:
+class Start:
     """Where a trial's training begins: from its lineage's checkpoint, from a donor's, or from scratch."""
 
     resume: TrainState | None = None
@@ -195,7 +203,7 @@ class Prepared:
     params: dict[str, Any]
     config: TrainingConfig
     task: Task
-    start: _Start
+    start: Start
     reporter: TrialReporter
     checkpointer: Any
 
@@ -207,7 +215,7 @@ class TrainerTrial:
                  checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.checkpointer: TrialCheckpointer | None = None
-        self.deadline = None if deadline is None else _Deadline(deadline)
+        self.deadline = None if deadline is None else Deadline(deadline)
 
     def run(self) -> TrialResult:
         prepared = self.prepare()
@@ -230,7 +238,7 @@ class TrainerTrial:
         if confirming is not None:
             trial.set_user_attr(ATTR_LINEAGE, f"cold confirmation of warm trial #{confirming}: its own config from "
                                 "step 0, never pruned")
-        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior,
+        reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
                                  deadline=self.deadline, judged=confirming is None,
                                  inherited_until=None if start.warm is None else start.warm.state.step)
         checkpointer: Any = self.checkpointer
@@ -261,47 +269,64 @@ class TrainerTrial:
             self.checkpoints.release(self.trial, outcome, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task, *,
-               warm_allowed: bool = True) -> _Start:
+               warm_allowed: bool = True) -> Start:
         """A retry resumes from its lineage's newest intact checkpoint; otherwise, with warm start on (and not a cold
         confirmation), the trial starts from its nearest donor's checkpoint; otherwise from scratch."""
         if self.checkpoints is None:
-            return _Start()
+            return Start()
         spec, trial = self.spec, self.trial
         key = shape_key(config, task)
         handoff = (spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps)
                    if spec.warm_start.enabled else 0)
         if spec.checkpoints.enabled:
             self.checkpointer = self.checkpoints.checkpointer(trial.number, params, key, handoff)
-        start = self._resume(config)
-        if start is None and handoff and warm_allowed:
-            found = self.checkpoints.warm_start(trial.number, params, config, key, handoff)
-            if found is not None:
-                warm, donor = found
-                parent = {**donor.lineage(), "inherit": spec.warm_start.inherit}
-                trial.set_user_attr(ATTR_WARM_START, parent)
-                trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, config.max_steps))
-                start = _Start(warm=warm)
-        return start or _Start()
 
-    def _resume(self, config: TrainingConfig) -> _Start | None:
-        trial = self.trial
-        if self.checkpoints is None or trial.user_attrs.get("retry_of") is None:
-            return None
-        trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
-        found = self.checkpoints.resume_point(lineage(trials, trial.number)[1:])
-        if found is None:
-            return None
-        source = trials[found.trial]
-        prior = {step: value for step, value in source.intermediate_values.items() if step <= found.step}
-        stored = found.state.metrics.get(self.spec.metric)
-        evaluated = found.step % config.eval_every_steps == 0 or found.step == config.max_steps
-        if found.step not in prior and stored is not None and evaluated:
-            prior[found.step] = stored  # evaluated and checkpointed, but lost before its report was stored
-        for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
-            trial.report(value, step)
-        trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": found.trial, "step": found.step})
-        parent = source.user_attrs.get(ATTR_WARM_START)
-        if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
-            trial.set_user_attr(ATTR_WARM_START, parent)
-            trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, config.max_steps))
-        return _Start(resume=found.state, prior=tuple(sorted(prior.items())))
+        def evaluated(step: int) -> bool:
+            return step % config.eval_every_steps == 0 or step == config.max_steps
+
+        start = resume_lineage(trial, self.checkpoints, spec.metric, evaluated)
+        if start is None and handoff and warm_allowed:
+            start = warm_start(trial, spec, self.checkpoints, params, config, key, handoff)
+        return start or Start()
+
+
+def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: str,
+                   evaluated: Callable[[int], bool]) -> Start | None:
+    """A retry's start: the newest intact checkpoint of its lineage, after the lineage's reported values up to there
+    are copied onto this trial (one continuous curve, from the lineage's first report). None: not a retry, or no
+    checkpoint to resume from. `evaluated(step)`: whether the runner reports at that step (a checkpointed value
+    whose report was lost is reported again then)."""
+    if trial.user_attrs.get("retry_of") is None:
+        return None
+    trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
+    found = checkpoints.resume_point(lineage(trials, trial.number)[1:])
+    if found is None:
+        return None
+    source = trials[found.trial]
+    prior = {step: value for step, value in source.intermediate_values.items() if step <= found.step}
+    stored = found.state.metrics.get(metric)
+    if found.step not in prior and stored is not None and evaluated(found.step):
+        prior[found.step] = stored  # evaluated and checkpointed, but lost before its report was stored
+    for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
+        trial.report(value, step)
+    trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": found.trial, "step": found.step})
+    parent = source.user_attrs.get(ATTR_WARM_START)
+    if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
+        trial.set_user_attr(ATTR_WARM_START, parent)
+        trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, (trial.user_attrs.get(ATTR_CONFIG) or {}).get(
+            "max_steps", "?")))
+    return Start(resume=found.state, prior=tuple(sorted(prior.items())))
+
+
+def warm_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService, params: Mapping[str, Any],
+               config: TrainingConfig | Mapping[str, Any], key: str, handoff: int) -> Start | None:
+    """A fresh trial's start from its nearest donor's checkpoint (recorded on the trial), or None."""
+    found = checkpoints.warm_start(trial.number, params, config, key, handoff)
+    if found is None:
+        return None
+    warm, donor = found
+    parent = {**donor.lineage(), "inherit": spec.warm_start.inherit}
+    trial.set_user_attr(ATTR_WARM_START, parent)
+    last = config.max_steps if isinstance(config, TrainingConfig) else config.get("max_steps", "?")
+    trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, last))
+    return Start(warm=warm)

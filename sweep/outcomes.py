@@ -64,6 +64,7 @@ ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Op
 ATTR_REPORT_MS = "report_ms"
 ATTR_CONFIRMS = "confirms"  # on a cold confirmation trial: the number of the warm trial it retrains
 ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came from (for optuna-dashboard)
+ATTR_LOG = "log"  # a command trial's log file: its stdout and stderr
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)

@@ -1,6 +1,7 @@
 """`sweep reproduce STUDY TRIAL`: train one trial again from what the storage holds and compare its reports.
 
-The stored `config` user attr is the trial's whole `TrainingConfig` (fixed values, sampled params, seed, task); a
+The stored `config` user attr is the trial's whole `TrainingConfig` (fixed values, sampled params, seed, task), or a
+user loop's config (rerun by calling the study's `loop` again, with a local recorder as its `run`'s reporter); a
 warm-started trial also names its parent checkpoint (`warm_start_from`), which is loaded again. The rerun reports to
 a local recorder, not to the study, and stops where the trial stopped (a pruned trial is replayed up to its last
 report). It runs with the torch thread counts the trial recorded (`reproducibility.threads`): a worker of
@@ -33,7 +34,7 @@ from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.pacing import BUILTIN_SCHEDULES
 from trainer.precision import resolve_device
-from trainer.seeding import THREAD_ENV, apply_threads
+from trainer.seeding import THREAD_ENV, apply_threads, seed_everything
 from trainer.tasks import BUILTIN_TASKS
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ def code_in_study(spec: StudySpec) -> set[str]:
     schedule, fixed or among a searched key's choices."""
     from trainer.config import flatten
 
+    if spec.task is None:  # a user's loop (a command runs as the user's own program: sweep imports nothing of it)
+        return {spec.loop} if spec.loop is not None else set()
     names = {spec.task.name}
     fixed = flatten(spec.fixed, free=("model", "task_args"))
     if isinstance(fixed.get("curriculum.schedule"), str):
@@ -139,6 +142,21 @@ def _parent(trial: optuna.trial.FrozenTrial, scope: BlobScope) -> WarmStart | No
     return WarmStart(state, optimizer=lineage.get("inherit") == "weights+optimizer")
 
 
+def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: WarmStart | None) -> bool:
+    """A loop trial again, from its stored config (and its donor's state, if it was warm-started), reporting to
+    `recorder`. Returns whether it asked for deterministic algorithms (the config's `deterministic`)."""
+    from sweep.runners.loop import Run, call_loop, load_loop, loop_seed
+
+    function = load_loop(name)
+    seed = loop_seed(config)
+    device = resolve_device(str(config.get("device", "auto")))
+    run = Run(dict(config), recorder, recorder.metric, seed=seed, device=device,
+              initial=None if parent is None else parent.state, start=None if parent is None else "warm")
+    seed_everything(seed)
+    call_loop(function, dict(config), run)
+    return bool(config.get("deterministic", False))
+
+
 @contextlib.contextmanager
 def _threads_of(record: Mapping[str, Any]) -> Iterator[None]:
     """The trial's own torch thread counts for the rerun, and this process's back afterwards."""
@@ -170,15 +188,32 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     if not isinstance(stored_config, dict) or not trial.intermediate_values:
         raise ValueError(f"trial {number} has no stored config or reported values to compare (state "
                          f"{trial.state.name.lower()})")
-    if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
-        refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
-    config = TrainingConfig.from_dict(stored_config)
-    metric = study.user_attrs.get(SPEC_ATTR, {}).get("metric", "val_loss")
+    study_spec = study.user_attrs.get(SPEC_ATTR, {})
+    metric = study_spec.get("metric", "val_loss")
     stored = dict(sorted(trial.intermediate_values.items()))
     recorder = _Recorder(max(stored), metric)
-    with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
-        train(config, task_for(config.task, config.task_args), recorder, warm_start=_parent(trial, BlobScope(store)))
-    tolerance = 0.0 if resolve_device(config.device).type == "cpu" or config.deterministic else gpu_tolerance
+    loop = study_spec.get("loop")
+    if study_spec.get("command") is not None:
+        raise ValueError(f"trial {number} ran a command: rerun it with `sweep best -o` or its logged command line; "
+                         "reproduce reruns the built-in trainer and loop functions")
+    if loop is not None:
+        if not trust_code and loop not in trusted:
+            raise UntrustedCode(f"reproducing trial {number} would import and run the loop {loop!r}, which only the "
+                                "database names, and whoever can write the database chose it. Give the study file "
+                                "that defines the study instead, or pass --trust-task if you trust whoever can write "
+                                "it")
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
+            deterministic = _rerun_loop(loop, stored_config, recorder, _parent(trial, BlobScope(store)))
+        device = resolve_device(str(stored_config.get("device", "auto")))
+    else:
+        if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
+            refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
+        config = TrainingConfig.from_dict(stored_config)
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
+            train(config, task_for(config.task, config.task_args), recorder,
+                  warm_start=_parent(trial, BlobScope(store)))
+        device, deterministic = resolve_device(config.device), config.deterministic
+    tolerance = 0.0 if device.type == "cpu" or deterministic else gpu_tolerance
     if (trial.user_attrs.get(ATTR_REPRO) or {}).get("batched"):  # trained in a cohort, replayed alone: the
         tolerance = max(tolerance, BATCHED_TOLERANCE)  # stacked kernels may round differently (trainer.batched)
     difference = None

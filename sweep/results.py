@@ -13,6 +13,7 @@ from sweep.confirm import confirmation_rows, lineage_label, study_best
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
+    ATTR_LOG,
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
@@ -97,6 +98,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
         row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
+        if ATTR_LOG in trial.user_attrs:  # a command's stdout and stderr
+            row["log"] = trial.user_attrs[ATTR_LOG]
         rows.append(row)
     return rows
 

@@ -32,6 +32,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
@@ -41,6 +42,10 @@ __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "Che
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
            "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
            "validate_document", "with_options"]
+
+FORMS = ("task", "loop", "command")  # what a trial runs: exactly one of them in a study file
+_FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
 
 class StudyFileError(Exception):
     """Bad input in a study file: every problem as `(key path, message)`, reported together."""
@@ -211,13 +216,9 @@ class WarmStartSpec(_Model):
     def _shorthand(cls, value: Any) -> Any:
         return {"enabled": value} if isinstance(value, bool) else value
 
-    @field_validator("match", mode="after")
-    @classmethod
-    def _known_keys(cls, value: list[str]) -> list[str]:
-        unknown = [key for key in value if not TrainingConfig.is_key(key)]
-        if unknown:
-            raise ValueError(f"expected TrainingConfig keys, got unknown {', '.join(map(repr, unknown))}")
-        return value
+    def unknown_keys(self) -> list[str]:
+        """`match` keys that are not `TrainingConfig` keys (for a `task` study; a `loop` or `command` names its own)."""
+        return [key for key in self.match if not TrainingConfig.is_key(key)]
 
 
 # Slurm's own syntax for what goes into `#SBATCH` lines: checked here so that nothing else can reach the script.
@@ -320,10 +321,15 @@ class StudySpec(_Model):
     heartbeat_interval: StrictInt = Field(10, ge=1)
     heartbeat_grace_period: StrictInt = Field(60, ge=2)
     storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
+    stop_grace_period: Number = Field(10.0, gt=0)  # seconds a `command` told to stop has before its group is killed
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
     warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
     execution: ExecutionSpec = Field(default_factory=lambda: ExecutionSpec.model_validate({}))
-    task: TaskSpec
+    # What each trial runs: exactly one of the built-in trainer's `task`, a user's `loop` function
+    # (`package.module:function`, called as `main(config, run)`, see sweep.runners.loop) or a user's `command`.
+    task: TaskSpec | None = None
+    loop: StrictStr | None = None
+    command: StrictStr | None = None
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}
     launch: LaunchSpec = Field(default_factory=lambda: LaunchSpec.model_validate({}))
@@ -352,12 +358,40 @@ class StudySpec(_Model):
                              f"{short_repr(value)}")
         return value
 
+    @field_validator("loop", mode="after")
+    @classmethod
+    def _loop_name(cls, value: str | None) -> str | None:
+        if value is not None and not _FUNCTION.match(value):
+            raise ValueError(f"expected package.module:function, got {short_repr(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_form(self) -> StudySpec:
+        given = [form for form in FORMS if getattr(self, form) is not None]
+        if not given:  # reported as the missing `task` key it has always been (`_pydantic_problem`)
+            raise PydanticCustomError("missing_form", "required key is missing (or give loop: package.module:function, "
+                                      "or command: a command line)")
+        if len(given) > 1:
+            raise ValueError(f"expected exactly one of task, loop, command (what each trial runs), got "
+                             f"{', '.join(given)}")
+        return self
+
     @field_validator("fixed", mode="after")
     @classmethod
     def _nest_fixed(cls, value: dict[str, Any]) -> dict[str, Any]:
         return nest(value)
 
     # ---------------------------------------------------------------------------------------------------------------
+    @property
+    def form(self) -> Literal["task", "loop", "command"]:
+        """What each trial runs: the built-in trainer (`task`), a user's loop function, or a user's command."""
+        return "loop" if self.loop is not None else "command" if self.command is not None else "task"
+
+    def user_config(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The config a `loop` or `command` trial gets: the fixed values, then the sampled ones, nested as plain data
+        (`model.hidden` becomes `{"model": {"hidden": ...}}`); keys of the user's own."""
+        return nest({**flatten(self.fixed), **params})
+
     def fast_fail(self) -> dict[str, Any]:
         """The trainer's fast-fail settings, taken from the pruner so that the loop's checks and the pruner's
         decisions use the same rules; off when the pruner is not `fastfail`."""
@@ -367,7 +401,8 @@ class StudySpec(_Model):
         return {"enabled": True, **{k: v for k, v in self.pruner.args.items() if k in known}}
 
     def base_config(self) -> dict[str, Any]:
-        """Fixed values plus the task and the fast-fail settings, as dotted keys."""
+        """Fixed values plus the task and the fast-fail settings, as dotted keys (a `task` study's)."""
+        assert self.task is not None, "base_config is the built-in trainer's: a study with `task`"
         return {**flatten(self.fixed, free=("model", "task_args")), "task": self.task.name,
                 "task_args": dict(self.task.args),
                 **{f"fast_fail.{k}": v for k, v in self.fast_fail().items()}}
@@ -388,7 +423,7 @@ class StudySpec(_Model):
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same study; the rest (budget, sampler, pruner) may change between resumes."""
         stored = self.stored()
-        return {key: stored[key] for key in ("direction", "metric", "task", "fixed", "space")}
+        return {key: stored[key] for key in ("direction", "metric", *FORMS, "fixed", "space")}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -743,6 +778,8 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
            if not (isinstance(part, str) and part in ("float", "int", "categorical", "function-after[_check()]"))]
     loc = [part for part in loc if not part.startswith(("function-", "tagged-union"))]
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing_form":
+        return "task", message
     if error["type"] == "extra_forbidden":
         message = "unknown key" + did_you_mean(loc[-1], _known_keys(error["loc"]))
     elif error["type"] == "missing":

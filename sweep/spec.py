@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,7 +60,14 @@ def _raise_problems(spec: StudySpec, source: str | Path) -> None:
 # Checks that need the trainer: every fixed value, every searched key and each end of its range.
 
 def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    if spec.form != "task":
+        return _unique(user_form_problems(spec))
+    assert spec.task is not None
     problems: list[tuple[str, str]] = []
+    unknown = spec.warm_start.unknown_keys()
+    if unknown:
+        problems.append(("warm_start.match",
+                         f"expected TrainingConfig keys, got unknown {', '.join(map(repr, unknown))}"))
     try:
         task = load_task(spec.task.name, spec.task.args)
     except (TaskError, ValueError, OSError) as exc:
@@ -70,13 +78,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append((f"fixed.{key}", "set the task and its arguments with the top-level `task:` key"))
     if "fast_fail" in spec.fixed:
         problems.append(("fixed.fast_fail", "configure fast-fail on the pruner: `pruner: {type: fastfail, ...}`"))
-    if spec.heartbeat_grace_period < 2 * spec.heartbeat_interval:
-        problems.append(("heartbeat_grace_period", f"expected at least twice heartbeat_interval "
-                         f"({2 * spec.heartbeat_interval} s), but got {spec.heartbeat_grace_period}: a trial would "
-                         "be declared lost while its worker still trains it"))
-    if spec.warm_start.enabled and spec.warm_start.confirm >= spec.n_trials:
-        problems.append(("warm_start.confirm", f"expected fewer than n_trials ({spec.n_trials}): the confirmations "
-                         f"are the last trials of the budget, after the search, but got {spec.warm_start.confirm}"))
+    problems += _heartbeat_problems(spec)
     base = spec.base_config()
     base_problems = _config_problems(base, task)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
@@ -114,13 +116,68 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if schedules - {"none"} and task.difficulty is None:
         problems.append(("curriculum.schedule", f"task {task.name!r} gives no per-sample difficulty, so it cannot "
                                                 "follow a curriculum; use schedule none or a task with difficulty"))
-    if spec.warm_start.enabled and not spec.checkpoints.enabled:
-        problems.append(("warm_start", "needs checkpoints to start from: set checkpoints.on_best or "
-                                       "checkpoints.every_steps"))
+    problems += _warm_start_problems(spec)
     if spec.metric not in task.metric_names:
         problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; got {spec.metric!r}"))
     problems += component_problems(spec)
     return _unique(problems)
+
+
+def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """A `loop` or `command` study: its keys are the user's own, so only what sweep itself needs is checked: the loop
+    function imports and is callable, a command's `{placeholders}` are keys of the config, no key is both fixed and
+    searched, and the study-level settings."""
+    problems: list[tuple[str, str]] = []
+    if spec.loop is not None:
+        from sweep.runners.loop import LoopError, load_loop
+
+        try:
+            load_loop(spec.loop)
+        except LoopError as exc:
+            problems.append(("loop", str(exc)))
+    if spec.command is not None:
+        from sweep.runners.command import CommandError, command_line
+
+        try:
+            argv = command_line(spec.command, spec.user_config({key: _example(param)
+                                                                 for key, param in spec.space.items()}))
+        except CommandError as exc:
+            problems.append(("command", str(exc)))
+        else:
+            if shutil.which(argv[0]) is None:
+                problems.append(("command", f"{argv[0]!r} is not an executable on PATH nor a path to one (from the "
+                                            "folder `sweep run` runs in)"))
+    fixed_keys = set(flatten(spec.fixed))
+    for key in spec.space:
+        if key in fixed_keys:
+            problems.append((f"space.{key}", "is both fixed and searched; remove it from one of them"))
+    problems += _heartbeat_problems(spec)
+    problems += _warm_start_problems(spec)
+    problems += component_problems(spec)
+    return problems
+
+
+def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    if spec.heartbeat_grace_period >= 2 * spec.heartbeat_interval:
+        return []
+    return [("heartbeat_grace_period", f"expected at least twice heartbeat_interval ({2 * spec.heartbeat_interval} "
+             f"s), but got {spec.heartbeat_grace_period}: a trial would be declared lost while its worker still "
+             "trains it")]
+
+
+def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    if not spec.warm_start.enabled:
+        return []
+    if not spec.checkpoints.enabled:
+        return [("warm_start", "needs checkpoints to start from: set checkpoints.on_best or checkpoints.every_steps")]
+    if spec.warm_start.confirm >= spec.n_trials:
+        return [("warm_start.confirm", f"expected fewer than n_trials ({spec.n_trials}): the confirmations are the "
+                 f"last trials of the budget, after the search, but got {spec.warm_start.confirm}")]
+    return []
+
+
+def _example(param: Any) -> Any:
+    return param.choices[0] if isinstance(param, CategoricalParam) else param.low
 
 
 def _config_problems(values: dict[str, Any], task: Task) -> list[tuple[str, str]]:

@@ -114,15 +114,17 @@ def _build_signature(task: Task, model_json: str) -> list[tuple[str, list[int], 
     return sorted((name, list(t.shape), str(t.dtype)) for name, t in model.state_dict().items())
 
 
-def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[str, Any], config: TrainingConfig,
-               key: str, handoff_step: int) -> Donor | None:
+def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[str, Any],
+               config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int) -> Donor | None:
     """The nearest compatible checkpoint within `max_distance` at or before `handoff_step`, or None (of the nearest
     trial's checkpoints, the latest). One indexed query for this study (its coordinates in a box of half-width
     `max_distance`) and one for the `from_studies`, whose spaces may differ.
 
     The `match` keys are compared where the donor's params hold them; a key absent there was fixed in the donor's
-    study (for this study: to the same value; for `from_studies`, keep such keys equal across the studies)."""
-    values = flatten(config.to_dict(), free=("model", "task_args"))
+    study (for this study: to the same value; for `from_studies`, keep such keys equal across the studies).
+    `config`: the trial's `TrainingConfig`, or a user loop's config as plain data."""
+    values = flatten(config, free=()) if isinstance(config, Mapping) else flatten(config.to_dict(),
+                                                                                 free=("model", "task_args"))
     match = {k: values.get(k, params.get(k)) for k in must_match(spec)}
     options = spec.warm_start
     radius = options.max_distance
@@ -176,7 +178,7 @@ def _partial(spec: StudySpec, a: Mapping[str, Any], b: Mapping[str, Any]) -> flo
 
 
 def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_number: int, params: Mapping[str, Any],
-                    config: TrainingConfig, key: str, handoff_step: int, *,
+                    config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int, *,
                     scope: BlobScope) -> tuple[WarmStart, Donor] | None:
     """Find, pin and load a donor. A donor whose blob is missing or fails its hash is skipped with a warning, and so
     is one whose row names a blob outside its study's part of the store (`scope`: that file is neither read nor

@@ -2,7 +2,7 @@
 
     while budget left and not stopped:
         under the study's lock: fail lost trials (their retries are queued), count, ask
-        run the trial (TrainerTrial) while a thread beats for it
+        run the trial (its runner: sweep.runners) while a thread beats for it
         the outcome (sweep.outcomes) decides: tell, queue a retry or not, count a failure streak
         its checkpoints are released (sweep.checkpoints)
 
@@ -29,7 +29,6 @@ from optuna.trial import FrozenTrial, TrialState
 from sweep.checkpoints import CheckpointService
 from sweep.components import build_sampler
 from sweep.confirm import confirmations_due
-from sweep.objective import TrainerTrial
 from sweep.outcomes import (
     ATTR_CONFIRMS,
     ATTR_FAIL,
@@ -51,6 +50,7 @@ from sweep.outcomes import (
     jsonable,
 )
 from sweep.progress import Events, NoEvents
+from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient
@@ -135,7 +135,10 @@ class Worker:
         started_wall = time.time()
         if self.checkpoints is not None:
             self.checkpoints.reconcile()
-        if self.cohort_size != 1:  # 0: as large as the device's memory allows
+        if self.cohort_size != 1 and self.spec.task is None:
+            warnings.warn("execution.cohort: a loop or command study runs its trials one at a time (cohorts batch the "
+                          "built-in trainer's models)", stacklevel=1)
+        elif self.cohort_size != 1:  # 0: as large as the device's memory allows
             from sweep.cohort import CohortLoop
 
             return CohortLoop(self, self.cohort_size).run(started_wall)
@@ -199,7 +202,7 @@ class Worker:
 
     def _run_one(self, trial: optuna.Trial) -> FrozenTrial | None:
         deadline = None if self.timeout is None else self.started + self.timeout
-        runner = TrainerTrial(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=deadline)
+        runner = runner_for(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=deadline)
         try:
             with self._heartbeat(trial):
                 result = runner.run()
@@ -229,7 +232,7 @@ class Worker:
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
                                                   ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
 
-    def _end(self, trial: optuna.Trial, result: TrialResult, runner: TrainerTrial) -> FrozenTrial | None:
+    def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner) -> FrozenTrial | None:
         """Release the checkpoints (first: the best one's artifact is an attr, which only a running trial takes),
         store the outcome, queue the retry it calls for. None when another worker declared the trial lost meanwhile
         (its retry trains it again)."""

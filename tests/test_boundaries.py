@@ -107,7 +107,8 @@ def test_trainer_modules_import_each_other_without_a_cycle() -> None:
 
 def test_sweep_modules_import_each_other_without_a_cycle() -> None:
     graph = import_graph("sweep")
-    assert graph["sweep.worker"] >= {"sweep.objective", "sweep.checkpoints", "sweep.storage"}
+    assert graph["sweep.worker"] >= {"sweep.runners", "sweep.checkpoints", "sweep.storage"}
+    assert graph["sweep.runners"] >= {"sweep.objective", "sweep.runners.loop", "sweep.runners.command"}
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
@@ -129,6 +130,22 @@ def test_the_cli_s_help_status_and_trials_never_import_torch(tmp_path: Path) -> 
         done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip().splitlines()[-1] == f"LOADED False {optuna_too}", (args, done.stdout[-300:])
+
+
+def test_the_client_a_command_imports_is_the_standard_library_alone() -> None:
+    """`from sweep import client` in a user's script costs no torch, Optuna, SQL or YAML import."""
+    code = ("import sys; from sweep import client; client.report(1, val_loss=1.0); "
+            "bad = [m for m in ('torch', 'optuna', 'sqlalchemy', 'yaml', 'pydantic', 'numpy') if m in sys.modules]; "
+            "assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # At module level the standard library alone; `save` and `load` import the trainer's checkpoint format (and so
+    # torch) when they are called, which only a script that checkpoints does.
+    tree = ast.parse((ROOT / "sweep" / "client.py").read_text())
+    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert top <= set(sys.stdlib_module_names) | {"__future__"}, top
+    assert imports(ROOT / "sweep" / "client.py") - top <= {"trainer"}
 
 
 def test_the_import_cycle_check_finds_a_hidden_cycle() -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWriteError", "LoopState", "TrainState", "WarmStart",
-           "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of"]
+           "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint", "sha256_of", "user_checkpoint"]
 
 FORMAT = 1
 
@@ -85,18 +85,32 @@ class TrainState:
     loop: LoopState = field(default_factory=LoopState)
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    user: dict[str, Any] = field(default_factory=dict)  # a user's own loop's state (`run.save`); the trainer's: empty
 
     def payload(self) -> dict[str, Any]:
-        return {"format": FORMAT, "step": self.step, "model": self.model, "optimizer": self.optimizer,
-                "scaler": self.scaler, "rng": self.rng, "data": self.data, "loop": self.loop.as_dict(),
-                "config": self.config, "metrics": self.metrics}
+        payload = {"format": FORMAT, "step": self.step, "model": self.model, "optimizer": self.optimizer,
+                   "scaler": self.scaler, "rng": self.rng, "data": self.data, "loop": self.loop.as_dict(),
+                   "config": self.config, "metrics": self.metrics}
+        if self.user:  # only then: the trainer's checkpoints stay as they have always been
+            payload["user"] = self.user
+        return payload
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> TrainState:
         if payload.get("format") != FORMAT:
             raise CheckpointError(f"unknown checkpoint format {payload.get('format')!r}, expected {FORMAT}")
         return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "config",
-                                              "metrics")}, loop=LoopState.from_dict(payload["loop"]))
+                                              "metrics")}, loop=LoopState.from_dict(payload["loop"]),
+                   user=payload.get("user") or {})
+
+
+def user_checkpoint(step: int, state: Mapping[str, Any], config: Mapping[str, Any],
+                    metrics: Mapping[str, float] | None = None) -> TrainState:
+    """A checkpoint of a user's own training loop (a sweep `loop` or `command`): its `state` (tensors and plain
+    values, as `state_dict()`s are) as `user`, with every RNG's state now, its config and the metrics reported at
+    `step`. The same file format, hash and `weights_only` loading as the trainer's."""
+    return TrainState(step=int(step), model={}, optimizer={}, scaler={}, rng=capture_rng(), data={},
+                      config=dict(config), metrics=dict(metrics or {}), user=dict(state))
 
 
 @dataclass(frozen=True)

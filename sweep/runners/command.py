@@ -1,0 +1,318 @@
+"""A user's command as a runner: `command: python train.py --lr {learning_rate} --hidden {model.hidden}`.
+
+Each trial runs the command once, as a subprocess in its own process group (its own session), with:
+- `{key}` in the command replaced by the trial's value of that dotted config key (each argument split first, as a
+  shell would, so a value with spaces stays one argument; no shell runs);
+- `SWEEP_CONFIG` (the config as JSON) and `SWEEP_TRIAL` in its environment, and `SWEEP_REPORT_FD`: its end of a
+  local socket pair to the worker, through which `sweep.client.report` reports and hears whether to stop. The worker
+  owns every storage call, so the same command works with SQLite and PostgreSQL storage;
+- stdout and stderr together in one log file per trial (`log` on the trial; `sweep trials` shows it), kept in the
+  study's checkpoint folder (`<store>/<study>/logs/`).
+
+The trial ends when the process exits. Told to stop (pruned), timed out (`--timeout`) or stopped (Ctrl-C, SIGTERM
+to the worker), the process first hears "stop" (a report's answer) or SIGTERM (the whole group), and after
+`stop_grace_period` seconds the whole group is killed (SIGKILL). Its result: pruned if the pruner stopped it; failed
+when it exited non-zero or was killed by a signal (the log's last lines in the reason); otherwise the last reported
+value of the metric, or, for a script that never reports, the metric in the last line of its output that is a JSON
+object holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sweep.client import (
+    ENV_CONFIG,
+    ENV_REPORT_FD,
+    ENV_START,
+    ENV_START_KIND,
+    ENV_START_SHA256,
+    ENV_START_STEP,
+    ENV_TRIAL,
+)
+from sweep.objective import Deadline, Start, TrialReporter
+from sweep.outcomes import (
+    ATTR_CONFIG,
+    ATTR_CONFIRMS,
+    ATTR_FAIL,
+    ATTR_LOG,
+    ATTR_METRICS,
+    ATTR_PRUNE,
+    ATTR_REPORT_MS,
+    ATTR_STEPS,
+    ATTR_WALL,
+    Outcome,
+    TimedOut,
+    TrialResult,
+)
+from sweep.runners.loop import save_path, user_start
+from sweep.signals import raise_pending
+from trainer.checkpoint import CheckpointInfo, save_checkpoint
+from trainer.config import flatten
+
+if TYPE_CHECKING:
+    import optuna
+
+    from sweep.checkpoints import CheckpointService, TrialCheckpointer
+    from sweep.progress import Events
+    from sweep.schema import StudySpec
+    from sweep.storage import Boundary
+
+__all__ = ["CommandError", "CommandTrial", "command_line", "last_json_value"]
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.\-]*)\}")
+_POLL_S = 0.1
+
+
+class CommandError(ValueError):
+    """A command that cannot be run as written: bad quoting, or a `{key}` the config does not have."""
+
+
+def command_line(template: str, config: Mapping[str, Any]) -> list[str]:
+    """The command's arguments for one trial: split as a shell would, then each `{key}` replaced by the value of that
+    dotted key of `config`. `{{` and `}}` stand for braces."""
+    try:
+        words = shlex.split(template)
+    except ValueError as exc:
+        raise CommandError(f"cannot split the command into arguments: {exc}") from None
+    if not words:
+        raise CommandError("expected a command to run, got an empty one")
+    values = flatten(config)
+
+    def value(match: re.Match[str]) -> str:
+        key = match.group(1)
+        if key not in values:
+            raise CommandError(f"{{{key}}} is not a key of the config (fixed or searched); known keys: "
+                               f"{', '.join(sorted(values)) or 'none'}")
+        found = values[key]
+        return json.dumps(found) if isinstance(found, (bool, type(None), list, dict)) else str(found)
+
+    return [_PLACEHOLDER.sub(value, word.replace("{{", "\0").replace("}}", "\1")).replace("\0", "{").replace(
+        "\1", "}") for word in words]
+
+
+def last_json_value(log: Path, metric: str) -> float | None:
+    """The metric in the last line of the log that is a JSON object holding it, or None."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        line = line.strip()
+        if not (line.startswith("{") and line.endswith("}")):
+            continue
+        try:
+            found = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and metric in found:
+            try:
+                return float(found[metric])
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def _tail(log: Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-800:]
+    except OSError:
+        return ""
+
+
+class CommandTrial:
+    """One trial of a user's command, from its params to its result."""
+
+    def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
+        self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
+        self.deadline = None if deadline is None else Deadline(deadline)
+        self.checkpointer: TrialCheckpointer | None = None
+
+    def release(self, outcome: Outcome) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.release(self.trial, outcome, self.checkpointer)
+
+    def log_path(self) -> Path:
+        folder = (self.checkpoints.store.folder if self.checkpoints is not None and self.checkpoints.store.artifacts
+                  is None else Path(tempfile.gettempdir()) / f"sweep-{self.trial.study.study_name}")
+        return folder / "logs" / f"trial{self.trial.number:05d}.log"
+
+    def run(self) -> TrialResult:
+        trial, spec = self.trial, self.spec
+        assert spec.command is not None
+        params = spec.suggest(trial)
+        self.events.trial_started(trial.number, params)
+        config = spec.user_config(params)
+        trial.set_user_attr(ATTR_CONFIG, config)
+        argv = command_line(spec.command, config)
+        log = self.log_path()
+        log.parent.mkdir(parents=True, exist_ok=True)
+        trial.set_user_attr(ATTR_LOG, str(log))
+        start, self.checkpointer = user_start(trial, spec, self.checkpoints, params, config)
+        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
+                                 judged=ATTR_CONFIRMS not in trial.user_attrs)  # a cold confirmation is never pruned
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(trial.number),
+               ENV_CONFIG: json.dumps(config), **_start_env(start, log.with_suffix(".start.pt"))}
+        started = time.perf_counter()
+        with open(log, "ab") as output, ours:
+            try:
+                process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, pass_fds=[theirs.fileno()], start_new_session=True)
+            finally:
+                theirs.close()
+            session = _Session(process, ours, reporter, self.deadline, spec.stop_grace_period, self.checkpointer)
+            try:
+                with self.boundary.no_wait():
+                    code = session.wait()
+            finally:
+                _end_group(process, spec.stop_grace_period)  # whatever happened here: none of it outlives the trial
+        reporter.flush()
+        steps = reporter.series[-1][0] if reporter.series else 0
+        attrs: dict[str, Any] = {ATTR_STEPS: steps, ATTR_WALL: round(time.perf_counter() - started, 3),
+                                 ATTR_REPORT_MS: reporter.report_ms, ATTR_METRICS: session.metrics}
+        if reporter.prune_reason is not None:
+            return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
+        if code != 0:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {_tail(log)}"})
+        value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
+        if value is None:
+            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command reported no {spec.metric!r} "
+                                                      f"and printed no JSON line holding it: {_tail(log)}"})
+        if not math.isfinite(value):
+            return TrialResult(Outcome.FAILED, None,
+                               {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {steps}"})
+        return TrialResult(Outcome.COMPLETE, value, attrs)
+
+
+def _start_env(start: Start, path: Path) -> dict[str, str]:
+    """The state a retry or a warm-started trial starts from, handed to the command as a file of its own (the lineage's
+    blob may be in an object store, or collected while the command runs)."""
+    state = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
+    if state is None:
+        return {}
+    info = save_checkpoint(path, state)
+    return {ENV_START: str(info.path), ENV_START_SHA256: info.sha256, ENV_START_STEP: str(info.step),
+            ENV_START_KIND: "resume" if start.resume is not None else "warm"}
+
+
+class _Session:
+    """The worker's side of one command's socket: each report line goes to the study (`TrialReporter`) and is
+    answered "go" or "stop"; a command told to stop that has not exited after the grace period is killed."""
+
+    def __init__(self, process: subprocess.Popen[bytes], connection: socket.socket, reporter: TrialReporter,
+                 deadline: Deadline | None, grace: float, checkpointer: TrialCheckpointer | None) -> None:
+        self.process, self.connection, self.reporter = process, connection, reporter
+        self.checkpointer = checkpointer
+        self.offered: set[str] = set()  # checkpoint paths handed out, the only ones registered back
+        self.deadline, self.grace = deadline, grace
+        self.buffer = b""
+        self.metrics: dict[str, float] = {}  # the latest report's
+        self.stop_sent: float | None = None
+        self.open = True
+
+    def wait(self) -> int:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.connection, selectors.EVENT_READ)
+            while True:
+                raise_pending()  # Ctrl-C or SIGTERM to the worker: the caller ends the group
+                if self.deadline is not None and self.deadline.passed():
+                    raise TimedOut()  # nothing to resume from: the caller ends the group, the trial is queued again
+                if self.open and selector.select(_POLL_S):
+                    self._read()
+                elif not self.open:
+                    time.sleep(_POLL_S)
+                code = self.process.poll()
+                if code is not None:
+                    while self.open and selector.select(0):  # what it wrote just before exiting
+                        self._read()
+                    return code
+                if self.stop_sent is not None and time.monotonic() - self.stop_sent > self.grace:
+                    _kill_group(self.process, signal.SIGKILL)
+
+    def _read(self) -> None:
+        data = self.connection.recv(1 << 16)
+        if not data:
+            self.open = False
+            return
+        self.buffer += data
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            self._answer(line)
+
+    def _answer(self, line: bytes) -> None:
+        message = json.loads(line)
+        if "save" in message or "saved" in message:
+            self._reply(json.dumps(self._checkpoint(message)).encode())
+            return
+        stop = self.stop_sent is not None
+        if not stop:
+            metrics = {str(k): float(v) for k, v in dict(message["metrics"]).items()}
+            if self.reporter.metric not in metrics:
+                raise ValueError(f"client.report at step {message['step']}: the study's metric "
+                                 f"{self.reporter.metric!r} is not among {sorted(metrics)}")
+            stop = self.reporter.report(int(message["step"]), metrics)
+            self.metrics = metrics
+            if stop:
+                self.stop_sent = time.monotonic()
+        self._reply(b"stop" if stop else b"go")
+
+    def _reply(self, answer: bytes) -> None:
+        with contextlib.suppress(OSError):  # it may have exited meanwhile
+            self.connection.sendall(answer + b"\n")
+
+    def _checkpoint(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """`{"save": step}` asks where the checkpoint at `step` goes (no path: checkpoints are off); `{"saved":
+        {...}}` registers the file the command wrote there (`sweep.client.save`), as a loop's save is."""
+        if self.checkpointer is None:
+            return {"path": None, "saved": False}
+        if "save" in message:
+            step = int(message["save"])
+            metrics = self.metrics if self.reporter.series and self.reporter.series[-1][0] == step else None
+            path = str(save_path(self.checkpointer, step, metrics))
+            self.offered.add(path)
+            return {"path": path}
+        saved = dict(message["saved"])
+        if saved["path"] not in self.offered:
+            raise ValueError(f"client.save registered {saved['path']!r}, which the worker did not hand out")
+        step = int(saved["step"])
+        metrics = self.metrics if self.reporter.series and self.reporter.series[-1][0] == step else None
+        self.checkpointer.saved(CheckpointInfo(Path(saved["path"]), str(saved["sha256"]), int(saved["size"]), step),
+                                metrics)
+        return {"saved": True}
+
+
+def _kill_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _end_group(process: subprocess.Popen[bytes], grace: float) -> None:
+    """The trial's whole process group ends: asked with SIGTERM, then after `grace` seconds killed. The group is
+    signalled even when its leader has exited (a child it started may still run)."""
+    if process.poll() is None:
+        _kill_group(process, signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_group(process, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(5)
+

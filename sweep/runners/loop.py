@@ -1,0 +1,301 @@
+"""A user's own training loop as a runner: `loop: my_project.train:main` in the study file.
+
+    def main(config, run):
+        run.seed_everything()                     # python, numpy, torch: the way the trainer seeds
+        model = build(config["model"]).to(run.device)
+        state = run.load()                        # None, or what `run.save` stored (a retry's, or a donor's)
+        ...
+        for step in range(start, config["max_steps"] + 1):
+            ...
+            if step % 50 == 0:
+                run.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+                if run.report(step, {"val_loss": val}):
+                    return                        # pruned (fast-fail or the study's pruner), or --timeout
+
+`config` is the trial's resolved config as plain data: the study's `fixed` values, then the sampled ones, nested
+(`model.hidden` becomes `config["model"]["hidden"]`); the keys are the user's own. `run` is a `Run`.
+
+What the trial's result is: `main`'s return value when it is a number, or the study's metric in a mapping it returns;
+otherwise the last value of the metric it reported. A trial told to stop is pruned, whatever `main` returns. A
+non-finite result fails the trial as diverged; an exception fails it (or, for a fault of the machine, retries it),
+as for the built-in trainer.
+
+Checkpoints go through the study's checkpoint service: a `run.save(state)` is written atomically to the study's
+checkpoint store, hash-checked and registered, and read back with `torch.load(weights_only=True)` (so a state holds
+tensors and plain values: a `state_dict()`, numbers, strings, lists, dicts). Each trial keeps its latest and its best
+`keep_top_k` (by the metric reported at the saved step). A retry's `run.load()` returns its lineage's newest state
+(and puts every RNG back where it was at that save); with `warm_start` on, a fresh trial's returns its nearest
+donor's (same `match` keys, within `max_distance`: any step of the donor's, its newest there), and the loop decides
+what to take from it (`run.start` says which).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from sweep.objective import Deadline, Start, TrialReporter, resume_lineage, warm_start
+from sweep.outcomes import (
+    ATTR_CONFIG,
+    ATTR_CONFIRMS,
+    ATTR_FAIL,
+    ATTR_METRICS,
+    ATTR_PRUNE,
+    ATTR_REPORT_MS,
+    ATTR_REPRO,
+    ATTR_SPEED,
+    ATTR_STEPS,
+    ATTR_STEPS_TRAINED,
+    ATTR_WALL,
+    Outcome,
+    TrialResult,
+)
+from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
+from trainer.loop import Reporter
+from trainer.precision import resolve_device
+from trainer.seeding import reproducibility_record, seed_everything
+
+if TYPE_CHECKING:
+    import optuna
+
+    from sweep.checkpoints import CheckpointService, TrialCheckpointer
+    from sweep.progress import Events
+    from sweep.schema import StudySpec
+    from sweep.storage import Boundary
+
+__all__ = ["LoopError", "LoopTrial", "Run", "StopTrial", "load_loop", "loop_value", "save_path", "user_start"]
+
+SHAPE_KEY = "loop"  # a loop's model is its own: donors are told apart by the study's `match` keys alone
+
+
+class LoopError(ValueError):
+    """A loop function that cannot be used as written (not importable, not callable), or a report it made wrong."""
+
+
+class StopTrial(Exception):
+    """Raised by `run.report` when the loop reports again after a report returned True (it was told to stop and went
+    on). A loop may raise it too, to end early; either way the trial ends as the reports decided (pruned when told
+    to stop)."""
+
+
+def load_loop(name: str) -> Callable[..., Any]:
+    """`package.module:function` imported, or `LoopError` in one line. It must take two arguments (config, run)."""
+    module_name, _, function = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's, reported in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise LoopError(f"cannot import {module_name!r} ({type(exc).__name__}: {first}); expected a module on the "
+                        "path or next to the study file") from None
+    found = getattr(module, function, None)
+    if not callable(found):
+        raise LoopError(f"module {module_name!r} has no function {function!r}")
+    try:
+        inspect.signature(found).bind(None, None)
+    except TypeError:
+        raise LoopError(f"{name} must take two arguments, (config, run)") from None
+    except ValueError:
+        pass  # a builtin without a signature: let the call say
+    return found
+
+
+class Run:
+    """The handle a loop function gets: report, checkpoints, seed and device.
+
+    - `report(step, metrics)` (or `report(step, val_loss=...)`): validation metrics at `step`, which must hold the
+      study's metric. Returns True when the trial must stop (the pruner decided, or `--timeout` passed): return
+      from the loop then. A report after that raises `StopTrial`.
+    - `log(step, metrics)`: training metrics (shown live; `samples_per_s` and the like kept on the trial).
+    - `save(state, step=None)`: a checkpoint of `state` at `step` (default: the latest reported step).
+    - `load()`: the state to start from, or None (see `start`).
+    - `start`: None (from scratch), "resume" (a retry: the lineage's newest save) or "warm" (a donor's save);
+      `start_step`: the step that save was made at (0 from scratch).
+    - `seed`: the trial's seed (the config's `seed`, else 0); `seed_everything()` seeds python, numpy and torch
+      with it as the trainer does (the runner has done so once before calling the loop).
+    - `device`: the config's `device` resolved (default "auto": cuda if available, else cpu); a worker pinned to a
+      GPU sees only that one.
+    - `config`, `trial`: the trial's config and number.
+    """
+
+    def __init__(self, config: dict[str, Any], reporter: Reporter, metric: str, *, seed: int, device: torch.device,
+                 trial: int | None = None, initial: TrainState | None = None,
+                 start: Literal["resume", "warm"] | None = None,
+                 saver: Callable[[TrainState, Mapping[str, float] | None], None] | None = None) -> None:
+        self.config, self.metric, self.seed, self.device, self.trial = config, metric, seed, device, trial
+        self.start = start if initial is not None else None
+        self.start_step = initial.step if initial is not None else 0
+        self._reporter, self._initial, self._saver = reporter, initial, saver
+        self.step = self.start_step  # the latest reported step
+        self.metrics: dict[str, float] = {}  # the latest report's
+        self.stopped = False  # a report returned True
+        self.first_step: int | None = None  # this run's first report
+    def seed_everything(self, *, deterministic: bool = False) -> None:
+        seed_everything(self.seed, deterministic=deterministic)
+
+    def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, **values: Any) -> None:
+        self._reporter.log(step, _floats({**(metrics or {}), **values}))
+
+    def report(self, step: int, metrics: Mapping[str, Any] | None = None, /, **values: Any) -> bool:
+        if self.stopped:
+            raise StopTrial(f"trial {self.trial}: run.report at step {step} after a report returned True (stop)")
+        reported = _floats({**(metrics or {}), **values})
+        if self.metric not in reported:
+            raise LoopError(f"run.report at step {step}: the study's metric {self.metric!r} is not among "
+                            f"{sorted(reported)}")
+        self.step, self.metrics = int(step), reported
+        if self.first_step is None:
+            self.first_step = self.step
+        self.stopped = bool(self._reporter.report(self.step, reported))
+        return self.stopped
+
+    def save(self, state: Mapping[str, Any], step: int | None = None) -> None:
+        """Checkpoint `state` (tensors and plain values) at `step`, with every RNG's state. Without checkpoints (an
+        in-memory study, or checkpoints off) nothing is written."""
+        if self._saver is None:
+            return
+        at = self.step if step is None else int(step)
+        metrics = self.metrics if at == self.step and self.metrics else None
+        self._saver(user_checkpoint(at, state, self.config, metrics), metrics)
+
+    def load(self) -> dict[str, Any] | None:
+        """The saved state to start from, or None. A resume also puts every RNG back where it was at that save."""
+        if self._initial is None:
+            return None
+        if self.start == "resume":
+            restore_rng(self._initial.rng)
+        return dict(self._initial.user)
+
+
+def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Metric values as floats (a 0-d tensor or a numpy number too); a value that is not one fails loudly."""
+    out = {}
+    for key, value in metrics.items():
+        try:
+            out[str(key)] = float(value.item() if isinstance(value, torch.Tensor) else value)
+        except (TypeError, ValueError, RuntimeError):
+            raise LoopError(f"metric {key!r}: expected a number, got {type(value).__name__}") from None
+    return out
+
+
+def loop_value(returned: Any, run: Run) -> float | None:
+    """The trial's value: `main`'s return when it is a number, the metric of a mapping it returns, else the last
+    reported value of the metric; None when there is none."""
+    if isinstance(returned, Mapping) and run.metric in returned:
+        return _floats({run.metric: returned[run.metric]})[run.metric]
+    if isinstance(returned, (int, float, torch.Tensor)) and not isinstance(returned, bool):
+        return _floats({run.metric: returned})[run.metric]
+    return run.metrics.get(run.metric)
+
+
+def call_loop(function: Callable[..., Any], config: dict[str, Any], run: Run) -> Any:
+    """Call the loop; a `StopTrial` it lets through is an ordinary end."""
+    try:
+        return function(config, run)
+    except StopTrial:
+        return None
+
+
+class LoopTrial:
+    """One trial of a user's loop function, from its params to its result; `release` hands its checkpoints back."""
+
+    def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
+        self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
+        self.checkpointer: TrialCheckpointer | None = None
+        self.deadline = None if deadline is None else Deadline(deadline)
+
+    def run(self) -> TrialResult:
+        trial, spec = self.trial, self.spec
+        assert spec.loop is not None
+        function = load_loop(spec.loop)
+        params = spec.suggest(trial)
+        self.events.trial_started(trial.number, params)
+        config = spec.user_config(params)
+        trial.set_user_attr(ATTR_CONFIG, config)
+        start = self._start(params, config)
+        reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
+                                 judged=ATTR_CONFIRMS not in trial.user_attrs)  # a cold confirmation is never pruned
+        seed, device = loop_seed(config), resolve_device(str(config.get("device", "auto")))
+        initial = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
+        run = Run(config, reporter, spec.metric, seed=seed, device=device, trial=trial.number, initial=initial,
+                  start="resume" if start.resume is not None else "warm" if start.warm is not None else None,
+                  saver=self._save if self.checkpointer is not None else None)
+        seed_everything(seed)
+        started = time.perf_counter()
+        with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
+            returned = call_loop(function, config, run)
+        reporter.flush()
+        attrs: dict[str, Any] = {ATTR_REPRO: {**reproducibility_record(seed, device), "loop": spec.loop},
+                                 ATTR_METRICS: run.metrics, ATTR_STEPS: run.step,
+                                 ATTR_STEPS_TRAINED: steps_trained(run, start),
+                                 ATTR_WALL: round(time.perf_counter() - started, 3), ATTR_REPORT_MS: reporter.report_ms,
+                                 ATTR_SPEED: reporter.speed}
+        if reporter.prune_reason is not None:
+            return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
+        value = loop_value(returned, run)
+        if value is None:
+            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the loop reported no {spec.metric!r} and "
+                                                      "returned none"})
+        if not math.isfinite(value):
+            return TrialResult(Outcome.FAILED, None,
+                               {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {run.step}"})
+        return TrialResult(Outcome.COMPLETE, value, attrs)
+
+    def release(self, outcome: Outcome) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.release(self.trial, outcome, self.checkpointer)
+
+    def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> Start:
+        start, self.checkpointer = user_start(self.trial, self.spec, self.checkpoints, params, config)
+        return start
+
+    def _save(self, state: TrainState, metrics: Mapping[str, float] | None) -> None:
+        checkpointer = self.checkpointer
+        assert checkpointer is not None
+        checkpointer.saved(save_checkpoint(save_path(checkpointer, state.step, metrics), state), metrics)
+
+
+def save_path(checkpointer: TrialCheckpointer, step: int, metrics: Mapping[str, float] | None) -> Path:
+    """Where a user's save at `step` goes: a user's loop saves when it chooses (the policy's `on_best` still tracks
+    the trial's best; retention keeps the latest and the best `keep_top_k`)."""
+    return checkpointer.path_for(step, metrics) or checkpointer.path_at(step)
+
+
+def user_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService | None,
+               params: Mapping[str, Any], config: Mapping[str, Any]) -> tuple[Start, TrialCheckpointer | None]:
+    """Where a user's loop or command starts, as the trainer's trials do: a retry from its lineage's newest save,
+    else (warm start on) a fresh trial from its nearest donor's newest save, else from scratch; and the trial's
+    checkpointer (None: no checkpoints, its saves are dropped)."""
+    if checkpoints is None or not spec.checkpoints.enabled:
+        return Start(), None
+    checkpointer = checkpoints.checkpointer(trial.number, params, SHAPE_KEY, 0)
+    start = resume_lineage(trial, checkpoints, spec.metric, lambda step: True)
+    if start is None and spec.warm_start.enabled and ATTR_CONFIRMS not in trial.user_attrs:  # confirmations: cold
+        start = warm_start(trial, spec, checkpoints, params, config, SHAPE_KEY, ANY_STEP)
+    return start or Start(), checkpointer
+
+
+ANY_STEP = 2**31 - 2  # a loop's donor hands over its newest save, whatever its step (the registry's step is an int32)
+
+
+def steps_trained(run: Run, start: Start) -> int:
+    """The steps this trial trained itself: after a resume, from the resumed step; after a warm start, from the
+    donor's step if the loop went on from there (its first report is past it), else all of them (it took the
+    donor's weights and counted its steps from the start)."""
+    if run.first_step is None:
+        return 0
+    if start.resume is not None or (start.warm is not None and run.first_step > start.step):
+        return max(0, run.step - start.step)
+    return run.step
+
+
+def loop_seed(config: Mapping[str, Any]) -> int:
+    seed = config.get("seed", 0)
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else 0

@@ -1,0 +1,285 @@
+"""Bring your own training loop: `loop: pkg.module:main` in a study file, `main(config, run)` in a package of the
+user's (written by each test into its tmp_path, not part of the project), run through the real CLI and a real SQLite
+storage; assertions read what the storage holds."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import yaml
+
+from tests.conftest import run_cli, sweep_cli, write_study
+
+# A user's own loop: a tiny regression net, its own optimizer and checkpoints; config keys of its own (`eval_every`,
+# `events`, and switches the tests use to make it crash, diverge or die).
+USER_LOOP = '''
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+
+def main(config, run):
+    run.seed_everything()
+    data = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=data)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    hidden = config["model"]["hidden"]
+    model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    model = model.to(run.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["learning_rate"])
+    first = 1
+    state = run.load()
+    if state is not None:
+        model.load_state_dict(state["model"])  # a donor's weights, or the lineage's own
+        if run.start == "resume":
+            optimizer.load_state_dict(state["optimizer"])
+            first = state["step"] + 1
+    if config.get("events"):
+        with open(config["events"], "a") as events:
+            events.write(json.dumps({"trial": run.trial, "start": run.start, "step": run.start_step,
+                                     "seed": run.seed, "device": str(run.device)}) + "\\n")
+    for step in range(first, config["max_steps"] + 1):
+        loss = torch.nn.functional.mse_loss(model(x.to(run.device)), y.to(run.device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % config["eval_every"]:
+            continue
+        value = float(loss.detach())
+        if config.get("nan_after") is not None and step > config["nan_after"]:
+            value = float("nan")
+        if config.get("crash_at") == step:
+            raise RuntimeError(f"boom at step {step}")
+        stop = run.report(step, val_loss=value)
+        run.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
+        if config.get("kill_at") == step and not Path(config["marker"]).exists():
+            Path(config["marker"]).write_text("killed once")
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-trial, after its save at this step
+        if stop:
+            return
+'''
+
+
+def loop_study(tmp_path: Path, **changes: Any) -> Path:
+    (tmp_path / "myproj").mkdir(exist_ok=True)
+    (tmp_path / "myproj" / "__init__.py").write_text("")
+    (tmp_path / "myproj" / "train.py").write_text(USER_LOOP)
+    document: dict[str, Any] = {
+        "name": "loopy", "n_trials": 2, "sampler": {"type": "random"}, "pruner": "none", "loop": "myproj.train:main",
+        "fixed": {"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "events": str(tmp_path / "events.jsonl")},
+        "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}},
+    }
+    document.update(changes)
+    return write_study(tmp_path, document)
+
+
+def trials_of(path: Path, name: str = "loopy") -> list[optuna.trial.FrozenTrial]:
+    storage = f"sqlite:///{path.parent / f'{name}.db'}"
+    return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+
+def events(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_user_loop_trains_reports_checkpoints_and_reproduces(tmp_path: Path) -> None:
+    path = loop_study(tmp_path)
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = trials_of(path)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    for trial in trials:
+        assert sorted(trial.intermediate_values) == [5, 10, 15, 20]
+        assert trial.value == trial.intermediate_values[20]  # nothing returned: the last reported value
+        config = trial.user_attrs["config"]  # the user's own keys, nested, with the sampled value
+        assert config["model"] == {"hidden": 8} and config["eval_every"] == 5
+        assert config["learning_rate"] == trial.params["learning_rate"]
+        record = trial.user_attrs["reproducibility"]
+        assert record["loop"] == "myproj.train:main" and record["seed"] == 0 and record["torch"]
+    assert [(e["start"], e["seed"], e["device"]) for e in events(tmp_path)] == [(None, 0, "cpu")] * 2
+    checkpoints = list((tmp_path / "loopy.checkpoints" / "loopy").glob("trial*.pt"))
+    assert checkpoints  # through the study's checkpoint store, kept by its retention
+
+    again = sweep_cli("reproduce", path, "1", pythonpath=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "4 reported values identical (bit for bit)" in again.stdout
+
+    best = sweep_cli("best", path, "-o", tmp_path / "best.yaml", pythonpath=tmp_path)
+    assert best.returncode == 0, best.stderr
+    written = (tmp_path / "best.yaml").read_text()
+    assert "myproj.train:main(config, run)" in written.splitlines()[0]
+    winner = min(trials, key=lambda t: t.value if t.value is not None else math.inf)
+    assert yaml.safe_load(written) == winner.user_attrs["config"]
+
+
+def test_reproduce_refuses_a_loop_only_the_database_names(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, n_trials=1)
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    refused = sweep_cli("reproduce", tmp_path / "loopy.db", "0", pythonpath=tmp_path)
+    assert refused.returncode == 2 and "only the database names" in refused.stderr
+    trusted = sweep_cli("reproduce", tmp_path / "loopy.db", "0", "--trust-task", pythonpath=tmp_path)
+    assert trusted.returncode == 0, trusted.stderr
+
+
+def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, n_trials=1, pruner="fastfail", space={},
+                      fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "nan_after": 5,
+                             "learning_rate": 0.01})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    (trial,) = trials_of(path)
+    assert trial.state.name == "PRUNED"
+    assert list(trial.intermediate_values) == [5, 10] and math.isnan(trial.intermediate_values[10])
+    assert trial.user_attrs["prune_reason"]["rule"] == "nan" and trial.user_attrs["prune_reason"]["step"] == 10
+
+
+def test_a_crashing_loop_fails_its_trial_not_the_study(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, n_trials=2, max_repeated_failures=0,
+                      fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "crash_at": 10})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = trials_of(path)
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
+    assert all(t.user_attrs["fail_reason"] == "RuntimeError: boom at step 10" for t in trials)
+    assert all(list(t.intermediate_values) == [5] for t in trials)
+
+
+def test_warm_start_hands_the_nearest_donors_state_to_the_loop(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, warm_start={"enabled": True, "max_distance": 5, "match": ["model.hidden"]})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    first, second = trials_of(path)
+    assert "warm_start_from" not in first.user_attrs
+    donor = second.user_attrs["warm_start_from"]
+    assert donor["trial"] == 0 and donor["step"] == 20 and len(donor["sha256"]) == 64
+    assert [(e["trial"], e["start"], e["step"]) for e in events(tmp_path)] == [(0, None, 0), (1, "warm", 20)]
+    assert second.user_attrs["steps_trained"] == 20  # it took the weights and trained its own 20 steps
+    # The loop took the donor's trained weights: five steps in, it is far below where the cold donor was then.
+    assert second.intermediate_values[5] < first.intermediate_values[5] / 2
+    again = sweep_cli("reproduce", path, "1", pythonpath=tmp_path)  # replayed from the same donor checkpoint
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_different_match_key_is_no_donor(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, warm_start={"enabled": True, "max_distance": 5, "match": ["model.hidden"]},
+                      space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True},
+                             "model.hidden": {"type": "categorical", "choices": [4, 8]}},
+                      fixed={"max_steps": 10, "eval_every": 5, "events": str(tmp_path / "events.jsonl")},
+                      n_trials=4)
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    trials = trials_of(path)
+    for trial in trials:
+        donor = trial.user_attrs.get("warm_start_from")
+        if donor is not None:
+            assert trials[donor["trial"]].params["model.hidden"] == trial.params["model.hidden"]
+    hidden = [t.params["model.hidden"] for t in trials]
+    assert len(set(hidden)) == 2, f"the sampler drew one width only ({hidden}); the test needs both"
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_trial_is_retried_from_the_loops_saved_state(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, n_trials=1, heartbeat_interval=1, heartbeat_grace_period=2, space={},
+                      fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "learning_rate": 0.01,
+                             "kill_at": 10, "marker": str(tmp_path / "marker"),
+                             "events": str(tmp_path / "events.jsonl")})
+    killed = run_cli("run", path, cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = run_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lost, retry = trials_of(path)
+    assert lost.state.name == "FAIL" and lost.user_attrs["fail_reason"] == "worker lost: no heartbeat"
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["retry_of"] == 0
+    assert retry.user_attrs["resumed_from"] == {"trial": 0, "step": 10}
+    assert [(e["trial"], e["start"], e["step"]) for e in events(tmp_path)] == [(0, None, 0), (1, "resume", 10)]
+    # One continuous curve: the lost trial's reports up to its save, then the retry's own.
+    assert sorted(retry.intermediate_values) == [5, 10, 15, 20]
+    assert retry.intermediate_values[10] == lost.intermediate_values[10]
+    assert retry.user_attrs["steps_trained"] == 10
+
+
+@pytest.mark.slow
+def test_workers_share_a_loop_study(tmp_path: Path) -> None:
+    path = loop_study(tmp_path, n_trials=4)
+    done = run_cli("run", path, "--workers", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [t.state.name for t in trials_of(path)] == ["COMPLETE"] * 4
+    seen = events(tmp_path)
+    assert sorted(e["trial"] for e in seen) == [0, 1, 2, 3]  # each trial trained once, by one of the workers
+
+
+def test_a_loop_that_ignores_stop_is_stopped_at_its_next_report(tmp_path: Path) -> None:
+    (tmp_path / "stubborn.py").write_text(
+        "def main(config, run):\n"
+        "    for step in range(1, 100):\n"
+        "        run.report(step, val_loss=float('nan') if step > 1 else 1.0)\n"
+        "    return 0.0\n")
+    path = write_study(tmp_path, {"name": "stubborn", "n_trials": 1, "loop": "stubborn:main"})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    (trial,) = trials_of(path, "stubborn")
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2]
+
+
+def test_a_loop_may_return_its_value(tmp_path: Path) -> None:
+    (tmp_path / "direct.py").write_text("def main(config, run):\n    return {'val_loss': config['x'] ** 2}\n")
+    path = write_study(tmp_path, {"name": "direct", "n_trials": 3, "loop": "direct:main", "sampler": "random",
+                                  "space": {"x": {"type": "float", "low": -1, "high": 1}}})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    for trial in trials_of(path, "direct"):
+        assert trial.state.name == "COMPLETE" and trial.value == trial.params["x"] ** 2
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
+    ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),
+    ({"task": ..., "loop": "no colon"}, "loop: expected package.module:function, got 'no colon'"),
+    ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import 'nowhere_module' (ModuleNotFoundError"),
+    ({"task": ..., "loop": "direct:absent"}, "loop: module 'direct' has no function 'absent'"),
+    ({"task": ..., "loop": "direct:one"}, "loop: direct:one must take two arguments, (config, run)"),
+    ({"task": ..., "command": "python x.py --lr {lr}"}, "command: {lr} is not a key of the config"),
+    ({"task": ..., "command": "python 'x.py"}, "command: cannot split the command into arguments"),
+    ({"task": ..., "command": "no-such-program-here --x {x}"}, "command: 'no-such-program-here' is not an executable"),
+])
+def test_bad_loop_or_command_is_one_line_exit_2_and_nothing_created(tmp_path: Path, edit: dict[str, Any],
+                                                                     expected: str) -> None:
+    (tmp_path / "direct.py").write_text("def main(config, run):\n    return 1.0\n\ndef one(config):\n    pass\n")
+    document: dict[str, Any] = {"name": "bad", "n_trials": 1, "task": "digits",
+                                "space": {"x": {"type": "float", "low": 0, "high": 1}}}
+    for key, value in edit.items():
+        if value is ...:
+            document.pop(key)
+        else:
+            document[key] = value
+    path = write_study(tmp_path, document)
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and expected in lines[0], done.stderr
+    assert not (tmp_path / "bad.db").exists()
+
+
+def test_timeout_stops_a_loop_at_its_next_report_and_queues_it_again(tmp_path: Path) -> None:
+    (tmp_path / "slow.py").write_text(
+        "import time\n"
+        "def main(config, run):\n"
+        "    for step in range(1, 10_000):\n"
+        "        time.sleep(0.01)\n"
+        "        if run.report(step, val_loss=1.0 / step):\n"
+        "            return\n")
+    path = write_study(tmp_path, {"name": "slow", "n_trials": 1, "loop": "slow:main", "pruner": "none"})
+    started = time.monotonic()
+    done = sweep_cli("run", path, "--timeout", "1", pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trial, retry = trials_of(path, "slow")
+    assert trial.state.name == "FAIL" and trial.user_attrs["fail_reason"].startswith("interrupted: --timeout")
+    assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 0
+    assert max(trial.intermediate_values) < 9_999
+    assert time.monotonic() - started < 120  # a generous bound: the loop stopped at a report, long before its end
+

@@ -1,0 +1,259 @@
+"""A user's command per trial: `command: python train.py --lr {learning_rate}` with `sweep.client` reporting back to
+the worker, through the real CLI and a real SQLite storage (and PostgreSQL for the transport's independence from the
+storage); scripts are written by each test into its tmp_path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+import torch
+
+from tests.conftest import run_cli, sweep_cli, write_study
+
+ARGS_SCRIPT = '''
+import argparse
+import math
+
+from sweep import client
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, required=True)
+parser.add_argument("--hidden", type=int, required=True)
+args = parser.parse_args()
+for step in range(1, 6):
+    loss = (math.log10(args.lr) + 2) ** 2 + 1.0 / step + args.hidden / 1000
+    print(f"step {step} loss {loss}", flush=True)
+    if client.report(step, val_loss=loss):
+        break
+'''
+
+# Never reports: reads its config from the environment, prints a JSON line at the end (and other lines after it).
+ENV_SCRIPT = '''
+import json
+import os
+
+config = json.loads(os.environ["SWEEP_CONFIG"])
+print(json.dumps({"val_loss": config["x"] ** 2, "trial": int(os.environ["SWEEP_TRIAL"])}))
+print("done")
+'''
+
+NAN_SCRIPT = '''
+import sys
+from sweep import client
+
+for step, value in enumerate([1.0, 0.9, 0.8, float("nan"), 0.5, 0.4], start=1):
+    if client.report(step, val_loss=value):
+        print(f"told to stop at step {step}", flush=True)
+        sys.exit(0)
+'''
+
+CRASH_SCRIPT = '''
+from sweep import client
+
+client.report(1, val_loss=1.0)
+raise RuntimeError("the data loader exploded")
+'''
+
+# Told to stop (NaN), it keeps sleeping, and so does a child it started: both are killed with the group.
+STUBBORN_SCRIPT = '''
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from sweep import client
+
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(sys.argv[1], "w") as pids:
+    pids.write(f"{os.getpid()} {child.pid}")
+client.report(1, val_loss=1.0)
+client.report(2, val_loss=float("nan"))
+time.sleep(600)
+'''
+
+
+# Saves its state at each step through the client; on its first run it kills its worker (SIGKILL) after the save at
+# step 3, as a machine that dies would. Its retry starts from that save.
+RESUMING_SCRIPT = '''
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from sweep import client
+
+marker, events = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+kind, at = client.start()
+state = client.load()  # a resume also puts the RNGs back where they were at the save
+weight = state["weight"] if state is not None else torch.zeros(3)
+first = state["step"] + 1 if state is not None else 1
+with events.open("a") as out:
+    out.write(json.dumps({"trial": client.trial_number(), "start": kind, "step": at}) + "\\n")
+for step in range(first, 7):
+    weight = weight + torch.rand(3)  # the RNG was put back too: the resumed run draws what an unbroken one would
+    client.report(step, val_loss=1.0 / step)
+    assert client.save({"weight": weight, "step": step})
+    if step == 3 and not marker.exists():
+        marker.write_text("killed")
+        os.kill(os.getppid(), signal.SIGKILL)
+        sys.exit(0)
+print(json.dumps({"weight": weight.tolist()}))
+'''
+
+
+def command_study(tmp_path: Path, script: str, command: str, **changes: Any) -> Path:
+    (tmp_path / "train.py").write_text(script)
+    document: dict[str, Any] = {"name": "cmd", "n_trials": 1, "sampler": {"type": "random"},
+                                "command": f"{sys.executable} {command}"}
+    document.update(changes)
+    return write_study(tmp_path, document)
+
+
+def trials_of(path: Path, name: str = "cmd", storage: str | None = None) -> list[optuna.trial.FrozenTrial]:
+    storage = storage or f"sqlite:///{path.parent / f'{name}.db'}"
+    return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent counts as gone: it runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_a_script_reads_its_arguments_and_reports_through_the_client(tmp_path: Path) -> None:
+    path = command_study(tmp_path, ARGS_SCRIPT, "train.py --lr {learning_rate} --hidden {model.hidden}",
+                         n_trials=2, pruner="none", fixed={"model": {"hidden": 8}},
+                         space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}})
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for trial in trials_of(path):
+        lr = trial.params["learning_rate"]
+        expected = [(math.log10(lr) + 2) ** 2 + 1.0 / step + 8 / 1000 for step in range(1, 6)]
+        assert trial.state.name == "COMPLETE"
+        assert [trial.intermediate_values[step] for step in range(1, 6)] == pytest.approx(expected, rel=1e-12)
+        assert trial.value == trial.intermediate_values[5]
+        log = Path(trial.user_attrs["log"])
+        assert log.read_text().splitlines()[0].startswith("step 1 loss ")
+    rows = json.loads(sweep_cli("trials", path, "--format", "json").stdout)
+    assert [Path(row["log"]).name for row in rows] == ["trial00000.log", "trial00001.log"]
+
+    best = sweep_cli("best", path, "-o", tmp_path / "best.yaml")
+    assert best.returncode == 0, best.stderr
+    header = (tmp_path / "best.yaml").read_text().splitlines()[1]
+    winner = min(trials_of(path), key=lambda t: t.value or math.inf)
+    assert header == f"#   {sys.executable} train.py --lr {winner.params['learning_rate']} --hidden 8"
+
+
+def test_a_script_that_never_reports_gets_its_last_json_line(tmp_path: Path) -> None:
+    path = command_study(tmp_path, ENV_SCRIPT, "train.py", n_trials=3,
+                         space={"x": {"type": "float", "low": -1, "high": 1}})
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
+    for trial in trials_of(path):
+        assert trial.state.name == "COMPLETE" and trial.value == trial.params["x"] ** 2
+        assert not trial.intermediate_values
+
+
+def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> None:
+    path = command_study(tmp_path, NAN_SCRIPT, "train.py", pruner="fastfail")
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
+    (trial,) = trials_of(path)
+    assert trial.state.name == "PRUNED"
+    assert list(trial.intermediate_values) == [1, 2, 3, 4] and math.isnan(trial.intermediate_values[4])
+    assert trial.user_attrs["prune_reason"]["rule"] == "nan"
+    assert "told to stop at step 4" in Path(trial.user_attrs["log"]).read_text()
+
+
+def test_a_crashing_script_fails_its_trial_with_its_exit_code_and_log(tmp_path: Path) -> None:
+    path = command_study(tmp_path, CRASH_SCRIPT, "train.py", n_trials=2, max_repeated_failures=0)
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for trial in trials_of(path):
+        assert trial.state.name == "FAIL" and list(trial.intermediate_values) == [1]
+        reason = trial.user_attrs["fail_reason"]
+        assert reason.startswith("the command exited with code 1: ") and "the data loader exploded" in reason
+        assert "Traceback" in Path(trial.user_attrs["log"]).read_text()
+
+
+def test_a_script_that_ignores_stop_is_killed_with_its_group_after_the_grace_period(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    path = command_study(tmp_path, STUBBORN_SCRIPT, f"train.py {pids}", stop_grace_period=1)
+    started = time.monotonic()
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 300  # far below the 600 s the script would sleep
+    (trial,) = trials_of(path)
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2]
+    leader, child = map(int, pids.read_text().split())
+    deadline = time.monotonic() + 60
+    while not (gone(leader) and gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(leader) and gone(child), (leader, child)
+
+
+def test_bad_report_from_a_script_fails_the_trial(tmp_path: Path) -> None:
+    script = "from sweep import client\nclient.report(1, accuracy=0.5)\n"
+    path = command_study(tmp_path, script, "train.py")
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
+    (trial,) = trials_of(path)
+    assert trial.state.name == "FAIL"
+    assert "the study's metric 'val_loss' is not among ['accuracy']" in trial.user_attrs["fail_reason"]
+
+
+def test_the_client_outside_a_study_changes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(ARGS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWEEP_")}
+    done = subprocess.run([sys.executable, "train.py", "--lr", "0.01", "--hidden", "8"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 5  # every step ran: report() said go on
+
+
+@pytest.mark.slow
+def test_a_command_whose_worker_is_killed_is_retried_from_its_saved_state(tmp_path: Path) -> None:
+    marker, events = tmp_path / "marker", tmp_path / "events.jsonl"
+    path = command_study(tmp_path, RESUMING_SCRIPT, f"train.py {marker} {events}", heartbeat_interval=1,
+                         heartbeat_grace_period=2, pruner="none")
+    killed = run_cli("run", path, cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = run_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lost, retry = trials_of(path)
+    assert lost.state.name == "FAIL" and lost.user_attrs["fail_reason"] == "worker lost: no heartbeat"
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 3}
+    assert sorted(retry.intermediate_values) == [1, 2, 3, 4, 5, 6] and retry.value == 1.0 / 6
+    starts = [json.loads(line) for line in events.read_text().splitlines()]
+    assert starts == [{"trial": 0, "start": None, "step": 0}, {"trial": 1, "start": "resume", "step": 3}]
+    # The same weights as six unbroken steps from the same seed: state and RNG both came back.
+    torch.manual_seed(0)
+    expected = torch.zeros(3)
+    for _ in range(6):
+        expected = expected + torch.rand(3)
+    resumed = json.loads(Path(retry.user_attrs["log"]).read_text().strip().splitlines()[-1])["weight"]
+    assert resumed == pytest.approx(expected.tolist(), abs=0)
+
+
+def test_commands_report_the_same_with_postgresql_storage(tmp_path: Path, postgres_url: str) -> None:
+    path = command_study(tmp_path, NAN_SCRIPT, "train.py", name="cmd_pg", pruner="fastfail", storage=postgres_url,
+                         checkpoints={"store": str(tmp_path / "store")})
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (trial,) = trials_of(path, "cmd_pg", storage=postgres_url)
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2, 3, 4]
+    assert Path(trial.user_attrs["log"]).is_relative_to(tmp_path / "store")
