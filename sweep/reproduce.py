@@ -20,8 +20,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -66,8 +69,8 @@ def code_in_study(spec: StudySpec) -> set[str]:
     schedule, fixed or among a searched key's choices."""
     from trainer.config import flatten
 
-    if spec.task is None:  # a user's loop (a command runs as the user's own program: sweep imports nothing of it)
-        return {spec.loop} if spec.loop is not None else set()
+    if spec.task is None:  # a user's loop, or a user's command line
+        return {name for name in (spec.loop, spec.command) if name is not None}
     names = {spec.task.name}
     fixed = flatten(spec.fixed, free=("model", "task_args"))
     if isinstance(fixed.get("curriculum.schedule"), str):
@@ -105,6 +108,7 @@ class _Recorder:
     def __init__(self, stop_at: int, metric: str) -> None:
         self.stop_at, self.metric = stop_at, metric
         self.values: dict[int, float] = {}
+        self.series: list[tuple[int, float]] = []  # what a command's session reads (sweep.runners.command.Reports)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         pass
@@ -193,10 +197,26 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     stored = dict(sorted(trial.intermediate_values.items()))
     recorder = _Recorder(max(stored), metric)
     loop = study_spec.get("loop")
-    if study_spec.get("command") is not None:
-        raise ValueError(f"trial {number} ran a command: rerun it with `sweep best -o` or its logged command line; "
-                         "reproduce reruns the built-in trainer and loop functions")
-    if loop is not None:
+    command = study_spec.get("command")
+    if command is not None:
+        if not trust_code and command not in trusted:
+            raise UntrustedCode(f"reproducing trial {number} would run the command {command!r}, which only the "
+                                "database names, and whoever can write the database chose it. Give the study file "
+                                "that defines the study instead, or pass --trust-task if you trust whoever can write "
+                                "it")
+        from sweep.runners.command import rerun_command
+
+        parent = _parent(trial, BlobScope(store))
+        folder = Path(tempfile.mkdtemp(prefix="sweep-reproduce-"))
+        code = rerun_command(command, stored_config, number, recorder, None if parent is None else parent.state,
+                             float(study_spec.get("stop_grace_period", 10)), folder)
+        if code != 0 and not recorder.values:
+            raise ValueError(f"trial {number}'s command exited with code {code} before its first report; its output "
+                             f"is in {folder / f'reproduce-{number}.log'}")
+        shutil.rmtree(folder, ignore_errors=True)
+        device = resolve_device(str(stored_config.get("device", "cpu")))
+        deterministic = bool(stored_config.get("deterministic", False))
+    elif loop is not None:
         if not trust_code and loop not in trusted:
             raise UntrustedCode(f"reproducing trial {number} would import and run the loop {loop!r}, which only the "
                                 "database names, and whoever can write the database chose it. Give the study file "

@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sweep.client import (
     ENV_CONFIG,
@@ -61,7 +61,7 @@ from sweep.outcomes import (
 )
 from sweep.runners.loop import save_path, user_start
 from sweep.signals import raise_pending
-from trainer.checkpoint import CheckpointInfo, save_checkpoint
+from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
 
 if TYPE_CHECKING:
@@ -212,11 +212,45 @@ def _start_env(start: Start, path: Path) -> dict[str, str]:
             ENV_START_KIND: "resume" if start.resume is not None else "warm"}
 
 
+class Reports(Protocol):
+    """What a command's session reports to: a trial's `TrialReporter`, or `sweep reproduce`'s recorder."""
+
+    metric: str
+    series: list[tuple[int, float]]
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool: ...
+
+
+def rerun_command(template: str, config: Mapping[str, Any], number: int, reports: Reports,
+                  parent: TrainState | None, grace: float, folder: Path) -> int:
+    """A command trial again, for `sweep reproduce`: the same command line, config and environment (the donor's
+    state when the trial was warm-started), its reports to `reports` (which answers "stop" after the stored trial's
+    last step), no checkpoints; its output in `folder/reproduce-NUMBER.log`. Returns its exit code."""
+    argv = command_line(template, config)
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / f"reproduce-{number}.log"
+    start = Start(warm=WarmStart(parent)) if parent is not None else Start()
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(number), ENV_CONFIG: json.dumps(config),
+           **_start_env(start, folder / f"reproduce-{number}.start.pt")}
+    with open(log, "wb") as output, ours:
+        try:
+            process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, pass_fds=[theirs.fileno()], start_new_session=True)
+        finally:
+            theirs.close()
+        session = _Session(process, ours, reports, None, grace, None)
+        try:
+            return session.wait()
+        finally:
+            _end_group(process, grace)
+
+
 class _Session:
     """The worker's side of one command's socket: each report line goes to the study (`TrialReporter`) and is
     answered "go" or "stop"; a command told to stop that has not exited after the grace period is killed."""
 
-    def __init__(self, process: subprocess.Popen[bytes], connection: socket.socket, reporter: TrialReporter,
+    def __init__(self, process: subprocess.Popen[bytes], connection: socket.socket, reporter: Reports,
                  deadline: Deadline | None, grace: float, checkpointer: TrialCheckpointer | None) -> None:
         self.process, self.connection, self.reporter = process, connection, reporter
         self.checkpointer = checkpointer

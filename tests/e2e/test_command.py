@@ -160,6 +160,14 @@ def test_a_script_reads_its_arguments_and_reports_through_the_client(tmp_path: P
     winner = min(trials_of(path), key=lambda t: t.value or math.inf)
     assert header == f"#   {sys.executable} train.py --lr {winner.params['learning_rate']} --hidden 8"
 
+    # Reproduce runs the same command line again and compares every reported value.
+    again = sweep_cli("reproduce", path, str(winner.number), cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"trial {winner.number} reproduced: 5 reported values identical (bit for bit)" in again.stdout
+    (tmp_path / "train.py").write_text(ARGS_SCRIPT.replace("1.0 / step", "1.01 / step"))  # the script changed since
+    changed = sweep_cli("reproduce", path, str(winner.number), cwd=tmp_path)
+    assert changed.returncode == 1 and f"trial {winner.number} differs first at step 1" in changed.stderr
+
 
 def test_a_script_that_never_reports_gets_its_last_json_line(tmp_path: Path) -> None:
     path = command_study(tmp_path, ENV_SCRIPT, "train.py", n_trials=3,
