@@ -31,6 +31,7 @@ from sweep.outcomes import (
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
+    ATTR_TRAIN_CURVE,
     ATTR_WALL,
     ATTR_WARM_START,
     Outcome,
@@ -44,6 +45,7 @@ from sweep.storage import StorageAway
 from sweep.warmstart import shape_key
 from trainer import Task, TrainingConfig, load_task, train
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
+from trainer.loop import TrainingSeries
 
 if TYPE_CHECKING:
     from sweep.checkpoints import CheckpointService, TrialCheckpointer
@@ -77,17 +79,22 @@ class TrialReporter:
         self.prune_reason: dict[str, Any] | None = None
         self.report_ms: list[float] = []  # storage round trips of report + should_prune, kept on the trial
         self.speed: dict[str, float] = {}  # the latest throughput and memory, kept on the trial
+        self.training = TrainingSeries(config.fast_fail, self.metric)  # for the overfitting rule; empty when off
+        self.training_unsent = False
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
         self.events.trial_log(self.trial.number, step, metrics)
         self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
+        self.training.log(metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         raise_pending()
         value = metrics[self.metric]
         self.series.append((step, value))
         self.unsent.append((step, value))
+        if self.training.pair(step) is not None:
+            self.training_unsent = True
         started = time.perf_counter()
         try:
             with self.boundary.no_wait():
@@ -104,6 +111,9 @@ class TrialReporter:
         return prune
 
     def flush(self) -> None:
+        if self.training_unsent:  # before the values: the pruner reads both when asked
+            self.trial.set_user_attr(ATTR_TRAIN_CURVE, [list(pair) for pair in self.training.series])
+            self.training_unsent = False
         while self.unsent:
             step, value = self.unsent[0]
             self.trial.report(value, step)
@@ -115,7 +125,8 @@ class TrialReporter:
         pruner = self.trial.study.pruner
         reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
         if isinstance(pruner, FastFailPruner):
-            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize)
+            verdict = pruner.verdict(self.series, self.config.to_dict(), self.maximize,
+                                     train_series=self.training.series)
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
             else:

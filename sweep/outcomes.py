@@ -62,6 +62,9 @@ ATTR_STEPS_TRAINED = "steps_trained"  # steps this trial trained itself (a warm 
 ATTR_SPEED = "speed"  # the latest log's samples/s, tokens/s, peak device memory (MB), GPU utilisation (%)
 ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Optuna artifact
 ATTR_REPORT_MS = "report_ms"
+# [[step, value], ...]: the training counterpart of the metric at each evaluation, for fast-fail's overfitting rule
+# (written only while that rule is on)
+ATTR_TRAIN_CURVE = "train_curve"
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)

@@ -167,6 +167,9 @@ class CheckpointPolicy(_Model):
     """When trials write checkpoints, how many each keeps, and where the blobs go."""
 
     every_steps: StrictInt | None = Field(None, ge=1)  # also save every this many steps (at log or eval steps)
+    # also save at the first log or eval step once this many seconds (wall clock) have passed since the trial's last
+    # checkpoint or its start: long trials on preemptible machines lose at most this much (plus one log interval)
+    every_seconds: Number | None = Field(None, gt=0)
     on_best: StrictBool = True  # save at every evaluation that improves the trial's best value
     keep_top_k: StrictInt = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
     keep_top_trials: StrictInt | None = Field(None, ge=1)  # per study: only the k best finished trials keep some
@@ -183,7 +186,7 @@ class CheckpointPolicy(_Model):
 
     @property
     def enabled(self) -> bool:
-        return self.on_best or self.every_steps is not None
+        return self.on_best or self.every_steps is not None or self.every_seconds is not None
 
 
 class WarmStartSpec(_Model):

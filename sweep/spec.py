@@ -28,6 +28,7 @@ from sweep.schema import (
     validate_document,
 )
 from trainer.config import ConfigError, TrainingConfig, flatten
+from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.tasks import Task, TaskError, load_task
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "store_problems",
@@ -112,10 +113,14 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         problems.append(("curriculum.schedule", f"task {task.name!r} gives no per-sample difficulty, so it cannot "
                                                 "follow a curriculum; use schedule none or a task with difficulty"))
     if spec.warm_start.enabled and not spec.checkpoints.enabled:
-        problems.append(("warm_start", "needs checkpoints to start from: set checkpoints.on_best or "
-                                       "checkpoints.every_steps"))
+        problems.append(("warm_start", "needs checkpoints to start from: set checkpoints.on_best, "
+                                       "checkpoints.every_steps or checkpoints.every_seconds"))
     if spec.metric not in task.metric_names:
         problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; got {spec.metric!r}"))
+    if spec.fast_fail().get("overfit_gap") is not None and training_metric(spec.metric) not in TRAINING_METRICS:
+        problems.append(("pruner.overfit_gap", f"the overfitting rule compares the metric with its training "
+                                               f"counterpart; the trainer logs {', '.join(TRAINING_METRICS)}, so it "
+                                               f"needs metric val_loss, got {spec.metric!r}"))
     problems += component_problems(spec)
     return _unique(problems)
 
