@@ -42,6 +42,7 @@ from sweep.outcomes import (
 from sweep.pruners import FastFailPruner
 from sweep.signals import raise_pending
 from sweep.storage import StorageAway
+from sweep.tracking import Guarded, open_trackers
 from sweep.warmstart import shape_key
 from trainer import Task, TrainingConfig, load_task, train
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from sweep.progress import Events
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
+    from sweep.tracking import Tracker
 
 __all__ = ["TrainerTrial", "TrialReporter", "task_for"]
 
@@ -69,7 +71,7 @@ class TrialReporter:
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: TrainingConfig, events: Events,
                  boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: _Deadline | None = None,
-                 ) -> None:
+                 trackers: Sequence[Tracker] = ()) -> None:
         self.trial, self.config, self.events, self.boundary = trial, config, events, boundary
         self.deadline = deadline
         self.metric = spec.metric
@@ -81,15 +83,20 @@ class TrialReporter:
         self.speed: dict[str, float] = {}  # the latest throughput and memory, kept on the trial
         self.training = TrainingSeries(config.fast_fail, self.metric)  # for the overfitting rule; empty when off
         self.training_unsent = False
+        self.trackers = list(trackers)  # TensorBoard, MLflow (sweep.tracking): empty with tracking off
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
         self.events.trial_log(self.trial.number, step, metrics)
         self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
         self.training.log(metrics)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         raise_pending()
+        for tracker in self.trackers:
+            tracker.report(step, metrics)
         value = metrics[self.metric]
         self.series.append((step, value))
         self.unsent.append((step, value))
@@ -194,10 +201,13 @@ class TrainerTrial:
     """One trial of the built-in trainer, from its params to its result; `release` hands its checkpoints back."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None,
+                 storage_url: str | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.checkpointer: TrialCheckpointer | None = None
         self.deadline = None if deadline is None else _Deadline(deadline)
+        self.storage_url = storage_url
+        self.trackers: list[Guarded] = []  # none with tracking off
 
     def run(self) -> TrialResult:
         trial, spec = self.trial, self.spec
@@ -207,8 +217,9 @@ class TrainerTrial:
         trial.set_user_attr(ATTR_CONFIG, config.to_dict())
         task = task_for(config.task, config.task_args)
         start = self._start(params, config, task)
+        self.trackers = open_trackers(spec, self.storage_url, trial.study.study_name, trial.number, params)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior,
-                                 deadline=self.deadline)
+                                 deadline=self.deadline, trackers=self.trackers)
         checkpointer: Any = self.checkpointer
         if self.deadline is not None and self.checkpointer is not None:
             self.deadline.checkpointer = self.checkpointer
@@ -229,9 +240,12 @@ class TrainerTrial:
                                {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {result.steps}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
-    def release(self, outcome: Outcome) -> None:
+    def release(self, result: TrialResult) -> None:
+        """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
         if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, outcome, self.checkpointer)
+            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
+        for tracker in self.trackers:
+            tracker.finish(result.outcome.value, result.value, result.attrs)
 
     def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task) -> _Start:
         """A retry resumes from its lineage's newest intact checkpoint; otherwise, with warm start on, the trial

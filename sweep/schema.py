@@ -35,7 +35,8 @@ from pydantic import (
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
-           "FloatParam", "IntParam", "Param", "StudyFileError", "StudySpec", "TaskSpec", "WarmStartSpec",
+           "FloatParam", "IntParam", "MLflowSpec", "Param", "StudyFileError", "StudySpec", "TaskSpec",
+           "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
            "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
            "validate_document"]
@@ -217,6 +218,38 @@ class WarmStartSpec(_Model):
         return value
 
 
+class TensorBoardSpec(_Model):
+    """One TensorBoard run per trial: `DIR/<study>/trial-NNNNN/` (see sweep.tracking)."""
+
+    enabled: StrictBool = True
+    dir: StrictStr | None = None  # default: NAME.tensorboard/ next to the SQLite file (sweep-tensorboard/ for a server)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+class MLflowSpec(_Model):
+    """One MLflow run per trial, nested under one run for the study (see sweep.tracking)."""
+
+    enabled: StrictBool = True
+    tracking_uri: StrictStr | None = None  # default: sqlite:///NAME.mlflow.db next to the SQLite file
+    experiment: StrictStr | None = None  # default: the study's name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+class TrackingSpec(_Model):
+    """Where every trial's logged metrics also go, besides the study's storage. Both off by default."""
+
+    tensorboard: TensorBoardSpec = Field(default_factory=lambda: TensorBoardSpec.model_validate(False))
+    mlflow: MLflowSpec = Field(default_factory=lambda: MLflowSpec.model_validate(False))
+
+
 class StudySpec(_Model):
     """The validated study file. `source` is where it came from (not a key of the file)."""
 
@@ -236,6 +269,7 @@ class StudySpec(_Model):
     storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
     warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
+    tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec.model_validate({}))
     task: TaskSpec
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}

@@ -27,6 +27,7 @@ from sweep.schema import (
     read_spec,
     validate_document,
 )
+from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.tasks import Task, TaskError, load_task
@@ -122,6 +123,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                f"counterpart; the trainer logs {', '.join(TRAINING_METRICS)}, so it "
                                                f"needs metric val_loss, got {spec.metric!r}"))
     problems += component_problems(spec)
+    problems += tracking_problems(spec)
     return _unique(problems)
 
 
