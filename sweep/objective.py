@@ -217,7 +217,8 @@ class TrainerTrial:
         trial.set_user_attr(ATTR_CONFIG, config.to_dict())
         task = task_for(config.task, config.task_args)
         start = self._start(params, config, task)
-        self.trackers = open_trackers(spec, self.storage_url, trial.study.study_name, trial.number, params)
+        self.trackers = open_trackers(spec, self.storage_url, trial.study.study_name, trial.number, params,
+                                      config.to_dict())
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior,
                                  deadline=self.deadline, trackers=self.trackers)
         checkpointer: Any = self.checkpointer
@@ -244,8 +245,22 @@ class TrainerTrial:
         """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
-        for tracker in self.trackers:
-            tracker.finish(result.outcome.value, result.value, result.attrs)
+        if self.trackers:
+            attrs = {**result.attrs, "checkpoint": self._best_checkpoint()}
+            for tracker in self.trackers:
+                tracker.finish(result.outcome.value, result.value, attrs)
+
+    def _best_checkpoint(self) -> dict[str, Any] | None:
+        """Where the trial's best checkpoint lies, for the trackers; None when it has none or the registry does
+        not answer (tracking never fails a trial)."""
+        if self.checkpointer is None:
+            return None
+        try:
+            best = self.checkpointer.best_record()
+        except Exception:  # noqa: BLE001 - see above
+            return None
+        return None if best is None else {"uri": best.uri, "step": best.step, "value": best.value,
+                                          "sha256": best.sha256}
 
     def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task) -> _Start:
         """A retry resumes from its lineage's newest intact checkpoint; otherwise, with warm start on, the trial

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from sweep.urls import mask_url
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
@@ -321,7 +322,11 @@ class StudySpec(_Model):
     def stored(self) -> dict[str, Any]:
         """The spec as it is kept on the study. The storage URL is left out: it may hold a password, and a study
         already knows where it lives."""
-        return self.model_dump(mode="json", exclude={"storage"})
+        stored = self.model_dump(mode="json", exclude={"storage"})
+        uri = stored["tracking"]["mlflow"]["tracking_uri"]
+        if uri is not None:  # a server URI may hold a password too
+            stored["tracking"]["mlflow"]["tracking_uri"] = mask_url(uri)
+        return stored
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same study; the rest (budget, sampler, pruner) may change between resumes."""

@@ -20,7 +20,10 @@ serves `ROOT/<study>`. The trial's params and final value are in TensorBoard's h
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,12 +32,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sweep.outcomes import SPEC_ATTR
 from sweep.schema import TrackingSpec
 from sweep.storage import sqlite_path
+from sweep.urls import mask_urls
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["Guarded", "TensorBoardTracker", "Tracker", "open_trackers", "study_tensorboard_folder", "tensorboard_root",
-           "tracking_problems", "trial_run_name"]
+__all__ = ["Guarded", "MLflowTracker", "TensorBoardTracker", "Tracker", "mlflow_location", "open_trackers",
+           "study_tensorboard_folder", "tensorboard_root", "tracking_problems", "trial_run_name"]
 
 
 class Tracker(Protocol):
@@ -117,6 +121,105 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+# MLflow's own client retries a server that does not answer 7 times with a backoff factor of 2 (minutes per call);
+# a trial should not wait that long on its tracking. Set these yourself to choose otherwise.
+MLFLOW_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+TAG_STUDY, TAG_ROLE, TAG_TRIAL = "sweep.study", "sweep.role", "sweep.trial"
+_STUDY_RUNS: dict[tuple[str, str, str], tuple[str, str]] = {}  # (uri, experiment, study) -> (experiment id, run id)
+
+
+def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name: str) -> tuple[str, str, str | None]:
+    """`(tracking URI, experiment, artifact location)`: `tracking.mlflow`'s, else a SQLite store next to the study's
+    SQLite file (`NAME.db` -> `NAME.mlflow.db`, artifacts in `NAME.mlflow-artifacts/`), else (a server database)
+    `sweep-mlflow.db` in the working folder. The experiment defaults to the study's name. None: the server's."""
+    experiment = tracking.mlflow.experiment or study_name
+    if tracking.mlflow.tracking_uri is not None:
+        return tracking.mlflow.tracking_uri, experiment, None
+    path = sqlite_path(storage_url) if storage_url is not None else None
+    if path is not None:
+        store, artifacts = path.with_suffix(".mlflow.db"), path.with_suffix(".mlflow-artifacts")
+    else:
+        store, artifacts = Path("sweep-mlflow.db"), Path("sweep-mlflow-artifacts")
+    return f"sqlite:///{store.resolve()}", experiment, artifacts.resolve().as_uri()
+
+
+def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, study: str) -> tuple[str, str]:
+    """The experiment and the study's parent run, found (by its tags) or made; cached per process."""
+    key = (uri, experiment, study)
+    if key not in _STUDY_RUNS:
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else client.create_experiment(
+            experiment, artifact_location=artifacts)
+        runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_STUDY}` = '{study}' and "
+                                  f"tags.`{TAG_ROLE}` = 'study'", max_results=1, order_by=["attributes.start_time"])
+        run_id = runs[0].info.run_id if runs else client.create_run(
+            experiment_id, run_name=study, tags={TAG_STUDY: study, TAG_ROLE: "study"}).info.run_id
+        _STUDY_RUNS[key] = (experiment_id, run_id)
+    return _STUDY_RUNS[key]
+
+
+class MLflowTracker:
+    """One trial's MLflow run, nested under the study's run: params, every logged and evaluated metric per step
+    (sent in the background: `log_batch(synchronous=False)`), and at the end tags for its state, prune or fail reason
+    and best checkpoint, its final value as a metric, and its resolved config and reproducibility record as
+    artifacts."""
+
+    def __init__(self, tracking: TrackingSpec, storage_url: str | None, study: str, trial_number: int,
+                 params: Mapping[str, Any], config: Mapping[str, Any], metric: str) -> None:
+        from mlflow import MlflowClient
+
+        uri, experiment, artifacts = mlflow_location(tracking, storage_url, study)
+        if uri.startswith(("http://", "https://")):
+            for name, value in MLFLOW_RETRY_DEFAULTS.items():
+                os.environ.setdefault(name, value)
+        self.client, self.metric, self.config = MlflowClient(tracking_uri=uri), metric, dict(config)
+        self.pending: list[Any] = []
+        experiment_id, parent = _study_run(self.client, uri, experiment, artifacts, study)
+        self.run_id = self.client.create_run(experiment_id, run_name=trial_run_name(trial_number), tags={
+            "mlflow.parentRunId": parent, TAG_STUDY: study, TAG_ROLE: "trial", TAG_TRIAL: str(trial_number)},
+        ).info.run_id
+        self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in params.items()])
+
+    def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(name, float(value), now, step) for name, value in metrics.items() if name != "step"]
+        self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._metrics(step, metrics)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._metrics(step, metrics)
+
+    def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        for operation in self.pending:  # the metrics sent in the background: an error there surfaces here
+            if operation is not None:
+                operation.wait()
+        tags = [RunTag("sweep.state", outcome)]
+        for key in ("prune_reason", "fail_reason", "checkpoint"):
+            if attrs.get(key) is not None:
+                tags.append(RunTag(f"sweep.{key}", json.dumps(attrs[key], default=str)[:5000]))
+        self.client.log_batch(self.run_id, tags=tags)
+        if value is not None and math.isfinite(value):
+            self.client.log_metric(self.run_id, f"final_{self.metric}", value, step=int(attrs.get("steps", 0)))
+        self.client.log_dict(self.run_id, self.config, "config.json")
+        if attrs.get("reproducibility") is not None:
+            self.client.log_dict(self.run_id, dict(attrs["reproducibility"]), "reproducibility.json")
+        status = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED"}.get(outcome, "KILLED")
+        self.client.set_terminated(self.run_id, status)
+
+
+def _param(name: str, value: Any) -> Any:
+    from mlflow.entities import Param
+
+    return Param(name, str(value))
+
+
 class Guarded:
     """A tracker that never fails the trial: the first error a backend raises is one warning, and the backend is
     dropped for the rest of the trial."""
@@ -129,7 +232,7 @@ class Guarded:
         try:
             return function(*args)
         except Exception as exc:  # noqa: BLE001 - a tracking backend never takes a trial down
-            first = str(exc).splitlines()[0] if str(exc) else ""
+            first = mask_urls(str(exc).splitlines()[0]) if str(exc) else ""  # a tracking URI may hold a password
             warnings.warn(f"trial {self.number}: {self.name} tracking dropped for this trial ({what} failed: "
                           f"{type(exc).__name__}: {first})", stacklevel=3)
             self.inner = None
@@ -150,11 +253,15 @@ class Guarded:
 
 
 def open_trackers(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int,
-                  params: Mapping[str, Any]) -> list[Guarded]:
-    """The trial's trackers, one per backend the study turns on; none (an empty list) when tracking is off."""
+                  params: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> list[Guarded]:
+    """The trial's trackers, one per backend the study turns on; none (an empty list) when tracking is off.
+    `config`: the trial's resolved TrainingConfig (an MLflow artifact)."""
     trackers = []
     if spec.tracking.tensorboard.enabled:
         folder = tensorboard_root(spec.tracking, storage_url) / study_name / trial_run_name(trial_number)
         trackers.append(Guarded("tensorboard", trial_number,
                                 lambda: TensorBoardTracker(folder, params, spec.metric)))
+    if spec.tracking.mlflow.enabled:
+        trackers.append(Guarded("mlflow", trial_number, lambda: MLflowTracker(
+            spec.tracking, storage_url, study_name, trial_number, params, config or {}, spec.metric)))
     return trackers

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -136,3 +137,51 @@ def test_sweep_tensorboard_without_runs_is_a_one_line_error(tmp_path: Path) -> N
     assert done.stderr.strip().splitlines() == [
         f"error: no TensorBoard runs for study 'tiny' in {tmp_path / 'tiny.tensorboard' / 'tiny'}: its trials write "
         "them with tracking: {tensorboard: true} in the study file"]
+
+
+def test_mlflow_holds_a_run_per_trial_under_the_study_s_run_with_every_step(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    trials, _ = tracked_study(tmp_path, {"mlflow": True}, n_trials=2)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    experiment = client.get_experiment_by_name("tiny")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    [study_run] = [r for r in runs if r.data.tags.get("sweep.role") == "study"]
+    by_name = {r.info.run_name: r for r in runs if r.data.tags.get("sweep.role") == "trial"}
+    assert sorted(by_name) == [f"trial-{t.number:05d}" for t in trials]
+    for trial in trials:
+        run = by_name[f"trial-{trial.number:05d}"]
+        assert run.data.tags["mlflow.parentRunId"] == study_run.info.run_id
+        assert run.data.params == {k: str(v) for k, v in trial.params.items()}
+        for name in LOGGED:
+            assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [5, 10, 15, 20], name
+        evals = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_loss")}
+        assert evals == pytest.approx(trial.intermediate_values, rel=1e-6)
+        assert run.data.metrics["final_val_loss"] == pytest.approx(trial.value, rel=1e-6)
+        assert run.data.tags["sweep.state"] == "complete" and run.info.status == "FINISHED"
+        checkpoint = json.loads(run.data.tags["sweep.checkpoint"])
+        assert Path(checkpoint["uri"].removeprefix("file://")).name.startswith(f"trial{trial.number:05d}-step")
+        artifacts = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / f"dl{trial.number}")))
+        assert json.loads((artifacts / "config.json").read_text()) == trial.user_attrs["config"]
+        assert json.loads((artifacts / "reproducibility.json").read_text()) == trial.user_attrs["reproducibility"]
+
+
+def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per_trial(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"})
+    try:
+        trials, stderr = tracked_study(tmp_path, {"mlflow": {"tracking_uri": f"http://me:s3cret@127.0.0.1:{port}"}})
+    finally:
+        for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+            os.environ.pop(name, None)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    warned = re.findall(r"trial (\d+): mlflow tracking dropped for this trial", stderr)
+    assert sorted(map(int, warned)) == [0, 1, 2], stderr
+    assert "s3cret" not in stderr
+    stored = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").user_attrs
+    assert "s3cret" not in json.dumps(stored)
