@@ -185,3 +185,37 @@ def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per
     assert "s3cret" not in stderr
     stored = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").user_attrs
     assert "s3cret" not in json.dumps(stored)
+
+
+@pytest.mark.parametrize(("tracking", "key", "extra"), [({"tensorboard": True}, "tracking.tensorboard", "tensorboard"),
+                                                        ({"mlflow": True}, "tracking.mlflow", "mlflow")])
+def test_a_backend_that_is_not_installed_is_refused_before_anything_is_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tracking: dict[str, Any], key: str, extra: str) -> None:
+    monkeypatch.setitem(sys.modules, extra, None)  # what importing it finds where it is not installed
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"tracking": tracking})
+    done = sweep_cli("run", path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {path}: {key}: needs the {extra} package: pip install 'sweep[{extra}]'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
+def test_a_pruned_trial_says_so_in_both_backends(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    # Every value above 0.1 at step 10 prunes (the threshold pruner); step 0 is never judged by it.
+    trials, _ = tracked_study(tmp_path, {"tensorboard": True, "mlflow": True}, n_trials=1,
+                              pruner={"type": "threshold", "upper": 0.1, "n_warmup_steps": 1})
+    [trial] = trials
+    assert trial.state == TrialState.PRUNED
+    run = event_runs(tmp_path / "tiny.tensorboard")["tiny/trial-00000"]
+    assert session_hparams(run)[0]["state"] == "pruned"
+    assert "final/val_loss" not in run.Tags()["scalars"]  # a pruned trial has no value
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                                      filter_string="tags.`sweep.role` = 'trial'")
+    assert mlflow_run.data.tags["sweep.state"] == "pruned"
+    assert json.loads(mlflow_run.data.tags["sweep.prune_reason"]) == trial.user_attrs["prune_reason"]
+    assert "final_val_loss" not in mlflow_run.data.metrics
