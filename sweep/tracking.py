@@ -175,7 +175,8 @@ class MLflowTracker:
                 os.environ.setdefault(name, value)
         self.client, self.metric, self.config = MlflowClient(tracking_uri=uri), metric, dict(config)
         self.pending: list[Any] = []
-        experiment_id, parent = _study_run(self.client, uri, experiment, artifacts, study)
+        experiment_id, self.parent = _study_run(self.client, uri, experiment, artifacts, study)
+        parent = self.parent
         self.run_id = self.client.create_run(experiment_id, run_name=trial_run_name(trial_number), tags={
             "mlflow.parentRunId": parent, TAG_STUDY: study, TAG_ROLE: "trial", TAG_TRIAL: str(trial_number)},
         ).info.run_id
@@ -212,6 +213,9 @@ class MLflowTracker:
             self.client.log_dict(self.run_id, dict(attrs["reproducibility"]), "reproducibility.json")
         status = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED"}.get(outcome, "KILLED")
         self.client.set_terminated(self.run_id, status)
+        # The study's run ends with its latest trial (its end time moves on with each one): no worker knows which
+        # trial is the study's last, and a run left RUNNING would look alive in MLflow's UI forever.
+        self.client.set_terminated(self.parent, "FINISHED")
 
 
 def _param(name: str, value: Any) -> Any:

@@ -91,6 +91,19 @@ def test_tracking_off_writes_no_tracking_files(tmp_path: Path) -> None:
     assert written >= {"study.yaml", "tiny.db", "tiny.checkpoints"}
 
 
+def test_tracking_off_imports_neither_library(tmp_path: Path) -> None:
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    script = ("import sys\n"
+              "from sweep.cli import app\n"
+              f"try:\n    app(['run', {str(path)!r}])\n"
+              "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+              "print(sorted(m for m in ('tensorboard', 'mlflow', 'torch.utils.tensorboard') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **CLI_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_tracking_folder_that_cannot_be_written_fails_no_trial_and_warns_once_per_trial(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     (tmp_path / "blocked").write_text("a file where the folder should be\n")
@@ -149,6 +162,7 @@ def test_mlflow_holds_a_run_per_trial_under_the_study_s_run_with_every_step(tmp_
     assert experiment is not None
     runs = client.search_runs([experiment.experiment_id])
     [study_run] = [r for r in runs if r.data.tags.get("sweep.role") == "study"]
+    assert study_run.info.run_name == "tiny" and study_run.info.status == "FINISHED"
     by_name = {r.info.run_name: r for r in runs if r.data.tags.get("sweep.role") == "trial"}
     assert sorted(by_name) == [f"trial-{t.number:05d}" for t in trials]
     for trial in trials:
