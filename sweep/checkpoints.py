@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -191,18 +192,25 @@ def _cleanup(trial_number: int, what: str) -> Iterator[None]:
 
 
 class TrialCheckpointer:
-    """The trainer's `Checkpointer` for one trial."""
+    """The trainer's `Checkpointer` for one trial: the policy (`every_steps`, `every_seconds`, `on_best`, the
+    warm-start handoff step) decides at each log or eval step; the trainer writes, and `saved` registers.
+
+    `clock`: seconds from any fixed point (`time.monotonic`); `every_seconds` counts from the trial's start (this
+    object's creation) and from each checkpoint written, whatever the reason it was written."""
 
     def __init__(self, registry: Registry, store: CheckpointStore, study: str, trial_number: int,
                  params: Mapping[str, Any],
                  policy: CheckpointPolicy, metric: str, maximize: bool, shape_key: str = "",
-                 coords: Sequence[float | None] = (), cat_key: str = "", keep_steps: Sequence[int] = ()) -> None:
+                 coords: Sequence[float | None] = (), cat_key: str = "", keep_steps: Sequence[int] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry, self.store, self.study, self.number = registry, store, study, trial_number
         self.params, self.policy, self.metric, self.maximize = dict(params), policy, metric, maximize
         self.shape_key, self.coords, self.cat_key = shape_key, list(coords), cat_key
         self.keep_steps = set(keep_steps)  # always saved and kept: the warm-start handoff point
         self.best: float | None = None
         self.pending: list[dict[str, Any]] = []  # registrations the storage could not take yet
+        self.clock = clock
+        self.last_saved_at = clock()
 
     def _improves(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -211,10 +219,12 @@ class TrialCheckpointer:
 
     def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
         periodic = self.policy.every_steps is not None and step % self.policy.every_steps == 0
+        timed = (self.policy.every_seconds is not None
+                 and self.clock() - self.last_saved_at >= self.policy.every_seconds)
         best = self.policy.on_best and metrics is not None and self._improves(metrics[self.metric])
         if best:
             self.best = metrics[self.metric]  # type: ignore[index]
-        if not (periodic or best or step in self.keep_steps):
+        if not (periodic or timed or best or step in self.keep_steps):
             return None
         return self.path_at(step)
 
@@ -226,6 +236,7 @@ class TrialCheckpointer:
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         """Register the blob. While the storage is away (the trial keeps training), the registration waits in
         memory and is made with the next one, or when the trial ends; the blob is on disk meanwhile."""
+        self.last_saved_at = self.clock()
         value = None if metrics is None else metrics.get(self.metric)
         self.pending.append(dict(study=self.study, trial_number=self.number, step=info.step, value=value,
                                  params=self.params, shape_key=self.shape_key, uri=self.store.put(info.path),

@@ -19,6 +19,7 @@ import math
 import os
 import shlex
 import sys
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -653,12 +654,7 @@ def dashboard(
     except ImportError:
         raise _fail("optuna-dashboard is not installed: pip install 'sweep[dashboard]'", 1) from None
     study, url = _open_with_url(target, storage, study_name, "dashboard")
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
-        err.print(f"warning: binding to {host}: anyone who can reach this machine can read and edit the study")
+    _warn_if_exposed(host, "read and edit the study")
     from sweep.outcomes import SPEC_ATTR
     from sweep.reconcile import store_location
     from sweep.study import label_for_dashboard
@@ -670,6 +666,47 @@ def dashboard(
                                          or store_location(study, url))
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
     optuna_dashboard.run_server(url, host=host, port=port, artifact_store=artifacts)
+
+
+@app.command()
+def tensorboard(
+    target: Target = "",
+    storage: StorageOpt = None,
+    study_name: NameOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind; loopback unless you say otherwise.")] =
+    "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="0: any free port (the address is printed).")] = 6006,
+) -> None:
+    """Start TensorBoard on the study's trials (tracking: {tensorboard: true}): one run per trial, params and final
+    values in its hparams view."""
+    try:
+        from tensorboard import program
+    except ImportError:
+        raise _fail("tensorboard is not installed: pip install 'sweep[tensorboard]'", 1) from None
+    from sweep.tracking import study_tensorboard_folder
+
+    study, url = _open_with_url(target, storage, study_name, "tensorboard")
+    folder = study_tensorboard_folder(study, url)
+    if not folder.is_dir():
+        raise _fail(f"no TensorBoard runs for study {study.study_name!r} in {folder}: its trials write them with "
+                    "tracking: {tensorboard: true} in the study file", 2)
+    _warn_if_exposed(host, "read the study's curves")
+    board = program.TensorBoard()
+    board.configure(argv=[None, "--logdir", str(folder), "--host", host, "--port", str(port)])
+    served = board.launch()  # serves from a thread of its own; this one waits for Ctrl-C
+    err.print(f"TensorBoard on {served} for study {study.study_name!r} ({folder}; Ctrl-C to stop)")
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
+
+
+def _warn_if_exposed(host: str, what: str) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        err.print(f"warning: binding to {host}: anyone who can reach this machine can {what}")
 
 
 def dashboard_artifact_store(study: Any, store: str) -> object | None:

@@ -178,7 +178,8 @@ class CohortLoop:
             self.spent = spent
             if trial is None:
                 return
-            runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints)
+            runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints,
+                                  storage_url=worker.url)
             try:
                 prepared = runner.prepare()
             except Exception as exc:  # noqa: BLE001 - the trial's config or start failed: it alone fails

@@ -9,6 +9,7 @@ exception means; this module only trains.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -34,6 +35,7 @@ from sweep.outcomes import (
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
+    ATTR_TRAIN_CURVE,
     ATTR_WALL,
     ATTR_WARM_START,
     Outcome,
@@ -44,15 +46,19 @@ from sweep.outcomes import (
 from sweep.pruners import FastFailPruner
 from sweep.signals import raise_pending
 from sweep.storage import StorageAway
+from sweep.tracking import Guarded, open_trackers
 from sweep.warmstart import shape_key
 from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
+from trainer.fast_fail_rules import FastFailConfig
+from trainer.loop import TrainingSeries
 
 if TYPE_CHECKING:
     from sweep.checkpoints import CheckpointService, TrialCheckpointer
     from sweep.progress import Events
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
+    from sweep.tracking import Tracker
 
 __all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "resume_lineage", "task_for",
            "warm_start"]
@@ -75,7 +81,7 @@ class TrialReporter:
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: Mapping[str, Any], events: Events,
                  boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: Deadline | None = None,
-                 inherited_until: int | None = None, judged: bool = True) -> None:
+                 inherited_until: int | None = None, judged: bool = True, trackers: Sequence[Tracker] = ()) -> None:
         self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
         self.inherited_until, self.judged = inherited_until, judged
         max_steps = config.get("max_steps")  # a user's loop may have none: then no step is known to be the last
@@ -88,19 +94,30 @@ class TrialReporter:
         self.prune_reason: dict[str, Any] | None = None
         self.report_ms: list[float] = []  # storage round trips of report + should_prune, kept on the trial
         self.speed: dict[str, float] = {}  # the latest throughput and memory, kept on the trial
+        # The overfitting rule's training values (empty when it is off, and for a user's loop, which has no fast_fail).
+        self.training = TrainingSeries(_fast_fail_of(self.config), self.metric)
+        self.training_unsent = False
+        self.trackers = list(trackers)  # TensorBoard, MLflow (sweep.tracking): empty with tracking off
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
         self.events.trial_log(self.trial.number, step, metrics)
         self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
+        self.training.log(metrics)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         raise_pending()
         if self.inherited_until is not None and step <= self.inherited_until:
             return False  # the donor's value at the handoff: its lineage's, not this trial's
+        for tracker in self.trackers:
+            tracker.report(step, metrics)
         value = metrics[self.metric]
         self.series.append((step, value))
         self.unsent.append((step, value))
+        if self.training.pair(step) is not None:
+            self.training_unsent = True
         started = time.perf_counter()
         try:
             with self.boundary.no_wait():
@@ -120,6 +137,9 @@ class TrialReporter:
         return self.max_steps is not None and step >= self.max_steps
 
     def flush(self) -> None:
+        if self.training_unsent:  # before the values: the pruner reads both when asked
+            self.trial.set_user_attr(ATTR_TRAIN_CURVE, [list(pair) for pair in self.training.series])
+            self.training_unsent = False
         while self.unsent:
             step, value = self.unsent[0]
             self.trial.report(value, step)
@@ -132,7 +152,7 @@ class TrialReporter:
         reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
         if isinstance(pruner, FastFailPruner):
             verdict = pruner.verdict(self.series, self.config, self.maximize, self.trial.study,
-                                     warm=ATTR_WARM_START in self.trial.user_attrs)
+                                     train_series=self.training.series, warm=ATTR_WARM_START in self.trial.user_attrs)
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
             else:
@@ -140,6 +160,15 @@ class TrialReporter:
         if "train_loss" in metrics:  # the loop's guard brought this evaluation forward
             reason["train_loss"] = metrics["train_loss"]
         return reason
+
+
+def _fast_fail_of(config: Mapping[str, Any]) -> FastFailConfig:
+    """The fast-fail settings a trial's config dict holds (off when it holds none)."""
+    settings = config.get("fast_fail")
+    if not isinstance(settings, Mapping):
+        return FastFailConfig(enabled=False)
+    known = {f.name for f in dataclasses.fields(FastFailConfig)}
+    return FastFailConfig(**{k: v for k, v in settings.items() if k in known})
 
 
 class Deadline:
@@ -212,10 +241,13 @@ class TrainerTrial:
     """One trial of the built-in trainer, from its params to its result; `release` hands its checkpoints back."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None,
+                 storage_url: str | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
         self.checkpointer: TrialCheckpointer | None = None
         self.deadline = None if deadline is None else Deadline(deadline)
+        self.storage_url = storage_url
+        self.trackers: list[Guarded] = []  # none with tracking off
 
     def run(self) -> TrialResult:
         prepared = self.prepare()
@@ -238,9 +270,12 @@ class TrainerTrial:
         if confirming is not None:
             trial.set_user_attr(ATTR_LINEAGE, f"cold confirmation of warm trial #{confirming}: its own config from "
                                 "step 0, never pruned")
+        self.trackers = open_trackers(spec, self.storage_url, trial.study.study_name, trial.number, params,
+                                      config.to_dict())
         reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
                                  deadline=self.deadline, judged=confirming is None,
-                                 inherited_until=None if start.warm is None else start.warm.state.step)
+                                 inherited_until=None if start.warm is None else start.warm.state.step,
+                                 trackers=self.trackers)
         checkpointer: Any = self.checkpointer
         if self.deadline is not None and self.checkpointer is not None:
             self.deadline.checkpointer = self.checkpointer
@@ -264,9 +299,26 @@ class TrainerTrial:
                                {**attrs, ATTR_FAIL: f"diverged: {metric} is {value} at step {result.steps}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
-    def release(self, outcome: Outcome) -> None:
+    def release(self, result: TrialResult) -> None:
+        """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
         if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, outcome, self.checkpointer)
+            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
+        if self.trackers:
+            attrs = {**result.attrs, "checkpoint": self._best_checkpoint()}
+            for tracker in self.trackers:
+                tracker.finish(result.outcome.value, result.value, attrs)
+
+    def _best_checkpoint(self) -> dict[str, Any] | None:
+        """Where the trial's best checkpoint lies, for the trackers; None when it has none or the registry does
+        not answer (tracking never fails a trial)."""
+        if self.checkpointer is None:
+            return None
+        try:
+            best = self.checkpointer.best_record()
+        except Exception:  # noqa: BLE001 - see above
+            return None
+        return None if best is None else {"uri": best.uri, "step": best.step, "value": best.value,
+                                          "sha256": best.sha256}
 
     def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task, *,
                warm_allowed: bool = True) -> Start:

@@ -65,6 +65,9 @@ ATTR_REPORT_MS = "report_ms"
 ATTR_CONFIRMS = "confirms"  # on a cold confirmation trial: the number of the warm trial it retrains
 ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came from (for optuna-dashboard)
 ATTR_LOG = "log"  # a command trial's log file: its stdout and stderr
+# [[step, value], ...]: the training counterpart of the metric at each evaluation, for fast-fail's overfitting rule
+# (written only while that rule is on)
+ATTR_TRAIN_CURVE = "train_curve"
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)

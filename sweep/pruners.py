@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from sweep.outcomes import ATTR_WARM_START
+from sweep.outcomes import ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
 
@@ -38,6 +38,11 @@ class FastFailPruner(optuna.pruners.BasePruner):
       `learned_pct`% of the initial value", as when the trainer runs alone.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
       its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
+    - `overfit` (off unless `overfit_gap` is set): validation worse than training by more than `overfit_gap` for
+      `overfit_patience_steps` (None: the plateau patience), the gap growing, and validation worse than its best (by
+      `min_improvement_pct`) with no new best in that window. A trial whose gap grows while validation still improves
+      is never pruned by it. The training values are the trial's `train_curve` user attr (`TrialReporter` writes it
+      only while the rule is on).
     - `stuck`: near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the study's
       learners (finished trials that left their initial value, warm-started ones excepted) took to leave theirs,
       counted from the end of its own learning-rate warmup: its patience follows from the study's own curves. Off
@@ -74,13 +79,15 @@ class FastFailPruner(optuna.pruners.BasePruner):
                  min_improvement_pct: float = 1.0, learned_pct: float = 50.0, near_initial_pct: float = 10.0,
                  learners_factor: float | None = 2.0, learners_quantile: float = 0.9, min_learners: int = 5,
                  warmup_steps: int | None = None, check_every_n_steps: int | None = None,
-                 stage_grace_steps: int | None = None) -> None:
+                 stage_grace_steps: int | None = None, overfit_gap: float | None = None,
+                 overfit_patience_steps: int | None = None) -> None:
         self.config = FastFailConfig(enabled=enabled, loss_explosion_factor=loss_explosion_factor,
                                      patience_steps=patience_steps, min_improvement_pct=min_improvement_pct,
                                      learned_pct=learned_pct, near_initial_pct=near_initial_pct,
                                      learners_factor=learners_factor, learners_quantile=learners_quantile,
                                      min_learners=min_learners, warmup_steps=warmup_steps,
-                                     check_every_n_steps=check_every_n_steps, stage_grace_steps=stage_grace_steps)
+                                     check_every_n_steps=check_every_n_steps, stage_grace_steps=stage_grace_steps,
+                                     overfit_gap=overfit_gap, overfit_patience_steps=overfit_patience_steps)
         problems = self.config.problems()
         if problems:
             raise ValueError("; ".join(f"{key}: {message}" for key, message in problems))
@@ -110,32 +117,36 @@ class FastFailPruner(optuna.pruners.BasePruner):
         return self._reference[1]
 
     def verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
-                study: optuna.Study | None = None, *, warm: bool = False) -> Verdict | None:
-        """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict.
+                study: optuna.Study | None = None, train_series: Sequence[tuple[int, float]] = (), *,
+                warm: bool = False) -> Verdict | None:
+        """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict;
+        `train_series`: the training counterpart's values at those steps (the overfitting rule).
         Without `study`, the reference of the study this pruner judged last (in `prune`) is used, if any.
 
         `warm`: the trial started from a donor's checkpoint, so its lineage has left its initial value whatever its
-        own first report says: only NaN, Inf and explosion apply (its own reports start after the handoff)."""
-        found = self._verdict(series, config, maximize, study)
+        own first report says: plateau and stuck do not apply (its own reports start after the handoff)."""
+        found = self._verdict(series, config, maximize, study, train_series)
         if warm and found is not None and found.rule in ("plateau", "stuck"):
             return None
         return found
 
     def _verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
-                 study: optuna.Study | None) -> Verdict | None:
+                 study: optuna.Study | None, train_series: Sequence[tuple[int, float]]) -> Verdict | None:
         max_steps = int(config.get("max_steps", 0))
         if max_steps > 0:
             resolved = self.config.resolved(max_steps, int(config.get("eval_every_steps", 1)))
         else:  # a trial not started by sweep: the derived rules have nothing to derive from
             resolved = FastFailConfig(**{**self.config.__dict__, "patience_steps": self.config.patience_steps or 0,
                                          "warmup_steps": self.config.warmup_steps or 0,
-                                         "stage_grace_steps": self.config.stage_grace_steps or 0})
+                                         "stage_grace_steps": self.config.stage_grace_steps or 0,
+                                         "overfit_patience_steps": self.config.overfit_patience_steps or 0})
         if study is not None:
             reference: StudyReference | None = self.reference_for(study)
         else:
             reference = None if self._reference is None else self._reference[1]
         return judge(series, resolved, maximize=maximize, stage_starts=self.stage_starts(config, max_steps),
-                     reference=reference, lr_warmup_steps=int(config.get("warmup_steps") or 0))
+                     reference=reference, lr_warmup_steps=int(config.get("warmup_steps") or 0),
+                     train_series=train_series)
 
     @staticmethod
     def stage_starts(config: Mapping[str, Any], max_steps: int) -> tuple[int, ...]:
@@ -154,7 +165,8 @@ class FastFailPruner(optuna.pruners.BasePruner):
         if not series:
             return False
         maximize = study.direction == StudyDirection.MAXIMIZE
-        if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study,
+        train = [(int(s), float(v)) for s, v in trial.user_attrs.get(ATTR_TRAIN_CURVE, ())]
+        if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study, train,
                         warm=ATTR_WARM_START in trial.user_attrs) is not None:
             return True
         if self.then is None or series[-1][0] == 0:

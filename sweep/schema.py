@@ -34,11 +34,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from sweep.urls import mask_url
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
-           "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "Param", "SlurmSpec", "StudyFileError", "StudySpec",
-           "TaskSpec", "WarmStartSpec",
+           "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "SlurmSpec", "StudyFileError",
+           "StudySpec", "TaskSpec", "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
            "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
            "validate_document", "with_options"]
@@ -177,6 +178,9 @@ class CheckpointPolicy(_Model):
     """When trials write checkpoints, how many each keeps, and where the blobs go."""
 
     every_steps: StrictInt | None = Field(None, ge=1)  # also save every this many steps (at log or eval steps)
+    # also save at the first log or eval step once this many seconds (wall clock) have passed since the trial's last
+    # checkpoint or its start: long trials on preemptible machines lose at most this much (plus one log interval)
+    every_seconds: Number | None = Field(None, gt=0)
     on_best: StrictBool = True  # save at every evaluation that improves the trial's best value
     keep_top_k: StrictInt = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
     keep_top_trials: StrictInt | None = Field(None, ge=1)  # per study: only the k best finished trials keep some
@@ -193,7 +197,7 @@ class CheckpointPolicy(_Model):
 
     @property
     def enabled(self) -> bool:
-        return self.on_best or self.every_steps is not None
+        return self.on_best or self.every_steps is not None or self.every_seconds is not None
 
 
 class WarmStartSpec(_Model):
@@ -303,6 +307,38 @@ class ExecutionSpec(_Model):
         return 0 if self.cohort == "auto" else int(self.cohort)
 
 
+class TensorBoardSpec(_Model):
+    """One TensorBoard run per trial: `DIR/<study>/trial-NNNNN/` (see sweep.tracking)."""
+
+    enabled: StrictBool = True
+    dir: StrictStr | None = None  # default: NAME.tensorboard/ next to the SQLite file (sweep-tensorboard/ for a server)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+class MLflowSpec(_Model):
+    """One MLflow run per trial, nested under one run for the study (see sweep.tracking)."""
+
+    enabled: StrictBool = True
+    tracking_uri: StrictStr | None = None  # default: sqlite:///NAME.mlflow.db next to the SQLite file
+    experiment: StrictStr | None = None  # default: the study's name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+class TrackingSpec(_Model):
+    """Where every trial's logged metrics also go, besides the study's storage. Both off by default."""
+
+    tensorboard: TensorBoardSpec = Field(default_factory=lambda: TensorBoardSpec.model_validate(False))
+    mlflow: MLflowSpec = Field(default_factory=lambda: MLflowSpec.model_validate(False))
+
+
 class StudySpec(_Model):
     """The validated study file. `source` is where it came from (not a key of the file)."""
 
@@ -324,6 +360,7 @@ class StudySpec(_Model):
     stop_grace_period: Number = Field(10.0, gt=0)  # seconds a `command` told to stop has before its group is killed
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
     warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
+    tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec.model_validate({}))
     execution: ExecutionSpec = Field(default_factory=lambda: ExecutionSpec.model_validate({}))
     # What each trial runs: exactly one of the built-in trainer's `task`, a user's `loop` function
     # (`package.module:function`, called as `main(config, run)`, see sweep.runners.loop) or a user's `command`.
@@ -418,7 +455,11 @@ class StudySpec(_Model):
     def stored(self) -> dict[str, Any]:
         """The spec as it is kept on the study. The storage URL is left out: it may hold a password, and a study
         already knows where it lives."""
-        return self.model_dump(mode="json", exclude={"storage"})
+        stored = self.model_dump(mode="json", exclude={"storage"})
+        uri = stored["tracking"]["mlflow"]["tracking_uri"]
+        if uri is not None:  # a server URI may hold a password too
+            stored["tracking"]["mlflow"]["tracking_uri"] = mask_url(uri)
+        return stored
 
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same study; the rest (budget, sampler, pruner) may change between resumes."""

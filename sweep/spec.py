@@ -28,7 +28,9 @@ from sweep.schema import (
     read_spec,
     validate_document,
 )
+from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, flatten
+from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.tasks import Task, TaskError, load_task
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "store_problems",
@@ -119,7 +121,12 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += _warm_start_problems(spec)
     if spec.metric not in task.metric_names:
         problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; got {spec.metric!r}"))
+    if spec.fast_fail().get("overfit_gap") is not None and training_metric(spec.metric) not in TRAINING_METRICS:
+        problems.append(("pruner.overfit_gap", f"the overfitting rule compares the metric with its training "
+                                               f"counterpart; the trainer logs {', '.join(TRAINING_METRICS)}, so it "
+                                               f"needs metric val_loss, got {spec.metric!r}"))
     problems += component_problems(spec)
+    problems += tracking_problems(spec)
     return _unique(problems)
 
 
@@ -169,7 +176,8 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if not spec.warm_start.enabled:
         return []
     if not spec.checkpoints.enabled:
-        return [("warm_start", "needs checkpoints to start from: set checkpoints.on_best or checkpoints.every_steps")]
+        return [("warm_start", "needs checkpoints to start from: set checkpoints.on_best, checkpoints.every_steps or "
+                 "checkpoints.every_seconds")]
     if spec.warm_start.confirm >= spec.n_trials:
         return [("warm_start.confirm", f"expected fewer than n_trials ({spec.n_trials}): the confirmations are the "
                  f"last trials of the budget, after the search, but got {spec.warm_start.confirm}")]

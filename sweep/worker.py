@@ -202,7 +202,8 @@ class Worker:
 
     def _run_one(self, trial: optuna.Trial) -> FrozenTrial | None:
         deadline = None if self.timeout is None else self.started + self.timeout
-        runner = runner_for(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=deadline)
+        runner = runner_for(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=deadline,
+                            storage_url=self.url)
         try:
             with self._heartbeat(trial):
                 result = runner.run()
@@ -236,7 +237,7 @@ class Worker:
         """Release the checkpoints (first: the best one's artifact is an attr, which only a running trial takes),
         store the outcome, queue the retry it calls for. None when another worker declared the trial lost meanwhile
         (its retry trains it again)."""
-        runner.release(result.outcome)
+        runner.release(result)
         try:
             frozen = self._tell(trial, result)
         except optuna.exceptions.UpdateFinishedTrialError:

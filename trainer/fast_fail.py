@@ -20,11 +20,12 @@ from trainer.fast_fail_rules import (
     judge,
     latest_stage_start,
     study_reference,
+    training_metric,
 )
 from trainer.sync import allowed_sync
 
 __all__ = ["FastFailConfig", "LossGuard", "Rule", "StudyReference", "Verdict", "in_stage_grace", "judge",
-           "latest_stage_start", "study_reference"]
+           "latest_stage_start", "study_reference", "training_metric"]
 
 
 class LossGuard:

@@ -11,6 +11,14 @@ first report, warmup or not. A value worse than the first one is not by itself a
 (below) and shows no progress for `patience_steps` ("plateau") or stays there long after a study's learners left
 theirs ("stuck").
 
+Overfitting (off by default: `overfit_gap`): a run that has learned may still go wrong by memorising its training
+set. "overfit" fails it when, for `overfit_patience_steps`, the validation value has been worse than the training
+value by more than `overfit_gap` (in the metric's units), that gap has grown, and validation has not improved on its
+best and is now worse than it (by `min_improvement_pct`). A run whose gap grows while its validation value still
+improves is healthy (the usual shape of a good run) and is never failed by it. The training values come with the
+validation ones (`train_series`: the training counterpart of the metric, `training_metric`, as last logged at or
+before each evaluation); without them the rule is silent.
+
 Safe by construction: "plateau" and "stuck" judge only a run that is still *near its initial value*: its best has
 covered less than `near_initial_pct` percent of the way from its initial value to the best value the study has seen
 (`StudyReference`, derived by `study_reference` from the study's finished curves). A run that has left its initial
@@ -38,10 +46,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["FastFailConfig", "Rule", "StudyReference", "Verdict", "in_stage_grace", "judge", "latest_stage_start",
-           "leave_step", "study_reference"]
+__all__ = ["TRAINING_METRICS", "FastFailConfig", "Rule", "StudyReference", "Verdict", "in_stage_grace", "judge",
+           "latest_stage_start", "leave_step", "study_reference", "training_metric"]
 
-Rule = Literal["nan", "inf", "explode", "plateau", "stuck"]
+Rule = Literal["nan", "inf", "explode", "plateau", "stuck", "overfit"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,11 @@ class FastFailConfig:
     # Grace period after each curriculum stage change, during which explosion and plateau do not apply.
     # None: two evaluation intervals, so that at least one evaluation of the new stage is seen before judging.
     stage_grace_steps: int | None = None
+    # Overfitting: validation worse than training by more than this gap (the metric's units) for
+    # `overfit_patience_steps`, the gap growing and validation getting worse. None: off (the default).
+    overfit_gap: float | None = None
+    # None: the plateau rule's patience (a quarter of max_steps, and at least three evaluation intervals).
+    overfit_patience_steps: int | None = None
 
     def resolved(self, max_steps: int, eval_every_steps: int) -> FastFailConfig:
         """A copy with every `None` step count made concrete for a run of `max_steps`."""
@@ -92,6 +105,8 @@ class FastFailConfig:
             warmup_steps=max_steps // 50 if self.warmup_steps is None else self.warmup_steps,
             check_every_n_steps=self.check_every_n_steps,
             stage_grace_steps=2 * eval_every_steps if self.stage_grace_steps is None else self.stage_grace_steps,
+            overfit_gap=self.overfit_gap,
+            overfit_patience_steps=patience if self.overfit_patience_steps is None else self.overfit_patience_steps,
         )
 
     def problems(self) -> list[tuple[str, str]]:
@@ -117,6 +132,10 @@ class FastFailConfig:
             out.append(("learners_quantile", f"expected a quantile in (0, 1], got {self.learners_quantile}"))
         if self.min_learners < 1:
             out.append(("min_learners", f"expected >= 1, got {self.min_learners}"))
+        if self.overfit_gap is not None and not (math.isfinite(self.overfit_gap) and self.overfit_gap >= 0):
+            out.append(("overfit_gap", f"expected a gap >= 0 (the metric's units) or null, got {self.overfit_gap}"))
+        if self.overfit_patience_steps is not None and self.overfit_patience_steps < 1:
+            out.append(("overfit_patience_steps", f"expected >= 1 or null, got {self.overfit_patience_steps}"))
         return out
 
 
@@ -157,6 +176,11 @@ class Verdict:
             return (f"stuck at step {self.step}: best {self.detail['best']:.4g} still near initial "
                     f"{self.detail['initial']:.4g} after {self.detail['stuck_after']} steps; the study's learners "
                     f"left theirs within {self.detail['learners_step']} steps")
+        if self.rule == "overfit":
+            return (f"overfit at step {self.step}: {self.value:.4g} is {self.detail['gap']:.4g} worse than training "
+                    f"({self.detail['train']:.4g}), above the gap {self.detail['overfit_gap']:g} since step "
+                    f"{self.detail['since']}, while validation fell back from its best {self.detail['best']:.4g} "
+                    f"(step {self.detail['best_step']})")
         return (f"plateau at step {self.step}: best {self.detail['best']:.4g} (step {self.detail['best_step']}) "
                 f"not improved by {self.detail['min_improvement_pct']:g}% in {self.detail['patience_steps']} steps")
 
@@ -181,6 +205,52 @@ def _near_initial(initial: float, best: float, config: FastFailConfig, reference
             return gain < distance * config.near_initial_pct / 100.0
     # No study, or nothing in it better than this run's start: the trainer-alone rule.
     return initial == 0 or gain < abs(initial) * config.learned_pct / 100.0
+
+
+# The training metrics the trainer logs (`Reporter.log`) that have a validation counterpart.
+TRAINING_METRICS = ("train_loss",)
+
+
+def training_metric(metric: str) -> str | None:
+    """The training counterpart of a validation metric (`val_loss` -> `train_loss`), or None when it has none."""
+    return "train_" + metric.removeprefix("val_") if metric.startswith("val_") else None
+
+
+def _overfit(finite: Sequence[tuple[int, float]], train_series: Sequence[tuple[int, float]],
+             config: FastFailConfig, maximize: bool) -> Verdict | None:
+    """The overfitting rule (module docstring) on the latest of `finite` validation values."""
+    gap_limit, patience = config.overfit_gap, config.overfit_patience_steps
+    if gap_limit is None or not patience or not train_series:
+        return None
+    train = {s: v for s, v in train_series if math.isfinite(v)}
+    step, value = finite[-1]
+    if step not in train:
+        return None
+    # The gap: how much worse validation is than training (validation below training, for a maximised metric).
+    gaps = {s: (train[s] - v if maximize else v - train[s]) for s, v in finite if s in train}
+    # Since when has the gap stayed above the limit, at every evaluation with a training value?
+    since = None
+    for s, _ in reversed(finite):
+        if s in gaps:
+            if gaps[s] <= gap_limit:
+                break
+            since = s
+    if since is None:
+        return None
+    best_step, best = finite[0]
+    for s, v in finite[1:]:
+        if _gain(best, v, maximize) > 0:
+            best_step, best = s, v
+    # The window starts at the later of the two: the gap crossing the limit, validation's best.
+    start = max(since, best_step)
+    opening = min(s for s in gaps if s >= start)  # the window's first evaluation with a gap
+    if step - start < patience or gaps[step] <= gaps[opening]:
+        return None
+    if not _improved(best, value, config.min_improvement_pct, maximize):  # worse than its best, by more than noise
+        return None
+    return Verdict("overfit", step, value, {"train": train[step], "gap": gaps[step], "overfit_gap": gap_limit,
+                                            "since": since, "best": best, "best_step": best_step,
+                                            "overfit_patience_steps": patience})
 
 
 def leave_step(series: Sequence[tuple[int, float]], best: float, near_initial_pct: float,
@@ -234,7 +304,7 @@ def in_stage_grace(step: int, stage_starts: Sequence[int], grace_steps: int) -> 
 
 def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximize: bool = False,
           stage_starts: Sequence[int] = (), reference: StudyReference | None = None,
-          lr_warmup_steps: int = 0) -> Verdict | None:
+          lr_warmup_steps: int = 0, train_series: Sequence[tuple[int, float]] = ()) -> Verdict | None:
     """The fast-fail verdict on the latest of `(step, value)` pairs in step order, or None if the trial may go on.
 
     `config` must be `resolved()`. The initial value is the first finite one: with fast-fail on, the trainer reports
@@ -244,6 +314,7 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
     `reference`: what the study's finished trials say (`study_reference`); None: judged alone.
     `lr_warmup_steps`: the run's learning-rate warmup; the plateau and stuck clocks start after it, since a run
     whose learning rate is still ramping up may sit still or rise (a warmup bump) without being broken.
+    `train_series`: `(step, training value)` at the evaluation steps, for the overfitting rule (off without them).
     """
     if not config.enabled or not series:
         return None
@@ -265,6 +336,11 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
     factor = config.loss_explosion_factor
     if factor is not None and not maximize and initial > 0 and value > factor * initial:
         return Verdict("explode", step, value, {"initial": initial, "factor": factor})
+
+    # Overfitting judges a run that has learned, so it comes before the near-initial gate below.
+    overfit = _overfit(finite, train_series, config, maximize)
+    if overfit is not None:
+        return overfit
 
     # Plateau and stuck judge only a run still near its initial value: one that has left it is learning, however
     # slowly or unevenly, and only a comparison with other runs (the wrapped pruner) may stop it.

@@ -35,7 +35,7 @@ from trainer.curriculum import stage_starts
 from trainer.data import DeviceData, LoaderData, build_batches
 from trainer.device_stats import device_stats
 from trainer.evaluate import evaluate
-from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge
+from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge, training_metric
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.precision import Precision, allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
@@ -43,7 +43,7 @@ from trainer.sync import allowed_sync
 from trainer.tasks import Task, load_task
 
 __all__ = ["Checkpointer", "FastFailReporter", "LoopState", "NullReporter", "Reporter", "Run", "Status", "TrainResult",
-           "accumulate_gradients", "build_run", "load_optimizer_moments", "optimizer_step", "train"]
+           "TrainingSeries", "accumulate_gradients", "build_run", "load_optimizer_moments", "optimizer_step", "train"]
 
 Status = Literal["completed", "stopped"]
 
@@ -78,16 +78,42 @@ class FastFailReporter:
         self.inner = inner if inner is not None else NullReporter()
         self.metric = metric
         self.series: list[tuple[int, float]] = []
+        self.training = TrainingSeries(config, metric)
         self.verdict: Verdict | None = None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.inner.log(step, metrics)
+        self.training.log(metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         stop = self.inner.report(step, metrics)
         self.series.append((step, metrics[self.metric]))
-        self.verdict = judge(self.series, self.config, stage_starts=self.stage_starts)
+        self.training.pair(step)
+        self.verdict = judge(self.series, self.config, stage_starts=self.stage_starts,
+                             train_series=self.training.series)
         return stop or self.verdict is not None
+
+
+class TrainingSeries:
+    """The training counterpart of a validation metric (`training_metric`), paired with its evaluations for the
+    overfitting rule: the value last logged at or before each evaluation step. Empty when the rule is off, so a run
+    without it keeps nothing."""
+
+    def __init__(self, config: FastFailConfig, metric: str) -> None:
+        self.name = training_metric(metric) if config.enabled and config.overfit_gap is not None else None
+        self.latest: float | None = None
+        self.series: list[tuple[int, float]] = []
+
+    def log(self, metrics: Mapping[str, float]) -> None:
+        if self.name is not None and self.name in metrics:
+            self.latest = float(metrics[self.name])
+
+    def pair(self, step: int) -> tuple[int, float] | None:
+        """Pair the latest training value with the evaluation at `step`; returns the pair (None: nothing yet)."""
+        if self.name is None or self.latest is None:
+            return None
+        self.series.append((step, self.latest))
+        return self.series[-1]
 
 
 @dataclass

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import optuna
 
     from sweep.checkpoints import CheckpointService
-    from sweep.outcomes import Outcome, TrialResult
+    from sweep.outcomes import TrialResult
     from sweep.progress import Events
     from sweep.schema import StudySpec
     from sweep.storage import Boundary
@@ -29,12 +29,13 @@ class Runner(Protocol):
     def run(self) -> TrialResult:
         """Train the trial; its result (an exception: the worker decides what it means)."""
 
-    def release(self, outcome: Outcome) -> None:
-        """The trial ended this way: hand its checkpoints back."""
+    def release(self, result: TrialResult) -> None:
+        """The trial ended with `result`: hand its checkpoints back (and close its trackers)."""
 
 
 def runner_for(trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-               checkpoints: CheckpointService | None, *, deadline: float | None = None) -> Runner:
+               checkpoints: CheckpointService | None, *, deadline: float | None = None,
+               storage_url: str | None = None) -> Runner:
     """The runner of the study's form: its `task`, `loop` or `command`."""
     if spec.form == "loop":
         from sweep.runners.loop import LoopTrial
@@ -46,4 +47,4 @@ def runner_for(trial: optuna.Trial, spec: StudySpec, events: Events, boundary: B
         return CommandTrial(trial, spec, events, boundary, checkpoints, deadline=deadline)
     from sweep.objective import TrainerTrial
 
-    return TrainerTrial(trial, spec, events, boundary, checkpoints, deadline=deadline)
+    return TrainerTrial(trial, spec, events, boundary, checkpoints, deadline=deadline, storage_url=storage_url)

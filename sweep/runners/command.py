@@ -143,9 +143,9 @@ class CommandTrial:
         self.deadline = None if deadline is None else Deadline(deadline)
         self.checkpointer: TrialCheckpointer | None = None
 
-    def release(self, outcome: Outcome) -> None:
+    def release(self, result: TrialResult) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, outcome, self.checkpointer)
+            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
 
     def log_path(self) -> Path:
         folder = (self.checkpoints.store.folder if self.checkpoints is not None and self.checkpoints.store.artifacts

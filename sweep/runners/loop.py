@@ -248,9 +248,9 @@ class LoopTrial:
                                {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {run.step}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
-    def release(self, outcome: Outcome) -> None:
+    def release(self, result: TrialResult) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, outcome, self.checkpointer)
+            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> Start:
         start, self.checkpointer = user_start(self.trial, self.spec, self.checkpoints, params, config)

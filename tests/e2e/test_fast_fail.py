@@ -73,3 +73,40 @@ def test_the_trainer_alone_applies_the_same_rules(tmp_path: Path) -> None:
                                              "log_every_steps": 5, "fast_fail": {"warmup_steps": 0}}))
     assert result.status == "stopped" and result.stop_reason["rule"] == "explode"
     assert result.steps < 100
+
+
+# Few training samples (10% of digits), a wide model and a high learning rate: validation loss bottoms out within about
+# 70 steps and then climbs while the training loss goes on to ~0.003.
+OVERFITTING = {"task_args": {"val_fraction": 0.9}, "learning_rate": 0.01, "model": {"hidden": 64}, "max_steps": 300,
+               "eval_every_steps": 10, "log_every_steps": 10, "batch_size": 32}
+
+
+def test_an_overfitting_trial_is_pruned_by_the_overfitting_rule_with_its_reason(tmp_path: Path) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 1, "space": {"momentum": {"type": "categorical", "choices": [0.9]}},
+        "pruner": {"type": "fastfail", "overfit_gap": 0.2, "overfit_patience_steps": 50, "then": "none"}}
+    document["fixed"] = {k: v for k, v in OVERFITTING.items() if k != "task_args"}
+    document["task"] = {"name": "digits", "args": OVERFITTING["task_args"]}
+    done = sweep(write_study(tmp_path, document))
+    assert done.returncode == 0, done.stderr
+    [trial] = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert trial.state == TrialState.PRUNED, trial.intermediate_values
+    reason = trial.user_attrs["prune_reason"]
+    assert reason["rule"] == "overfit" and reason["gap"] > 0.2
+    assert reason["step"] - max(reason["since"], reason["best_step"]) >= 50
+    assert reason["value"] > reason["best"] == min(trial.intermediate_values.values())
+    train_curve = dict(trial.user_attrs["train_curve"])  # what the pruner judged, kept on the trial
+    assert sorted(int(s) for s in train_curve) == [s for s in sorted(trial.intermediate_values) if s > 0]
+    assert f"pruned: overfit at step {reason['step']}" in done.stderr
+
+
+def test_the_same_run_completes_with_the_overfitting_rule_off(tmp_path: Path) -> None:
+    config = {**OVERFITTING, "fast_fail": {"loss_explosion_factor": None, "patience_steps": 0}}
+    alone = train(TrainingConfig.from_dict(config))
+    assert alone.status == "completed" and alone.steps == 300
+    best = min(m["val_loss"] for _, m in alone.evals)
+    assert alone.metrics["val_loss"] > 1.05 * best  # it did overfit: the rule being off is what let it finish
+    stopped = train(TrainingConfig.from_dict({**config, "fast_fail": {**config["fast_fail"], "overfit_gap": 0.2,
+                                                                         "overfit_patience_steps": 50}}))
+    assert stopped.status == "stopped" and stopped.stop_reason is not None
+    assert stopped.stop_reason["rule"] == "overfit" and stopped.steps < 300

@@ -209,3 +209,76 @@ def test_no_top_quarter_finisher_is_failed_in_a_sequential_study(seed: int) -> N
     # The population has teeth: judged alone (plateau below learned_pct of the initial value, the rule before the
     # study reference), some of the best quarter are failed.
     assert any(first_failure(curves[i], None) is not None for i in top)
+
+
+# The overfitting rule: (validation curve, training curve, expected (step, rule) or None). Gap limit 0.2, patience 250.
+OVERFIT = FastFailConfig(overfit_gap=0.2).resolved(1000, 10)
+
+
+def overfitter(turn: int, low: float = 0.5, rise: float = 0.7) -> Curve:
+    """Validation falls to `low` at step `turn`, then climbs by `rise` over the rest of the run."""
+    return shaped(lambda s: 2.3 - (2.3 - low) * s / turn if s <= turn else low + rise * (s - turn) / (1000 - turn))
+
+
+MEMORISER = learner(0, 0.01, rate=0.9)  # training loss: down to 0.01, below 0.11 by step 300
+OVERFITTING = [
+    pytest.param(learner(0, 0.3), MEMORISER, None, id="healthy-gap-grows-while-validation-improves"),
+    pytest.param(shaped(lambda s: 0.3 + 2.0 * (1 - s / 1000) ** 4), MEMORISER, None,
+                 id="healthy-slow-validation-gains-under-a-wide-gap"),
+    pytest.param(noisy(shaped(lambda s: 2.3 - 2.0 * s / 200 if s <= 200 else 0.3), 0.003, seed=1), MEMORISER, None,
+                 id="converged-validation-within-noise-under-a-wide-gap"),
+    pytest.param(overfitter(300), [(s, v - 0.1) for s, v in overfitter(300)], None,
+                 id="both-get-worse-together-the-gap-stays-small"),
+    pytest.param(overfitter(300), MEMORISER, (550, "overfit"), id="validation-turns-up-while-training-goes-down"),
+    pytest.param(overfitter(300, rise=0.1), MEMORISER, (550, "overfit"), id="slow-turn-up"),
+    pytest.param(overfitter(700), MEMORISER, (950, "overfit"), id="turns-up-late"),
+    pytest.param(overfitter(800), MEMORISER, None, id="turns-up-too-late-for-the-patience-window"),
+    pytest.param(overfitter(300), [], None, id="no-training-values-no-rule"),
+    pytest.param(then(overfitter(300), 400, NAN), MEMORISER, (400, "nan"), id="nan-is-still-nan"),
+]
+
+
+def first_overfit(curve: Curve, train: Curve, config: FastFailConfig = OVERFIT,
+                  maximize: bool = False) -> tuple[int, str] | None:
+    for i in range(len(curve)):
+        verdict = judge(curve[: i + 1], config, maximize=maximize, reference=REFERENCE,
+                        train_series=train[: i + 1])
+        if verdict is not None:
+            return verdict.step, verdict.rule
+    return None
+
+
+@pytest.mark.parametrize(("curve", "train", "expected"), OVERFITTING)
+def test_the_overfitting_rule_on_a_table_of_curves(curve: Curve, train: Curve,
+                                                    expected: tuple[int, str] | None) -> None:
+    assert first_overfit(curve, train) == expected
+
+
+def test_the_overfitting_rule_is_off_by_default() -> None:
+    assert FastFailConfig().overfit_gap is None
+    assert first_overfit(overfitter(300), MEMORISER, CONFIG) is None
+
+
+def test_the_overfitting_rule_mirrors_for_a_maximised_metric() -> None:
+    # The loss table's curves as accuracies (1 - loss / 2.3), and the gap limit scaled alike.
+    accuracy = [(s, 1.0 - v / 2.3) for s, v in overfitter(300)]  # up to 0.78 at step 300, then down
+    train_accuracy = [(s, 1.0 - v / 2.3) for s, v in MEMORISER]
+    config = FastFailConfig(overfit_gap=0.2 / 2.3).resolved(1000, 10)
+    assert first_overfit(accuracy, train_accuracy, config, maximize=True) == (550, "overfit")
+    healthy = [(s, 1.0 - v / 2.3) for s, v in learner(0, 0.3)]
+    assert first_overfit(healthy, train_accuracy, config, maximize=True) is None
+
+
+def test_an_overfit_verdict_says_what_it_saw() -> None:
+    curve = overfitter(300)[:56]
+    verdict = judge(curve, OVERFIT, reference=REFERENCE, train_series=MEMORISER[:56])
+    assert verdict is not None and verdict.rule == "overfit"
+    assert verdict.detail["best_step"] == 300 and verdict.detail["gap"] > 0.2
+    assert "overfit at step 550" in verdict.message() and "best 0.5" in verdict.message()
+
+
+@pytest.mark.parametrize(("key", "value"), [("overfit_gap", -0.1), ("overfit_gap", math.nan),
+                                            ("overfit_patience_steps", 0)])
+def test_bad_overfitting_settings_are_named(key: str, value: float) -> None:
+    problems = FastFailConfig(**{key: value}).problems()  # type: ignore[arg-type]
+    assert [k for k, _ in problems] == [key]

@@ -1,0 +1,271 @@
+"""Every trial's history where researchers already look: TensorBoard and MLflow (`tracking:` in the study file).
+
+Optuna's storage keeps one value per evaluation; a tracker keeps the whole curve of each trial: what the trainer logs
+at every log step (train loss, learning rate, gradient norm, throughput, curriculum level, device memory) and every
+evaluation's metrics, then the trial's params, outcome and final value.
+
+Fed by `sweep.objective.TrialReporter`'s `log` and `report` calls, which carry host floats the trainer has already
+read back at its log and eval steps: a tracker adds no device sync, and the trainer knows nothing of it. With tracking
+off the reporter holds no tracker at all. The libraries are optional extras (`sweep[tensorboard]`, `sweep[mlflow]`),
+imported only when a study turns them on; `tracking_problems` refuses a study that asks for one not installed.
+
+A tracker never fails a trial: `Guarded` catches whatever a backend raises, warns once for that trial, and drops the
+backend for the rest of it (MLflow's own client has already retried a server that does not answer, with backoff).
+
+Layout: TensorBoard runs are `ROOT/<study>/trial-NNNNN/` (ROOT: `tracking.tensorboard.dir`, else `NAME.tensorboard/`
+next to the SQLite file), so TensorBoard pointed at ROOT groups them by study, then trial; `sweep tensorboard STUDY`
+serves `ROOT/<study>`. The trial's params and final value are in TensorBoard's hparams view.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sweep.outcomes import SPEC_ATTR
+from sweep.schema import TrackingSpec
+from sweep.storage import sqlite_path
+from sweep.urls import mask_urls
+
+if TYPE_CHECKING:
+    from sweep.schema import StudySpec
+
+__all__ = ["Guarded", "MLflowTracker", "TensorBoardTracker", "Tracker", "mlflow_location", "open_trackers",
+           "study_tensorboard_folder", "tensorboard_root", "tracking_problems", "trial_run_name"]
+
+
+class Tracker(Protocol):
+    """One trial's history in one tracking backend."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """The trainer's metrics at a log step."""
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        """An evaluation's metrics."""
+
+    def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        """The trial ended: its outcome (`sweep.outcomes.Outcome` value), its value (None unless complete) and the
+        attrs stored with it (prune or fail reason, resolved config, reproducibility record, best checkpoint)."""
+
+
+def trial_run_name(number: int) -> str:
+    return f"trial-{number:05d}"
+
+
+def tensorboard_root(tracking: TrackingSpec, storage_url: str | None) -> Path:
+    """Where TensorBoard runs go, a folder per study inside: `tracking.tensorboard.dir`, else next to the SQLite file
+    (`NAME.db` -> `NAME.tensorboard/`), else (a server database) `sweep-tensorboard/` in the working folder."""
+    if tracking.tensorboard.dir is not None:
+        return Path(tracking.tensorboard.dir).expanduser()
+    path = sqlite_path(storage_url) if storage_url is not None else None
+    return path.with_suffix(".tensorboard") if path is not None else Path("sweep-tensorboard")
+
+
+def study_tensorboard_folder(study: Any, storage_url: str) -> Path:
+    """The folder of a stored study's TensorBoard runs, from the spec kept on the study (`sweep tensorboard`)."""
+    tracking = TrackingSpec.model_validate((study.user_attrs.get(SPEC_ATTR) or {}).get("tracking") or {})
+    return tensorboard_root(tracking, storage_url) / study.study_name
+
+
+def tracking_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """A tracking backend the study turns on whose library is not installed, as `(key, message)`."""
+    problems = []
+    if spec.tracking.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
+        problems.append(("tracking.tensorboard", "needs the tensorboard package: pip install 'sweep[tensorboard]'"))
+    if spec.tracking.mlflow.enabled and importlib.util.find_spec("mlflow") is None:
+        problems.append(("tracking.mlflow", "needs the mlflow package: pip install 'sweep[mlflow]'"))
+    return problems
+
+
+class TensorBoardTracker:
+    """One trial's TensorBoard run, written with PyTorch's `SummaryWriter` (the event files TensorBoard reads).
+    Tags: `train/<name>` for what the trainer logs, `eval/<name>` for evaluations, and, at the end, the hparams
+    session (params, `state`) with `final/<metric>` (the trial's value, complete trials only) and `eval/<metric>`
+    (its last evaluation) as the hparams view's metrics."""
+
+    def __init__(self, folder: Path, params: Mapping[str, Any], metric: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.params, self.metric = dict(params), metric
+        # The writer queues events and a thread of its own writes them: nothing here waits on the disk per call.
+        self.writer = SummaryWriter(log_dir=str(folder), max_queue=100, flush_secs=10)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for name, value in metrics.items():
+            if name != "step":
+                self.writer.add_scalar(f"train/{name}", float(value), step)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(f"eval/{name}", float(value), step)
+
+    def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        final = f"final/{self.metric}"
+        if value is not None and math.isfinite(value):
+            self.writer.add_scalar(final, value, int(attrs.get("steps", 0)))
+        params = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in self.params.items()}
+        # The hparams session goes into this run's own folder (SummaryWriter.add_hparams would open a new run for it).
+        experiment, start, end = hparams({**params, "state": outcome},
+                                         {final: math.nan, f"eval/{self.metric}": math.nan})
+        for summary in (experiment, start, end):
+            self.writer.file_writer.add_summary(summary)  # type: ignore[attr-defined]
+        self.writer.close()
+
+
+# MLflow's own client retries a server that does not answer 7 times with a backoff factor of 2 (minutes per call);
+# a trial should not wait that long on its tracking. Set these yourself to choose otherwise.
+MLFLOW_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+TAG_STUDY, TAG_ROLE, TAG_TRIAL = "sweep.study", "sweep.role", "sweep.trial"
+_STUDY_RUNS: dict[tuple[str, str, str], tuple[str, str]] = {}  # (uri, experiment, study) -> (experiment id, run id)
+
+
+def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name: str) -> tuple[str, str, str | None]:
+    """`(tracking URI, experiment, artifact location)`: `tracking.mlflow`'s, else a SQLite store next to the study's
+    SQLite file (`NAME.db` -> `NAME.mlflow.db`, artifacts in `NAME.mlflow-artifacts/`), else (a server database)
+    `sweep-mlflow.db` in the working folder. The experiment defaults to the study's name. None: the server's."""
+    experiment = tracking.mlflow.experiment or study_name
+    if tracking.mlflow.tracking_uri is not None:
+        return tracking.mlflow.tracking_uri, experiment, None
+    path = sqlite_path(storage_url) if storage_url is not None else None
+    if path is not None:
+        store, artifacts = path.with_suffix(".mlflow.db"), path.with_suffix(".mlflow-artifacts")
+    else:
+        store, artifacts = Path("sweep-mlflow.db"), Path("sweep-mlflow-artifacts")
+    return f"sqlite:///{store.resolve()}", experiment, artifacts.resolve().as_uri()
+
+
+def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, study: str) -> tuple[str, str]:
+    """The experiment and the study's parent run, found (by its tags) or made; cached per process."""
+    key = (uri, experiment, study)
+    if key not in _STUDY_RUNS:
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found is not None else client.create_experiment(
+            experiment, artifact_location=artifacts)
+        runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_STUDY}` = '{study}' and "
+                                  f"tags.`{TAG_ROLE}` = 'study'", max_results=1, order_by=["attributes.start_time"])
+        run_id = runs[0].info.run_id if runs else client.create_run(
+            experiment_id, run_name=study, tags={TAG_STUDY: study, TAG_ROLE: "study"}).info.run_id
+        _STUDY_RUNS[key] = (experiment_id, run_id)
+    return _STUDY_RUNS[key]
+
+
+class MLflowTracker:
+    """One trial's MLflow run, nested under the study's run: params, every logged and evaluated metric per step
+    (sent in the background: `log_batch(synchronous=False)`), and at the end tags for its state, prune or fail reason
+    and best checkpoint, its final value as a metric, and its resolved config and reproducibility record as
+    artifacts."""
+
+    def __init__(self, tracking: TrackingSpec, storage_url: str | None, study: str, trial_number: int,
+                 params: Mapping[str, Any], config: Mapping[str, Any], metric: str) -> None:
+        from mlflow import MlflowClient
+
+        uri, experiment, artifacts = mlflow_location(tracking, storage_url, study)
+        if uri.startswith(("http://", "https://")):
+            for name, value in MLFLOW_RETRY_DEFAULTS.items():
+                os.environ.setdefault(name, value)
+        self.client, self.metric, self.config = MlflowClient(tracking_uri=uri), metric, dict(config)
+        self.pending: list[Any] = []
+        experiment_id, self.parent = _study_run(self.client, uri, experiment, artifacts, study)
+        parent = self.parent
+        self.run_id = self.client.create_run(experiment_id, run_name=trial_run_name(trial_number), tags={
+            "mlflow.parentRunId": parent, TAG_STUDY: study, TAG_ROLE: "trial", TAG_TRIAL: str(trial_number)},
+        ).info.run_id
+        self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in params.items()])
+
+    def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(name, float(value), now, step) for name, value in metrics.items() if name != "step"]
+        self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._metrics(step, metrics)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._metrics(step, metrics)
+
+    def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        for operation in self.pending:  # the metrics sent in the background: an error there surfaces here
+            if operation is not None:
+                operation.wait()
+        tags = [RunTag("sweep.state", outcome)]
+        for key in ("prune_reason", "fail_reason", "checkpoint"):
+            if attrs.get(key) is not None:
+                tags.append(RunTag(f"sweep.{key}", json.dumps(attrs[key], default=str)[:5000]))
+        self.client.log_batch(self.run_id, tags=tags)
+        if value is not None and math.isfinite(value):
+            self.client.log_metric(self.run_id, f"final_{self.metric}", value, step=int(attrs.get("steps", 0)))
+        self.client.log_dict(self.run_id, self.config, "config.json")
+        if attrs.get("reproducibility") is not None:
+            self.client.log_dict(self.run_id, dict(attrs["reproducibility"]), "reproducibility.json")
+        status = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED"}.get(outcome, "KILLED")
+        self.client.set_terminated(self.run_id, status)
+        # The study's run ends with its latest trial (its end time moves on with each one): no worker knows which
+        # trial is the study's last, and a run left RUNNING would look alive in MLflow's UI forever.
+        self.client.set_terminated(self.parent, "FINISHED")
+
+
+def _param(name: str, value: Any) -> Any:
+    from mlflow.entities import Param
+
+    return Param(name, str(value))
+
+
+class Guarded:
+    """A tracker that never fails the trial: the first error a backend raises is one warning, and the backend is
+    dropped for the rest of the trial."""
+
+    def __init__(self, name: str, trial_number: int, open_tracker: Any) -> None:
+        self.name, self.number = name, trial_number
+        self.inner: Tracker | None = self._call("start", open_tracker)
+
+    def _call(self, what: str, function: Any, *args: Any) -> Any:
+        try:
+            return function(*args)
+        except Exception as exc:  # noqa: BLE001 - a tracking backend never takes a trial down
+            first = mask_urls(str(exc).splitlines()[0]) if str(exc) else ""  # a tracking URI may hold a password
+            warnings.warn(f"trial {self.number}: {self.name} tracking dropped for this trial ({what} failed: "
+                          f"{type(exc).__name__}: {first})", stacklevel=3)
+            self.inner = None
+            return None
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.inner is not None:
+            self._call("log", self.inner.log, step, metrics)
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.inner is not None:
+            self._call("report", self.inner.report, step, metrics)
+
+    def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        if self.inner is not None:
+            self._call("finish", self.inner.finish, outcome, value, attrs)
+            self.inner = None
+
+
+def open_trackers(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int,
+                  params: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> list[Guarded]:
+    """The trial's trackers, one per backend the study turns on; none (an empty list) when tracking is off.
+    `config`: the trial's resolved TrainingConfig (an MLflow artifact)."""
+    trackers = []
+    if spec.tracking.tensorboard.enabled:
+        folder = tensorboard_root(spec.tracking, storage_url) / study_name / trial_run_name(trial_number)
+        trackers.append(Guarded("tensorboard", trial_number,
+                                lambda: TensorBoardTracker(folder, params, spec.metric)))
+    if spec.tracking.mlflow.enabled:
+        trackers.append(Guarded("mlflow", trial_number, lambda: MLflowTracker(
+            spec.tracking, storage_url, study_name, trial_number, params, config or {}, spec.metric)))
+    return trackers

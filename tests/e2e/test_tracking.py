@@ -1,0 +1,235 @@
+"""Tracking (`tracking:` in the study file) after a real small study through the real CLI, read back with each
+backend's own reader: TensorBoard's event-file reader, MLflow's client."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.conftest import CLI_ENV, ROOT, TINY_STUDY, sweep_cli, write_study
+
+LOGGED = ["curriculum_level", "grad_norm", "lr", "samples_per_s", "train_loss"]  # what the trainer logs on a CPU
+
+
+def tracked_study(tmp_path: Path, tracking: dict[str, Any], **edits: Any) -> tuple[list[optuna.trial.FrozenTrial],
+                                                                                   str]:
+    document = copy.deepcopy(TINY_STUDY) | {"tracking": tracking, **edits}
+    document["fixed"] = {**document["fixed"], "log_every_steps": 5}  # 4 log steps, 2 evaluations (+ step 0)
+    done = sweep_cli("run", write_study(tmp_path, document))
+    assert done.returncode == 0, done.stderr
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    return study.get_trials(), done.stderr
+
+
+def event_runs(folder: Path) -> dict[str, Any]:
+    """Every run under `folder`, loaded by TensorBoard's own reader (the one its server uses)."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    multiplexer = EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(folder))
+    multiplexer.Reload()
+    return {name: multiplexer.GetAccumulator(name) for name in multiplexer.Runs()}
+
+
+def session_hparams(accumulator: Any) -> tuple[dict[str, Any], list[str]]:
+    """The run's hparams session (params and their values) and the metrics the hparams view shows for it."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    params: dict[str, Any] = {}
+    metrics: list[str] = []
+    for content in accumulator.PluginTagToContent("hparams").values():
+        data = plugin_data_pb2.HParamsPluginData.FromString(content)
+        if data.HasField("session_start_info"):
+            for name, value in data.session_start_info.hparams.items():
+                kind = value.WhichOneof("kind")
+                params[name] = getattr(value, kind)
+        if data.HasField("experiment"):
+            metrics = [m.name.tag for m in data.experiment.metric_infos]
+    return params, metrics
+
+
+def test_tensorboard_holds_every_trial_every_logged_step_params_and_final_values(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    trials, _ = tracked_study(tmp_path, {"tensorboard": True})
+    runs = event_runs(tmp_path / "tiny.tensorboard")
+    assert sorted(runs) == [f"tiny/trial-{t.number:05d}" for t in trials]  # grouped by study, then trial
+    for trial in trials:
+        run = runs[f"tiny/trial-{trial.number:05d}"]
+        tags = run.Tags()["scalars"]
+        for name in LOGGED:
+            assert [e.step for e in run.Scalars(f"train/{name}")] == [5, 10, 15, 20], name
+        assert [e.step for e in run.Scalars("train/train_loss")] == [5, 10, 15, 20]
+        evals = {e.step: e.value for e in run.Scalars("eval/val_loss")}
+        assert evals == pytest.approx(trial.intermediate_values, rel=1e-6)  # the same values the study stored
+        assert "eval/val_accuracy" in tags
+        params, metrics = session_hparams(run)
+        assert params == pytest.approx({**trial.params, "state": "complete"})
+        assert sorted(metrics) == ["eval/val_loss", "final/val_loss"]
+        [final] = run.Scalars("final/val_loss")
+        assert trial.state == TrialState.COMPLETE and final.value == pytest.approx(trial.value, rel=1e-6)
+        assert final.step == 20
+
+
+def test_tracking_off_writes_no_tracking_files(tmp_path: Path) -> None:
+    trials, _ = tracked_study(tmp_path, {})
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    written = {p.name for p in tmp_path.iterdir()}
+    assert "tiny.tensorboard" not in written and "tiny.mlflow.db" not in written and "mlruns" not in written
+    assert written >= {"study.yaml", "tiny.db", "tiny.checkpoints"}
+
+
+def test_tracking_off_imports_neither_library(tmp_path: Path) -> None:
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    script = ("import sys\n"
+              "from sweep.cli import app\n"
+              f"try:\n    app(['run', {str(path)!r}])\n"
+              "except SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
+              "print(sorted(m for m in ('tensorboard', 'mlflow', 'torch.utils.tensorboard') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **CLI_ENV, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_tracking_folder_that_cannot_be_written_fails_no_trial_and_warns_once_per_trial(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    (tmp_path / "blocked").write_text("a file where the folder should be\n")
+    trials, stderr = tracked_study(tmp_path, {"tensorboard": {"dir": str(tmp_path / "blocked")}})
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    warned = re.findall(r"trial (\d+): tensorboard tracking dropped for this trial", stderr)
+    assert sorted(map(int, warned)) == [0, 1, 2], stderr
+
+
+@pytest.mark.slow
+def test_sweep_tensorboard_serves_the_study_s_runs_on_loopback(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    trials, _ = tracked_study(tmp_path, {"tensorboard": True})
+    env = {**os.environ, **CLI_ENV, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen([sys.executable, "-m", "sweep.cli", "tensorboard", str(tmp_path / "tiny.db"),
+                               "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                              env=env, cwd=tmp_path)
+    try:
+        assert server.stderr is not None
+        seen = []
+        while (line := server.stderr.readline()) and not (found := re.search(r"TensorBoard on (http://\S+/)", line)):
+            seen.append(line)  # TensorBoard's own notes come first; pytest's timeout guards a silent server
+        assert line and found, "".join(seen)
+        url = found.group(1)
+        assert url.startswith(("http://127.0.0.1:", "http://localhost:"))
+        deadline, runs = time.monotonic() + 120, []
+        while time.monotonic() < deadline:  # TensorBoard loads the event files in the background
+            with urllib.request.urlopen(url + "data/runs", timeout=30) as response:
+                runs = sorted(json.loads(response.read()))
+            if len(runs) == len(trials):
+                break
+            time.sleep(0.5)
+        assert runs == [f"trial-{t.number:05d}" for t in trials]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def test_sweep_tensorboard_without_runs_is_a_one_line_error(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    tracked_study(tmp_path, {}, n_trials=1)
+    done = sweep_cli("tensorboard", tmp_path / "tiny.db")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: no TensorBoard runs for study 'tiny' in {tmp_path / 'tiny.tensorboard' / 'tiny'}: its trials write "
+        "them with tracking: {tensorboard: true} in the study file"]
+
+
+def test_mlflow_holds_a_run_per_trial_under_the_study_s_run_with_every_step(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    trials, _ = tracked_study(tmp_path, {"mlflow": True}, n_trials=2)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    experiment = client.get_experiment_by_name("tiny")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    [study_run] = [r for r in runs if r.data.tags.get("sweep.role") == "study"]
+    assert study_run.info.run_name == "tiny" and study_run.info.status == "FINISHED"
+    by_name = {r.info.run_name: r for r in runs if r.data.tags.get("sweep.role") == "trial"}
+    assert sorted(by_name) == [f"trial-{t.number:05d}" for t in trials]
+    for trial in trials:
+        run = by_name[f"trial-{trial.number:05d}"]
+        assert run.data.tags["mlflow.parentRunId"] == study_run.info.run_id
+        assert run.data.params == {k: str(v) for k, v in trial.params.items()}
+        for name in LOGGED:
+            assert [m.step for m in client.get_metric_history(run.info.run_id, name)] == [5, 10, 15, 20], name
+        evals = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_loss")}
+        assert evals == pytest.approx(trial.intermediate_values, rel=1e-6)
+        assert run.data.metrics["final_val_loss"] == pytest.approx(trial.value, rel=1e-6)
+        assert run.data.tags["sweep.state"] == "complete" and run.info.status == "FINISHED"
+        checkpoint = json.loads(run.data.tags["sweep.checkpoint"])
+        assert Path(checkpoint["uri"].removeprefix("file://")).name.startswith(f"trial{trial.number:05d}-step")
+        artifacts = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / f"dl{trial.number}")))
+        assert json.loads((artifacts / "config.json").read_text()) == trial.user_attrs["config"]
+        assert json.loads((artifacts / "reproducibility.json").read_text()) == trial.user_attrs["reproducibility"]
+
+
+def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per_trial(tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"})
+    try:
+        trials, stderr = tracked_study(tmp_path, {"mlflow": {"tracking_uri": f"http://me:s3cret@127.0.0.1:{port}"}})
+    finally:
+        for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+            os.environ.pop(name, None)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    warned = re.findall(r"trial (\d+): mlflow tracking dropped for this trial", stderr)
+    assert sorted(map(int, warned)) == [0, 1, 2], stderr
+    assert "s3cret" not in stderr
+    stored = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").user_attrs
+    assert "s3cret" not in json.dumps(stored)
+
+
+@pytest.mark.parametrize(("tracking", "key", "extra"), [({"tensorboard": True}, "tracking.tensorboard", "tensorboard"),
+                                                        ({"mlflow": True}, "tracking.mlflow", "mlflow")])
+def test_a_backend_that_is_not_installed_is_refused_before_anything_is_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tracking: dict[str, Any], key: str, extra: str) -> None:
+    monkeypatch.setitem(sys.modules, extra, None)  # what importing it finds where it is not installed
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"tracking": tracking})
+    done = sweep_cli("run", path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {path}: {key}: needs the {extra} package: pip install 'sweep[{extra}]'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
+def test_a_pruned_trial_says_so_in_both_backends(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    # Every value above 0.1 at step 10 prunes (the threshold pruner); step 0 is never judged by it.
+    trials, _ = tracked_study(tmp_path, {"tensorboard": True, "mlflow": True}, n_trials=1,
+                              pruner={"type": "threshold", "upper": 0.1, "n_warmup_steps": 1})
+    [trial] = trials
+    assert trial.state == TrialState.PRUNED
+    run = event_runs(tmp_path / "tiny.tensorboard")["tiny/trial-00000"]
+    assert session_hparams(run)[0]["state"] == "pruned"
+    assert "final/val_loss" not in run.Tags()["scalars"]  # a pruned trial has no value
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                                      filter_string="tags.`sweep.role` = 'trial'")
+    assert mlflow_run.data.tags["sweep.state"] == "pruned"
+    assert json.loads(mlflow_run.data.tags["sweep.prune_reason"]) == trial.user_attrs["prune_reason"]
+    assert "final_val_loss" not in mlflow_run.data.metrics

@@ -1,0 +1,90 @@
+"""`TrialCheckpointer`'s policy on a real training run, a real SQLite registry and a real blob store: when it saves.
+
+Wall-clock checkpoints (`checkpoints.every_seconds`) are tested on a fake clock that the run itself moves forward
+(each log step "takes" a fixed number of seconds), so nothing waits and nothing depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from sweep.blobs import CheckpointStore
+from sweep.checkpoints import TrialCheckpointer
+from sweep.registry import Registry
+from sweep.schema import CheckpointPolicy
+from trainer import TrainingConfig, load_task, train
+from trainer.checkpoint import CheckpointInfo
+from trainer.loop import NullReporter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Ticking(NullReporter):
+    """A reporter through which each log step moves the fake clock `seconds` forward."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.clock.now += self.seconds
+
+
+class Recording(TrialCheckpointer):
+    """The real checkpointer, remembering every step it registered (retention later keeps only some of them)."""
+
+    steps: list[int]
+
+    def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
+        assert info.path.exists()
+        super().saved(info, metrics)
+        self.steps.append(info.step)
+
+
+def checkpointed_steps(tmp_path: Path, policy: dict[str, object], seconds_per_log: float) -> list[int]:
+    """Train 60 steps (a log every 5, an evaluation every 20) under `policy`; the steps at which a checkpoint was
+    written and registered."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    registry, store, clock = Registry(url), CheckpointStore(tmp_path / "blobs", "s"), FakeClock()
+    checkpointer = Recording(registry, store, "s", 0, {"learning_rate": 0.05},
+                             CheckpointPolicy.model_validate(policy), "val_loss", maximize=False, clock=clock)
+    checkpointer.steps = []
+    config = TrainingConfig.from_dict({"task": "digits", "max_steps": 60, "log_every_steps": 5,
+                                       "eval_every_steps": 20, "batch_size": 16, "model.hidden": 8,
+                                       "fast_fail.enabled": False})
+    result = train(config, load_task("digits"), Ticking(clock, seconds_per_log), checkpointer=checkpointer)
+    assert result.status == "completed"
+    if checkpointer.steps:  # the latest one is registered and kept
+        assert max(r.step for r in registry.for_trial("s", 0)) == checkpointer.steps[-1]
+    return checkpointer.steps
+
+
+@pytest.mark.parametrize(("every_seconds", "seconds_per_log", "expected"), [
+    pytest.param(30, 10, [15, 30, 45, 60], id="every-third-log-step"),
+    pytest.param(25, 10, [15, 30, 45, 60], id="at-the-first-log-step-after-the-interval"),
+    pytest.param(10, 10, list(range(5, 61, 5)), id="every-log-step-when-each-takes-as-long"),
+    pytest.param(3600, 10, [], id="a-short-run-never-reaches-an-hour"),
+])
+def test_every_seconds_saves_by_the_wall_clock(tmp_path: Path, every_seconds: float, seconds_per_log: float,
+                                               expected: list[int]) -> None:
+    assert checkpointed_steps(tmp_path, {"on_best": False, "every_seconds": every_seconds},
+                              seconds_per_log) == expected
+
+
+def test_every_seconds_counts_from_the_last_checkpoint_whatever_wrote_it(tmp_path: Path) -> None:
+    # every_steps 20 saves at 20, 40, 60; the clock (10 s a log) then reaches 30 s only at 35 and 55.
+    assert checkpointed_steps(tmp_path, {"on_best": False, "every_steps": 20, "every_seconds": 30}, 10) == [
+        15, 20, 35, 40, 55, 60]
+
+
+def test_every_seconds_alone_turns_checkpoints_on() -> None:
+    assert CheckpointPolicy.model_validate({"on_best": False, "every_seconds": 600}).enabled
+    assert not CheckpointPolicy.model_validate({"on_best": False}).enabled
