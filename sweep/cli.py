@@ -253,6 +253,9 @@ def submit(
                                                    "(default: standard output).")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Array tasks (--k8s: pods), one worker "
                                                    "each.")] = None,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", help="--slurm with --gpus-per-task G: array tasks, one "
+                                                 "node's worth each (G workers, each pinned to its GPU); the same "
+                                                 "count as --workers.")] = None,
     partition: Annotated[Optional[str], typer.Option("--partition")] = None,
     time_limit: Annotated[Optional[str], typer.Option("--time", help="Slurm time limit per task, e.g. 4:00:00.")
                           ] = None,
@@ -279,6 +282,11 @@ def submit(
 
     if slurm == k8s:
         raise _fail("give one of --slurm (submit a job array) or --k8s (write a Job manifest)", 2)
+    if nodes is not None:
+        if workers is not None or not slurm or gpus_per_task is None:
+            raise _fail("--nodes: give it with --slurm and --gpus-per-task (G workers on each of N nodes), instead "
+                        "of --workers", 2)
+        workers = nodes
     spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, 1, set_ or [])
     given: dict[str, Any] = {"workers": workers, "gpus_per_task" if slurm else "gpus_per_worker": gpus_per_task}
     if slurm:

@@ -214,3 +214,16 @@ def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.Mon
     assert kept["PATH"] == os.environ["PATH"]  # everything else goes to the job as sbatch always sends it
     short = "postgresql+psycopg://sweeper:a@db.example/sweeps"  # a one-letter password is inside PATH: kept
     assert _clean_environment(short)["PATH"] == os.environ["PATH"]
+
+
+def test_nodes_with_gpus_per_task_is_an_array_of_whole_nodes(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(storage=URL))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", "--nodes", "3", "--gpus-per-task", "4", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert {"#SBATCH --array=0-2", "#SBATCH --gres=gpu:4"} <= set(lines)
+    assert any(line.strip().endswith("--workers 4 &") for line in lines)  # four workers, one per GPU, on each node
+    for args in (["--nodes", "3"], ["--nodes", "3", "--workers", "2", "--gpus-per-task", "1"]):
+        refused = sweep_cli("submit", path, "--slurm", "--dry-run", *args, cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.startswith("error: --nodes: give it with --slurm and "
+                                                                    "--gpus-per-task"), refused.stderr
