@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -48,7 +49,10 @@ class FastFailPruner(optuna.pruners.BasePruner):
     PostgreSQL. The study's reference (`reference_for`) is computed once per number of finished trials.
 
     Step 0 is the trainer's reference evaluation before any training: fast-fail judges it for NaN/Inf only, and `then`
-    is never asked there, so a pruner comparing trials does not prune on initial weights.
+    is never asked there, so a pruner comparing trials does not prune on initial weights. Nor does `then` see it at
+    later steps: it judges the trial's values from step 1 on, as it would with fast-fail off (a percentile pruner
+    compares the trial's best value over all its steps, which the untrained model's value would otherwise be when
+    the first steps are worse: a warmup bump, an early spike).
 
     `patience_steps=None` and `warmup_steps=None` are derived from the trial's `max_steps` and `eval_every_steps`
     (read from its `config` user attr): a quarter of the budget (at least three evaluations), and 2% of it.
@@ -148,13 +152,25 @@ class FastFailPruner(optuna.pruners.BasePruner):
             return True
         if self.then is None or series[-1][0] == 0:
             return False
-        return self.then.prune(study, trial)
+        return self.then.prune(study, _without_reference(trial))
 
 
 # What the constructor takes is `__init__`'s signature (inspect would read `__new__`'s): the study file's arguments are
 # checked against it (`sweep.components`).
 _init = inspect.signature(FastFailPruner.__init__)
 setattr(FastFailPruner, "__signature__", _init.replace(parameters=list(_init.parameters.values())[1:]))  # noqa: B010
+
+
+def _without_reference(trial: FrozenTrial) -> FrozenTrial:
+    """The trial as the wrapped pruner sees it: without the step-0 evaluation, which the trainer makes only for
+    fast-fail. A percentile pruner compares a trial's best value over all its steps with the other trials' values at
+    the latest step, and the untrained model's value can be better than the first steps' (a warmup bump, an early
+    spike): it would shield the trial from a pruner that stops it when fast-fail is off."""
+    if 0 not in trial.intermediate_values:
+        return trial
+    view = copy.copy(trial)
+    view.intermediate_values = {step: value for step, value in trial.intermediate_values.items() if step != 0}
+    return view
 
 
 def _rebuild(then: optuna.pruners.BasePruner | None, settings: dict[str, Any]) -> FastFailPruner:
