@@ -77,6 +77,9 @@ PLAIN_ARMS: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
     "optuna hyperband": optuna.pruners.HyperbandPruner,
 }
 ARMS = [*SWEEP_ARMS, *PLAIN_ARMS]
+# Every study has this name: Hyperband assigns a trial's bracket by a hash of the study's name and the trial's number,
+# so a generated name would make its decisions differ from run to run.
+STUDY = "decisions-bench"
 FAST_FAIL_RULES = {"nan", "inf", "explode", "plateau", "stuck"}
 Curve = list[tuple[int, float]]
 Params = dict[str, Any]
@@ -194,8 +197,7 @@ def run_sweep_arm(task: Replay, arm: str, seed: int, n_trials: int) -> ArmRun:
     """Sweep's pruner for `arm` (built from the study file's spec), asked as sweep's loop asks it
     (`sweep.objective.TrialReporter`): at every report before the last step; a pruned trial ran to its last report."""
     pruner = build_pruner(Component.model_validate(SWEEP_ARMS[arm]))
-    study = optuna.create_study(study_name=f"{task.name}-{seed}", pruner=pruner,
-                                sampler=optuna.samplers.TPESampler(seed=seed))
+    study = optuna.create_study(study_name=STUDY, pruner=pruner, sampler=optuna.samplers.TPESampler(seed=seed))
     run: ArmRun | None = None
     started = time.perf_counter()
     for _ in range(n_trials):
@@ -248,7 +250,8 @@ def run_plain_arm(task: Replay, arm: str, seed: int, n_trials: int) -> ArmRun:
         outcomes[-1].value = final if math.isfinite(final) else None
         return final
 
-    study = optuna.create_study(pruner=PLAIN_ARMS[arm](), sampler=optuna.samplers.TPESampler(seed=seed))
+    study = optuna.create_study(study_name=STUDY, pruner=PLAIN_ARMS[arm](),
+                                sampler=optuna.samplers.TPESampler(seed=seed))
     started = time.perf_counter()
     study.optimize(objective, n_trials=n_trials)
     max_steps = task.config(outcomes[0].params)["max_steps"]
@@ -318,7 +321,7 @@ REAL_TASKS = {
 
 def real_design(task: RealTask, n_trials: int, max_steps: int, pruner: Any, seed: int) -> dict[str, Any]:
     return {
-        "name": "decisions-bench", "n_trials": n_trials, "seed": seed, "sampler": {"type": "tpe", "seed": seed},
+        "name": STUDY, "n_trials": n_trials, "seed": seed, "sampler": {"type": "tpe", "seed": seed},
         "pruner": pruner, "max_repeated_failures": 0, "task": {"name": task.name, "args": task.args},
         "checkpoints": {"on_best": False, "artifacts": False},  # pruning decisions only: no checkpoint files
         "fixed": task.fixed(max_steps), "space": task.sweep_space(),
@@ -414,7 +417,8 @@ def run_real_plain(task: RealTask, arm: str, seed: int, n_trials: int, max_steps
     def objective(trial: optuna.Trial) -> float:
         params = task.suggest(trial)
         recorder = Recorder(trial)
-        result = train(task.config(params, max_steps), data, recorder)
+        # The trainer's own fast-fail off: no step-0 evaluation and no loss guard, as in a user's plain loop.
+        result = train(task.config(params, max_steps, **{"fast_fail.enabled": False}), data, recorder)
         if recorder.pruned:
             run.outcomes.append(Outcome(params, result.steps, None, arm, pruned=True))
             raise optuna.TrialPruned()
@@ -422,7 +426,8 @@ def run_real_plain(task: RealTask, arm: str, seed: int, n_trials: int, max_steps
         run.outcomes.append(Outcome(params, result.steps, value if math.isfinite(value) else None, None))
         return value
 
-    study = optuna.create_study(pruner=PLAIN_ARMS[arm](), sampler=optuna.samplers.TPESampler(seed=seed))
+    study = optuna.create_study(study_name=STUDY, pruner=PLAIN_ARMS[arm](),
+                                sampler=optuna.samplers.TPESampler(seed=seed))
     started = time.perf_counter()
     study.optimize(objective, n_trials=n_trials)
     run.wall = time.perf_counter() - started
