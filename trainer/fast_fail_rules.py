@@ -175,6 +175,11 @@ def _near_initial(initial: float, best: float, config: FastFailConfig, reference
                   maximize: bool) -> bool:
     """Whether a run whose best so far is `best` is still near its `initial` value (module docstring)."""
     gain = _gain(initial, best, maximize)
+    if reference is not None and reference.best is None:
+        # A study none of whose trials has finished with a value: nothing yet says how far a run can get from its
+        # start (on a noisy task the best runs end 20% below it), so the way is measured to zero, the best a loss can
+        # be: near means less than `near_initial_pct`% of the way there, as against a study's best.
+        return gain < abs(initial) * config.near_initial_pct / 100.0
     if reference is not None and reference.best is not None:
         distance = _gain(initial, reference.best, maximize)
         if distance > 0:
