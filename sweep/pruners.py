@@ -35,13 +35,15 @@ class FastFailPruner(optuna.pruners.BasePruner):
       less than `near_initial_pct`% of the way from its initial value to the best value the study's finished (complete
       or pruned) trials reported. A trial that has left its initial value is never pruned by fast-fail for going
       slowly, sitting on an intermediate plateau, being noisy or converging: that is `then`'s call, against the other
-      trials. Until a finished trial has improved on this one's start, "near" means "improved by less than
-      `learned_pct`% of the initial value", as when the trainer runs alone.
+      trials. Until a trial has finished, "near" means "improved by less than `near_initial_pct`% of the initial
+      value" (the way to zero); while no finished trial has improved on this one's start, "improved by less than
+      `learned_pct`% of it", as when the trainer runs alone.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
       its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
     - `stuck`: near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the study's
       learners (finished trials that left their initial value, warm-started ones excepted) took to leave theirs,
-      counted from the end of its own learning-rate warmup: its patience follows from the study's own curves. Off
+      counted from the end of its own learning-rate warmup or from its latest value worse than its initial one by
+      more than the near band (a spike: moving, not sitting): its patience follows from the study's own curves. Off
       until `min_learners` finished trials have left their initial value (until then, `plateau` is the floor).
 
     Stateless: the rules (`trainer.fast_fail_rules.judge`) are applied to the intermediate values Optuna stores for the
