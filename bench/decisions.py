@@ -105,7 +105,6 @@ class ArmRun:
     seed: int
     max_steps: int
     outcomes: list[Outcome] = field(default_factory=list)
-    wall: float = 0.0
 
 
 def params_key(params: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -199,7 +198,6 @@ def run_sweep_arm(task: Replay, arm: str, seed: int, n_trials: int) -> ArmRun:
     pruner = build_pruner(Component.model_validate(SWEEP_ARMS[arm]))
     study = optuna.create_study(study_name=STUDY, pruner=pruner, sampler=optuna.samplers.TPESampler(seed=seed))
     run: ArmRun | None = None
-    started = time.perf_counter()
     for _ in range(n_trials):
         trial = study.ask()
         params = task.suggest(trial)
@@ -228,7 +226,6 @@ def run_sweep_arm(task: Replay, arm: str, seed: int, n_trials: int) -> ArmRun:
         outcome.truth = truth
         run.outcomes.append(outcome)
     assert run is not None
-    run.wall = time.perf_counter() - started
     return run
 
 
@@ -252,10 +249,8 @@ def run_plain_arm(task: Replay, arm: str, seed: int, n_trials: int) -> ArmRun:
 
     study = optuna.create_study(study_name=STUDY, pruner=PLAIN_ARMS[arm](),
                                 sampler=optuna.samplers.TPESampler(seed=seed))
-    started = time.perf_counter()
     study.optimize(objective, n_trials=n_trials)
-    max_steps = task.config(outcomes[0].params)["max_steps"]
-    return ArmRun(task.name, arm, seed, max_steps, outcomes, time.perf_counter() - started)
+    return ArmRun(task.name, arm, seed, task.config(outcomes[0].params)["max_steps"], outcomes)
 
 
 def run_arm(task: Replay, arm: str, seed: int, n_trials: int) -> ArmRun:
@@ -395,9 +390,8 @@ def run_real_sweep(task: RealTask, arm: str, seed: int, n_trials: int, max_steps
 
     spec = parse_spec(real_design(task, n_trials, max_steps, SWEEP_ARMS[arm], seed), f"bench:{task.name}:{arm}")
     study = open_study(spec, f"sqlite:///{folder / f'{task.name}-{seed}-{ARMS.index(arm)}.db'}")
-    started = time.perf_counter()
     run_study(study, spec)
-    run = ArmRun(task.name, arm, seed, max_steps, wall=time.perf_counter() - started)
+    run = ArmRun(task.name, arm, seed, max_steps)
     for t in sorted(study.get_trials(), key=lambda t: t.number):
         reason = t.user_attrs.get(ATTR_PRUNE) or {}
         run.outcomes.append(Outcome(dict(t.params), int(t.user_attrs.get(ATTR_STEPS, 0)),
@@ -428,9 +422,7 @@ def run_real_plain(task: RealTask, arm: str, seed: int, n_trials: int, max_steps
 
     study = optuna.create_study(study_name=STUDY, pruner=PLAIN_ARMS[arm](),
                                 sampler=optuna.samplers.TPESampler(seed=seed))
-    started = time.perf_counter()
     study.optimize(objective, n_trials=n_trials)
-    run.wall = time.perf_counter() - started
     return run
 
 
