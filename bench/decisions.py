@@ -1,6 +1,6 @@
 """Do the pruners decide well? Steps saved, best value kept, and good trials lost, per task with known ground truth.
 
-    python bench/decisions.py                      # about 4 minutes on 2 busy CPU cores
+    python bench/decisions.py                      # 4 to 6 minutes on 2 busy shared CPU cores
     python bench/decisions.py --cache /tmp/curves  # a rerun trains only the real configs it has not seen
     python bench/decisions.py --simulated-only     # the two simulated tasks only: seconds
     python bench/decisions.py --seeds 3 --trials 60 --real-steps 400
