@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,8 +35,9 @@ class FastFailPruner(optuna.pruners.BasePruner):
       less than `near_initial_pct`% of the way from its initial value to the best value the study's finished (complete
       or pruned) trials reported. A trial that has left its initial value is never pruned by fast-fail for going
       slowly, sitting on an intermediate plateau, being noisy or converging: that is `then`'s call, against the other
-      trials. Until a finished trial has improved on this one's start, "near" means "improved by less than
-      `learned_pct`% of the initial value", as when the trainer runs alone.
+      trials. Until a trial has finished, "near" means "improved by less than `near_initial_pct`% of the initial
+      value" (the way to zero); while no finished trial has improved on this one's start, "improved by less than
+      `learned_pct`% of it", as when the trainer runs alone.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
       its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
     - `overfit` (off unless `overfit_gap` is set): validation worse than training by more than `overfit_gap` for
@@ -45,7 +47,8 @@ class FastFailPruner(optuna.pruners.BasePruner):
       only while the rule is on).
     - `stuck`: near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the study's
       learners (finished trials that left their initial value, warm-started ones excepted) took to leave theirs,
-      counted from the end of its own learning-rate warmup: its patience follows from the study's own curves. Off
+      counted from the end of its own learning-rate warmup or from its latest value worse than its initial one by
+      more than the near band (a spike: moving, not sitting): its patience follows from the study's own curves. Off
       until `min_learners` finished trials have left their initial value (until then, `plateau` is the floor).
 
     Stateless: the rules (`trainer.fast_fail_rules.judge`) are applied to the intermediate values Optuna stores for the
@@ -53,7 +56,10 @@ class FastFailPruner(optuna.pruners.BasePruner):
     PostgreSQL. The study's reference (`reference_for`) is computed once per number of finished trials.
 
     Step 0 is the trainer's reference evaluation before any training: fast-fail judges it for NaN/Inf only, and `then`
-    is never asked there, so a pruner comparing trials does not prune on initial weights.
+    is never asked there, so a pruner comparing trials does not prune on initial weights. Nor does `then` see it at
+    later steps: it judges the trial's values from step 1 on, as it would with fast-fail off (a percentile pruner
+    compares the trial's best value over all its steps, which the untrained model's value would otherwise be when
+    the first steps are worse: a warmup bump, an early spike).
 
     `patience_steps=None` and `warmup_steps=None` are derived from the trial's `max_steps` and `eval_every_steps`
     (read from its `config` user attr): a quarter of the budget (at least three evaluations), and 2% of it.
@@ -171,13 +177,25 @@ class FastFailPruner(optuna.pruners.BasePruner):
             return True
         if self.then is None or series[-1][0] == 0:
             return False
-        return self.then.prune(study, trial)
+        return self.then.prune(study, _without_reference(trial))
 
 
 # What the constructor takes is `__init__`'s signature (inspect would read `__new__`'s): the study file's arguments are
 # checked against it (`sweep.components`).
 _init = inspect.signature(FastFailPruner.__init__)
 setattr(FastFailPruner, "__signature__", _init.replace(parameters=list(_init.parameters.values())[1:]))  # noqa: B010
+
+
+def _without_reference(trial: FrozenTrial) -> FrozenTrial:
+    """The trial as the wrapped pruner sees it: without the step-0 evaluation, which the trainer makes only for
+    fast-fail. A percentile pruner compares a trial's best value over all its steps with the other trials' values at
+    the latest step, and the untrained model's value can be better than the first steps' (a warmup bump, an early
+    spike): it would shield the trial from a pruner that stops it when fast-fail is off."""
+    if 0 not in trial.intermediate_values:
+        return trial
+    view = copy.copy(trial)
+    view.intermediate_values = {step: value for step, value in trial.intermediate_values.items() if step != 0}
+    return view
 
 
 def _rebuild(then: optuna.pruners.BasePruner | None, settings: dict[str, Any]) -> FastFailPruner:

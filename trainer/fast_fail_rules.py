@@ -23,9 +23,11 @@ Safe by construction: "plateau" and "stuck" judge only a run that is still *near
 covered less than `near_initial_pct` percent of the way from its initial value to the best value the study has seen
 (`StudyReference`, derived by `study_reference` from the study's finished curves). A run that has left its initial
 value, however slowly it goes on (a two-phase learner sitting on an intermediate plateau, a noisy or converged curve),
-is never failed by these rules: comparing it with other runs is the wrapped pruner's job. Without a study (the
-trainer alone, a study's first trials) "near" means "improved by less than `learned_pct` percent of the initial
-value", and "stuck" is off.
+is never failed by these rules: comparing it with other runs is the wrapped pruner's job. In a study none of whose
+trials has finished with a value, the way is measured to zero, the best a loss can be: "near" means "improved by less
+than `near_initial_pct` percent of the initial value". Without a study (the trainer alone), or when no finished trial
+did better than this run's start, "near" means "improved by less than `learned_pct` percent of the initial value".
+Without enough learners "stuck" is off.
 
 Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
 is not a divergence. The steps at which stages begin are a function of the curriculum config alone
@@ -63,8 +65,9 @@ class FastFailConfig:
     # None: a quarter of max_steps, and at least three evaluation intervals. 0: off.
     patience_steps: int | None = None
     min_improvement_pct: float = 1.0
-    # Without a study to compare with (the trainer alone, a study's first trials): a run whose best has improved on
-    # its initial value by this percentage of it has learned, and plateau no longer applies to it.
+    # Without a study to compare with (the trainer alone, or no finished trial better than the run's start): a run
+    # whose best has improved on its initial value by this percentage of it has learned, and plateau no longer
+    # applies to it.
     learned_pct: float = 50.0
     # In a study: a run is still near its initial value while its best has covered less than this percentage of the
     # way from its initial value to the best value the study's finished trials reported. Only such a run can fail by
@@ -199,6 +202,11 @@ def _near_initial(initial: float, best: float, config: FastFailConfig, reference
                   maximize: bool) -> bool:
     """Whether a run whose best so far is `best` is still near its `initial` value (module docstring)."""
     gain = _gain(initial, best, maximize)
+    if reference is not None and reference.best is None:
+        # A study none of whose trials has finished with a value: nothing yet says how far a run can get from its
+        # start (on a noisy task the best runs end 20% below it), so the way is measured to zero, the best a loss can
+        # be: near means less than `near_initial_pct`% of the way there, as against a study's best.
+        return gain < abs(initial) * config.near_initial_pct / 100.0
     if reference is not None and reference.best is not None:
         distance = _gain(initial, reference.best, maximize)
         if distance > 0:
@@ -251,6 +259,15 @@ def _overfit(finite: Sequence[tuple[int, float]], train_series: Sequence[tuple[i
     return Verdict("overfit", step, value, {"train": train[step], "gap": gaps[step], "overfit_gap": gap_limit,
                                             "since": since, "best": best, "best_step": best_step,
                                             "overfit_patience_steps": patience})
+
+
+def _near_band(initial: float, config: FastFailConfig, reference: StudyReference, maximize: bool) -> float | None:
+    """How far from its initial value a run is no longer near it, as `_near_initial` measures it in a study with
+    a best value better than the run's start; None otherwise."""
+    if reference.best is None:
+        return None
+    distance = _gain(initial, reference.best, maximize)
+    return distance * config.near_initial_pct / 100.0 if distance > 0 else None
 
 
 def leave_step(series: Sequence[tuple[int, float]], best: float, near_initial_pct: float,
@@ -312,7 +329,8 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
     `stage_starts` are the steps at which a curriculum's stages begin (`trainer.pacing.stage_starts`): the
     explosion and plateau rules give each change a grace period, and patience restarts at it.
     `reference`: what the study's finished trials say (`study_reference`); None: judged alone.
-    `lr_warmup_steps`: the run's learning-rate warmup; the plateau and stuck clocks start after it, since a run
+    `lr_warmup_steps`: the run's learning-rate warmup; the plateau and stuck clocks start after it (stuck's also
+    after the run's latest value clear above its start, outside the near band: a spike), since a run
     whose learning rate is still ramping up may sit still or rise (a warmup bump) without being broken.
     `train_series`: `(step, training value)` at the evaluation steps, for the overfitting rule (off without them).
     """
@@ -351,7 +369,11 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
 
     if reference is not None and reference.stuck_after is not None:
         stuck_after = max(reference.stuck_after, config.warmup_steps)
-        if step - clock >= stuck_after:
+        # A run that rose clear above its start (an early spike of a large learning rate) was moving, not sitting
+        # there: its stuck clock starts at its latest such value. Noise within the band does not restart it.
+        band = _near_band(initial, config, reference, maximize)
+        bumps = [s for s, v in finite if band is not None and _gain(initial, v, maximize) < -band]
+        if step - max([clock, *bumps]) >= stuck_after:
             detail = {"best": best_ever, "initial": initial, "stuck_after": stuck_after,
                       "learners_step": reference.learners_step, "study_best": reference.best,
                       "learners": reference.learners}
