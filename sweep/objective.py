@@ -272,6 +272,9 @@ class TrainerTrial:
                                 "step 0, never pruned")
         self.trackers = open_trackers(spec, self.storage_url, trial.study.study_name, trial.number, params,
                                       config.to_dict())
+        for step, value in start.prior:  # a retry's run holds its lineage's evaluations too: one curve, as in Optuna
+            for tracker in self.trackers:
+                tracker.report(step, {spec.metric: value})
         reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
                                  deadline=self.deadline, judged=confirming is None,
                                  inherited_until=None if start.warm is None else start.warm.state.step,

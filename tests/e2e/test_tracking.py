@@ -233,3 +233,53 @@ def test_a_pruned_trial_says_so_in_both_backends(tmp_path: Path) -> None:
     assert mlflow_run.data.tags["sweep.state"] == "pruned"
     assert json.loads(mlflow_run.data.tags["sweep.prune_reason"]) == trial.user_attrs["prune_reason"]
     assert "final_val_loss" not in mlflow_run.data.metrics
+
+
+INTERRUPTING_TASK = '''
+from pathlib import Path
+
+import torch
+
+from trainer.tasks import digits
+
+
+class Interrupting(torch.nn.Module):
+    """Ctrl-C at the 25th training step of the study's first trial, once (a marker file remembers)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.steps = inner, 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            marker = Path(__file__).with_name("interrupted")
+            if self.steps == 25 and not marker.exists():
+                marker.write_text("once")
+                raise KeyboardInterrupt
+        return self.inner(x)
+
+
+def task():
+    t = digits()
+    build = t.build_model
+    t.build_model = lambda cfg: Interrupting(build(cfg))
+    return t
+'''
+
+
+def test_a_retry_s_run_holds_its_lineage_s_evaluations_before_the_resume(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    (tmp_path / "itask.py").write_text(INTERRUPTING_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"task": "itask:task", "n_trials": 1, "tracking": {"tensorboard": True}}
+    document["fixed"] = {**document["fixed"], "max_steps": 40}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 130  # interrupted at step 25: queued again
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    first, retry = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert retry.user_attrs["retry_of"] == first.number and retry.user_attrs["resumed_from"]["step"] == 20
+    runs = event_runs(tmp_path / "tiny.tensorboard")
+    evals = {e.step: e.value for e in runs[f"tiny/trial-{retry.number:05d}"].Scalars("eval/val_loss")}
+    assert sorted(evals) == [10, 20, 30, 40]  # 10 and 20 from before the resume: one curve, as the study has it
+    assert evals == pytest.approx(retry.intermediate_values, rel=1e-6)
