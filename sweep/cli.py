@@ -432,6 +432,10 @@ def _print_status(study: Any) -> None:
     if status["warm_started"]:
         compute += f"; {status['warm_started']} trials warm-started"
     table.add_row("compute", compute)
+    if status["trials_per_hour"] is not None:
+        cohorts = status["cohorts"]
+        how = f" (in cohorts of {', '.join(map(str, cohorts))})" if cohorts else ""
+        table.add_row("throughput", f"{status['trials_per_hour']:.0f} trials/hour{how}")
     best = status["best"]
     if best is not None:
         table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}")

@@ -26,7 +26,7 @@ from sweep.outcomes import (
     SPEC_ATTR,
     budget_counts,
 )
-from sweep.results import best_trial, state_counts, steps_trained
+from sweep.results import best_trial, state_counts, steps_trained, trials_per_hour
 from sweep.urls import mask_urls
 
 __all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
@@ -201,9 +201,11 @@ def render_report(study: optuna.Study) -> str:
                         f"best.yaml</code> trains it again:</p><pre>{html.escape(config)}</pre>")
 
     counts = ", ".join(f"{k} {v}" for k, v in state_counts(study).items())
+    rate = trials_per_hour(trials)
+    throughput = "" if rate is None else f"; {rate:.0f} trials per hour"
     head = (f"<h1>Study {html.escape(study.study_name)}</h1><p>{html.escape(spec.get('description', ''))}</p>"
             f"<p>{study.direction.name.lower()} {html.escape(str(spec.get('metric', '')))}; "
-            f"{used}/{spec.get('n_trials', '?')} trials used; {counts}.</p>")
+            f"{used}/{spec.get('n_trials', '?')} trials used; {counts}{throughput}.</p>")
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
              ".warning{color:#9a3412;font-weight:600}.note{color:#666}pre{background:#f5f5f5;padding:1em}")

@@ -25,7 +25,7 @@ from sweep.outcomes import (
 from sweep.progress import describe_outcome
 
 __all__ = ["ForeignStudyError", "best_config", "best_trial", "lineage_label", "made_by_sweep", "require_sweep_study",
-           "state_counts", "steps_trained", "study_status", "trial_rows"]
+           "state_counts", "steps_trained", "study_status", "trial_rows", "trials_per_hour"]
 
 
 class ForeignStudyError(Exception):
@@ -79,7 +79,21 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "confirmations": confirmation_rows(trials),
         "steps_trained": steps_trained(trials),
         "warm_started": sum(ATTR_WARM_START in t.user_attrs for t in trials),
+        "trials_per_hour": trials_per_hour(trials),
+        "cohorts": sorted({int(c["size"]) for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict)
+                           and "size" in c}),
     }
+
+
+def trials_per_hour(trials: list[FrozenTrial]) -> float | None:
+    """Trials finished per hour of the study's wall time, from the first trial's start to the last one's end (time
+    between runs of the study counts too). None before two trials have finished."""
+    spans = [(t.datetime_start, t.datetime_complete) for t in trials
+             if t.datetime_complete is not None and t.datetime_start is not None]
+    if len(spans) < 2:
+        return None
+    seconds = (max(end for _, end in spans) - min(start for start, _ in spans)).total_seconds()
+    return 3600.0 * len(spans) / seconds if seconds > 0 else None
 
 
 def steps_trained(trials: list[FrozenTrial]) -> int:
@@ -96,6 +110,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
         row["warm_start_from"] = trial.user_attrs.get(ATTR_WARM_START, {}).get("trial")
         row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
+        row["cohort"] = (trial.user_attrs.get("cohort") or {}).get("id")  # trained batched with others (sweep.cohort)
         row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
         if ATTR_LOG in trial.user_attrs:  # a command's stdout and stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,10 @@ def test_a_cohort_of_four_spends_the_budget_exactly_with_four_in_flight(tmp_path
         steps = sorted(trial.intermediate_values)
         assert steps[0] == 0 and all(b - a == 10 for a, b in itertools.pairwise(steps))
         assert trial.user_attrs["reproducibility"]["batched"] is True
+    status = sweep_cli("status", path)
+    assert "trials/hour (in cohorts of 4)" in status.stdout, status.stdout
+    rows = json.loads(sweep_cli("trials", path, "--format", "json").stdout)
+    assert [row["cohort"] for row in rows] == [t.user_attrs["cohort"]["id"] for t in trials]
     # A member replayed alone by the ordinary loop reports the same values (within the stated tolerance).
     complete = next(t for t in trials if t.state == TrialState.COMPLETE)
     again = sweep_cli("reproduce", path, str(complete.number))
