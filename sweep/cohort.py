@@ -35,11 +35,12 @@ from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import StorageUnavailable
+from sweep.worker import InfrastructureError, StudyBrokenError
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
 
 if TYPE_CHECKING:
     from sweep.schema import Param, StudySpec
-    from sweep.worker import Beats, RunSummary, Worker
+    from sweep.worker import Beats, RunSummary, Worker  # the loop drives a worker: its ask, end and heartbeats
     from trainer import Task, TrainingConfig
 
 __all__ = ["ATTR_COHORT", "CohortLoop", "distributions", "shape_keys"]
@@ -113,8 +114,6 @@ class CohortLoop:
         self.tag = f"{socket.gethostname()}:{os.getpid()}"
 
     def run(self, started_wall: float) -> RunSummary:
-        from sweep.worker import InfrastructureError, StudyBrokenError
-
         worker = self.worker
         stopping = timed_out = False
         with worker.beating() as beats:

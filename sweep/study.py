@@ -106,8 +106,13 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     """Run trials of `study` in this process until its budget is used (see `sweep.worker.Worker`)."""
     storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
     boundary = storage.boundary if isinstance(storage, PatientStorage) else Boundary(spec.storage_patience)
-    return Worker(study, spec, storage_url=storage_url, boundary=boundary, events=events, n_trials=n_trials,
-                  timeout=timeout).run()
+    worker = Worker(study, spec, storage_url=storage_url, boundary=boundary, events=events, n_trials=n_trials,
+                    timeout=timeout)
+    if worker.cohort_size != 1 and spec.task is not None:  # 0: as many as the device's memory holds
+        from sweep.cohort import CohortLoop
+
+        return CohortLoop(worker, worker.cohort_size).run(worker.begin())
+    return worker.run()
 
 
 def budget_used(study: optuna.Study) -> int:

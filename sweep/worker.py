@@ -131,18 +131,20 @@ class Worker:
         self.first = True  # no trial asked yet: a worker joining a study reseeds its sampler at its first ask
         self.cohort_size = cohort if cohort is not None else spec.execution.cohort_size()
 
-    def run(self) -> RunSummary:
+    def begin(self) -> float:
+        """Before the first trial: the cheap reconciliation of the study's checkpoints. Returns the wall time the
+        worker started at (a `sweep stop` later than that stops it)."""
         started_wall = time.time()
         if self.checkpoints is not None:
             self.checkpoints.reconcile()
-        if self.cohort_size != 1 and self.spec.task is None:
-            warnings.warn("execution.cohort: a loop or command study runs its trials one at a time (cohorts batch the "
-                          "built-in trainer's models)", stacklevel=1)
-        elif self.cohort_size != 1:  # 0: as large as the device's memory allows
-            from sweep.cohort import CohortLoop
+        return started_wall
 
-            return CohortLoop(self, self.cohort_size).run(started_wall)
-        return self.run_single(started_wall)
+    def run(self) -> RunSummary:
+        """Run trials one at a time until the budget is used (a cohort of them: `sweep.cohort.CohortLoop`)."""
+        if self.cohort_size != 1:
+            warnings.warn("execution.cohort: this study's trials run one at a time (cohorts batch the built-in "
+                          "trainer's models; a loop or command study has none)", stacklevel=1)
+        return self.run_single(self.begin())
 
     def run_single(self, started_wall: float) -> RunSummary:
         """The loop with one trial at a time."""
