@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from trainer.batched_ops import dropout_rates, member_randomness, prepare_template
+from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
 from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoint
 from trainer.config import TrainingConfig
@@ -56,7 +56,8 @@ from trainer.optim import build_optimizer, lr_at
 from trainer.precision import allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
-from trainer.tasks import Task, load_task
+from trainer.tasks import Task, cross_entropy, load_task
+from trainer.tasks.arrays import class_cross_entropy
 
 __all__ = ["Cohort", "CohortMember", "available_memory", "batch_problem", "batch_signature", "max_cohort_size",
            "train_batched"]
@@ -139,6 +140,22 @@ def batch_problem(config: TrainingConfig, task: Task) -> str | None:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"vmap cannot batch this model ({type(exc).__name__}: {first_line})"
     return None
+
+
+def _stacked_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every member's `F.cross_entropy` (mean over its rows) at once: out [K, ..., C], y [K, ...] -> [K]. The
+    log-softmax is row by row as in the single model, and the gradient of each member's mean is `-1/rows` at its
+    targets, as `nll_loss`'s backward gives, so the parameters follow the single run bit for bit; the loss value
+    itself is summed in another order than `nll_loss` sums it, which can move the logged training loss by an ulp."""
+    k, classes = out.shape[0], out.shape[-1]
+    logp = torch.log_softmax(out.reshape(k, -1, classes), dim=-1)
+    return -logp.gather(-1, y.reshape(k, -1, 1).long()).squeeze(-1).mean(1)
+
+
+# The task losses with a stacked form (the others run once per member on its own rows).
+STACKED_LOSSES: dict[Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    cross_entropy: _stacked_cross_entropy, class_cross_entropy: _stacked_cross_entropy}
 
 
 def _forward(template: nn.Module) -> Callable[..., torch.Tensor]:
@@ -258,6 +275,10 @@ class Cohort:
         # vmap's rule; `batch_problem` has checked with "error" that the model draws nothing else.
         self.forward = vmap(_forward(self.template), randomness="same")
         self.eval_forward = vmap(_forward(self.template), in_dims=(0, 0, None), randomness="error")
+        # A plain MLP skips vmap (`StackedChain`: the same kernels, a fraction of the per-call cost); fp32 only, as
+        # its backward does not re-enter autocast.
+        self.chain = stacked_chain(shell) if self.precision.dtype is None else None
+        self.stacked_loss = STACKED_LOSSES.get(task.loss)
         self.params = {n: torch.zeros(capacity, *p.shape, dtype=p.dtype, device=self.device, requires_grad=True)
                        for n, p in shell.named_parameters()}
         self.buffers = {n: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
@@ -406,10 +427,14 @@ class Cohort:
             rates = [s.rates if s is not None else [] for s in self.slots]
             generators = [s.generator if s is not None else None for s in self.slots]
             with self.precision.autocast(), member_randomness(rates, generators):
-                out = self.forward(self.params, self.buffers, x)
-            # Each member's loss on its own rows, as the single model computes it (a vmapped loss sums in another
-            # order); the backward of their sum gives each member the gradient of its own loss.
-            losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
+                out = (self.chain(self.params, x, training=True) if self.chain is not None
+                       else self.forward(self.params, self.buffers, x))
+            # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
+            # gives each member the gradient of its own loss.
+            if self.stacked_loss is not None:
+                losses = self.stacked_loss(out.float(), y)
+            else:
+                losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
             if accum > 1:
                 losses = losses / accum
             losses.sum().backward()
@@ -530,7 +555,8 @@ class Cohort:
             for start in range(0, n, size):
                 x, y = inputs[start: start + size], targets[start: start + size]
                 with self.precision.autocast():
-                    out = self.eval_forward(params, buffers, x)
+                    out = (self.chain(params, x, training=False) if self.chain is not None
+                           else self.eval_forward(params, buffers, x))
                 for j in range(len(indices)):
                     loss_totals[j] += self.task.loss(out[j].float(), y) * len(x)
                     if self.task.eval_metrics is not None:
