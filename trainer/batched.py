@@ -108,10 +108,12 @@ def batch_signature(config: TrainingConfig, task: Task) -> str:
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def batch_problem(config: TrainingConfig, task: Task) -> str | None:
+def batch_problem(config: TrainingConfig, task: Task, probes: dict[str, str | None] | None = None) -> str | None:
     """Why `config` cannot be trained batched (the ordinary loop then trains it), or None. Checks the settings, then
     tries one vmapped forward and backward of the model: anything vmap cannot batch (BatchNorm in training mode,
-    random ops other than `nn.Dropout`, in-place updates of buffers) fails there, not later with a wrong answer."""
+    random ops other than `nn.Dropout`, in-place updates of buffers) fails there, not later with a wrong answer.
+    `probes`: the model probe's answers by batch signature, filled and reused (configs of one signature build the
+    same model but for its values and dropout rates, which the probe does not depend on)."""
     device = resolve_device(config.device)
     if config.compile:
         return "compile: true is not batched (the stacked model runs eagerly)"
@@ -119,6 +121,16 @@ def batch_problem(config: TrainingConfig, task: Task) -> str | None:
         return "fp16 needs a grad scaler per member; use bf16 or fp32 to batch"
     if choose_data_loader(config, task, device) != "device":
         return "the training set is read by loader workers (data_loader: dataloader), which the cohort does not use"
+    if probes is None:
+        return _model_problem(config, task)
+    signature = batch_signature(config, task)
+    if signature not in probes:
+        probes[signature] = _model_problem(config, task)
+    return probes[signature]
+
+
+def _model_problem(config: TrainingConfig, task: Task) -> str | None:
+    device = resolve_device(config.device)
     model = task.build_model(task.model_config(config.model)).to(device)
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
@@ -257,7 +269,8 @@ class Cohort:
     remove them (`remove`) at any step, advance all of them by one step (`step`), or `run` until every slot is free.
     `results[id]` holds each member's `TrainResult` once it has finished, stopped or been removed."""
 
-    def __init__(self, task: Task, like: TrainingConfig, capacity: int) -> None:
+    def __init__(self, task: Task, like: TrainingConfig, capacity: int,
+                 probes: dict[str, str | None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"a cohort needs capacity >= 1, but got {capacity=}")
         self.task = task
@@ -295,6 +308,7 @@ class Cohort:
         self._idle_batch = torch.arange(like.batch_size, device=self.device)
         self._order = self._optimizer_order()
         self._plan: ClipPlan | None = None
+        self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
 
     # -- membership ----------------------------------------------------------------------------------------------
     @property
@@ -321,12 +335,12 @@ class Cohort:
             raise ValueError(f"the cohort's {self.capacity} slots are all taken")
         if member.resume is not None and member.warm_start is not None:
             raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
-        problem = batch_problem(config, self.task)
-        if problem is not None:
-            raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
         if batch_signature(config, self.task) != self.signature:
             raise ValueError("this config's batch signature differs from the cohort's (task, model shapes, optimizer, "
                              "precision, batch size, accumulation, evaluation interval or device)")
+        problem = batch_problem(config, self.task, self._probes)
+        if problem is not None:
+            raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
         index = self.free_slots[0]
         # Built as `build_run` builds it: seed, then the model from the seeded RNG; what the RNG holds after that is
         # what the single run's dropout draws from.
@@ -721,12 +735,13 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
     items = [m if isinstance(m, CohortMember) else CohortMember(m) for m in members]
     tasks: dict[str, Task] = {}
     groups: dict[str, list[int]] = {}
+    probes: dict[str, str | None] = {}
     results: dict[int, TrainResult] = {}
     for i, item in enumerate(items):
         key = json.dumps([item.config.task, item.config.task_args], sort_keys=True, default=str)
         member_task = task if task is not None else tasks.get(key) or tasks.setdefault(
             key, load_task(item.config.task, item.config.task_args))
-        problem = batch_problem(item.config, member_task)
+        problem = batch_problem(item.config, member_task, probes)
         if problem is not None:
             say(f"config {i}: not batched, trained alone: {problem}")
             results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
@@ -742,12 +757,13 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         if size > fits:
             say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
             size = fits
-        results.update(_run_queue(group_task, [items[i] for i in indices], indices, size))
+        results.update(_run_queue(group_task, [items[i] for i in indices], indices, size, probes))
     return [results[i] for i in range(len(items))]
 
 
-def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int) -> dict[int, TrainResult]:
-    cohort = Cohort(task, members[0].config, size)
+def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int,
+               probes: dict[str, str | None]) -> dict[int, TrainResult]:
+    cohort = Cohort(task, members[0].config, size, probes)
     queue = list(zip(indices, members))
     placed: dict[int, int] = {}  # member id -> input index
 
