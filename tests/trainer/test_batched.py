@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.trainer.support import SaveAt
@@ -166,6 +167,43 @@ def test_a_cohort_that_does_not_fit_is_cut_with_a_message(digits: Task, monkeypa
     results = train_batched([tiny(seed=s) for s in range(2)], digits, capacity=2, say=messages.append)
     assert any("does not fit" in m for m in messages)
     same(train(tiny(seed=1), digits), results[1])
+
+
+class _Residual(nn.Module):
+    """Not a plain chain of layers (a residual sum, functional activations): the engine runs it under vmap."""
+
+    def __init__(self, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(64, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 10)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(self.drop(h + torch.tanh(self.mid(h))))
+
+
+def _smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, label_smoothing=0.1)  # a loss without a stacked form: one per member
+
+
+def test_the_plain_mlp_takes_the_stacked_fast_path(digits: Task) -> None:
+    cohort = Cohort(digits, tiny(model={"hidden": 16, "dropout": 0.1}), capacity=2)
+    assert cohort.chain is not None and cohort.stacked_loss is not None
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_model_that_is_no_plain_chain_runs_under_vmap_and_matches_bit_for_bit(digits: Task, optimizer: str) -> None:
+    task = Task(name="residual", train=digits.train, val=digits.val, loss=_smoothed,
+                build_model=lambda cfg: _Residual(cfg["hidden"], cfg["dropout"]),
+                model_defaults={"hidden": 16, "dropout": 0.0}, eval_metrics=accuracy_sum,
+                eval_metric_names=("accuracy",))
+    lr = 1.0 if optimizer == "adamw" else 10.0
+    configs = [tiny(**{**m, "task": "residual", "optimizer": optimizer,
+                       "learning_rate": m.get("learning_rate", 3e-3) * lr}) for m in MEMBERS[:3]]
+    cohort = Cohort(task, configs[0], capacity=1)
+    assert cohort.chain is None and cohort.stacked_loss is None
+    for solo, batched in zip([train(c, task) for c in configs], train_batched(configs, task), strict=True):
+        same(solo, batched)
 
 
 class _Recorder:
