@@ -22,6 +22,14 @@ On a CPU in fp32 each member's values are those of `trainer.train` for the same 
 it): the linear layers and dropout are swapped for exact stacked versions (`trainer.batched_ops`), the loss is
 computed per member on its own rows, and the stacked optimizers reproduce torch's single-tensor updates.
 
+Speed: a small model's step is dominated by the cost of each call, not by arithmetic, so the hot path makes a fixed
+number of calls whatever K is. A plain MLP (a chain of Linear, activation and Dropout layers, read from its fx trace)
+runs on the stacked tensors directly (`StackedChain`), skipping vmap's and the custom operators' dispatch; the
+built-in cross-entropy losses are computed for all members in one stacked call; the optimizer's per-member scalars
+reach the device as one small tensor per step; nothing is read back except at log, guard-check and evaluation steps.
+What is still done once per member per step on the host: its learning rate (`lr_at`, so that the logged value is the
+single run's float), its batch indices (its own sampler, then one stack), and dropout's draws from its own generator.
+
 A member's checkpoint is the plain single-model checkpoint of `trainer.checkpoint`: a batched run can be resumed or
 warm-started by the ordinary loop and the other way round.
 """
@@ -108,12 +116,14 @@ def batch_signature(config: TrainingConfig, task: Task) -> str:
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def batch_problem(config: TrainingConfig, task: Task, probes: dict[str, str | None] | None = None) -> str | None:
+def batch_problem(config: TrainingConfig, task: Task) -> str | None:
     """Why `config` cannot be trained batched (the ordinary loop then trains it), or None. Checks the settings, then
     tries one vmapped forward and backward of the model: anything vmap cannot batch (BatchNorm in training mode,
-    random ops other than `nn.Dropout`, in-place updates of buffers) fails there, not later with a wrong answer.
-    `probes`: the model probe's answers by batch signature, filled and reused (configs of one signature build the
-    same model but for its values and dropout rates, which the probe does not depend on)."""
+    random ops other than `nn.Dropout`, in-place updates of buffers) fails there, not later with a wrong answer."""
+    return _settings_problem(config, task) or _model_problem(config, task)
+
+
+def _settings_problem(config: TrainingConfig, task: Task) -> str | None:
     device = resolve_device(config.device)
     if config.compile:
         return "compile: true is not batched (the stacked model runs eagerly)"
@@ -121,12 +131,16 @@ def batch_problem(config: TrainingConfig, task: Task, probes: dict[str, str | No
         return "fp16 needs a grad scaler per member; use bf16 or fp32 to batch"
     if choose_data_loader(config, task, device) != "device":
         return "the training set is read by loader workers (data_loader: dataloader), which the cohort does not use"
-    if probes is None:
-        return _model_problem(config, task)
-    signature = batch_signature(config, task)
-    if signature not in probes:
+    return None
+
+
+def _problem_probed(config: TrainingConfig, task: Task, signature: str, probes: dict[str, str | None]) -> str | None:
+    """`batch_problem`, with the model probe run once per batch signature (`probes`, filled here): configs of one
+    signature build the same model but for its values and dropout rates, which the probe does not depend on."""
+    problem = _settings_problem(config, task)
+    if problem is None and signature not in probes:
         probes[signature] = _model_problem(config, task)
-    return probes[signature]
+    return problem or probes[signature]
 
 
 def _model_problem(config: TrainingConfig, task: Task) -> str | None:
@@ -267,7 +281,8 @@ class _Slot:
 class Cohort:
     """K slots of one batch signature, trained as one stacked model. Add members (`add`) at evaluation boundaries,
     remove them (`remove`) at any step, advance all of them by one step (`step`), or `run` until every slot is free.
-    `results[id]` holds each member's `TrainResult` once it has finished, stopped or been removed."""
+    `results[id]` holds each member's `TrainResult` once it has finished, stopped or been removed. `probes`: the
+    answers of `batch_problem`'s model probe by signature, when the caller has them already."""
 
     def __init__(self, task: Task, like: TrainingConfig, capacity: int,
                  probes: dict[str, str | None] | None = None) -> None:
@@ -309,6 +324,7 @@ class Cohort:
         self._order = self._optimizer_order()
         self._plan: ClipPlan | None = None
         self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
+        self._records: dict[bool, dict[str, Any]] = {}
 
     # -- membership ----------------------------------------------------------------------------------------------
     @property
@@ -335,10 +351,11 @@ class Cohort:
             raise ValueError(f"the cohort's {self.capacity} slots are all taken")
         if member.resume is not None and member.warm_start is not None:
             raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
-        if batch_signature(config, self.task) != self.signature:
+        signature = batch_signature(config, self.task)
+        if signature != self.signature:
             raise ValueError("this config's batch signature differs from the cohort's (task, model shapes, optimizer, "
                              "precision, batch size, accumulation, evaluation interval or device)")
-        problem = batch_problem(config, self.task, self._probes)
+        problem = _problem_probed(config, self.task, signature, self._probes)
         if problem is not None:
             raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
         index = self.free_slots[0]
@@ -359,9 +376,11 @@ class Cohort:
         reporter = member.reporter
         if reporter is None:
             reporter = local = FastFailReporter(fast_fail, stage_starts=stages)
-        result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
-            config.seed, self.device, deterministic=config.deterministic))
-        result.reproducibility["batched"] = True
+        if config.deterministic not in self._records:  # the same for every member but the seed
+            self._records[config.deterministic] = reproducibility_record(config.seed, self.device,
+                                                                         deterministic=config.deterministic)
+        result = TrainResult("completed", 0, {}, reproducibility={**self._records[config.deterministic],
+                                                                  "seed": config.seed, "batched": True})
         slot = _Slot(id=self._ids, member=member, reporter=reporter, local=local, fast_fail=fast_fail, stages=stages,
                      sampler=build_sampler(config, self.task, self.device), generator=generator,
                      rates=dropout_rates(model), result=result, started=time.perf_counter())
@@ -741,13 +760,14 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         key = json.dumps([item.config.task, item.config.task_args], sort_keys=True, default=str)
         member_task = task if task is not None else tasks.get(key) or tasks.setdefault(
             key, load_task(item.config.task, item.config.task_args))
-        problem = batch_problem(item.config, member_task, probes)
+        signature = batch_signature(item.config, member_task)
+        problem = _problem_probed(item.config, member_task, signature, probes)
         if problem is not None:
             say(f"config {i}: not batched, trained alone: {problem}")
             results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
                                warm_start=item.warm_start, checkpointer=item.checkpointer)
             continue
-        groups.setdefault(f"{key}/{batch_signature(item.config, member_task)}", []).append(i)
+        groups.setdefault(f"{key}/{signature}", []).append(i)
     for indices in groups.values():
         first = items[indices[0]].config
         key = json.dumps([first.task, first.task_args], sort_keys=True, default=str)

@@ -175,7 +175,7 @@ def dropout_rates(model: nn.Module) -> list[float]:
 def prepare_template(model: nn.Module) -> nn.Module:
     """A copy of `model` on the meta device with `StackedLinear` for `nn.Linear` and `MemberDropout` for `nn.Dropout`
     (exact types only: a subclass may do something else). Parameter and buffer names stay as they were."""
-    template = copy.deepcopy(model).to("meta")
+    template = copy.deepcopy(model).to("meta")  # moving to meta unties tied parameters: tied again below
     modules = dict(template.named_modules())
     layer = 0
     for qualified, child in list(modules.items()):  # module order, as `dropout_rates` counts
@@ -190,6 +190,13 @@ def prepare_template(model: nn.Module) -> nn.Module:
         else:
             setattr(parent, name, MemberDropout(layer))
             layer += 1
+    first: dict[int, str] = {}  # a parameter's first name, by the parameter's identity in `model`
+    for qualified, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = qualified
+            continue
+        owner, _, name = qualified.rpartition(".")  # a tied name (a language model's head and embedding, say)
+        setattr(template.get_submodule(owner), name, template.get_parameter(first[id(p)]))
     return template
 
 

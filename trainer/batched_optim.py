@@ -108,16 +108,18 @@ class StackedOptimizer:
 
     @torch.no_grad()
     def step(self, scalars: Mapping[str, torch.Tensor]) -> None:
+        update = {"adamw": self._adam, "adam": self._adam, "sgd": self._sgd, "lion": self._lion}[self.kind]
+        shaped: dict[int, dict[str, torch.Tensor]] = {}  # the scalars viewed for each parameter rank, once a step
         for name, p in self.params.items():
             if p.grad is None:
                 continue
-            update = {"adamw": self._adam, "adam": self._adam, "sgd": self._sgd, "lion": self._lion}[self.kind]
-            update(p, p.grad, self.state[name], scalars, decays=p.dim() - 1 >= 2)
+            if p.dim() not in shaped:
+                shaped[p.dim()] = {key: _per_member(value, p) for key, value in scalars.items()}
+            update(p, p.grad, self.state[name], shaped[p.dim()], decays=p.dim() - 1 >= 2)
 
     def _adam(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
               s: Mapping[str, torch.Tensor], decays: bool) -> None:
-        def m(key: str) -> torch.Tensor:
-            return _per_member(s[key], p)
+        m = s.__getitem__  # the member scalars, already shaped to broadcast along each slice
 
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if decays and self.kind == "adamw":
@@ -131,8 +133,7 @@ class StackedOptimizer:
 
     def _sgd(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
              s: Mapping[str, torch.Tensor], decays: bool) -> None:
-        def m(key: str) -> torch.Tensor:
-            return _per_member(s[key], p)
+        m = s.__getitem__  # the member scalars, already shaped to broadcast along each slice
 
         if decays:
             grad = torch.addcmul(grad, p, m("weight_decay"))
@@ -143,8 +144,7 @@ class StackedOptimizer:
 
     def _lion(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
               s: Mapping[str, torch.Tensor], decays: bool) -> None:
-        def m(key: str) -> torch.Tensor:
-            return _per_member(s[key], p)
+        m = s.__getitem__  # the member scalars, already shaped to broadcast along each slice
 
         moment = state["exp_avg"]
         if decays:
