@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.trainer.support import SaveAt
-from trainer import Task, TrainingConfig, TrainResult, train
+from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size, train_batched
 from trainer.checkpoint import load_checkpoint
 from trainer.tasks import accuracy_sum
@@ -204,6 +204,25 @@ def test_a_model_that_is_no_plain_chain_runs_under_vmap_and_matches_bit_for_bit(
     assert cohort.chain is None and cohort.stacked_loss is None
     for solo, batched in zip([train(c, task) for c in configs], train_batched(configs, task), strict=True):
         same(solo, batched)
+
+
+def test_charlm_whose_head_is_tied_to_its_embedding_is_batched_and_matches_closely() -> None:
+    """The transformer runs under vmap, whose rules for layer norm, attention and embedding sum in their own order: its
+    members match the ordinary loop to float32 rounding (measured: at most 4.8e-7 over these 24 steps), not to the
+    bit. Its head shares the embedding's weight, which the engine's template must keep shared."""
+    args = {"context": 16, "max_chars": 20_000}
+    task = load_task("charlm", args)
+    configs = [tiny(task="charlm", task_args=args, model={"d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_ratio": 2},
+                    batch_size=8, eval_batch_size=256, seed=s, learning_rate=3e-3 * (1 + s),
+                    scheduler=("cosine", "linear")[s % 2]) for s in range(3)]
+    messages: list[str] = []
+    results = train_batched(configs, task, say=messages.append)
+    assert messages == [] and all(r.reproducibility["batched"] for r in results)
+    for solo, batched in zip([train(c, task) for c in configs], results, strict=True):
+        assert (solo.status, solo.steps) == (batched.status, batched.steps)
+        assert [step for step, _ in solo.evals] == [step for step, _ in batched.evals]
+        for (_, a), (_, b) in zip(solo.evals, batched.evals, strict=True):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
 
 
 class _Recorder:
