@@ -588,7 +588,7 @@ class Cohort:
             for start in range(0, n, size):
                 x, y = inputs[start: start + size], targets[start: start + size]
                 with self.precision.autocast():
-                    out = (self.chain(params, x, training=False) if self.chain is not None
+                    out = (self.chain(params, x, training=False, shared=True) if self.chain is not None
                            else self.eval_forward(params, buffers, x))
                 for j in range(len(indices)):
                     loss_totals[j] += self.task.loss(out[j].float(), y) * len(x)

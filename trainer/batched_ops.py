@@ -217,9 +217,10 @@ class StackedChain:
 
     steps: tuple[tuple[str, Any], ...]
 
-    def __call__(self, params: Mapping[str, Tensor], x: Tensor, training: bool) -> Tensor:
+    def __call__(self, params: Mapping[str, Tensor], x: Tensor, training: bool, shared: bool = False) -> Tensor:
+        """x: [K, ...] (a batch per member), or with `shared` one batch for every member (evaluation)."""
         k = next(iter(params.values())).shape[0]
-        if x.dim() == 0 or x.shape[0] != k:  # an input shared by every member (evaluation): one copy each
+        if shared:  # one copy each, as vmap's linear rule makes for an input without a member dimension
             x = x.expand(k, *x.shape).contiguous()
         for kind, value in self.steps:
             if kind == "linear":

@@ -3,6 +3,7 @@ CPU in fp32, whatever the cohort's size and whatever its other members do."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,14 @@ def _smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def test_the_plain_mlp_takes_the_stacked_fast_path(digits: Task) -> None:
     cohort = Cohort(digits, tiny(model={"hidden": 16, "dropout": 0.1}), capacity=2)
     assert cohort.chain is not None and cohort.stacked_loss is not None
+
+
+def test_a_validation_batch_as_long_as_the_cohort_is_still_shared_by_every_member(digits: Task) -> None:
+    """Two validation rows and two members: each member is evaluated on both rows, not one row each."""
+    task = dataclasses.replace(digits, val=(digits.val[0][:2], digits.val[1][:2]))
+    configs = [tiny(seed=1), tiny(seed=2)]
+    for solo, batched in zip([train(c, task) for c in configs], train_batched(configs, task), strict=True):
+        same(solo, batched)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
