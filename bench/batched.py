@@ -4,9 +4,9 @@
 
 For each task and cohort size K: K configs (learning rate, weight decay, seed and schedule differing per member)
 trained by `trainer.train` one after another in this process, then by `trainer.batched.train_batched` as one cohort.
-Both sides run with one torch thread (a fair comparison on a shared CPU; said in the output). Prints trials/hour of
-each side, their ratio, the mean final val_loss, and the largest deviation of a member's evaluations from its solo
-run (0.0: bit for bit).
+Both sides run with one torch thread (a fair comparison on a shared CPU; said in the output), after a short warm-up
+run of each. Prints trials/hour of each side, their ratio, the mean final val_loss, and the largest deviation of a
+member's evaluations from its solo run (0.0: bit for bit).
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ def main() -> None:
           f"{'val_loss solo':>14} {'val_loss batched':>17} {'max deviation':>14}")
     for name in args.tasks:
         task = load_task(TASKS[name]["task"], TASKS[name].get("task_args"))
+        # Warm both paths first (lazy initialisation, first allocations), so that neither side's first timed run
+        # pays for it: the solo side runs first and would otherwise be charged alone.
+        warm = configs(name, 2, 6)
+        train(warm[0], task)
+        train_batched(warm, task, capacity=2)
         for k in args.ks:
             cohort = configs(name, k, args.steps)
             started = time.perf_counter()

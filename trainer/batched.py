@@ -22,6 +22,14 @@ On a CPU in fp32 each member's values are those of `trainer.train` for the same 
 it): the linear layers and dropout are swapped for exact stacked versions (`trainer.batched_ops`), the loss is
 computed per member on its own rows, and the stacked optimizers reproduce torch's single-tensor updates.
 
+Speed: a small model's step is dominated by the cost of each call, not by arithmetic, so the hot path makes a fixed
+number of calls whatever K is. A plain MLP (a chain of Linear, activation and Dropout layers, read from its fx trace)
+runs on the stacked tensors directly (`StackedChain`), skipping vmap's and the custom operators' dispatch; the
+built-in cross-entropy losses are computed for all members in one stacked call; the optimizer's per-member scalars
+reach the device as one small tensor per step; nothing is read back except at log, guard-check and evaluation steps.
+What is still done once per member per step on the host: its learning rate (`lr_at`, so that the logged value is the
+single run's float), its batch indices (its own sampler, then one stack), and dropout's draws from its own generator.
+
 A member's checkpoint is the plain single-model checkpoint of `trainer.checkpoint`: a batched run can be resumed or
 warm-started by the ordinary loop and the other way round.
 """
@@ -44,7 +52,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from trainer.batched_ops import dropout_rates, member_randomness, prepare_template
+from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
 from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoint
 from trainer.config import TrainingConfig
@@ -56,7 +64,8 @@ from trainer.optim import build_optimizer, lr_at
 from trainer.precision import allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
-from trainer.tasks import Task, load_task
+from trainer.tasks import Task, cross_entropy, load_task
+from trainer.tasks.arrays import class_cross_entropy
 
 __all__ = ["Cohort", "CohortMember", "available_memory", "batch_problem", "batch_signature", "max_cohort_size",
            "train_batched"]
@@ -111,6 +120,10 @@ def batch_problem(config: TrainingConfig, task: Task) -> str | None:
     """Why `config` cannot be trained batched (the ordinary loop then trains it), or None. Checks the settings, then
     tries one vmapped forward and backward of the model: anything vmap cannot batch (BatchNorm in training mode,
     random ops other than `nn.Dropout`, in-place updates of buffers) fails there, not later with a wrong answer."""
+    return _settings_problem(config, task) or _model_problem(config, task)
+
+
+def _settings_problem(config: TrainingConfig, task: Task) -> str | None:
     device = resolve_device(config.device)
     if config.compile:
         return "compile: true is not batched (the stacked model runs eagerly)"
@@ -118,6 +131,20 @@ def batch_problem(config: TrainingConfig, task: Task) -> str | None:
         return "fp16 needs a grad scaler per member; use bf16 or fp32 to batch"
     if choose_data_loader(config, task, device) != "device":
         return "the training set is read by loader workers (data_loader: dataloader), which the cohort does not use"
+    return None
+
+
+def _problem_probed(config: TrainingConfig, task: Task, signature: str, probes: dict[str, str | None]) -> str | None:
+    """`batch_problem`, with the model probe run once per batch signature (`probes`, filled here): configs of one
+    signature build the same model but for its values and dropout rates, which the probe does not depend on."""
+    problem = _settings_problem(config, task)
+    if problem is None and signature not in probes:
+        probes[signature] = _model_problem(config, task)
+    return problem or probes[signature]
+
+
+def _model_problem(config: TrainingConfig, task: Task) -> str | None:
+    device = resolve_device(config.device)
     model = task.build_model(task.model_config(config.model)).to(device)
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
@@ -139,6 +166,22 @@ def batch_problem(config: TrainingConfig, task: Task) -> str | None:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"vmap cannot batch this model ({type(exc).__name__}: {first_line})"
     return None
+
+
+def _stacked_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every member's `F.cross_entropy` (mean over its rows) at once: out [K, ..., C], y [K, ...] -> [K]. The
+    log-softmax is row by row as in the single model, and the gradient of each member's mean is `-1/rows` at its
+    targets, as `nll_loss`'s backward gives, so the parameters follow the single run bit for bit; the loss value
+    itself is summed in another order than `nll_loss` sums it, which can move the logged training loss by an ulp."""
+    k, classes = out.shape[0], out.shape[-1]
+    logp = torch.log_softmax(out.reshape(k, -1, classes), dim=-1)
+    return -logp.gather(-1, y.reshape(k, -1, 1).long()).squeeze(-1).mean(1)
+
+
+# The task losses with a stacked form (the others run once per member on its own rows).
+STACKED_LOSSES: dict[Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    cross_entropy: _stacked_cross_entropy, class_cross_entropy: _stacked_cross_entropy}
 
 
 def _forward(template: nn.Module) -> Callable[..., torch.Tensor]:
@@ -238,9 +281,11 @@ class _Slot:
 class Cohort:
     """K slots of one batch signature, trained as one stacked model. Add members (`add`) at evaluation boundaries,
     remove them (`remove`) at any step, advance all of them by one step (`step`), or `run` until every slot is free.
-    `results[id]` holds each member's `TrainResult` once it has finished, stopped or been removed."""
+    `results[id]` holds each member's `TrainResult` once it has finished, stopped or been removed. `probes`: the
+    answers of `batch_problem`'s model probe by signature, when the caller has them already."""
 
-    def __init__(self, task: Task, like: TrainingConfig, capacity: int) -> None:
+    def __init__(self, task: Task, like: TrainingConfig, capacity: int,
+                 probes: dict[str, str | None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"a cohort needs capacity >= 1, but got {capacity=}")
         self.task = task
@@ -258,6 +303,10 @@ class Cohort:
         # vmap's rule; `batch_problem` has checked with "error" that the model draws nothing else.
         self.forward = vmap(_forward(self.template), randomness="same")
         self.eval_forward = vmap(_forward(self.template), in_dims=(0, 0, None), randomness="error")
+        # A plain MLP skips vmap (`StackedChain`: the same kernels, a fraction of the per-call cost); fp32 only, as
+        # its backward does not re-enter autocast.
+        self.chain = stacked_chain(shell) if self.precision.dtype is None else None
+        self.stacked_loss = STACKED_LOSSES.get(task.loss)
         self.params = {n: torch.zeros(capacity, *p.shape, dtype=p.dtype, device=self.device, requires_grad=True)
                        for n, p in shell.named_parameters()}
         self.buffers = {n: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
@@ -274,6 +323,8 @@ class Cohort:
         self._idle_batch = torch.arange(like.batch_size, device=self.device)
         self._order = self._optimizer_order()
         self._plan: ClipPlan | None = None
+        self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
+        self._records: dict[bool, dict[str, Any]] = {}
 
     # -- membership ----------------------------------------------------------------------------------------------
     @property
@@ -300,12 +351,13 @@ class Cohort:
             raise ValueError(f"the cohort's {self.capacity} slots are all taken")
         if member.resume is not None and member.warm_start is not None:
             raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
-        problem = batch_problem(config, self.task)
-        if problem is not None:
-            raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
-        if batch_signature(config, self.task) != self.signature:
+        signature = batch_signature(config, self.task)
+        if signature != self.signature:
             raise ValueError("this config's batch signature differs from the cohort's (task, model shapes, optimizer, "
                              "precision, batch size, accumulation, evaluation interval or device)")
+        problem = _problem_probed(config, self.task, signature, self._probes)
+        if problem is not None:
+            raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
         index = self.free_slots[0]
         # Built as `build_run` builds it: seed, then the model from the seeded RNG; what the RNG holds after that is
         # what the single run's dropout draws from.
@@ -324,9 +376,11 @@ class Cohort:
         reporter = member.reporter
         if reporter is None:
             reporter = local = FastFailReporter(fast_fail, stage_starts=stages)
-        result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
-            config.seed, self.device, deterministic=config.deterministic))
-        result.reproducibility["batched"] = True
+        if config.deterministic not in self._records:  # the same for every member but the seed
+            self._records[config.deterministic] = reproducibility_record(config.seed, self.device,
+                                                                         deterministic=config.deterministic)
+        result = TrainResult("completed", 0, {}, reproducibility={**self._records[config.deterministic],
+                                                                  "seed": config.seed, "batched": True})
         slot = _Slot(id=self._ids, member=member, reporter=reporter, local=local, fast_fail=fast_fail, stages=stages,
                      sampler=build_sampler(config, self.task, self.device), generator=generator,
                      rates=dropout_rates(model), result=result, started=time.perf_counter())
@@ -406,10 +460,14 @@ class Cohort:
             rates = [s.rates if s is not None else [] for s in self.slots]
             generators = [s.generator if s is not None else None for s in self.slots]
             with self.precision.autocast(), member_randomness(rates, generators):
-                out = self.forward(self.params, self.buffers, x)
-            # Each member's loss on its own rows, as the single model computes it (a vmapped loss sums in another
-            # order); the backward of their sum gives each member the gradient of its own loss.
-            losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
+                out = (self.chain(self.params, x, training=True) if self.chain is not None
+                       else self.forward(self.params, self.buffers, x))
+            # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
+            # gives each member the gradient of its own loss.
+            if self.stacked_loss is not None:
+                losses = self.stacked_loss(out.float(), y)
+            else:
+                losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
             if accum > 1:
                 losses = losses / accum
             losses.sum().backward()
@@ -530,7 +588,8 @@ class Cohort:
             for start in range(0, n, size):
                 x, y = inputs[start: start + size], targets[start: start + size]
                 with self.precision.autocast():
-                    out = self.eval_forward(params, buffers, x)
+                    out = (self.chain(params, x, training=False, shared=True) if self.chain is not None
+                           else self.eval_forward(params, buffers, x))
                 for j in range(len(indices)):
                     loss_totals[j] += self.task.loss(out[j].float(), y) * len(x)
                     if self.task.eval_metrics is not None:
@@ -695,18 +754,20 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
     items = [m if isinstance(m, CohortMember) else CohortMember(m) for m in members]
     tasks: dict[str, Task] = {}
     groups: dict[str, list[int]] = {}
+    probes: dict[str, str | None] = {}
     results: dict[int, TrainResult] = {}
     for i, item in enumerate(items):
         key = json.dumps([item.config.task, item.config.task_args], sort_keys=True, default=str)
         member_task = task if task is not None else tasks.get(key) or tasks.setdefault(
             key, load_task(item.config.task, item.config.task_args))
-        problem = batch_problem(item.config, member_task)
+        signature = batch_signature(item.config, member_task)
+        problem = _problem_probed(item.config, member_task, signature, probes)
         if problem is not None:
             say(f"config {i}: not batched, trained alone: {problem}")
             results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
                                warm_start=item.warm_start, checkpointer=item.checkpointer)
             continue
-        groups.setdefault(f"{key}/{batch_signature(item.config, member_task)}", []).append(i)
+        groups.setdefault(f"{key}/{signature}", []).append(i)
     for indices in groups.values():
         first = items[indices[0]].config
         key = json.dumps([first.task, first.task_args], sort_keys=True, default=str)
@@ -716,12 +777,13 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         if size > fits:
             say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
             size = fits
-        results.update(_run_queue(group_task, [items[i] for i in indices], indices, size))
+        results.update(_run_queue(group_task, [items[i] for i in indices], indices, size, probes))
     return [results[i] for i in range(len(items))]
 
 
-def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int) -> dict[int, TrainResult]:
-    cohort = Cohort(task, members[0].config, size)
+def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int,
+               probes: dict[str, str | None]) -> dict[int, TrainResult]:
+    cohort = Cohort(task, members[0].config, size, probes)
     queue = list(zip(indices, members))
     placed: dict[int, int] = {}  # member id -> input index
 

@@ -19,15 +19,18 @@ ordinary loop (never a wrong answer).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MemberDropout", "StackedLinear", "dropout_rates", "member_randomness", "prepare_template"]
+__all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "member_randomness", "prepare_template",
+           "stacked_chain", "stacked_dropout"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -48,6 +51,22 @@ def _stacked_linear_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Te
     x, weight = ctx.saved_tensors
     # addmm's backward for one model: grad_x = g @ W, grad_W = g^T @ x (not (x^T @ g)^T), grad_b = g summed over rows.
     return torch.bmm(grad, weight), torch.bmm(grad.transpose(1, 2), x), grad.sum(1)
+
+
+class _StackedLinearFunction(torch.autograd.Function):
+    """`_stacked_linear` as a plain autograd function, for `StackedChain`, which runs outside vmap: the same kernels
+    without a custom operator's dispatch, and no input gradient where none is needed (the first layer's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
+        x, weight = ctx.saved_tensors
+        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
+        return grad_x, torch.bmm(grad.transpose(1, 2), x), grad.sum(1)
 
 
 torch.library.register_autograd("trainer_batched::stacked_linear", _stacked_linear_backward,
@@ -110,18 +129,27 @@ def _member_dropout(x: Tensor, layer: int) -> Tensor:
     raise RuntimeError("MemberDropout draws per member and runs only inside the batched engine's vmap")
 
 
+def stacked_dropout(x: Tensor, layer: int) -> Tensor:
+    """Dropout layer `layer` on a stacked [K, ...] tensor: member `k` drops with its own rate, drawing from its own
+    generator (see `member_randomness`). A member whose rate is 0 draws nothing and keeps everything, as `F.dropout`
+    returns its input untouched; when no member drops, `x` itself is returned."""
+    drawing = [(k, rates[layer], generator)
+               for k, (rates, generator) in enumerate(zip(_RANDOMNESS.rates, _RANDOMNESS.generators, strict=True))
+               if generator is not None and rates[layer] != 0.0]
+    if not drawing:
+        return x
+    noise = torch.ones_like(x)
+    for k, p, generator in drawing:  # each member's own generator: one draw per dropping member, in member order
+        # F.dropout on a CPU: noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise
+        noise[k].bernoulli_(1 - p, generator=generator).div_(1 - p)
+    return x * noise
+
+
 @torch.library.register_vmap("trainer_batched::member_dropout")
 def _member_dropout_vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, layer: int) -> tuple[Tensor, int]:
     x = x.movedim(in_dims[0], 0) if in_dims[0] is not None else x.expand(info.batch_size, *x.shape)
-    noises = []
-    for rates, generator in zip(_RANDOMNESS.rates, _RANDOMNESS.generators, strict=True):
-        p = rates[layer] if generator is not None else 0.0
-        if p == 0.0:  # F.dropout returns its input untouched and draws nothing
-            noises.append(torch.ones_like(x[0]))
-            continue
-        # F.dropout on a CPU: noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise
-        noises.append(torch.empty_like(x[0]).bernoulli_(1 - p, generator=generator).div_(1 - p))
-    return x * torch.stack(noises), 0
+    out = stacked_dropout(x, layer)
+    return (out.clone() if out is x else out), 0  # a custom op's output may not alias its input
 
 
 class MemberDropout(nn.Module):
@@ -147,7 +175,7 @@ def dropout_rates(model: nn.Module) -> list[float]:
 def prepare_template(model: nn.Module) -> nn.Module:
     """A copy of `model` on the meta device with `StackedLinear` for `nn.Linear` and `MemberDropout` for `nn.Dropout`
     (exact types only: a subclass may do something else). Parameter and buffer names stay as they were."""
-    template = copy.deepcopy(model).to("meta")
+    template = copy.deepcopy(model).to("meta")  # moving to meta unties tied parameters: tied again below
     modules = dict(template.named_modules())
     layer = 0
     for qualified, child in list(modules.items()):  # module order, as `dropout_rates` counts
@@ -162,4 +190,87 @@ def prepare_template(model: nn.Module) -> nn.Module:
         else:
             setattr(parent, name, MemberDropout(layer))
             layer += 1
+    first: dict[int, str] = {}  # a parameter's first name, by the parameter's identity in `model`
+    for qualified, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = qualified
+            continue
+        owner, _, name = qualified.rpartition(".")  # a tied name (a language model's head and embedding, say)
+        setattr(template.get_submodule(owner), name, template.get_parameter(first[id(p)]))
     return template
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The fast path: a chain of layers run on the stacked tensors directly.
+
+# Layers that act on each element alone, so that on a stacked tensor each member's elements get what they get alone.
+_ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Identity)
+
+
+@dataclass(frozen=True)
+class StackedChain:
+    """A model that is a plain chain of `nn.Linear` (with bias), `nn.Dropout` and element-wise activations (an MLP),
+    run on stacked [K, ...] tensors without vmap: the same stacked kernels as vmap's path (`_stacked_linear`,
+    `stacked_dropout`, the activation on the whole stack), without vmap's and the custom operators' per-call cost,
+    which dominates a small model's step. `steps`: ("linear", module name), ("dropout", layer index) or
+    ("elementwise", module)."""
+
+    steps: tuple[tuple[str, Any], ...]
+
+    def __call__(self, params: Mapping[str, Tensor], x: Tensor, training: bool, shared: bool = False) -> Tensor:
+        """x: [K, ...] (a batch per member), or with `shared` one batch for every member (evaluation)."""
+        k = next(iter(params.values())).shape[0]
+        if shared:  # one copy each, as vmap's linear rule makes for an input without a member dimension
+            x = x.expand(k, *x.shape).contiguous()
+        for kind, value in self.steps:
+            if kind == "linear":
+                weight, bias = params[f"{value}.weight"], params[f"{value}.bias"]
+                rows = x.reshape(k, -1, x.shape[-1]).contiguous()  # F.linear flattens leading dims into rows too
+                x = _StackedLinearFunction.apply(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[1])
+            elif kind == "dropout":
+                x = stacked_dropout(x, value) if training else x
+            else:
+                x = value(x)
+        return x
+
+
+def stacked_chain(model: nn.Module) -> StackedChain | None:
+    """`model` as a `StackedChain` when its traced graph (`torch.fx`) is one input through a chain of such layers and
+    nothing else; None otherwise (the engine then runs `vmap`). The chain is read from the trace, not from the
+    module's type, so a model whose forward does anything besides calling those layers in a row is never taken."""
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # noqa: BLE001 - a model fx cannot trace runs under vmap
+        return None
+    if list(model.buffers()):
+        return None
+    modules = dict(model.named_modules())
+    layers = {name: i for i, name in enumerate(n for n, m in model.named_modules() if type(m) is nn.Dropout)}
+    params = dict(model.named_parameters())
+    used: set[str] = set()
+    steps: list[tuple[str, Any]] = []
+    previous = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if previous is not None:
+                return None
+        elif node.op == "call_module" and node.args == (previous,) and not node.kwargs and previous is not None:
+            module = modules[str(node.target)]
+            if type(module) is nn.Linear and module.bias is not None:
+                names = {f"{node.target}.weight", f"{node.target}.bias"}
+                if not names <= params.keys() or params[f"{node.target}.weight"] is not module.weight:
+                    return None  # a shared (tied) weight is named once: let vmap handle it
+                used |= names
+                steps.append(("linear", str(node.target)))
+            elif type(module) is nn.Dropout:
+                steps.append(("dropout", layers[str(node.target)]))
+            elif type(module) in _ELEMENTWISE and not getattr(module, "inplace", False):
+                steps.append(("elementwise", module))
+            else:
+                return None
+        elif node.op == "output" and node.args == (previous,) and previous is not None and previous.op != "placeholder":
+            return StackedChain(tuple(steps)) if used == params.keys() else None
+        else:
+            return None
+        previous = node
+    return None

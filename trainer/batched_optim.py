@@ -56,6 +56,19 @@ def host_scalars(configs: Sequence[TrainingConfig | None], lrs: Sequence[float],
     return {name: table[:, i].contiguous() for i, name in enumerate(_COLUMNS)}
 
 
+# torch's multi-tensor ops (private in name only; `torch.optim`'s foreach paths use them): one call for a list of
+# tensors. On a CPU each runs the ordinary kernel on each tensor, broadcasting as the ordinary op does.
+_foreach_mul_ = torch._foreach_mul_
+_foreach_mul = torch._foreach_mul  # noqa: SLF001
+_foreach_addcmul = torch._foreach_addcmul  # noqa: SLF001
+_foreach_addcmul_ = torch._foreach_addcmul_
+_foreach_lerp_ = torch._foreach_lerp_
+_foreach_sqrt = torch._foreach_sqrt  # noqa: SLF001
+_foreach_div_ = torch._foreach_div_
+_foreach_add_ = torch._foreach_add_
+_foreach_addcdiv_ = torch._foreach_addcdiv_
+
+
 def _per_member(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A [K] tensor shaped to broadcast along each member's slice of a stacked [K, ...] tensor."""
     return value.view(-1, *([1] * (like.dim() - 1)))
@@ -108,31 +121,53 @@ class StackedOptimizer:
 
     @torch.no_grad()
     def step(self, scalars: Mapping[str, torch.Tensor]) -> None:
-        for name, p in self.params.items():
-            if p.grad is None:
-                continue
-            update = {"adamw": self._adam, "adam": self._adam, "sgd": self._sgd, "lion": self._lion}[self.kind]
-            update(p, p.grad, self.state[name], scalars, decays=p.dim() - 1 >= 2)
+        names = [name for name, p in self.params.items() if p.grad is not None]
+        shaped: dict[int, dict[str, torch.Tensor]] = {}  # the scalars viewed for each parameter rank, once a step
+        for name in names:
+            p = self.params[name]
+            if p.dim() not in shaped:
+                shaped[p.dim()] = {key: _per_member(value, p) for key, value in scalars.items()}
+        if self.kind in ("adam", "adamw"):
+            self._adam(names, shaped)
+            return
+        update = {"sgd": self._sgd, "lion": self._lion}[self.kind]
+        for name in names:
+            p = self.params[name]
+            assert p.grad is not None
+            update(p, p.grad, self.state[name], shaped[p.dim()], decays=p.dim() - 1 >= 2)
 
-    def _adam(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
-              s: Mapping[str, torch.Tensor], decays: bool) -> None:
-        def m(key: str) -> torch.Tensor:
-            return _per_member(s[key], p)
+    def _adam(self, names: list[str], shaped: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """AdamW or Adam on every parameter at once: each step below is one multi-tensor call over the parameters
+        (on a CPU, torch runs the same per-tensor kernel for each, so the values are those of the per-tensor ops),
+        a member's scalars broadcasting along its slice."""
+        params = [self.params[name] for name in names]
+        grads = [p.grad for p in params if p.grad is not None]  # every one (`names` has only those with a gradient)
+        exp_avgs = [self.state[name]["exp_avg"] for name in names]
+        exp_avg_sqs = [self.state[name]["exp_avg_sq"] for name in names]
 
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        if decays and self.kind == "adamw":
-            p.mul_(m("decay_factor"))  # param.mul_(1 - lr * weight_decay)
-        elif decays:
-            grad = torch.addcmul(grad, p, m("weight_decay"))  # grad.add(param, alpha=weight_decay)
-        exp_avg.lerp_(grad, m("one_minus_beta1"))
-        exp_avg_sq.mul_(m("beta2")).addcmul_(grad * m("one_minus_beta2"), grad)  # addcmul_(g, g, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / m("bias2_sqrt")).add_(m("eps"))
-        p.addcdiv_(exp_avg * m("neg_step_size"), denom)  # torch's kernel: param + (value * exp_avg) / denom
+        def m(key: str, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            return [shaped[t.dim()][key] for t in like]
+
+        matrices = [i for i, p in enumerate(params) if p.dim() - 1 >= 2]  # weight decay applies to matrices only
+        decayed = [params[i] for i in matrices]
+        if decayed and self.kind == "adamw":
+            _foreach_mul_(decayed, m("decay_factor", decayed))  # param.mul_(1 - lr * weight_decay)
+        elif decayed:  # grad.add(param, alpha=weight_decay)
+            coupled = _foreach_addcmul([grads[i] for i in matrices], decayed, m("weight_decay", decayed))
+            for i, grad in zip(matrices, coupled, strict=True):
+                grads[i] = grad
+        _foreach_lerp_(exp_avgs, grads, m("one_minus_beta1", grads))
+        _foreach_mul_(exp_avg_sqs, m("beta2", grads))  # then addcmul_(g, g, value=1 - beta2):
+        _foreach_addcmul_(exp_avg_sqs, _foreach_mul(grads, m("one_minus_beta2", grads)), grads)
+        denom = _foreach_sqrt(exp_avg_sqs)  # (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        _foreach_div_(denom, m("bias2_sqrt", denom))
+        _foreach_add_(denom, m("eps", denom))
+        # torch's kernel: param + (value * exp_avg) / denom
+        _foreach_addcdiv_(params, _foreach_mul(exp_avgs, m("neg_step_size", exp_avgs)), denom)
 
     def _sgd(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
              s: Mapping[str, torch.Tensor], decays: bool) -> None:
-        def m(key: str) -> torch.Tensor:
-            return _per_member(s[key], p)
+        m = s.__getitem__  # the member scalars, already shaped to broadcast along each slice
 
         if decays:
             grad = torch.addcmul(grad, p, m("weight_decay"))
@@ -143,8 +178,7 @@ class StackedOptimizer:
 
     def _lion(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor],
               s: Mapping[str, torch.Tensor], decays: bool) -> None:
-        def m(key: str) -> torch.Tensor:
-            return _per_member(s[key], p)
+        m = s.__getitem__  # the member scalars, already shaped to broadcast along each slice
 
         moment = state["exp_avg"]
         if decays:

@@ -3,16 +3,18 @@ CPU in fp32, whatever the cohort's size and whatever its other members do."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.trainer.support import SaveAt
-from trainer import Task, TrainingConfig, TrainResult, train
+from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size, train_batched
 from trainer.checkpoint import load_checkpoint
 from trainer.tasks import accuracy_sum
@@ -166,6 +168,70 @@ def test_a_cohort_that_does_not_fit_is_cut_with_a_message(digits: Task, monkeypa
     results = train_batched([tiny(seed=s) for s in range(2)], digits, capacity=2, say=messages.append)
     assert any("does not fit" in m for m in messages)
     same(train(tiny(seed=1), digits), results[1])
+
+
+class _Residual(nn.Module):
+    """Not a plain chain of layers (a residual sum, functional activations): the engine runs it under vmap."""
+
+    def __init__(self, hidden: int, dropout: float) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(64, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 10)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(self.drop(h + torch.tanh(self.mid(h))))
+
+
+def _smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, targets, label_smoothing=0.1)  # a loss without a stacked form: one per member
+
+
+def test_the_plain_mlp_takes_the_stacked_fast_path(digits: Task) -> None:
+    cohort = Cohort(digits, tiny(model={"hidden": 16, "dropout": 0.1}), capacity=2)
+    assert cohort.chain is not None and cohort.stacked_loss is not None
+
+
+def test_a_validation_batch_as_long_as_the_cohort_is_still_shared_by_every_member(digits: Task) -> None:
+    """Two validation rows and two members: each member is evaluated on both rows, not one row each."""
+    task = dataclasses.replace(digits, val=(digits.val[0][:2], digits.val[1][:2]))
+    configs = [tiny(seed=1), tiny(seed=2)]
+    for solo, batched in zip([train(c, task) for c in configs], train_batched(configs, task), strict=True):
+        same(solo, batched)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_model_that_is_no_plain_chain_runs_under_vmap_and_matches_bit_for_bit(digits: Task, optimizer: str) -> None:
+    task = Task(name="residual", train=digits.train, val=digits.val, loss=_smoothed,
+                build_model=lambda cfg: _Residual(cfg["hidden"], cfg["dropout"]),
+                model_defaults={"hidden": 16, "dropout": 0.0}, eval_metrics=accuracy_sum,
+                eval_metric_names=("accuracy",))
+    lr = 1.0 if optimizer == "adamw" else 10.0
+    configs = [tiny(**{**m, "task": "residual", "optimizer": optimizer,
+                       "learning_rate": m.get("learning_rate", 3e-3) * lr}) for m in MEMBERS[:3]]
+    cohort = Cohort(task, configs[0], capacity=1)
+    assert cohort.chain is None and cohort.stacked_loss is None
+    for solo, batched in zip([train(c, task) for c in configs], train_batched(configs, task), strict=True):
+        same(solo, batched)
+
+
+def test_charlm_whose_head_is_tied_to_its_embedding_is_batched_and_matches_closely() -> None:
+    """The transformer runs under vmap, whose rules for layer norm, attention and embedding sum in their own order: its
+    members match the ordinary loop to float32 rounding (measured: at most 4.8e-7 over these 24 steps), not to the
+    bit. Its head shares the embedding's weight, which the engine's template must keep shared."""
+    args = {"context": 16, "max_chars": 20_000}
+    task = load_task("charlm", args)
+    configs = [tiny(task="charlm", task_args=args, model={"d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_ratio": 2},
+                    batch_size=8, eval_batch_size=256, seed=s, learning_rate=3e-3 * (1 + s),
+                    scheduler=("cosine", "linear")[s % 2]) for s in range(3)]
+    messages: list[str] = []
+    results = train_batched(configs, task, say=messages.append)
+    assert messages == [] and all(r.reproducibility["batched"] for r in results)
+    for solo, batched in zip([train(c, task) for c in configs], results, strict=True):
+        assert (solo.status, solo.steps) == (batched.status, batched.steps)
+        assert [step for step, _ in solo.evals] == [step for step, _ in batched.evals]
+        for (_, a), (_, b) in zip(solo.evals, batched.evals, strict=True):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
 
 
 class _Recorder:
