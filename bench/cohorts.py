@@ -1,6 +1,6 @@
 """Cohorts against one trial at a time: the same study (digits, TPE, fast-fail then median), run with each cohort size
 and each seed, side by side in one process; wall time to spend the budget, trials per hour (and the ratio to cohort
-1), the best value and the trial that reached it.
+1), the steps trained (pruning decides how many) and steps per second, the best value and the trial that reached it.
 
     python bench/cohorts.py                                  # 64 trials x 300 steps, cohorts 1 8 32, seeds 0 1 2
     python bench/cohorts.py --trials 24 --steps 100 --cohorts 1 8 --seeds 0
@@ -44,9 +44,12 @@ def run(trials: int, steps: int, seed: int, cohort: int, folder: Path) -> dict:
     started = time.perf_counter()
     run_study(study, spec, storage_url=url)
     wall = time.perf_counter() - started
-    done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    ended = study.get_trials(deepcopy=False)
+    done = [t for t in ended if t.state == TrialState.COMPLETE]
+    steps = sum(int(t.user_attrs.get("steps_trained", t.user_attrs.get("steps", 0)) or 0) for t in ended)
     best = min(done, key=lambda t: t.value) if done else None  # type: ignore[arg-type,return-value]
-    return {"wall": wall, "per_hour": 3600 * trials / wall, "best": None if best is None else best.value,
+    return {"wall": wall, "per_hour": 3600 * trials / wall, "steps": steps, "steps_per_s": steps / wall,
+            "best": None if best is None else best.value,
             "best_at": None if best is None else best.number}
 
 
@@ -69,12 +72,15 @@ def main() -> None:
     base = statistics.median(r["per_hour"] for r in rows[options.cohorts[0]])
     print(f"digits, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, seeds "
           f"{options.seeds}, 1 thread")
-    print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(options.cohorts[0]):>6}  best per seed (at trial)")
+    print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(options.cohorts[0]):>6} {'steps':>7} "
+          f"{'steps/s':>8}  best per seed (at trial)")
     for cohort, results in rows.items():
         wall = statistics.median(r["wall"] for r in results)
         per_hour = statistics.median(r["per_hour"] for r in results)
+        steps = statistics.median(r["steps"] for r in results)
+        rate = statistics.median(r["steps_per_s"] for r in results)
         bests = ", ".join("-" if r["best"] is None else f"{r['best']:.4f} (#{r['best_at']})" for r in results)
-        print(f"{cohort:>6} {wall:>8.1f} {per_hour:>9.0f} {per_hour / base:>6.2f}x  {bests}")
+        print(f"{cohort:>6} {wall:>8.1f} {per_hour:>9.0f} {per_hour / base:>6.2f}x {steps:>7.0f} {rate:>8.0f}  {bests}")
 
 
 if __name__ == "__main__":
