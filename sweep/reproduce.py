@@ -176,6 +176,12 @@ def _threads_of(record: Mapping[str, Any]) -> Iterator[None]:
         apply_threads(before)
 
 
+def _untrusted(number: int, doing: str) -> UntrustedCode:
+    return UntrustedCode(f"reproducing trial {number} would {doing}, which only the database names, and whoever can "
+                         "write the database chose it. Give the study file that defines the study instead, or pass "
+                         "--trust-task if you trust whoever can write it")
+
+
 BATCHED_TOLERANCE = 1e-4  # relative: a cohort member replayed by the ordinary loop (sweep.cohort)
 
 
@@ -200,10 +206,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     command = study_spec.get("command")
     if command is not None:
         if not trust_code and command not in trusted:
-            raise UntrustedCode(f"reproducing trial {number} would run the command {command!r}, which only the "
-                                "database names, and whoever can write the database chose it. Give the study file "
-                                "that defines the study instead, or pass --trust-task if you trust whoever can write "
-                                "it")
+            raise _untrusted(number, f"run the command {command!r}")
         from sweep.runners.command import rerun_command
 
         parent = _parent(trial, BlobScope(store))
@@ -218,10 +221,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         deterministic = bool(stored_config.get("deterministic", False))
     elif loop is not None:
         if not trust_code and loop not in trusted:
-            raise UntrustedCode(f"reproducing trial {number} would import and run the loop {loop!r}, which only the "
-                                "database names, and whoever can write the database chose it. Give the study file "
-                                "that defines the study instead, or pass --trust-task if you trust whoever can write "
-                                "it")
+            raise _untrusted(number, f"import and run the loop {loop!r}")
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
             deterministic = _rerun_loop(loop, stored_config, recorder, _parent(trial, BlobScope(store)))
         device = resolve_device(str(stored_config.get("device", "auto")))

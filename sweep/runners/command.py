@@ -31,7 +31,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -166,16 +166,8 @@ class CommandTrial:
         start, self.checkpointer = user_start(trial, spec, self.checkpoints, params, config)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
                                  judged=ATTR_CONFIRMS not in trial.user_attrs)  # a cold confirmation is never pruned
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(trial.number),
-               ENV_CONFIG: json.dumps(config), **_start_env(start, log.with_suffix(".start.pt"))}
         started = time.perf_counter()
-        with open(log, "ab") as output, ours:
-            try:
-                process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=env, pass_fds=[theirs.fileno()], start_new_session=True)
-            finally:
-                theirs.close()
+        with _spawned(argv, config, trial.number, start, log, "ab") as (process, ours):
             session = _Session(process, ours, reporter, self.deadline, spec.stop_grace_period, self.checkpointer)
             try:
                 with self.boundary.no_wait():
@@ -199,6 +191,23 @@ class CommandTrial:
             return TrialResult(Outcome.FAILED, None,
                                {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {steps}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
+
+
+@contextlib.contextmanager
+def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Start, log: Path,
+             mode: str) -> Iterator[tuple[subprocess.Popen[bytes], socket.socket]]:
+    """The command started in a session of its own, its output in `log` (opened with `mode`), its config, trial
+    number and start state in its environment; yields it and the worker's end of its report socket."""
+    ours, theirs = socket.socketpair()
+    env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(number), ENV_CONFIG: json.dumps(config),
+           **_start_env(start, log.with_suffix(".start.pt"))}
+    with open(log, mode) as output, ours:
+        try:
+            process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, pass_fds=[theirs.fileno()], start_new_session=True)
+        finally:
+            theirs.close()
+        yield process, ours
 
 
 def _start_env(start: Start, path: Path) -> dict[str, str]:
@@ -230,15 +239,7 @@ def rerun_command(template: str, config: Mapping[str, Any], number: int, reports
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / f"reproduce-{number}.log"
     start = Start(warm=WarmStart(parent)) if parent is not None else Start()
-    ours, theirs = socket.socketpair()
-    env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(number), ENV_CONFIG: json.dumps(config),
-           **_start_env(start, folder / f"reproduce-{number}.start.pt")}
-    with open(log, "wb") as output, ours:
-        try:
-            process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, pass_fds=[theirs.fileno()], start_new_session=True)
-        finally:
-            theirs.close()
+    with _spawned(argv, config, number, start, log, "wb") as (process, ours):
         session = _Session(process, ours, reports, None, grace, None)
         try:
             return session.wait()
