@@ -6,10 +6,12 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
@@ -94,3 +96,36 @@ def test_two_workers_with_cohorts_share_a_postgresql_study_exactly(tmp_path: Pat
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     assert all(t.user_attrs["cohort"]["size"] == 4 for t in trials)
     assert max(in_flight(trials)) <= 8  # at most two cohorts of four (a worker that starts late may find none left)
+
+
+@pytest.mark.slow
+def test_a_killed_cohort_worker_s_members_are_each_retried_from_their_own_checkpoint(tmp_path: Path) -> None:
+    from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
+
+    path = cohort_study(tmp_path, n_trials=4, pruner="none", execution={"cohort": 4}, heartbeat_interval=1,
+                        heartbeat_grace_period=3, checkpoints={"every_steps": 40},
+                        fixed={"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 40})
+    db, log = tmp_path / "coh.db", tmp_path / "run.log"
+    worker = start_sweep("run", path, log=log)
+    try:  # every member has a checkpoint of its own past its start: then the worker dies without a word
+        wait_for("a checkpoint at step 80 of each of the four members",
+                 lambda: len({trial for _, trial, step, _ in checkpoint_rows(db) if step >= 80}) == 4, 300,
+                 alive=worker)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert finish(start_sweep("run", path, log=log), log, 600) == 0, log.read_text()[-3000:]
+    trials = load(tmp_path).get_trials()
+    lost = [t for t in trials if t.state == TrialState.FAIL]
+    retries = [t for t in trials if "retry_of" in t.user_attrs]
+    assert len(lost) == 4 and all("no heartbeat" in t.user_attrs["fail_reason"] for t in lost)
+    assert len(retries) == 4 and all(t.state == TrialState.COMPLETE for t in retries)  # n_trials exact
+    for retry in retries:  # each from its own lineage's newest checkpoint, in a cohort again
+        original = retry.user_attrs["retry_of"]
+        assert retry.user_attrs["resumed_from"]["trial"] == original
+        assert retry.user_attrs["resumed_from"]["step"] >= 80
+        assert retry.params == next(t.params for t in trials if t.number == original)
+        assert retry.user_attrs["cohort"]["size"] == 4
+        assert sorted(retry.intermediate_values) == list(range(40, 440, 40))  # one curve, the lineage's
