@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["ATTR_COHORT", "CohortLoop", "distributions", "shape_keys"]
 
 ATTR_COHORT = "cohort"  # {id, size, member}: the cohort a trial trained in
+AUTO_LIMIT = 256  # `cohort: auto` takes what fits the device's memory, up to this many (a CPU's RAM fits far more)
 GENERATIONS = 4  # a cohort takes this many times its size in members, then drains; the next one draws its shapes anew
 
 
@@ -209,8 +210,9 @@ class CohortLoop:
                           "train one at a time", stacklevel=2)
             self.single = True
             return False
-        size = self.size or max_cohort_size(prepared.config, prepared.task)
-        self.cohort = Cohort(prepared.task, prepared.config, max(1, size))
+        size = self.size or min(max_cohort_size(prepared.config, prepared.task), AUTO_LIMIT)
+        # Never more slots than the study has trials: a slot no trial will fill still costs memory and time.
+        self.cohort = Cohort(prepared.task, prepared.config, max(1, min(size, self.worker.n_trials)))
         self.cohorts += 1
         self.admitted = 0
         if self.keys is None:

@@ -129,3 +129,11 @@ def test_a_killed_cohort_worker_s_members_are_each_retried_from_their_own_checkp
         assert retry.params == next(t.params for t in trials if t.number == original)
         assert retry.user_attrs["cohort"]["size"] == 4
         assert sorted(retry.intermediate_values) == list(range(40, 440, 40))  # one curve, the lineage's
+
+
+def test_cohort_auto_takes_no_more_slots_than_the_study_has_trials(tmp_path: Path) -> None:
+    path = cohort_study(tmp_path, n_trials=6, execution={"cohort": "auto"})  # a CPU's RAM would hold thousands
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert len(trials) == 6 and {t.user_attrs["cohort"]["size"] for t in trials} == {6}
