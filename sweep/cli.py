@@ -496,6 +496,7 @@ def best(
     """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again. For a `loop` or
     `command` study: its config as the loop got it (a command's with its command line)."""
     from sweep import results
+    from sweep.confirm import is_warm
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
     study = _open(target, storage, study_name, "best")
@@ -525,8 +526,8 @@ def best(
         except UntrustedCode as exc:
             raise _fail(str(exc), 2) from None
         text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
-    lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
-    if lineage and not lineage.startswith("cold"):  # a warm value: this config alone, trained cold, may not reach it
+    if is_warm(chosen):  # a warm value: this config alone, trained cold, may not reach it
+        lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
         err.print(f"warning: trial {chosen.number}'s value {chosen.value:.6g} is a warm start's: {lineage}",
                   markup=False)
         text += f"# trial {chosen.number}, value {chosen.value:.6g}, {lineage}\n"

@@ -123,9 +123,9 @@ class CohortLoop:
                     raise_pending()
                     timed_out = timed_out or (worker.timeout is not None
                                               and time.monotonic() - worker.started >= worker.timeout)
-                    stopping = stopping or timed_out or worker._stop_requested(started_wall)  # noqa: SLF001
                     cohort = self.cohort
-                    if cohort is None or cohort.at_boundary():
+                    if cohort is None or cohort.at_boundary():  # `sweep stop` is a storage read: not every step
+                        stopping = stopping or timed_out or worker._stop_requested(started_wall)  # noqa: SLF001
                         if timed_out and cohort is not None:
                             self._interrupt_all(beats, "interrupted: --timeout of "
                                                 f"{worker.timeout:g} s", Outcome.INTERRUPTED)
@@ -222,15 +222,10 @@ class CohortLoop:
 
     def _alone(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, prepared: Prepared) -> None:
         """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""
-        from trainer import train
-
         worker = self.worker
         beats.add(trial)
         try:
-            with worker.boundary.no_wait():
-                trained = train(prepared.config, prepared.task, prepared.reporter, resume=prepared.start.resume,
-                                warm_start=prepared.start.warm, checkpointer=prepared.checkpointer)
-            result = runner.result_of(prepared, trained)
+            result = runner.train_prepared(prepared)
         except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable):
             raise
         except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down

@@ -250,7 +250,10 @@ class TrainerTrial:
         self.trackers: list[Guarded] = []  # none with tracking off
 
     def run(self) -> TrialResult:
-        prepared = self.prepare()
+        return self.train_prepared(self.prepare())
+
+    def train_prepared(self, prepared: Prepared) -> TrialResult:
+        """Train a prepared trial by the ordinary loop (a cohort trains its members itself) and return its result."""
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
             result = train(prepared.config, prepared.task, prepared.reporter, resume=prepared.start.resume,
                            warm_start=prepared.start.warm, checkpointer=prepared.checkpointer)

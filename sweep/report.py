@@ -192,7 +192,7 @@ def render_report(study: optuna.Study) -> str:
         warning_html = "".join(f"<p class='warning'>&#9888; {html.escape(w)}</p>" for w in warnings)
         config = mask_urls(yaml.safe_dump(best.user_attrs.get(ATTR_CONFIG, best.params), sort_keys=False))
         lineage = lineage_label(best, trials)
-        if lineage and not lineage.startswith("cold"):
+        if is_warm(best):
             warning_html += f"<p class='warning'>&#9888; {html.escape(lineage)}</p>"
         elif lineage:
             warning_html += f"<p class='note'>{html.escape(lineage)}</p>"
