@@ -71,6 +71,7 @@ SWEEP_ARMS: dict[str, Any] = {
     "fastfail + median": {"type": "fastfail", "then": "median"},
     "fastfail + hyperband": {"type": "fastfail", "then": "hyperband"},
     "fastfail + forecast": {"type": "fastfail", "then": "forecast"},
+    "fastfail + leaders": {"type": "fastfail", "then": "leaders"},
 }
 PLAIN_ARMS: dict[str, Callable[[], optuna.pruners.BasePruner]] = {
     "optuna median": optuna.pruners.MedianPruner,
@@ -545,7 +546,7 @@ def scores(runs: list[ArmRun], tasks: list[str]) -> dict[str, Score]:
 def targets(pooled: dict[str, Score], digits: dict[str, Score] | None) -> list[str]:
     """The issue's targets, each with the arm that comes nearest and whether it is met."""
     lines = []
-    for arm in ("fastfail + median", "fastfail + hyperband", "fastfail + forecast"):
+    for arm in ("fastfail + median", "fastfail + hyperband", "fastfail + forecast", "fastfail + leaders"):
         s, median = pooled[arm], pooled["optuna median"]
         fewer, vs_median = s.none_steps / max(s.steps, 1), s.median_steps / max(s.steps, 1)
         gap, median_gap = float(np.mean(s.gaps)), float(np.mean(median.gaps))

@@ -18,6 +18,7 @@ import numpy as np
 import optuna
 
 from sweep.forecast import ForecastPruner
+from sweep.leaders import LeadersPruner
 from sweep.pruners import FastFailPruner
 from sweep.schema import Component, StudyFileError, did_you_mean, short_repr
 
@@ -46,6 +47,7 @@ PRUNERS: dict[str, type[optuna.pruners.BasePruner]] = {
     "patient": optuna.pruners.PatientPruner,
     "fastfail": FastFailPruner,
     "forecast": ForecastPruner,
+    "leaders": LeadersPruner,
     "none": optuna.pruners.NopPruner,
 }
 # Pruners that wrap another: the argument in the study file, and the constructor's name for it.
