@@ -31,7 +31,7 @@ decisions = _load()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arm", ["fastfail + median", "hyperband", "optuna median"])
+@pytest.mark.parametrize("arm", ["fastfail + median", "fastfail + leaders", "hyperband", "optuna median"])
 def test_the_replay_decides_as_the_live_loops_do(arm: str, tmp_path: Path) -> None:
     """Real training on digits, 8 TPE trials x 40 steps: every trial's params, steps, state, value and prune rule
     are the same live (sweep's `run_study` on SQLite, or `study.optimize` around `trainer.train`) and replayed."""

@@ -504,6 +504,13 @@ COMPONENTS = [
              "expected a pruner name"),
     bad_file("components", "fastfail-arg", changed(pruner={"type": "fastfail", "patience_steps": "x"}),
              "pruner.patience_steps", "takes an integer or null"),
+    bad_file("components", "leaders-margin-range", changed(pruner={"type": "fastfail", "then": {
+        "type": "leaders", "margin_pct": 150}}), "pruner.then",
+             "LeadersPruner: margin_pct must be a percentage in [0, 100), but got margin_pct=150.0"),
+    bad_file("components", "leaders-no-leaders", changed(pruner={"type": "leaders", "n_leaders": 0}), "pruner",
+             "LeadersPruner: n_leaders must be >= 1, but got n_leaders=0"),
+    bad_file("components", "leaders-word", changed(pruner={"type": "leaders", "n_leaders": "five"}),
+             "pruner.n_leaders", "LeadersPruner's n_leaders takes an integer, got 'five'"),
     bad_file("components", "unknown-sampler", changed(sampler="tpee"), "sampler.type", "did you mean 'tpe'?"),
     bad_file("components", "unknown-pruner-arg", changed(pruner={"type": "median", "n_warmup_step": 3}),
              "pruner.n_warmup_step", "did you mean 'n_warmup_steps'?"),
