@@ -18,11 +18,11 @@ Tasks (each: 3 seeds of 40 TPE trials, the seed seeds the sampler; default setti
   so the best loss is well above zero; learning rate, optimizer, width).
 
 Arms: sweep's pruners by their study-file names, built as a study file builds them (`none`, `median`, `hyperband`,
-`fastfail + median`, `fastfail + hyperband`, `fastfail + forecast`) and asked as sweep's loop asks them (every
-report before the last step; the step-0 evaluation and the loss guard's early evaluations only with fast-fail on);
-and plain Optuna (`optuna median`, `optuna hyperband`: Optuna's `MedianPruner()` and `HyperbandPruner()` with their
-defaults, in a plain objective run by `study.optimize` that reports each evaluation after step 0 and raises
-`TrialPruned` when `should_prune()` says so, with no sweep code in between).
+`fastfail + median`, `fastfail + hyperband`, `fastfail + forecast`, `fastfail + leaders`) and asked as sweep's loop
+asks them (every report before the last step; the step-0 evaluation and the loss guard's early evaluations only with
+fast-fail on); and plain Optuna (`optuna median`, `optuna hyperband`: Optuna's `MedianPruner()` and
+`HyperbandPruner()` with their defaults, in a plain objective run by `study.optimize` that reports each evaluation
+after step 0 and raises `TrialPruned` when `should_prune()` says so, with no sweep code in between).
 
 Ground truth: every config any arm samples is trained (or simulated) to the end without pruning, once, and its full
 curve decides whether it would have finished in the arm's top quarter, whether it is bad, and when it diverged. The

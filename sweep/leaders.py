@@ -44,10 +44,13 @@ class LeadersPruner(optuna.pruners.BasePruner):
 
     The leaders are the `n_leaders` completed trials with the best final values. Each one's curve says how good a
     run that ends among the best was at each step; the worst of them at step s (the bar) is the most a trial can lag
-    there and still be in their company. A trial whose best value so far is worse than the bar, by more than
-    `margin_pct` percent of the way from the bar to the leaders' initial value (their first report), is pruned:
-    nothing that ended well was ever that far behind at that point. The comparison is of running bests (each curve's
-    best value up to the step), which noise moves much less than single values.
+    there and still be in their company. A trial whose best value so far is worse than the bar by more than
+    `margin_pct` percent of the way the leaders went (the largest of their initial values minus their best ones) is
+    pruned: nothing that ended well was ever that far behind at that point. Running bests (each curve's best value
+    up to the step) are compared, which noise moves much less than single values. Steps are counted from the end of
+    each trial's learning-rate warmup (`warmup_steps` of the `config` user attr sweep stores; 0 without one): a
+    trial is compared at its step s with each leader at that leader's warmup + (s - its own warmup), and is not
+    judged during its own warmup.
 
     Safe by construction for shapes the leaders share: a two-phase learner on its intermediate plateau is compared
     with leaders that sat on theirs at the same step (if the study's best trials learn in two phases), a slow starter
@@ -55,11 +58,11 @@ class LeadersPruner(optuna.pruners.BasePruner):
     some step, is pruned even if it would have caught up later. `margin_pct` is the allowance for that and for noise.
 
     Guard clauses, in order: no reported value; NaN or an infinity on the wrong side as the latest value (pruned, as
-    Optuna's percentile pruner does); fewer than `n_startup_trials` completed trials; before `n_warmup_steps`; a
-    step some leader has not reached (no value at or before it: a trial is never judged beyond the leaders'
-    experience). A leader's value at step s is its latest report at or before s. Non-finite values of leaders are
-    ignored. Warm-started trials are not leaders: their curves begin at a donor's step, not at their own start.
-    A maximised metric is mirrored.
+    Optuna's percentile pruner does); before `n_warmup_steps` or within its own learning-rate warmup; fewer than
+    `n_startup_trials` completed trials; a step some leader has not reached (no value at or before it: a trial is
+    never judged beyond the leaders' experience). A leader's value at step s is its latest report at or before s.
+    Non-finite values of leaders are ignored. Warm-started trials are not leaders: their curves begin at a donor's
+    step, not at their own start. A maximised metric is mirrored.
 
     Stateless apart from the leaders' running bests, cached per number of completed trials.
     """
@@ -78,7 +81,7 @@ class LeadersPruner(optuna.pruners.BasePruner):
         self.n_startup_trials = n_startup_trials
         self.n_warmup_steps = n_warmup_steps
         self.margin_pct = margin_pct
-        # (study name, completed trials) -> the leaders' running bests and their initial values.
+        # (study name, completed trials) -> the leaders, and the way they went (the margin's scale).
         self._leaders: tuple[tuple[str, int], list[Leader], float] | None = None
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
@@ -107,8 +110,8 @@ class LeadersPruner(optuna.pruners.BasePruner):
         return own > bar + way * self.margin_pct / 100.0
 
     def leaders(self, study: optuna.Study, sign: float) -> tuple[list[Leader], float]:
-        """The running bests of the study's leaders (`sign` x values: minimised), and their worst initial value;
-        no leaders while fewer than `n_startup_trials` trials completed."""
+        """The study's leaders (steps, running bests of `sign` x values, learning-rate warmup), and the largest way
+        one went from its initial value to its best; no leaders while fewer than `n_startup_trials` trials completed."""
         completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         key = (study.study_name, len(completed))
         if self._leaders is None or self._leaders[0] != key:
