@@ -48,8 +48,9 @@ class FastFailPruner(optuna.pruners.BasePruner):
     - `stuck`: near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the study's
       learners (finished trials that left their initial value, warm-started ones excepted) took to leave theirs,
       counted from the end of its own learning-rate warmup or from its latest value worse than its initial one by
-      more than the near band (a spike: moving, not sitting): its patience follows from the study's own curves. Off
-      until `min_learners` finished trials have left their initial value (until then, `plateau` is the floor).
+      more than the near band (a spike: moving, not sitting): its patience follows from the study's own curves. Until
+      `min_learners` finished trials have left their initial value, never sooner than plateau's patience (the
+      floor; it then also stops a creeper, which plateau's `min_improvement_pct` misses); off before any has.
 
     Stateless: the rules (`trainer.fast_fail_rules.judge`) are applied to the intermediate values Optuna stores for the
     trial and to the study's finished trials, so the answer is the same in any worker, after a restart, on SQLite or

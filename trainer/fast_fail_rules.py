@@ -27,7 +27,7 @@ is never failed by these rules: comparing it with other runs is the wrapped prun
 trials has finished with a value, the way is measured to zero, the best a loss can be: "near" means "improved by less
 than `near_initial_pct` percent of the initial value". Without a study (the trainer alone), or when no finished trial
 did better than this run's start, "near" means "improved by less than `learned_pct` percent of the initial value".
-Without enough learners "stuck" is off.
+With fewer than `min_learners` learners "stuck" waits at least plateau's patience, and with none it is off.
 
 Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
 is not a divergence. The steps at which stages begin are a function of the curriculum config alone
@@ -75,7 +75,8 @@ class FastFailConfig:
     near_initial_pct: float = 10.0
     # Stuck: a run still near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the
     # study's learners took to leave theirs (counted from the end of its own learning-rate warmup) has not started
-    # and will not. Needs `min_learners` finished trials that left their initial value; None: off.
+    # and will not. With fewer than `min_learners` finished trials that left their initial value, never sooner than
+    # plateau's patience; with none (or plateau off and too few), off. None: off.
     learners_factor: float | None = 2.0
     learners_quantile: float = 0.9
     min_learners: int = 5
@@ -270,6 +271,23 @@ def _near_band(initial: float, config: FastFailConfig, reference: StudyReference
     return distance * config.near_initial_pct / 100.0 if distance > 0 else None
 
 
+def _stuck_after(reference: StudyReference | None, config: FastFailConfig) -> int | None:
+    """Steps after which a run still near its initial value is stuck (`config` resolved): the study's
+    `stuck_after`; with fewer than `min_learners` learners, `learners_factor` x the steps the ones there are took,
+    but never sooner than plateau's patience (a creeper, which plateau's `min_improvement_pct` misses, is then
+    stopped where a flat run would be); None without learners, with the rule off, or with plateau off and too few
+    learners."""
+    if reference is None or config.learners_factor is None or reference.learners_step is None:
+        return None
+    assert config.warmup_steps is not None, "_stuck_after() needs a resolved config"
+    if reference.stuck_after is not None:
+        return max(reference.stuck_after, config.warmup_steps)
+    if not config.patience_steps:
+        return None
+    return max(math.ceil(config.learners_factor * max(reference.learners_step, 1)), config.patience_steps,
+               config.warmup_steps)
+
+
 def leave_step(series: Sequence[tuple[int, float]], best: float, near_initial_pct: float,
                maximize: bool = False) -> int | None:
     """Steps a run took, from its first finite report, to cover `near_initial_pct` of the way from its initial
@@ -367,8 +385,8 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
         return None
     clock = max(initial_step, lr_warmup_steps)
 
-    if reference is not None and reference.stuck_after is not None:
-        stuck_after = max(reference.stuck_after, config.warmup_steps)
+    stuck_after = _stuck_after(reference, config)
+    if reference is not None and stuck_after is not None:
         # A run that rose clear above its start (an early spike of a large learning rate) was moving, not sitting
         # there: its stuck clock starts at its latest such value. Noise within the band does not restart it.
         band = _near_band(initial, config, reference, maximize)

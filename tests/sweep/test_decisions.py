@@ -37,6 +37,12 @@ def test_the_study_s_learners_set_the_patience(values: list[tuple[int, float]], 
 
 def test_without_enough_learners_the_plateau_rule_is_the_floor() -> None:
     assert pruned_step(FastFailPruner(), FLAT, history=HISTORY[:4]) == 250
+    # A creeper improves by more than 1% per patience, so plateau alone never stops it; with a few learners in the
+    # study, stuck does, no sooner than plateau's patience; with none, nothing does.
+    creeper = shaped(lambda s: 2.316 - 0.131 * s / 1000)
+    assert pruned_step(FastFailPruner(), creeper, history=HISTORY[:4]) == 250
+    assert pruned_step(FastFailPruner(), creeper, history=[[(s, 2.3) for s, _ in FLAT]] * 4) is None
+    assert pruned_step(FastFailPruner(patience_steps=0), creeper, history=HISTORY[:4]) is None
     assert pruned_step(FastFailPruner(min_learners=4), FLAT, history=HISTORY[:4]) is not None
     assert pruned_step(FastFailPruner(learners_factor=None), FLAT, history=HISTORY) == 250
 

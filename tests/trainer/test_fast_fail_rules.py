@@ -97,9 +97,14 @@ FAMILIES = [
     pytest.param(then(learner(), 500, NAN), REFERENCE, 0, (), (500, "nan"), id="diverges-to-nan"),
     pytest.param(then(learner(), 400, 30.0), REFERENCE, 0, (), (400, "explode"), id="late-explosion"),
     pytest.param(then(two_phase(1.2, 600), 300, math.inf), REFERENCE, 0, (), (300, "inf"), id="inf-on-a-plateau"),
-    # Too few learners in the study: stuck is off, and plateau is the floor.
-    pytest.param(shaped(lambda s: 2.3), study_reference(HISTORY[:4], CONFIG), 0, (), (250, "plateau"),
+    # Too few learners in the study: stuck waits as long as plateau would (its patience is the floor), and then
+    # stops a creeper too, which plateau's 1% test misses.
+    pytest.param(shaped(lambda s: 2.3), study_reference(HISTORY[:4], CONFIG), 0, (), (250, "stuck"),
                  id="never-learner-with-four-learners-only"),
+    pytest.param(shaped(lambda s: 2.316 - 0.131 * s / 1000), study_reference(HISTORY[:4], CONFIG), 0, (),
+                 (250, "stuck"), id="creeper-with-four-learners-only"),
+    pytest.param(shaped(lambda s: 2.316 - 0.131 * s / 1000), StudyReference(best=0.05), 0, (), None,
+                 id="creeper-with-no-learners-is-left-to-the-wrapped-pruner"),
 ]
 
 
@@ -178,7 +183,7 @@ def test_leave_step_counts_from_the_first_finite_report() -> None:
 
 def test_the_reference_needs_min_learners_and_can_be_turned_off() -> None:
     assert study_reference([], CONFIG) == StudyReference()
-    assert study_reference(HISTORY[:4], CONFIG).stuck_after is None
+    assert study_reference(HISTORY[:4], CONFIG).stuck_after is None  # judge's floor applies: plateau's patience
     off = FastFailConfig(learners_factor=None).resolved(1000, 10)
     assert study_reference(HISTORY, off).stuck_after is None
     assert study_reference(HISTORY, FastFailConfig(learners_quantile=0.5).resolved(1000, 10)).stuck_after == 120
