@@ -34,7 +34,7 @@ import optuna
 from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
 from sweep.signals import Preempted, raise_pending
-from sweep.storage import StorageUnavailable
+from sweep.storage import PatientStorage, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
 
@@ -101,6 +101,8 @@ class _Member:
 class CohortLoop:
     """The worker's loop with up to `size` trials in flight at once (0: as many as the device holds)."""
 
+    share_reads = True  # False: each member's pruner reads the study's trials itself (the decisions are the same)
+
     def __init__(self, worker: Worker, size: int) -> None:
         self.worker, self.size = worker, size
         self.cohort: Cohort | None = None
@@ -147,7 +149,7 @@ class CohortLoop:
                         worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
                         time.sleep(worker.spec.heartbeat_interval)
                         continue
-                    with worker.boundary.no_wait():
+                    with worker.boundary.no_wait(), self._shared_reads():
                         cohort.step()
                     if self._collect(beats):
                         return worker._summary(exhausted=True)  # noqa: SLF001
@@ -167,6 +169,14 @@ class CohortLoop:
                     self._end(beats, member_id, result)
                 self.cohort = None
                 return self.run(started_wall)
+
+    def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
+        """One read of the study's finished trials for every member's pruner in a step (no member is told during
+        a step, so each decision is the one it would be alone: `PatientStorage.shared_finished_reads`)."""
+        storage = self.worker.storage
+        if self.share_reads and isinstance(storage, PatientStorage):
+            return storage.shared_finished_reads()
+        return contextlib.nullcontext()
 
     # -- members -----------------------------------------------------------------------------------------------------
     def _fill(self, beats: Beats) -> None:
