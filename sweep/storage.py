@@ -30,7 +30,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import optuna
@@ -413,6 +413,23 @@ class PatientStorage(BaseStorage):
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
         self._call("set_trial_system_attr", trial_id, key, value)
+
+    def set_trial_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        """Several user attrs of a running trial in one transaction: Optuna writes each in a transaction of its own
+        (on SQLite a commit, an fsync), and a trial's end writes about ten. Optuna's own upsert of one attr, in one
+        session; the same values written again by a retry after a lost reply change nothing."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        backend = self.backend
+
+        def write() -> None:
+            with _create_scoped_session(backend.scoped_session, True) as session:
+                for key, value in attrs.items():
+                    backend._set_trial_attr_without_commit(  # noqa: SLF001 - set_trial_user_attr's body, in one session
+                        session, models.TrialUserAttributeModel, trial_id, key, value)
+
+        self.boundary.call(write)
 
     # Reads.
     def get_study_id_from_name(self, study_name: str) -> int:

@@ -104,3 +104,23 @@ def test_a_shared_block_reads_the_finished_trials_once_until_this_storage_writes
         other.tell(last, 4.0)
         assert len(mine.get_trials(deepcopy=False, states=finished)) == 4
     assert len(mine.get_trials(deepcopy=False, states=finished)) == 5  # after the block: fresh reads again
+
+
+def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_them(tmp_path: Path) -> None:
+    # The worker writes a trial's outcome attrs in one transaction: each lands (an existing key is overwritten), as
+    # another process reads them, and a trial another worker has finished meanwhile refuses them as Optuna does.
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    study = optuna.create_study(study_name="a", storage=storage)
+    trial = study.ask()
+    trial.set_user_attr("outcome", "running")
+    storage.set_trial_user_attrs(trial._trial_id, {"outcome": "complete", "steps": 40, "metrics": {"val_loss": 0.5}})
+    seen = optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs
+    assert seen == {"outcome": "complete", "steps": 40, "metrics": {"val_loss": 0.5}}
+    study.tell(trial, 1.0)
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        storage.set_trial_user_attrs(trial._trial_id, {"outcome": "lost"})
+    assert optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs["outcome"] == \
+        "complete"
