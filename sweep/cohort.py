@@ -132,7 +132,8 @@ class CohortLoop:
                             self._interrupt_all(beats, "interrupted: --timeout of "
                                                 f"{worker.timeout:g} s", Outcome.INTERRUPTED)
                         elif not stopping:
-                            self._fill(beats)
+                            with self._shared_reads():  # the new members' step-0 reports, judged one by one
+                                self._fill(beats)
                     cohort = self.cohort
                     if cohort is not None and not cohort.active:
                         self._collect(beats)
@@ -171,8 +172,9 @@ class CohortLoop:
                 return self.run(started_wall)
 
     def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
-        """One read of the study's finished trials for every member's pruner in a step (no member is told during
-        a step, so each decision is the one it would be alone: `PatientStorage.shared_finished_reads`)."""
+        """One read of the study's finished trials for every member's pruner in a step, or in a refill's step-0
+        reports (no member is told during a step, and a trial told during a refill drops the read: each decision is
+        the one it would be alone; `PatientStorage.shared_finished_reads`)."""
         storage = self.worker.storage
         if self.share_reads and isinstance(storage, PatientStorage):
             return storage.shared_finished_reads()
