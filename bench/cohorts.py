@@ -3,7 +3,9 @@ and each seed, side by side in one process. Prints, per cohort size (medians ove
 size): wall time to spend the budget, trials per hour, the steps trained and the trials pruned (pruning decides how
 many steps are trained), the best value and the trial that reached it per seed; then how sampling in cohorts changes
 the search: the best value after the first N trials (by trial number, the order the sampler asked them in) per seed,
-and whether each size's final best lies within the seed-to-seed spread of one trial at a time.
+and whether each size's final best lies within the seed-to-seed spread of one trial at a time. Beside the wall time,
+the process's CPU time and its ratio: on a machine others share, the wall-time ratio moves with their load from one
+run to the next, the CPU-time ratio much less (it leaves out waiting, fsync's too).
 
     python bench/cohorts.py                                  # 64 trials x 300 steps, cohorts 1 8 32, seeds 0 1 2
     python bench/cohorts.py --trials 24 --steps 100 --cohorts 1 8 --seeds 0
@@ -47,15 +49,16 @@ def run(trials: int, steps: int, seed: int, cohort: int, folder: Path, marks: li
     spec = parse_spec(document(trials, steps, seed, cohort), folder / "study.yaml")
     url = f"sqlite:///{folder / f'{spec.name}.db'}"
     study = open_study(spec, url)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     run_study(study, spec, storage_url=url)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     ended = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
     done = [t for t in ended if t.state == TrialState.COMPLETE and t.value is not None]
     trained = sum(int(t.user_attrs.get("steps_trained", t.user_attrs.get("steps", 0)) or 0) for t in ended)
     best = min(done, key=lambda t: float(t.value)) if done else None  # type: ignore[arg-type]
     after = {n: min((float(t.value) for t in done if t.number < n), default=None) for n in marks}  # type: ignore[arg-type]
-    return {"wall": wall, "per_hour": 3600 * len(ended) / wall, "steps": trained, "steps_per_s": trained / wall,
+    return {"wall": wall, "cpu": cpu, "per_hour": 3600 * len(ended) / wall, "per_cpu_hour": 3600 * len(ended) / cpu,
+            "steps": trained, "steps_per_s": trained / wall,
             "pruned": sum(t.state == TrialState.PRUNED for t in ended), "best": None if best is None else best.value,
             "best_at": None if best is None else best.number, "after": after}
 
@@ -88,19 +91,22 @@ def main() -> None:
                 folder.mkdir()
                 rows[cohort].append(run(options.trials, options.steps, seed, cohort, folder, marks))
     base = statistics.median(r["per_hour"] for r in rows[sizes[0]])
+    cpu_base = statistics.median(r["per_cpu_hour"] for r in rows[sizes[0]])
     print(f"digits, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, seeds "
           f"{options.seeds}, 1 thread; medians over the seeds")
     print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(sizes[0]):>6} {'steps':>7} {'steps/s':>8} "
-          f"{'pruned':>6}  best per seed (at trial)")
+          f"{'pruned':>6} {'cpu s':>6} {'vs ' + str(sizes[0]) + ' cpu':>9}  best per seed (at trial)")
     for cohort, results in rows.items():
         wall = statistics.median(r["wall"] for r in results)
         per_hour = statistics.median(r["per_hour"] for r in results)
         steps = statistics.median(r["steps"] for r in results)
         rate = statistics.median(r["steps_per_s"] for r in results)
         pruned = statistics.median(r["pruned"] for r in results)
+        cpu = statistics.median(r["cpu"] for r in results)
+        per_cpu_hour = statistics.median(r["per_cpu_hour"] for r in results)
         bests = ", ".join(f"{_value(r['best'])} (#{r['best_at']})" for r in results)
         print(f"{cohort:>6} {wall:>8.1f} {per_hour:>9.0f} {per_hour / base:>5.2f}x {steps:>7.0f} {rate:>8.0f} "
-              f"{pruned:>6.0f}  {bests}")
+              f"{pruned:>6.0f} {cpu:>6.1f} {per_cpu_hour / cpu_base:>8.2f}x  {bests}")
     reference = [r["best"] for r in rows[sizes[0]] if r["best"] is not None]
     low, high = (min(reference), max(reference)) if reference else (None, None)
     print(f"\nbest value after the first N trials, per seed; spread of cohort {sizes[0]}'s final best over the seeds: "
