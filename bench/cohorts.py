@@ -1,12 +1,20 @@
 """Cohorts against one trial at a time: the same study (digits, TPE, fast-fail then median), run with each cohort size
-and each seed, side by side in one process; wall time to spend the budget, trials per hour (and the ratio to cohort
-1), the steps trained (pruning decides how many) and steps per second, the best value and the trial that reached it.
+and each seed, side by side in one process. Prints, per cohort size (medians over the seeds, ratios to the first
+size): wall time to spend the budget, trials per hour, the steps trained and the trials pruned (pruning decides how
+many steps are trained), the best value and the trial that reached it per seed; then how sampling in cohorts changes
+the search: the best value after the first N trials (by trial number, the order the sampler asked them in) per seed,
+and whether each size's final best lies within the seed-to-seed spread of one trial at a time. Beside the wall time,
+the process's CPU time and its ratio: on a machine others share, the wall-time ratio moves with their load from one
+run to the next, the CPU-time ratio much less (it leaves out waiting, fsync's too).
 
     python bench/cohorts.py                                  # 64 trials x 300 steps, cohorts 1 8 32, seeds 0 1 2
     python bench/cohorts.py --trials 24 --steps 100 --cohorts 1 8 --seeds 0
 
 Each run is a fresh SQLite study in a temporary folder, through the same worker loop `sweep run` uses. One thread
-per process (`torch.set_num_threads(1)`), so the ratio is the engine's, not the thread pool's.
+per process (`torch.set_num_threads(1)`), so the ratio is the engine's and the study's, not the thread pool's. A
+short warm-up study (untimed) first pays the one-time costs (imports, the batched engine's first trace). Each seed runs
+every size back to back, in an order rotated from seed to seed, so a load that drifts on a shared machine spreads
+over the sizes.
 """
 
 from __future__ import annotations
@@ -37,20 +45,26 @@ def document(trials: int, steps: int, seed: int, cohort: int) -> dict:
     }
 
 
-def run(trials: int, steps: int, seed: int, cohort: int, folder: Path) -> dict:
+def run(trials: int, steps: int, seed: int, cohort: int, folder: Path, marks: list[int]) -> dict:
     spec = parse_spec(document(trials, steps, seed, cohort), folder / "study.yaml")
     url = f"sqlite:///{folder / f'{spec.name}.db'}"
     study = open_study(spec, url)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     run_study(study, spec, storage_url=url)
-    wall = time.perf_counter() - started
-    ended = study.get_trials(deepcopy=False)
-    done = [t for t in ended if t.state == TrialState.COMPLETE]
-    steps = sum(int(t.user_attrs.get("steps_trained", t.user_attrs.get("steps", 0)) or 0) for t in ended)
-    best = min(done, key=lambda t: t.value) if done else None  # type: ignore[arg-type,return-value]
-    return {"wall": wall, "per_hour": 3600 * trials / wall, "steps": steps, "steps_per_s": steps / wall,
-            "best": None if best is None else best.value,
-            "best_at": None if best is None else best.number}
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    ended = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    done = [t for t in ended if t.state == TrialState.COMPLETE and t.value is not None]
+    trained = sum(int(t.user_attrs.get("steps_trained", t.user_attrs.get("steps", 0)) or 0) for t in ended)
+    best = min(done, key=lambda t: float(t.value)) if done else None  # type: ignore[arg-type]
+    after = {n: min((float(t.value) for t in done if t.number < n), default=None) for n in marks}  # type: ignore[arg-type]
+    return {"wall": wall, "cpu": cpu, "per_hour": 3600 * len(ended) / wall, "per_cpu_hour": 3600 * len(ended) / cpu,
+            "steps": trained, "steps_per_s": trained / wall,
+            "pruned": sum(t.state == TrialState.PRUNED for t in ended), "best": None if best is None else best.value,
+            "best_at": None if best is None else best.number, "after": after}
+
+
+def _value(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
 
 
 def main() -> None:
@@ -62,25 +76,49 @@ def main() -> None:
     options = parser.parse_args()
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    rows: dict[int, list[dict]] = {k: [] for k in options.cohorts}
+    sizes: list[int] = options.cohorts
+    marks = sorted({max(1, options.trials * q // 4) for q in (1, 2, 3, 4)})
+    rows: dict[int, list[dict]] = {k: [] for k in sizes}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed in options.seeds:  # each seed runs every cohort size back to back: the machine's load is shared
-            for cohort in options.cohorts:
+        for k in sorted({1, max(sizes)} | {min(2, max(sizes))}):  # untimed: imports, the engine's first trace
+            folder = Path(tmp) / f"warm-{k}"
+            folder.mkdir()
+            run(min(4, options.trials), 10, 0, k, folder, marks)
+        for turn, seed in enumerate(options.seeds):
+            order = sizes[turn % len(sizes):] + sizes[:turn % len(sizes)]
+            for cohort in order:
                 folder = Path(tmp) / f"{cohort}-{seed}"
                 folder.mkdir()
-                rows[cohort].append(run(options.trials, options.steps, seed, cohort, folder))
-    base = statistics.median(r["per_hour"] for r in rows[options.cohorts[0]])
+                rows[cohort].append(run(options.trials, options.steps, seed, cohort, folder, marks))
+    base = statistics.median(r["per_hour"] for r in rows[sizes[0]])
+    cpu_base = statistics.median(r["per_cpu_hour"] for r in rows[sizes[0]])
     print(f"digits, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, seeds "
-          f"{options.seeds}, 1 thread")
-    print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(options.cohorts[0]):>6} {'steps':>7} "
-          f"{'steps/s':>8}  best per seed (at trial)")
+          f"{options.seeds}, 1 thread; medians over the seeds")
+    print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(sizes[0]):>6} {'steps':>7} {'steps/s':>8} "
+          f"{'pruned':>6} {'cpu s':>6} {'vs ' + str(sizes[0]) + ' cpu':>9}  best per seed (at trial)")
     for cohort, results in rows.items():
         wall = statistics.median(r["wall"] for r in results)
         per_hour = statistics.median(r["per_hour"] for r in results)
         steps = statistics.median(r["steps"] for r in results)
         rate = statistics.median(r["steps_per_s"] for r in results)
-        bests = ", ".join("-" if r["best"] is None else f"{r['best']:.4f} (#{r['best_at']})" for r in results)
-        print(f"{cohort:>6} {wall:>8.1f} {per_hour:>9.0f} {per_hour / base:>6.2f}x {steps:>7.0f} {rate:>8.0f}  {bests}")
+        pruned = statistics.median(r["pruned"] for r in results)
+        cpu = statistics.median(r["cpu"] for r in results)
+        per_cpu_hour = statistics.median(r["per_cpu_hour"] for r in results)
+        bests = ", ".join(f"{_value(r['best'])} (#{r['best_at']})" for r in results)
+        print(f"{cohort:>6} {wall:>8.1f} {per_hour:>9.0f} {per_hour / base:>5.2f}x {steps:>7.0f} {rate:>8.0f} "
+              f"{pruned:>6.0f} {cpu:>6.1f} {per_cpu_hour / cpu_base:>8.2f}x  {bests}")
+    reference = [r["best"] for r in rows[sizes[0]] if r["best"] is not None]
+    low, high = (min(reference), max(reference)) if reference else (None, None)
+    print(f"\nbest value after the first N trials, per seed; spread of cohort {sizes[0]}'s final best over the seeds: "
+          f"{_value(low)} .. {_value(high)}")
+    print(f"{'cohort':>6} " + " ".join(f"{'N=' + str(n):>24}" for n in marks) + "  final best (median) vs the spread")
+    for cohort, results in rows.items():
+        cells = [", ".join(_value(r["after"][n]) for r in results) for n in marks]
+        finals = [r["best"] for r in results if r["best"] is not None]
+        median = statistics.median(finals) if finals else None
+        verdict = ("-" if median is None or low is None or high is None else
+                   "within" if low <= median <= high else "better" if median < low else "worse")
+        print(f"{cohort:>6} " + " ".join(f"{c:>24}" for c in cells) + f"  {_value(median)} {verdict}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import optuna
 from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
 from sweep.signals import Preempted, raise_pending
-from sweep.storage import StorageUnavailable
+from sweep.storage import PatientStorage, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
 
@@ -101,6 +101,8 @@ class _Member:
 class CohortLoop:
     """The worker's loop with up to `size` trials in flight at once (0: as many as the device holds)."""
 
+    share_reads = True  # False: each member's pruner reads the study's trials itself (the decisions are the same)
+
     def __init__(self, worker: Worker, size: int) -> None:
         self.worker, self.size = worker, size
         self.cohort: Cohort | None = None
@@ -130,7 +132,8 @@ class CohortLoop:
                             self._interrupt_all(beats, "interrupted: --timeout of "
                                                 f"{worker.timeout:g} s", Outcome.INTERRUPTED)
                         elif not stopping:
-                            self._fill(beats)
+                            with self._shared_reads():  # the new members' step-0 reports, judged one by one
+                                self._fill(beats)
                     cohort = self.cohort
                     if cohort is not None and not cohort.active:
                         self._collect(beats)
@@ -147,7 +150,7 @@ class CohortLoop:
                         worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
                         time.sleep(worker.spec.heartbeat_interval)
                         continue
-                    with worker.boundary.no_wait():
+                    with worker.boundary.no_wait(), self._shared_reads():
                         cohort.step()
                     if self._collect(beats):
                         return worker._summary(exhausted=True)  # noqa: SLF001
@@ -167,6 +170,15 @@ class CohortLoop:
                     self._end(beats, member_id, result)
                 self.cohort = None
                 return self.run(started_wall)
+
+    def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
+        """One read of the study's finished trials for every member's pruner in a step, or in a refill's step-0
+        reports (no member is told during a step, and a trial told during a refill drops the read: each decision is
+        the one it would be alone; `PatientStorage.shared_finished_reads`)."""
+        storage = self.worker.storage
+        if self.share_reads and isinstance(storage, PatientStorage):
+            return storage.shared_finished_reads()
+        return contextlib.nullcontext()
 
     # -- members -----------------------------------------------------------------------------------------------------
     def _fill(self, beats: Beats) -> None:

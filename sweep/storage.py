@@ -21,6 +21,7 @@ file, or a PostgreSQL advisory lock), so N workers finish exactly `n_trials` tri
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import fcntl
 import hashlib
@@ -29,7 +30,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import optuna
@@ -315,6 +316,9 @@ def _to_stderr(line: str) -> None:
     print(f"sweep: {line}", file=sys.stderr, flush=True)
 
 
+_ENDED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)  # the states a trial never leaves
+
+
 class PatientStorage(BaseStorage):
     """Optuna's storage for a worker: every call goes through the `Boundary`. Optuna's study, trials, samplers and
     pruners call the storage for everything they do, so this one class puts all of them behind the boundary.
@@ -327,9 +331,39 @@ class PatientStorage(BaseStorage):
         self.cached = optuna.storages._CachedStorage(backend)  # noqa: SLF001 - what Optuna wraps an RDB in itself
         self.heartbeat_interval = backend.heartbeat_interval
         self.grace_period = backend.grace_period
+        self._shared = threading.local()  # `shared_finished_reads`: this thread's snapshot, by study id
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self.boundary.call(getattr(self.cached, name), *args, **kwargs)
+
+    @contextlib.contextmanager
+    def shared_finished_reads(self) -> Iterator[None]:
+        """In this block, this thread's reads of a study's *finished* trials (`get_all_trials` with `states` among
+        complete, pruned and failed, as pruners read them: `study.get_trials(states=...)`) share one read of the
+        storage, made at the first of them. A finished trial never changes, so the snapshot differs from a fresh
+        read only by trials that finish during the block: a cohort opens one around each step, in which its own
+        members report but none is told, so each member's pruner sees what it would have seen reading alone (other
+        workers' trials that finish meanwhile are seen at the next step, as a lone trial sees them at its next
+        report). A state written through this storage in the block drops the snapshot."""
+        outer = getattr(self._shared, "snapshots", None)
+        self._shared.snapshots = {} if outer is None else outer
+        try:
+            yield
+        finally:
+            self._shared.snapshots = outer
+
+    def _finished_snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:
+        snapshots: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "snapshots", None)
+        if snapshots is None or states is None or any(s in states for s in TrialState if not s.is_finished()):
+            return None
+        if study_id not in snapshots:
+            snapshots[study_id] = self._call("get_all_trials", study_id, deepcopy=False, states=_ENDED)
+        return [t for t in snapshots[study_id] if t.state in states]
+
+    def _drop_snapshots(self) -> None:
+        snapshots = getattr(self._shared, "snapshots", None)
+        if snapshots:
+            snapshots.clear()
 
     # Writes.
     def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
@@ -368,6 +402,7 @@ class PatientStorage(BaseStorage):
                 failed_once = True
                 raise
 
+        self._drop_snapshots()
         return self.boundary.call(attempt)
 
     def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
@@ -378,6 +413,23 @@ class PatientStorage(BaseStorage):
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
         self._call("set_trial_system_attr", trial_id, key, value)
+
+    def set_trial_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        """Several user attrs of a running trial in one transaction: Optuna writes each in a transaction of its own
+        (on SQLite a commit, an fsync), and a trial's end writes about ten. Optuna's own upsert of one attr, in one
+        session; the same values written again by a retry after a lost reply change nothing."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        backend = self.backend
+
+        def write() -> None:
+            with _create_scoped_session(backend.scoped_session, True) as session:
+                for key, value in attrs.items():
+                    backend._set_trial_attr_without_commit(  # noqa: SLF001 - set_trial_user_attr's body, in one session
+                        session, models.TrialUserAttributeModel, trial_id, key, value)
+
+        self.boundary.call(write)
 
     # Reads.
     def get_study_id_from_name(self, study_name: str) -> int:
@@ -406,6 +458,9 @@ class PatientStorage(BaseStorage):
 
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+        shared = self._finished_snapshot(study_id, states)
+        if shared is not None:
+            return copy.deepcopy(shared) if deepcopy else shared
         return self._call("get_all_trials", study_id, deepcopy=deepcopy, states=states)
 
     def get_best_trial(self, study_id: int) -> FrozenTrial:
@@ -428,6 +483,7 @@ class PatientStorage(BaseStorage):
         (several may find it stale at once). Optuna refuses attrs on finished trials, and failing it after setting
         the reason would let a live trial that beats again carry a failure reason: so the state changes first, the
         row is claimed by that change, and the reason is written to Optuna's attribute table directly."""
+        self._drop_snapshots()
         if not self.boundary.call(self._fail_if_running, trial_id):
             return False
         self.boundary.call(self._write_user_attr, trial_id, "fail_reason", reason)

@@ -253,8 +253,12 @@ class Worker:
         return frozen
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:
-        for key, value in {**result.attrs, ATTR_OUTCOME: result.outcome.value}.items():
-            trial.set_user_attr(key, jsonable(value))
+        attrs = {key: jsonable(value) for key, value in {**result.attrs, ATTR_OUTCOME: result.outcome.value}.items()}
+        if isinstance(self.storage, PatientStorage):  # one transaction for all of them
+            self.storage.set_trial_user_attrs(trial._trial_id, attrs)  # noqa: SLF001 - no public id of a running trial
+        else:
+            for key, value in attrs.items():
+                trial.set_user_attr(key, value)
         value = result.value if result.outcome == Outcome.COMPLETE else None
         try:
             return self.study.tell(trial, value, state=result.outcome.state)

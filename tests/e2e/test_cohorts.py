@@ -137,3 +137,31 @@ def test_cohort_auto_takes_no_more_slots_than_the_study_has_trials(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     trials = load(tmp_path).get_trials()
     assert len(trials) == 6 and {t.user_attrs["cohort"]["size"] for t in trials} == {6}
+
+
+def test_members_pruners_sharing_one_read_per_step_decide_as_if_each_read_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Within a step a cohort's members report one after another and none is told, so one read of the study's
+    # finished trials serves every member's pruner. The same study run both ways (the shared read, and each pruner
+    # reading the storage itself) takes the same decisions: the same trials pruned at the same steps by the same
+    # rules, the same values. The median pruner judges members against trials earlier cohorts finished, so a read
+    # that went stale across steps would change them.
+    from sweep.cohort import CohortLoop
+
+    def run(folder: Path, shared: bool) -> list[tuple[Any, ...]]:
+        folder.mkdir()
+        monkeypatch.setattr(CohortLoop, "share_reads", shared)
+        path = cohort_study(folder, lr=(1e-2, 1e2), fixed={"optimizer": "sgd"}, n_trials=16,
+                            execution={"cohort": 4},
+                            pruner={"type": "fastfail", "then": {"type": "median", "n_startup_trials": 2,
+                                                                  "n_warmup_steps": 10}})
+        done = sweep_cli("run", path)
+        assert done.returncode == 0, done.stderr
+        return [(t.number, t.state, t.params, t.intermediate_values, t.value,
+                 (t.user_attrs.get("prune_reason") or {}).get("rule"), (t.user_attrs.get("prune_reason") or {}).get(
+                     "step")) for t in load(folder).get_trials()]
+
+    shared, alone = run(tmp_path / "shared", True), run(tmp_path / "alone", False)
+    rules = [row[5] for row in shared if row[1] == TrialState.PRUNED]
+    assert any(rule is not None and "median" in rule.lower() for rule in rules), rules  # the study's pruner judged
+    assert shared == alone

@@ -73,3 +73,54 @@ def test_fixed_values_written_differently_but_equal_resume_the_study(tmp_path: P
     path.write_text(path.read_text().replace("weight_decay: 0.0001", "weight_decay: 0.001"))
     with pytest.raises(StudyMismatchError, match="different fixed"):
         open_study(load_spec(path)[0], url)
+
+
+def test_a_shared_block_reads_the_finished_trials_once_until_this_storage_writes_a_state(tmp_path: Path) -> None:
+    # A cohort's step: every member's pruner reads the study's finished trials; in `shared_finished_reads` they share
+    # the block's first read. Another worker's trial that finishes meanwhile is seen after the block (or once this
+    # storage ends a trial itself); reads of running trials are never shared.
+    from optuna.trial import TrialState
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    mine = optuna.create_study(study_name="s", storage=storage)
+    other = optuna.load_study(study_name="s", storage=make_storage(url))  # another worker, its own connection
+    for _ in range(2):
+        mine.tell(mine.ask(), 1.0)
+    theirs, running = other.ask(), mine.ask()
+    finished = (TrialState.COMPLETE, TrialState.PRUNED)
+    with storage.shared_finished_reads():
+        assert [t.number for t in mine.get_trials(deepcopy=False, states=finished)] == [0, 1]
+        other.tell(theirs, 2.0)
+        assert [t.number for t in mine.get_trials(deepcopy=False, states=finished)] == [0, 1]  # the block's read
+        assert [t.number for t in mine.get_trials(deepcopy=True, states=(TrialState.COMPLETE,))] == [0, 1]
+        everything = mine.get_trials(deepcopy=False)  # all states: not shared, read fresh
+        assert [t.state for t in everything][2] == TrialState.COMPLETE
+        mine.tell(running, 3.0)  # this storage ends a trial: the snapshot is dropped
+        assert [t.number for t in mine.get_trials(deepcopy=False, states=finished)] == [0, 1, 2, 3]
+        last = other.ask()
+        other.tell(last, 4.0)
+        assert len(mine.get_trials(deepcopy=False, states=finished)) == 4
+    assert len(mine.get_trials(deepcopy=False, states=finished)) == 5  # after the block: fresh reads again
+
+
+def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_them(tmp_path: Path) -> None:
+    # The worker writes a trial's outcome attrs in one transaction: each lands (an existing key is overwritten), as
+    # another process reads them, and a trial another worker has finished meanwhile refuses them as Optuna does.
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    study = optuna.create_study(study_name="a", storage=storage)
+    trial = study.ask()
+    trial.set_user_attr("outcome", "running")
+    storage.set_trial_user_attrs(trial._trial_id, {"outcome": "complete", "steps": 40, "metrics": {"val_loss": 0.5}})
+    seen = optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs
+    assert seen == {"outcome": "complete", "steps": 40, "metrics": {"val_loss": 0.5}}
+    study.tell(trial, 1.0)
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        storage.set_trial_user_attrs(trial._trial_id, {"outcome": "lost"})
+    assert optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs["outcome"] == \
+        "complete"
