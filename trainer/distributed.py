@@ -1,0 +1,305 @@
+"""Data-parallel training of one run over several processes ("ranks"): DistributedDataParallel, torchrun-style.
+
+One run, N processes, one model: every rank builds the same model from the same seed, DDP averages the gradients,
+and every rank takes the same optimizer step. The data: the global batch is the config's `batch_size` (per
+micro-batch), and every rank draws the SAME global batch indices from the same seeded sampler and keeps its own
+contiguous slice of `batch_size / N` of them; so the data order, the sampler's position in a checkpoint and the
+metrics are those of the one-rank run, up to the floating-point order of the gradient all-reduce.
+
+Between ranks, per evaluation, exactly one small collective: rank 0 (which alone reports to a driver) broadcasts its
+verdict, continue or stop (`Ranks.verdict`). Every rank evaluates the whole validation set itself (their weights
+are the same), so every rank's result holds the same metrics and fast-fail reference. Besides that: one all-reduce
+per log step (the logged train_loss is the global batch's mean) and, with fast-fail on, one per guard check (a
+NaN/Inf or exploding loss on ANY rank brings the evaluation forward on all of them). None per step beyond DDP's own
+gradient all-reduce.
+
+`Ranks()` is one process (the null object: every call does nothing); `ProcessGroup` is a real group. A group joins
+from a torchrun environment (`from_environment`: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or rank 0
+starts the other ranks itself as `python -m trainer.rank` children (`local_ranks`): that is how a sweep worker runs a
+trial on N devices. Every collective has a timeout, so a rank that dies takes the others down within it instead of
+hanging them forever; gloo notices a closed connection at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.checkpoint import TrainState, save_checkpoint
+from trainer.config import ConfigError, TrainingConfig
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "free_port", "from_environment",
+           "local_ranks"]
+
+DEFAULT_TIMEOUT_S = 300.0  # how long a collective waits for a rank that neither answers nor closes its connection
+ADDRESS = "127.0.0.1"
+
+
+class Ranks:
+    """One process: rank 0 of 1. Every method is what a group would do, done for one: nothing."""
+
+    rank = 0
+    world = 1
+    local_rank = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank talks to the driver (reports, checkpoints): rank 0."""
+        return self.rank == 0
+
+    def device(self, device: torch.device) -> torch.device:
+        """This rank's device, given the config's."""
+        return device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """What runs the training steps: the model, or DDP around it."""
+        return model
+
+    def check_batch(self, config: TrainingConfig) -> None:
+        """Refuse a global batch that the ranks cannot split evenly."""
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the global batch's indices."""
+        return indices
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (all-reduce MAX)."""
+        return flag
+
+    def verdict(self, stop: bool) -> bool:
+        """Rank 0's decision, on every rank (a broadcast): the one collective of an evaluation."""
+        return stop
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar tensor over the ranks."""
+        return value
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessGroup(Ranks):
+    """This process's place in an initialised `torch.distributed` group: NCCL on CUDA, gloo on a CPU."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, device_type: str) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.cuda = device_type == "cuda"
+        # NCCL's collectives take CUDA tensors; gloo's take CPU ones.
+        self.comm = torch.device("cuda", local_rank) if self.cuda else torch.device("cpu")
+
+    @classmethod
+    def join(cls, rank: int, world: int, *, init_method: str, local_rank: int | None = None,
+             device_type: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+        """Join a group of `world` ranks (blocks until all have joined, up to the timeout)."""
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        local = rank if local_rank is None else local_rank
+        if device_type == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world, local, device_type)
+
+    def device(self, device: torch.device) -> torch.device:
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # DDP broadcasts rank 0's parameters at construction (they are equal already: the same seed built them) and
+        # averages the gradients in backward; `model` itself stays what is evaluated and saved, without `module.`.
+        return nn.parallel.DistributedDataParallel(model, device_ids=[self.local_rank] if self.cuda else None)
+
+    def check_batch(self, config: TrainingConfig) -> None:
+        if config.batch_size % self.world:
+            raise ConfigError([("batch_size", f"expected a multiple of the {self.world} ranks (the global batch is "
+                                              f"split evenly between them), got {config.batch_size}")])
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        size = len(indices) // self.world
+        return indices[self.rank * size:(self.rank + 1) * size]
+
+    def agree(self, flag: bool) -> bool:
+        value = torch.tensor([float(flag)], device=self.comm)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def verdict(self, stop: bool) -> bool:
+        value = torch.tensor([float(stop)], device=self.comm)
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().to(self.comm, torch.float32).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return (total / self.world).to(value.device)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None) -> Ranks:
+    """The group torchrun (or `local_ranks`) describes in this process's environment, joined; one process (`Ranks()`)
+    when WORLD_SIZE is unset or 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks()
+    return ProcessGroup.join(int(os.environ["RANK"]), world, init_method="env://",
+                             local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+                             device_type=device_type, timeout_s=timeout_s)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick for port 0): a new one for each trial's group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ADDRESS, 0))
+        return int(probe.getsockname()[1])
+
+
+class RankFailed(RuntimeError):
+    """A rank other than 0 died or failed: the run cannot go on. `signal` is set when a signal killed it (a fault of
+    the machine or an operator's), None when it exited with an error of its own (`tail`: its last output)."""
+
+    def __init__(self, rank: int, returncode: int, tail: str) -> None:
+        self.rank, self.returncode, self.tail = rank, returncode, tail
+        self.signal = -returncode if returncode < 0 else None
+        how = (f"was killed by {signal.Signals(self.signal).name}" if self.signal is not None
+               else f"exited with code {returncode}")
+        last = tail.strip().splitlines()[-1] if tail.strip() else ""
+        super().__init__(f"rank {rank} {how}" + (f": {last}" if last else ""))
+
+
+@dataclass
+class RankResult:
+    """What a child rank printed when it finished: its status and the step it stopped at."""
+
+    rank: int
+    status: str
+    steps: int
+
+
+@dataclass
+class LocalGroup:
+    """`local_ranks`'s handle: rank 0's group, and the children's pids and results (after the block)."""
+
+    group: ProcessGroup
+    pids: list[int]
+    results: list[RankResult] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None = None,
+                warm: TrainState | None = None, warm_optimizer: bool = False,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[LocalGroup]:
+    """Run this process as rank 0 of `world` and start ranks 1..world-1 as `python -m trainer.rank` children on this
+    machine, with `config` and the run's start (`resume` or `warm`, handed over as a checkpoint file, read back with
+    `weights_only`); they never see a driver. The children see this process's `sys.path` (a user's task module) and
+    environment, and run in their own session (a terminal's Ctrl-C reaches rank 0 alone, which ends them).
+
+    On leaving, normally or not, the group is destroyed and the children are joined: after a clean end they finish
+    on their own; otherwise (an exception, Ctrl-C) they are terminated, and killed a few seconds later. A child that
+    died first turns the exception of rank 0's failed collective into `RankFailed`."""
+    folder = Path(tempfile.mkdtemp(prefix="sweep-ranks-"))
+    children: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+    group: ProcessGroup | None = None
+    try:
+        config_file = folder / "config.json"
+        config_file.write_text(json.dumps(config.to_dict()))
+        args = [str(config_file)]
+        state = resume if resume is not None else warm
+        if state is not None:
+            save_checkpoint(folder / "start.pt", state)
+            args += ["--resume" if resume is not None else "--warm", str(folder / "start.pt")]
+            args += ["--warm-optimizer"] if warm is not None and warm_optimizer else []
+        port = free_port()
+        path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+        for rank in range(1, world):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "MASTER_ADDR": ADDRESS, "MASTER_PORT": str(port), "PYTHONPATH": path,
+                   "SWEEP_RANK_TIMEOUT_S": str(timeout_s)}
+            logs.append(folder / f"rank{rank}.log")
+            with open(logs[-1], "wb") as log:
+                children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT, start_new_session=True))
+        group = ProcessGroup.join(0, world, init_method=f"tcp://{ADDRESS}:{port}",
+                                  device_type=_device_type(config), timeout_s=timeout_s)
+        handle = LocalGroup(group, [child.pid for child in children])
+        try:
+            yield handle
+        except BaseException as exc:
+            _end(children, grace_s=5.0)
+            failed = _first_failure(children, logs)
+            if failed is not None and isinstance(exc, Exception):
+                raise failed from exc
+            raise
+        group.close()
+        group = None
+        _end(children, grace_s=timeout_s, terminate=False)
+        failed = _first_failure(children, logs)
+        if failed is not None:
+            raise failed
+        handle.results = [_result(rank, log) for rank, log in enumerate(logs, start=1)]
+    finally:
+        if group is not None:
+            group.close()
+        _end(children, grace_s=5.0)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _device_type(config: TrainingConfig) -> str:
+    from trainer.precision import resolve_device
+
+    return resolve_device(config.device).type
+
+
+def _end(children: list[subprocess.Popen[bytes]], *, grace_s: float, terminate: bool = True) -> None:
+    """Wait for the children (after SIGTERM when `terminate`); any still running after `grace_s` is killed."""
+    for child in children:
+        if terminate and child.poll() is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _first_failure(children: list[subprocess.Popen[bytes]], logs: list[Path]) -> RankFailed | None:
+    """The first child that died by a signal other than our SIGTERM, or exited with an error."""
+    for rank, (child, log) in enumerate(zip(children, logs), start=1):
+        code = child.returncode
+        if code is not None and code != 0 and code != -signal.SIGTERM:
+            return RankFailed(rank, code, _tail(log))
+    return None
+
+
+def _tail(log: Path, size: int = 2000) -> str:
+    try:
+        return log.read_bytes()[-size:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _result(rank: int, log: Path) -> RankResult:
+    for line in reversed(_tail(log, 4000).splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                values: dict[str, Any] = json.loads(line)
+                return RankResult(rank, str(values["status"]), int(values["steps"]))
+    return RankResult(rank, "unknown", -1)
