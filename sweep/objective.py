@@ -284,10 +284,11 @@ class TrainerTrial:
             prepared.reporter.flush()
             outcome = Outcome.INFRASTRUCTURE if exc.signal is not None else Outcome.FAILED
             prefix = "infrastructure: " if exc.signal is not None else ""
-            return TrialResult(outcome, None, {ATTR_FAIL: f"{prefix}{exc}",
-                                               ATTR_RANKS: {"world": world, "failed_rank": exc.rank}})
+            return TrialResult(outcome, None, {ATTR_FAIL: f"{prefix}{exc}", ATTR_RANKS: {
+                "world": world, "pids": self.trial.user_attrs.get(ATTR_RANKS, {}).get("pids", []),
+                "failed_rank": exc.rank}})
         trial_result = self.result_of(prepared, result)
-        trial_result.attrs[ATTR_RANKS] = {"world": world, "ranks": [
+        trial_result.attrs[ATTR_RANKS] = {"world": world, "pids": ranks.pids, "ranks": [
             {"rank": 0, "status": result.status, "steps": result.steps},
             *({"rank": r.rank, "status": r.status, "steps": r.steps} for r in ranks.results)]}
         return trial_result
