@@ -131,7 +131,10 @@ def run(
     study = _open_for_run(spec, url, prefix)
     with _run_outcomes(study, prefix):
         if workers > 1:
-            codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+            try:
+                codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+            except ValueError as exc:  # fewer GPUs than one trial needs
+                raise _fail(str(exc), 2) from None
             _print_status(study)
             lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
             if lost:
@@ -300,6 +303,11 @@ def submit(
         raise _fail(exc.lines(), 2) from None
     spec_path = study_file.resolve()
     if slurm:
+        from sweep.launch.slurm import gpu_problem
+
+        problem = gpu_problem(spec, options)
+        if problem is not None:
+            raise _fail(problem, 2)
         _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])
     else:
         _write_k8s(spec, spec_path, options, output, timeout=timeout, overrides=set_ or [])
