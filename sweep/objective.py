@@ -282,8 +282,8 @@ class TrainerTrial:
                                    warm_start=start.warm, checkpointer=prepared.checkpointer, ranks=ranks.group)
         except RankFailed as exc:
             prepared.reporter.flush()
-            outcome = Outcome.INFRASTRUCTURE if exc.signal is not None else Outcome.FAILED
-            prefix = "infrastructure: " if exc.signal is not None else ""
+            outcome = Outcome.INFRASTRUCTURE if exc.lost else Outcome.FAILED
+            prefix = "infrastructure: " if exc.lost else ""
             return TrialResult(outcome, None, {ATTR_FAIL: f"{prefix}{exc}", ATTR_RANKS: {
                 "world": world, "pids": self.trial.user_attrs.get(ATTR_RANKS, {}).get("pids", []),
                 "failed_rank": exc.rank}})

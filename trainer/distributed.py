@@ -171,16 +171,22 @@ def free_port() -> int:
 
 
 class RankFailed(RuntimeError):
-    """A rank other than 0 died or failed: the run cannot go on. `signal` is set when a signal killed it (a fault of
-    the machine or an operator's), None when it exited with an error of its own (`tail`: its last output)."""
+    """A rank other than 0 died, failed or hung: the run cannot go on. `lost` when a signal killed it or it did not
+    answer within the timeout (a fault of the machine, or an operator's SIGKILL: worth a retry); otherwise it exited
+    with an error of its own (`tail`: its last output). `rank` is None for a hang: a collective does not say whose."""
 
-    def __init__(self, rank: int, returncode: int, tail: str) -> None:
+    def __init__(self, rank: int | None, returncode: int | None, tail: str = "", *, timeout_s: float = 0.0) -> None:
         self.rank, self.returncode, self.tail = rank, returncode, tail
-        self.signal = -returncode if returncode < 0 else None
-        how = (f"was killed by {signal.Signals(self.signal).name}" if self.signal is not None
-               else f"exited with code {returncode}")
+        self.signal = -returncode if returncode is not None and returncode < 0 else None
+        self.lost = returncode is None or self.signal is not None
         last = tail.strip().splitlines()[-1] if tail.strip() else ""
-        super().__init__(f"rank {rank} {how}" + (f": {last}" if last else ""))
+        if returncode is None:
+            message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
+        elif self.signal is not None:
+            message = f"rank {rank} was killed by {signal.Signals(self.signal).name}"
+        else:
+            message = f"rank {rank} exited with code {returncode}" + (f": {last}" if last else "")
+        super().__init__(message)
 
 
 @dataclass
@@ -242,15 +248,20 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
         try:
             yield handle
         except BaseException as exc:
+            # Which children had ended before we end them: a rank's death closes its connections as it exits, so
+            # rank 0's failed collective may come a moment before the exit code does.
+            exited = [_exit_code(child, 2.0 if isinstance(exc, Exception) else 0.0) for child in children]
             _end(children, grace_s=5.0)
-            failed = _first_failure(children, logs)
+            failed = _first_failure(exited, logs)
+            if failed is None and isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+                failed = RankFailed(None, None, timeout_s=timeout_s)
             if failed is not None and isinstance(exc, Exception):
                 raise failed from exc
             raise
         group.close()
         group = None
         _end(children, grace_s=timeout_s, terminate=False)
-        failed = _first_failure(children, logs)
+        failed = _first_failure([child.returncode for child in children], logs)
         if failed is not None:
             raise failed
         handle.results = [_result(rank, log) for rank, log in enumerate(logs, start=1)]
@@ -280,10 +291,16 @@ def _end(children: list[subprocess.Popen[bytes]], *, grace_s: float, terminate: 
             child.wait()
 
 
-def _first_failure(children: list[subprocess.Popen[bytes]], logs: list[Path]) -> RankFailed | None:
-    """The first child that died by a signal other than our SIGTERM, or exited with an error."""
-    for rank, (child, log) in enumerate(zip(children, logs), start=1):
-        code = child.returncode
+def _exit_code(child: subprocess.Popen[bytes], wait_s: float) -> int | None:
+    try:
+        return child.wait(timeout=wait_s) if wait_s else child.poll()
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _first_failure(codes: list[int | None], logs: list[Path]) -> RankFailed | None:
+    """The first child that ended with an error or by a signal other than our SIGTERM."""
+    for rank, (code, log) in enumerate(zip(codes, logs), start=1):
         if code is not None and code != 0 and code != -signal.SIGTERM:
             return RankFailed(rank, code, _tail(log))
     return None

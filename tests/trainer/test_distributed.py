@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import yaml
 from tests.trainer.support import SaveAt
 from trainer.checkpoint import WarmStart, load_checkpoint
 from trainer.config import ConfigError, TrainingConfig
-from trainer.distributed import ProcessGroup, local_ranks
+from trainer.distributed import ProcessGroup, RankFailed, local_ranks
 from trainer.loop import NullReporter, TrainResult, train
 
 # Two ranks' evaluations match one rank's up to the order of the gradient all-reduce's float sums: measured here,
@@ -136,3 +139,43 @@ def test_torchrun_trains_the_trainer_data_parallel_without_a_study(tmp_path: Pat
     assert (result["status"], result["steps"]) == ("completed", 20)
     assert math.isclose(result["metrics"]["val_loss"], one.metrics["val_loss"], rel_tol=REL_TOL)
     assert result["reproducibility"]["ranks"] == 2
+
+
+class Fault:
+    """A reporter that, at its evaluation of `step`, sends `signum` to the child rank."""
+
+    def __init__(self, step: int, signum: int) -> None:
+        self.step, self.signum = step, signum
+        self.pids: list[int] = []
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        if step == self.step:
+            os.kill(self.pids[0], self.signum)
+        return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "message"), [
+    (signal.SIGKILL, "rank 1 was killed by SIGKILL"),
+    (signal.SIGSTOP, "a rank did not answer within the collective timeout of 5 s (hung)"),
+])
+def test_a_rank_that_dies_or_hangs_fails_the_run_within_the_timeout(signum: int, message: str) -> None:
+    fault = Fault(10, signum)
+    started = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        with local_ranks(config(max_steps=400), 2, timeout_s=5) as ranks:
+            fault.pids = ranks.pids
+            train(config(max_steps=400), reporter=fault, ranks=ranks.group)
+    assert str(failed.value) == message and failed.value.lost
+    assert time.monotonic() - started < 120  # within the timeout (plus start-up), not forever
+    assert not alive(fault.pids[0])  # ended and reaped: no orphan, no zombie
