@@ -114,3 +114,25 @@ def test_sigkill_of_rank_1_fails_the_trial_and_its_retry_resumes_on_two_ranks(tm
     assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2
     assert sorted(retry.intermediate_values) == list(range(20, 220, 20))  # one curve, the lineage's
     assert not rank_children(worker.pid) and not any(alive(p) for p in retry.user_attrs["ranks"]["pids"])
+
+
+def test_two_rank_checkpoints_warm_start_trials_on_two_ranks_and_on_one_and_reproduce(tmp_path: Path) -> None:
+    fixed = {**TINY_STUDY["fixed"], "max_steps": 40, "eval_every_steps": 10}
+    space = {"learning_rate": TINY_STUDY["space"]["learning_rate"]}  # one shape: every finished trial is a donor
+    path = ddp_study(tmp_path, n_trials=2, warm_start={"max_distance": 10.0}, fixed=fixed, space=space)
+    assert (done := sweep_cli("run", path)).returncode == 0, done.stderr
+    # The same study, on one rank now: its next trial's donor is a checkpoint that rank 0 of two wrote.
+    again = sweep_cli("run", path, "--n-trials", "3", "--set", "resources.devices_per_trial=1")
+    assert again.returncode == 0, again.stderr
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert [t.user_attrs.get("reproducibility", {}).get("ranks", 1) for t in trials] == [2, 2, 1]
+    for warm in trials[1:]:  # on 2 ranks (the child read the donor's file) and on 1
+        donor = warm.user_attrs["warm_start_from"]
+        assert donor["trial"] in (0, 1) and donor["step"] == 20 and min(warm.intermediate_values) == 30
+    assert trials[2].user_attrs["warm_start_from"]["trial"] in (0, 1)  # a 2-rank donor for a 1-rank trial
+    ranks = trials[1].user_attrs["ranks"]["ranks"]
+    assert [(r["status"], r["steps"]) for r in ranks] == [("completed", 40)] * 2
+    # Replayed on one rank, a 2-rank warm trial reports the same values within the data-parallel tolerance.
+    replay = sweep_cli("reproduce", path, "1")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
