@@ -136,3 +136,36 @@ def test_two_rank_checkpoints_warm_start_trials_on_two_ranks_and_on_one_and_repr
     # Replayed on one rank, a 2-rank warm trial reports the same values within the data-parallel tolerance.
     replay = sweep_cli("reproduce", path, "1")
     assert replay.returncode == 0, replay.stdout + replay.stderr
+
+
+@pytest.mark.parametrize(("signum", "outcome", "reason"), [(signal.SIGTERM, "preempted", "preempted (SIGTERM)"),
+                                                           (signal.SIGINT, "interrupted", "interrupted")])
+def test_a_signalled_worker_ends_its_ranks_and_the_trial_resumes_on_two_ranks(tmp_path: Path, signum: int,
+                                                                              outcome: str, reason: str) -> None:
+    from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
+
+    path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.02}},
+                     checkpoints={"every_steps": 20},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20})
+    db, log = tmp_path / "ddp.db", tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    worker = start_sweep("run", path, log=log, env=env)
+    try:
+        wait_for("a checkpoint at step 40", lambda: any(step >= 40 for _, _, step, _ in checkpoint_rows(db)), 300,
+                 alive=worker)
+        (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+        worker.send_signal(signum)  # the worker alone (its child rank runs in a session of its own)
+        code = finish(worker, log, 120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == (143 if signum == signal.SIGTERM else 130), log.read_text()[-3000:]
+    assert not alive(child)  # the worker ended its rank: no orphan left training
+    killed, queued = load(tmp_path)
+    assert (killed.user_attrs["outcome"], killed.user_attrs["fail_reason"]) == (outcome, reason)
+    assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == 0
+
+    assert finish(start_sweep("run", path, log=log, env=env), log, 600) == 0, log.read_text()[-3000:]
+    retry = load(tmp_path)[1]
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from"]["step"] >= 40
+    assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2
