@@ -78,8 +78,10 @@ def _train_one(config: TrainingConfig) -> TrainResult:
     ranks = from_environment(device_type=resolve_device(config.device).type)
     try:
         result = train(config, reporter=PrintReporter() if ranks.is_main else NullReporter(), ranks=ranks)
-    finally:
+    except BaseException:
         ranks.close()
+        raise
+    ranks.finish()
     if not ranks.is_main:
         raise _NotMain
     return result

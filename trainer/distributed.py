@@ -90,6 +90,9 @@ class Ranks:
         """The mean of a scalar tensor over the ranks."""
         return value
 
+    def finish(self) -> None:
+        """After a clean end: wait for every rank to get here, then leave the group (`close`)."""
+
     def close(self) -> None:
         pass
 
@@ -146,6 +149,12 @@ class ProcessGroup(Ranks):
         total = value.detach().to(self.comm, torch.float32).clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return (total / self.world).to(value.device)
+
+    def finish(self) -> None:
+        # A rank that tore its connections down while another still finished its last collective would make that
+        # one's gloo abort; after the barrier every rank is past all of them.
+        dist.barrier()
+        self.close()
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -258,7 +267,7 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             if failed is not None and isinstance(exc, Exception):
                 raise failed from exc
             raise
-        group.close()
+        group.finish()
         group = None
         _end(children, grace_s=timeout_s, terminate=False)
         failed = _first_failure([child.returncode for child in children], logs)

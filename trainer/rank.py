@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
                              device_type=resolve_device(config.device).type)
     try:
         result = train(config, reporter=NullReporter(), resume=resume, warm_start=warm, ranks=ranks)
-    finally:
+    except BaseException:
         ranks.close()
+        raise
+    ranks.finish()
     print(json.dumps({"rank": ranks.rank, "status": result.status, "steps": result.steps}), flush=True)
     return 0
 
