@@ -43,6 +43,7 @@ from torch import nn
 
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import ConfigError, TrainingConfig
+from trainer.sync import allowed_sync
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "free_port", "from_environment",
            "local_ranks"]
@@ -138,12 +139,14 @@ class ProcessGroup(Ranks):
     def agree(self, flag: bool) -> bool:
         value = torch.tensor([float(flag)], device=self.comm)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        with allowed_sync():  # an intended read-back, at a check step
+            return bool(value.item())
 
     def verdict(self, stop: bool) -> bool:
         value = torch.tensor([float(stop)], device=self.comm)
         dist.broadcast(value, src=0)
-        return bool(value.item())
+        with allowed_sync():  # an intended read-back, at an evaluation
+            return bool(value.item())
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         total = value.detach().to(self.comm, torch.float32).clone()
