@@ -120,8 +120,9 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     gpus = visible_gpus()
     groups = device_groups(gpus, n_workers, devices_per_worker)
     # Each worker's torch would start one compute thread per core: N workers then oversubscribe the CPU N times over,
-    # and small models slow down several-fold. Split the cores instead, unless the user chose a thread count.
-    threads = str(max(1, (os.cpu_count() or 1) // n_workers))
+    # and small models slow down several-fold. Split the cores instead, unless the user chose a thread count; a
+    # data-parallel trial's ranks are processes too (they inherit the count), so each of them is given a share.
+    threads = str(max(1, (os.cpu_count() or 1) // (n_workers * devices_per_worker)))
     processes = []
     for index in range(n_workers):
         worker_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, **(env or {}),

@@ -69,6 +69,22 @@ def test_a_study_with_two_ranks_per_trial_finishes_with_exact_counts(tmp_path: P
         assert len(ranks["pids"]) == 1 and not alive(ranks["pids"][0])  # the child is gone, not orphaned
 
 
+def test_two_workers_with_two_ranks_each_share_a_study_exactly(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    path = ddp_study(tmp_path, n_trials=4)
+    done = run_cli("run", path, "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4  # n_trials exact, none lost
+    split = str(max(1, (os.cpu_count() or 1) // 4))  # the cores split over 2 workers x 2 ranks, unless set by hand
+    assert {t.user_attrs["reproducibility"]["threads"]["OMP_NUM_THREADS"] for t in trials} == {
+        os.environ.get("OMP_NUM_THREADS", split)}
+    for trial in trials:
+        assert [(r["status"], r["steps"]) for r in trial.user_attrs["ranks"]["ranks"]] == [("completed", 20)] * 2
+        assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
+
+
 def test_nan_on_one_rank_prunes_the_trial_on_both_at_the_same_step(tmp_path: Path) -> None:
     path = ddp_study(tmp_path, n_trials=1, pruner="fastfail", task={"name": "tests.e2e.ddp_tasks:poisoned",
                                                                     "args": {"rank": 1, "step": 12}},

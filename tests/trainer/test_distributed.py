@@ -52,9 +52,10 @@ def assert_close(got: list[tuple[int, dict[str, float]]], want: list[tuple[int, 
 
 
 @pytest.mark.slow
-def test_two_ranks_report_what_one_rank_reports_within_the_tolerance() -> None:
-    one = train(config(), reporter=NullReporter())
-    two, children = two_ranks(config(), reporter=NullReporter())
+@pytest.mark.parametrize("data_loader", ["device", "dataloader"])
+def test_two_ranks_report_what_one_rank_reports_within_the_tolerance(data_loader: str) -> None:
+    one = train(config(data_loader=data_loader), reporter=NullReporter())
+    two, children = two_ranks(config(data_loader=data_loader), reporter=NullReporter())
     assert two.status == "completed" and children == [("completed", 40)]
     assert_close(two.evals, one.evals)
     # The logged train_loss is the global batch's mean, as with one rank, not rank 0's half of it.
