@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +71,10 @@ class Ranks:
     def wrap(self, model: nn.Module) -> nn.Module:
         """What runs the training steps: the model, or DDP around it."""
         return model
+
+    def defer_sync(self, model: nn.Module, *, compiled: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """What defers the gradient all-reduce during a step's earlier micro-batches: nothing to defer here."""
+        return contextlib.nullcontext
 
     def check_batch(self, config: TrainingConfig) -> None:
         """Refuse a global batch that the ranks cannot split evenly."""
@@ -126,6 +130,13 @@ class ProcessGroup(Ranks):
         # DDP broadcasts rank 0's parameters at construction (they are equal already: the same seed built them) and
         # averages the gradients in backward; `model` itself stays what is evaluated and saved, without `module.`.
         return nn.parallel.DistributedDataParallel(model, device_ids=[self.local_rank] if self.cuda else None)
+
+    def defer_sync(self, model: nn.Module, *, compiled: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        # DDP's no_sync: gradients accumulate locally, and the step's last backward averages their sum. Not under
+        # torch.compile, whose DDP support splits the graph at buckets and is not tested here with no_sync.
+        if compiled or not isinstance(model, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext
+        return model.no_sync
 
     def check_batch(self, config: TrainingConfig) -> None:
         if config.batch_size % self.world:

@@ -132,20 +132,25 @@ class TrainResult:
 def accumulate_gradients(model: Callable[[torch.Tensor], torch.Tensor],
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                          micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_micro: int,
-                         precision: Precision) -> torch.Tensor:
+                         precision: Precision,
+                         defer_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                         ) -> torch.Tensor:
     """Forward and backward over `n_micro` micro-batches; returns their mean loss as a device tensor (no sync).
 
     Each micro-batch's loss is divided by `n_micro` so that the summed gradients equal those of one batch of
-    `n_micro` times the size: the learning rate means the same whatever the accumulation.
+    `n_micro` times the size: the learning rate means the same whatever the accumulation. `defer_sync`: entered
+    around every micro-batch but the last (DDP's `no_sync`: the ranks' gradients are averaged once per step, not
+    once per micro-batch).
     """
     total = None
-    for x, y in micro_batches:
-        with precision.autocast():
-            out = model(x)
-        loss = loss_fn(out.float(), y)
-        if n_micro > 1:  # dividing by 1 would only add two kernels (forward and backward) to every step
-            loss = loss / n_micro
-        precision.scaler.scale(loss).backward()
+    for i, (x, y) in enumerate(micro_batches):
+        with defer_sync() if i < n_micro - 1 else contextlib.nullcontext():
+            with precision.autocast():
+                out = model(x)
+            loss = loss_fn(out.float(), y)
+            if n_micro > 1:  # dividing by 1 would only add two kernels (forward and backward) to every step
+                loss = loss / n_micro
+            precision.scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     if total is None:
         raise ValueError("accumulate_gradients needs at least one micro-batch")
@@ -201,6 +206,8 @@ class Run:
     stats: Callable[[], dict[str, float]]  # the device's metrics at a log step (none on a CPU)
     settle: Callable[[], None]  # waits for the steps queued on the device (CUDA), else does nothing
     ranks: Ranks = field(default_factory=Ranks)  # the data-parallel group (trainer.distributed); one process: Ranks()
+    # entered around each micro-batch but a step's last: DDP's no_sync with several ranks, else nothing
+    defer_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) -> Run:
@@ -235,7 +242,8 @@ def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) ->
                optimizer=optimizer, precision=precision, val=(val_inputs.to(device), val_targets.to(device)),
                batches=batches, stats=device_stats(device),  # peak memory, GPU utilisation: nothing on a CPU
                guard=LossGuard(fast_fail, device, stages),
-               settle=_synchronize(device) if device.type == "cuda" else _nothing, ranks=ranks)
+               settle=_synchronize(device) if device.type == "cuda" else _nothing, ranks=ranks,
+               defer_sync=ranks.defer_sync(train_model, compiled=config.compile))
 
 
 def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None, *,
@@ -327,7 +335,7 @@ def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter,
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = (batches.next(step) for _ in range(accum))
-        step_loss = accumulate_gradients(run.forward, run.task.loss, micro, accum, precision)
+        step_loss = accumulate_gradients(run.forward, run.task.loss, micro, accum, precision, run.defer_sync)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
         interval.add(step_loss)
         guard.observe(step_loss, done)  # on the device: no sync

@@ -52,10 +52,13 @@ def assert_close(got: list[tuple[int, dict[str, float]]], want: list[tuple[int, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_loader", ["device", "dataloader"])
-def test_two_ranks_report_what_one_rank_reports_within_the_tolerance(data_loader: str) -> None:
-    one = train(config(data_loader=data_loader), reporter=NullReporter())
-    two, children = two_ranks(config(data_loader=data_loader), reporter=NullReporter())
+@pytest.mark.parametrize(("data_loader", "accumulation"), [("device", 1), ("dataloader", 1), ("device", 2)])
+def test_two_ranks_report_what_one_rank_reports_within_the_tolerance(data_loader: str, accumulation: int) -> None:
+    # With accumulation, the earlier micro-batches' gradients stay local (DDP's no_sync) and the step's last backward
+    # averages their sum: the same gradient as one rank's.
+    edits = {"data_loader": data_loader, "gradient_accumulation_steps": accumulation}
+    one = train(config(**edits), reporter=NullReporter())
+    two, children = two_ranks(config(**edits), reporter=NullReporter())
     assert two.status == "completed" and children == [("completed", 40)]
     assert_close(two.evals, one.evals)
     # The logged train_loss is the global batch's mean, as with one rank, not rank 0's half of it.
