@@ -441,6 +441,11 @@ class StudySpec(_Model):
             raise ValueError(f"devices_per_trial: {n} and execution.cohort: {execution.cohort} do not go together "
                              "(a cohort packs many trials onto one device, a data-parallel trial spreads one over "
                              "several): use one of them")
+        default = next(f.default for f in dataclasses.fields(TrainingConfig) if f.name == "batch_size")
+        batch = (info.data.get("fixed") or {}).get("batch_size", default)
+        if isinstance(batch, int) and batch % n:  # a searched batch_size is checked per trial (trainer.distributed)
+            raise ValueError(f"devices_per_trial: {n} splits each global batch evenly between the ranks: batch_size "
+                             f"{batch} is not a multiple of {n}")
         return value
 
     @field_validator("fixed", mode="after")
