@@ -301,13 +301,14 @@ def submit(
         options = with_options(spec.launch.slurm if slurm else spec.launch.k8s, given)
     except StudyFileError as exc:
         raise _fail(exc.lines(), 2) from None
+    from sweep.workers import gpus_problem
+
+    problem = gpus_problem(options.gpus_per_task if slurm else options.gpus_per_worker,
+                           spec.resources.devices_per_trial)
+    if problem is not None:
+        raise _fail(problem, 2)
     spec_path = study_file.resolve()
     if slurm:
-        from sweep.launch.slurm import gpu_problem
-
-        problem = gpu_problem(spec, options)
-        if problem is not None:
-            raise _fail(problem, 2)
         _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])
     else:
         _write_k8s(spec, spec_path, options, output, timeout=timeout, overrides=set_ or [])

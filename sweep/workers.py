@@ -32,9 +32,9 @@ from sweep.signals import raise_pending
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "device_groups", "prepare_process",
-           "run_local_workers", "run_workers", "storage_from_environment", "visible_gpus", "worker_args",
-           "write_storage_file"]
+__all__ = ["SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "device_groups", "gpus_problem",
+           "prepare_process", "run_local_workers", "run_workers", "storage_from_environment", "visible_gpus",
+           "worker_args", "write_storage_file"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
 STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
@@ -141,6 +141,16 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     except BaseException:  # Preempted (SIGTERM) reaches only this process: pass it on
         _stop(processes, grace_s, signal.SIGTERM)
         raise
+
+
+def gpus_problem(gpus: int, per_trial: int) -> str | None:
+    """What is wrong with `--gpus-per-task` G (a Slurm task's or a pod's GPUs) for `resources.devices_per_trial` N,
+    or None: a launcher runs G/N workers there, so G must be whole groups of a trial's devices (G = 0: one worker,
+    its ranks on the CPU)."""
+    if gpus % per_trial:
+        return (f"--gpus-per-task: expected a multiple of resources.devices_per_trial ({per_trial}): each worker "
+                f"trains its trials on {per_trial} GPUs, got {gpus}")
+    return None
 
 
 def device_groups(gpus: Sequence[str], n_workers: int, per_worker: int) -> list[str]:

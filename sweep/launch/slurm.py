@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from sweep.schema import SlurmSpec, StudySpec
 
 __all__ = ["SCRIPT_FILE", "STORAGE_FILE", "SlurmError", "SlurmTask", "batch_script", "cancel_queued", "check_tools",
-           "gpu_problem", "job_folder", "log_tail", "record_job", "study_tasks", "submit", "summary", "task_count"]
+           "job_folder", "log_tail", "record_job", "study_tasks", "submit", "summary", "task_count"]
 
 STORAGE_FILE = "storage.json"  # in the job folder, 0600: the storage URL (see the module's docstring)
 SCRIPT_FILE = "submit.sbatch"
@@ -73,7 +73,7 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
     """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
     any secret."""
     gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
-    workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (gpu_problem refuses a remainder)
+    workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (sweep.workers.gpus_problem)
     run = [python, "-m", "sweep.cli", "run", *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
            *(["--workers", str(workers)] if workers > 1 else [])]
     sbatch = [f"--job-name=sweep-{spec.name}", f"--array=0-{options.workers - 1}",
@@ -113,16 +113,6 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
         'exit "$code"',
         ""]
     return "\n".join(lines)
-
-
-def gpu_problem(spec: StudySpec, options: SlurmSpec) -> str | None:
-    """What is wrong with `gpus_per_task` for the study's `resources.devices_per_trial`, or None: a task's GPUs must
-    be whole groups of a trial's devices (none: one worker per task, its ranks on the CPU)."""
-    gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
-    if gpus % per_trial:
-        return (f"--gpus-per-task: expected a multiple of resources.devices_per_trial ({per_trial}): each worker "
-                f"trains its trials on {per_trial} GPUs, got {gpus}")
-    return None
 
 
 def _tool(name: str) -> str:
