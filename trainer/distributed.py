@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -202,7 +203,8 @@ class RankFailed(RuntimeError):
         self.rank, self.returncode, self.tail = rank, returncode, tail
         self.signal = -returncode if returncode is not None and returncode < 0 else None
         self.lost = returncode is None or self.signal is not None
-        last = tail.strip().splitlines()[-1] if tail.strip() else ""
+        # Its last line (torch prefixes a rank's traceback lines with "[rankN]: ").
+        last = re.sub(r"^\[rank\d+\]:\s*", "", tail.strip().splitlines()[-1]) if tail.strip() else ""
         if returncode is None:
             message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
         elif self.signal is not None:

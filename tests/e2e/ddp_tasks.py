@@ -7,6 +7,7 @@ Referenced from study files as `tests.e2e.ddp_tasks:...`; the children ranks imp
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -45,3 +46,10 @@ def slow(sleep_s: float = 0.02) -> Task:
         return cross_entropy(out, y)
 
     return dataclasses.replace(digits(), loss=loss)
+
+
+def broken_child() -> Task:
+    """Digits on rank 0; on any other rank (a `trainer.rank` child, RANK in its environment) an error of its own."""
+    if os.environ.get("RANK", "0") != "0":
+        raise RuntimeError("this rank's data is missing")
+    return digits()

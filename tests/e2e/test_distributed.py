@@ -102,6 +102,20 @@ def test_nan_on_one_rank_prunes_the_trial_on_both_at_the_same_step(tmp_path: Pat
     assert max(trial.intermediate_values) == reason["step"]
 
 
+def test_a_rank_that_fails_on_its_own_fails_the_trial_without_a_retry(tmp_path: Path) -> None:
+    path = ddp_study(tmp_path, n_trials=2, max_repeated_failures=0,
+                     task={"name": "tests.e2e.ddp_tasks:broken_child"})
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr  # failing trials never take the study down
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2  # the config's fault: counted, not retried
+    for trial in trials:
+        assert trial.user_attrs["outcome"] == "failed" and "retry_of" not in trial.user_attrs
+        assert trial.user_attrs["fail_reason"] == "rank 1 exited with code 1: RuntimeError: this rank's data is missing"
+        assert trial.user_attrs["ranks"]["failed_rank"] == 1
+        assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
+
+
 def test_sigkill_of_rank_1_fails_the_trial_and_its_retry_resumes_on_two_ranks(tmp_path: Path) -> None:
     from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
 
