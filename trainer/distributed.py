@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,7 +48,7 @@ from trainer.config import ConfigError, TrainingConfig
 from trainer.sync import allowed_sync
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "free_port", "from_environment",
-           "local_ranks"]
+           "join_parent", "local_ranks"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective waits for a rank that neither answers nor closes its connection
 ADDRESS = "127.0.0.1"
@@ -113,15 +114,17 @@ class ProcessGroup(Ranks):
         self.comm = torch.device("cuda", local_rank) if self.cuda else torch.device("cpu")
 
     @classmethod
-    def join(cls, rank: int, world: int, *, init_method: str, local_rank: int | None = None,
-             device_type: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
-        """Join a group of `world` ranks (blocks until all have joined, up to the timeout)."""
+    def join(cls, rank: int, world: int, *, init_method: str | None = None, store: dist.Store | None = None,
+             local_rank: int | None = None, device_type: str | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+        """Join a group of `world` ranks, met at `init_method` or through `store` (blocks until all have joined, up
+        to the timeout)."""
         device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
         local = rank if local_rank is None else local_rank
         if device_type == "cuda":
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, store=store,
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         return cls(rank, world, local, device_type)
 
     def device(self, device: torch.device) -> torch.device:
@@ -185,6 +188,20 @@ def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | No
     return ProcessGroup.join(int(os.environ["RANK"]), world, init_method="env://",
                              local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
                              device_type=device_type, timeout_s=timeout_s)
+
+
+def join_parent(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None) -> ProcessGroup:
+    """In a child that `local_ranks` started: say so in rank 0's store (rank 0 waits for that, watching for children
+    that die first), then join the group through it."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    store.set(f"{_STARTED}{rank}", "1")
+    return ProcessGroup.join(rank, world, store=store, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                             device_type=device_type, timeout_s=timeout_s)
+
+
+_STARTED = "sweep/started/"
 
 
 def free_port() -> int:
@@ -257,7 +274,10 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             save_checkpoint(folder / "start.pt", state)
             args += ["--resume" if resume is not None else "--warm", str(folder / "start.pt")]
             args += ["--warm-optimizer"] if warm is not None and warm_optimizer else []
-        port = free_port()
+        # Rank 0's store, on a port the OS picks now (port 0): a new one for each trial's group.
+        store = dist.TCPStore(ADDRESS, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port = store.port
         path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
         for rank in range(1, world):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -267,8 +287,8 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             with open(logs[-1], "wb") as log:
                 children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
                                                  stderr=subprocess.STDOUT, start_new_session=True))
-        group = ProcessGroup.join(0, world, init_method=f"tcp://{ADDRESS}:{port}",
-                                  device_type=_device_type(config), timeout_s=timeout_s)
+        _wait_started(store, children, logs, timeout_s)
+        group = ProcessGroup.join(0, world, store=store, device_type=_device_type(config), timeout_s=timeout_s)
         handle = LocalGroup(group, [child.pid for child in children])
         try:
             yield handle
@@ -295,6 +315,21 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             group.close()
         _end(children, grace_s=5.0)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_started(store: dist.TCPStore, children: list[subprocess.Popen[bytes]], logs: list[Path],
+                  timeout_s: float) -> None:
+    """Until every child has said it started (`join_parent`): one that exits first fails the run now, not after
+    the timeout that joining the group would wait."""
+    keys = [f"{_STARTED}{rank}" for rank in range(1, len(children) + 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        failed = _first_failure([child.poll() for child in children], logs)
+        if failed is not None:
+            raise failed
+        if time.monotonic() > deadline:
+            raise RankFailed(None, None, timeout_s=timeout_s)
+        time.sleep(0.02)
 
 
 def _device_type(config: TrainingConfig) -> str:

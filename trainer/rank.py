@@ -1,7 +1,8 @@
 """`python -m trainer.rank config.json [--resume FILE | --warm FILE [--warm-optimizer]]`: one rank (not 0) of a
 data-parallel run that rank 0 started (`trainer.distributed.local_ranks`).
 
-It joins the group its environment describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), trains the
+It joins the group its environment describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: rank 0's
+store; `trainer.distributed.join_parent`), trains the
 config from the same start as rank 0 (a checkpoint file, read with `weights_only`), takes rank 0's verdict at every
 evaluation, writes no checkpoint and talks to no driver. Its last line on stdout is its result as JSON (status,
 steps), which rank 0 reads back.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from trainer.checkpoint import WarmStart, load_checkpoint
 from trainer.config import TrainingConfig
-from trainer.distributed import DEFAULT_TIMEOUT_S, from_environment
+from trainer.distributed import DEFAULT_TIMEOUT_S, join_parent
 from trainer.loop import NullReporter, train
 from trainer.precision import resolve_device
 
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainingConfig.from_dict(json.loads(args.config.read_text()))
     resume = load_checkpoint(args.resume) if args.resume else None
     warm = WarmStart(load_checkpoint(args.warm), optimizer=args.warm_optimizer) if args.warm else None
-    ranks = from_environment(float(os.environ.get("SWEEP_RANK_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
-                             device_type=resolve_device(config.device).type)
+    ranks = join_parent(float(os.environ.get("SWEEP_RANK_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
+                        device_type=resolve_device(config.device).type)
     try:
         result = train(config, reporter=NullReporter(), resume=resume, warm_start=warm, ranks=ranks)
     except BaseException:

@@ -183,3 +183,18 @@ def test_a_rank_that_dies_or_hangs_fails_the_run_within_the_timeout(signum: int,
     assert str(failed.value) == message and failed.value.lost
     assert time.monotonic() - started < 120  # within the timeout (plus start-up), not forever
     assert not alive(fault.pids[0])  # ended and reaped: no orphan, no zombie
+
+
+@pytest.mark.slow
+def test_a_child_that_dies_before_joining_fails_the_run_at_once(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real early death: the child's interpreter runs this sitecustomize (the children see rank 0's sys.path) and
+    # exits before it reaches the group. Rank 0 must not wait out the 600 s that joining the group would.
+    (tmp_path / "sitecustomize.py").write_text("import os\nif os.environ.get('RANK', '0') != '0':\n    os._exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match=r"^rank 1 exited with code 3$") as failed:
+        with local_ranks(config(), 2, timeout_s=600) as ranks:
+            train(config(), reporter=NullReporter(), ranks=ranks.group)
+    assert not failed.value.lost  # its own error: the trial fails, no retry
+    assert time.monotonic() - started < 300
