@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -233,11 +233,12 @@ class RankFailed(RuntimeError):
 
 @dataclass
 class RankResult:
-    """What a child rank printed when it finished: its status and the step it stopped at."""
+    """What a child rank printed when it finished: its status and the step it stopped at; and its exit code."""
 
     rank: int
     status: str
     steps: int
+    exit_code: int | None = None
 
 
 @dataclass
@@ -252,11 +253,12 @@ class LocalGroup:
 @contextlib.contextmanager
 def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None = None,
                 warm: TrainState | None = None, warm_optimizer: bool = False,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[LocalGroup]:
+                timeout_s: float = DEFAULT_TIMEOUT_S, withheld: Collection[str] = ()) -> Iterator[LocalGroup]:
     """Run this process as rank 0 of `world` and start ranks 1..world-1 as `python -m trainer.rank` children on this
     machine, with `config` and the run's start (`resume` or `warm`, handed over as a checkpoint file, read back with
     `weights_only`); they never see a driver. The children see this process's `sys.path` (a user's task module) and
-    environment, and run in their own session (a terminal's Ctrl-C reaches rank 0 alone, which ends them).
+    environment but the variables named in `withheld` (a driver's secrets), and run in their own session (a
+    terminal's Ctrl-C reaches rank 0 alone, which ends them).
 
     On leaving, normally or not, the group is destroyed and the children are joined: after a clean end they finish
     on their own; otherwise (an exception, Ctrl-C) they are terminated, and killed a few seconds later. A child that
@@ -280,9 +282,9 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
         port = store.port
         path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
         for rank in range(1, world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": ADDRESS, "MASTER_PORT": str(port), "PYTHONPATH": path,
-                   "SWEEP_RANK_TIMEOUT_S": str(timeout_s)}
+            env = {**{name: value for name, value in os.environ.items() if name not in withheld},
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": ADDRESS,
+                   "MASTER_PORT": str(port), "PYTHONPATH": path, "SWEEP_RANK_TIMEOUT_S": str(timeout_s)}
             logs.append(folder / f"rank{rank}.log")
             with open(logs[-1], "wb") as log:
                 children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
@@ -303,13 +305,13 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             if failed is not None and isinstance(exc, Exception):
                 raise failed from exc
             raise
+        # Past this barrier every rank has finished training: how a child then exits (gloo's teardown has been seen
+        # to abort now and then) changes nothing of the run; its exit code is kept with its result.
         group.finish()
         group = None
         _end(children, grace_s=timeout_s, terminate=False)
-        failed = _first_failure([child.returncode for child in children], logs)
-        if failed is not None:
-            raise failed
-        handle.results = [_result(rank, log) for rank, log in enumerate(logs, start=1)]
+        handle.results = [_result(rank, log, child.returncode) for rank, (child, log)
+                          in enumerate(zip(children, logs), start=1)]
     finally:
         if group is not None:
             group.close()
@@ -373,10 +375,10 @@ def _tail(log: Path, size: int = 2000) -> str:
         return ""
 
 
-def _result(rank: int, log: Path) -> RankResult:
+def _result(rank: int, log: Path, exit_code: int | None) -> RankResult:
     for line in reversed(_tail(log, 4000).splitlines()):
         if line.startswith("{"):
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 values: dict[str, Any] = json.loads(line)
-                return RankResult(rank, str(values["status"]), int(values["steps"]))
-    return RankResult(rank, "unknown", -1)
+                return RankResult(rank, str(values["status"]), int(values["steps"]), exit_code)
+    return RankResult(rank, "unknown", -1, exit_code)

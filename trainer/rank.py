@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         ranks.close()
         raise
-    ranks.finish()
     print(json.dumps({"rank": ranks.rank, "status": result.status, "steps": result.steps}), flush=True)
+    ranks.finish()
     return 0
 
 

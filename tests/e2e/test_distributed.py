@@ -57,7 +57,8 @@ def test_a_study_with_two_ranks_per_trial_finishes_with_exact_counts(tmp_path: P
     done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     trials = load(tmp_path)
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, [(t.user_attrs.get("fail_reason"),
+                                                                      t.user_attrs.get("ranks")) for t in trials]
     for trial in trials:
         ranks = trial.user_attrs["ranks"]
         assert ranks["world"] == 2
@@ -124,11 +125,14 @@ def test_sigkill_of_rank_1_fails_the_trial_and_its_retry_resumes_on_two_ranks(tm
                      resources={"devices_per_trial": 2, "collective_timeout_s": 60},
                      fixed={**TINY_STUDY["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20})
     db, log = tmp_path / "ddp.db", tmp_path / "run.log"
-    worker = start_sweep("run", path, log=log, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "PGPASSWORD": "sekret-of-the-storage"}
+    worker = start_sweep("run", path, log=log, env=env)
     try:
         wait_for("a checkpoint at step 40", lambda: any(step >= 40 for _, _, step, _ in checkpoint_rows(db)), 300,
                  alive=worker)
         (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+        environ = Path(f"/proc/{child}/environ").read_bytes()
+        assert b"RANK=1" in environ and b"sekret-of-the-storage" not in environ  # the child never sees a password
         os.kill(child, signal.SIGKILL)
         assert finish(worker, log, 600) == 0, log.read_text()[-3000:]
     finally:
