@@ -5,7 +5,9 @@
 # 1. the CUDA tests (no host-device sync between log/eval steps under set_sync_debug_mode("error"), compile, CUDA
 #    graphs, the multi-tensor Lion, TF32, device metrics); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
 #    per GPU-hour, GPU busy during a short two-worker charlm study of 500-step trials); 3. bench/overhead.py's CUDA case
-#    (the trainer vs a hand-written loop); 4. with the time left, bench/gpu.py's `graphs` part (CUDA graphs).
+#    (the trainer vs a hand-written loop); 4. bench/distributed.py on 2 GPUs (NCCL: DDP, the verdict broadcast's cost
+#    per evaluation, 1- vs 2-rank deviation; skipped with one GPU); 5. with the time left, bench/gpu.py's `graphs`
+#    part (CUDA graphs).
 # Logs and gpu.json (rewritten after each part) go to OUT_DIR (default results/), the graphs part's to OUT_DIR/graphs/. The study part needs
 # optuna and SQLAlchemy importable; the rest needs torch only.
 set -uo pipefail
@@ -34,6 +36,12 @@ run 200 cuda_tests.log "$python" -m pytest tests/trainer/test_cuda.py -q -p no:c
 run 370 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
     --study-timeout 30 --study-steps 500
 run 115 overhead.log "$python" bench/overhead.py --only cuda
+# Data-parallel trials on 2 GPUs (NCCL): never run before this script; it needs 2 visible GPUs.
+if (( $("$python" -c "import torch; print(torch.cuda.device_count())") >= 2 )); then
+    run 90 distributed.log "$python" bench/distributed.py --device cuda --quick
+else
+    echo "skipped: bench/distributed.py --device cuda needs 2 GPUs" | tee "$out/distributed.log"
+fi
 # The graphs part's own limit (150 s at --time-scale 1) is shrunk to the time left, so that its table still prints.
 scale=$(awk -v left=$((deadline - SECONDS - 10)) 'BEGIN { s = left / 150; print (s > 1 ? 1 : s) }')
 run 160 graphs.log "$python" bench/gpu.py --parts graphs --time-scale "$scale" --out "$out/graphs"

@@ -131,7 +131,10 @@ def run(
     study = _open_for_run(spec, url, prefix)
     with _run_outcomes(study, prefix):
         if workers > 1:
-            codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+            try:
+                codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+            except ValueError as exc:  # fewer GPUs than one trial needs
+                raise _fail(str(exc), 2) from None
             _print_status(study)
             lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
             if lost:
@@ -298,6 +301,12 @@ def submit(
         options = with_options(spec.launch.slurm if slurm else spec.launch.k8s, given)
     except StudyFileError as exc:
         raise _fail(exc.lines(), 2) from None
+    from sweep.workers import gpus_problem
+
+    problem = gpus_problem(options.gpus_per_task if slurm else options.gpus_per_worker,
+                           spec.resources.devices_per_trial)
+    if problem is not None:
+        raise _fail(problem, 2)
     spec_path = study_file.resolve()
     if slurm:
         _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])

@@ -29,6 +29,7 @@ from sweep.outcomes import (
     ATTR_LINEAGE,
     ATTR_METRICS,
     ATTR_PRUNE,
+    ATTR_RANKS,
     ATTR_REPORT_MS,
     ATTR_REPRO,
     ATTR_RESUMED_FROM,
@@ -48,8 +49,10 @@ from sweep.signals import raise_pending
 from sweep.storage import StorageAway
 from sweep.tracking import Guarded, open_trackers
 from sweep.warmstart import shape_key
+from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV
 from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
+from trainer.distributed import RankFailed, local_ranks
 from trainer.fast_fail_rules import FastFailConfig
 from trainer.loop import TrainingSeries
 
@@ -253,11 +256,45 @@ class TrainerTrial:
         return self.train_prepared(self.prepare())
 
     def train_prepared(self, prepared: Prepared) -> TrialResult:
-        """Train a prepared trial by the ordinary loop (a cohort trains its members itself) and return its result."""
+        """Train a prepared trial by the ordinary loop (a cohort trains its members itself) and return its result;
+        with `resources.devices_per_trial: N` > 1, data-parallel on N ranks (`_train_ranks`)."""
+        if self.spec.resources.devices_per_trial > 1:
+            return self._train_ranks(prepared, self.spec.resources.devices_per_trial)
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
             result = train(prepared.config, prepared.task, prepared.reporter, resume=prepared.start.resume,
                            warm_start=prepared.start.warm, checkpointer=prepared.checkpointer)
         return self.result_of(prepared, result)
+
+    def _train_ranks(self, prepared: Prepared, world: int) -> TrialResult:
+        """Data-parallel on `world` ranks: this process is rank 0, with the reporter and the checkpointer (so reports,
+        heartbeats, signals, checkpoints and retries are as with one), and starts the others as children that get
+        the config and the start only, never the storage (nor a password in their environment). A child that a
+        signal killed or that hung (a machine's fault, an operator's SIGKILL) ends the trial as an infrastructure
+        fault, retried from its checkpoint; one that failed on its own, as failed."""
+        start, resources = prepared.start, self.spec.resources
+        try:
+            with local_ranks(prepared.config, world, resume=start.resume,
+                             warm=None if start.warm is None else start.warm.state,
+                             warm_optimizer=start.warm is not None and start.warm.optimizer,
+                             timeout_s=float(resources.collective_timeout_s),
+                             withheld=(*SECRET_ENV_NAMES, STORAGE_FILE_ENV)) as ranks:
+                self.trial.set_user_attr(ATTR_RANKS, {"world": world, "pids": ranks.pids})
+                with self.boundary.no_wait():  # as with one rank: the reports wait while the storage is away
+                    result = train(prepared.config, prepared.task, prepared.reporter, resume=start.resume,
+                                   warm_start=start.warm, checkpointer=prepared.checkpointer, ranks=ranks.group)
+        except RankFailed as exc:
+            prepared.reporter.flush()
+            outcome = Outcome.INFRASTRUCTURE if exc.lost else Outcome.FAILED
+            prefix = "infrastructure: " if exc.lost else ""
+            return TrialResult(outcome, None, {ATTR_FAIL: f"{prefix}{exc}", ATTR_RANKS: {
+                "world": world, "pids": self.trial.user_attrs.get(ATTR_RANKS, {}).get("pids", []),
+                "failed_rank": exc.rank, "output_tail": exc.tail[-2000:]}})
+        trial_result = self.result_of(prepared, result)
+        trial_result.attrs[ATTR_RANKS] = {"world": world, "pids": ranks.pids, "ranks": [
+            {"rank": 0, "status": result.status, "steps": result.steps},
+            *({"rank": r.rank, "status": r.status, "steps": r.steps, "exit_code": r.exit_code}
+              for r in ranks.results)]}
+        return trial_result
 
     def prepare(self) -> Prepared:
         """Everything `trainer.train` (or a batched cohort) takes for this trial: its config from the sampled params,

@@ -64,6 +64,7 @@ ATTR_CHECKPOINT = "checkpoint"  # the trial's best checkpoint, uploaded as an Op
 ATTR_REPORT_MS = "report_ms"
 ATTR_CONFIRMS = "confirms"  # on a cold confirmation trial: the number of the warm trial it retrains
 ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came from (for optuna-dashboard)
+ATTR_RANKS = "ranks"  # a data-parallel trial's ranks: {world, pids} while it trains; then each rank's stop step
 ATTR_LOG = "log"  # a command trial's log file: its stdout and stderr
 # [[step, value], ...]: the training counterpart of the metric at each evaluation, for fast-fail's overfitting rule
 # (written only while that rule is on)

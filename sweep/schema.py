@@ -29,6 +29,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -38,8 +39,8 @@ from sweep.urls import mask_url
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
-           "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "SlurmSpec", "StudyFileError",
-           "StudySpec", "TaskSpec", "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
+           "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "ResourcesSpec", "SlurmSpec",
+           "StudyFileError", "StudySpec", "TaskSpec", "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
            "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
            "validate_document", "with_options"]
@@ -307,6 +308,16 @@ class ExecutionSpec(_Model):
         return 0 if self.cohort == "auto" else int(self.cohort)
 
 
+class ResourcesSpec(_Model):
+    """`resources`: what one trial takes. `devices_per_trial: N` trains each trial data-parallel on N devices (N
+    processes, DDP; gloo on a CPU): the worker runs rank 0 and starts the other N-1 (see trainer.distributed).
+    `collective_timeout_s`: how long a rank waits in a collective for one that neither answers nor closes its
+    connection (a hung rank) before the trial fails."""
+
+    devices_per_trial: StrictInt = Field(1, ge=1)
+    collective_timeout_s: Number = Field(300.0, gt=0)
+
+
 class TensorBoardSpec(_Model):
     """One TensorBoard run per trial: `DIR/<study>/trial-NNNNN/` (see sweep.tracking)."""
 
@@ -370,6 +381,8 @@ class StudySpec(_Model):
     fixed: dict[str, Any] = {}
     space: dict[str, Param] = {}
     launch: LaunchSpec = Field(default_factory=lambda: LaunchSpec.model_validate({}))
+    # Last: its check reads the form and the execution, validated above.
+    resources: ResourcesSpec = Field(default_factory=lambda: ResourcesSpec.model_validate({}))
 
     @field_validator("name", mode="after")
     @classmethod
@@ -412,6 +425,28 @@ class StudySpec(_Model):
             raise ValueError(f"expected exactly one of task, loop, command (what each trial runs), got "
                              f"{', '.join(given)}")
         return self
+
+    @field_validator("resources", mode="after")
+    @classmethod
+    def _data_parallel(cls, value: ResourcesSpec, info: ValidationInfo) -> ResourcesSpec:
+        n = value.devices_per_trial
+        if n == 1:
+            return value
+        form = next((form for form in ("loop", "command") if info.data.get(form) is not None), None)
+        if form is not None:
+            raise ValueError(f"devices_per_trial: {n} trains the built-in trainer (task:) data-parallel; a {form} "
+                             "study's trial runs as one process: use devices_per_trial: 1")
+        execution = info.data.get("execution")
+        if execution is not None and execution.cohort != 1:
+            raise ValueError(f"devices_per_trial: {n} and execution.cohort: {execution.cohort} do not go together "
+                             "(a cohort packs many trials onto one device, a data-parallel trial spreads one over "
+                             "several): use one of them")
+        default = next(f.default for f in dataclasses.fields(TrainingConfig) if f.name == "batch_size")
+        batch = (info.data.get("fixed") or {}).get("batch_size", default)
+        if isinstance(batch, int) and batch % n:  # a searched batch_size is checked per trial (trainer.distributed)
+            raise ValueError(f"devices_per_trial: {n} splits each global batch evenly between the ranks: batch_size "
+                             f"{batch} is not a multiple of {n}")
+        return value
 
     @field_validator("fixed", mode="after")
     @classmethod
@@ -795,7 +830,8 @@ def validate_document(document: Mapping[str, Any], source: str | Path) -> StudyS
 
 _TAGS: dict[str, type[BaseModel]] = {"float": FloatParam, "int": IntParam, "categorical": CategoricalParam}
 _SECTIONS: dict[str, type[BaseModel]] = {"checkpoints": CheckpointPolicy, "warm_start": WarmStartSpec,
-                                         "task": TaskSpec, "launch": LaunchSpec}
+                                         "task": TaskSpec, "launch": LaunchSpec,
+                                         "resources": ResourcesSpec}
 _SUBSECTIONS: dict[tuple[str, str], type[BaseModel]] = {("launch", "slurm"): SlurmSpec, ("launch", "k8s"): K8sSpec}
 
 

@@ -2,7 +2,9 @@
 
 Each worker is the same `sweep run` in its own process, so a worker that dies takes nothing else with it; the others
 notice its trial's stale heartbeat and train its params again. On a GPU machine worker k sees only GPU k mod G
-(round robin over the visible devices; more workers than GPUs put several small trials on each GPU).
+(round robin over the visible devices; more workers than GPUs put several small trials on each GPU). With
+`resources.devices_per_trial: N`, worker k sees N GPUs, the k-th group of N (round robin too): W workers need W*N
+GPUs to have devices of their own, and a trial cannot run on fewer than N.
 
 The storage URL reaches the workers in their environment (`SWEEP_STORAGE_URL`), never on their command lines: any
 local user can read a process's arguments (`ps`, /proc/PID/cmdline), and the URL may hold a password. A process's
@@ -30,9 +32,9 @@ from sweep.signals import raise_pending
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "prepare_process",
-           "run_local_workers", "run_workers", "storage_from_environment", "visible_gpus", "worker_args",
-           "write_storage_file"]
+__all__ = ["SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "device_groups", "gpus_problem",
+           "prepare_process", "run_local_workers", "run_workers", "storage_from_environment", "visible_gpus",
+           "worker_args", "write_storage_file"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
 STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
@@ -104,11 +106,11 @@ def run_local_workers(study_file: Path, spec: StudySpec, url: str, n_workers: in
     already, so none of them creates it); returns their exit codes. The URL goes by environment (`STORAGE_ENV`), and
     a `--set storage=...` override stays off the workers' command lines: the URL it gave is that one."""
     return run_workers(worker_args(study_file, spec, timeout=timeout, overrides=overrides), n_workers,
-                       env={STORAGE_ENV: url})
+                       env={STORAGE_ENV: url}, devices_per_worker=spec.resources.devices_per_trial)
 
 
 def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.0,
-                env: Mapping[str, str] | None = None) -> list[int]:
+                env: Mapping[str, str] | None = None, devices_per_worker: int = 1) -> list[int]:
     """Start `sweep run RUN_ARGS` in `n_workers` processes, with `env` added to their environment, and wait for
     them; returns their exit codes.
 
@@ -116,15 +118,17 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     exits. A worker still running `grace_s` seconds later is killed.
     """
     gpus = visible_gpus()
+    groups = device_groups(gpus, n_workers, devices_per_worker)
     # Each worker's torch would start one compute thread per core: N workers then oversubscribe the CPU N times over,
-    # and small models slow down several-fold. Split the cores instead, unless the user chose a thread count.
-    threads = str(max(1, (os.cpu_count() or 1) // n_workers))
+    # and small models slow down several-fold. Split the cores instead, unless the user chose a thread count; a
+    # data-parallel trial's ranks are processes too (they inherit the count), so each of them is given a share.
+    threads = str(max(1, (os.cpu_count() or 1) // (n_workers * devices_per_worker)))
     processes = []
     for index in range(n_workers):
         worker_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, **(env or {}),
                       WORKER_ENV: str(index)}
-        if gpus:
-            worker_env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+        if groups:
+            worker_env["CUDA_VISIBLE_DEVICES"] = groups[index]
         processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=worker_env))
     try:
         while any(process.poll() is None for process in processes):
@@ -137,6 +141,32 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     except BaseException:  # Preempted (SIGTERM) reaches only this process: pass it on
         _stop(processes, grace_s, signal.SIGTERM)
         raise
+
+
+def gpus_problem(gpus: int, per_trial: int) -> str | None:
+    """What is wrong with `--gpus-per-task` G (a Slurm task's or a pod's GPUs) for `resources.devices_per_trial` N,
+    or None: a launcher runs G/N workers there, so G must be whole groups of a trial's devices (G = 0: one worker,
+    its ranks on the CPU)."""
+    if gpus % per_trial:
+        return (f"--gpus-per-task: expected a multiple of resources.devices_per_trial ({per_trial}): each worker "
+                f"trains its trials on {per_trial} GPUs, got {gpus}")
+    return None
+
+
+def device_groups(gpus: Sequence[str], n_workers: int, per_worker: int) -> list[str]:
+    """Each worker's CUDA_VISIBLE_DEVICES: `per_worker` of the visible `gpus`, the next group for each worker, round
+    robin (empty on a machine without GPUs: any number of workers then runs, on the CPU). Raises ValueError when
+    fewer GPUs are visible than one worker needs; warns when the workers must share them."""
+    if not gpus:
+        return []
+    if len(gpus) < per_worker:
+        raise ValueError(f"resources.devices_per_trial: {per_worker} needs {per_worker} GPUs per worker, but "
+                         f"{len(gpus)} are visible ({','.join(gpus)})")
+    if len(gpus) < n_workers * per_worker:
+        print(f"warning: {n_workers} workers with {per_worker} GPUs each need {n_workers * per_worker} GPUs, "
+              f"{len(gpus)} are visible: workers share GPUs", file=sys.stderr)
+    groups = len(gpus) // per_worker
+    return [",".join(gpus[(k % groups) * per_worker:(k % groups + 1) * per_worker]) for k in range(n_workers)]
 
 
 def _stop(processes: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGINT) -> None:

@@ -3,6 +3,10 @@
 `python -m trainer a.yaml b.yaml c.yaml --batched`: train several configs together, those that share a batch
 signature as one stacked model (`trainer.batched`), and print one JSON result line per config, in order.
 
+`torchrun --nproc-per-node N -m trainer config.yaml`: train one config data-parallel on N processes (DDP; NCCL on
+GPUs, one per process, gloo on a CPU; see trainer.distributed). `batch_size` is the global batch, split evenly
+between the ranks; rank 0 alone prints.
+
 The config file is a `TrainingConfig` as YAML or JSON (what `sweep best` prints). Progress goes to stderr as one line
 per log and eval; the final result is printed to stdout as JSON.
 """
@@ -17,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError, TrainingConfig
-from trainer.loop import train
+from trainer.loop import NullReporter, TrainResult, train
 from trainer.tasks import TaskError
 
 
@@ -62,6 +66,27 @@ def _number(raw: str) -> Any:
     return raw
 
 
+class _NotMain(Exception):
+    """A rank other than 0 finished: rank 0 prints the result."""
+
+
+def _train_one(config: TrainingConfig) -> TrainResult:
+    """Train one config: in this process, or as one rank of a torchrun group (WORLD_SIZE > 1 in the environment)."""
+    from trainer.distributed import from_environment
+    from trainer.precision import resolve_device
+
+    ranks = from_environment(device_type=resolve_device(config.device).type)
+    try:
+        result = train(config, reporter=PrintReporter() if ranks.is_main else NullReporter(), ranks=ranks)
+    except BaseException:
+        ranks.close()
+        raise
+    ranks.finish()
+    if not ranks.is_main:
+        raise _NotMain
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", type=Path, nargs="+", help="TrainingConfig as YAML or JSON (several with --batched)")
@@ -89,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
 
             results = train_batched(configs)
         else:
-            results = [train(configs[0], reporter=PrintReporter())]
+            results = [_train_one(configs[0])]
     except (ConfigError, TaskError) as exc:
         print(f"{args.config[0]}: {exc}", file=sys.stderr)
         return 2
+    except _NotMain:
+        return 0
     for path, result in zip(args.config, results):
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
                 "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import sys
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +31,13 @@ if TYPE_CHECKING:
 
 __all__ = ["DEVICE_SHARE", "DeviceBatches", "DeviceData", "LoaderData", "build_batches", "choose_data_loader",
            "permutation"]
+
+Shard = Callable[[torch.Tensor], torch.Tensor]  # a batch's indices -> those this process gathers
+
+
+def _whole(indices: torch.Tensor) -> torch.Tensor:
+    return indices
+
 
 # `data_loader: auto` keeps the training set on a CUDA device when it takes at most this share of the free memory:
 # the rest is for the model, its activations and the optimizer state.
@@ -54,13 +61,15 @@ def choose_data_loader(config: TrainingConfig, task: Task, device: torch.device)
     return "device" if need <= DEVICE_SHARE * free else "dataloader"
 
 
-def build_batches(config: TrainingConfig, task: Task, device: torch.device) -> DeviceData | LoaderData:
-    """The run's training batches, by the path `choose_data_loader` picks."""
+def build_batches(config: TrainingConfig, task: Task, device: torch.device,
+                  shard: Shard = _whole) -> DeviceData | LoaderData:
+    """The run's training batches, by the path `choose_data_loader` picks. `shard`: which of each batch's indices
+    this process gathers (a data-parallel rank's slice; the sampler, and so its position, is the whole batch's)."""
     if choose_data_loader(config, task, device) == "device":
-        return DeviceData(build_sampler(config, task, device), task.train, device)
+        return DeviceData(build_sampler(config, task, device), task.train, device, shard)
     # The loader draws its indices on the CPU: the same function of (seed, epoch, cursor), but a CUDA generator
     # shuffles differently, so on a GPU the two paths see different (equally seeded) orders; on a CPU the same.
-    return LoaderData(build_sampler(config, task, torch.device("cpu")), task.train, device, config)
+    return LoaderData(build_sampler(config, task, torch.device("cpu")), task.train, device, config, shard)
 
 
 class DeviceData:
@@ -69,13 +78,14 @@ class DeviceData:
     kind = "device"
 
     def __init__(self, sampler: CurriculumSampler, train: tuple[torch.Tensor, torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, shard: Shard = _whole) -> None:
         self.sampler = sampler
+        self.shard = shard
         self.inputs, self.targets = (t.to(device) for t in train)
 
     def next(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One (micro-)batch for optimizer step `step`; call it once per micro-batch."""
-        idx = self.sampler.next(step)
+        idx = self.shard(self.sampler.next(step))
         return self.inputs[idx], self.targets[idx]
 
     def level_at(self, step: int) -> float:
@@ -105,8 +115,9 @@ class LoaderData:
     kind = "dataloader"
 
     def __init__(self, sampler: CurriculumSampler, train: tuple[torch.Tensor, torch.Tensor], device: torch.device,
-                 config: TrainingConfig) -> None:
+                 config: TrainingConfig, shard: Shard = _whole) -> None:
         self.sampler = sampler
+        self.shard = shard
         self.train = train
         self.device = device
         self.max_steps = config.max_steps
@@ -147,7 +158,7 @@ class LoaderData:
         self._batches = None
 
     def _loader(self, first_step: int) -> DataLoader:
-        order = _draw(self.sampler, self._drawn, first_step, self.max_steps, self.accumulation)
+        order = _draw(self.sampler, self._drawn, first_step, self.max_steps, self.accumulation, self.shard)
         # Forked workers share the parent's tensors (a memory map stays a map); other start methods pickle them into
         # shared memory, a copy. Fork only on Linux: elsewhere it is unsafe or absent.
         fork = sys.platform.startswith("linux")
@@ -162,12 +173,12 @@ class LoaderData:
 
 
 def _draw(sampler: CurriculumSampler, drawn: deque[tuple[int, dict[str, Any]]], first_step: int, max_steps: int,
-          accumulation: int) -> Iterator[np.ndarray]:
+          accumulation: int, shard: Shard) -> Iterator[np.ndarray]:
     """Every remaining micro-batch's indices in order, recording the position after each. A plain function, not a
     method: a generator holding the `LoaderData` would make a reference cycle and keep the workers alive."""
     for step in range(first_step, max_steps):
         for _ in range(accumulation):
-            idx = sampler.next(step)
+            idx = shard(sampler.next(step))
             drawn.append((step, sampler.state_dict()))
             yield idx.numpy()  # an array travels to a worker as bytes; a tensor would go through shared memory
 

@@ -34,6 +34,7 @@ from trainer.config import TrainingConfig
 from trainer.curriculum import stage_starts
 from trainer.data import DeviceData, LoaderData, build_batches
 from trainer.device_stats import device_stats
+from trainer.distributed import Ranks
 from trainer.evaluate import evaluate
 from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge, training_metric
 from trainer.optim import build_optimizer, lr_at, set_lr
@@ -131,20 +132,25 @@ class TrainResult:
 def accumulate_gradients(model: Callable[[torch.Tensor], torch.Tensor],
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                          micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_micro: int,
-                         precision: Precision) -> torch.Tensor:
+                         precision: Precision,
+                         defer_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                         ) -> torch.Tensor:
     """Forward and backward over `n_micro` micro-batches; returns their mean loss as a device tensor (no sync).
 
     Each micro-batch's loss is divided by `n_micro` so that the summed gradients equal those of one batch of
-    `n_micro` times the size: the learning rate means the same whatever the accumulation.
+    `n_micro` times the size: the learning rate means the same whatever the accumulation. `defer_sync`: entered
+    around every micro-batch but the last (DDP's `no_sync`: the ranks' gradients are averaged once per step, not
+    once per micro-batch).
     """
     total = None
-    for x, y in micro_batches:
-        with precision.autocast():
-            out = model(x)
-        loss = loss_fn(out.float(), y)
-        if n_micro > 1:  # dividing by 1 would only add two kernels (forward and backward) to every step
-            loss = loss / n_micro
-        precision.scaler.scale(loss).backward()
+    for i, (x, y) in enumerate(micro_batches):
+        with defer_sync() if i < n_micro - 1 else contextlib.nullcontext():
+            with precision.autocast():
+                out = model(x)
+            loss = loss_fn(out.float(), y)
+            if n_micro > 1:  # dividing by 1 would only add two kernels (forward and backward) to every step
+                loss = loss / n_micro
+            precision.scaler.scale(loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     if total is None:
         raise ValueError("accumulate_gradients needs at least one micro-batch")
@@ -199,20 +205,28 @@ class Run:
     guard: LossGuard
     stats: Callable[[], dict[str, float]]  # the device's metrics at a log step (none on a CPU)
     settle: Callable[[], None]  # waits for the steps queued on the device (CUDA), else does nothing
+    ranks: Ranks = field(default_factory=Ranks)  # the data-parallel group (trainer.distributed); one process: Ranks()
+    # entered around each micro-batch but a step's last: DDP's no_sync with several ranks, else nothing
+    defer_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
 
-def build_run(config: TrainingConfig, task: Task) -> Run:
+def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) -> Run:
     """Seed, then build the model, optimizer, precision and batches of `config` on its device, in a fixed order: the
-    model's initial weights come from the seeded RNG."""
+    model's initial weights come from the seeded RNG. With `ranks` (a data-parallel group), this rank's device, DDP
+    around the model, and this rank's share of every global batch."""
+    ranks = ranks if ranks is not None else Ranks()
+    ranks.check_batch(config)
     fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
     stages = stage_starts(config.curriculum, config.max_steps)
-    device = resolve_device(config.device)
+    device = ranks.device(resolve_device(config.device))
     seed_everything(config.seed, deterministic=config.deterministic)
     allow_tf32(device, config.deterministic)
     model = task.build_model(task.model_config(config.model)).to(device)
     # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
     # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
-    forward = torch.compile(model, mode=config.compile_mode) if config.compile else model
+    # With several ranks DDP runs the steps (it averages the gradients in backward), compiled around it when asked.
+    train_model = ranks.wrap(model)
+    forward = torch.compile(train_model, mode=config.compile_mode) if config.compile else train_model
     # CUDA graphs (the modes that use them) must be told where an optimizer step begins (once, not per micro-batch:
     # accumulated gradients must outlive the micro-batch), so that they may reuse the memory of the last step's
     # outputs; with no graphs the call would do nothing, and it is chosen here, not per step.
@@ -220,19 +234,21 @@ def build_run(config: TrainingConfig, task: Task) -> Run:
     optimizer = build_optimizer(model, config, device)
     precision = resolve_precision(config.mixed_precision, device)
     val_inputs, val_targets = task.val
-    batches = build_batches(config, task, device)  # the curriculum's (or the whole set's) batches: on the device, or
-    #                                                gathered by loader workers when the set does not fit there
+    # The curriculum's (or the whole set's) batches: on the device, or gathered by loader workers when the set does
+    # not fit there; with several ranks, this rank's slice of each.
+    batches = build_batches(config, task, device, ranks.shard)
     return Run(config=config, task=task, fast_fail=fast_fail, stages=stages, device=device, model=model,
                forward=forward, begin_step=torch.compiler.cudagraph_mark_step_begin if graphs else _nothing,
                optimizer=optimizer, precision=precision, val=(val_inputs.to(device), val_targets.to(device)),
                batches=batches, stats=device_stats(device),  # peak memory, GPU utilisation: nothing on a CPU
                guard=LossGuard(fast_fail, device, stages),
-               settle=_synchronize(device) if device.type == "cuda" else _nothing)
+               settle=_synchronize(device) if device.type == "cuda" else _nothing, ranks=ranks,
+               defer_sync=ranks.defer_sync(train_model, compiled=config.compile))
 
 
 def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None, *,
           resume: TrainState | None = None, warm_start: WarmStart | None = None,
-          checkpointer: Checkpointer | None = None) -> TrainResult:
+          checkpointer: Checkpointer | None = None, ranks: Ranks | None = None) -> TrainResult:
     """Train one config. `task` defaults to `config.task`; pass one to reuse loaded data across runs.
 
     With no `reporter`, the fast-fail rules decide locally (on val_loss); a sweep passes a reporter that asks the
@@ -240,17 +256,23 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     uninterrupted run loss for loss. `warm_start` starts from another run's weights (and optionally its optimizer
     state) at that run's step: this config's own schedule, seed and data order take over from there, and the
     starting point is evaluated and reported first.
+
+    `ranks`: this process's place in a data-parallel group (`trainer.distributed`); every rank calls `train` with the
+    same config and start, only rank 0's `reporter` is asked and only rank 0's `checkpointer` writes (pass None on
+    the others), and all ranks stop at the same step.
     """
     if resume is not None and warm_start is not None:
         raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
-    run = build_run(config, task)
+    run = build_run(config, task, ranks)
     local: FastFailReporter | None = None
     if reporter is None:  # no study: the fast-fail rules decide here
         reporter = local = FastFailReporter(run.fast_fail, stage_starts=run.stages)
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
         config.seed, run.device, deterministic=config.deterministic))
+    if run.ranks.world > 1:
+        result.reproducibility["ranks"] = run.ranks.world
     try:
         # Where the steps begin: this run's checkpoint, another run's weights, or step 0.
         loop, first_step = LoopState(), 0
@@ -313,7 +335,7 @@ def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter,
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = (batches.next(step) for _ in range(accum))
-        step_loss = accumulate_gradients(run.forward, run.task.loss, micro, accum, precision)
+        step_loss = accumulate_gradients(run.forward, run.task.loss, micro, accum, precision, run.defer_sync)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
         interval.add(step_loss)
         guard.observe(step_loss, done)  # on the device: no sync
@@ -327,10 +349,12 @@ def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter,
         # 1. Between evaluations, a NaN/Inf or exploding training loss trips the guard; reading it costs one sync per
         #    check interval. A tripped guard brings the next evaluation forward, and the reporter (the pruner)
         #    decides on its value, so there is one place of truth.
-        tripped = run.fast_fail.enabled and not eval_now and done % check_every == 0 and guard.tripped()
+        #    With several ranks, the guard of any rank brings it forward on all (one small collective per check).
+        tripped = run.fast_fail.enabled and not eval_now and done % check_every == 0 and \
+            run.ranks.agree(guard.tripped())
         if eval_now or tripped:
             with allowed_sync():
-                extra = {"train_loss": step_loss.item()} if tripped else {}
+                extra = {"train_loss": run.ranks.mean(step_loss).item()} if tripped else {}
             with interval.paused():
                 stop = _evaluate_and_report(run, reporter, result, done, extra)
             guard.reset()
@@ -387,7 +411,7 @@ def _log_record(run: Run, interval: _LogInterval, step: int, lr: float,
                 grad_norm: torch.Tensor | None) -> dict[str, float]:
     """The metrics of a log step, after optimizer step `step` (0-based): the interval's one read-back."""
     with allowed_sync():
-        values = torch.stack([interval.loss_sum / interval.steps,
+        values = torch.stack([run.ranks.mean(interval.loss_sum) / interval.steps,  # the global batch's mean
                               grad_norm if grad_norm is not None else torch.zeros((), device=run.device)]).tolist()
     samples_per_s = interval.steps * run.config.batch_size * run.config.gradient_accumulation_steps / interval.elapsed()
     record = {"step": step + 1, "train_loss": values[0], "lr": lr, "grad_norm": values[1],
@@ -402,11 +426,12 @@ def _log_record(run: Run, interval: _LogInterval, step: int, lr: float,
 def _evaluate_and_report(run: Run, reporter: Reporter, result: TrainResult, step: int,
                          extra: Mapping[str, float] | None = None) -> bool:
     """Evaluate on the whole validation set, record it and report it (with `extra`); True when the reporter says
-    stop."""
+    stop. With several ranks every rank evaluates (their weights are equal), rank 0 alone reports, and its verdict
+    reaches the others: the evaluation's one collective."""
     metrics = evaluate(run.model, run.task, run.val, run.config.eval_batch_size, run.precision)
     result.evals.append((step, metrics))
     result.metrics, result.steps = metrics, step
-    return reporter.report(step, {**metrics, **(extra or {})})
+    return run.ranks.verdict(run.ranks.is_main and reporter.report(step, {**metrics, **(extra or {})}))
 
 
 @allowed_sync()  # saving reads the whole state back to the host

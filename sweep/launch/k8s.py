@@ -56,9 +56,10 @@ def job_manifest(spec: StudySpec, spec_path: Path, options: K8sSpec, *, timeout:
     if options.namespace:
         meta["namespace"] = options.namespace
     study_file = f"{STUDY_MOUNT}/{spec_path.name}"
+    workers = options.gpus_per_worker // spec.resources.devices_per_trial  # one per trial's GPUs (gpus_problem)
     command = ["python", "-m", "sweep.cli", "run",
                *worker_args(Path(study_file), spec, timeout=timeout, overrides=overrides),
-               *(["--workers", str(options.gpus_per_worker)] if options.gpus_per_worker > 1 else [])]
+               *(["--workers", str(workers)] if workers > 1 else [])]
     resources: dict[str, Any] = {}
     if options.gpus_per_worker:
         resources["limits"] = {"nvidia.com/gpu": str(options.gpus_per_worker)}  # quantities are strings

@@ -72,9 +72,10 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
                  timeout: float | None = None, overrides: Sequence[str] = (), python: str = sys.executable) -> str:
     """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
     any secret."""
-    gpus = options.gpus_per_task
+    gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
+    workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (sweep.workers.gpus_problem)
     run = [python, "-m", "sweep.cli", "run", *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
-           *(["--workers", str(gpus)] if gpus > 1 else [])]
+           *(["--workers", str(workers)] if workers > 1 else [])]
     sbatch = [f"--job-name=sweep-{spec.name}", f"--array=0-{options.workers - 1}",
               f"--output={folder / LOG_PATTERN}", "--open-mode=append", "--requeue",
               f"--signal=B:USR1@{options.warning_s}",
@@ -82,7 +83,9 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
                                                                   "cpus_per_task")
                 if (value := getattr(options, key)) is not None),
               *([f"--gres=gpu:{gpus}"] if gpus else []), *options.sbatch]
-    each = "one worker" if not gpus else "1 GPU and its worker" if gpus == 1 else f"{gpus} GPUs, a worker on each"
+    each = ("one worker" if not gpus else "1 GPU and its worker" if gpus == 1 else
+            f"{gpus} GPUs, a worker on each" if per_trial == 1 else
+            f"{gpus} GPUs, a worker on each {per_trial} (its trials data-parallel on them)")
     lines = [
         "#!/bin/bash",
         f"# Workers of study {spec.name!r}: {options.workers} array tasks, {each}; every worker is the ordinary",

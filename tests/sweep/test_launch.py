@@ -227,3 +227,39 @@ def test_nodes_with_gpus_per_task_is_an_array_of_whole_nodes(tmp_path: Path) -> 
         refused = sweep_cli("submit", path, "--slurm", "--dry-run", *args, cwd=tmp_path)
         assert refused.returncode == 2 and refused.stderr.startswith("error: --nodes: give it with --slurm and "
                                                                     "--gpus-per-task"), refused.stderr
+
+
+def test_a_task_s_and_a_pod_s_gpus_follow_devices_per_trial(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(storage=URL, resources={"devices_per_trial": 2}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", "--workers", "3", "--gpus-per-task", "4", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert {"#SBATCH --array=0-2", "#SBATCH --gres=gpu:4"} <= set(lines)
+    assert any(line.strip().endswith("--workers 2 &") for line in lines)  # two workers of 2 GPUs each per task
+    assert any("a worker on each 2" in line for line in lines)
+    for gpus in ("3", "1"):
+        refused = sweep_cli("submit", path, "--slurm", "--dry-run", "--gpus-per-task", gpus, cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.startswith(
+            "error: --gpus-per-task: expected a multiple of resources.devices_per_trial (2)"), refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+    cpu = sweep_cli("submit", path, "--slurm", "--dry-run", "--workers", "3", cwd=tmp_path)  # ranks on the CPU
+    assert cpu.returncode == 0 and "--gres" not in cpu.stdout and "--workers 2" not in cpu.stdout, cpu.stderr
+    pods = write_study(tmp_path, changed(storage=URL, resources={"devices_per_trial": 2}), name="pods.yaml")
+    out = tmp_path / "job.yaml"
+    done = sweep_cli("submit", pods, "--k8s", "-o", out, "--image", "img:1", "--gpus-per-task", "4", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [container] = list(yaml.safe_load_all(out.read_text()))[1]["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["--workers", "2"]  # two workers of 2 GPUs each per pod
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    refused = sweep_cli("submit", pods, "--k8s", "-o", out, "--image", "img:1", "--gpus-per-task", "3", cwd=tmp_path)
+    assert refused.returncode == 2 and "expected a multiple of resources.devices_per_trial (2)" in refused.stderr
+
+
+def test_local_workers_get_devices_per_trial_gpus_each() -> None:
+    from sweep.workers import device_groups
+
+    assert device_groups(["0", "1", "2", "3"], 2, 2) == ["0,1", "2,3"]
+    assert device_groups(["0", "1", "2", "3"], 4, 1) == ["0", "1", "2", "3"]
+    assert device_groups([], 5, 2) == []  # no GPU: any number of workers, on the CPU
+    with pytest.raises(ValueError, match="needs 2 GPUs per worker, but 1 are visible"):
+        device_groups(["0"], 1, 2)

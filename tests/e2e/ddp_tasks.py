@@ -1,0 +1,55 @@
+"""Tasks for the data-parallel tests: the digits task with a fault planted in one rank's training loss.
+
+Referenced from study files as `tests.e2e.ddp_tasks:...`; the children ranks import them too (they see rank 0's
+`sys.path`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.tasks import Task, cross_entropy
+from trainer.tasks.digits import digits
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def poisoned(rank: int = 1, step: int = 12) -> Task:
+    """Digits, whose training loss on `rank` alone turns NaN at its `step`-th training batch (1-based); evaluation
+    (no gradient) is untouched."""
+    calls = [0]
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        value = cross_entropy(out, y)
+        if out.requires_grad and _rank() == rank:
+            calls[0] += 1
+            if calls[0] == step:
+                return value * float("nan")
+        return value
+
+    return dataclasses.replace(digits(), loss=loss)
+
+
+def slow(sleep_s: float = 0.02) -> Task:
+    """Digits, each training batch `sleep_s` slower: a trial long enough to be killed in the middle."""
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.requires_grad:
+            time.sleep(sleep_s)
+        return cross_entropy(out, y)
+
+    return dataclasses.replace(digits(), loss=loss)
+
+
+def broken_child() -> Task:
+    """Digits on rank 0; on any other rank (a `trainer.rank` child, RANK in its environment) an error of its own."""
+    if os.environ.get("RANK", "0") != "0":
+        raise RuntimeError("this rank's data is missing")
+    return digits()

@@ -1,0 +1,205 @@
+"""Trials larger than one device: `resources.devices_per_trial: 2` on this CPU, gloo, through the real CLI and a
+real SQLite file. Each trial starts a child rank, so these are few and marked slow."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tests.conftest import TINY_STUDY, sweep_cli, write_study
+
+pytestmark = pytest.mark.slow
+
+
+def ddp_study(folder: Path, **extra: Any) -> Path:
+    document = copy.deepcopy(TINY_STUDY) | {"name": "ddp", "resources": {"devices_per_trial": 2}, **extra}
+    return write_study(folder, document)
+
+
+def load(folder: Path) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name="ddp", storage=f"sqlite:///{folder / 'ddp.db'}").get_trials()
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def rank_children(parent: int) -> list[int]:
+    """The `python -m trainer.rank` processes whose parent is `parent`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"trainer.rank" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_study_with_two_ranks_per_trial_finishes_with_exact_counts(tmp_path: Path) -> None:
+    path = ddp_study(tmp_path)
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, [(t.user_attrs.get("fail_reason"),
+                                                                      t.user_attrs.get("ranks")) for t in trials]
+    for trial in trials:
+        ranks = trial.user_attrs["ranks"]
+        assert ranks["world"] == 2
+        # Both ranks trained the whole budget; rank 0 reported every evaluation.
+        assert [(r["rank"], r["status"], r["steps"]) for r in ranks["ranks"]] == [(0, "completed", 20),
+                                                                                (1, "completed", 20)]
+        assert sorted(trial.intermediate_values) == [10, 20]
+        assert trial.user_attrs["reproducibility"]["ranks"] == 2
+        assert len(ranks["pids"]) == 1 and not alive(ranks["pids"][0])  # the child is gone, not orphaned
+
+
+def test_two_workers_with_two_ranks_each_share_a_study_exactly(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    path = ddp_study(tmp_path, n_trials=4)
+    done = run_cli("run", path, "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4  # n_trials exact, none lost
+    split = str(max(1, (os.cpu_count() or 1) // 4))  # the cores split over 2 workers x 2 ranks, unless set by hand
+    assert {t.user_attrs["reproducibility"]["threads"]["OMP_NUM_THREADS"] for t in trials} == {
+        os.environ.get("OMP_NUM_THREADS", split)}
+    for trial in trials:
+        assert [(r["status"], r["steps"]) for r in trial.user_attrs["ranks"]["ranks"]] == [("completed", 20)] * 2
+        assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
+
+
+def test_nan_on_one_rank_prunes_the_trial_on_both_at_the_same_step(tmp_path: Path) -> None:
+    path = ddp_study(tmp_path, n_trials=1, pruner="fastfail", task={"name": "tests.e2e.ddp_tasks:poisoned",
+                                                                    "args": {"rank": 1, "step": 12}},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 40, "log_every_steps": 5})
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    (trial,) = load(tmp_path)
+    assert trial.state == TrialState.PRUNED, trial.user_attrs
+    reason = trial.user_attrs["prune_reason"]
+    ranks = {r["rank"]: (r["status"], r["steps"]) for r in trial.user_attrs["ranks"]["ranks"]}
+    # Rank 1's 12th step went NaN; the gradient all-reduce spread it; the guard brought the evaluation forward to the
+    # next check (step 15), where rank 0 reported and the pruner pruned; rank 1 stopped there too.
+    assert ranks == {0: ("stopped", reason["step"]), 1: ("stopped", reason["step"])}
+    assert 12 <= reason["step"] < 20, reason
+    assert max(trial.intermediate_values) == reason["step"]
+
+
+def test_a_rank_that_fails_on_its_own_fails_the_trial_without_a_retry(tmp_path: Path) -> None:
+    path = ddp_study(tmp_path, n_trials=2, max_repeated_failures=0,
+                     task={"name": "tests.e2e.ddp_tasks:broken_child"})
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr  # failing trials never take the study down
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2  # the config's fault: counted, not retried
+    for trial in trials:
+        assert trial.user_attrs["outcome"] == "failed" and "retry_of" not in trial.user_attrs
+        assert trial.user_attrs["fail_reason"] == "rank 1 exited with code 1: RuntimeError: this rank's data is missing"
+        assert trial.user_attrs["ranks"]["failed_rank"] == 1
+        assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
+
+
+def test_sigkill_of_rank_1_fails_the_trial_and_its_retry_resumes_on_two_ranks(tmp_path: Path) -> None:
+    from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
+
+    path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.02}},
+                     checkpoints={"every_steps": 20},
+                     resources={"devices_per_trial": 2, "collective_timeout_s": 60},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20})
+    db, log = tmp_path / "ddp.db", tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "PGPASSWORD": "sekret-of-the-storage"}
+    worker = start_sweep("run", path, log=log, env=env)
+    try:
+        wait_for("a checkpoint at step 40", lambda: any(step >= 40 for _, _, step, _ in checkpoint_rows(db)), 300,
+                 alive=worker)
+        (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+        environ = Path(f"/proc/{child}/environ").read_bytes()
+        assert b"RANK=1" in environ and b"sekret-of-the-storage" not in environ  # the child never sees a password
+        os.kill(child, signal.SIGKILL)
+        assert finish(worker, log, 600) == 0, log.read_text()[-3000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.COMPLETE]
+    killed, retry = trials
+    assert killed.user_attrs["outcome"] == "infrastructure"
+    assert "rank 1 was killed by SIGKILL" in killed.user_attrs["fail_reason"]
+    assert retry.user_attrs["retry_of"] == 0
+    assert retry.user_attrs["resumed_from"]["trial"] == 0 and retry.user_attrs["resumed_from"]["step"] >= 40
+    assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2
+    assert sorted(retry.intermediate_values) == list(range(20, 220, 20))  # one curve, the lineage's
+    assert not rank_children(worker.pid) and not any(alive(p) for p in retry.user_attrs["ranks"]["pids"])
+
+
+def test_two_rank_checkpoints_warm_start_trials_on_two_ranks_and_on_one_and_reproduce(tmp_path: Path) -> None:
+    fixed = {**TINY_STUDY["fixed"], "max_steps": 40, "eval_every_steps": 10}
+    space = {"learning_rate": TINY_STUDY["space"]["learning_rate"]}  # one shape: every finished trial is a donor
+    path = ddp_study(tmp_path, n_trials=2, warm_start={"max_distance": 10.0}, fixed=fixed, space=space)
+    assert (done := sweep_cli("run", path)).returncode == 0, done.stderr
+    # The same study, on one rank now: its next trial's donor is a checkpoint that rank 0 of two wrote.
+    again = sweep_cli("run", path, "--n-trials", "3", "--set", "resources.devices_per_trial=1")
+    assert again.returncode == 0, again.stderr
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert [t.user_attrs.get("reproducibility", {}).get("ranks", 1) for t in trials] == [2, 2, 1]
+    for warm in trials[1:]:  # on 2 ranks (the child read the donor's file) and on 1
+        donor = warm.user_attrs["warm_start_from"]
+        assert donor["trial"] in (0, 1) and donor["step"] == 20 and min(warm.intermediate_values) == 30
+    assert trials[2].user_attrs["warm_start_from"]["trial"] in (0, 1)  # a 2-rank donor for a 1-rank trial
+    ranks = trials[1].user_attrs["ranks"]["ranks"]
+    assert [(r["status"], r["steps"]) for r in ranks] == [("completed", 40)] * 2
+    # Replayed on one rank, a 2-rank warm trial reports the same values within the data-parallel tolerance.
+    replay = sweep_cli("reproduce", path, "1")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+
+
+@pytest.mark.parametrize(("signum", "outcome", "reason"), [(signal.SIGTERM, "preempted", "preempted (SIGTERM)"),
+                                                           (signal.SIGINT, "interrupted", "interrupted")])
+def test_a_signalled_worker_ends_its_ranks_and_the_trial_resumes_on_two_ranks(tmp_path: Path, signum: int,
+                                                                              outcome: str, reason: str) -> None:
+    from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
+
+    path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.02}},
+                     checkpoints={"every_steps": 20},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20})
+    db, log = tmp_path / "ddp.db", tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    worker = start_sweep("run", path, log=log, env=env)
+    try:
+        wait_for("a checkpoint at step 40", lambda: any(step >= 40 for _, _, step, _ in checkpoint_rows(db)), 300,
+                 alive=worker)
+        (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+        worker.send_signal(signum)  # the worker alone (its child rank runs in a session of its own)
+        code = finish(worker, log, 120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == (143 if signum == signal.SIGTERM else 130), log.read_text()[-3000:]
+    assert not alive(child)  # the worker ended its rank: no orphan left training
+    killed, queued = load(tmp_path)
+    assert (killed.user_attrs["outcome"], killed.user_attrs["fail_reason"]) == (outcome, reason)
+    assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == 0
+
+    assert finish(start_sweep("run", path, log=log, env=env), log, 600) == 0, log.read_text()[-3000:]
+    retry = load(tmp_path)[1]
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from"]["step"] >= 40
+    assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2

@@ -1,0 +1,384 @@
+"""Data-parallel training of one run over several processes ("ranks"): DistributedDataParallel, torchrun-style.
+
+One run, N processes, one model: every rank builds the same model from the same seed, DDP averages the gradients,
+and every rank takes the same optimizer step. The data: the global batch is the config's `batch_size` (per
+micro-batch), and every rank draws the SAME global batch indices from the same seeded sampler and keeps its own
+contiguous slice of `batch_size / N` of them; so the data order, the sampler's position in a checkpoint and the
+metrics are those of the one-rank run, up to the floating-point order of the gradient all-reduce.
+
+Between ranks, per evaluation, exactly one small collective: rank 0 (which alone reports to a driver) broadcasts its
+verdict, continue or stop (`Ranks.verdict`). Every rank evaluates the whole validation set itself (their weights
+are the same), so every rank's result holds the same metrics and fast-fail reference. Besides that: one all-reduce
+per log step (the logged train_loss is the global batch's mean) and, with fast-fail on, one per guard check (a
+NaN/Inf or exploding loss on ANY rank brings the evaluation forward on all of them). None per step beyond DDP's own
+gradient all-reduce.
+
+`Ranks()` is one process (the null object: every call does nothing); `ProcessGroup` is a real group. A group joins
+from a torchrun environment (`from_environment`: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), or rank 0
+starts the other ranks itself as `python -m trainer.rank` children (`local_ranks`): that is how a sweep worker runs a
+trial on N devices. Every collective has a timeout, so a rank that dies takes the others down within it instead of
+hanging them forever; gloo notices a closed connection at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.checkpoint import TrainState, save_checkpoint
+from trainer.config import ConfigError, TrainingConfig
+from trainer.sync import allowed_sync
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "free_port", "from_environment",
+           "join_parent", "local_ranks"]
+
+DEFAULT_TIMEOUT_S = 300.0  # how long a collective waits for a rank that neither answers nor closes its connection
+ADDRESS = "127.0.0.1"
+
+
+class Ranks:
+    """One process: rank 0 of 1. Every method is what a group would do, done for one: nothing."""
+
+    rank = 0
+    world = 1
+    local_rank = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank talks to the driver (reports, checkpoints): rank 0."""
+        return self.rank == 0
+
+    def device(self, device: torch.device) -> torch.device:
+        """This rank's device, given the config's."""
+        return device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """What runs the training steps: the model, or DDP around it."""
+        return model
+
+    def defer_sync(self, model: nn.Module, *, compiled: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """What defers the gradient all-reduce during a step's earlier micro-batches: nothing to defer here."""
+        return contextlib.nullcontext
+
+    def check_batch(self, config: TrainingConfig) -> None:
+        """Refuse a global batch that the ranks cannot split evenly."""
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the global batch's indices."""
+        return indices
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any (all-reduce MAX)."""
+        return flag
+
+    def verdict(self, stop: bool) -> bool:
+        """Rank 0's decision, on every rank (a broadcast): the one collective of an evaluation."""
+        return stop
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a scalar tensor over the ranks."""
+        return value
+
+    def finish(self) -> None:
+        """After a clean end: wait for every rank to get here, then leave the group (`close`)."""
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessGroup(Ranks):
+    """This process's place in an initialised `torch.distributed` group: NCCL on CUDA, gloo on a CPU."""
+
+    def __init__(self, rank: int, world: int, local_rank: int, device_type: str) -> None:
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.cuda = device_type == "cuda"
+        # NCCL's collectives take CUDA tensors; gloo's take CPU ones.
+        self.comm = torch.device("cuda", local_rank) if self.cuda else torch.device("cpu")
+
+    @classmethod
+    def join(cls, rank: int, world: int, *, init_method: str | None = None, store: dist.Store | None = None,
+             local_rank: int | None = None, device_type: str | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessGroup:
+        """Join a group of `world` ranks, met at `init_method` or through `store` (blocks until all have joined, up
+        to the timeout)."""
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        local = rank if local_rank is None else local_rank
+        if device_type == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, store=store,
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        return cls(rank, world, local, device_type)
+
+    def device(self, device: torch.device) -> torch.device:
+        return torch.device("cuda", self.local_rank) if device.type == "cuda" else device
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # DDP broadcasts rank 0's parameters at construction (they are equal already: the same seed built them) and
+        # averages the gradients in backward; `model` itself stays what is evaluated and saved, without `module.`.
+        return nn.parallel.DistributedDataParallel(model, device_ids=[self.local_rank] if self.cuda else None)
+
+    def defer_sync(self, model: nn.Module, *, compiled: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        # DDP's no_sync: gradients accumulate locally, and the step's last backward averages their sum. Not under
+        # torch.compile, whose DDP support splits the graph at buckets and is not tested here with no_sync.
+        if compiled or not isinstance(model, nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext
+        return model.no_sync
+
+    def check_batch(self, config: TrainingConfig) -> None:
+        if config.batch_size % self.world:
+            raise ConfigError([("batch_size", f"expected a multiple of the {self.world} ranks (the global batch is "
+                                              f"split evenly between them), got {config.batch_size}")])
+
+    def shard(self, indices: torch.Tensor) -> torch.Tensor:
+        size = len(indices) // self.world
+        return indices[self.rank * size:(self.rank + 1) * size]
+
+    def agree(self, flag: bool) -> bool:
+        value = torch.tensor([float(flag)], device=self.comm)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        with allowed_sync():  # an intended read-back, at a check step
+            return bool(value.item())
+
+    def verdict(self, stop: bool) -> bool:
+        value = torch.tensor([float(stop)], device=self.comm)
+        dist.broadcast(value, src=0)
+        with allowed_sync():  # an intended read-back, at an evaluation
+            return bool(value.item())
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        total = value.detach().to(self.comm, torch.float32).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return (total / self.world).to(value.device)
+
+    def finish(self) -> None:
+        # A rank that tore its connections down while another still finished its last collective would make that
+        # one's gloo abort; after the barrier every rank is past all of them.
+        dist.barrier()
+        self.close()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None) -> Ranks:
+    """The group torchrun (or `local_ranks`) describes in this process's environment, joined; one process (`Ranks()`)
+    when WORLD_SIZE is unset or 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Ranks()
+    return ProcessGroup.join(int(os.environ["RANK"]), world, init_method="env://",
+                             local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+                             device_type=device_type, timeout_s=timeout_s)
+
+
+def join_parent(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None) -> ProcessGroup:
+    """In a child that `local_ranks` started: say so in rank 0's store (rank 0 waits for that, watching for children
+    that die first), then join the group through it."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    store.set(f"{_STARTED}{rank}", "1")
+    return ProcessGroup.join(rank, world, store=store, local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+                             device_type=device_type, timeout_s=timeout_s)
+
+
+_STARTED = "sweep/started/"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick for port 0): a new one for each trial's group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ADDRESS, 0))
+        return int(probe.getsockname()[1])
+
+
+class RankFailed(RuntimeError):
+    """A rank other than 0 died, failed or hung: the run cannot go on. `lost` when a signal killed it or it did not
+    answer within the timeout (a fault of the machine, or an operator's SIGKILL: worth a retry); otherwise it exited
+    with an error of its own (`tail`: its last output). `rank` is None for a hang: a collective does not say whose."""
+
+    def __init__(self, rank: int | None, returncode: int | None, tail: str = "", *, timeout_s: float = 0.0) -> None:
+        self.rank, self.returncode, self.tail = rank, returncode, tail
+        self.signal = -returncode if returncode is not None and returncode < 0 else None
+        self.lost = returncode is None or self.signal is not None
+        # Its last line (torch prefixes a rank's traceback lines with "[rankN]: ").
+        last = re.sub(r"^\[rank\d+\]:\s*", "", tail.strip().splitlines()[-1]) if tail.strip() else ""
+        if returncode is None:
+            message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
+        elif self.signal is not None:
+            message = f"rank {rank} was killed by {signal.Signals(self.signal).name}"
+        else:
+            message = f"rank {rank} exited with code {returncode}" + (f": {last}" if last else "")
+        super().__init__(message)
+
+
+@dataclass
+class RankResult:
+    """What a child rank printed when it finished: its status and the step it stopped at; and its exit code."""
+
+    rank: int
+    status: str
+    steps: int
+    exit_code: int | None = None
+
+
+@dataclass
+class LocalGroup:
+    """`local_ranks`'s handle: rank 0's group, and the children's pids and results (after the block)."""
+
+    group: ProcessGroup
+    pids: list[int]
+    results: list[RankResult] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None = None,
+                warm: TrainState | None = None, warm_optimizer: bool = False,
+                timeout_s: float = DEFAULT_TIMEOUT_S, withheld: Collection[str] = ()) -> Iterator[LocalGroup]:
+    """Run this process as rank 0 of `world` and start ranks 1..world-1 as `python -m trainer.rank` children on this
+    machine, with `config` and the run's start (`resume` or `warm`, handed over as a checkpoint file, read back with
+    `weights_only`); they never see a driver. The children see this process's `sys.path` (a user's task module) and
+    environment but the variables named in `withheld` (a driver's secrets), and run in their own session (a
+    terminal's Ctrl-C reaches rank 0 alone, which ends them).
+
+    On leaving, normally or not, the group is destroyed and the children are joined: after a clean end they finish
+    on their own; otherwise (an exception, Ctrl-C) they are terminated, and killed a few seconds later. A child that
+    died first turns the exception of rank 0's failed collective into `RankFailed`."""
+    folder = Path(tempfile.mkdtemp(prefix="sweep-ranks-"))
+    children: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+    group: ProcessGroup | None = None
+    try:
+        config_file = folder / "config.json"
+        config_file.write_text(json.dumps(config.to_dict()))
+        args = [str(config_file)]
+        state = resume if resume is not None else warm
+        if state is not None:
+            save_checkpoint(folder / "start.pt", state)
+            args += ["--resume" if resume is not None else "--warm", str(folder / "start.pt")]
+            args += ["--warm-optimizer"] if warm is not None and warm_optimizer else []
+        # Rank 0's store, on a port the OS picks now (port 0): a new one for each trial's group.
+        store = dist.TCPStore(ADDRESS, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        port = store.port
+        path = os.pathsep.join([p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+        for rank in range(1, world):
+            env = {**{name: value for name, value in os.environ.items() if name not in withheld},
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": ADDRESS,
+                   "MASTER_PORT": str(port), "PYTHONPATH": path, "SWEEP_RANK_TIMEOUT_S": str(timeout_s)}
+            logs.append(folder / f"rank{rank}.log")
+            with open(logs[-1], "wb") as log:
+                children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
+                                                 stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_started(store, children, logs, timeout_s)
+        group = ProcessGroup.join(0, world, store=store, device_type=_device_type(config), timeout_s=timeout_s)
+        handle = LocalGroup(group, [child.pid for child in children])
+        try:
+            yield handle
+        except BaseException as exc:
+            # Which children had ended before we end them: a rank's death closes its connections as it exits, so
+            # rank 0's failed collective may come a moment before the exit code does.
+            exited = [_exit_code(child, 2.0 if isinstance(exc, Exception) else 0.0) for child in children]
+            _end(children, grace_s=5.0)
+            failed = _first_failure(exited, logs)
+            if failed is None and isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+                failed = RankFailed(None, None, timeout_s=timeout_s)
+            if failed is not None and isinstance(exc, Exception):
+                raise failed from exc
+            raise
+        # Past this barrier every rank has finished training: how a child then exits (gloo's teardown has been seen
+        # to abort now and then) changes nothing of the run; its exit code is kept with its result.
+        group.finish()
+        group = None
+        _end(children, grace_s=timeout_s, terminate=False)
+        handle.results = [_result(rank, log, child.returncode) for rank, (child, log)
+                          in enumerate(zip(children, logs), start=1)]
+    finally:
+        if group is not None:
+            group.close()
+        _end(children, grace_s=5.0)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_started(store: dist.TCPStore, children: list[subprocess.Popen[bytes]], logs: list[Path],
+                  timeout_s: float) -> None:
+    """Until every child has said it started (`join_parent`): one that exits first fails the run now, not after
+    the timeout that joining the group would wait."""
+    keys = [f"{_STARTED}{rank}" for rank in range(1, len(children) + 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        failed = _first_failure([child.poll() for child in children], logs)
+        if failed is not None:
+            raise failed
+        if time.monotonic() > deadline:
+            raise RankFailed(None, None, timeout_s=timeout_s)
+        time.sleep(0.02)
+
+
+def _device_type(config: TrainingConfig) -> str:
+    from trainer.precision import resolve_device
+
+    return resolve_device(config.device).type
+
+
+def _end(children: list[subprocess.Popen[bytes]], *, grace_s: float, terminate: bool = True) -> None:
+    """Wait for the children (after SIGTERM when `terminate`); any still running after `grace_s` is killed."""
+    for child in children:
+        if terminate and child.poll() is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def _exit_code(child: subprocess.Popen[bytes], wait_s: float) -> int | None:
+    try:
+        return child.wait(timeout=wait_s) if wait_s else child.poll()
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _first_failure(codes: list[int | None], logs: list[Path]) -> RankFailed | None:
+    """The first child that ended with an error or by a signal other than our SIGTERM."""
+    for rank, (code, log) in enumerate(zip(codes, logs), start=1):
+        if code is not None and code != 0 and code != -signal.SIGTERM:
+            return RankFailed(rank, code, _tail(log))
+    return None
+
+
+def _tail(log: Path, size: int = 2000) -> str:
+    try:
+        return log.read_bytes()[-size:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _result(rank: int, log: Path, exit_code: int | None) -> RankResult:
+    for line in reversed(_tail(log, 4000).splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                values: dict[str, Any] = json.loads(line)
+                return RankResult(rank, str(values["status"]), int(values["steps"]), exit_code)
+    return RankResult(rank, "unknown", -1, exit_code)
