@@ -203,3 +203,30 @@ def test_a_signalled_worker_ends_its_ranks_and_the_trial_resumes_on_two_ranks(tm
     retry = load(tmp_path)[1]
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from"]["step"] >= 40
     assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2
+
+
+def test_sweep_stop_lets_the_two_rank_trial_finish_and_starts_no_other(tmp_path: Path) -> None:
+    """`sweep stop` from another process: the trial in flight ends on both ranks at its last step, no child rank
+    outlives it, and no further trial starts."""
+    from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
+
+    path = ddp_study(tmp_path, n_trials=4, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.02}},
+                     checkpoints={"every_steps": 20},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 120, "eval_every_steps": 20, "log_every_steps": 20})
+    db, log = tmp_path / "ddp.db", tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    worker = start_sweep("run", path, log=log, env=env)
+    try:
+        wait_for("a checkpoint at step 20", lambda: any(step >= 20 for _, _, step, _ in checkpoint_rows(db)), 300,
+                 alive=worker)
+        (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+        assert sweep_cli("stop", path).exit_code == 0
+        code = finish(worker, log, 300)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == 0, log.read_text()[-3000:]
+    assert not alive(child)
+    trials = load(tmp_path)
+    assert [t.state for t in trials] == [TrialState.COMPLETE]  # the one in flight finished; none other was asked
+    assert [(r["status"], r["steps"]) for r in trials[0].user_attrs["ranks"]["ranks"]] == [("completed", 120)] * 2
