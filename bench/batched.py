@@ -1,22 +1,32 @@
 """Batched training versus the same configs one after another: trials per hour, values reached, deviation.
 
     python bench/batched.py [--ks 1 4 16 64] [--steps 300] [--tasks digits charlm]
+    python bench/batched.py --deviation [--steps 500] [--threads 1 2]
 
 For each task and cohort size K: K configs (learning rate, weight decay, seed and schedule differing per member)
 trained by `trainer.train` one after another in this process, then by `trainer.batched.train_batched` as one cohort.
 Both sides run with one torch thread (a fair comparison on a shared CPU; said in the output), after a short warm-up
 run of each. Prints trials/hour of each side, their ratio, the mean final val_loss, and the largest deviation of a
 member's evaluations from its solo run (0.0: bit for bit).
+
+`--deviation`: the exactness table instead. For every optimizer (AdamW, Adam, SGD, SGD with momentum, SGD Nesterov,
+Lion) one cohort of members that cover every schedule (constant, warmup, cosine, linear, step) plus dropout, gradient
+clipping and a curriculum, each trained by `trainer.train` alone, in the cohort, and in a cohort of one, on a CPU in
+fp32 with the given intra-op thread counts. Prints, per member, the largest relative deviation of its evaluations
+(val_loss, val_accuracy) and of its logged training loss and gradient norm from its solo run, and of its values in
+the cohort from its values in a cohort of one (0: bit for bit), then the largest of each column.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from typing import Any
 
 import torch
 
-from trainer import TrainingConfig, load_task, train
+from trainer import TrainingConfig, TrainResult, load_task, train
 from trainer.batched import train_batched
 
 TASKS = {
@@ -43,12 +53,78 @@ def deviation(solo: list, batched: list) -> float:
     return worst
 
 
+# --deviation: the optimizers, each with its usual learning-rate scale, and one member per schedule or feature.
+OPTIMIZERS = {"adamw": ({"optimizer": "adamw"}, 1.0), "adam": ({"optimizer": "adam"}, 1.0),
+              "sgd": ({"optimizer": "sgd"}, 30.0), "sgd momentum": ({"optimizer": "sgd", "momentum": 0.9}, 10.0),
+              "sgd nesterov": ({"optimizer": "sgd", "momentum": 0.9, "nesterov": True}, 10.0),
+              "lion": ({"optimizer": "lion"}, 0.3)}
+MEMBERS: dict[str, dict[str, Any]] = {
+    "constant": {"scheduler": "none"},
+    "warmup+cosine": {"scheduler": "cosine", "warmup_steps": 50},
+    "linear": {"scheduler": "linear", "min_lr_ratio": 0.1},
+    "step": {"scheduler": "step", "step_every": 100, "step_gamma": 0.5},
+    "warmup+none, dropout": {"scheduler": "none", "warmup_steps": 20, "model": {"hidden": 64, "dropout": 0.2}},
+    "cosine, clipping": {"scheduler": "cosine", "gradient_clip_norm": 0.5},
+    "linear, curriculum": {"scheduler": "linear", "curriculum": {"schedule": "linear", "start_level": 0.3}},
+}
+
+
+def deviation_configs(optimizer: str, steps: int) -> list[TrainingConfig]:
+    settings, scale = OPTIMIZERS[optimizer]
+    every = max(1, steps // 10)
+    return [TrainingConfig.from_dict({**TASKS["digits"], **settings, "max_steps": steps, "eval_every_steps": every,
+                                      "log_every_steps": every, "seed": i, "learning_rate": 1e-3 * scale * (1 + i % 3),
+                                      "weight_decay": 0.01 * (i % 3), "device": "cpu",
+                                      "fast_fail": {"enabled": False}, **member})
+            for i, member in enumerate(MEMBERS.values())]
+
+
+def relative(a: TrainResult, b: TrainResult) -> tuple[float, float]:
+    """The largest relative deviation of b from a: in the evaluations, and in the logged train_loss and grad_norm."""
+    def rel(x: float, y: float) -> float:
+        return 0.0 if x == y else abs(x - y) / max(abs(x), abs(y), 1e-12)
+
+    if [s for s, _ in a.evals] != [s for s, _ in b.evals] or len(a.logs) != len(b.logs):
+        return math.inf, math.inf
+    evals = max((rel(ma[key], mb[key]) for (_, ma), (_, mb) in zip(a.evals, b.evals) for key in ma), default=0.0)
+    logs = max((rel(la[key], lb[key]) for la, lb in zip(a.logs, b.logs) for key in ("train_loss", "grad_norm")),
+               default=0.0)
+    return evals, logs
+
+
+def deviation_table(steps: int, threads: list[int]) -> None:
+    task = load_task("digits")
+    print(f"{steps} steps per member, digits MLP (hidden 64, batch 64), CPU fp32; relative deviations, 0 = bit for bit")
+    print(f"{'threads':>7} {'optimizer':13} {'member':22} {'evals vs solo':>14} {'logs vs solo':>13} "
+          f"{'evals K vs 1':>13} {'logs K vs 1':>12}")
+    worst = [0.0] * 4
+    for count in threads:
+        torch.set_num_threads(count)
+        for optimizer in OPTIMIZERS:
+            cohort = deviation_configs(optimizer, steps)
+            solo = [train(c, task) for c in cohort]
+            together = train_batched(cohort, task, capacity=len(cohort))
+            alone = train_batched(cohort, task, capacity=1)
+            for name, a, b, c in zip(MEMBERS, solo, together, alone, strict=True):
+                row = [*relative(a, b), *relative(c, b)]
+                worst = [max(w, r) for w, r in zip(worst, row)]
+                print(f"{count:7d} {optimizer:13} {name:22} {row[0]:14.3g} {row[1]:13.3g} {row[2]:13.3g} "
+                      f"{row[3]:12.3g}", flush=True)
+    print(f"{'largest':>7} {'':13} {'':22} {worst[0]:14.3g} {worst[1]:13.3g} {worst[2]:13.3g} {worst[3]:12.3g}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None, help="per trial (default 300; 500 with --deviation)")
     parser.add_argument("--tasks", nargs="+", default=["digits", "charlm"])
+    parser.add_argument("--deviation", action="store_true", help="print the exactness table instead")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --deviation: thread counts")
     args = parser.parse_args()
+    if args.deviation:
+        deviation_table(args.steps or 500, args.threads)
+        return
+    args.steps = args.steps or 300
     torch.set_num_threads(1)
     print(f"one torch thread on both sides; {args.steps} steps per trial")
     print(f"{'task':8} {'K':>4} {'solo trials/h':>14} {'batched trials/h':>17} {'ratio':>6} "
