@@ -71,6 +71,7 @@ __all__ = ["Cohort", "CohortMember", "available_memory", "batch_problem", "batch
            "train_batched"]
 
 MEMORY_SAFETY = 0.7  # a cohort may plan on this share of the free memory; the rest is for the allocator and the OS
+MAX_STRETCH = 256  # the most steps whose learning rates and batches are planned at once
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -278,6 +279,21 @@ class _Slot:
         return self.member.config
 
 
+@dataclass
+class _Stretch:
+    """The steps planned at once by `Cohort._plan`, on the device, and how far the cohort is through them."""
+
+    length: int
+    scalars: torch.Tensor  # [length, len(COLUMNS), K]: the optimizer's per-member scalars, step by step
+    indices: torch.Tensor  # [length, accumulation, K, batch_size]: each member's batch indices
+    lrs: list[list[float]]  # [length][K]: the learning rates as `lr_at` gives them, for the logs
+    samplers: dict[int, dict[str, Any]]  # slot -> its sampler's state before the stretch
+    dones: dict[int, int]  # slot -> its member's steps done before the stretch
+    watched: torch.Tensor | None  # [K] bool: whose guard watches its loss (None: nobody's)
+    explosion: torch.Tensor  # [length, K] bool: whose guard applies the explosion rule at each step
+    position: int = 0
+
+
 class Cohort:
     """K slots of one batch signature, trained as one stacked model. Add members (`add`) at evaluation boundaries,
     remove them (`remove`) at any step, advance all of them by one step (`step`), or `run` until every slot is free.
@@ -322,7 +338,8 @@ class Cohort:
         self._worst = torch.full((capacity,), -math.inf, device=self.device)
         self._idle_batch = torch.arange(like.batch_size, device=self.device)
         self._order = self._optimizer_order()
-        self._plan: ClipPlan | None = None
+        self._clip: ClipPlan | None = None
+        self._stretch: _Stretch | None = None
         self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
         self._records: dict[bool, dict[str, Any]] = {}
 
@@ -359,6 +376,7 @@ class Cohort:
         if problem is not None:
             raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
         index = self.free_slots[0]
+        self._stretch = None  # a boundary ends a stretch: the next one is planned with the new member
         # Built as `build_run` builds it: seed, then the model from the seeded RNG; what the RNG holds after that is
         # what the single run's dropout draws from.
         seed_everything(config.seed, deterministic=config.deterministic)
@@ -390,7 +408,7 @@ class Cohort:
         self._loss_sum[index] = 0.0
         self._worst[index] = -math.inf
         self.slots[index] = slot
-        self._plan = None
+        self._clip = None
         if member.resume is not None:
             self._restore(index, slot, member.resume)
         elif member.warm_start is not None or fast_fail.enabled:
@@ -424,41 +442,97 @@ class Cohort:
         return self.results
 
     def step(self) -> None:
-        """One optimizer step of every member: learning rate, forward, loss, backward, clip, step; then each
-        member's logs, guard, evaluations and checkpoints at its own intervals."""
+        """One optimizer step of every member: forward, loss, backward, clip, step, with the learning rates and
+        batches planned for the stretch (`_plan`); then, at the stretch's last step, each member's logs, guard,
+        evaluations and checkpoints at its own intervals."""
+        if self._stretch is None or self._stretch.position == self._stretch.length:
+            self._stretch = self._plan()
+        stretch = self._stretch
+        i = stretch.position
+        last = i == stretch.length - 1
         slots = self.slots
-        configs = [s.config if s is not None else None for s in slots]
-        steps = [s.done if s is not None else 0 for s in slots]
-        lrs = [lr_at(step, c) if c is not None else 0.0 for step, c in zip(steps, configs)]
-        for s in slots:
-            if s is not None:
-                s.optimizer_steps += 1
-        scalars = host_scalars(configs, lrs, [s.optimizer_steps if s is not None else 1 for s in slots], self.device)
-        accum = self.like.gradient_accumulation_steps
-        step_loss = self._accumulate(steps, accum)
-        logging = [s is not None and self._log_now(s) for s in slots]
+        step_loss = self._accumulate(stretch.indices[i])
+        logging = last and any(s is not None and self._log_now(s) for s in slots)
+        plan = self._clip_plan()
         norm = clip_stacked([p.grad for p in self.params.values() if p.grad is not None],
-                            self._clip_plan()) if any(logging) or self._clip_plan() is not None else None
-        self.optimizer.step(scalars)
+                            plan) if logging or plan is not None else None
+        self.optimizer.step(stretch.scalars[i])
         for p in self.params.values():
             p.grad = None
         self._loss_sum += step_loss
-        self._observe(step_loss)
+        if stretch.watched is not None:
+            self._observe(step_loss, stretch.watched, stretch.explosion[i])
+        stretch.position += 1
         self.step_count += 1
         for s in slots:
             if s is not None:
                 s.done += 1
+                s.optimizer_steps += 1
                 s.steps_since_log += 1
-        self._after_step(lrs, norm, step_loss)
+        if last:
+            self._after_step(stretch.lrs[i], norm, step_loss)
 
-    def _accumulate(self, steps: list[int], accum: int) -> torch.Tensor:
+    def _plan(self) -> _Stretch:
+        """The host's work for the steps up to the next one at which any member logs, evaluates, checks its guard or
+        ends, or the cohort reaches an evaluation boundary (at most `MAX_STRETCH`): each member's learning rates
+        (`lr_at`), optimizer scalars and batch indices, sent to the device in one table each. Between two such
+        steps a member does nothing but train, so nothing planned is wasted, and at the stretch's end each
+        member's sampler stands where its single run's would."""
+        every = self.like.eval_every_steps
+        length = min(MAX_STRETCH, every - self.step_count % every,
+                     *(self._until_event(s) for s in self.slots if s is not None))
+        accum = self.like.gradient_accumulation_steps
+        lrs, firsts, indices, samplers, dones = [], [], [], {}, {}
+        idle = self._idle_batch.expand(length * accum, -1)
+        for k, s in enumerate(self.slots):
+            if s is None:
+                lrs.append([0.0] * length)
+                firsts.append(1)
+                indices.append(idle)
+                continue
+            lrs.append([lr_at(s.done + i, s.config) for i in range(length)])
+            firsts.append(s.optimizer_steps + 1)
+            samplers[k], dones[k] = s.sampler.state_dict(), s.done
+            indices.append(torch.stack([s.sampler.next(s.done + j // accum) for j in range(length * accum)]))
+        configs = [s.config if s is not None else None for s in self.slots]
+        stacked = torch.stack(indices, 1).view(length, accum, self.capacity, -1)
+        watched, explosion = self._guard_masks(length)
+        return _Stretch(length=length, scalars=host_scalars(configs, lrs, firsts, self.device), indices=stacked,
+                        lrs=[list(step) for step in zip(*lrs, strict=True)], samplers=samplers, dones=dones,
+                        watched=watched, explosion=explosion)
+
+    @staticmethod
+    def _until_event(slot: _Slot) -> int:
+        """Steps until the member's next log, evaluation, guard check or end (at least 1)."""
+        config = slot.config
+        periods = [config.log_every_steps, config.eval_every_steps]
+        if slot.fast_fail.enabled:
+            periods.append(slot.fast_fail.check_every_n_steps or config.log_every_steps)
+        return max(1, min(config.max_steps - slot.done, *(p - slot.done % p for p in periods)))
+
+    def _guard_masks(self, length: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """For each step of a stretch, which members' guards watch their loss at all ([K] bool, or None when none
+        does) and which of them apply the explosion rule then ([length, K] bool), as `LossGuard.observe` decides."""
+        watched = [s is not None and s.fast_fail.enabled for s in self.slots]
+        if not any(watched):
+            return None, torch.zeros(length, self.capacity, dtype=torch.bool, device=self.device)
+        rows = []
+        for i in range(length):
+            rows.append([s is not None and on and s.threshold is not None
+                         and s.done + i + 1 >= (s.fast_fail.warmup_steps or 0)
+                         and not in_stage_grace(s.done + i + 1, s.stages, s.fast_fail.stage_grace_steps or 0)
+                         for s, on in zip(self.slots, watched, strict=True)])
+        return (torch.tensor(watched, device=self.device), torch.tensor(rows, dtype=torch.bool, device=self.device))
+
+    def _accumulate(self, indices: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every member over its micro-batches (`indices`: [accumulation, K, batch]);
+        returns each member's loss [K]."""
+        accum = len(indices)
         total: torch.Tensor | None = None
-        for _ in range(accum):
-            idx = torch.stack([s.sampler.next(step) if s is not None else self._idle_batch
-                               for s, step in zip(self.slots, steps)])
+        rates = [s.rates if s is not None else [] for s in self.slots]
+        generators = [s.generator if s is not None else None for s in self.slots]
+        for idx in indices:
             x, y = self.train_x[idx], self.train_y[idx]
-            rates = [s.rates if s is not None else [] for s in self.slots]
-            generators = [s.generator if s is not None else None for s in self.slots]
             with self.precision.autocast(), member_randomness(rates, generators):
                 out = (self.chain(self.params, x, training=True) if self.chain is not None
                        else self.forward(self.params, self.buffers, x))
@@ -523,29 +597,19 @@ class Cohort:
         return slot.done % slot.config.eval_every_steps == 0 or slot.done == slot.config.max_steps
 
     def _clip_plan(self) -> ClipPlan | None:
-        if self._plan is None:
+        if self._clip is None:
             norms = [s.config.gradient_clip_norm if s is not None else None for s in self.slots]
             if all(n is None for n in norms):
                 return None
-            self._plan = ClipPlan(torch.tensor([n or 1.0 for n in norms], device=self.device),
+            self._clip = ClipPlan(torch.tensor([n or 1.0 for n in norms], device=self.device),
                                   torch.tensor([n is not None for n in norms], device=self.device))
-        return self._plan
+        return self._clip
 
-    def _observe(self, step_loss: torch.Tensor) -> None:
+    def _observe(self, step_loss: torch.Tensor, watched: torch.Tensor, explosion: torch.Tensor) -> None:
         """Every member's guard in one kernel: a running maximum of the training loss where the explosion rule
         applies, else of `loss - loss` (0, or NaN for a NaN/Inf loss), as `LossGuard.observe`."""
-        explosion, watched = [], []
-        for s in self.slots:
-            on = s is not None and s.fast_fail.enabled
-            watched.append(on)
-            explosion.append(on and s is not None and s.threshold is not None
-                             and s.done + 1 >= (s.fast_fail.warmup_steps or 0)
-                             and not in_stage_grace(s.done + 1, s.stages, s.fast_fail.stage_grace_steps or 0))
-        if not any(watched):
-            return
-        mask = torch.tensor(explosion, device=self.device)
-        seen = torch.where(mask, step_loss, step_loss - step_loss)
-        seen = torch.where(torch.tensor(watched, device=self.device), seen, torch.full_like(seen, -math.inf))
+        seen = torch.where(explosion, step_loss, step_loss - step_loss)
+        seen = torch.where(watched, seen, torch.full_like(seen, -math.inf))
         torch.maximum(self._worst, seen, out=self._worst)
 
     def _log(self, logs: list[int], lrs: list[float], norm: torch.Tensor | None) -> None:
@@ -632,7 +696,7 @@ class Cohort:
         result.wall_time_s = time.perf_counter() - slot.started
         self.results[slot.id] = result
         self.slots[index] = None
-        self._plan = None
+        self._clip = None
         return result
 
     # -- state in and out: the plain single-model formats --------------------------------------------------------
@@ -706,9 +770,22 @@ class Cohort:
             loss_sum = float(self._loss_sum[index])
         return TrainState(step=slot.done, model=model, optimizer=optimizer.state_dict(),
                           scaler=self.precision.scaler.state_dict(), rng=self._member_rng(slot),
-                          data=slot.sampler.state_dict(),
+                          data=self._sampler_state(index, slot),
                           loop=LoopState(loss_sum, slot.steps_since_log, slot.threshold),
                           config=config.to_dict(), metrics=dict(slot.result.metrics))
+
+    def _sampler_state(self, index: int, slot: _Slot) -> dict[str, Any]:
+        """The member's data position after the steps it has done. Its sampler has drawn the whole stretch's
+        batches ahead; in the middle of a stretch, its state before the stretch is advanced by the steps done."""
+        stretch = self._stretch
+        if stretch is None or stretch.position == stretch.length or index not in stretch.samplers:
+            return slot.sampler.state_dict()
+        sampler = build_sampler(slot.config, self.task, self.device)
+        sampler.load_state_dict(stretch.samplers[index])
+        accum = self.like.gradient_accumulation_steps
+        for j in range(stretch.position * accum):
+            sampler.next(stretch.dones[index] + j // accum)
+        return sampler.state_dict()
 
     def _member_rng(self, slot: _Slot) -> dict[str, Any]:
         """What `capture_rng` would hold in the single run: python and numpy as seeded (training draws none), and
