@@ -321,3 +321,18 @@ def test_each_members_product_is_the_single_models_product(shape: tuple[int, int
             assert torch.equal(grad_w[k], g[k].t().mm(x[k]))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_member_state_taken_between_planned_steps_resumes_exactly(digits: Task) -> None:
+    """The cohort draws each member's batches ahead, up to its next log or evaluation; a state taken in between (step
+    5 of a stretch from 4 to 8) still holds the data position after the steps done, so the ordinary loop resumes it
+    and reproduces the uninterrupted run."""
+    config = tiny(seed=3, curriculum={"schedule": "linear", "start_level": 0.3}, model={"hidden": 16, "dropout": 0.2})
+    cohort = Cohort(digits, config, capacity=2)
+    cohort.add(tiny(seed=1))
+    member = cohort.add(config)
+    for _ in range(5):
+        cohort.step()
+    state = cohort.member_state(member)
+    assert state.step == 5
+    tail(train(config, digits), train(config, digits, resume=state), 5)
