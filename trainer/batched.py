@@ -169,19 +169,58 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
     return None
 
 
-def _stacked_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Every member's `F.cross_entropy` (mean over its rows) at once: out [K, ..., C], y [K, ...] -> [K]. The
+def _stacked_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every member's `F.cross_entropy` (mean over its rows) at once: out [K, ..., C], y [K, ...] -> the losses [K]
+    to differentiate, and each row's log-probability of its target [K, rows] (detached) for the logged value. The
     log-softmax is row by row as in the single model, and the gradient of each member's mean is `-1/rows` at its
-    targets, as `nll_loss`'s backward gives, so the parameters follow the single run bit for bit; the loss value
-    itself is summed in another order than `nll_loss` sums it, which can move the logged training loss by an ulp."""
+    targets, as `nll_loss`'s backward gives, so the parameters follow the single run bit for bit. The mean itself is
+    summed in another order than `nll_loss` sums it; `nll_mean` sums the rows as `nll_loss` does, for the logs."""
     k, classes = out.shape[0], out.shape[-1]
     logp = torch.log_softmax(out.reshape(k, -1, classes), dim=-1)
-    return -logp.gather(-1, y.reshape(k, -1, 1).long()).squeeze(-1).mean(1)
+    picked = logp.gather(-1, y.reshape(k, -1, 1).long()).squeeze(-1)
+    return -picked.mean(1), picked.detach()
+
+
+def nll_mean(picked: torch.Tensor) -> torch.Tensor:
+    """`nll_loss`'s mean over the last dimension of `picked` (the log-probabilities of the targets), summed in the
+    order of its CPU kernel (ATen's `nll_loss_out_frame`), so that a logged training loss is the single run's to the
+    bit: a cascade of float32 partial sums, where level 0 subtracts one row after another and is added into level 1
+    after every 16th row (counting from row 0, which therefore goes up alone), level 1 into level 2 after every 256th,
+    and so on; at the end the levels are added from 0 up, and the sum divided by the number of rows."""
+    rows = picked.shape[-1]
+    if rows > 16**6:
+        raise ValueError(f"nll_mean sums at most 16**6 rows (7 levels of 16), but got {rows}")
+    zero = torch.zeros_like(picked[..., 0])
+    top = zero - picked[..., 0]  # row 0, carried up to the last level at once
+    rest = picked[..., 1:]
+    full = (rows - 1) // 16 * 16
+    chunks = rest[..., :full].unflatten(-1, (-1, 16)) if full else rest[..., :0].unsqueeze(-1)
+    items = torch.zeros_like(chunks[..., 0])
+    for t in range(chunks.shape[-1]):
+        items = items - chunks[..., t]
+    level = zero
+    for t in range(full, rows - 1):  # the rows after the last full chunk stay in level 0
+        level = level - rest[..., t]
+    levels = [level]
+    while len(levels) < 7:  # each higher level adds the sums of the one below, 16 at a time
+        count = items.shape[-1] // 16 * 16
+        partial = zero
+        for t in range(count, items.shape[-1]):
+            partial = partial + items[..., t]
+        levels.append(partial)
+        grouped = items[..., :count].unflatten(-1, (-1, 16)) if count else items[..., :0].unsqueeze(-1)
+        items = torch.zeros_like(grouped[..., 0])
+        for t in range(grouped.shape[-1]):
+            items = items + grouped[..., t]
+    total = zero
+    for value in [*levels, top]:  # std::accumulate over the 8 levels, from 0
+        total = total + value
+    return total / rows
 
 
 # The task losses with a stacked form (the others run once per member on its own rows).
 STACKED_LOSSES: dict[Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+                     Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     cross_entropy: _stacked_cross_entropy, class_cross_entropy: _stacked_cross_entropy}
 
 
@@ -340,6 +379,7 @@ class Cohort:
         self._order = self._optimizer_order()
         self._clip: ClipPlan | None = None
         self._stretch: _Stretch | None = None
+        self._pending: list[torch.Tensor] = []  # what the losses of the steps since the last `_settle` are read from
         self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
         self._records: dict[bool, dict[str, Any]] = {}
 
@@ -451,7 +491,7 @@ class Cohort:
         i = stretch.position
         last = i == stretch.length - 1
         slots = self.slots
-        step_loss = self._accumulate(stretch.indices[i])
+        self._pending.extend(self._accumulate(stretch.indices[i]))
         logging = last and any(s is not None and self._log_now(s) for s in slots)
         plan = self._clip_plan()
         norm = clip_stacked([p.grad for p in self.params.values() if p.grad is not None],
@@ -459,9 +499,6 @@ class Cohort:
         self.optimizer.step(stretch.scalars[i])
         for p in self.params.values():
             p.grad = None
-        self._loss_sum += step_loss
-        if stretch.watched is not None:
-            self._observe(step_loss, stretch.watched, stretch.explosion[i])
         stretch.position += 1
         self.step_count += 1
         for s in slots:
@@ -470,7 +507,7 @@ class Cohort:
                 s.optimizer_steps += 1
                 s.steps_since_log += 1
         if last:
-            self._after_step(stretch.lrs[i], norm, step_loss)
+            self._after_step(stretch.lrs[i], norm, self._settle())
 
     def _plan(self) -> _Stretch:
         """The host's work for the steps up to the next one at which any member logs, evaluates, checks its guard or
@@ -524,11 +561,12 @@ class Cohort:
                          for s, on in zip(self.slots, watched, strict=True)])
         return (torch.tensor(watched, device=self.device), torch.tensor(rows, dtype=torch.bool, device=self.device))
 
-    def _accumulate(self, indices: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, indices: torch.Tensor) -> list[torch.Tensor]:
         """Forward and backward of every member over its micro-batches (`indices`: [accumulation, K, batch]);
-        returns each member's loss [K]."""
+        returns, per micro-batch, what its losses are read from (see `_settle`): each member's loss [K], or with a
+        stacked loss the log-probabilities of the targets [K, rows]."""
         accum = len(indices)
-        total: torch.Tensor | None = None
+        out_losses: list[torch.Tensor] = []
         rates = [s.rates if s is not None else [] for s in self.slots]
         generators = [s.generator if s is not None else None for s in self.slots]
         for idx in indices:
@@ -539,15 +577,41 @@ class Cohort:
             # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
             # gives each member the gradient of its own loss.
             if self.stacked_loss is not None:
-                losses = self.stacked_loss(out.float(), y)
+                losses, picked = self.stacked_loss(out.float(), y)
+                out_losses.append(picked)
             else:
                 losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
+                out_losses.append(losses.detach())
             if accum > 1:
                 losses = losses / accum
             losses.sum().backward()
-            total = losses.detach() if total is None else total + losses.detach()
-        assert total is not None
-        return total
+        return out_losses
+
+    def _settle(self) -> torch.Tensor:
+        """Account for the steps trained since the last call: each member's loss at each step, as the single run
+        computes it (`nll_mean` for a stacked loss; divided by the accumulation and summed micro-batch after
+        micro-batch), added to its log interval's sum step after step, and seen by its guard. Runs at a stretch's
+        end (and when a member's state is taken), on all those steps at once. Returns the last step's losses [K]."""
+        stretch = self._stretch
+        assert stretch is not None
+        accum = self.like.gradient_accumulation_steps
+        pending, self._pending = self._pending, []
+        if not pending:
+            return torch.zeros(self.capacity, device=self.device)
+        values = torch.stack(pending)
+        losses = nll_mean(values) if self.stacked_loss is not None else values  # [steps * accum, K]
+        losses = losses.view(-1, accum, self.capacity)
+        if accum > 1:
+            losses = losses / accum
+        step_losses = losses[:, 0]
+        for m in range(1, accum):
+            step_losses = step_losses + losses[:, m]
+        for step_loss in step_losses:  # the single run's interval sum: one addition per step, in order
+            self._loss_sum += step_loss
+        begin = stretch.position - len(step_losses)
+        if stretch.watched is not None:
+            self._observe(step_losses, stretch.watched, stretch.explosion[begin: stretch.position])
+        return step_losses[-1]
 
     def _after_step(self, lrs: list[float], norm: torch.Tensor | None, step_loss: torch.Tensor) -> None:
         logs = [i for i, s in enumerate(self.slots) if s is not None and self._log_now(s, after=True)]
@@ -605,12 +669,13 @@ class Cohort:
                                   torch.tensor([n is not None for n in norms], device=self.device))
         return self._clip
 
-    def _observe(self, step_loss: torch.Tensor, watched: torch.Tensor, explosion: torch.Tensor) -> None:
-        """Every member's guard in one kernel: a running maximum of the training loss where the explosion rule
-        applies, else of `loss - loss` (0, or NaN for a NaN/Inf loss), as `LossGuard.observe`."""
-        seen = torch.where(explosion, step_loss, step_loss - step_loss)
+    def _observe(self, step_losses: torch.Tensor, watched: torch.Tensor, explosion: torch.Tensor) -> None:
+        """Every member's guard over several steps ([steps, K]) at once: a running maximum of the training loss
+        where the explosion rule applies, else of `loss - loss` (0, or NaN for a NaN/Inf loss), as
+        `LossGuard.observe` keeps it step by step (a maximum does not depend on the order)."""
+        seen = torch.where(explosion, step_losses, step_losses - step_losses)
         seen = torch.where(watched, seen, torch.full_like(seen, -math.inf))
-        torch.maximum(self._worst, seen, out=self._worst)
+        torch.maximum(self._worst, seen.amax(0), out=self._worst)
 
     def _log(self, logs: list[int], lrs: list[float], norm: torch.Tensor | None) -> None:
         steps = torch.tensor([max(1, s.steps_since_log) if s is not None else 1 for s in self.slots],
@@ -745,6 +810,8 @@ class Cohort:
     @torch.no_grad()
     def member_state(self, member_id: int) -> TrainState:
         """A member's whole training state as the ordinary loop's checkpoint holds it."""
+        if self._pending:  # in the middle of a stretch: its losses so far go into the interval's sum first
+            self._settle()
         index = next(i for i, s in enumerate(self.slots) if s is not None and s.id == member_id)
         slot = self.slots[index]
         assert slot is not None

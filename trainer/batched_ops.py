@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "member_matmul", "member_randomness",
-           "prepare_template", "stacked_chain", "stacked_dropout"]
+           "per_member", "prepare_template", "stacked_chain", "stacked_dropout"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -49,30 +49,41 @@ _PRODUCTS: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor]]] = {
     "grad_x": (lambda g, w: torch.bmm(g, w), lambda g, w: g.mm(w)),
     "grad_w": (lambda g, x: torch.bmm(g.transpose(1, 2), x), lambda g, x: g.t().mm(x)),
 }
-_AGREES: dict[tuple[Any, ...], bool] = {}  # (product, shapes, dtype, threads) -> whether the batched form is exact
+_AGREES: dict[tuple[Any, ...], bool] = {}  # (name, shapes, dtype, threads) -> whether the batched form is exact
+_PROBES = 8  # random draws per check: two summation orders agree on one draw by chance, hardly on eight
+
+
+def per_member(name: str, batched: Callable[..., Tensor], single: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    """`batched(*args)` on stacked [K, ...] arguments, each member's slice equal, bit for bit, to what `single` gives
+    on that member's slices: the batched kernel where it agrees with the single one (checked once per `name`,
+    shapes, dtype and thread count, on random data drawn from a private generator, so the members' RNGs do not
+    move), else `single` once per member. On other devices than a CPU the batched kernel is taken as it is (no
+    bit-for-bit claim there)."""
+    if args[0].device.type != "cpu":
+        return batched(*args)
+    k = args[0].shape[0]
+    key = (name, tuple(tuple(a.shape) for a in args), args[0].dtype, torch.get_num_threads())
+    agrees = _AGREES.get(key)
+    if agrees is None:
+        generator = torch.Generator().manual_seed(0)
+        agrees = True
+        for _ in range(_PROBES):
+            probe = [torch.randn(a.shape, generator=generator, dtype=a.dtype) for a in args]
+            together = batched(*probe)
+            agrees = agrees and all(torch.equal(together[m], single(*(a[m] for a in probe))) for m in range(k))
+        _AGREES[key] = agrees
+    if agrees:
+        return batched(*args)
+    return torch.stack([single(*(a[m] for a in args)) for m in range(k)])
 
 
 def member_matmul(product: str, *args: Tensor) -> Tensor:
     """`product` ("forward", "grad_x" or "grad_w") of stacked [K, ...] arguments, each member's slice equal, bit for
-    bit, to what the single model's call gives on that member's tensors: the batched kernel where it agrees with the
-    single one (checked once per shapes, dtype and thread count, on random data drawn from a private generator),
-    else the single kernel once per member. On a CPU a batched product runs each member's matrix product on one
-    thread, while the single model's `mm` may split a product over threads in another summation order (MKL does for
-    some shapes); on other devices the batched kernel is taken as it is (no bit-for-bit claim there)."""
+    bit, to the single model's call on that member's tensors (`per_member`). On a CPU a batched product runs each
+    member's matrix product on one thread, while the single model's `mm` may split a product over threads in another
+    summation order (MKL does for some shapes)."""
     batched, single = _PRODUCTS[product]
-    if args[0].device.type != "cpu":
-        return batched(*args)
-    key = (product, tuple(tuple(a.shape) for a in args), args[0].dtype, torch.get_num_threads())
-    agrees = _AGREES.get(key)
-    if agrees is None:
-        generator = torch.Generator().manual_seed(0)  # not the global RNG: members' draws must not move
-        probe = [torch.randn(a.shape, generator=generator, dtype=a.dtype) for a in args]
-        together = batched(*probe)
-        agrees = _AGREES[key] = all(torch.equal(together[k], single(*(a[k] for a in probe)))
-                                    for k in range(args[0].shape[0]))
-    if agrees:
-        return batched(*args)
-    return torch.stack([single(*(a[k] for a in args)) for k in range(args[0].shape[0])])
+    return per_member(product, batched, single, *args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

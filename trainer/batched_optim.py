@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.batched_ops import per_member
+
 if TYPE_CHECKING:
     from trainer.config import TrainingConfig
 
@@ -96,9 +98,11 @@ def clip_stacked(grads: Sequence[torch.Tensor], plan: ClipPlan | None) -> torch.
     k = grads[0].shape[0]
     slices = [g[i] for i in range(k) for g in grads]
     norms = torch.stack(torch._foreach_norm(slices, 2)).view(k, len(grads))  # noqa: SLF001 (multi-tensor kernel)
-    total = torch.linalg.vector_norm(norms, 2, dim=1)
+    total = per_member("total_norm", lambda n: torch.linalg.vector_norm(n, 2, dim=1),
+                       lambda n: torch.linalg.vector_norm(n, 2), norms)  # a row-wise norm may sum in another order
     if plan is not None:
-        coef = torch.clamp(plan.max_norm / (total + 1e-6), max=1.0)
+        # `max_norm / (total_norm + 1e-6)` with a float max_norm is Tensor.__rtruediv__: a reciprocal, then a product
+        coef = torch.clamp((total + 1e-6).reciprocal() * plan.max_norm, max=1.0)
         coef = torch.where(plan.clip, coef, torch.ones_like(coef))  # a member that does not clip is left as it is
         for g in grads:
             g.mul_(_per_member(coef, g))
