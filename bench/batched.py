@@ -12,22 +12,27 @@ member's evaluations from its solo run (0.0: bit for bit).
 `--deviation`: the exactness table instead. For every optimizer (AdamW, Adam, SGD, SGD with momentum, SGD Nesterov,
 Lion) one cohort of members that cover every schedule (constant, warmup, cosine, linear, step) plus dropout, gradient
 clipping and a curriculum, each trained by `trainer.train` alone, in the cohort, and in a cohort of one, on a CPU in
-fp32 with the given intra-op thread counts. Prints, per member, the largest relative deviation of its evaluations
-(val_loss, val_accuracy) and of its logged training loss and gradient norm from its solo run, and of its values in
-the cohort from its values in a cohort of one (0: bit for bit), then the largest of each column.
+fp32 with the given intra-op thread counts. Prints, per member, the largest relative deviation from its solo run of
+its evaluations (val_loss, val_accuracy), of its logged training loss and gradient norm, and of its final weights
+(from the checkpoint each side writes at the last step), and of its values in the cohort from its values in a cohort
+of one (0: bit for bit), then the largest of each column.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer import TrainingConfig, TrainResult, load_task, train
-from trainer.batched import train_batched
+from trainer.batched import CohortMember, train_batched
+from trainer.checkpoint import load_checkpoint
 
 TASKS = {
     "digits": {"task": "digits", "model": {"hidden": 64}, "batch_size": 64},
@@ -79,6 +84,28 @@ def deviation_configs(optimizer: str, steps: int) -> list[TrainingConfig]:
             for i, member in enumerate(MEMBERS.values())]
 
 
+class LastState:
+    """A checkpointer that keeps the state at the last step in memory (`trainer.checkpoint` writes it to a file)."""
+
+    def __init__(self, steps: int, folder: Path) -> None:
+        self.steps, self.path = steps, folder / f"{id(self)}.pt"
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        return self.path if step == self.steps else None
+
+    def saved(self, info: Any, metrics: Mapping[str, float] | None) -> None:
+        pass
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_checkpoint(self.path).model
+
+
+def weights_relative(a: LastState, b: LastState) -> float:
+    """The largest relative difference between two final weights, element by element."""
+    wa, wb = a.weights(), b.weights()
+    return max(float(((wa[k] - wb[k]).abs() / wa[k].abs().clamp(min=1e-12)).max()) for k in wa)
+
+
 def relative(a: TrainResult, b: TrainResult) -> tuple[float, float]:
     """The largest relative deviation of b from a: in the evaluations, and in the logged train_loss and grad_norm."""
     def rel(x: float, y: float) -> float:
@@ -96,21 +123,25 @@ def deviation_table(steps: int, threads: list[int]) -> None:
     task = load_task("digits")
     print(f"{steps} steps per member, digits MLP (hidden 64, batch 64), CPU fp32; relative deviations, 0 = bit for bit")
     print(f"{'threads':>7} {'optimizer':13} {'member':22} {'evals vs solo':>14} {'logs vs solo':>13} "
-          f"{'evals K vs 1':>13} {'logs K vs 1':>12}")
-    worst = [0.0] * 4
-    for count in threads:
-        torch.set_num_threads(count)
-        for optimizer in OPTIMIZERS:
-            cohort = deviation_configs(optimizer, steps)
-            solo = [train(c, task) for c in cohort]
-            together = train_batched(cohort, task, capacity=len(cohort))
-            alone = train_batched(cohort, task, capacity=1)
-            for name, a, b, c in zip(MEMBERS, solo, together, alone, strict=True):
-                row = [*relative(a, b), *relative(c, b)]
-                worst = [max(w, r) for w, r in zip(worst, row)]
-                print(f"{count:7d} {optimizer:13} {name:22} {row[0]:14.3g} {row[1]:13.3g} {row[2]:13.3g} "
-                      f"{row[3]:12.3g}", flush=True)
-    print(f"{'largest':>7} {'':13} {'':22} {worst[0]:14.3g} {worst[1]:13.3g} {worst[2]:13.3g} {worst[3]:12.3g}")
+          f"{'weights vs solo':>16} {'evals K vs 1':>13} {'logs K vs 1':>12}")
+    worst = [0.0] * 5
+    with tempfile.TemporaryDirectory() as folder:
+        for count in threads:
+            torch.set_num_threads(count)
+            for optimizer in OPTIMIZERS:
+                cohort = deviation_configs(optimizer, steps)
+                kept = [(LastState(steps, Path(folder)), LastState(steps, Path(folder))) for _ in cohort]
+                solo = [train(c, task, checkpointer=k[0]) for c, k in zip(cohort, kept, strict=True)]
+                members = [CohortMember(c, checkpointer=k[1]) for c, k in zip(cohort, kept, strict=True)]
+                together = train_batched(members, task, capacity=len(cohort))
+                alone = train_batched(cohort, task, capacity=1)
+                for name, a, b, c, (ka, kb) in zip(MEMBERS, solo, together, alone, kept, strict=True):
+                    row = [*relative(a, b), weights_relative(ka, kb), *relative(c, b)]
+                    worst = [max(w, r) for w, r in zip(worst, row)]
+                    print(f"{count:7d} {optimizer:13} {name:22} {row[0]:14.3g} {row[1]:13.3g} {row[2]:16.3g} "
+                          f"{row[3]:13.3g} {row[4]:12.3g}", flush=True)
+    print(f"{'largest':>7} {'':13} {'':22} {worst[0]:14.3g} {worst[1]:13.3g} {worst[2]:16.3g} {worst[3]:13.3g} "
+          f"{worst[4]:12.3g}")
 
 
 def main() -> None:
