@@ -2,12 +2,21 @@
 
     python bench/batched.py [--ks 1 4 16 64] [--steps 300] [--tasks digits charlm]
     python bench/batched.py --deviation [--steps 500] [--threads 1 2]
+    python bench/batched.py --device cuda --ks 1 16 64 256 --tasks digits charlm charlm-10m --solo-max 16
 
 For each task and cohort size K: K configs (learning rate, weight decay, seed and schedule differing per member)
 trained by `trainer.train` one after another in this process, then by `trainer.batched.train_batched` as one cohort.
 Both sides run with one torch thread (a fair comparison on a shared CPU; said in the output), after a short warm-up
 run of each. Prints trials/hour of each side, their ratio, the mean final val_loss, and the largest deviation of a
 member's evaluations from its solo run (0.0: bit for bit).
+
+On a GPU (`--device cuda`; bf16 autocast for the charlm tasks): the same table, with `--solo-max N` timing only the
+first N configs one after another (a sequential run's time grows linearly with the number of trials, so its
+trials/hour is measured on fewer), and for charlm tasks the stacked model's model-FLOPs utilisation: every member's
+training tokens per second of the cohort's wall time (its evaluations and setup included, so a lower bound) times
+FLOPs per token (`bench/gpu.py`'s count: 6 N + 12 L d T) over `--peak-tflops` (default 989, H100/H200 dense bf16).
+Targets (issue 16): at least 30x the trials/hour for models of at most 10M parameters, at least 50% of the bf16 peak
+on the stacked charlm (`charlm-10m`: studies/charlm.yaml's model, 10.8M parameters, batch 64, context 256).
 
 `--deviation`: the exactness table instead. For every optimizer (AdamW, Adam, SGD, SGD with momentum, SGD Nesterov,
 Lion) one cohort of members that cover every schedule (constant, warmup, cosine, linear, step) plus dropout, gradient
@@ -34,20 +43,32 @@ from trainer import TrainingConfig, TrainResult, load_task, train
 from trainer.batched import CohortMember, train_batched
 from trainer.checkpoint import load_checkpoint
 
-TASKS = {
+TASKS: dict[str, dict[str, Any]] = {
     "digits": {"task": "digits", "model": {"hidden": 64}, "batch_size": 64},
     "charlm": {"task": "charlm", "task_args": {"context": 32, "max_chars": 200_000},
                "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "mlp_ratio": 2}, "batch_size": 16,
                "eval_batch_size": 256},
+    # studies/charlm.yaml's model and batch (as bench/gpu.py's CHARLM), for the GPU: 10.8M parameters.
+    "charlm-10m": {"task": "charlm", "task_args": {"context": 256, "max_chars": 4_000_000},
+                   "model": {"d_model": 384, "n_layers": 6, "n_heads": 6}, "batch_size": 64, "eval_batch_size": 256,
+                   "gradient_clip_norm": 1.0},
 }
 
 
-def configs(task: str, k: int, steps: int) -> list[TrainingConfig]:
+def configs(task: str, k: int, steps: int, device: str = "cpu") -> list[TrainingConfig]:
     schedules = ["cosine", "linear", "step", "none"]
-    return [TrainingConfig.from_dict({**TASKS[task], "max_steps": steps, "eval_every_steps": steps // 3,
+    gpu = {"mixed_precision": "bf16"} if device != "cpu" and TASKS[task]["task"] == "charlm" else {}
+    return [TrainingConfig.from_dict({**TASKS[task], **gpu, "max_steps": steps, "eval_every_steps": steps // 3,
                                       "log_every_steps": steps // 3, "seed": i, "learning_rate": 1e-3 * (1 + i % 7),
                                       "weight_decay": 0.01 * (i % 3), "scheduler": schedules[i % 4],
-                                      "device": "cpu", "fast_fail": {"enabled": False}}) for i in range(k)]
+                                      "device": device, "fast_fail": {"enabled": False}}) for i in range(k)]
+
+
+def flops_per_token(name: str) -> float:
+    """bench/gpu.py's FLOPs per token of a charlm task's model (6 N + 12 L d T)."""
+    from gpu import flops_per_token as count  # bench/gpu.py, next to this script
+
+    return count(TASKS[name])[1]
 
 
 def deviation(solo: list, batched: list) -> float:
@@ -151,34 +172,51 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["digits", "charlm"])
     parser.add_argument("--deviation", action="store_true", help="print the exactness table instead")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="with --deviation: thread counts")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--solo-max", type=int, default=None,
+                        help="time at most this many configs one after another (default: all K)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the chip's dense bf16 peak, for the MFU column (989: H100/H200 SXM)")
     args = parser.parse_args()
     if args.deviation:
         deviation_table(args.steps or 500, args.threads)
         return
     args.steps = args.steps or 300
-    torch.set_num_threads(1)
-    print(f"one torch thread on both sides; {args.steps} steps per trial")
-    print(f"{'task':8} {'K':>4} {'solo trials/h':>14} {'batched trials/h':>17} {'ratio':>6} "
-          f"{'val_loss solo':>14} {'val_loss batched':>17} {'max deviation':>14}")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here")
+    if not cuda:
+        torch.set_num_threads(1)
+        print(f"one torch thread on both sides; {args.steps} steps per trial")
+    else:
+        print(f"{torch.cuda.get_device_name()}; {args.steps} steps per trial; bf16 autocast for charlm")
+    print(f"{'task':10} {'K':>4} {'solo trials/h':>14} {'batched trials/h':>17} {'ratio':>6} "
+          f"{'val_loss solo':>14} {'val_loss batched':>17} {'max deviation':>14} {'MFU':>6}")
     for name in args.tasks:
         task = load_task(TASKS[name]["task"], TASKS[name].get("task_args"))
-        # Warm both paths first (lazy initialisation, first allocations), so that neither side's first timed run
-        # pays for it: the solo side runs first and would otherwise be charged alone.
-        warm = configs(name, 2, 6)
+        # Warm both paths first (lazy initialisation, first allocations, CUDA kernels), so that neither side's first
+        # timed run pays for it: the solo side runs first and would otherwise be charged alone.
+        warm = configs(name, 2, 6, args.device)
         train(warm[0], task)
         train_batched(warm, task, capacity=2)
+        per_token = flops_per_token(name) if cuda and TASKS[name]["task"] == "charlm" else None
         for k in args.ks:
-            cohort = configs(name, k, args.steps)
+            cohort = configs(name, k, args.steps, args.device)
+            timed = cohort[: args.solo_max or k]
             started = time.perf_counter()
-            solo = [train(c, task) for c in cohort]
-            solo_s = time.perf_counter() - started
+            solo = [train(c, task) for c in timed]
+            solo_s = (time.perf_counter() - started) * k / len(timed)  # as if all K had run one after another
             started = time.perf_counter()
             batched = train_batched(cohort, task, capacity=k)
             batched_s = time.perf_counter() - started
-            loss = [sum(r.metrics["val_loss"] for r in rs) / k for rs in (solo, batched)]
-            print(f"{name:8} {k:4d} {k * 3600 / solo_s:14.0f} {k * 3600 / batched_s:17.0f} "
-                  f"{solo_s / batched_s:6.2f} {loss[0]:14.4f} {loss[1]:17.4f} {deviation(solo, batched):14.3g}",
-                  flush=True)
+            loss = [sum(r.metrics["val_loss"] for r in rs) / len(rs) for rs in (solo, batched[: len(timed)])]
+            mfu = "n/a"
+            if per_token is not None:
+                tokens = k * args.steps * TASKS[name]["batch_size"] * TASKS[name]["task_args"]["context"]
+                mfu = f"{100 * tokens / batched_s * per_token / (args.peak_tflops * 1e12):5.1f}%"
+            print(f"{name:10} {k:4d} {k * 3600 / solo_s:14.0f} {k * 3600 / batched_s:17.0f} "
+                  f"{solo_s / batched_s:6.2f} {loss[0]:14.4f} {loss[1]:17.4f} {deviation(solo, batched):14.3g} "
+                  f"{mfu:>6}", flush=True)
 
 
 if __name__ == "__main__":

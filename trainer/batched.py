@@ -7,7 +7,8 @@ stacked optimizer update (`trainer.batched_optim`). Everything else is per membe
 - its own init seed (the model is built under the member's seed, exactly as `build_run` builds it) and its own
   dropout generator, continuing the global RNG the single run would use;
 - its own data order and curriculum (`build_sampler` under its own seed and max_steps);
-- its own learning-rate schedule (`lr_at` on the host, per member), weight decay, betas, eps, momentum, Nesterov,
+- its own learning-rate schedule (`lr_at`, planned on the host a stretch of steps ahead), weight decay, betas, eps,
+  momentum, Nesterov,
   gradient-clipping norm (each member clipped by its own norm), max_steps;
 - its own step counter: a member that joins at global step G counts from its own 0 (or from its checkpoint's step);
   members join only at evaluation boundaries (global steps that are multiples of the shared `eval_every_steps`),
@@ -18,17 +19,25 @@ Members never mix: vmapped ops work on each slice alone, a member's loss is comp
 backward of the summed losses gives each member the gradient of its own loss. A member that diverges (NaN/Inf)
 changes no other member's numbers; it is stopped by its own guard, like a single run.
 
-On a CPU in fp32 each member's values are those of `trainer.train` for the same config, bit for bit (the tests check
-it): the linear layers and dropout are swapped for exact stacked versions (`trainer.batched_ops`), the loss is
-computed per member on its own rows, and the stacked optimizers reproduce torch's single-tensor updates.
+On a CPU in fp32 each member's values are those of `trainer.train` for the same config, bit for bit, on any number of
+threads and in a cohort of any size: evaluations, logged losses and gradient norms, weights and optimizer moments (the
+tests and `bench/batched.py --deviation` check it). The linear layers and dropout are swapped for exact stacked
+versions (`trainer.batched_ops`; a matrix product whose batched kernel sums in another order than the single model's
+on this thread count runs once per member), the loss is computed per member on its own rows (its logged mean summed
+in `nll_loss`'s order, `nll_mean`), and the stacked optimizers reproduce torch's single-tensor updates, clipping
+included.
 
 Speed: a small model's step is dominated by the cost of each call, not by arithmetic, so the hot path makes a fixed
 number of calls whatever K is. A plain MLP (a chain of Linear, activation and Dropout layers, read from its fx trace)
 runs on the stacked tensors directly (`StackedChain`), skipping vmap's and the custom operators' dispatch; the
 built-in cross-entropy losses are computed for all members in one stacked call; the optimizer's per-member scalars
-reach the device as one small tensor per step; nothing is read back except at log, guard-check and evaluation steps.
-What is still done once per member per step on the host: its learning rate (`lr_at`, so that the logged value is the
-single run's float), its batch indices (its own sampler, then one stack), and dropout's draws from its own generator.
+reach the device as one table per stretch; nothing is read back except at log, guard-check and evaluation steps.
+The host plans stretches: from one step at which any member logs, evaluates, checks its guard or ends (or the cohort
+reaches an evaluation boundary) to the next, every member does nothing but train, so its learning rates, optimizer
+scalars and batch indices for the whole stretch are computed at once and sent as one table each, and the per-member
+bookkeeping (losses into the log interval, the guard's running maximum, logs, evaluations) runs once at the
+stretch's end. Still done once per member per step: dropout's draws from the member's own generator (a member's
+masks must come from its generator in its single run's order and sizes).
 
 A member's checkpoint is the plain single-model checkpoint of `trainer.checkpoint`: a batched run can be resumed or
 warm-started by the ordinary loop and the other way round.
