@@ -353,3 +353,12 @@ def test_a_member_state_taken_between_planned_steps_resumes_exactly(digits: Task
     state = cohort.member_state(member)
     assert state.step == 5
     tail(train(config, digits), train(config, digits, resume=state), 5)
+
+
+def test_members_that_accumulate_gradients_match_the_ordinary_loop_bit_for_bit(digits: Task) -> None:
+    """Two micro-batches per step: each micro-batch's loss divided by 2, the logged loss summed micro-batch after
+    micro-batch, as `accumulate_gradients` does."""
+    configs = [tiny(gradient_accumulation_steps=2, seed=s, gradient_clip_norm=0.5 if s else None,
+                    model={"hidden": 16, "dropout": 0.1 * s}) for s in range(3)]
+    for solo, batched in zip([train(c, digits) for c in configs], train_batched(configs, digits), strict=True):
+        same(solo, batched)
