@@ -362,3 +362,23 @@ def test_members_that_accumulate_gradients_match_the_ordinary_loop_bit_for_bit(d
                     model={"hidden": 16, "dropout": 0.1 * s}) for s in range(3)]
     for solo, batched in zip([train(c, digits) for c in configs], train_batched(configs, digits), strict=True):
         same(solo, batched)
+
+
+@pytest.mark.parametrize("moments", [False, True])
+def test_a_warm_started_member_matches_the_ordinary_loops_warm_start_bit_for_bit(digits: Task, tmp_path: Path,
+                                                                                  moments: bool) -> None:
+    """A member started from another run's checkpoint (weights, and with `moments` its optimizer state and step
+    count, which Adam's bias correction goes on from), joining at a boundary after the cohort's first interval."""
+    from trainer.checkpoint import WarmStart
+
+    donor = tiny(seed=11, learning_rate=1e-2)
+    saver = SaveAt(8, tmp_path / "donor.pt")
+    train(donor, digits, checkpointer=saver)
+    warm = WarmStart(load_checkpoint(saver.path), optimizer=moments)
+    config = tiny(seed=4, weight_decay=0.05, warmup_steps=4, model={"hidden": 16, "dropout": 0.1})
+    cohort = Cohort(digits, config, capacity=2)
+    cohort.add(tiny(seed=1))
+    for _ in range(8):
+        cohort.step()
+    member = cohort.add(CohortMember(config, warm_start=warm))
+    same(train(config, digits, warm_start=warm), cohort.run()[member])
