@@ -3,7 +3,9 @@
 # one 10-minute device call with the install), about 7-9 minutes on an H100/H200:
 #   bash bench/gpu_all.sh [OUT_DIR]
 # 1. the CUDA tests (no host-device sync between log/eval steps under set_sync_debug_mode("error"), compile, CUDA
-#    graphs, the multi-tensor Lion, TF32, device metrics); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
+#    graphs, the multi-tensor Lion, TF32, device metrics); 1b. bench/batched.py on the GPU (batched training, issue 16:
+#    trials/hour of K configs as one stacked model vs one after another, digits and a small charlm at K up to 256,
+#    and the stacked 10.8M-parameter charlm's MFU); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
 #    per GPU-hour, GPU busy during a short two-worker charlm study of 500-step trials); 3. bench/overhead.py's CUDA case
 #    (the trainer vs a hand-written loop); 4. bench/distributed.py on 2 GPUs (NCCL: DDP, the verdict broadcast's cost
 #    per evaluation, 1- vs 2-rank deviation; skipped with one GPU); 5. with the time left, bench/gpu.py's `graphs`
@@ -31,6 +33,11 @@ run() {
 
 (nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$python" -c "import torch; print('torch', torch.__version__)") 2>&1 | tee "$out/env.log"
 run 200 cuda_tests.log "$python" -m pytest tests/trainer/test_cuda.py -q -p no:cacheprovider
+# Batched training: the sequential side is timed on the first --solo-max configs only (its time grows linearly).
+run 80 batched.log "$python" bench/batched.py --device cuda --tasks digits charlm --ks 1 16 64 256 --steps 300 \
+    --solo-max 8
+run 90 batched_charlm.log "$python" bench/batched.py --device cuda --tasks charlm-10m --ks 1 8 32 --steps 60 \
+    --solo-max 2
 # The study: charlm.yaml's trials cut to 500 steps (its pruner's warm-up), so that 4 trials on 2 workers end well
 # inside the part's 75 s.
 run 370 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \

@@ -7,7 +7,8 @@ stacked optimizer update (`trainer.batched_optim`). Everything else is per membe
 - its own init seed (the model is built under the member's seed, exactly as `build_run` builds it) and its own
   dropout generator, continuing the global RNG the single run would use;
 - its own data order and curriculum (`build_sampler` under its own seed and max_steps);
-- its own learning-rate schedule (`lr_at` on the host, per member), weight decay, betas, eps, momentum, Nesterov,
+- its own learning-rate schedule (`lr_at`, planned on the host a stretch of steps ahead), weight decay, betas, eps,
+  momentum, Nesterov,
   gradient-clipping norm (each member clipped by its own norm), max_steps;
 - its own step counter: a member that joins at global step G counts from its own 0 (or from its checkpoint's step);
   members join only at evaluation boundaries (global steps that are multiples of the shared `eval_every_steps`),
@@ -18,17 +19,25 @@ Members never mix: vmapped ops work on each slice alone, a member's loss is comp
 backward of the summed losses gives each member the gradient of its own loss. A member that diverges (NaN/Inf)
 changes no other member's numbers; it is stopped by its own guard, like a single run.
 
-On a CPU in fp32 each member's values are those of `trainer.train` for the same config, bit for bit (the tests check
-it): the linear layers and dropout are swapped for exact stacked versions (`trainer.batched_ops`), the loss is
-computed per member on its own rows, and the stacked optimizers reproduce torch's single-tensor updates.
+On a CPU in fp32 each member's values are those of `trainer.train` for the same config, bit for bit, on any number of
+threads and in a cohort of any size: evaluations, logged losses and gradient norms, weights and optimizer moments (the
+tests and `bench/batched.py --deviation` check it). The linear layers and dropout are swapped for exact stacked
+versions (`trainer.batched_ops`; a matrix product whose batched kernel sums in another order than the single model's
+on this thread count runs once per member), the loss is computed per member on its own rows (its logged mean summed
+in `nll_loss`'s order, `nll_mean`), and the stacked optimizers reproduce torch's single-tensor updates, clipping
+included.
 
 Speed: a small model's step is dominated by the cost of each call, not by arithmetic, so the hot path makes a fixed
 number of calls whatever K is. A plain MLP (a chain of Linear, activation and Dropout layers, read from its fx trace)
 runs on the stacked tensors directly (`StackedChain`), skipping vmap's and the custom operators' dispatch; the
 built-in cross-entropy losses are computed for all members in one stacked call; the optimizer's per-member scalars
-reach the device as one small tensor per step; nothing is read back except at log, guard-check and evaluation steps.
-What is still done once per member per step on the host: its learning rate (`lr_at`, so that the logged value is the
-single run's float), its batch indices (its own sampler, then one stack), and dropout's draws from its own generator.
+reach the device as one table per stretch; nothing is read back except at log, guard-check and evaluation steps.
+The host plans stretches: from one step at which any member logs, evaluates, checks its guard or ends (or the cohort
+reaches an evaluation boundary) to the next, every member does nothing but train, so its learning rates, optimizer
+scalars and batch indices for the whole stretch are computed at once and sent as one table each, and the per-member
+bookkeeping (losses into the log interval, the guard's running maximum, logs, evaluations) runs once at the
+stretch's end. Still done once per member per step: dropout's draws from the member's own generator (a member's
+masks must come from its generator in its single run's order and sizes).
 
 A member's checkpoint is the plain single-model checkpoint of `trainer.checkpoint`: a batched run can be resumed or
 warm-started by the ordinary loop and the other way round.
@@ -71,6 +80,7 @@ __all__ = ["Cohort", "CohortMember", "available_memory", "batch_problem", "batch
            "train_batched"]
 
 MEMORY_SAFETY = 0.7  # a cohort may plan on this share of the free memory; the rest is for the allocator and the OS
+MAX_STRETCH = 256  # the most steps whose learning rates and batches are planned at once
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -168,19 +178,58 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
     return None
 
 
-def _stacked_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Every member's `F.cross_entropy` (mean over its rows) at once: out [K, ..., C], y [K, ...] -> [K]. The
+def _stacked_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every member's `F.cross_entropy` (mean over its rows) at once: out [K, ..., C], y [K, ...] -> the losses [K]
+    to differentiate, and each row's log-probability of its target [K, rows] (detached) for the logged value. The
     log-softmax is row by row as in the single model, and the gradient of each member's mean is `-1/rows` at its
-    targets, as `nll_loss`'s backward gives, so the parameters follow the single run bit for bit; the loss value
-    itself is summed in another order than `nll_loss` sums it, which can move the logged training loss by an ulp."""
+    targets, as `nll_loss`'s backward gives, so the parameters follow the single run bit for bit. The mean itself is
+    summed in another order than `nll_loss` sums it; `nll_mean` sums the rows as `nll_loss` does, for the logs."""
     k, classes = out.shape[0], out.shape[-1]
     logp = torch.log_softmax(out.reshape(k, -1, classes), dim=-1)
-    return -logp.gather(-1, y.reshape(k, -1, 1).long()).squeeze(-1).mean(1)
+    picked = logp.gather(-1, y.reshape(k, -1, 1).long()).squeeze(-1)
+    return -picked.mean(1), picked.detach()
+
+
+def nll_mean(picked: torch.Tensor) -> torch.Tensor:
+    """`nll_loss`'s mean over the last dimension of `picked` (the log-probabilities of the targets), summed in the
+    order of its CPU kernel (ATen's `nll_loss_out_frame`), so that a logged training loss is the single run's to the
+    bit: a cascade of float32 partial sums, where level 0 subtracts one row after another and is added into level 1
+    after every 16th row (counting from row 0, which therefore goes up alone), level 1 into level 2 after every 256th,
+    and so on; at the end the levels are added from 0 up, and the sum divided by the number of rows."""
+    rows = picked.shape[-1]
+    if rows > 16**6:
+        raise ValueError(f"nll_mean sums at most 16**6 rows (7 levels of 16), but got {rows}")
+    zero = torch.zeros_like(picked[..., 0])
+    top = zero - picked[..., 0]  # row 0, carried up to the last level at once
+    rest = picked[..., 1:]
+    full = (rows - 1) // 16 * 16
+    chunks = rest[..., :full].unflatten(-1, (-1, 16)) if full else rest[..., :0].unsqueeze(-1)
+    items = torch.zeros_like(chunks[..., 0])
+    for t in range(chunks.shape[-1]):
+        items = items - chunks[..., t]
+    level = zero
+    for t in range(full, rows - 1):  # the rows after the last full chunk stay in level 0
+        level = level - rest[..., t]
+    levels = [level]
+    while len(levels) < 7:  # each higher level adds the sums of the one below, 16 at a time
+        count = items.shape[-1] // 16 * 16
+        partial = zero
+        for t in range(count, items.shape[-1]):
+            partial = partial + items[..., t]
+        levels.append(partial)
+        grouped = items[..., :count].unflatten(-1, (-1, 16)) if count else items[..., :0].unsqueeze(-1)
+        items = torch.zeros_like(grouped[..., 0])
+        for t in range(grouped.shape[-1]):
+            items = items + grouped[..., t]
+    total = zero
+    for value in [*levels, top]:  # std::accumulate over the 8 levels, from 0
+        total = total + value
+    return total / rows
 
 
 # The task losses with a stacked form (the others run once per member on its own rows).
 STACKED_LOSSES: dict[Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                     Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+                     Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {
     cross_entropy: _stacked_cross_entropy, class_cross_entropy: _stacked_cross_entropy}
 
 
@@ -278,6 +327,21 @@ class _Slot:
         return self.member.config
 
 
+@dataclass
+class _Stretch:
+    """The steps planned at once by `Cohort._plan`, on the device, and how far the cohort is through them."""
+
+    length: int
+    scalars: torch.Tensor  # [length, len(COLUMNS), K]: the optimizer's per-member scalars, step by step
+    indices: torch.Tensor  # [length, accumulation, K, batch_size]: each member's batch indices
+    lrs: list[list[float]]  # [length][K]: the learning rates as `lr_at` gives them, for the logs
+    samplers: dict[int, dict[str, Any]]  # slot -> its sampler's state before the stretch
+    dones: dict[int, int]  # slot -> its member's steps done before the stretch
+    watched: torch.Tensor | None  # [K] bool: whose guard watches its loss (None: nobody's)
+    explosion: torch.Tensor  # [length, K] bool: whose guard applies the explosion rule at each step
+    position: int = 0
+
+
 class Cohort:
     """K slots of one batch signature, trained as one stacked model. Add members (`add`) at evaluation boundaries,
     remove them (`remove`) at any step, advance all of them by one step (`step`), or `run` until every slot is free.
@@ -322,7 +386,9 @@ class Cohort:
         self._worst = torch.full((capacity,), -math.inf, device=self.device)
         self._idle_batch = torch.arange(like.batch_size, device=self.device)
         self._order = self._optimizer_order()
-        self._plan: ClipPlan | None = None
+        self._clip: ClipPlan | None = None
+        self._stretch: _Stretch | None = None
+        self._pending: list[torch.Tensor] = []  # what the losses of the steps since the last `_settle` are read from
         self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
         self._records: dict[bool, dict[str, Any]] = {}
 
@@ -359,6 +425,7 @@ class Cohort:
         if problem is not None:
             raise ValueError(f"this config cannot be batched: {problem}; train it with trainer.train")
         index = self.free_slots[0]
+        self._stretch = None  # a boundary ends a stretch: the next one is planned with the new member
         # Built as `build_run` builds it: seed, then the model from the seeded RNG; what the RNG holds after that is
         # what the single run's dropout draws from.
         seed_everything(config.seed, deterministic=config.deterministic)
@@ -390,7 +457,7 @@ class Cohort:
         self._loss_sum[index] = 0.0
         self._worst[index] = -math.inf
         self.slots[index] = slot
-        self._plan = None
+        self._clip = None
         if member.resume is not None:
             self._restore(index, slot, member.resume)
         elif member.warm_start is not None or fast_fail.enabled:
@@ -424,56 +491,136 @@ class Cohort:
         return self.results
 
     def step(self) -> None:
-        """One optimizer step of every member: learning rate, forward, loss, backward, clip, step; then each
-        member's logs, guard, evaluations and checkpoints at its own intervals."""
+        """One optimizer step of every member: forward, loss, backward, clip, step, with the learning rates and
+        batches planned for the stretch (`_plan`); then, at the stretch's last step, each member's logs, guard,
+        evaluations and checkpoints at its own intervals."""
+        if self._stretch is None or self._stretch.position == self._stretch.length:
+            self._stretch = self._plan()
+        stretch = self._stretch
+        i = stretch.position
+        last = i == stretch.length - 1
         slots = self.slots
-        configs = [s.config if s is not None else None for s in slots]
-        steps = [s.done if s is not None else 0 for s in slots]
-        lrs = [lr_at(step, c) if c is not None else 0.0 for step, c in zip(steps, configs)]
-        for s in slots:
-            if s is not None:
-                s.optimizer_steps += 1
-        scalars = host_scalars(configs, lrs, [s.optimizer_steps if s is not None else 1 for s in slots], self.device)
-        accum = self.like.gradient_accumulation_steps
-        step_loss = self._accumulate(steps, accum)
-        logging = [s is not None and self._log_now(s) for s in slots]
+        self._pending.extend(self._accumulate(stretch.indices[i]))
+        logging = last and any(s is not None and self._log_now(s) for s in slots)
+        plan = self._clip_plan()
         norm = clip_stacked([p.grad for p in self.params.values() if p.grad is not None],
-                            self._clip_plan()) if any(logging) or self._clip_plan() is not None else None
-        self.optimizer.step(scalars)
+                            plan) if logging or plan is not None else None
+        self.optimizer.step(stretch.scalars[i])
         for p in self.params.values():
             p.grad = None
-        self._loss_sum += step_loss
-        self._observe(step_loss)
+        stretch.position += 1
         self.step_count += 1
         for s in slots:
             if s is not None:
                 s.done += 1
+                s.optimizer_steps += 1
                 s.steps_since_log += 1
-        self._after_step(lrs, norm, step_loss)
+        if last:
+            self._after_step(stretch.lrs[i], norm, self._settle())
 
-    def _accumulate(self, steps: list[int], accum: int) -> torch.Tensor:
-        total: torch.Tensor | None = None
-        for _ in range(accum):
-            idx = torch.stack([s.sampler.next(step) if s is not None else self._idle_batch
-                               for s, step in zip(self.slots, steps)])
+    def _plan(self) -> _Stretch:
+        """The host's work for the steps up to the next one at which any member logs, evaluates, checks its guard or
+        ends, or the cohort reaches an evaluation boundary (at most `MAX_STRETCH`): each member's learning rates
+        (`lr_at`), optimizer scalars and batch indices, sent to the device in one table each. Between two such
+        steps a member does nothing but train, so nothing planned is wasted, and at the stretch's end each
+        member's sampler stands where its single run's would."""
+        every = self.like.eval_every_steps
+        length = min(MAX_STRETCH, every - self.step_count % every,
+                     *(self._until_event(s) for s in self.slots if s is not None))
+        accum = self.like.gradient_accumulation_steps
+        lrs, firsts, indices, samplers, dones = [], [], [], {}, {}
+        idle = self._idle_batch.expand(length * accum, -1)
+        for k, s in enumerate(self.slots):
+            if s is None:
+                lrs.append([0.0] * length)
+                firsts.append(1)
+                indices.append(idle)
+                continue
+            lrs.append([lr_at(s.done + i, s.config) for i in range(length)])
+            firsts.append(s.optimizer_steps + 1)
+            samplers[k], dones[k] = s.sampler.state_dict(), s.done
+            indices.append(torch.stack([s.sampler.next(s.done + j // accum) for j in range(length * accum)]))
+        configs = [s.config if s is not None else None for s in self.slots]
+        stacked = torch.stack(indices, 1).view(length, accum, self.capacity, -1)
+        watched, explosion = self._guard_masks(length)
+        return _Stretch(length=length, scalars=host_scalars(configs, lrs, firsts, self.device), indices=stacked,
+                        lrs=[list(step) for step in zip(*lrs, strict=True)], samplers=samplers, dones=dones,
+                        watched=watched, explosion=explosion)
+
+    @staticmethod
+    def _until_event(slot: _Slot) -> int:
+        """Steps until the member's next log, evaluation, guard check or end (at least 1)."""
+        config = slot.config
+        periods = [config.log_every_steps, config.eval_every_steps]
+        if slot.fast_fail.enabled:
+            periods.append(slot.fast_fail.check_every_n_steps or config.log_every_steps)
+        return max(1, min(config.max_steps - slot.done, *(p - slot.done % p for p in periods)))
+
+    def _guard_masks(self, length: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """For each step of a stretch, which members' guards watch their loss at all ([K] bool, or None when none
+        does) and which of them apply the explosion rule then ([length, K] bool), as `LossGuard.observe` decides."""
+        watched = [s is not None and s.fast_fail.enabled for s in self.slots]
+        if not any(watched):
+            return None, torch.zeros(length, self.capacity, dtype=torch.bool, device=self.device)
+        rows = []
+        for i in range(length):
+            rows.append([s is not None and on and s.threshold is not None
+                         and s.done + i + 1 >= (s.fast_fail.warmup_steps or 0)
+                         and not in_stage_grace(s.done + i + 1, s.stages, s.fast_fail.stage_grace_steps or 0)
+                         for s, on in zip(self.slots, watched, strict=True)])
+        return (torch.tensor(watched, device=self.device), torch.tensor(rows, dtype=torch.bool, device=self.device))
+
+    def _accumulate(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        """Forward and backward of every member over its micro-batches (`indices`: [accumulation, K, batch]);
+        returns, per micro-batch, what its losses are read from (see `_settle`): each member's loss [K], or with a
+        stacked loss the log-probabilities of the targets [K, rows]."""
+        accum = len(indices)
+        out_losses: list[torch.Tensor] = []
+        rates = [s.rates if s is not None else [] for s in self.slots]
+        generators = [s.generator if s is not None else None for s in self.slots]
+        for idx in indices:
             x, y = self.train_x[idx], self.train_y[idx]
-            rates = [s.rates if s is not None else [] for s in self.slots]
-            generators = [s.generator if s is not None else None for s in self.slots]
             with self.precision.autocast(), member_randomness(rates, generators):
                 out = (self.chain(self.params, x, training=True) if self.chain is not None
                        else self.forward(self.params, self.buffers, x))
             # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
             # gives each member the gradient of its own loss.
             if self.stacked_loss is not None:
-                losses = self.stacked_loss(out.float(), y)
+                losses, picked = self.stacked_loss(out.float(), y)
+                out_losses.append(picked)
             else:
                 losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
+                out_losses.append(losses.detach())
             if accum > 1:
                 losses = losses / accum
             losses.sum().backward()
-            total = losses.detach() if total is None else total + losses.detach()
-        assert total is not None
-        return total
+        return out_losses
+
+    def _settle(self) -> torch.Tensor:
+        """Account for the steps trained since the last call: each member's loss at each step, as the single run
+        computes it (`nll_mean` for a stacked loss; divided by the accumulation and summed micro-batch after
+        micro-batch), added to its log interval's sum step after step, and seen by its guard. Runs at a stretch's
+        end (and when a member's state is taken), on all those steps at once. Returns the last step's losses [K]."""
+        stretch = self._stretch
+        assert stretch is not None
+        accum = self.like.gradient_accumulation_steps
+        pending, self._pending = self._pending, []
+        if not pending:
+            return torch.zeros(self.capacity, device=self.device)
+        values = torch.stack(pending)
+        losses = nll_mean(values) if self.stacked_loss is not None else values  # [steps * accum, K]
+        losses = losses.view(-1, accum, self.capacity)
+        if accum > 1:
+            losses = losses / accum
+        step_losses = losses[:, 0]
+        for m in range(1, accum):
+            step_losses = step_losses + losses[:, m]
+        for step_loss in step_losses:  # the single run's interval sum: one addition per step, in order
+            self._loss_sum += step_loss
+        begin = stretch.position - len(step_losses)
+        if stretch.watched is not None:
+            self._observe(step_losses, stretch.watched, stretch.explosion[begin: stretch.position])
+        return step_losses[-1]
 
     def _after_step(self, lrs: list[float], norm: torch.Tensor | None, step_loss: torch.Tensor) -> None:
         logs = [i for i, s in enumerate(self.slots) if s is not None and self._log_now(s, after=True)]
@@ -523,30 +670,21 @@ class Cohort:
         return slot.done % slot.config.eval_every_steps == 0 or slot.done == slot.config.max_steps
 
     def _clip_plan(self) -> ClipPlan | None:
-        if self._plan is None:
+        if self._clip is None:
             norms = [s.config.gradient_clip_norm if s is not None else None for s in self.slots]
             if all(n is None for n in norms):
                 return None
-            self._plan = ClipPlan(torch.tensor([n or 1.0 for n in norms], device=self.device),
+            self._clip = ClipPlan(torch.tensor([n or 1.0 for n in norms], device=self.device),
                                   torch.tensor([n is not None for n in norms], device=self.device))
-        return self._plan
+        return self._clip
 
-    def _observe(self, step_loss: torch.Tensor) -> None:
-        """Every member's guard in one kernel: a running maximum of the training loss where the explosion rule
-        applies, else of `loss - loss` (0, or NaN for a NaN/Inf loss), as `LossGuard.observe`."""
-        explosion, watched = [], []
-        for s in self.slots:
-            on = s is not None and s.fast_fail.enabled
-            watched.append(on)
-            explosion.append(on and s is not None and s.threshold is not None
-                             and s.done + 1 >= (s.fast_fail.warmup_steps or 0)
-                             and not in_stage_grace(s.done + 1, s.stages, s.fast_fail.stage_grace_steps or 0))
-        if not any(watched):
-            return
-        mask = torch.tensor(explosion, device=self.device)
-        seen = torch.where(mask, step_loss, step_loss - step_loss)
-        seen = torch.where(torch.tensor(watched, device=self.device), seen, torch.full_like(seen, -math.inf))
-        torch.maximum(self._worst, seen, out=self._worst)
+    def _observe(self, step_losses: torch.Tensor, watched: torch.Tensor, explosion: torch.Tensor) -> None:
+        """Every member's guard over several steps ([steps, K]) at once: a running maximum of the training loss
+        where the explosion rule applies, else of `loss - loss` (0, or NaN for a NaN/Inf loss), as
+        `LossGuard.observe` keeps it step by step (a maximum does not depend on the order)."""
+        seen = torch.where(explosion, step_losses, step_losses - step_losses)
+        seen = torch.where(watched, seen, torch.full_like(seen, -math.inf))
+        torch.maximum(self._worst, seen.amax(0), out=self._worst)
 
     def _log(self, logs: list[int], lrs: list[float], norm: torch.Tensor | None) -> None:
         steps = torch.tensor([max(1, s.steps_since_log) if s is not None else 1 for s in self.slots],
@@ -632,7 +770,7 @@ class Cohort:
         result.wall_time_s = time.perf_counter() - slot.started
         self.results[slot.id] = result
         self.slots[index] = None
-        self._plan = None
+        self._clip = None
         return result
 
     # -- state in and out: the plain single-model formats --------------------------------------------------------
@@ -681,6 +819,8 @@ class Cohort:
     @torch.no_grad()
     def member_state(self, member_id: int) -> TrainState:
         """A member's whole training state as the ordinary loop's checkpoint holds it."""
+        if self._pending:  # in the middle of a stretch: its losses so far go into the interval's sum first
+            self._settle()
         index = next(i for i, s in enumerate(self.slots) if s is not None and s.id == member_id)
         slot = self.slots[index]
         assert slot is not None
@@ -706,9 +846,22 @@ class Cohort:
             loss_sum = float(self._loss_sum[index])
         return TrainState(step=slot.done, model=model, optimizer=optimizer.state_dict(),
                           scaler=self.precision.scaler.state_dict(), rng=self._member_rng(slot),
-                          data=slot.sampler.state_dict(),
+                          data=self._sampler_state(index, slot),
                           loop=LoopState(loss_sum, slot.steps_since_log, slot.threshold),
                           config=config.to_dict(), metrics=dict(slot.result.metrics))
+
+    def _sampler_state(self, index: int, slot: _Slot) -> dict[str, Any]:
+        """The member's data position after the steps it has done. Its sampler has drawn the whole stretch's
+        batches ahead; in the middle of a stretch, its state before the stretch is advanced by the steps done."""
+        stretch = self._stretch
+        if stretch is None or stretch.position == stretch.length or index not in stretch.samplers:
+            return slot.sampler.state_dict()
+        sampler = build_sampler(slot.config, self.task, self.device)
+        sampler.load_state_dict(stretch.samplers[index])
+        accum = self.like.gradient_accumulation_steps
+        for j in range(stretch.position * accum):
+            sampler.next(stretch.dones[index] + j // accum)
+        return sampler.state_dict()
 
     def _member_rng(self, slot: _Slot) -> dict[str, Any]:
         """What `capture_rng` would hold in the single run: python and numpy as seeded (training draws none), and

@@ -6,7 +6,12 @@
    `addmm` backward computes `g^T x`: the same sum in another order, a few ulps apart for non-square weights.
    `StackedLinear` computes the batched forward and backward with `baddbmm`/`bmm` in the single model's order (a
    custom operator with a vmap rule, so it stays inside `vmap(functional_call(...))`), and each member's values are
-   then those of the single model, bit for bit on a CPU.
+   then those of the single model, bit for bit on a CPU. One more catch (`member_matmul`): with more than one
+   intra-op thread, MKL's sgemm sums some shapes in another order than with one (on this CPU the weight gradient
+   of a 10-wide output layer, `g^T x` for g [rows, 10]), and `bmm` runs each member's product on one thread, while
+   the single model's `mm` uses them all. Each product's batched form is checked once against the members' single
+   products (per shape and thread count, on random data); where they differ, each member's product is computed
+   alone, by the single model's own call.
 2. `nn.Dropout`: under vmap a random op either draws one mask for all members or fails. `MemberDropout` draws each
    member's mask from that member's own generator with the member's own rate, exactly as `F.dropout` draws it
    (`bernoulli_(1 - p)`, divided by `1 - p`), so a member sees the masks it would see alone.
@@ -19,7 +24,7 @@ ordinary loop (never a wrong answer).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +34,56 @@ import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "member_randomness", "prepare_template",
-           "stacked_chain", "stacked_dropout"]
+__all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "member_matmul", "member_randomness",
+           "per_member", "prepare_template", "stacked_chain", "stacked_dropout"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Matrix products, each member's as the single model computes it.
+
+# The three products of a linear layer, batched and as the single model computes them (`addmm` and its backward):
+# the forward, the input gradient g @ W, and the weight gradient g^T @ x (not (x^T @ g)^T).
+_PRODUCTS: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor]]] = {
+    "forward": (lambda x, w, b: torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2)),
+                lambda x, w, b: torch.addmm(b, x, w.t())),
+    "grad_x": (lambda g, w: torch.bmm(g, w), lambda g, w: g.mm(w)),
+    "grad_w": (lambda g, x: torch.bmm(g.transpose(1, 2), x), lambda g, x: g.t().mm(x)),
+}
+_AGREES: dict[tuple[Any, ...], bool] = {}  # (name, shapes, dtype, threads) -> whether the batched form is exact
+_PROBES = 8  # random draws per check: two summation orders agree on one draw by chance, hardly on eight
+
+
+def per_member(name: str, batched: Callable[..., Tensor], single: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    """`batched(*args)` on stacked [K, ...] arguments, each member's slice equal, bit for bit, to what `single` gives
+    on that member's slices: the batched kernel where it agrees with the single one (checked once per `name`,
+    shapes, dtype and thread count, on random data drawn from a private generator, so the members' RNGs do not
+    move), else `single` once per member. On other devices than a CPU the batched kernel is taken as it is (no
+    bit-for-bit claim there)."""
+    if args[0].device.type != "cpu":
+        return batched(*args)
+    k = args[0].shape[0]
+    key = (name, tuple(tuple(a.shape) for a in args), args[0].dtype, torch.get_num_threads())
+    agrees = _AGREES.get(key)
+    if agrees is None:
+        generator = torch.Generator().manual_seed(0)
+        agrees = True
+        for _ in range(_PROBES):
+            probe = [torch.randn(a.shape, generator=generator, dtype=a.dtype) for a in args]
+            together = batched(*probe)
+            agrees = agrees and all(torch.equal(together[m], single(*(a[m] for a in probe))) for m in range(k))
+        _AGREES[key] = agrees
+    if agrees:
+        return batched(*args)
+    return torch.stack([single(*(a[m] for a in args)) for m in range(k)])
+
+
+def member_matmul(product: str, *args: Tensor) -> Tensor:
+    """`product` ("forward", "grad_x" or "grad_w") of stacked [K, ...] arguments, each member's slice equal, bit for
+    bit, to the single model's call on that member's tensors (`per_member`). On a CPU a batched product runs each
+    member's matrix product on one thread, while the single model's `mm` may split a product over threads in another
+    summation order (MKL does for some shapes)."""
+    batched, single = _PRODUCTS[product]
+    return per_member(product, batched, single, *args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -39,7 +92,7 @@ __all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "m
 @torch.library.custom_op("trainer_batched::stacked_linear", mutates_args=())
 def _stacked_linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """x [K, N, in], weight [K, out, in], bias [K, out] -> [K, N, out]: `addmm(bias, x, weight.t())` per member."""
-    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+    return member_matmul("forward", x, weight, bias)
 
 
 def _stacked_linear_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
@@ -49,8 +102,8 @@ def _stacked_linear_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], out
 
 def _stacked_linear_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x, weight = ctx.saved_tensors
-    # addmm's backward for one model: grad_x = g @ W, grad_W = g^T @ x (not (x^T @ g)^T), grad_b = g summed over rows.
-    return torch.bmm(grad, weight), torch.bmm(grad.transpose(1, 2), x), grad.sum(1)
+    # addmm's backward for one model: grad_x = g @ W, grad_W = g^T @ x, grad_b = g summed over rows.
+    return member_matmul("grad_x", grad, weight), member_matmul("grad_w", grad, x), grad.sum(1)
 
 
 class _StackedLinearFunction(torch.autograd.Function):
@@ -60,13 +113,13 @@ class _StackedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         ctx.save_for_backward(x, weight)
-        return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+        return member_matmul("forward", x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor, Tensor]:
         x, weight = ctx.saved_tensors
-        grad_x = torch.bmm(grad, weight) if ctx.needs_input_grad[0] else None
-        return grad_x, torch.bmm(grad.transpose(1, 2), x), grad.sum(1)
+        grad_x = member_matmul("grad_x", grad, weight) if ctx.needs_input_grad[0] else None
+        return grad_x, member_matmul("grad_w", grad, x), grad.sum(1)
 
 
 torch.library.register_autograd("trainer_batched::stacked_linear", _stacked_linear_backward,

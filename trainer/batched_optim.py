@@ -9,8 +9,8 @@ Adam and SGD, and our `Lion`): a scalar `alpha` of `add_` becomes an `addcmul` w
 them bit for bit against the single-model optimizers.
 
 The per-member scalars that the single-model optimizers compute in Python (bias corrections, `1 - lr * decay`) are
-computed the same way here, on the host, from the members' configs and step counts (`host_scalars`), and reach the
-device as one small tensor per step: the host knows them without reading anything back.
+computed the same way here, on the host, from the members' configs and step counts (`host_scalars`), for many steps
+at once, and reach the device as one small table: the host knows them without reading anything back.
 
 Weight decay applies to matrices only (a member's tensor of dim >= 2), as in `build_optimizer`.
 """
@@ -23,37 +23,44 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.batched_ops import per_member
+
 if TYPE_CHECKING:
     from trainer.config import TrainingConfig
 
-__all__ = ["OPTIMIZER_STATES", "ClipPlan", "StackedOptimizer", "clip_stacked", "host_scalars"]
+__all__ = ["COLUMNS", "OPTIMIZER_STATES", "ClipPlan", "StackedOptimizer", "clip_stacked", "host_scalars"]
 
 # The state tensors each optimizer keeps per parameter, named as torch's (and our Lion's) state dicts name them.
 OPTIMIZER_STATES: dict[str, tuple[str, ...]] = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
                                                 "sgd": ("momentum_buffer",), "lion": ("exp_avg",)}
 
-# The columns of `host_scalars`, per member.
-_COLUMNS = ("lr", "neg_lr", "decay_factor", "weight_decay", "one_minus_beta1", "beta1", "beta2", "one_minus_beta2",
-            "bias2_sqrt", "eps", "neg_step_size", "momentum", "nesterov")
+# The rows of `host_scalars`' table, per member.
+COLUMNS = ("lr", "neg_lr", "decay_factor", "weight_decay", "one_minus_beta1", "beta1", "beta2", "one_minus_beta2",
+           "bias2_sqrt", "eps", "neg_step_size", "momentum", "nesterov")
+_FREE = [0.0, -0.0, 1.0, 0.0, 0.1, 0.9, 0.999, 0.001, 1.0, 1e-8, -0.0, 0.0, 0.0]  # a free slot: nothing moves
 
 
-def host_scalars(configs: Sequence[TrainingConfig | None], lrs: Sequence[float], steps: Sequence[int],
-                 device: torch.device) -> dict[str, torch.Tensor]:
-    """Each member's scalars for its optimizer step number `steps[k]` (1-based, as torch's `state["step"]` after the
-    increment), computed in Python floats exactly as the single-model optimizers compute them, then sent to the device
-    as float32 (what a Python scalar becomes in a float32 kernel). A free slot (`None`) gets a zero learning rate."""
-    rows = []
-    for config, lr, step in zip(configs, lrs, steps):
-        if config is None:
-            rows.append([0.0, -0.0, 1.0, 0.0, 0.1, 0.9, 0.999, 0.001, 1.0, 1e-8, -0.0, 0.0, 0.0])
-            continue
-        beta1, beta2, decay = config.beta1, config.resolved_beta2, config.weight_decay
-        bias1 = 1 - beta1**step
-        bias2 = 1 - beta2**step
-        rows.append([lr, -lr, 1 - lr * decay, decay, 1 - beta1, beta1, beta2, 1 - beta2, bias2**0.5, config.eps,
-                     -(lr / bias1), config.momentum if config.optimizer == "sgd" else 0.0, float(config.nesterov)])
-    table = torch.tensor(rows, dtype=torch.float64).to(torch.float32).to(device)
-    return {name: table[:, i].contiguous() for i, name in enumerate(_COLUMNS)}
+def _row(config: TrainingConfig, lr: float, step: int) -> list[float]:
+    """One member's scalars for its optimizer step number `step` (1-based, as torch's `state["step"]` after the
+    increment), in Python floats exactly as the single-model optimizers compute them."""
+    beta1, beta2, decay = config.beta1, config.resolved_beta2, config.weight_decay
+    bias1 = 1 - beta1**step
+    bias2 = 1 - beta2**step
+    return [lr, -lr, 1 - lr * decay, decay, 1 - beta1, beta1, beta2, 1 - beta2, bias2**0.5, config.eps,
+            -(lr / bias1), config.momentum if config.optimizer == "sgd" else 0.0, float(config.nesterov)]
+
+
+def host_scalars(configs: Sequence[TrainingConfig | None], lrs: Sequence[Sequence[float]],
+                 steps: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Every member's scalars for several steps ahead, as one [steps, len(COLUMNS), K] float32 tensor on `device`
+    (what a Python scalar becomes in a float32 kernel): member `k`'s learning rates `lrs[k]` (one per step), its
+    first optimizer step number `steps[k]`. A free slot (`None`) gets a zero learning rate. One transfer for all the
+    steps: the optimizer takes step `i`'s [len(COLUMNS), K] slice, and the host computes nothing per step."""
+    n = max((len(rates) for rates in lrs), default=0)
+    rows = [[_row(config, lr, first + i) for i, lr in enumerate(rates)] if config is not None else [_FREE] * n
+            for config, rates, first in zip(configs, lrs, steps)]
+    table = torch.tensor(rows, dtype=torch.float64).to(torch.float32)  # [K, steps, columns]
+    return table.permute(1, 2, 0).contiguous().to(device)
 
 
 # torch's multi-tensor ops (private in name only; `torch.optim`'s foreach paths use them): one call for a list of
@@ -91,9 +98,11 @@ def clip_stacked(grads: Sequence[torch.Tensor], plan: ClipPlan | None) -> torch.
     k = grads[0].shape[0]
     slices = [g[i] for i in range(k) for g in grads]
     norms = torch.stack(torch._foreach_norm(slices, 2)).view(k, len(grads))  # noqa: SLF001 (multi-tensor kernel)
-    total = torch.linalg.vector_norm(norms, 2, dim=1)
+    total = per_member("total_norm", lambda n: torch.linalg.vector_norm(n, 2, dim=1),
+                       lambda n: torch.linalg.vector_norm(n, 2), norms)  # a row-wise norm may sum in another order
     if plan is not None:
-        coef = torch.clamp(plan.max_norm / (total + 1e-6), max=1.0)
+        # `max_norm / (total_norm + 1e-6)` with a float max_norm is Tensor.__rtruediv__: a reciprocal, then a product
+        coef = torch.clamp((total + 1e-6).reciprocal() * plan.max_norm, max=1.0)
         coef = torch.where(plan.clip, coef, torch.ones_like(coef))  # a member that does not clip is left as it is
         for g in grads:
             g.mul_(_per_member(coef, g))
@@ -120,13 +129,15 @@ class StackedOptimizer:
                 tensor[slot].zero_()
 
     @torch.no_grad()
-    def step(self, scalars: Mapping[str, torch.Tensor]) -> None:
+    def step(self, scalars: torch.Tensor) -> None:
+        """One step; `scalars`: the members' [len(COLUMNS), K] slice of a `host_scalars` table."""
         names = [name for name, p in self.params.items() if p.grad is not None]
         shaped: dict[int, dict[str, torch.Tensor]] = {}  # the scalars viewed for each parameter rank, once a step
         for name in names:
             p = self.params[name]
             if p.dim() not in shaped:
-                shaped[p.dim()] = {key: _per_member(value, p) for key, value in scalars.items()}
+                shaped[p.dim()] = dict(zip(COLUMNS, scalars.view(len(COLUMNS), -1, *([1] * (p.dim() - 1)))
+                                           .unbind(0), strict=True))
         if self.kind in ("adam", "adamw"):
             self._adam(names, shaped)
             return
