@@ -767,7 +767,8 @@ def reproduce(
         comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target), trust_code=trust_task)
     except (KeyError, ValueError) as exc:
         raise _fail(str(exc.args[0]) if exc.args else str(exc), 2) from None
-    how = "bit for bit" if comparison.tolerance == 0 else f"within a relative {comparison.tolerance:g}"
+    how = "bit for bit" if comparison.largest_difference == 0 else (
+        f"within a relative {comparison.tolerance:g}: at most {comparison.largest_difference:.2g}")
     if comparison.first_difference is not None:
         step, stored, again = comparison.first_difference
         raise _fail(f"trial {trial} differs first at step {step}: stored {stored!r}, reproduced {again!r}", 1)

@@ -99,6 +99,7 @@ class Comparison:
     steps_compared: int
     tolerance: float  # 0.0: bit for bit
     first_difference: tuple[int, float, float] | None  # (step, stored, reproduced)
+    largest_difference: float = 0.0  # relative, over the values compared (0.0: every one bit for bit)
 
     @property
     def identical(self) -> bool:
@@ -242,10 +243,12 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         tolerance = max(tolerance, BATCHED_TOLERANCE)  # stacked kernels may round differently (trainer.batched)
     if (trial.user_attrs.get(ATTR_REPRO) or {}).get("ranks", 1) > 1:  # trained on several ranks, replayed on one
         tolerance = max(tolerance, DATA_PARALLEL_TOLERANCE)
-    difference = None
+    difference, largest = None, 0.0
     for step, value in stored.items():
         again = recorder.values.get(step, math.nan)
         if not _same(value, again, tolerance):
             difference = (step, value, again)
             break
-    return Comparison(number, len(stored), tolerance, difference)
+        if value != again and math.isfinite(value) and math.isfinite(again):
+            largest = max(largest, abs(value - again) / max(abs(value), abs(again)))
+    return Comparison(number, len(stored), tolerance, difference, largest)

@@ -220,7 +220,7 @@ def test_sweep_stop_lets_the_two_rank_trial_finish_and_starts_no_other(tmp_path:
         wait_for("a checkpoint at step 20", lambda: any(step >= 20 for _, _, step, _ in checkpoint_rows(db)), 300,
                  alive=worker)
         (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
-        assert sweep_cli("stop", path).exit_code == 0
+        assert sweep_cli("stop", path).returncode == 0
         code = finish(worker, log, 300)
     finally:
         if worker.poll() is None:
