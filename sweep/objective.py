@@ -9,6 +9,7 @@ exception means; this module only trains.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -277,9 +278,11 @@ class TrainerTrial:
                              warm=None if start.warm is None else start.warm.state,
                              warm_optimizer=start.warm is not None and start.warm.optimizer,
                              timeout_s=float(resources.collective_timeout_s),
-                             withheld=(*SECRET_ENV_NAMES, STORAGE_FILE_ENV)) as ranks:
-                self.trial.set_user_attr(ATTR_RANKS, {"world": world, "pids": ranks.pids})
+                             withheld=(*SECRET_ENV_NAMES, STORAGE_FILE_ENV,
+                                       *filter(None, [self.spec.storage_password_env]))) as ranks:
                 with self.boundary.no_wait():  # as with one rank: the reports wait while the storage is away
+                    with contextlib.suppress(StorageAway):  # the children wait in DDP's setup meanwhile: no waiting
+                        self.trial.set_user_attr(ATTR_RANKS, {"world": world, "pids": ranks.pids})
                     result = train(prepared.config, prepared.task, prepared.reporter, resume=start.resume,
                                    warm_start=start.warm, checkpointer=prepared.checkpointer, ranks=ranks.group)
         except RankFailed as exc:

@@ -441,9 +441,17 @@ class StudySpec(_Model):
             raise ValueError(f"devices_per_trial: {n} and execution.cohort: {execution.cohort} do not go together "
                              "(a cohort packs many trials onto one device, a data-parallel trial spreads one over "
                              "several): use one of them")
+        searched = (info.data.get("space") or {}).get("batch_size")
+        if searched is not None:  # each categorical choice now; an int range's draws are checked per trial
+            choices = getattr(searched, "choices", None) or []
+            uneven = [c for c in choices if isinstance(c, int) and not isinstance(c, bool) and c % n]
+            if uneven:
+                raise ValueError(f"devices_per_trial: {n} splits each global batch evenly between the ranks: the "
+                                 f"batch_size choices {uneven} are not multiples of {n}")
+            return value
         default = next(f.default for f in dataclasses.fields(TrainingConfig) if f.name == "batch_size")
         batch = (info.data.get("fixed") or {}).get("batch_size", default)
-        if isinstance(batch, int) and batch % n:  # a searched batch_size is checked per trial (trainer.distributed)
+        if isinstance(batch, int) and batch % n:
             raise ValueError(f"devices_per_trial: {n} splits each global batch evenly between the ranks: batch_size "
                              f"{batch} is not a multiple of {n}")
         return value

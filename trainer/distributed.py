@@ -47,7 +47,8 @@ from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import ConfigError, TrainingConfig
 from trainer.sync import allowed_sync
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "free_port", "from_environment",
+__all__ = ["DEFAULT_TIMEOUT_S", "LOST_EXIT", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "collective_failed",
+           "free_port", "from_environment",
            "join_parent", "local_ranks"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective waits for a rank that neither answers nor closes its connection
@@ -123,6 +124,10 @@ class ProcessGroup(Ranks):
         local = rank if local_rank is None else local_rank
         if device_type == "cuda":
             torch.cuda.set_device(local)
+            # A collective that times out (a peer died or hangs) raises in the calling thread, where rank 0 turns it
+            # into a retried trial, instead of NCCL's watchdog aborting the whole process: rank 0 is the sweep
+            # worker. (Not yet run on GPUs: no GPU in this project's sessions.)
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, store=store,
                                 rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         return cls(rank, world, local, device_type)
@@ -211,6 +216,11 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+# A child's exit code when one of its collectives failed (a peer died, or did not answer within the timeout): the
+# group is lost, not the rank's own error; rank 0 retries the trial (`RankFailed.lost`). EX_TEMPFAIL, from sysexits.h.
+LOST_EXIT = 75
+
+
 class RankFailed(RuntimeError):
     """A rank other than 0 died, failed or hung: the run cannot go on. `lost` when a signal killed it or it did not
     answer within the timeout (a fault of the machine, or an operator's SIGKILL: worth a retry); otherwise it exited
@@ -219,13 +229,15 @@ class RankFailed(RuntimeError):
     def __init__(self, rank: int | None, returncode: int | None, tail: str = "", *, timeout_s: float = 0.0) -> None:
         self.rank, self.returncode, self.tail = rank, returncode, tail
         self.signal = -returncode if returncode is not None and returncode < 0 else None
-        self.lost = returncode is None or self.signal is not None
+        self.lost = returncode is None or self.signal is not None or returncode == LOST_EXIT
         # Its last line (torch prefixes a rank's traceback lines with "[rankN]: ").
         last = re.sub(r"^\[rank\d+\]:\s*", "", tail.strip().splitlines()[-1]) if tail.strip() else ""
         if returncode is None:
             message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
         elif self.signal is not None:
             message = f"rank {rank} was killed by {signal.Signals(self.signal).name}"
+        elif returncode == LOST_EXIT:
+            message = f"rank {rank} lost the group (a collective failed)" + (f": {last}" if last else "")
         else:
             message = f"rank {rank} exited with code {returncode}" + (f": {last}" if last else "")
         super().__init__(message)
@@ -294,20 +306,21 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
         handle = LocalGroup(group, [child.pid for child in children])
         try:
             yield handle
+            # Past this barrier every rank has finished training: how a child then exits (gloo's teardown has been
+            # seen to abort now and then) changes nothing of the run; its exit code is kept with its result. A child
+            # that dies before it fails the run as any collective would.
+            group.finish()
         except BaseException as exc:
             # Which children had ended before we end them: a rank's death closes its connections as it exits, so
             # rank 0's failed collective may come a moment before the exit code does.
             exited = [_exit_code(child, 2.0 if isinstance(exc, Exception) else 0.0) for child in children]
             _end(children, grace_s=5.0)
             failed = _first_failure(exited, logs)
-            if failed is None and isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+            if failed is None and collective_failed(exc):
                 failed = RankFailed(None, None, timeout_s=timeout_s)
             if failed is not None and isinstance(exc, Exception):
                 raise failed from exc
             raise
-        # Past this barrier every rank has finished training: how a child then exits (gloo's teardown has been seen
-        # to abort now and then) changes nothing of the run; its exit code is kept with its result.
-        group.finish()
         group = None
         _end(children, grace_s=timeout_s, terminate=False)
         handle.results = [_result(rank, log, child.returncode) for rank, (child, log)
@@ -360,10 +373,20 @@ def _exit_code(child: subprocess.Popen[bytes], wait_s: float) -> int | None:
         return None
 
 
+def collective_failed(exc: BaseException) -> bool:
+    """Whether `exc` is a collective (or the group's store) failing on a peer that died or did not answer: torch's
+    distributed errors, and the plain RuntimeError gloo raises for a timeout; not a rank's own errors that merely
+    mention a timeout (a storage's or a driver's: subclasses of RuntimeError)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return type(exc) is RuntimeError and "timed out" in str(exc).lower()
+
+
 def _first_failure(codes: list[int | None], logs: list[Path]) -> RankFailed | None:
-    """The first child that ended with an error or by a signal other than our SIGTERM."""
+    """The first child that ended with an error or by a signal. The codes are read before rank 0 ends its children,
+    so a SIGTERM among them came from outside (a batch system's preemption signals the whole job): lost, retried."""
     for rank, (code, log) in enumerate(zip(codes, logs), start=1):
-        if code is not None and code != 0 and code != -signal.SIGTERM:
+        if code is not None and code != 0:
             return RankFailed(rank, code, _tail(log))
     return None
 

@@ -14,11 +14,12 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from trainer.checkpoint import WarmStart, load_checkpoint
 from trainer.config import TrainingConfig
-from trainer.distributed import DEFAULT_TIMEOUT_S, join_parent
+from trainer.distributed import DEFAULT_TIMEOUT_S, LOST_EXIT, collective_failed, join_parent
 from trainer.loop import NullReporter, train
 from trainer.precision import resolve_device
 
@@ -37,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
                         device_type=resolve_device(config.device).type)
     try:
         result = train(config, reporter=NullReporter(), resume=resume, warm_start=warm, ranks=ranks)
+    except Exception as exc:
+        ranks.close()
+        if not collective_failed(exc):
+            raise
+        traceback.print_exc()  # a peer died or did not answer (rank 0 busy past the timeout): the group's fault
+        return LOST_EXIT
     except BaseException:
         ranks.close()
         raise

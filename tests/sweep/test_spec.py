@@ -144,3 +144,11 @@ def test_yaml_exponents_without_a_dot_work_as_numbers(tmp_path: Path) -> None:
     path.write_text(text)
     spec, _ = load_spec(path)
     assert spec.space["learning_rate"].low == 1e-3
+
+
+def test_a_searched_batch_size_whose_choices_split_evenly_is_taken_with_several_ranks(tmp_path: Path) -> None:
+    """Only the searched choices are checked against devices_per_trial, not the default batch size (64)."""
+    document = changed(resources={"devices_per_trial": 3}, fixed={"max_steps": 20},
+                       space={"batch_size": {"type": "categorical", "choices": [48, 96]}})
+    spec, _ = load_spec(write_study(tmp_path, document))
+    assert spec.resources.devices_per_trial == 3

@@ -172,6 +172,8 @@ def alive(pid: int) -> bool:
 @pytest.mark.parametrize(("signum", "message"), [
     (signal.SIGKILL, "rank 1 was killed by SIGKILL"),
     (signal.SIGSTOP, "a rank did not answer within the collective timeout of 5 s (hung)"),
+    # From outside (a batch system's preemption signals every process of the job): lost, retried, not failed.
+    (signal.SIGTERM, "rank 1 was killed by SIGTERM"),
 ])
 def test_a_rank_that_dies_or_hangs_fails_the_run_within_the_timeout(signum: int, message: str) -> None:
     fault = Fault(10, signum)
@@ -183,6 +185,27 @@ def test_a_rank_that_dies_or_hangs_fails_the_run_within_the_timeout(signum: int,
     assert str(failed.value) == message and failed.value.lost
     assert time.monotonic() - started < 120  # within the timeout (plus start-up), not forever
     assert not alive(fault.pids[0])  # ended and reaped: no orphan, no zombie
+
+
+class Busy(NullReporter):
+    """Rank 0 busy past the collective timeout at one evaluation (a slow checkpoint upload, a storage outage) while
+    the other ranks wait for its verdict."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        if step == self.step:
+            time.sleep(self.seconds)
+        return False
+
+
+@pytest.mark.slow
+def test_a_rank_that_timed_out_waiting_for_rank_0_loses_the_group_and_the_run_is_retried() -> None:
+    with pytest.raises(RankFailed, match=r"^rank 1 lost the group \(a collective failed\)") as failed:
+        with local_ranks(config(max_steps=400), 2, timeout_s=3) as ranks:
+            train(config(max_steps=400), reporter=Busy(10, 8.0), ranks=ranks.group)
+    assert failed.value.lost  # the group's fault, not the rank's own error: worth a retry
 
 
 @pytest.mark.slow
