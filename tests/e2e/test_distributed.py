@@ -123,16 +123,18 @@ def test_sigkill_of_rank_1_fails_the_trial_and_its_retry_resumes_on_two_ranks(tm
     path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.02}},
                      checkpoints={"every_steps": 20},
                      resources={"devices_per_trial": 2, "collective_timeout_s": 60},
+                     storage_password_env="TEAM_DB_SECRET",  # a server URL's password (unused by SQLite)
                      fixed={**TINY_STUDY["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20})
     db, log = tmp_path / "ddp.db", tmp_path / "run.log"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "PGPASSWORD": "sekret-of-the-storage"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "PGPASSWORD": "sekret-of-the-storage",
+           "TEAM_DB_SECRET": "named-sekret"}
     worker = start_sweep("run", path, log=log, env=env)
     try:
         wait_for("a checkpoint at step 40", lambda: any(step >= 40 for _, _, step, _ in checkpoint_rows(db)), 300,
                  alive=worker)
         (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
         environ = Path(f"/proc/{child}/environ").read_bytes()
-        assert b"RANK=1" in environ and b"sekret-of-the-storage" not in environ  # the child never sees a password
+        assert b"RANK=1" in environ and b"sekret" not in environ  # the child never sees a password
         os.kill(child, signal.SIGKILL)
         assert finish(worker, log, 600) == 0, log.read_text()[-3000:]
     finally:
