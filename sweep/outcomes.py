@@ -66,6 +66,9 @@ ATTR_CONFIRMS = "confirms"  # on a cold confirmation trial: the number of the wa
 ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came from (for optuna-dashboard)
 ATTR_RANKS = "ranks"  # a data-parallel trial's ranks: {world, pids} while it trains; then each rank's stop step
 ATTR_LOG = "log"  # a command trial's log file: its stdout and stderr
+# On a trial asked while the storage restarted, beyond `n_trials` (another worker asked too, its lock gone with the
+# server's sessions): ended before it trained, and counted nowhere. The reason, as a sentence.
+ATTR_WITHDRAWN = "withdrawn"
 # [[step, value], ...]: the training counterpart of the metric at each evaluation, for fast-fail's overfitting rule
 # (written only while that rule is on)
 ATTR_TRAIN_CURVE = "train_curve"
@@ -142,11 +145,14 @@ def budget_counts(trials: Iterable[FrozenTrial]) -> tuple[int, int]:
 
     Completed and pruned trials count, and failed ones, unless the failure was not the config's: a trial
     interrupted, preempted, lost or failed by the machine has a retry queued (a later trial whose `retry_of` names
-    it), which counts in its place."""
+    it), which counts in its place. A withdrawn trial (`ATTR_WITHDRAWN`: asked beyond the budget in a server restart,
+    never trained) counts nowhere."""
     trials = list(trials)
     retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
     used = running = 0
     for t in trials:
+        if ATTR_WITHDRAWN in t.user_attrs:
+            continue
         if t.state in (TrialState.COMPLETE, TrialState.PRUNED):
             used += 1
         elif t.state == TrialState.FAIL and t.number not in retried:

@@ -45,8 +45,19 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from sweep.urls import mask_url, mask_urls, sqlite_path
 
-__all__ = ["Boundary", "PatientStorage", "StorageAway", "StorageUnavailable", "ask_lock", "is_transient",
-           "load_existing_study", "make_storage", "mask_url", "sqlite_path"]
+__all__ = [
+    "Boundary",
+    "PatientStorage",
+    "StorageAway",
+    "StorageUnavailable",
+    "ask_lock",
+    "is_transient",
+    "load_existing_study",
+    "make_storage",
+    "mask_url",
+    "never_lost",
+    "sqlite_path",
+]
 
 T = TypeVar("T")
 
@@ -118,17 +129,26 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     return storage
 
 
+def never_lost() -> bool:
+    return False
+
+
 @contextlib.contextmanager
-def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Iterator[None]:
+def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Iterator[Callable[[], bool]]:
     """Held while a worker counts the trials in flight and asks for a new one. Taking the PostgreSQL lock goes through
-    the `boundary`; releasing it cannot fail for good: a connection that died released it with its session."""
+    the `boundary`; releasing it cannot fail for good: a connection that died released it with its session.
+
+    Yields `lost()`: whether the lock may have been lost since it was taken. A PostgreSQL advisory lock belongs to
+    its session, and a server restart ends every session, so another worker may have taken the lock (and asked for a
+    trial) while this one was still counting and asking: `lost()` tells by whether the lock's own connection is still
+    the session that took it (a connection never reconnects silently). A file lock is never lost."""
     path = sqlite_path(url)
     if path is not None:
         lock_file = path.with_name(path.name + ".lock")
         with open(lock_file, "a+") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
-                yield
+                yield never_lost
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
         return
@@ -146,8 +166,16 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Ite
             return connection
 
         connection = boundary.call(acquire) if boundary is not None else acquire()
+
+        def lost() -> bool:
+            try:
+                connection.execute(text("SELECT 1"))
+            except Exception:  # noqa: BLE001 - any failure: the session that held the lock may be gone
+                return True
+            return False
+
         try:
-            yield
+            yield lost
         finally:
             with contextlib.suppress(Exception):
                 connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
@@ -155,7 +183,7 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Ite
             with contextlib.suppress(Exception):
                 connection.close()
         return
-    yield  # other backends: best effort
+    yield never_lost  # other backends: best effort
 
 
 _LOCK_ENGINES: dict[str, Engine] = {}

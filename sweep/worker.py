@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from sweep.outcomes import (
     ATTR_RETRY_OF,
     ATTR_RETRY_REASON,
     ATTR_TRACEBACK,
+    ATTR_WITHDRAWN,
     LOST_REASON,
     STOP_ATTR,
     Fault,
@@ -53,7 +54,7 @@ from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
 from sweep.signals import Preempted, raise_pending
-from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient
+from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient, never_lost
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
            "request_stop"]
@@ -179,25 +180,51 @@ class Worker:
         or None while the last trials run elsewhere, whether the budget is spent, the study's trials). `fixed`: params
         the sampler must not change (a cohort's shape keys), through Optuna's `PartialFixedSampler`; the trial's
         `distributions` are then sampled at once, while that sampler is in place."""
+        with self._lock() as lost:
+            asked = self._ask_locked(fixed, distributions)
+            if asked[0] is None or not lost():
+                return asked
+        return self._fence(asked[0])
+
+    def _fence(self, trial: optuna.Trial) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+        """The lock went with its server session while `trial` was asked (a PostgreSQL restart): another worker may
+        have counted the trials without it and asked too. Counted again under the lock, a trial beyond the budget is
+        withdrawn before it trains (the loop then asks again, or waits for the last trials)."""
         with self._lock():
-            self._fail_lost_trials()
             trials = self.study.get_trials(deepcopy=False)
-            if self.first and trials:  # joining a study others have sampled: draw other configs than theirs
-                self.study.sampler = build_sampler(self.spec, joined_at=len(trials))
-            self.first = False
             used, running = budget_counts(trials)
-            if used >= self.n_trials:
-                return None, True, trials
-            if used + running >= self.n_trials:
-                return None, False, trials
-            self._queue_confirmation(trials, used + running)
-            sampler = self.study.sampler
-            if fixed:
-                self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)
-            try:
-                return self.study.ask(distributions if fixed else None), False, trials
-            finally:
-                self.study.sampler = sampler
+            queued = ATTR_RETRY_OF in trial.user_attrs or ATTR_CONFIRMS in trial.user_attrs  # its place was counted
+            if used + running <= self.n_trials or queued:
+                return trial, False, trials
+            reason = (f"withdrawn: asked while the storage restarted, beyond n_trials ({self.n_trials}); "
+                      "never trained")
+            trial.set_user_attr(ATTR_WITHDRAWN, reason)
+            trial.set_user_attr(ATTR_FAIL, reason)
+            self.study.tell(trial, state=TrialState.FAIL)
+            warnings.warn(f"trial {trial.number} {reason}", stacklevel=2)
+            return None, False, self.study.get_trials(deepcopy=False)
+
+    def _ask_locked(self, fixed: dict[str, Any] | None,
+                    distributions: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+        """`_ask_next`'s work, under the lock."""
+        self._fail_lost_trials()
+        trials = self.study.get_trials(deepcopy=False)
+        if self.first and trials:  # joining a study others have sampled: draw other configs than theirs
+            self.study.sampler = build_sampler(self.spec, joined_at=len(trials))
+        self.first = False
+        used, running = budget_counts(trials)
+        if used >= self.n_trials:
+            return None, True, trials
+        if used + running >= self.n_trials:
+            return None, False, trials
+        self._queue_confirmation(trials, used + running)
+        sampler = self.study.sampler
+        if fixed:
+            self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)
+        try:
+            return self.study.ask(distributions if fixed else None), False, trials
+        finally:
+            self.study.sampler = sampler
 
     # -----------------------------------------------------------------------------------------------------------------
     # One trial.
@@ -377,9 +404,9 @@ class Worker:
 
     # -----------------------------------------------------------------------------------------------------------------
 
-    def _lock(self) -> contextlib.AbstractContextManager[None]:
+    def _lock(self) -> contextlib.AbstractContextManager[Callable[[], bool]]:
         if self.url is None:
-            return contextlib.nullcontext()
+            return contextlib.nullcontext(never_lost)
         return ask_lock(self.url, self.study.study_name, self.boundary)
 
     def _stop_requested(self, since: float) -> bool:

@@ -147,10 +147,11 @@ def retried_numbers(trials: list[FrozenTrial]) -> set[int]:
 
 
 def counted(trials: list[FrozenTrial]) -> list[FrozenTrial]:
-    """The trials that use up the budget: complete, pruned, and failed ones that no other trial retries."""
+    """The trials that use up the budget: complete, pruned, and failed ones that no other trial retries (nor a trial
+    withdrawn untrained: asked beyond the budget while the server restarted)."""
     retried = retried_numbers(trials)
     return [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-            or (t.state == TrialState.FAIL and t.number not in retried)]
+            or (t.state == TrialState.FAIL and t.number not in retried and "withdrawn" not in t.user_attrs)]
 
 
 def descendants(trials: list[FrozenTrial], number: int) -> list[FrozenTrial]:

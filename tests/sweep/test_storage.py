@@ -124,3 +124,43 @@ def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_
         storage.set_trial_user_attrs(trial._trial_id, {"outcome": "lost"})
     assert optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs["outcome"] == \
         "complete"
+
+
+@pytest.mark.slow
+def test_a_worker_whose_lock_went_with_a_server_restart_withdraws_a_trial_beyond_the_budget(tmp_path: Path) -> None:
+    """The budget lock on PostgreSQL is an advisory lock, which a server restart releases with its session: another
+    worker can then count and ask while the first is still asking. The first sees its lock lost and, counted again,
+    withdraws its trial instead of training one trial more than `n_trials`."""
+    from optuna.trial import TrialState
+
+    from sweep.outcomes import ATTR_WITHDRAWN, budget_counts
+    from sweep.worker import Worker
+    from tests.pg import PostgresServer, postgres_available
+
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "n_trials": 1}))
+    with PostgresServer() as server:
+        first, second = (open_study(spec, server.url) for _ in range(2))
+        a, b = (Worker(study, spec, storage_url=server.url, boundary=study._storage.boundary)
+                for study in (first, second))
+        with a._lock() as lost:  # the race, step by step
+            assert not lost()
+            server.restart("fast")  # every session ends, and the advisory lock with it
+            taken, spent, _ = b._ask_next()  # b takes the lock and the budget's one trial
+            assert taken is not None and not spent
+            late = first.ask()  # a counted before b asked, and asks now
+            assert lost()
+        assert a._fence(late)[0] is None  # one trial beyond the budget: withdrawn
+        trials = second.get_trials()
+    withdrawn = trials[late.number]
+    assert withdrawn.state == TrialState.FAIL and "beyond n_trials (1)" in withdrawn.user_attrs[ATTR_WITHDRAWN]
+    assert trials[taken.number].state == TrialState.RUNNING
+    assert budget_counts(trials) == (0, 1)  # b's trial alone holds the budget
+
+
+def test_a_file_lock_is_never_lost(tmp_path: Path) -> None:
+    from sweep.storage import ask_lock
+
+    with ask_lock(f"sqlite:///{tmp_path / 'x.db'}", "x") as lost:
+        assert not lost()
