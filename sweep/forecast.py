@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
-__all__ = ["ForecastPruner"]
+__all__ = ["ForecastPruner", "minimised"]
 
 Curve = list[tuple[int, float]]
 
@@ -37,6 +37,13 @@ def log_linear_forecast(curve: Curve, at: int) -> float | None:
 def value_at(curve: Curve, step: int) -> Curve:
     """The curve as reported up to `step`."""
     return [(s, v) for s, v in curve if s <= step]
+
+
+def minimised(study: optuna.Study, trial: FrozenTrial) -> tuple[float, list[tuple[int, float]]]:
+    """The sign that makes the study's metric a loss (-1 when it is maximised), and `trial`'s reports times it, in
+    step order: the curve the curve-reading pruners judge."""
+    sign = -1.0 if study.direction == StudyDirection.MAXIMIZE else 1.0
+    return sign, [(s, sign * v) for s, v in sorted(trial.intermediate_values.items())]
 
 
 class ForecastPruner(optuna.pruners.BasePruner):
@@ -76,8 +83,7 @@ class ForecastPruner(optuna.pruners.BasePruner):
         self._state: tuple[str, int] | None = None  # (study name, completed trials) the cache holds
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        sign = -1.0 if study.direction == StudyDirection.MAXIMIZE else 1.0  # minimise sign * value
-        series = [(s, sign * v) for s, v in sorted(trial.intermediate_values.items())]
+        sign, series = minimised(study, trial)
         if not series:
             return False
         step, latest = series[-1]

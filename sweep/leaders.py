@@ -7,9 +7,9 @@ import math
 from typing import TYPE_CHECKING
 
 import optuna
-from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
+from sweep.forecast import minimised
 from sweep.outcomes import ATTR_WARM_START
 
 if TYPE_CHECKING:
@@ -85,8 +85,7 @@ class LeadersPruner(optuna.pruners.BasePruner):
         self._leaders: tuple[tuple[str, int], list[Leader], float] | None = None
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        sign = -1.0 if study.direction == StudyDirection.MAXIMIZE else 1.0  # minimise sign * value
-        series = [(s, sign * v) for s, v in sorted(trial.intermediate_values.items())]
+        sign, series = minimised(study, trial)
         if not series:
             return False
         step, latest = series[-1]
