@@ -289,6 +289,13 @@ class Worker:
         value = result.value if result.outcome == Outcome.COMPLETE else None
         try:
             return self.study.tell(trial, value, state=result.outcome.state)
+        except ValueError:
+            # "Cannot tell a FAIL trial": another worker declared it lost between its attrs and its tell (a storage
+            # outage longer than the heartbeat grace period). The same case as a refused attr, told the same way.
+            if self.storage.get_trial(trial._trial_id).state.is_finished():  # noqa: SLF001
+                raise optuna.exceptions.UpdateFinishedTrialError(
+                    f"trial {trial.number} was finished by another worker before this one told it") from None
+            raise
         except RuntimeError as exc:
             # Samplers that have tried every point call Study.stop(), which only works inside study.optimize;
             # tell() has stored the trial anyway.
