@@ -33,7 +33,23 @@ from sweep.spec import parse_spec
 from sweep.study import open_study, run_study
 
 
-def document(trials: int, steps: int, seed: int, cohort: int) -> dict:
+def document(trials: int, steps: int, seed: int, cohort: int, task: str = "digits",
+             model: tuple[int, int, int] = (384, 6, 6), context: int = 256) -> dict:
+    if task == "charlm":  # studies/charlm.yaml's model and fixed settings, its space less the dropout choice
+        d_model, n_layers, n_heads = model
+        every = max(1, steps // 4)
+        return {
+            "name": f"cohorts-charlm-{cohort}-{seed}", "n_trials": trials, "seed": seed, "sampler": "tpe",
+            "pruner": {"type": "fastfail", "then": "median"}, "execution": {"cohort": cohort},
+            "task": {"name": "charlm", "args": {"context": context, "max_chars": 1_000_000}},
+            "fixed": {"max_steps": steps, "eval_every_steps": every, "log_every_steps": every, "batch_size": 64,
+                      "eval_batch_size": 64, "gradient_clip_norm": 1.0, "optimizer": "adamw", "scheduler": "cosine",
+                      "min_lr_ratio": 0.1, "model": {"d_model": d_model, "n_layers": n_layers, "n_heads": n_heads}},
+            "space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 3e-3, "log": True},
+                      "warmup_steps": {"type": "int", "low": 0, "high": max(1, steps // 5)},
+                      "weight_decay": {"type": "float", "low": 1e-3, "high": 0.3, "log": True},
+                      "beta2": {"type": "categorical", "choices": [0.95, 0.99, 0.999]}},
+        }
     return {
         "name": f"cohorts-{cohort}-{seed}", "n_trials": trials, "seed": seed, "sampler": "tpe",
         "pruner": {"type": "fastfail", "then": "median"}, "task": "digits", "execution": {"cohort": cohort},
@@ -45,8 +61,8 @@ def document(trials: int, steps: int, seed: int, cohort: int) -> dict:
     }
 
 
-def run(trials: int, steps: int, seed: int, cohort: int, folder: Path, marks: list[int]) -> dict:
-    spec = parse_spec(document(trials, steps, seed, cohort), folder / "study.yaml")
+def run(trials: int, steps: int, seed: int, cohort: int, folder: Path, marks: list[int], **task: object) -> dict:
+    spec = parse_spec(document(trials, steps, seed, cohort, **task), folder / "study.yaml")  # type: ignore[arg-type]
     url = f"sqlite:///{folder / f'{spec.name}.db'}"
     study = open_study(spec, url)
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -73,7 +89,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--cohorts", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--task", choices=["digits", "charlm"], default="digits",
+                        help="charlm: studies/charlm.yaml's 10.8M-parameter transformer (the GPU figure of issue 17)")
+    parser.add_argument("--charlm-model", type=int, nargs=3, default=[384, 6, 6], metavar=("D_MODEL", "LAYERS", "HEADS"))
+    parser.add_argument("--charlm-context", type=int, default=256)
     options = parser.parse_args()
+    task = {"task": options.task, "model": tuple(options.charlm_model), "context": options.charlm_context}
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sizes: list[int] = options.cohorts
@@ -83,16 +104,17 @@ def main() -> None:
         for k in sorted({1, max(sizes)} | {min(2, max(sizes))}):  # untimed: imports, the engine's first trace
             folder = Path(tmp) / f"warm-{k}"
             folder.mkdir()
-            run(min(4, options.trials), 10, 0, k, folder, marks)
+            run(min(4, options.trials), 10, 0, k, folder, marks, **task)
         for turn, seed in enumerate(options.seeds):
             order = sizes[turn % len(sizes):] + sizes[:turn % len(sizes)]
             for cohort in order:
                 folder = Path(tmp) / f"{cohort}-{seed}"
                 folder.mkdir()
-                rows[cohort].append(run(options.trials, options.steps, seed, cohort, folder, marks))
+                rows[cohort].append(run(options.trials, options.steps, seed, cohort, folder, marks, **task))
     base = statistics.median(r["per_hour"] for r in rows[sizes[0]])
     cpu_base = statistics.median(r["per_cpu_hour"] for r in rows[sizes[0]])
-    print(f"digits, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, seeds "
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"{options.task} on {device}, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, seeds "
           f"{options.seeds}, 1 thread; medians over the seeds")
     print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(sizes[0]):>6} {'steps':>7} {'steps/s':>8} "
           f"{'pruned':>6} {'cpu s':>6} {'vs ' + str(sizes[0]) + ' cpu':>9}  best per seed (at trial)")

@@ -5,7 +5,8 @@
 # 1. the CUDA tests (no host-device sync between log/eval steps under set_sync_debug_mode("error"), compile, CUDA
 #    graphs, the multi-tensor Lion, TF32, device metrics); 1b. bench/batched.py on the GPU (batched training, issue 16:
 #    trials/hour of K configs as one stacked model vs one after another, digits and a small charlm at K up to 256,
-#    and the stacked 10.8M-parameter charlm's MFU); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
+#    and the stacked 10.8M-parameter charlm's MFU); 1c. bench/cohorts.py on charlm-sized trials (issue 17: trials per
+#    GPU-hour of a study run in cohorts of 8 vs one trial at a time); 2. bench/gpu.py (tokens/s and MFU eager and compiled, trials
 #    per GPU-hour, GPU busy during a short two-worker charlm study of 500-step trials); 3. bench/overhead.py's CUDA case
 #    (the trainer vs a hand-written loop); 4. bench/distributed.py on 2 GPUs (NCCL: DDP, the verdict broadcast's cost
 #    per evaluation, 1- vs 2-rank deviation; skipped with one GPU); 5. with the time left, bench/gpu.py's `graphs`
@@ -38,6 +39,8 @@ run 80 batched.log "$python" bench/batched.py --device cuda --tasks digits charl
     --solo-max 8
 run 90 batched_charlm.log "$python" bench/batched.py --device cuda --tasks charlm-10m --ks 1 8 32 --steps 60 \
     --solo-max 2
+# Cohorts under a real study (issue 17): 16 charlm.yaml-sized trials one at a time vs in cohorts of 8, trials/GPU-hour.
+run 120 cohorts.log "$python" bench/cohorts.py --task charlm --trials 16 --steps 150 --cohorts 1 8 --seeds 0
 # The study: charlm.yaml's trials cut to 500 steps (its pruner's warm-up), so that 4 trials on 2 workers end well
 # inside the part's 75 s.
 run 370 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_chain
+from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_attention, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
 from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoint
 from trainer.config import TrainingConfig
@@ -235,7 +235,8 @@ STACKED_LOSSES: dict[Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 
 def _forward(template: nn.Module) -> Callable[..., torch.Tensor]:
     def forward(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return functional_call(template, (params, buffers), (x,))
+        with stacked_attention():
+            return functional_call(template, (params, buffers), (x,))
 
     return forward
 

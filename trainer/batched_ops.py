@@ -1,6 +1,6 @@
-"""The two layers whose vmapped form does not compute what the single model computes, and their replacements.
+"""The layers whose vmapped form does not compute what the single model computes, and their replacements.
 
-`torch.func.vmap` batches any module, but two of its rules differ from the single-model path:
+`torch.func.vmap` batches any module, but three of its rules differ from the single-model path:
 
 1. `nn.Linear`: vmap's rule for `linear` computes the weight gradient as `(x^T g)^T`, where the single model's
    `addmm` backward computes `g^T x`: the same sum in another order, a few ulps apart for non-square weights.
@@ -16,13 +16,20 @@
    member's mask from that member's own generator with the member's own rate, exactly as `F.dropout` draws it
    (`bernoulli_(1 - p)`, divided by `1 - p`), so a member sees the masks it would see alone.
 
-`prepare_template` swaps both into a copy of a member's module; other random ops inside the model (attention dropout,
+3. `F.scaled_dot_product_attention`: vmap's rules for the fused attention kernels fail on CUDA (the memory-efficient
+   kernel's "LSE is not correctly aligned (strideH)", seen on an H200 with torch 2.11) and have none for the CPU's
+   flash kernel (vmap then loops over the members). `stacked_attention` reroutes the call, within the engine's
+   vmapped forward, to a custom operator whose vmap rule folds the member dimension into the batch dimension and
+   calls the fused kernel once on plain tensors: each member's rows are attended as the single model attends them.
+
+`prepare_template` swaps the first two into a copy of a member's module; other random ops inside the model (attention dropout,
 say) are left alone and make the vmapped forward fail with vmap's randomness error, which the engine turns into the
 ordinary loop (never a wrong answer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -33,9 +40,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "member_matmul", "member_randomness",
-           "per_member", "prepare_template", "stacked_chain", "stacked_dropout"]
+           "per_member", "prepare_template", "stacked_attention", "stacked_chain", "stacked_dropout"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -143,6 +151,17 @@ def _linear_vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, weight: 
     return out.reshape(*x.shape[:-1], weight.shape[1]), 0
 
 
+def _autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Under autocast, the inputs cast to its dtype, as autocast casts `F.linear`'s: autocast has no rule for a custom
+    operator, so without this the operator's products would be cast inside it (its output in bf16) while its backward,
+    which runs outside autocast, met a bf16 gradient with the fp32 weight it saved."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 class StackedLinear(nn.Linear):
     """`nn.Linear` whose vmapped form computes each member's values as the single model does. Same parameters and
     state dict; without a bias it is plain `F.linear`."""
@@ -150,7 +169,73 @@ class StackedLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.bias is None:
             return F.linear(x, self.weight)
-        return _linear(x, self.weight, self.bias)
+        return _linear(*_autocast_inputs(x, self.weight, self.bias))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention.
+
+@torch.library.custom_op("trainer_batched::attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+               scale: float | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+@_attention.register_fake
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                    scale: float | None) -> Tensor:
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.register_vmap("trainer_batched::attention")
+def _attention_vmap(info: Any, in_dims: tuple[int | None, ...], q: Tensor, k: Tensor, v: Tensor,
+                    attn_mask: Tensor | None, is_causal: bool, scale: float | None) -> tuple[Tensor, int]:
+    n = info.batch_size
+
+    def stacked(t: Tensor, dim: int | None) -> Tensor:
+        return t.movedim(dim, 0) if dim is not None else t.expand(n, *t.shape)
+
+    q, k, v = stacked(q, in_dims[0]), stacked(k, in_dims[1]), stacked(v, in_dims[2])
+    lead = q.shape[1:-2]  # each member's batch dimensions (batch, heads), broadcast against key and value's
+    k = k.expand(n, *lead, *k.shape[-2:])
+    v = v.expand(n, *lead, *v.shape[-2:])
+
+    def folded(t: Tensor) -> Tensor:  # [K, *lead, L, E] -> [K * batch, heads, L, E], the fused kernels' layout
+        return t.reshape(-1, *lead[-1:], *t.shape[-2:]).contiguous()
+
+    if attn_mask is not None:  # broadcastable to each member's [*lead, L, S]: made whole, then folded as q is
+        mask = stacked(attn_mask, in_dims[3])
+        mask = mask.reshape(n, *[1] * (len(lead) + 3 - mask.dim()), *mask.shape[1:])
+        attn_mask = folded(mask.expand(n, *lead, q.shape[-2], k.shape[-2]))
+
+    out = F.scaled_dot_product_attention(folded(q), folded(k), folded(v), attn_mask=attn_mask, is_causal=is_causal,
+                                         scale=scale)
+    return out.reshape(n, *lead, *out.shape[-2:]), 0
+
+
+class _StackedAttention(TorchFunctionMode):
+    """Reroutes `F.scaled_dot_product_attention` to `_attention` (see the module's docstring). A call with dropout
+    or grouped-query attention is left as it is: under vmap its random draw or its shapes make the probe fail, and
+    the engine trains that model by the ordinary loop."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v, mask, dropout_p, is_causal, scale, gqa = _attention_arguments(*args, **kwargs)
+            if dropout_p == 0.0 and not gqa:
+                return _attention(q, k, v, mask, bool(is_causal), scale)
+        return func(*args, **kwargs)
+
+
+def _attention_arguments(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                         enable_gqa: bool = False) -> tuple[Any, ...]:
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def stacked_attention() -> contextlib.AbstractContextManager[Any]:
+    """Within this block (the engine's vmapped forward), attention runs as `_attention`."""
+    return _StackedAttention()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

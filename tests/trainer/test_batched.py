@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,56 @@ def test_a_warm_started_member_matches_the_ordinary_loops_warm_start_bit_for_bit
         cohort.step()
     member = cohort.add(CohortMember(config, warm_start=warm))
     same(train(config, digits, warm_start=warm), cohort.run()[member])
+
+
+def test_members_under_bf16_autocast_match_the_ordinary_loop(digits: Task) -> None:
+    """bf16 autocast (the default on a GPU; forced here on the CPU) takes the vmap path, whose stacked linear layer is
+    a custom operator that autocast has no rule for: on an H200 its backward met a bf16 gradient with the fp32 weight
+    it saved and the cohort failed. Its inputs are now cast as autocast casts `F.linear`'s."""
+    configs = [tiny(**m, mixed_precision="bf16") for m in MEMBERS[:3]]
+    cohort = Cohort(digits, configs[0], capacity=1)
+    assert cohort.chain is None and cohort.precision.name == "bf16"
+    for solo, batched in zip([train(c, digits) for c in configs], train_batched(configs, digits), strict=True):
+        assert (solo.status, solo.steps) == (batched.status, batched.steps) == ("completed", 24)
+        for (step, a), (other, b) in zip(solo.evals, batched.evals, strict=True):
+            assert step == other and b == pytest.approx(a, rel=1e-3)
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float", "shared"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_in_the_engine_is_each_members_own_attention(mask: str | None, causal: bool) -> None:
+    """The engine's forward reroutes `F.scaled_dot_product_attention` to one fused call over every member's rows
+    (vmap's own rule fails on CUDA and loops over the members on a CPU, with a warning that fails this test): values
+    and gradients as each member's call alone, with masks per member or shared, of every broadcastable shape."""
+    from torch.func import vmap
+
+    from trainer.batched_ops import stacked_attention
+
+    generator = torch.Generator().manual_seed(0)
+    k, batch, heads, length, width = 3, 2, 2, 5, 4
+    q, key, value = (torch.randn(k, batch, heads, length, width, generator=generator, requires_grad=True)
+                     for _ in range(3))
+    masks: dict[str | None, tuple[torch.Tensor | None, int | None]] = {
+        None: (None, None),
+        "bool": (torch.rand(k, 1, length, length, generator=generator) > 0.3, 0),
+        "float": (torch.randn(k, batch, heads, length, length, generator=generator), 0),
+        "shared": (torch.randn(length, length, generator=generator), None)}
+    attn_mask, mask_dim = masks[mask]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask[..., 0] = True  # every row attends somewhere
+    causal = causal and attn_mask is None  # is_causal with a mask is refused by the kernel itself
+
+    def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        with stacked_attention():
+            return F.scaled_dot_product_attention(q, key, value, attn_mask=m, is_causal=causal)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        together = vmap(attend, in_dims=(0, 0, 0, mask_dim))(q, key, value, attn_mask)
+    grads = torch.autograd.grad(together.square().sum(), (q, key, value))
+    for m in range(k):
+        member_mask = None if attn_mask is None else attn_mask if mask_dim is None else attn_mask[m]
+        alone = F.scaled_dot_product_attention(q[m], key[m], value[m], attn_mask=member_mask, is_causal=causal)
+        torch.testing.assert_close(together[m], alone)
+        for grad, own in zip(grads, torch.autograd.grad(alone.square().sum(), (q, key, value)), strict=True):
+            torch.testing.assert_close(grad[m], own[m])
