@@ -91,7 +91,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--task", choices=["digits", "charlm"], default="digits",
                         help="charlm: studies/charlm.yaml's 10.8M-parameter transformer (the GPU figure of issue 17)")
-    parser.add_argument("--charlm-model", type=int, nargs=3, default=[384, 6, 6], metavar=("D_MODEL", "LAYERS", "HEADS"))
+    parser.add_argument("--charlm-model", type=int, nargs=3, default=[384, 6, 6],
+                        metavar=("D_MODEL", "LAYERS", "HEADS"))
     parser.add_argument("--charlm-context", type=int, default=256)
     options = parser.parse_args()
     task = {"task": options.task, "model": tuple(options.charlm_model), "context": options.charlm_context}
@@ -114,8 +115,8 @@ def main() -> None:
     base = statistics.median(r["per_hour"] for r in rows[sizes[0]])
     cpu_base = statistics.median(r["per_cpu_hour"] for r in rows[sizes[0]])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"{options.task} on {device}, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, seeds "
-          f"{options.seeds}, 1 thread; medians over the seeds")
+    print(f"{options.task} on {device}, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, "
+          f"seeds {options.seeds}, 1 thread; medians over the seeds")
     print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(sizes[0]):>6} {'steps':>7} {'steps/s':>8} "
           f"{'pruned':>6} {'cpu s':>6} {'vs ' + str(sizes[0]) + ' cpu':>9}  best per seed (at trial)")
     for cohort, results in rows.items():

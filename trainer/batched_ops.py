@@ -22,9 +22,9 @@
    vmapped forward, to a custom operator whose vmap rule folds the member dimension into the batch dimension and
    calls the fused kernel once on plain tensors: each member's rows are attended as the single model attends them.
 
-`prepare_template` swaps the first two into a copy of a member's module; other random ops inside the model (attention dropout,
-say) are left alone and make the vmapped forward fail with vmap's randomness error, which the engine turns into the
-ordinary loop (never a wrong answer).
+`prepare_template` swaps the first two into a copy of a member's module; other random ops inside the model
+(attention dropout, say) are left alone and make the vmapped forward fail with vmap's randomness error, which the
+engine turns into the ordinary loop (never a wrong answer).
 """
 
 from __future__ import annotations
