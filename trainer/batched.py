@@ -245,10 +245,12 @@ def _forward(template: nn.Module) -> Callable[..., torch.Tensor]:
 # Memory.
 
 def available_memory(device: torch.device) -> int:
-    """Free bytes on `device`: CUDA's free memory, else the host's available RAM (/proc/meminfo's MemAvailable,
-    else the physical pages the OS reports free)."""
+    """Free bytes on `device`: CUDA's free memory and what this process's caching allocator holds unused (trials
+    trained before leave their blocks cached, which the driver counts as taken), else the host's available RAM
+    (/proc/meminfo's MemAvailable, else the physical pages the OS reports free)."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + max(0, cached)
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
@@ -261,20 +263,27 @@ def available_memory(device: torch.device) -> int:
 
 def member_bytes(config: TrainingConfig, task: Task) -> int:
     """An estimate of one member's memory: parameters, gradients and optimizer state, the temporaries of the update
-    (two more copies), and the activations one training step saves for backward (measured on one batch), doubled for
-    the backward's own temporaries."""
+    (two more copies), and the activations one training step saves for backward (measured on one batch under the
+    config's precision, as training runs it: bf16 autocast saves about half of what fp32 saves; each storage once,
+    the parameters themselves left out), doubled for the backward's own temporaries."""
     device = resolve_device(config.device)
     model = task.build_model(task.model_config(config.model)).to(device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[0] += t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            saved[0] += storage.nbytes()
         return t
 
     x, y = task.train
     idx = torch.arange(min(len(x), config.batch_size))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with resolve_precision(config.mixed_precision, device).autocast(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x[idx].to(device))
         task.loss(out.float(), y[idx].to(device))
     states = len(OPTIMIZER_STATES[config.optimizer])
