@@ -139,8 +139,9 @@ def main() -> None:
         cells = [", ".join(_value(r["after"][n]) for r in results) for n in marks]
         finals = [r["best"] for r in results if r["best"] is not None]
         median = statistics.median(finals) if finals else None
+        slack = 1e-4 * max(abs(low or 0.0), abs(high or 0.0))  # as printed: a last-digit difference is "within"
         verdict = ("-" if median is None or low is None or high is None else
-                   "within" if low <= median <= high else "better" if median < low else "worse")
+                   "within" if low - slack <= median <= high + slack else "better" if median < low else "worse")
         print(f"{cohort:>6} " + " ".join(f"{c:>24}" for c in cells) + f"  {_value(median)} {verdict}")
 
 
