@@ -377,9 +377,9 @@ class Cohort:
         # vmap's rule; `batch_problem` has checked with "error" that the model draws nothing else.
         self.forward = vmap(_forward(self.template), randomness="same")
         self.eval_forward = vmap(_forward(self.template), in_dims=(0, 0, None), randomness="error")
-        # A plain MLP skips vmap (`StackedChain`: the same kernels, a fraction of the per-call cost); fp32 only, as
-        # its backward does not re-enter autocast.
-        self.chain = stacked_chain(shell) if self.precision.dtype is None else None
+        # A plain MLP skips vmap (`StackedChain`: the same kernels, a fraction of the per-call cost), in fp32 and
+        # under bf16 autocast alike (its linear layers cast their inputs as autocast casts `F.linear`'s).
+        self.chain = stacked_chain(shell)
         self.stacked_loss = STACKED_LOSSES.get(task.loss)
         self.params = {n: torch.zeros(capacity, *p.shape, dtype=p.dtype, device=self.device, requires_grad=True)
                        for n, p in shell.named_parameters()}

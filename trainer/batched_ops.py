@@ -364,6 +364,7 @@ class StackedChain:
             if kind == "linear":
                 weight, bias = params[f"{value}.weight"], params[f"{value}.bias"]
                 rows = x.reshape(k, -1, x.shape[-1]).contiguous()  # F.linear flattens leading dims into rows too
+                rows, weight, bias = _autocast_inputs(rows, weight, bias)
                 x = _StackedLinearFunction.apply(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[1])
             elif kind == "dropout":
                 x = stacked_dropout(x, value) if training else x

@@ -215,6 +215,13 @@ class _Residual(nn.Module):
         return self.out(self.drop(h + torch.tanh(self.mid(h))))
 
 
+def _residual(digits: Task) -> Task:
+    return Task(name="residual", train=digits.train, val=digits.val, loss=_smoothed,
+                build_model=lambda cfg: _Residual(cfg["hidden"], cfg["dropout"]),
+                model_defaults={"hidden": 16, "dropout": 0.0}, eval_metrics=accuracy_sum,
+                eval_metric_names=("accuracy",))
+
+
 def _smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, targets, label_smoothing=0.1)  # a loss without a stacked form: one per member
 
@@ -234,10 +241,7 @@ def test_a_validation_batch_as_long_as_the_cohort_is_still_shared_by_every_membe
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_a_model_that_is_no_plain_chain_runs_under_vmap_and_matches_bit_for_bit(digits: Task, optimizer: str) -> None:
-    task = Task(name="residual", train=digits.train, val=digits.val, loss=_smoothed,
-                build_model=lambda cfg: _Residual(cfg["hidden"], cfg["dropout"]),
-                model_defaults={"hidden": 16, "dropout": 0.0}, eval_metrics=accuracy_sum,
-                eval_metric_names=("accuracy",))
+    task = _residual(digits)
     lr = 1.0 if optimizer == "adamw" else 10.0
     configs = [tiny(**{**m, "task": "residual", "optimizer": optimizer,
                        "learning_rate": m.get("learning_rate", 3e-3) * lr}) for m in MEMBERS[:3]]
@@ -399,14 +403,17 @@ def test_a_warm_started_member_matches_the_ordinary_loops_warm_start_bit_for_bit
     same(train(config, digits, warm_start=warm), cohort.run()[member])
 
 
-def test_members_under_bf16_autocast_match_the_ordinary_loop(digits: Task) -> None:
-    """bf16 autocast (the default on a GPU; forced here on the CPU) takes the vmap path, whose stacked linear layer is
-    a custom operator that autocast has no rule for: on an H200 its backward met a bf16 gradient with the fp32 weight
-    it saved and the cohort failed. Its inputs are now cast as autocast casts `F.linear`'s."""
-    configs = [tiny(**m, mixed_precision="bf16") for m in MEMBERS[:3]]
-    cohort = Cohort(digits, configs[0], capacity=1)
-    assert cohort.chain is None and cohort.precision.name == "bf16"
-    for solo, batched in zip([train(c, digits) for c in configs], train_batched(configs, digits), strict=True):
+@pytest.mark.parametrize("path", ["chain", "vmap"])
+def test_members_under_bf16_autocast_match_the_ordinary_loop(digits: Task, path: str) -> None:
+    """bf16 autocast (the default on a GPU; forced here on the CPU), on both paths: the stacked linear layer is a
+    custom operator (vmap) or autograd function (the plain-MLP chain) that autocast has no rule for; on an H200 its
+    backward met a bf16 gradient with the fp32 weight it saved and every bf16 cohort failed. Its inputs are now cast
+    as autocast casts `F.linear`'s."""
+    task = digits if path == "chain" else _residual(digits)
+    configs = [tiny(**m, task=task.name, mixed_precision="bf16") for m in MEMBERS[:3]]
+    cohort = Cohort(task, configs[0], capacity=1)
+    assert (cohort.chain is not None) == (path == "chain") and cohort.precision.name == "bf16"
+    for solo, batched in zip([train(c, task) for c in configs], train_batched(configs, task), strict=True):
         assert (solo.status, solo.steps) == (batched.status, batched.steps) == ("completed", 24)
         for (step, a), (other, b) in zip(solo.evals, batched.evals, strict=True):
             assert step == other and b == pytest.approx(a, rel=1e-3)
