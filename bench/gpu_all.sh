@@ -37,10 +37,10 @@ run 200 cuda_tests.log "$python" -m pytest tests/trainer/test_cuda.py -q -p no:c
 # Batched training: the sequential side is timed on the first --solo-max configs only (its time grows linearly).
 run 80 batched.log "$python" bench/batched.py --device cuda --tasks digits charlm --ks 1 16 64 256 --steps 300 \
     --solo-max 8
-run 90 batched_charlm.log "$python" bench/batched.py --device cuda --tasks charlm-10m --ks 1 8 32 --steps 60 \
+run 90 batched_charlm.log "$python" bench/batched.py --device cuda --tasks charlm-10m --ks 8 32 --steps 60 \
     --solo-max 2
 # Cohorts under a real study (issue 17): 16 charlm.yaml-sized trials one at a time vs in cohorts of 8, trials/GPU-hour.
-run 120 cohorts.log "$python" bench/cohorts.py --task charlm --trials 16 --steps 150 --cohorts 1 8 --seeds 0
+run 180 cohorts.log "$python" bench/cohorts.py --task charlm --trials 16 --steps 100 --cohorts 1 8 --seeds 0
 # The study: charlm.yaml's trials cut to 500 steps (its pruner's warm-up), so that 4 trials on 2 workers end well
 # inside the part's 75 s.
 run 370 gpu.log "$python" bench/gpu.py --out "$out" --study studies/charlm.yaml --study-workers 2 --study-trials 4 \
