@@ -184,17 +184,20 @@ def _finite(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def build_sampler(spec: StudySpec, joined_at: int = 0) -> optuna.samplers.BaseSampler:
+def build_sampler(spec: StudySpec, joined_at: tuple[int, ...] = ()) -> optuna.samplers.BaseSampler:
     """The named sampler, seeded with the study's `seed` unless the file gives the sampler its own.
 
-    `joined_at`: how many trials the study held when this process asked for its first one. A process that joins a
-    study with trials in it (a resume, a second worker, a machine that started a moment later) must not replay the
-    first process's random draws, or it trains the same configs again; its seed is derived from the seed and that
-    count, which differs between processes joining one after another (they ask under the study's lock). A single
-    process on a new study keeps the seed itself, so a seeded sweep is re-runnable."""
+    `joined_at`: what the study held when this process asked for its first one: its trial count, and the number of
+    queued (WAITING) trials where there are any. A process that joins a study with trials in it (a resume, a second
+    worker, a machine that started a moment later) must not replay another process's random draws, or it trains the
+    same configs again; its seed is derived from the seed and those counts. Processes joining one after another ask
+    under the study's lock, and each first ask either adds a trial or takes a queued one (a retry), so no two of them
+    see the same counts (the trial count alone stays put while workers take queued retries, and three workers
+    resuming a study with three retries queued drew the same configs). A single process on a new study keeps the seed
+    itself, so a seeded sweep is re-runnable."""
     args, seed = dict(spec.sampler.args), spec.sampler.args.get("seed", spec.seed)
     if joined_at and seed is not None:
-        seed = int(np.random.SeedSequence([int(seed), joined_at]).generate_state(1)[0])
+        seed = int(np.random.SeedSequence([int(seed), *joined_at]).generate_state(1)[0])
         if "seed" in args:
             args["seed"] = seed
     return _instantiate("sampler", SAMPLERS, spec.sampler.type, args, {"seed": seed})

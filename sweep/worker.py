@@ -210,7 +210,9 @@ class Worker:
         self._fail_lost_trials()
         trials = self.study.get_trials(deepcopy=False)
         if self.first and trials:  # joining a study others have sampled: draw other configs than theirs
-            self.study.sampler = build_sampler(self.spec, joined_at=len(trials))
+            waiting = sum(t.state == TrialState.WAITING for t in trials)
+            joined = (len(trials), waiting) if waiting else (len(trials),)
+            self.study.sampler = build_sampler(self.spec, joined_at=joined)
         self.first = False
         used, running = budget_counts(trials)
         if used >= self.n_trials:

@@ -159,6 +159,29 @@ def test_a_worker_whose_lock_went_with_a_server_restart_withdraws_a_trial_beyond
     assert budget_counts(trials) == (0, 1)  # b's trial alone holds the budget
 
 
+def test_workers_joining_while_retries_are_queued_draw_different_configs(tmp_path: Path) -> None:
+    """A joining worker's sampler seed comes from what the study held at its first ask. Three workers resuming a study
+    with three retries queued each took a retry first, which left the trial count as it was: all three drew the same
+    seed and then trained the same configs, three times each (found by killing a `--workers 3` run and resuming it)."""
+    from sweep.worker import Worker
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "n_trials": 20, "sampler": {"type": "random"}}))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    study = open_study(spec, url)
+    for value in (0.05, 0.06):
+        study.add_trial(optuna.trial.create_trial(params={"learning_rate": value}, distributions={
+            "learning_rate": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}, value=value))
+    for value in (0.01, 0.02, 0.03):  # three retries, queued
+        study.enqueue_trial({"learning_rate": value}, skip_if_exists=False)
+    workers = [Worker(open_study(spec, url), spec, storage_url=url, boundary=study._storage.boundary)
+               for _ in range(3)]
+    retries = [w._ask_next()[0] for w in workers]  # each takes a queued retry first
+    assert sorted(t.number for t in retries if t is not None) == [2, 3, 4]
+    drawn = [w._ask_next()[0] for w in workers]
+    values = [t.suggest_float("learning_rate", 1e-3, 1e-1, log=True) for t in drawn if t is not None]
+    assert len(values) == 3 and len(set(values)) == 3, values
+
+
 def test_a_file_lock_is_never_lost(tmp_path: Path) -> None:
     from sweep.storage import ask_lock
 
