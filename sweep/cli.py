@@ -127,10 +127,12 @@ def run(
         except (OSError, ValueError) as exc:
             raise _fail(f"cannot read the storage URL its launcher left: {exc}", 2) from None
     spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, workers, set_ or [])
+    workers = min(workers, spec.n_trials)  # a worker beyond the budget would find no trial to train
     prefix = "" if worker is None else f"[worker {worker}] "
     study = _open_for_run(spec, url, prefix)
     with _run_outcomes(study, prefix):
         if workers > 1:
+            err.print(f"{workers} worker processes on this machine", markup=False)
             try:
                 codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
             except ValueError as exc:  # fewer GPUs than one trial needs
@@ -361,6 +363,9 @@ def _open(target: str, storage: str | None, study_name: str | None, command: str
     return _open_with_url(target, storage, study_name, command)[0]
 
 
+MAX_LOCAL_WORKERS = 256  # processes on one machine; each holds a torch runtime (hundreds of MB)
+
+
 def _option_problems(*, storage: str | None = None, study_name: str | None = None, n_trials: int | None = None,
                      timeout: float | None = None, workers: int = 1) -> list[str]:
     """The options' values that no command can use, one line each (typer checks only their types)."""
@@ -373,8 +378,9 @@ def _option_problems(*, storage: str | None = None, study_name: str | None = Non
         problems.append(f"--n-trials: expected at least 1 trial, got {n_trials}")
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         problems.append(f"--timeout: expected a number of seconds > 0, got {timeout:g}")
-    if workers < 1:
-        problems.append(f"--workers: expected at least 1 worker, got {workers}")
+    if not 1 <= workers <= MAX_LOCAL_WORKERS:
+        problems.append(f"--workers: expected 1 to {MAX_LOCAL_WORKERS} worker processes on this machine, got "
+                        f"{workers} (for more, launch workers on several machines: `sweep submit`)")
     return problems
 
 

@@ -765,6 +765,12 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
     """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`), as strictly as a file."""
     problems = []
     for item in overrides:
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are no UTF-8 text (Python keeps them as surrogates)
+            shown = item.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            problems.append(("--set", f"expected UTF-8 text, got '{shown}'"))
+            continue
         key, sep, raw = item.partition("=")
         if not sep or not key:
             problems.append(("--set", f"expected key=value, got {short_repr(item)}"))

@@ -305,3 +305,29 @@ def test_a_study_folder_moved_elsewhere_keeps_its_checkpoints(tmp_path: Path) ->
     check = sweep_cli("check", tmp_path / "moved" / "rel.db", "--study-name", "tiny")
     assert check.returncode == 0, check.stdout + check.stderr
     assert "missing_blob 0, corrupt_blob 0, orphan_file 0, dangling_artifact 0" in check.stderr, check.stderr
+
+
+def test_too_many_local_workers_are_refused_before_anything_starts(tiny_study: Path) -> None:
+    """`--workers 100000` started hundreds of worker processes (each a torch runtime) on a 2-core machine."""
+    done = sweep_cli("run", tiny_study, "--workers", "100000")
+    assert done.returncode == 2
+    [line] = [line for line in done.stderr.splitlines() if line.strip()]
+    assert "--workers: expected 1 to 256 worker processes on this machine, got 100000" in line
+    assert sorted(p.name for p in tiny_study.parent.iterdir()) == ["study.yaml"]  # nothing created
+
+
+def test_no_more_local_workers_than_the_budget_are_started(tiny_study: Path) -> None:
+    done = sweep_cli("run", tiny_study, "--n-trials", "2", "--workers", "6")
+    assert done.returncode == 0, done.stderr
+    assert "2 worker processes on this machine" in done.stderr  # not 6: four would find no trial to train
+    trials = load(tiny_study.parent / "tiny.db").get_trials()
+    assert len(trials) == 2 and all(t.state.name == "COMPLETE" for t in trials)
+
+
+def test_a_set_value_that_is_no_utf8_text_gets_one_line(tiny_study: Path) -> None:
+    """Bytes that are no UTF-8 reach Python's argv as surrogates, which the YAML parser cannot take (a traceback)."""
+    done = sweep_cli("run", tiny_study, "--set", "description=\udcff")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = [line for line in done.stderr.splitlines() if line.strip()]
+    assert line == r"error: command line: --set: expected UTF-8 text, got 'description=\xff'"
+    assert sorted(p.name for p in tiny_study.parent.iterdir()) == ["study.yaml"]
