@@ -378,7 +378,9 @@ def _option_problems(*, storage: str | None = None, study_name: str | None = Non
         problems.append(f"--n-trials: expected at least 1 trial, got {n_trials}")
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         problems.append(f"--timeout: expected a number of seconds > 0, got {timeout:g}")
-    if not 1 <= workers <= MAX_LOCAL_WORKERS:
+    if workers < 1:
+        problems.append(f"--workers: expected at least 1 worker, got {workers}")
+    elif workers > MAX_LOCAL_WORKERS:
         problems.append(f"--workers: expected 1 to {MAX_LOCAL_WORKERS} worker processes on this machine, got "
                         f"{workers} (for more, launch workers on several machines: `sweep submit`)")
     return problems

@@ -49,6 +49,8 @@ class ConfigError(ValueError):
 def _range(low: float | None = None, high: float | None = None, *, low_open: bool = False,
            high_open: bool = False) -> Check:
     def check(value: Any) -> str | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"expected a finite number, got {value!r}"
         too_low = low is not None and (value <= low if low_open else value < low)
         too_high = high is not None and (value >= high if high_open else value > high)
         if too_low or too_high:
