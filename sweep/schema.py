@@ -144,6 +144,11 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
         raise ValueError("log: true and step cannot be combined")
     if not math.isfinite(high - low):
         raise ValueError(f"the range from {low} to {high} is too wide to sample (high - low overflows)")
+    if step is not None:  # Optuna would narrow the range to the last multiple, with a warning
+        steps = (high - low) / step
+        if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):
+            raise ValueError(f"expected high - low to be a multiple of step, got high - low = {high - low:g} and "
+                             f"step {step:g} (Optuna would sample up to {low + math.floor(steps) * step:g} only)")
 
 
 Param = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discriminator="type")]
