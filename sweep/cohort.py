@@ -164,11 +164,17 @@ class CohortLoop:
             except (StudyBrokenError, InfrastructureError):
                 self._interrupt_all(beats, "interrupted: the worker stopped", Outcome.INTERRUPTED)
                 raise
-            except Exception as exc:  # noqa: BLE001 - a failing cohort must never take the study down
+            except Exception as exc:  # a failing cohort must never take the study down
                 result = worker._failure(exc)  # noqa: SLF001
+                stop: InfrastructureError | None = None
                 for member_id in list(self.members):
-                    self._end(beats, member_id, result)
+                    try:
+                        self._end(beats, member_id, result)
+                    except InfrastructureError as fault:  # told and queued; the other members are told too
+                        stop = stop or fault
                 self.cohort = None
+                if stop is not None:
+                    raise stop from exc
                 return self.run(started_wall)
 
     def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
