@@ -31,7 +31,7 @@ from sweep.schema import (
 from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
-from trainer.tasks import Task, TaskError, load_task
+from trainer.tasks import BUILTIN_TASKS, Task, TaskError, load_task
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "store_problems",
            "trainer_problems"]
@@ -82,7 +82,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         problems.append(("fixed.fast_fail", "configure fast-fail on the pruner: `pruner: {type: fastfail, ...}`"))
     problems += _heartbeat_problems(spec)
     base = spec.base_config()
-    base_problems = _config_problems(base, task)
+    builtin = spec.task.name in BUILTIN_TASKS  # a user's model builder may do anything: not called here
+    base_problems = _config_problems(base, task, builtin)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
 
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
@@ -108,7 +109,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         candidates = ([("low", param.low), ("high", param.high)] if not isinstance(param, CategoricalParam)
                       else [(f"choices[{i}]", c) for i, c in enumerate(param.choices)])
         for label, value in candidates:
-            for bad_key, message in _config_problems({**base, key: value}, task):
+            for bad_key, message in _config_problems({**base, key: value}, task, builtin):
                 if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
                     problems.append((f"{where}.{label}", message if bad_key == key else f"{bad_key}: {message}"))
 
@@ -188,12 +189,13 @@ def _example(param: Any) -> Any:
     return param.choices[0] if isinstance(param, CategoricalParam) else param.low
 
 
-def _config_problems(values: dict[str, Any], task: Task) -> list[tuple[str, str]]:
+def _config_problems(values: dict[str, Any], task: Task, builtin: bool) -> list[tuple[str, str]]:
     try:
         config = TrainingConfig.from_dict(values)
     except ConfigError as exc:  # fast_fail.* values come from the pruner, whose own check reports them
         return [(key, _suggest(key, message)) for key, message in exc.problems if not key.startswith("fast_fail")]
-    return [(key, _suggest(key, message)) for key, message in task.model_problems(config.model)]
+    check = task.build_problems if builtin else task.model_problems
+    return [(key, _suggest(key, message)) for key, message in check(config.model)]
 
 
 def _suggest(key: str, message: str) -> str:

@@ -87,19 +87,26 @@ class Task:
             ok, _, message = coerce(value, type(default)) if default is not None else (True, value, "")
             if not ok:
                 problems.append((f"model.{key}", message))
-        if not problems:  # each value of the right type: the builder's own checks (a dropout of 1.5, say) on meta
-            merged = {**self.model_defaults, **{k: coerce(v, type(self.model_defaults[k]))[1]
-                                                if self.model_defaults[k] is not None else v
-                                                for k, v in model.items()}}
-            try:
-                with torch.device("meta"):  # no memory, no initialisation
-                    self.build_model(merged)
-            except (ValueError, TypeError) as exc:  # what modules raise for bad arguments; nothing else is judged
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                keys = [k for k in model if k in first] or sorted(model) or ["model"]
-                problems.append((f"model.{keys[0]}" if model else "model",
-                                 f"task {self.name!r} cannot build its model: {first}"))
         return problems
+
+    def build_problems(self, model: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """What the model builder itself refuses in `model` (a dropout of 1.5, say), found by building the model on
+        the meta device (no memory, no initialisation), as `(dotted key, message)` pairs; only the `ValueError` and
+        `TypeError` that modules raise for bad arguments count. For the built-in tasks, whose builders have no side
+        effects: a user's builder may do anything, so it is first called when a trial starts."""
+        problems = self.model_problems(model)
+        if problems:
+            return problems
+        merged = {**self.model_defaults, **{k: coerce(v, type(self.model_defaults[k]))[1]
+                                            if self.model_defaults[k] is not None else v for k, v in model.items()}}
+        try:
+            with torch.device("meta"):
+                self.build_model(merged)
+        except (ValueError, TypeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            keys = [k for k in model if k in first] or sorted(model)
+            return [(f"model.{keys[0]}" if keys else "model", f"task {self.name!r} cannot build its model: {first}")]
+        return []
 
     def model_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults updated with `model`, with a `ConfigError` for anything the builder does not accept."""
