@@ -97,11 +97,9 @@ class Task:
         problems = self.model_problems(model)
         if problems:
             return problems
-        merged = {**self.model_defaults, **{k: coerce(v, type(self.model_defaults[k]))[1]
-                                            if self.model_defaults[k] is not None else v for k, v in model.items()}}
         try:
             with torch.device("meta"):
-                self.build_model(merged)
+                self.build_model(self.model_config(model))
         except (ValueError, TypeError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             keys = [k for k in model if k in first] or sorted(model)
