@@ -380,6 +380,32 @@ class PatientStorage(BaseStorage):
         finally:
             self._shared.snapshots = outer
 
+    @contextlib.contextmanager
+    def shared_ask_reads(self) -> Iterator[None]:
+        """In this block, this thread's reads of a study's trials in *any* states share one read of the storage,
+        made at the first of them, until this storage writes a trial's state. For one ask under the study's lock
+        (`Worker._ask_locked`): the worker counts the budget, then Optuna looks for a queued trial and the sampler
+        reads the trials two or three times more (the search space, then every trial, running ones included, for
+        TPE's constant liar). Under the lock no other worker asks, so the block's first read already holds every
+        trial asked before this one; another worker's trial that finishes meanwhile is seen at the next ask, as if
+        this one had been asked a few milliseconds earlier. The new trial itself is not in the snapshot: samplers
+        leave the trial they sample out of what they read. A trial queued (`enqueue_trial`) or claimed (a state
+        written) drops it."""
+        outer = getattr(self._shared, "everything", None)
+        self._shared.everything = {}
+        try:
+            yield
+        finally:
+            self._shared.everything = outer
+
+    def _snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:
+        everything: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "everything", None)
+        if everything is not None:
+            if study_id not in everything:
+                everything[study_id] = self._call("get_all_trials", study_id, deepcopy=False, states=None)
+            return everything[study_id] if states is None else [t for t in everything[study_id] if t.state in states]
+        return self._finished_snapshot(study_id, states)
+
     def _finished_snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:
         snapshots: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "snapshots", None)
         if snapshots is None or states is None or any(s in states for s in TrialState if not s.is_finished()):
@@ -389,9 +415,10 @@ class PatientStorage(BaseStorage):
         return [t for t in snapshots[study_id] if t.state in states]
 
     def _drop_snapshots(self) -> None:
-        snapshots = getattr(self._shared, "snapshots", None)
-        if snapshots:
-            snapshots.clear()
+        for kind in ("snapshots", "everything"):
+            snapshots = getattr(self._shared, kind, None)
+            if snapshots:
+                snapshots.clear()
 
     # Writes.
     def create_new_study(self, directions: Sequence[StudyDirection], study_name: str | None = None) -> int:
@@ -407,6 +434,8 @@ class PatientStorage(BaseStorage):
         self._call("set_study_system_attr", study_id, key, value)
 
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
+        if template_trial is not None:  # a queued trial (`enqueue_trial`): the next ask must find it
+            self._drop_snapshots()
         return self._call("create_new_trial", study_id, template_trial)
 
     def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
@@ -486,7 +515,7 @@ class PatientStorage(BaseStorage):
 
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
-        shared = self._finished_snapshot(study_id, states)
+        shared = self._snapshot(study_id, states)
         if shared is not None:
             return copy.deepcopy(shared) if deepcopy else shared
         return self._call("get_all_trials", study_id, deepcopy=deepcopy, states=states)
@@ -514,9 +543,13 @@ class PatientStorage(BaseStorage):
         self._drop_snapshots()
         if not self.boundary.call(self._fail_if_running, trial_id):
             return False
+        self.record_lost(trial_id, reason)
+        return True
+
+    def record_lost(self, trial_id: int, reason: str) -> None:
+        """Write why a failed trial was lost, as `fail_lost_trial` does (Optuna refuses attrs on finished trials)."""
         self.boundary.call(self._write_user_attr, trial_id, "fail_reason", reason)
         self.boundary.call(self._write_user_attr, trial_id, "outcome", "lost")
-        return True
 
     def _fail_if_running(self, trial_id: int) -> bool:
         try:

@@ -15,6 +15,7 @@ checkpoint or storage details of its own.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 import time
 import traceback
@@ -49,6 +50,7 @@ from sweep.outcomes import (
     failure_signature,
     infrastructure_fault,
     jsonable,
+    outcome_of,
 )
 from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
@@ -208,7 +210,19 @@ class Worker:
                     distributions: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         """`_ask_next`'s work, under the lock."""
         self._fail_lost_trials()
+        with self._shared_reads():
+            return self._count_and_ask(fixed, distributions)
+
+    def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
+        if isinstance(self.storage, PatientStorage):
+            return self.storage.shared_ask_reads()
+        return contextlib.nullcontext()
+
+    def _count_and_ask(self, fixed: dict[str, Any] | None,
+                       distributions: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         trials = self.study.get_trials(deepcopy=False)
+        if self._requeue_orphans(trials):
+            trials = self.study.get_trials(deepcopy=False)
         if self.first and trials:  # joining a study others have sampled: draw other configs than theirs
             waiting = sum(t.state == TrialState.WAITING for t in trials)
             joined = (len(trials), waiting) if waiting else (len(trials),)
@@ -306,6 +320,31 @@ class Worker:
             self.sampler_stopped = True
             return self.study.get_trials(deepcopy=False)[trial.number]
 
+    def _requeue_orphans(self, trials: list[FrozenTrial]) -> bool:
+        """Queue the retry of every trial that ended for a reason not its config's (lost, interrupted, preempted,
+        the machine's) and has none: its worker was killed between storing its end and queuing its retry, two
+        writes milliseconds apart, or between failing a lost trial and writing why. Without this the budget would
+        count the trial as used and its config would never finish. Only trials that ended more than a grace period
+        ago: a live worker queues its retry at once. True when one was queued."""
+        retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
+        now, queued = datetime.datetime.now(), False
+        for trial in trials:
+            if trial.state != TrialState.FAIL or trial.number in retried or ATTR_WITHDRAWN in trial.user_attrs:
+                continue
+            outcome = outcome_of(trial)
+            ended = trial.datetime_complete
+            if outcome is None or not outcome.retried or ended is None \
+                    or (now - ended).total_seconds() < self.spec.heartbeat_grace_period:
+                continue
+            reason = str(trial.user_attrs.get(ATTR_FAIL) or LOST_REASON)
+            if ATTR_OUTCOME not in trial.user_attrs and isinstance(self.storage, PatientStorage):
+                self.storage.record_lost(trial._trial_id, reason)  # noqa: SLF001 - Optuna has no public trial id
+            warnings.warn(f"trial {trial.number} ended ({outcome.value}) without its retry queued (its worker was "
+                          "killed in between); queued now", stacklevel=2)
+            self._retry(trial, reason)
+            queued = True
+        return queued
+
     def _queue_confirmation(self, trials: list[FrozenTrial], taken: int) -> None:
         """With `warm_start.confirm: K`, the last trials of the budget retrain the best K warm trials cold: when no
         more budget is left than confirmations are due, the next one is queued, so that `ask` takes it."""
@@ -320,6 +359,8 @@ class Worker:
         """Queue the trial's params again; the retry resumes from the newest checkpoint of its lineage. Faults of
         the machine in a row are counted (`retry_depth`), and the same one `MAX_INFRA_REPEATS` times stops this
         worker: retrying cannot help until someone fixes the machine."""
+        if any(t.user_attrs.get(ATTR_RETRY_OF) == trial.number for t in self.study.get_trials(deepcopy=False)):
+            return  # queued already (`_requeue_orphans`): this worker stalled between the trial's end and now
         depth = trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1 if infrastructure else 0
         carried = {ATTR_CONFIRMS: trial.user_attrs[ATTR_CONFIRMS]} if ATTR_CONFIRMS in trial.user_attrs else {}
         self.study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,

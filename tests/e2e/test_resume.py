@@ -181,3 +181,32 @@ def test_a_trial_orphaned_before_its_first_heartbeat_is_retried_not_waited_for(t
     assert [t.user_attrs["retry_reason"] for t in trials if t.user_attrs.get("retry_of") == orphan.number] == \
         ["worker lost: no heartbeat"]
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
+
+
+def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_the_next_worker(tmp_path: Path) -> None:
+    # Storing a trial's end and queuing its retry are two writes; a SIGKILL between them (or between failing a lost
+    # trial and writing why) used to leave a failed trial with no retry, counted against the budget and never trained.
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 3, "heartbeat_interval": 1, "heartbeat_grace_period": 2}
+    path = write_study(tmp_path, document)
+    db = tmp_path / "tiny.db"
+    study = open_study(load_spec(path)[0], f"sqlite:///{db}")
+    preempted = study.ask()  # its worker told it preempted, then died before queuing the retry
+    for key, value in {"outcome": "preempted", "fail_reason": "preempted (SIGTERM)", "interrupted": True}.items():
+        preempted.set_user_attr(key, value)
+    study.tell(preempted, state=TrialState.FAIL)
+    lost = study.ask()  # failed as lost by another worker, which died before writing why and queuing the retry
+    study.tell(lost, state=TrialState.FAIL)
+    time.sleep(2.5)  # older than the grace period
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    retries = {t.user_attrs["retry_of"]: t for t in trials if "retry_of" in t.user_attrs}
+    assert sorted(retries) == [preempted.number, lost.number]
+    assert retries[preempted.number].user_attrs["retry_reason"] == "preempted (SIGTERM)"
+    assert retries[lost.number].user_attrs["retry_reason"] == "worker lost: no heartbeat"
+    assert trials[lost.number].user_attrs["outcome"] == "lost"
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 3  # the budget, exactly: no slot lost, none extra
+    assert len(trials) == 5

@@ -106,6 +106,34 @@ def test_a_shared_block_reads_the_finished_trials_once_until_this_storage_writes
     assert len(mine.get_trials(deepcopy=False, states=finished)) == 5  # after the block: fresh reads again
 
 
+def test_an_ask_block_reads_the_trials_once_and_a_queued_or_claimed_trial_drops_the_read(tmp_path: Path) -> None:
+    # One ask under the study's lock: the budget count, Optuna's look for a queued trial and the sampler's reads share
+    # the block's first read, running trials included; a trial queued or claimed in the block is seen at once.
+    from optuna.trial import TrialState
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    mine = optuna.create_study(study_name="s", storage=storage)
+    other = optuna.load_study(study_name="s", storage=make_storage(url))
+    mine.tell(mine.ask(), 1.0)
+    with storage.shared_ask_reads():
+        assert [t.state for t in mine.get_trials(deepcopy=False)] == [TrialState.COMPLETE]
+        other.ask()  # another worker's trial, asked meanwhile: not in the block's read
+        assert len(mine.get_trials(deepcopy=False)) == 1
+        assert mine.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) == []
+        mine.enqueue_trial({"x": 1.0})  # queued here: the next read in the block must see it
+        assert [t.state for t in mine.get_trials(deepcopy=False)] == [TrialState.COMPLETE, TrialState.RUNNING,
+                                                                        TrialState.WAITING]
+        claimed = mine.ask()  # takes the queued trial (a state written): the next read is fresh, and shared again
+        assert claimed.number == 2
+        assert [t.state for t in mine.get_trials(deepcopy=False)] == [TrialState.COMPLETE] + [TrialState.RUNNING] * 2
+        other.ask()
+        assert len(mine.get_trials(deepcopy=False)) == 3
+    assert len(mine.get_trials(deepcopy=False)) == 4  # after the block: fresh reads
+
+
 def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_them(tmp_path: Path) -> None:
     # The worker writes a trial's outcome attrs in one transaction: each lands (an existing key is overwritten), as
     # another process reads them, and a trial another worker has finished meanwhile refuses them as Optuna does.
