@@ -5,6 +5,7 @@ module is what commands that only read a study need (`status`, `trials`), and it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -42,8 +43,8 @@ __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "Che
            "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "ResourcesSpec", "SlurmSpec",
            "StudyFileError", "StudySpec", "TaskSpec", "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
-           "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
-           "validate_document", "with_options"]
+           "resolve_storage_url", "short_repr", "sqlite_file_problem", "sqlite_study_problem", "storage_url_problem",
+           "store_url_problem", "validate_document", "with_options"]
 
 FORMS = ("task", "loop", "command")  # what a trial runs: exactly one of them in a study file
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -1049,6 +1050,30 @@ def sqlite_file_problem(url: str) -> str | None:
             return f"cannot read {path}: {exc.strerror or exc}"
         if header != b"SQLite format 3\x00":
             return f"{path} is not a SQLite database; give a new or existing .db file"
+    return None
+
+
+def sqlite_study_problem(url: str) -> str | None:
+    """For a command that reads a study from an existing SQLite file: what is wrong with the file, or None. It must
+    hold Optuna's tables; it is opened read-only, since Optuna's storage would create its tables in any SQLite file
+    (or an empty one) and so turn it into a study database."""
+    import sqlite3
+
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        return None
+    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+    if problem := sqlite_file_problem(url):
+        return problem.replace("; give a new or existing .db file", "; give the .db file of a study")
+    if path.stat().st_size == 0:
+        return f"{path} is an empty file, not a study database; give the .db file of a study"
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
+            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
+    if not {"studies", "trials", "version_info"} <= tables:
+        return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "
+                "of a study")
     return None
 
 
