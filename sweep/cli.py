@@ -1,7 +1,8 @@
 """`sweep`: the command line. Thin on purpose: parse, call library functions, print.
 
-Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show); 2 bad input (study file, arguments,
-a study that exists with a different definition); 130 interrupted (Ctrl-C); 143 preempted (SIGTERM).
+Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show, a run whose every finished trial
+failed); 2 bad input (study file, arguments, a study that exists with a different definition, a file that is no study
+database); 130 interrupted (Ctrl-C); 143 preempted (SIGTERM).
 
 Each command imports the library it needs when it runs, not when this module loads: `sweep --help`, `status` and
 `trials` never import torch, and `--help` not even Optuna.

@@ -1,8 +1,9 @@
 """A user's command as a runner: `command: python train.py --lr {learning_rate} --hidden {model.hidden}`.
 
 Each trial runs the command once, as a subprocess in its own process group (its own session), with:
-- `{key}` in the command replaced by the trial's value of that dotted config key (each argument split first, as a
-  shell would, so a value with spaces stays one argument; no shell runs);
+- `{key}` in the command replaced by the trial's value of that dotted config key, as `str.format` would put it
+  (`{learning_rate:.3e}`, `{name!r}`; each argument split first, as a shell would, so a value with spaces stays one
+  argument; no shell runs);
 - `SWEEP_CONFIG` (the config as JSON) and `SWEEP_TRIAL` in its environment, and `SWEEP_REPORT_FD`: its end of a
   local socket pair to the worker, through which `sweep.client.report` reports and hears whether to stop. The worker
   owns every storage call, so the same command works with SQLite and PostgreSQL storage;
