@@ -1,7 +1,8 @@
 """`sweep`: the command line. Thin on purpose: parse, call library functions, print.
 
-Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show); 2 bad input (study file, arguments,
-a study that exists with a different definition); 130 interrupted (Ctrl-C); 143 preempted (SIGTERM).
+Exit codes: 0 success; 1 a runtime problem (storage unreachable, nothing to show, a run whose every finished trial
+failed); 2 bad input (study file, arguments, a study that exists with a different definition, a file that is no study
+database); 130 interrupted (Ctrl-C); 143 preempted (SIGTERM).
 
 Each command imports the library it needs when it runs, not when this module loads: `sweep --help`, `status` and
 `trials` never import torch, and `--help` not even Optuna.
@@ -37,6 +38,7 @@ from sweep.schema import (
     read_spec,
     resolve_storage_url,
     sqlite_file_problem,
+    sqlite_study_problem,
     storage_url_problem,
 )
 from sweep.urls import mask_url, redact
@@ -114,7 +116,9 @@ def run(
     cohort: Annotated[Optional[str], typer.Option("--cohort", help="Trials each worker trains at once as one "
                                                   "stacked model (K, or auto); overrides execution.cohort.")] = None,
 ) -> None:
-    """Create or resume the study and run trials until its n_trials are used."""
+    """Create or resume the study and run trials until its n_trials are used. Exits 1 when every trial it finished
+    failed."""
+    from sweep import results
     from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
 
     if cohort is not None:  # the same as --set execution.cohort=K, so the local workers get it too
@@ -133,6 +137,7 @@ def run(
     with _run_outcomes(study, prefix):
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
+            before, started = results.trial_states(study), time.time()
             try:
                 codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
             except ValueError as exc:  # fewer GPUs than one trial needs
@@ -141,10 +146,14 @@ def run(
             lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
             if lost:
                 raise _fail(lost, 1)
+            failed = None if results.stop_requested_since(study, started) else results.failed_run(
+                results.finished_since(study, before))
+            if failed:
+                raise _fail(failed, 1)
             return
-        summary = _run_here(study, spec, url, timeout, prefix, live=worker is None)
+        summary, counts = _run_here(study, spec, url, timeout, prefix, live=worker is None)
     if worker is not None:
-        return  # the parent prints the summary once
+        return  # the parent prints the summary once, and decides the exit code
     _print_status(study)
     for flag, message in (("stopped", "stopped by `sweep stop`; rerun the same command to continue."),
                           ("exhausted", "the sampler has tried every point of the search space; stopped with "
@@ -153,6 +162,9 @@ def run(
                                         "trials done; rerun to continue.")):
         if getattr(summary, flag):
             err.print(message)
+    failed = None if summary.stopped else results.failed_run(counts)
+    if failed:
+        raise _fail(failed, 1)
 
 
 def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_trials: int | None,
@@ -233,8 +245,10 @@ def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
         raise _fail(f"{prefix}{exc}", 1) from None
 
 
-def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: str, *, live: bool) -> Any:
-    """The worker loop in this process, with a progress display (a live one on a terminal, lines for a worker)."""
+def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: str, *,
+              live: bool) -> tuple[Any, dict[str, int]]:
+    """The worker loop in this process, with a progress display (a live one on a terminal, lines for a worker).
+    Returns the run's summary and its finished trials by state."""
     from sweep import results
     from sweep.progress import LiveProgress
     from sweep.study import run_study
@@ -244,7 +258,8 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: st
     progress = LiveProgress(err, spec.n_trials, study.direction, done=status_now["budget_used"],
                             best=None if best is None else best["value"], live=None if live else False, prefix=prefix)
     with progress:
-        return run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
+        summary = run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
+    return summary, dict(progress.counts)
 
 
 @app.command()
@@ -406,14 +421,14 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None,
     elif storage:
         url, name = storage, name or (target or None)
     elif path is not None and path.exists():
-        url = f"sqlite:///{path.resolve()}"
-        if problem := sqlite_file_problem(url):
-            raise _fail(problem, 2)
+        url = f"sqlite:///{path.resolve()}"  # checked below, as every SQLite file a command reads
     else:
         raise _fail(f"{target!r} is neither a study file nor a database; give a study file, a .db file, "
                     "or --storage URL [--study-name NAME]", 2)
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
+    if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
+        raise _fail(problem, 2)
     _quiet_optuna()
     from sweep.storage import load_existing_study
 

@@ -20,7 +20,7 @@ import optuna
 from sweep.forecast import ForecastPruner
 from sweep.leaders import LeadersPruner
 from sweep.pruners import FastFailPruner
-from sweep.schema import Component, StudyFileError, did_you_mean, short_repr
+from sweep.schema import CategoricalParam, Component, FloatParam, StudyFileError, did_you_mean, short_repr
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -55,7 +55,10 @@ WRAPPING = {"patient": ("wrapped", "wrapped_pruner"), "fastfail": ("then", "then
 
 
 def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict[str, Any],
-                 extra: dict[str, Any] | None = None) -> Any:
+                 extra: dict[str, Any] | None = None, renamed: Mapping[str, str] | None = None) -> Any:
+    """`registry[kind](**args)`, every problem named by the study file's key under `where`. `renamed`: the study
+    file's key for a constructor argument whose name it does not use (`wrapped` for `wrapped_pruner`)."""
+    renamed = renamed or {}
     if kind not in registry:
         raise StudyFileError("", [(f"{where}.type", f"unknown {where} {kind!r}{did_you_mean(kind, registry)}; "
                                                     "expected one of: " + ", ".join(registry))])
@@ -78,10 +81,21 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
     if problems:
         raise StudyFileError("", problems)
     kwargs = {**{k: v for k, v in (extra or {}).items() if k in accepted and k not in args}, **args}
+    missing = [name for name, parameter in accepted.items() if parameter.default is parameter.empty
+               and name not in kwargs]
+    if missing:
+        raise StudyFileError("", [(f"{where}.{renamed.get(name, name)}", f"required key is missing ({kind} needs "
+                                   f"it{_WRAPPED_HINT if name in renamed else ''})") for name in missing])
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise StudyFileError("", [(where, f"{cls.__name__}: {exc}")]) from exc
+        message = str(exc)
+        for name, key in renamed.items():  # the constructor's own names are not the study file's
+            message = message.replace(name, key)
+        raise StudyFileError("", [(where, f"{cls.__name__}: {message}")]) from exc
+
+
+_WRAPPED_HINT = ": the pruner it wraps, a name or {type: median, ...}"
 
 
 class _Mismatch(Exception):
@@ -216,13 +230,15 @@ def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.
                 raise StudyFileError("", [(f"{where}.{key}", "expected a pruner name or {type: ...}, got "
                                                             f"{short_repr(inner)}")]) from None
             args[parameter] = build_pruner(inner_component, f"{where}.{key}")
+        renamed = {parameter: key} if parameter != key else {}
+        return _instantiate(where, PRUNERS, component.type, args, renamed=renamed)
     return _instantiate(where, PRUNERS, component.type, args)
 
 
 def component_problems(spec: StudySpec) -> list[tuple[str, str]]:
     """Every problem of the sampler's and the pruner's arguments, found by building both (quietly: Optuna labels some
     of them experimental, which is no news while a file is being checked)."""
-    problems = []
+    problems = _sampler_space_problems(spec)
     for build in (lambda: build_sampler(spec), lambda: build_pruner(spec.pruner)):
         try:
             with warnings.catch_warnings():
@@ -231,6 +247,23 @@ def component_problems(spec: StudySpec) -> list[tuple[str, str]]:
         except StudyFileError as exc:
             problems += exc.problems
     return problems
+
+
+def _sampler_space_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """A search space the sampler cannot search, as Optuna documents it: `bruteforce` enumerates every point, so
+    every float needs a step (Optuna fails each trial otherwise); `cmaes` searches float and int keys only
+    (categorical ones are drawn at random, with a warning), so a space of categorical keys alone leaves it nothing."""
+    kind = spec.sampler.type
+    if kind == "bruteforce":
+        continuous = [key for key, param in spec.space.items() if isinstance(param, FloatParam) and param.step is None]
+        if continuous:
+            return [("sampler", f"bruteforce tries every point of the search space, so each float needs a step, but "
+                                f"{', '.join(f'space.{key}' for key in continuous)} has none; give it a step or use "
+                                "another sampler (tpe, random)")]
+    if kind == "cmaes" and spec.space and all(isinstance(param, CategoricalParam) for param in spec.space.values()):
+        return [("sampler", "cmaes searches float and int keys only, and every key of the space is categorical (it "
+                            "would draw them all at random); use tpe, random or bruteforce")]
+    return []
 
 
 def pruner_name(pruner: optuna.pruners.BasePruner | None) -> str:

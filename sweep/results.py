@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import optuna
@@ -20,17 +21,47 @@ from sweep.outcomes import (
     ATTR_WALL,
     ATTR_WARM_START,
     SPEC_ATTR,
+    STOP_ATTR,
     budget_counts,
 )
 from sweep.progress import describe_outcome
 
-__all__ = ["ForeignStudyError", "best_config", "best_trial", "lineage_label", "made_by_sweep", "require_sweep_study",
-           "state_counts", "steps_trained", "study_status", "trial_rows", "trials_per_hour"]
+__all__ = ["ForeignStudyError", "best_config", "best_trial", "failed_run", "finished_since", "lineage_label",
+           "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained", "stop_requested_since",
+           "study_status", "trial_rows", "trial_states", "trials_per_hour"]
 
 
 class ForeignStudyError(Exception):
     """A command that needs what sweep stores on a study (its definition, each trial's config) was given an Optuna
     study that sweep did not create: bad input, not a broken study."""
+
+
+def trial_states(study: optuna.Study) -> dict[int, TrialState]:
+    """Each trial's state now, by number: what `finished_since` tells a run's own trials by."""
+    return {trial.number: trial.state for trial in study.get_trials(deepcopy=False)}
+
+
+def finished_since(study: optuna.Study, before: Mapping[int, TrialState]) -> Counter[str]:
+    """The trials that finished since `before` was taken (new ones, and queued ones taken up), counted by state as
+    `LiveProgress.counts` counts them (`complete`, `pruned`, `fail`). A trial running then is another's."""
+    return Counter(trial.state.name.lower() for trial in study.get_trials(deepcopy=False)
+                   if trial.state.is_finished() and before.get(trial.number) in (None, TrialState.WAITING))
+
+
+def stop_requested_since(study: optuna.Study, since: float) -> bool:
+    """Whether `sweep stop` asked the study's workers to stop after `since` (a time.time())."""
+    requested = study.user_attrs.get(STOP_ATTR)
+    return requested is not None and requested > since
+
+
+def failed_run(counts: Mapping[str, int]) -> str | None:
+    """What `sweep run` says, exiting 1, when every trial it finished failed: none complete or pruned, at least one
+    failed. None otherwise (a run that found its budget spent finished none: nothing failed)."""
+    failed = counts.get("fail", 0)
+    if not failed or counts.get("complete", 0) or counts.get("pruned", 0):
+        return None
+    return (f"every trial of this run failed ({failed} failed, none complete or pruned); `sweep trials` shows each "
+            "one's reason")
 
 
 def made_by_sweep(study: optuna.Study) -> bool:

@@ -5,6 +5,7 @@ module is what commands that only read a study need (`status`, `trials`), and it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -42,8 +43,8 @@ __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "Che
            "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "ResourcesSpec", "SlurmSpec",
            "StudyFileError", "StudySpec", "TaskSpec", "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
            "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
-           "resolve_storage_url", "short_repr", "sqlite_file_problem", "storage_url_problem", "store_url_problem",
-           "validate_document", "with_options"]
+           "resolve_storage_url", "short_repr", "sqlite_file_problem", "sqlite_study_problem", "storage_url_problem",
+           "store_url_problem", "validate_document", "with_options"]
 
 FORMS = ("task", "loop", "command")  # what a trial runs: exactly one of them in a study file
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -76,8 +77,8 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
-# A finite number: an int, a float or a string that reads as one (PyYAML reads `1e-3`, without a dot, as a string);
-# not a bool, not .inf or .nan (a range end of .inf fails every trial).
+# A finite number: an int, a float or a string that reads as one (the YAML loader reads `1e-3` as a number itself:
+# see `_exponent`); not a bool, not .inf or .nan (a range end of .inf fails every trial).
 Number = Annotated[float, BeforeValidator(_not_a_bool), AllowInfNan(False)]
 SEED_MAX = 2**32 - 1  # numpy's and therefore every Optuna sampler's limit
 
@@ -251,6 +252,25 @@ SlurmName = Annotated[StrictStr, _matching(_SLURM_NAME, "a Slurm name (letters, 
 SlurmTime = Annotated[StrictStr, _matching(_SLURM_TIME, "a Slurm time such as 90, 4:00:00 or 2-12:00:00")]
 SlurmMem = Annotated[StrictStr, _matching(_SLURM_MEM, "a Slurm memory size such as 16G or 4000M")]
 
+# Kubernetes' own names (RFC 1123), checked here so that nothing else reaches the manifest: a namespace is a DNS
+# label, a Secret's name a DNS subdomain.
+_K8S_LABEL = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+
+
+def _k8s_subdomain(value: str) -> str:
+    if len(value) > 253:
+        raise ValueError(f"expected a Kubernetes Secret name of at most 253 characters, got {len(value)}")
+    return value
+
+
+K8sNamespace = Annotated[StrictStr, _matching(re.compile(_K8S_LABEL), "a Kubernetes namespace (at most 63 "
+                                              "lowercase letters, digits and '-', starting and ending with a letter "
+                                              "or digit)")]
+K8sSecretName = Annotated[StrictStr, AfterValidator(_k8s_subdomain),
+                          _matching(re.compile(rf"{_K8S_LABEL}(\.{_K8S_LABEL})*"), "a Kubernetes Secret name "
+                                    "(lowercase letters, digits, '-' and '.', starting and ending with a letter or "
+                                    "digit)")]
+
 
 def _sbatch_line(value: str) -> str:
     line = value.strip().removeprefix("#SBATCH").strip()
@@ -280,8 +300,8 @@ class K8sSpec(_Model):
 
     workers: StrictInt = Field(1, ge=1)
     image: StrictStr | None = None  # an image with sweep installed; required, here or with --image
-    namespace: SlurmName | None = None
-    secret: SlurmName = "sweep-storage"  # the Secret whose key `url` holds the storage URL
+    namespace: K8sNamespace | None = None
+    secret: K8sSecretName = "sweep-storage"  # the Secret whose key `url` holds the storage URL
     gpus_per_worker: StrictInt = Field(0, ge=0)
     cpus_per_worker: Number | None = Field(None, gt=0)
     memory: StrictStr | None = None  # a Kubernetes quantity such as 8Gi
@@ -464,6 +484,27 @@ class StudySpec(_Model):
     @field_validator("fixed", mode="after")
     @classmethod
     def _nest_fixed(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The fixed values nested (`model.hidden: 8` is `model: {hidden: 8}`), refused when two of them set the same
+        value (`model: {hidden: 8}` and `model.hidden: 16`) or one sits inside another (`a: 1` and `a.b: 2`): one of
+        them would silently be dropped."""
+        given: dict[str, str] = {}  # every value's dotted key: the key of the file that sets it
+        for key, item in value.items():
+            for dotted, leaf in flatten({key: item}).items():
+                if leaf == {}:  # an empty mapping sets nothing
+                    continue
+                parts = dotted.split(".")
+                clashes = [other for other in (dotted, *(".".join(parts[:i]) for i in range(1, len(parts))))
+                           if other in given]
+                clashes += [other for other in given if other.startswith(f"{dotted}.")]
+                if clashes:
+                    other = clashes[0]
+                    keys = f"fixed.{given[other]} and fixed.{key}"
+                    if other == dotted:
+                        raise ValueError(f"{keys} both set {dotted}; keep one of them")
+                    inner, outer = sorted((other, dotted), key=len, reverse=True)
+                    raise ValueError(f"{inner} is inside {outer} ({keys}), and a config cannot hold both; keep one "
+                                     "of them")
+                given[dotted] = key
         return nest(value)
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -527,16 +568,32 @@ _MAX_PROBLEMS = 20  # reported of one file; a file with more is mostly not a stu
 _SAFE: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when there: a 1 MiB file parses in ~0.1 s
 
 
+_CORE = "tag:yaml.org,2002:"
+_EXPONENT_TAG = "tag:sweep,2024:exponent"  # implicit only: a tag written in the file is refused (`_PLAIN_TAGS`)
+# A number in exponent notation as YAML 1.2 reads it (`1e3`, `1.5e3`, `2E-4`, `-1e+3`). YAML 1.1, and so PyYAML,
+# wants a dot and a signed exponent and reads `1e3` and `1.5e3` as strings.
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+
 class _Loader(_SAFE):
-    """The safe loader, without YAML 1.1's implicit dates: a study file has none, and `2024-13-45` would raise."""
+    """The safe loader, without YAML 1.1's implicit dates (a study file has none, and `2024-13-45` would raise), and
+    with YAML 1.2's numbers in exponent notation (`_exponent`)."""
 
     yaml_implicit_resolvers: ClassVar = {
-        first: [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
+        first: [(_EXPONENT_TAG, _EXPONENT)] * (first in "-+.0123456789")
+        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
         for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
 
 
+def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
+    """`1e3` as a number: an int when the value is a whole number (`max_steps: 1e3` is 1000, `1.5e3` is 1500), so an
+    integer key takes it, else a float (`1e-3`). A plain `1.5` or `2.0` stays a float, which an integer key refuses."""
+    value = float(node.value)
+    return int(value) if math.isfinite(value) and value.is_integer() else value
+
+
+_Loader.add_constructor(_EXPONENT_TAG, _exponent)
 _LOADER = _Loader
-_CORE = "tag:yaml.org,2002:"
 # Explicit tags that only restate a plain value. Others (`!!python/object`, `!!binary`, `!!set`, `!custom`) are
 # refused: a study file holds plain values, and the safe loader would fail on most with a message of many lines.
 _PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float", "bool", "null", "seq", "map"))})
@@ -554,7 +611,7 @@ def short_repr(value: Any) -> str:
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
     """`" (did you mean 'n_trials'?)"` for a close match among `options`, or ''."""
-    matches = difflib.get_close_matches(word, list(options), n=1, cutoff=0.75)
+    matches = difflib.get_close_matches(word, [option for option in options if option != word], n=1, cutoff=0.75)
     return f" (did you mean {matches[0]!r}?)" if matches else ""
 
 
@@ -849,9 +906,11 @@ def validate_document(document: Mapping[str, Any], source: str | Path) -> StudyS
 
 _TAGS: dict[str, type[BaseModel]] = {"float": FloatParam, "int": IntParam, "categorical": CategoricalParam}
 _SECTIONS: dict[str, type[BaseModel]] = {"checkpoints": CheckpointPolicy, "warm_start": WarmStartSpec,
-                                         "task": TaskSpec, "launch": LaunchSpec,
-                                         "resources": ResourcesSpec}
-_SUBSECTIONS: dict[tuple[str, str], type[BaseModel]] = {("launch", "slurm"): SlurmSpec, ("launch", "k8s"): K8sSpec}
+                                         "task": TaskSpec, "launch": LaunchSpec, "tracking": TrackingSpec,
+                                         "execution": ExecutionSpec, "resources": ResourcesSpec}
+_SUBSECTIONS: dict[tuple[str, str], type[BaseModel]] = {("launch", "slurm"): SlurmSpec, ("launch", "k8s"): K8sSpec,
+                                                        ("tracking", "tensorboard"): TensorBoardSpec,
+                                                        ("tracking", "mlflow"): MLflowSpec}
 
 
 def _known_keys(loc: Sequence[Any]) -> list[str]:
@@ -877,7 +936,19 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
     if error["type"] == "missing_form":
         return "task", message
     if error["type"] == "extra_forbidden":
-        message = "unknown key" + did_you_mean(loc[-1], _known_keys(error["loc"]))
+        known = _known_keys(error["loc"])
+        message = "unknown key" + did_you_mean(loc[-1], known) + (f"; expected one of: {', '.join(known)}"
+                                                                  if known else "")
+    elif error["type"] in ("union_tag_not_found", "union_tag_invalid"):  # a tagged union: the space's `type`
+        field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'")
+        tags = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected_tags", ""))) or list(_TAGS)
+        if error["type"] == "union_tag_not_found":
+            return _dotted(loc), f"missing {field!r} (expected one of {', '.join(tags)})"
+        tag = str(error["ctx"]["tag"])
+        return _dotted([*loc, field]), (f"unknown {field} {short_repr(tag)}{did_you_mean(tag, tags)}; expected one "
+                                        f"of {', '.join(tags)}")
+    elif error["type"] == "model_attributes_type":  # pydantic's "... or object to extract fields from"
+        message = f"Input should be a valid dictionary (a mapping of keys), got {short_repr(error['input'])}"
     elif error["type"] == "missing":
         message = "required key is missing"
     elif "input" in error and error["type"] not in ("value_error",) and not isinstance(error["input"], dict):
@@ -979,6 +1050,30 @@ def sqlite_file_problem(url: str) -> str | None:
             return f"cannot read {path}: {exc.strerror or exc}"
         if header != b"SQLite format 3\x00":
             return f"{path} is not a SQLite database; give a new or existing .db file"
+    return None
+
+
+def sqlite_study_problem(url: str) -> str | None:
+    """For a command that reads a study from an existing SQLite file: what is wrong with the file, or None. It must
+    hold Optuna's tables; it is opened read-only, since Optuna's storage would create its tables in any SQLite file
+    (or an empty one) and so turn it into a study database."""
+    import sqlite3
+
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        return None
+    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+    if problem := sqlite_file_problem(url):
+        return problem.replace("; give a new or existing .db file", "; give the .db file of a study")
+    if path.stat().st_size == 0:
+        return f"{path} is an empty file, not a study database; give the .db file of a study"
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
+            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
+    if not {"studies", "trials", "version_info"} <= tables:
+        return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "
+                "of a study")
     return None
 
 

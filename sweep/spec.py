@@ -26,6 +26,7 @@ from sweep.schema import (
     StudySpec,
     did_you_mean,
     read_spec,
+    short_repr,
     validate_document,
 )
 from sweep.tracking import tracking_problems
@@ -90,13 +91,18 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     for key, param in spec.space.items():
         where = f"space.{key}"
         if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model") or key.startswith("fast_fail."):
-            searchable = [k for k in TrainingConfig.keys() if k not in ("task", "task_args", "fast_fail")]
+            searchable = [k for k in TrainingConfig.keys() if k not in ("task", "task_args", "fast_fail", "model")
+                          and TrainingConfig.is_key(k)]
             problems.append((where, "not a searchable TrainingConfig key"
                                     + did_you_mean(key, [*searchable, *(f"model.{k}" for k in task.model_defaults)])
                                     + "; expected one of: " + ", ".join(searchable) + ", model.<key>, task_args.<key>"))
             continue
         if key in fixed_keys:
             problems.append((where, "is both fixed and searched; remove it from one of them"))
+            continue
+        conflicts = _conflict_problems(spec, fixed_keys, key)
+        if conflicts:
+            problems += conflicts
             continue
         if key.startswith("model.") and key.removeprefix("model.") not in task.model_defaults:
             known = [f"model.{k}" for k in sorted(task.model_defaults)]
@@ -113,7 +119,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                 if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
                     problems.append((f"{where}.{label}", message if bad_key == key else f"{bad_key}: {message}"))
 
-    schedules = {spec.fixed.get("curriculum", {}).get("schedule", "none")}
+    curriculum = spec.fixed.get("curriculum")  # not a mapping: refused with the fixed values' problems
+    schedules = {curriculum.get("schedule", "none") if isinstance(curriculum, dict) else "none"}
     if "curriculum.schedule" in spec.space and isinstance(spec.space["curriculum.schedule"], CategoricalParam):
         schedules |= set(spec.space["curriculum.schedule"].choices)
     if schedules - {"none"} and task.difficulty is None:
@@ -146,9 +153,9 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if spec.command is not None:
         from sweep.runners.command import CommandError, command_line
 
-        try:
-            argv = command_line(spec.command, spec.user_config({key: _example(param)
-                                                                 for key, param in spec.space.items()}))
+        try:  # each placeholder's format spec is tried on both ends of its range (the first and the last choice)
+            argv = command_line(spec.command, _example_config(spec, 0))
+            command_line(spec.command, _example_config(spec, -1))
         except CommandError as exc:
             problems.append(("command", str(exc)))
         else:
@@ -159,10 +166,39 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     for key in spec.space:
         if key in fixed_keys:
             problems.append((f"space.{key}", "is both fixed and searched; remove it from one of them"))
+        problems += _conflict_problems(spec, fixed_keys, key)
+    problems += _max_steps_problems(spec)
     problems += _heartbeat_problems(spec)
     problems += _warm_start_problems(spec)
     problems += component_problems(spec)
     return problems
+
+
+def _conflict_problems(spec: StudySpec, fixed_keys: set[str], key: str) -> list[tuple[str, str]]:
+    """A searched key that holds, or sits inside, a fixed key or another searched one (`a` and `a.b`): a trial's
+    config can hold only one of them, and the other would silently be dropped."""
+    pairs = [(f"space.{other}" if other in spec.space else f"fixed.{other}", other, key)
+             for other in [*fixed_keys, *spec.space] if other.startswith(f"{key}.")]  # `a` searched, `a.b` given
+    parts = key.split(".")
+    pairs += [(f"fixed.{outer}", key, outer) for outer in (".".join(parts[:depth]) for depth in range(1, len(parts)))
+              if outer in fixed_keys]  # `a` fixed, `a.b` searched (both searched: found above, from `a`)
+    return [(f"space.{key}", f"conflicts with {where}: {inner} is inside {outer}, and a config cannot hold both; "
+                             "remove one of them") for where, inner, outer in pairs]
+
+
+def _max_steps_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """A `loop` or `command` study's `max_steps` is the user's, but sweep reads it too (the pruners' and fast-fail
+    rules' budget, the last step of a trial): when given, a positive integer."""
+    values = [("fixed.max_steps", value) for key, value in flatten(spec.fixed).items() if key == "max_steps"]
+    param = spec.space.get("max_steps")
+    if isinstance(param, FloatParam):
+        return [("space.max_steps.type", "max_steps takes integers; use type: int")]
+    if isinstance(param, CategoricalParam):
+        values += [(f"space.max_steps.choices[{i}]", choice) for i, choice in enumerate(param.choices)]
+    elif param is not None:
+        values.append(("space.max_steps.low", param.low))
+    return [(where, f"expected a positive integer (the number of steps a trial trains), got {short_repr(value)}")
+            for where, value in values if isinstance(value, bool) or not isinstance(value, int) or value < 1]
 
 
 def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
@@ -185,8 +221,11 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return []
 
 
-def _example(param: Any) -> Any:
-    return param.choices[0] if isinstance(param, CategoricalParam) else param.low
+def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:
+    """A user's config with every searched key at the low end of its range or its first choice (`end` 0), or at the
+    high end or its last choice (-1)."""
+    return spec.user_config({key: param.choices[end] if isinstance(param, CategoricalParam)
+                             else param.low if end == 0 else param.high for key, param in spec.space.items()})
 
 
 def _config_problems(values: dict[str, Any], task: Task, builtin: bool) -> list[tuple[str, str]]:

@@ -1,8 +1,9 @@
 """A user's command as a runner: `command: python train.py --lr {learning_rate} --hidden {model.hidden}`.
 
 Each trial runs the command once, as a subprocess in its own process group (its own session), with:
-- `{key}` in the command replaced by the trial's value of that dotted config key (each argument split first, as a
-  shell would, so a value with spaces stays one argument; no shell runs);
+- `{key}` in the command replaced by the trial's value of that dotted config key, as `str.format` would put it
+  (`{learning_rate:.3e}`, `{name!r}`; each argument split first, as a shell would, so a value with spaces stays one
+  argument; no shell runs);
 - `SWEEP_CONFIG` (the config as JSON) and `SWEEP_TRIAL` in its environment, and `SWEEP_REPORT_FD`: its end of a
   local socket pair to the worker, through which `sweep.client.report` reports and hears whether to stop. The worker
   owns every storage call, so the same command works with SQLite and PostgreSQL storage;
@@ -23,11 +24,11 @@ import contextlib
 import json
 import math
 import os
-import re
 import selectors
 import shlex
 import signal
 import socket
+import string
 import subprocess
 import tempfile
 import time
@@ -60,6 +61,7 @@ from sweep.outcomes import (
     TrialResult,
 )
 from sweep.runners.loop import save_path, user_start
+from sweep.schema import short_repr
 from sweep.signals import raise_pending
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
@@ -74,17 +76,20 @@ if TYPE_CHECKING:
 
 __all__ = ["CommandError", "CommandTrial", "command_line", "last_json_value"]
 
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][\w.\-]*)\}")
+_FORMATTER = string.Formatter()
 _POLL_S = 0.1
 
 
 class CommandError(ValueError):
-    """A command that cannot be run as written: bad quoting, or a `{key}` the config does not have."""
+    """A command that cannot be run as written: bad quoting, an unmatched brace, a `{key}` the config does not have,
+    or a format spec its value does not take."""
 
 
 def command_line(template: str, config: Mapping[str, Any]) -> list[str]:
     """The command's arguments for one trial: split as a shell would, then each `{key}` replaced by the value of that
-    dotted key of `config`. `{{` and `}}` stand for braces."""
+    dotted key of `config`, as Python's `str.format` would put it: `{learning_rate:.3e}` with a format spec,
+    `{name!r}` with a conversion. A value without either is written as JSON when it is true/false, null, a list or a
+    mapping (`true`, not `True`). `{{` and `}}` stand for braces."""
     try:
         words = shlex.split(template)
     except ValueError as exc:
@@ -92,17 +97,40 @@ def command_line(template: str, config: Mapping[str, Any]) -> list[str]:
     if not words:
         raise CommandError("expected a command to run, got an empty one")
     values = flatten(config)
+    return [_filled(word, values) for word in words]
 
-    def value(match: re.Match[str]) -> str:
-        key = match.group(1)
+
+def _filled(word: str, values: Mapping[str, Any]) -> str:
+    try:
+        parts = list(_FORMATTER.parse(word))
+    except ValueError:  # "Single '}' encountered", "expected '}' before end of string"
+        raise CommandError(f"unmatched brace in {short_repr(word)}: a placeholder is {{key}} or {{key:format}}; "
+                           "write {{ and }} for a literal brace") from None
+    text = []
+    for literal, key, spec, conversion in parts:
+        text.append(literal)
+        if key is None:
+            continue
+        placeholder = "{" + key + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
         if key not in values:
-            raise CommandError(f"{{{key}}} is not a key of the config (fixed or searched); known keys: "
-                               f"{', '.join(sorted(values)) or 'none'}")
-        found = values[key]
-        return json.dumps(found) if isinstance(found, (bool, type(None), list, dict)) else str(found)
-
-    return [_PLACEHOLDER.sub(value, word.replace("{{", "\0").replace("}}", "\1")).replace("\0", "{").replace(
-        "\1", "}") for word in words]
+            plain = key.replace(".", "_").replace("-", "_").isidentifier()  # else likely a literal brace: `{"a": 1}`
+            raise CommandError(f"{placeholder} is not a key of the config (fixed or searched); known keys: "
+                               f"{', '.join(sorted(values)) or 'none'}"
+                               + ("" if plain else "; write {{ and }} for a literal brace"))
+        if spec and "{" in spec:
+            raise CommandError(f"{placeholder}: a placeholder inside a format spec is not supported; write the spec "
+                               "out, such as {learning_rate:.3e}")
+        value = values[key]
+        if not spec and not conversion:
+            text.append(json.dumps(value) if isinstance(value, (bool, type(None), list, dict)) else str(value))
+            continue
+        try:
+            text.append(format(_FORMATTER.convert_field(value, conversion) if conversion else value, spec or ""))
+        except (ValueError, TypeError):
+            raise CommandError(f"{placeholder}: expected a Python format spec such as {{{key}:.3f}} or "
+                               f"{{{key}:05d}} (and a conversion !s, !r or !a) that {key}'s value "
+                               f"{short_repr(value)} takes") from None
+    return "".join(text)
 
 
 def last_json_value(log: Path, metric: str) -> float | None:

@@ -146,7 +146,8 @@ def test_a_crashing_loop_fails_its_trial_not_the_study(tmp_path: Path) -> None:
     path = loop_study(tmp_path, n_trials=2, max_repeated_failures=0,
                       fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "crash_at": 10})
     done = sweep_cli("run", path, pythonpath=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # the study ran its budget; a run whose every trial failed exits 1
+    assert done.stderr.strip().splitlines()[-1].startswith("error: every trial of this run failed (2 failed")
     trials = trials_of(path)
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
     assert all(t.user_attrs["fail_reason"] == "RuntimeError: boom at step 10" for t in trials)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import io
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -331,3 +333,79 @@ def test_a_set_value_that_is_no_utf8_text_gets_one_line(tiny_study: Path) -> Non
     [line] = [line for line in done.stderr.splitlines() if line.strip()]
     assert line == r"error: command line: --set: expected UTF-8 text, got 'description=\xff'"
     assert sorted(p.name for p in tiny_study.parent.iterdir()) == ["study.yaml"]
+
+
+def test_a_run_whose_every_trial_failed_exits_1_and_a_spent_budget_still_exits_0(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text("def main(config, run):\n    raise ValueError('no data here')\n")
+    path = write_study(tmp_path, {"name": "broken", "n_trials": 2, "loop": "broken:main", "sampler": "random",
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: every trial of this run failed (2 failed, none complete or pruned); `sweep trials` shows each one's "
+        "reason")
+    assert [t.state for t in load(tmp_path / "broken.db", "broken").get_trials()] == [TrialState.FAIL] * 2
+    again = sweep_cli("run", path, pythonpath=tmp_path)  # a resume with the budget spent runs (and fails) nothing
+    assert again.returncode == 0, again.stderr
+
+
+def test_local_workers_whose_every_trial_failed_exit_1(tmp_path: Path) -> None:
+    (tmp_path / "broken.py").write_text("def main(config, run):\n    raise ValueError('no data here')\n")
+    path = write_study(tmp_path, {"name": "broken", "n_trials": 2, "loop": "broken:main", "sampler": "random",
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, "--workers", "2", pythonpath=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: every trial of this run failed (2 failed")
+    assert "exited with code" not in done.stderr  # each worker exits 0: the parent judges the run as a whole
+
+
+def _random_bytes(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 20)
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _other_sqlite(path: Path) -> None:
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        connection.execute("CREATE TABLE notes (body TEXT)")
+        connection.commit()
+
+
+def _damaged_sqlite(path: Path) -> None:
+    path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 200)
+
+
+@pytest.mark.parametrize("command", ["status", "best", "trials", "report", "reproduce", "stop"])
+@pytest.mark.parametrize(("make", "expected"), [
+    (_random_bytes, "is not a SQLite database"), (_empty, "is an empty file, not a study database"),
+    (_other_sqlite, "is a SQLite database but not a study database"),
+    (_damaged_sqlite, "cannot be read as a SQLite database")])
+def test_a_file_that_is_no_study_database_is_refused_by_read_commands_and_left_as_it_was(
+        tmp_path: Path, command: str, make: Any, expected: str) -> None:
+    """Optuna's storage creates its tables in any SQLite file: a read command must not turn one into a study."""
+    db = tmp_path / "x.db"
+    make(db)
+    before = db.read_bytes()
+    done = sweep_cli(command, db, *(["0"] if command == "reproduce" else []), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {db} ") and expected in line, line
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"]  # no -wal, no report.html
+
+
+@pytest.mark.parametrize("command", ["status", "best", "trials", "report", "reproduce"])
+def test_read_commands_on_a_missing_database_create_nothing(tmp_path: Path, command: str) -> None:
+    trial = ["0"] if command == "reproduce" else []  # reproduce's study name is its TARGET
+    by_name = ["x", *trial] if trial else ["--study-name", "x"]
+    for args in ([command, tmp_path / "missing.db", *trial],
+                 [command, *by_name, "--storage", f"sqlite:///{tmp_path / 'missing.db'}"]):
+        done = sweep_cli(*args, cwd=tmp_path)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert "missing.db" in line, line
+        assert list(tmp_path.iterdir()) == []

@@ -191,7 +191,8 @@ def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> N
 def test_a_crashing_script_fails_its_trial_with_its_exit_code_and_log(tmp_path: Path) -> None:
     path = command_study(tmp_path, CRASH_SCRIPT, "train.py", n_trials=2, max_repeated_failures=0)
     done = sweep_cli("run", path, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 1, done.stderr  # both trials ran; a run whose every trial failed exits 1
+    assert "error: every trial of this run failed (2 failed" in done.stderr
     for trial in trials_of(path):
         assert trial.state.name == "FAIL" and list(trial.intermediate_values) == [1]
         reason = trial.user_attrs["fail_reason"]
@@ -218,7 +219,7 @@ def test_a_script_that_ignores_stop_is_killed_with_its_group_after_the_grace_per
 def test_bad_report_from_a_script_fails_the_trial(tmp_path: Path) -> None:
     script = "from sweep import client\nclient.report(1, accuracy=0.5)\n"
     path = command_study(tmp_path, script, "train.py")
-    assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 1  # its only trial failed
     (trial,) = trials_of(path)
     assert trial.state.name == "FAIL"
     assert "the study's metric 'val_loss' is not among ['accuracy']" in trial.user_attrs["fail_reason"]

@@ -107,7 +107,7 @@ def test_a_rank_that_fails_on_its_own_fails_the_trial_without_a_retry(tmp_path: 
     path = ddp_study(tmp_path, n_trials=2, max_repeated_failures=0,
                      task={"name": "tests.e2e.ddp_tasks:broken_child"})
     done = sweep_cli("run", path)
-    assert done.returncode == 0, done.stderr  # failing trials never take the study down
+    assert done.returncode == 1, done.stderr  # failing trials never take the study down; all failed: exit 1 at the end
     trials = load(tmp_path)
     assert [t.state for t in trials] == [TrialState.FAIL] * 2  # the config's fault: counted, not retried
     for trial in trials:

@@ -580,6 +580,103 @@ DID_YOU_MEAN = [
     bad_file("did you mean", "several", changed(n_trails=3, sede=1), ("n_trails", "sede"), "did you mean"),
 ]
 
+# A user's command: each `{key}` is a Python replacement field (format spec and conversion included), checked when
+# the file is read on both ends of every searched range (the first and last choice), never passed on literally.
+COMMAND = {"task": ..., "command": "echo --lr {learning_rate}"}
+COMMANDS = [
+    bad_file("commands", "unclosed-brace", changed(**COMMAND | {"command": "echo --lr {learning_rate"}), "command",
+             "unmatched brace in '{learning_rate'"),
+    bad_file("commands", "stray-closing-brace", changed(**COMMAND | {"command": "echo --lr learning_rate}"}),
+             "command", "unmatched brace in 'learning_rate}'"),
+    bad_file("commands", "format-spec-the-value-refuses", changed(**COMMAND | {"command": "echo {learning_rate:d}"}),
+             "command", "{learning_rate:d}: expected a Python format spec such as {learning_rate:.3f}"),
+    bad_file("commands", "unknown-conversion", changed(**COMMAND | {"command": "echo {learning_rate!x}"}),
+             "command", "{learning_rate!x}: expected a Python format spec"),
+    bad_file("commands", "unknown-key-with-spec", changed(**COMMAND | {"command": "echo {lr:.3f}"}), "command",
+             "{lr:.3f} is not a key of the config"),
+    bad_file("commands", "empty-placeholder", changed(**COMMAND | {"command": "echo {}"}), "command",
+             "{} is not a key of the config"),
+    bad_file("commands", "spec-refused-by-the-last-choice", changed(**COMMAND | {
+        "command": "echo {optimizer:>5d}", "space": {"optimizer": {"type": "categorical", "choices": [1, "sgd"]}}}),
+             "command", "{optimizer:>5d}: expected a Python format spec"),
+]
+
+# Keys that hold one another (`a` and `a.b`): a trial's config can hold only one of them, and the other was silently
+# dropped. A user's loop (`operator:add` takes two arguments: an importable loop) names keys of its own.
+LOOP = {"task": ..., "loop": "operator:add"}
+CONFLICTS = [
+    bad_file("conflicts", "loop-searched-inside-fixed", changed(**LOOP, fixed__a=1, space={"a.b": FLOAT}),
+             "space.a.b", "conflicts with fixed.a: a.b is inside a"),
+    bad_file("conflicts", "loop-fixed-inside-searched", changed(**LOOP, fixed__a={"b": 1}, space={"a": FLOAT}),
+             "space.a", "conflicts with fixed.a.b: a.b is inside a"),
+    bad_file("conflicts", "loop-searched-inside-searched", changed(**LOOP, space={"a": FLOAT, "a.b": FLOAT}),
+             "space.a", "conflicts with space.a.b"),
+    bad_file("conflicts", "command-searched-inside-fixed", changed(**COMMAND, fixed__learning_rate={"x": 1}),
+             "space.learning_rate", "conflicts with fixed.learning_rate.x"),
+    bad_file("conflicts", "fixed-set-twice", changed(fixed__model={"hidden": 8}, **{"fixed__model.hidden": 16},
+                                                     space={"learning_rate": FLOAT}),
+             "fixed", "fixed.model and fixed.model.hidden both set model.hidden"),
+    bad_file("conflicts", "loop-fixed-inside-fixed", changed(**LOOP, fixed__a=1, **{"fixed__a.b": 2}), "fixed",
+             "a.b is inside a (fixed.a and fixed.a.b)"),
+    bad_file("conflicts", "task-searched-inside-fixed", changed(fixed__curriculum="linear", space={
+        "curriculum.schedule": {"type": "categorical", "choices": ["none"]}}),
+             ("fixed.curriculum", "space.curriculum.schedule"), "conflicts with fixed.curriculum"),
+]
+
+LOOP_MAX_STEPS = [
+    bad_file("loop max_steps", "fractional", changed(**LOOP, fixed__max_steps=10.5), "fixed.max_steps",
+             "expected a positive integer (the number of steps a trial trains), got 10.5"),
+    bad_file("loop max_steps", "word", changed(**LOOP, fixed__max_steps="ten"), "fixed.max_steps", "got 'ten'"),
+    bad_file("loop max_steps", "zero", changed(**COMMAND, fixed__max_steps=0), "fixed.max_steps", "got 0"),
+    bad_file("loop max_steps", "bool", changed(**LOOP, fixed__max_steps=True), "fixed.max_steps", "got True"),
+    bad_file("loop max_steps", "float-range", changed(**LOOP, fixed__max_steps=..., space__max_steps={
+        "type": "float", "low": 10, "high": 20}), "space.max_steps.type", "max_steps takes integers"),
+]
+
+# Samplers that cannot search the space, as Optuna documents them: refused before a trial fails for it.
+SAMPLERS = [
+    bad_file("samplers", "bruteforce-continuous-float", changed(sampler="bruteforce"), "sampler",
+             "each float needs a step, but space.learning_rate has none"),
+    bad_file("samplers", "cmaes-only-categorical", changed(sampler="cmaes", space={
+        "optimizer": {"type": "categorical", "choices": ["adam", "sgd"]}}), "sampler",
+             "cmaes searches float and int keys only"),
+]
+
+# Messages in the study file's words: what was expected, never a library's (pydantic's, Optuna's) or a neighbour's.
+WORDING = [
+    bad_file("wording", "unknown-key-lists-the-keys", changed(budget=3), "budget",
+             "unknown key; expected one of: name, description, storage"),
+    bad_file("wording", "unknown-nested-key-lists-the-keys", changed(tracking={"tensorbord": True}),
+             "tracking.tensorbord", "(did you mean 'tensorboard'?); expected one of: tensorboard, mlflow"),
+    bad_file("wording", "space-without-type", changed(space__learning_rate={"low": 1e-3, "high": 1e-1}), LR,
+             "missing 'type' (expected one of float, int, categorical)"),
+    bad_file("wording", "space-unknown-type", changed(space__learning_rate={**FLOAT, "type": "flaot"}),
+             f"{LR}.type", "unknown type 'flaot' (did you mean 'float'?); expected one of float, int, categorical"),
+    bad_file("wording", "space-entry-not-a-mapping", changed(space__learning_rate=0.01), LR,
+             "valid dictionary (a mapping of keys), got 0.01"),
+    bad_file("wording", "patient-without-arguments", changed(pruner={"type": "patient"}),
+             ("pruner.wrapped", "pruner.patience"), "required key is missing (patient needs it: the pruner it wraps"),
+    bad_file("wording", "patient-without-wrapped", changed(pruner={"type": "patient", "patience": 2}),
+             "pruner.wrapped", "required key is missing"),
+    bad_file("wording", "k8s-namespace", changed(launch={"k8s": {"namespace": "My_Team"}}), "launch.k8s.namespace",
+             "expected a Kubernetes namespace"),
+    bad_file("wording", "k8s-secret", changed(launch={"k8s": {"secret": "db url"}}), "launch.k8s.secret",
+             "expected a Kubernetes Secret name"),
+    bad_file("wording", "no-did-you-mean-of-itself", changed(space={"curriculum": {"type": "categorical",
+                                                                                  "choices": ["none"]}}),
+             "space.curriculum", "not a searchable TrainingConfig key; expected one of: optimizer,"),
+]
+
+# YAML 1.2 numbers in exponent notation (`1e3`, `1.5e3`) are numbers; an integer key still takes whole ones only.
+EXPONENTS = [
+    bad_file("exponents", "fractional-for-an-integer", yaml_with(replace=("max_steps: 20", "max_steps: 2.5e-1")),
+             "fixed.max_steps", "expected an integer, got 0.25"),
+    bad_file("exponents", "fractional-n_trials", yaml_with(replace=("n_trials: 3", "n_trials: 2.5e0")), "n_trials",
+             "valid integer, got 2.5"),
+    bad_file("exponents", "decimal-is-no-integer", yaml_with(replace=("n_trials: 3", "n_trials: 3.0")), "n_trials",
+             "valid integer, got 3.0"),
+]
+
 FOREIGN = [
     bad_args("foreign study", "best", ("best", "theirs.db"), "study 'theirs' was not created by sweep",
              "cannot write its best trial's TrainingConfig", document=None, setup=_foreign_study),
@@ -588,7 +685,8 @@ FOREIGN = [
 ]
 
 CORPUS = [*TYPES, *RANGES, *ENCODINGS, *SIZES, *NESTING, *ALIASES, *TAGS, *DUPLICATES, *NAMES, *PATHS, *URLS, *CLI,
-          *COMPONENTS, *DID_YOU_MEAN, *FOREIGN]
+          *COMPONENTS, *DID_YOU_MEAN, *FOREIGN, *COMMANDS, *CONFLICTS, *LOOP_MAX_STEPS, *SAMPLERS, *WORDING,
+          *EXPONENTS]
 TIMES: dict[str, list[float]] = defaultdict(list)
 
 
@@ -732,6 +830,34 @@ def test_valid_inputs_near_the_edges_are_accepted(tmp_path: Path, text: str) -> 
     path.write_text(text)
     spec, _ = load_spec(path)
     assert spec.name.startswith("tiny") and spec.n_trials == 3
+
+
+@pytest.mark.parametrize(("written", "read"), [("1e3", 1000), ("1.5e3", 1500), ("2E+2", 200), ("1.0e+3", 1000)])
+def test_a_whole_number_in_exponent_notation_is_an_integer(tmp_path: Path, written: str, read: int) -> None:
+    """YAML 1.2 reads `1e3` as a number (PyYAML's YAML 1.1 as the string '1e3'), in the file and in `--set`."""
+    from sweep.spec import load_spec
+
+    path = tmp_path / STUDY
+    path.write_text(yaml_with(replace=("max_steps: 20", f"max_steps: {written}")))
+    spec, _ = load_spec(path)
+    assert spec.fixed["max_steps"] == read and type(spec.fixed["max_steps"]) is int
+    spec, _ = load_spec(path, [f"n_trials={written}", f"space.model.hidden.high={written}"])
+    assert spec.n_trials == read and spec.space["model.hidden"].high == read  # type: ignore[union-attr]
+
+
+def test_a_fraction_in_exponent_notation_is_a_float() -> None:
+    from sweep.schema import load_yaml
+
+    assert load_yaml("a: [1e-3, 2.5E-1, -1e-2, 1.5, 2.0, 1e3x, e3]", "x.yaml") == {
+        "a": [0.001, 0.25, -0.01, 1.5, 2.0, "1e3x", "e3"]}
+
+
+def test_command_placeholders_take_python_format_specs_and_conversions() -> None:
+    from sweep.runners.command import command_line
+
+    config = {"learning_rate": 0.0123456, "model": {"hidden": 8}, "name": "a b", "flag": True}
+    assert command_line("train {learning_rate:.3f} {learning_rate:.1e} {model.hidden:04d} {name!r} {flag} {{x}}",
+                        config) == ["train", "0.012", "1.2e-02", "0008", "'a b'", "true", "{x}"]
 
 
 def test_anchors_and_merge_keys_share_values(tmp_path: Path) -> None:
