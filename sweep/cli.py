@@ -100,6 +100,16 @@ def _quiet_optuna() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """A warning as one line for the user ("warning: ..."), not Python's two with a source path and line."""
+    from sweep.workers import WORKER_ENV
+
+    prefix = f"[worker {os.environ[WORKER_ENV]}] " if WORKER_ENV in os.environ else ""
+    err.print(f"{prefix}warning: {message}", markup=False)
 
 
 @app.command()
@@ -233,11 +243,11 @@ def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
             yield
     except KeyboardInterrupt:
         err.print(f"{prefix}interrupted: running trials are marked and queued again; rerun the same command to "
-                  "continue.")
+                  "continue.", markup=False)
         raise typer.Exit(130) from None
     except Preempted:
         err.print(f"{prefix}preempted (SIGTERM): running trials are marked and queued again; they resume from their "
-                  "last checkpoint when the same command runs again.")
+                  "last checkpoint when the same command runs again.", markup=False)
         raise typer.Exit(143) from None
     except (StudyBrokenError, InfrastructureError, StorageUnavailable) as exc:
         if not isinstance(exc, StorageUnavailable):

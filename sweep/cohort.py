@@ -8,7 +8,8 @@ decision, checkpoints and outcome.
   searched key moved to another value) are then fixed for the cohort's later members through Optuna's
   `PartialFixedSampler`, so every other key stays the sampler's. A cohort takes `GENERATIONS` (4) times its size in
   members, then drains, and the next cohort's first member draws its shapes freely: the choice of shapes stays the
-  sampler's too, at the cost of a partly empty cohort while one drains.
+  sampler's too, at the cost of a partly empty cohort while one drains. A study with no shape keys (it searches the
+  optimizer, the schedule, the seed...) has nothing to draw anew: its cohort never drains until the budget is spent.
 - Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
   completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
   at the next evaluation boundary, so the device stays full until the budget is spent.
@@ -47,7 +48,8 @@ __all__ = ["ATTR_COHORT", "CohortLoop", "distributions", "shape_keys"]
 
 ATTR_COHORT = "cohort"  # {id, size, member}: the cohort a trial trained in
 AUTO_LIMIT = 256  # `cohort: auto` takes what fits the device's memory, up to this many (a CPU's RAM fits far more)
-GENERATIONS = 4  # a cohort takes this many times its size in members, then drains; the next one draws its shapes anew
+GENERATIONS = 4  # with shape keys, a cohort takes this many times its size in members, then drains; the next one
+# draws its shapes anew
 
 
 def shape_keys(spec: StudySpec, params: dict[str, Any], config: TrainingConfig, task: Task) -> list[str]:
@@ -191,7 +193,7 @@ class CohortLoop:
         """Ask trials for the free slots (all of them when there is no cohort yet)."""
         worker = self.worker
         while not self.spent and not self.single and (self.cohort is None or (
-                self.cohort.free_slots and self.admitted < GENERATIONS * self.cohort.capacity)):
+                self.cohort.free_slots and (not self.keys or self.admitted < GENERATIONS * self.cohort.capacity))):
             trial, spent, _ = worker._ask_next(self.fixed, self.distributions)  # noqa: SLF001
             self.spent = spent
             if trial is None:

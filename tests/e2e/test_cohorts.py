@@ -12,6 +12,7 @@ from typing import Any
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from sweep.reproduce import reproduce_trial
@@ -172,3 +173,49 @@ def test_members_pruners_sharing_one_read_per_step_decide_as_if_each_read_alone(
     rules = [row[5] for row in shared if row[1] == TrialState.PRUNED]
     assert any(rule is not None and "median" in rule.lower() for rule in rules), rules  # the study's pruner judged
     assert shared == alone
+
+
+BATCHNORM_TASK = '''
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+
+def task() -> Task:
+    x = torch.randn(256, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="bn", train=(x[:200], y[:200]), val=(x[200:], y[200:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: nn.Sequential(nn.Linear(6, cfg["hidden"]), nn.BatchNorm1d(cfg["hidden"]),
+                                                      nn.ReLU(), nn.Linear(cfg["hidden"], 2)))
+'''
+
+
+def test_a_model_that_cannot_be_batched_trains_one_trial_at_a_time_with_one_line_saying_why(tmp_path: Path) -> None:
+    (tmp_path / "bn_task.py").write_text(BATCHNORM_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 3, "task": {"name": "bn_task:task"},
+                                            "execution": {"cohort": 4}}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10}
+    done = sweep_cli("run", write_study(tmp_path, document))
+    assert done.returncode == 0, done.stderr
+    why = [line for line in done.stderr.splitlines() if "cohort" in line]
+    assert len(why) == 1 and why[0].startswith("warning: execution.cohort: ") and "BatchNorm1d" in why[0], done.stderr
+    assert "UserWarning" not in done.stderr and ".py:" not in done.stderr, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert max(in_flight(trials)) == 1 and all("cohort" not in t.user_attrs for t in trials)
+
+
+def test_a_study_that_searches_no_shape_key_keeps_one_cohort_until_the_budget_is_spent(tmp_path: Path) -> None:
+    # Draining a cohort lets the next one draw its shapes anew; with no shape key searched there is nothing to draw,
+    # and a drain would only leave slots empty. More than GENERATIONS x K trials, one cohort.
+    path = cohort_study(tmp_path, fixed={"max_steps": 20, "model": {"hidden": 16}}, n_trials=11)
+    document = yaml.safe_load(path.read_text())
+    document["space"] = {"learning_rate": document["space"]["learning_rate"],
+                         "weight_decay": {"type": "categorical", "choices": [0.0, 0.01]}}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "2")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert len(trials) == 11 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 1
+    assert {t.params["weight_decay"] for t in trials} <= {0.0, 0.01}
