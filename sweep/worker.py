@@ -221,7 +221,8 @@ class Worker:
     def _count_and_ask(self, fixed: dict[str, Any] | None,
                        distributions: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         trials = self.study.get_trials(deepcopy=False)
-        if self._requeue_orphans(trials):
+        queued, young = self._requeue_orphans(trials)
+        if queued:
             trials = self.study.get_trials(deepcopy=False)
         if self.first and trials:  # joining a study others have sampled: draw other configs than theirs
             waiting = sum(t.state == TrialState.WAITING for t in trials)
@@ -229,6 +230,7 @@ class Worker:
             self.study.sampler = build_sampler(self.spec, joined_at=joined)
         self.first = False
         used, running = budget_counts(trials)
+        used, running = used - young, running + young  # their retries are on the way: wait for them, as for running
         if used >= self.n_trials:
             return None, True, trials
         if used + running >= self.n_trials:
@@ -320,21 +322,24 @@ class Worker:
             self.sampler_stopped = True
             return self.study.get_trials(deepcopy=False)[trial.number]
 
-    def _requeue_orphans(self, trials: list[FrozenTrial]) -> bool:
+    def _requeue_orphans(self, trials: list[FrozenTrial]) -> tuple[bool, int]:
         """Queue the retry of every trial that ended for a reason not its config's (lost, interrupted, preempted,
         the machine's) and has none: its worker was killed between storing its end and queuing its retry, two
         writes milliseconds apart, or between failing a lost trial and writing why. Without this the budget would
         count the trial as used and its config would never finish. Only trials that ended more than a grace period
-        ago: a live worker queues its retry at once. True when one was queued."""
+        ago: a live worker queues its retry at once. Returns (whether one was queued, how many younger ones wait:
+        the budget counts them as running, not used, so a rerun right after the kill waits for them)."""
         retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
-        now, queued = datetime.datetime.now(), False
+        now, queued, young = datetime.datetime.now(), False, 0
         for trial in trials:
             if trial.state != TrialState.FAIL or trial.number in retried or ATTR_WITHDRAWN in trial.user_attrs:
                 continue
             outcome = outcome_of(trial)
+            if outcome is None or not outcome.retried:
+                continue
             ended = trial.datetime_complete
-            if outcome is None or not outcome.retried or ended is None \
-                    or (now - ended).total_seconds() < self.spec.heartbeat_grace_period:
+            if ended is not None and (now - ended).total_seconds() < self.spec.heartbeat_grace_period:
+                young += 1
                 continue
             reason = str(trial.user_attrs.get(ATTR_FAIL) or LOST_REASON)
             if ATTR_OUTCOME not in trial.user_attrs and isinstance(self.storage, PatientStorage):
@@ -343,7 +348,7 @@ class Worker:
                           "killed in between); queued now", stacklevel=2)
             self._retry(trial, reason)
             queued = True
-        return queued
+        return queued, young
 
     def _queue_confirmation(self, trials: list[FrozenTrial], taken: int) -> None:
         """With `warm_start.confirm: K`, the last trials of the budget retrain the best K warm trials cold: when no
