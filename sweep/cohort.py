@@ -120,64 +120,71 @@ class CohortLoop:
 
     def run(self, started_wall: float) -> RunSummary:
         worker = self.worker
-        stopping = timed_out = False
+        state = {"stopping": False, "timed_out": False}
         with worker.beating() as beats:
-            try:
-                while True:
-                    raise_pending()
-                    timed_out = timed_out or (worker.timeout is not None
-                                              and time.monotonic() - worker.started >= worker.timeout)
-                    cohort = self.cohort
-                    if cohort is None or cohort.at_boundary():  # `sweep stop` is a storage read: not every step
-                        stopping = stopping or timed_out or worker._stop_requested(started_wall)  # noqa: SLF001
-                        if timed_out and cohort is not None:
-                            self._interrupt_all(beats, "interrupted: --timeout of "
-                                                f"{worker.timeout:g} s", Outcome.INTERRUPTED)
-                        elif not stopping:
-                            with self._shared_reads():  # the new members' step-0 reports, judged one by one
-                                self._fill(beats)
-                    cohort = self.cohort
-                    if cohort is not None and not cohort.active:
-                        self._collect(beats)
-                        self.cohort = cohort = None  # drained: the next one's shapes are the sampler's choice
-                        if not stopping and not self.spent:
-                            continue
-                    if cohort is None or not cohort.active:
-                        self._collect(beats)
-                        if self.single and not stopping and not self.spent:
-                            return worker.run_single(started_wall)
-                        if stopping or self.spent:
-                            return worker._summary(timed_out=timed_out, stopped=stopping and not timed_out)  # noqa: SLF001
-                        trials = worker.study.get_trials(deepcopy=False)
-                        worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
-                        time.sleep(worker.spec.heartbeat_interval)
-                        continue
-                    with worker.boundary.no_wait(), self._shared_reads():
-                        cohort.step()
-                    if self._collect(beats):
-                        return worker._summary(exhausted=True)  # noqa: SLF001
-            except (KeyboardInterrupt, Preempted, TimedOut) as exc:
-                preempted = isinstance(exc, Preempted)
-                self._interrupt_all(beats, "preempted (SIGTERM)" if preempted else "interrupted",
-                                    Outcome.PREEMPTED if preempted else Outcome.INTERRUPTED)
-                raise
-            except StorageUnavailable:
-                raise  # nothing can be stored: the members are found lost and retried later
-            except (StudyBrokenError, InfrastructureError):
-                self._interrupt_all(beats, "interrupted: the worker stopped", Outcome.INTERRUPTED)
-                raise
-            except Exception as exc:  # a failing cohort must never take the study down
-                result = worker._failure(exc)  # noqa: SLF001
-                stop: InfrastructureError | None = None
-                for member_id in list(self.members):
-                    try:
-                        self._end(beats, member_id, result)
-                    except InfrastructureError as fault:  # told and queued; the other members are told too
-                        stop = stop or fault
-                self.cohort = None
-                if stop is not None:
-                    raise stop from exc
-                return self.run(started_wall)
+            while True:  # a cohort that fails is ended, member by member, and the loop goes on with the next one
+                try:
+                    return self._loop(beats, started_wall, state)
+                except (KeyboardInterrupt, Preempted, TimedOut) as exc:
+                    preempted = isinstance(exc, Preempted)
+                    self._interrupt_all(beats, "preempted (SIGTERM)" if preempted else "interrupted",
+                                        Outcome.PREEMPTED if preempted else Outcome.INTERRUPTED)
+                    raise
+                except StorageUnavailable:
+                    raise  # nothing can be stored: the members are found lost and retried later
+                except (StudyBrokenError, InfrastructureError):
+                    self._interrupt_all(beats, "interrupted: the worker stopped", Outcome.INTERRUPTED)
+                    raise
+                except Exception as exc:  # a failing cohort must never take the study down
+                    if not self.members:
+                        raise  # no trial's doing: the worker's own fault, which trying again would repeat
+                    result = worker._failure(exc)  # noqa: SLF001
+                    stop: Exception | None = None
+                    for member_id in list(self.members):
+                        try:
+                            self._end(beats, member_id, result)
+                        except (InfrastructureError, StudyBrokenError) as fault:  # the other members are told too
+                            stop = stop or fault
+                    self.cohort = None
+                    if stop is not None:
+                        raise stop from exc
+
+    def _loop(self, beats: Beats, started_wall: float, state: dict[str, bool]) -> RunSummary:
+        worker = self.worker
+        while True:
+            raise_pending()
+            state["timed_out"] = state["timed_out"] or (worker.timeout is not None
+                                                        and time.monotonic() - worker.started >= worker.timeout)
+            cohort = self.cohort
+            if cohort is None or cohort.at_boundary():  # `sweep stop` is a storage read: not every step
+                state["stopping"] = (state["stopping"] or state["timed_out"]
+                                     or worker._stop_requested(started_wall))  # noqa: SLF001
+                if state["timed_out"] and cohort is not None:
+                    self._interrupt_all(beats, f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
+                elif not state["stopping"]:
+                    with self._shared_reads():  # the new members' step-0 reports, judged one by one
+                        self._fill(beats)
+            stopping, timed_out = state["stopping"], state["timed_out"]
+            cohort = self.cohort
+            if cohort is not None and not cohort.active:
+                self._collect(beats)
+                self.cohort = cohort = None  # drained: the next one's shapes are the sampler's choice
+                if not stopping and not self.spent:
+                    continue
+            if cohort is None or not cohort.active:
+                self._collect(beats)
+                if self.single and not stopping and not self.spent:
+                    return worker.run_single(started_wall)
+                if stopping or self.spent:
+                    return worker._summary(timed_out=timed_out, stopped=stopping and not timed_out)  # noqa: SLF001
+                trials = worker.study.get_trials(deepcopy=False)
+                worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
+                time.sleep(worker.spec.heartbeat_interval)
+                continue
+            with worker.boundary.no_wait(), self._shared_reads():
+                cohort.step()
+            if self._collect(beats):
+                return worker._summary(exhausted=True)  # noqa: SLF001
 
     def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
         """One read of the study's finished trials for every member's pruner in a step, or in a refill's step-0
@@ -201,26 +208,50 @@ class CohortLoop:
             runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints,
                                   storage_url=worker.url)
             try:
-                prepared = runner.prepare()
-            except Exception as exc:  # noqa: BLE001 - the trial's config or start failed: it alone fails
-                worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
+                admitted = self._admit(beats, trial, runner)
+            except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable, StudyBrokenError,
+                    InfrastructureError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
+                self._drop(trial)
+                beats.discard(trial)
+                frozen = worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
+                if frozen is not None and worker.finished(frozen):
+                    self.spent = True  # the sampler has tried every point
                 continue
-            if self.cohort is None and not self._start_cohort(trial, prepared):
-                self._alone(beats, trial, runner, prepared)  # the model cannot be batched: this one, then singly
+            if not admitted:
                 return
-            assert self.cohort is not None
-            if batch_signature(prepared.config, prepared.task) != self.cohort.signature:
-                # A retry (or a confirmation) of another shape than the cohort's: it trains alone now, the
-                # cohort waits at this boundary.
-                self._alone(beats, trial, runner, prepared)
-                continue
-            beats.add(trial)
-            member_id = self.cohort.add(CohortMember(prepared.config, prepared.reporter, prepared.start.resume,
-                                                     prepared.start.warm, prepared.checkpointer))
-            trial.set_user_attr(ATTR_COHORT, {"id": f"{self.tag}:{self.cohorts}", "size": self.cohort.capacity,
-                                              "member": member_id})
-            self.members[member_id] = _Member(trial, runner, prepared)
-            self.admitted += 1
+
+    def _drop(self, trial: optuna.Trial) -> None:
+        """Take `trial` out of the cohort if it got a slot before its admission failed."""
+        for member_id, member in list(self.members.items()):
+            if member.trial is trial:
+                del self.members[member_id]
+                if self.cohort is not None:
+                    with contextlib.suppress(KeyError):
+                        self.cohort.remove(member_id)
+
+    def _admit(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial) -> bool:
+        """Start `trial` in a free slot (the cohort's first member shapes it). False when its model cannot be
+        batched: it was trained alone, and the study goes on one trial at a time."""
+        prepared = runner.prepare()
+        if self.cohort is None and not self._start_cohort(trial, prepared):
+            self._alone(beats, trial, runner, prepared)  # the model cannot be batched: this one, then singly
+            return False
+        assert self.cohort is not None
+        if batch_signature(prepared.config, prepared.task) != self.cohort.signature:
+            # A retry (or a confirmation) of another shape than the cohort's: it trains alone now, the cohort waits
+            # at this boundary.
+            self._alone(beats, trial, runner, prepared)
+            return True
+        beats.add(trial)
+        member_id = self.cohort.add(CohortMember(prepared.config, prepared.reporter, prepared.start.resume,
+                                                 prepared.start.warm, prepared.checkpointer))
+        self.members[member_id] = _Member(trial, runner, prepared)
+        self.admitted += 1
+        trial.set_user_attr(ATTR_COHORT, {"id": f"{self.tag}:{self.cohorts}", "size": self.cohort.capacity,
+                                          "member": member_id})
+        return True
 
     def _start_cohort(self, trial: optuna.Trial, prepared: Prepared) -> bool:
         """A new cohort shaped like `prepared`'s config; False (with one warning) when its model cannot be batched."""

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("several configs need --batched")
     configs = []
     for path in args.config:
+        folder = str(path.resolve().parent)  # importable, as a script's folder is (and a study file's for sweep run)
+        if folder not in sys.path:
+            sys.path.append(folder)
         try:
             values = _load(path)
             values.update(_parse_set(args.set))

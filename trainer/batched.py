@@ -160,6 +160,11 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
             return (f"module {name or 'model'} is {type(module).__name__}: its running statistics are updated in "
                     "place in training mode, which vmap cannot batch")
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            return f"parameter {name} is frozen (requires_grad=False), and the cohort's optimizer trains every one"
+        if param.dtype != torch.float32:
+            return f"parameter {name} is {str(param.dtype).removeprefix('torch.')}; cohorts stack float32 parameters"
     try:
         template = prepare_template(model)
         params = {n: p.detach().unsqueeze(0).clone().requires_grad_() for n, p in model.named_parameters()}
@@ -171,6 +176,8 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
         generator = torch.Generator(device=device).manual_seed(0)
         with member_randomness([[0.0] * len(dropout_rates(model))], [generator]):
             out = vmap(_forward(template), randomness="error")(params, buffers, x[idx].to(device).unsqueeze(0))
+        if not isinstance(out, torch.Tensor):
+            return f"the model returns a {type(out).__name__}, and a cohort stacks models that return one tensor"
         task.loss(out[0].float(), y[idx].to(device)).backward()
     except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the ordinary loop trains
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer.sync import allowed_sync
+from trainer.tasks.base import as_fp32
 
 if TYPE_CHECKING:
     from torch import nn
@@ -31,7 +32,7 @@ def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tenso
         x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
         with precision.autocast():
             out = model(x)
-        loss_total += task.loss(out.float(), y) * len(x)
+        loss_total += task.loss(as_fp32(out), y) * len(x)
         if task.eval_metrics is not None:
             for name, value in task.eval_metrics(out, y).items():
                 totals[name] = totals[name] + value if name in totals else value

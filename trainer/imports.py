@@ -19,8 +19,8 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = ("; a module of your own must be importable: put it next to the study file, or install it, or add "
-                "its folder to PYTHONPATH") if isinstance(exc, ModuleNotFoundError) else ""
+        hint = ("; a module of your own must be importable: put it next to the study file (or the config file), "
+                "or install it, or add its folder to PYTHONPATH") if isinstance(exc, ModuleNotFoundError) else ""
         raise error(f"cannot import {what} module {module_name!r}: {exc}{hint}") from exc
     function = getattr(module, attr, None)
     if not callable(function):

@@ -42,6 +42,7 @@ from trainer.precision import Precision, allow_tf32, resolve_device, resolve_pre
 from trainer.seeding import reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, load_task
+from trainer.tasks.base import as_fp32
 
 __all__ = ["Checkpointer", "FastFailReporter", "LoopState", "NullReporter", "Reporter", "Run", "Status", "TrainResult",
            "TrainingSeries", "accumulate_gradients", "build_run", "load_optimizer_moments", "optimizer_step", "train"]
@@ -147,7 +148,7 @@ def accumulate_gradients(model: Callable[[torch.Tensor], torch.Tensor],
         with defer_sync() if i < n_micro - 1 else contextlib.nullcontext():
             with precision.autocast():
                 out = model(x)
-            loss = loss_fn(out.float(), y)
+            loss = loss_fn(as_fp32(out), y)
             if n_micro > 1:  # dividing by 1 would only add two kernels (forward and backward) to every step
                 loss = loss / n_micro
             precision.scaler.scale(loss).backward()

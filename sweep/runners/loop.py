@@ -194,12 +194,22 @@ def loop_value(returned: Any, run: Run) -> float | None:
     return run.metrics.get(run.metric)
 
 
+class LoopExit(RuntimeError):
+    """The loop called `sys.exit` (or its argparse did, on arguments meant for `sweep`): that trial fails, the study
+    goes on."""
+
+
 def call_loop(function: Callable[..., Any], config: dict[str, Any], run: Run) -> Any:
-    """Call the loop; a `StopTrial` it lets through is an ordinary end."""
+    """Call the loop; a `StopTrial` it lets through is an ordinary end. `sys.exit` inside it fails the trial, as
+    any exception does, instead of ending the worker with its trial left running."""
     try:
         return function(config, run)
     except StopTrial:
         return None
+    except SystemExit as exc:
+        hint = " (argparse's parse_args() reads sweep's own command line: take the values from config)" \
+            if exc.code == 2 else ""
+        raise LoopExit(f"the loop called sys.exit({exc.code!r}){hint}") from exc
 
 
 class LoopTrial:

@@ -237,6 +237,28 @@ def test_a_loop_may_return_its_value(tmp_path: Path) -> None:
         assert trial.state.name == "COMPLETE" and trial.value == trial.params["x"] ** 2
 
 
+def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_path: Path) -> None:
+    # A train.py's main() that parses the command line: argparse exits on sweep's own arguments. That used to end the
+    # worker with exit code 2 (read as bad input) and its trial left running.
+    (tmp_path / "exits.py").write_text(
+        "import argparse\n"
+        "def main(config, run):\n"
+        "    if config['x'] > 0:\n"
+        "        argparse.ArgumentParser().parse_args()\n"
+        "    return {'val_loss': config['x'] ** 2}\n")
+    path = write_study(tmp_path, {"name": "exits", "n_trials": 4, "loop": "exits:main", "sampler": "bruteforce",
+                                  "max_repeated_failures": 0,
+                                  "space": {"x": {"type": "categorical", "choices": [-1.0, 1.0, -0.5, 0.5]}}})
+    done = run_cli("run", path, cwd=tmp_path)  # sys.exit in a process of its own: nothing else to take down
+    assert done.returncode == 0, done.stderr  # two trials completed
+    trials = trials_of(path, "exits")
+    assert sorted(t.state.name for t in trials) == ["COMPLETE", "COMPLETE", "FAIL", "FAIL"]
+    for trial in trials:
+        if trial.state.name == "FAIL":
+            assert trial.user_attrs["fail_reason"].startswith("LoopExit: the loop called sys.exit(2) (argparse")
+            assert trial.params["x"] > 0
+
+
 @pytest.mark.parametrize(("edit", "expected"), [
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
     ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),

@@ -219,3 +219,45 @@ def test_a_study_that_searches_no_shape_key_keeps_one_cohort_until_the_budget_is
     assert len(trials) == 11 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 1
     assert {t.params["weight_decay"] for t in trials} <= {0.0, 0.01}
+
+
+FAILING_TASKS = '''
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+
+def small() -> Task:  # fewer training samples than the study's batch_size
+    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="small", train=(x[:10], y[:10]), val=(x[10:], y[10:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: nn.Sequential(nn.Linear(6, cfg["hidden"]), nn.Linear(cfg["hidden"], 2)))
+
+
+def broken() -> Task:  # a builder that raises
+    def build(cfg):
+        raise RuntimeError("my builder is broken")
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
+    return Task(name="broken", train=(x, (x.sum(dim=1) > 0).long()), val=(x, (x.sum(dim=1) > 0).long()),
+                model_defaults={"hidden": 8}, build_model=build)
+'''
+
+
+@pytest.mark.parametrize(("task", "why"), [("small", "expected at most the training set size"),
+                                           ("broken", "my builder is broken")])
+def test_a_cohort_whose_every_trial_fails_at_its_start_fails_each_one_and_exits_1(tmp_path: Path, task: str,
+                                                                                   why: str) -> None:
+    # Each trial fails alone, as one at a time would, said on its line; the run ends (it used to hang on a trial
+    # asked but never admitted) and exits 1: every trial it finished failed.
+    (tmp_path / "failing_tasks.py").write_text(FAILING_TASKS)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 3, "task": {"name": f"failing_tasks:{task}"},
+                                            "execution": {"cohort": 3}, "max_repeated_failures": 0}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    done = run_cli("run", write_study(tmp_path, document), timeout=240)  # a process of its own: a hang fails the test
+    assert done.returncode == 1, done.stderr
+    assert [line.split(":")[0] for line in done.stderr.splitlines() if why in line] == \
+        ["trial 0", "trial 1", "trial 2"], done.stderr
+    assert "every trial of this run failed (3 failed" in done.stderr, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL] * 3
+    assert all(why in t.user_attrs["fail_reason"] for t in trials)

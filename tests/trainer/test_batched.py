@@ -170,6 +170,54 @@ def test_a_model_vmap_cannot_batch_is_trained_alone_with_a_message(digits: Task)
     same(train(config, task), result)
 
 
+def _frozen_first_layer(cfg: Mapping[str, Any]) -> nn.Module:
+    model = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    model[0].requires_grad_(False)
+    return model
+
+
+class _TupleOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.body(x)
+        return logits, logits.pow(2).mean()
+
+
+def _first_output_loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[0], targets) + 0.01 * out[1]
+
+
+@pytest.mark.parametrize(("kind", "why"), [("frozen", "frozen (requires_grad=False)"), ("float64", "float64"),
+                                           ("tuple", "returns a tuple")])
+def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_ordinary_loop(
+        digits: Task, kind: str, why: str) -> None:
+    # A frozen layer stays frozen (the ordinary loop's optimizer takes only trainable parameters), a float64 model
+    # keeps its precision, a model may return a tuple that its task's loss takes: none of them is stacked.
+    x, y = digits.train
+    vx, vy = digits.val
+    build = {"frozen": _frozen_first_layer, "float64": lambda cfg: nn.Linear(64, 10).double(),
+             "tuple": lambda cfg: _TupleOut()}[kind]
+    data64 = kind == "float64"
+    task = Task(name=kind, train=(x.double() if data64 else x, y), val=(vx.double() if data64 else vx, vy),
+                build_model=build, loss=_first_output_loss if kind == "tuple" else Task.loss)
+    config = tiny(task=kind, model={})
+    assert why in (batch_problem(config, task) or "")
+    messages: list[str] = []
+    results = train_batched([config, tiny(task=kind, model={}, learning_rate=1e-2)], task, say=messages.append)
+    assert len(messages) == 2 and all("trained alone" in m and why in m for m in messages)
+    same(train(config, task), results[0])
+    assert results[0].status == "completed"
+
+
+def test_the_default_loss_says_what_to_do_with_a_model_that_returns_a_tuple(digits: Task) -> None:
+    task = Task(name="tuple", train=digits.train, val=digits.val, build_model=lambda cfg: _TupleOut())
+    with pytest.raises(TypeError, match=r"model returned a tuple.*give the Task a loss="):
+        train(tiny(task="tuple", model={}), task)
+
+
 def test_signature_separates_shapes_and_optimizers_not_hyperparameters(digits: Task) -> None:
     key = batch_signature(tiny(), digits)
     assert batch_signature(tiny(learning_rate=1.0, seed=4, model={"hidden": 16, "dropout": 0.5}), digits) == key

@@ -31,3 +31,25 @@ def test_bad_config_exits_2_naming_file_and_key(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip().startswith(f"{config}: optimiser: unknown key")
     assert done.stdout == ""
+
+
+def test_a_task_module_next_to_the_config_is_found_from_any_folder(tmp_path: Path) -> None:
+    # `sweep best -o best.yaml` next to the study file, then `python -m trainer best.yaml` from elsewhere: the config
+    # file's folder is importable, as the study file's is for `sweep run`.
+    project = tmp_path / "project"
+    (project / "mine").mkdir(parents=True)
+    (project / "mine" / "__init__.py").write_text("")
+    (project / "mine" / "tasks.py").write_text(
+        "import torch\nfrom torch import nn\nfrom trainer.tasks import Task\n\n"
+        "def spots() -> Task:\n"
+        "    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))\n"
+        "    y = (x[:, 0] > 0).long()\n"
+        "    return Task(name='spots', train=(x, y), val=(x, y), build_model=lambda cfg: nn.Linear(4, 2))\n")
+    config = project / "best.yaml"
+    config.write_text("task: mine.tasks:spots\nmax_steps: 4\neval_every_steps: 2\nbatch_size: 16\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, "-m", "trainer", str(config)], capture_output=True, text=True, timeout=120,
+                          cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["status"] == "completed"

@@ -13,11 +13,27 @@ from torch import nn
 
 from trainer.config import ConfigError, coerce
 
-__all__ = ["Task", "accuracy_sum", "cross_entropy"]
+__all__ = ["Task", "accuracy_sum", "as_fp32", "cross_entropy"]
+
+
+def as_fp32(out: Any) -> Any:
+    """A model's output for the loss, its floating tensors in float32 (as autocast leaves them in bf16 or fp16): one
+    tensor, or the tuple, list or dict of them a model may return (a `loss=` of the task's own then takes it)."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(as_fp32(item) for item in out)
+    if isinstance(out, Mapping):
+        return {key: as_fp32(value) for key, value in out.items()}
+    return out
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over every position: works for [B, C] (classes) and [B, T, V] (tokens)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned a {type(logits).__name__}, and the default loss (cross entropy) takes one "
+                        "tensor of logits: return a tensor from forward, or give the Task a loss= that takes what "
+                        "the model returns")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
