@@ -22,7 +22,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.outcomes import ATTR_CONFIRMS, ATTR_STEPS, ATTR_WARM_START
+from sweep.outcomes import ATTR_CONFIRMS, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WARM_START
 
 __all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm", "lineage_label", "study_best",
            "warm_lineage"]
@@ -71,10 +71,15 @@ def study_best(trials: Sequence[FrozenTrial], maximize: bool, *, confirm: int = 
     return ranked[0] if ranked else None
 
 
-def warm_lineage(parent: Mapping[str, Any], last_step: object) -> str:
-    """Where a warm trial's value came from, given its `warm_start_from` attr and its last step."""
+def warm_lineage(parent: Mapping[str, Any], last_step: object, own_steps: object = None) -> str:
+    """Where a warm trial's value came from, given its `warm_start_from` attr, its last step and the steps it trained
+    itself (when known: a loop may take the donor's state and count its own steps from 0)."""
     step = parent.get("step", "?")
     donor = f"trial #{parent.get('trial')}" + (f" (study {parent['study']})" if parent.get("study") else "")
+    if isinstance(own_steps, int) and isinstance(last_step, int) and isinstance(step, int) \
+            and last_step - own_steps < step:
+        return (f"warm: started from the state of {donor} at its step {step}, then trained {own_steps} steps with "
+                "its own config; its value belongs to this lineage, not to its config alone")
     return (f"warm: steps 0-{step} trained with the config of {donor}, {step}-{last_step} with its own; its value "
             "belongs to this lineage, not to its config alone")
 
@@ -88,7 +93,7 @@ def lineage_label(trial: FrozenTrial, trials: Sequence[FrozenTrial] | None = Non
     parent = trial.user_attrs.get(ATTR_WARM_START)
     if not isinstance(parent, Mapping):
         return ""
-    label = warm_lineage(parent, trial.user_attrs.get(ATTR_STEPS, "?"))
+    label = warm_lineage(parent, trial.user_attrs.get(ATTR_STEPS, "?"), trial.user_attrs.get(ATTR_STEPS_TRAINED))
     if trials is not None:
         label += "; " + _confirmation_text(confirmation_of(trials).get(trial.number))
     return label

@@ -41,11 +41,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from sweep.confirm import warm_lineage
 from sweep.objective import Deadline, Start, TrialReporter, resume_lineage, warm_start
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_FAIL,
+    ATTR_LINEAGE,
     ATTR_METRICS,
     ATTR_PRUNE,
     ATTR_REPORT_MS,
@@ -54,6 +56,7 @@ from sweep.outcomes import (
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
     ATTR_WALL,
+    ATTR_WARM_START,
     Outcome,
     TrialResult,
 )
@@ -247,12 +250,17 @@ class LoopTrial:
                                  ATTR_STEPS_TRAINED: steps_trained(run, start),
                                  ATTR_WALL: round(time.perf_counter() - started, 3), ATTR_REPORT_MS: reporter.report_ms,
                                  ATTR_SPEED: reporter.speed}
+        parent = trial.user_attrs.get(ATTR_WARM_START)
+        if start.warm is not None and isinstance(parent, dict):  # now it is known where the loop took it from
+            attrs[ATTR_LINEAGE] = warm_lineage(parent, run.step, attrs[ATTR_STEPS_TRAINED])
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         value = loop_value(returned, run)
         if value is None:
+            what = (f"returned a mapping without it ({', '.join(map(str, returned)) or 'empty'})"
+                    if isinstance(returned, Mapping) else "returned none")
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the loop reported no {spec.metric!r} and "
-                                                      "returned none"})
+                                                      f"{what}"})
         if not math.isfinite(value):
             return TrialResult(Outcome.FAILED, None,
                                {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {run.step}"})

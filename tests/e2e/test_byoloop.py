@@ -15,6 +15,7 @@ import optuna
 import pytest
 import yaml
 
+from sweep.confirm import lineage_label
 from tests.conftest import run_cli, sweep_cli, write_study
 
 # A user's own loop: a tiny regression net, its own optimizer and checkpoints; config keys of its own (`eval_every`,
@@ -163,6 +164,10 @@ def test_warm_start_hands_the_nearest_donors_state_to_the_loop(tmp_path: Path) -
     assert donor["trial"] == 0 and donor["step"] == 20 and len(donor["sha256"]) == 64
     assert [(e["trial"], e["start"], e["step"]) for e in events(tmp_path)] == [(0, None, 0), (1, "warm", 20)]
     assert second.user_attrs["steps_trained"] == 20  # it took the weights and trained its own 20 steps
+    # Where its value came from, as the dashboard (the attr) and `sweep best` / `sweep status` (lineage_label) say it.
+    said = "warm: started from the state of trial #0 (study loopy) at its step 20, then trained 20 steps with its own"
+    assert second.user_attrs["lineage"].startswith(said)
+    assert lineage_label(second).startswith(said)
     # The loop took the donor's trained weights: five steps in, it is far below where the cold donor was then.
     assert second.intermediate_values[5] < first.intermediate_values[5] / 2
     again = sweep_cli("reproduce", path, "1", pythonpath=tmp_path)  # replayed from the same donor checkpoint
