@@ -14,6 +14,7 @@ the path and the free space.
 
 from __future__ import annotations
 
+import collections
 import errno
 import hashlib
 import os
@@ -108,9 +109,38 @@ def user_checkpoint(step: int, state: Mapping[str, Any], config: Mapping[str, An
                     metrics: Mapping[str, float] | None = None) -> TrainState:
     """A checkpoint of a user's own training loop (a sweep `loop` or `command`): its `state` (tensors and plain
     values, as `state_dict()`s are) as `user`, with every RNG's state now, its config and the metrics reported at
-    `step`. The same file format, hash and `weights_only` loading as the trainer's."""
+    `step`. The same file format, hash and `weights_only` loading as the trainer's. A value that loading would refuse
+    (a numpy array, a whole module, a function) is a TypeError naming it, now rather than at the retry that needs
+    it."""
+    _check_loadable(state, "state")
     return TrainState(step=int(step), model={}, optimizer={}, scaler={}, rng=capture_rng(), data={},
                       config=dict(config), metrics=dict(metrics or {}), user=dict(state))
+
+
+# What `torch.load(weights_only=True)` reads back: these types exactly (a numpy float is a float subclass, pickled
+# as numpy's, and refused), tensors and torch's own small types, and dicts, lists, tuples and sets of them.
+_PLAIN = {int, float, bool, str, bytes, bytearray, complex, type(None)}
+_TORCH = (torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def _check_loadable(value: Any, where: str) -> None:
+    """Raise TypeError naming the first value in `value` that `torch.load(weights_only=True)` would refuse."""
+    if type(value) in _PLAIN or isinstance(value, _TORCH):
+        return
+    if type(value) in (dict, collections.OrderedDict):
+        for key, item in value.items():
+            _check_loadable(key, f"{where}: key {key!r}")
+            _check_loadable(item, f"{where}[{key!r}]")
+        return
+    if type(value) in (list, tuple, set):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]")
+        return
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    hint = {"numpy": "torch.from_numpy(x), or float(x) for a number", "torch": "its .state_dict()"}.get(
+        type(value).__module__.split(".")[0], "tensors and plain values (numbers, strings, lists, dicts)")
+    raise TypeError(f"{where} is a {kind}, which a checkpoint cannot hold (it is read back with "
+                    f"torch.load(weights_only=True)); save {hint} instead")
 
 
 @dataclass(frozen=True)

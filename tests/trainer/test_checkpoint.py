@@ -5,12 +5,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +26,7 @@ from trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
     sha256_of,
+    user_checkpoint,
 )
 
 CONFIG = {"max_steps": 60, "log_every_steps": 10, "eval_every_steps": 20, "batch_size": 32, "learning_rate": 0.01,
@@ -179,3 +182,23 @@ def test_a_read_only_disk_is_a_checkpoint_write_error_with_its_own_errno(small_d
     assert info.value.errno == errno.EROFS and info.value.filename == str(path)
     assert str(info.value).startswith(f"cannot write checkpoint {path}: read-only file system (")
     assert load_checkpoint(path, sha256=before.sha256).step == 1
+
+
+@pytest.mark.parametrize(("state", "named"), [
+    ({"mean": np.zeros(3)}, "state['mean'] is a numpy.ndarray"),
+    ({"best": np.float64(0.5)}, "state['best'] is a numpy.float64"),
+    ({"model": torch.nn.Linear(2, 2)}, "state['model'] is a torch.nn.modules.linear.Linear"),
+    ({"history": [1.0, {"fn": print}]}, "state['history'][1]['fn'] is a builtin_function_or_method"),
+])
+def test_a_user_state_that_weights_only_loading_would_refuse_is_refused_when_saved(state: dict, named: str) -> None:
+    # Otherwise the save succeeds and the retry or warm start that needs it cannot load it.
+    with pytest.raises(TypeError, match=re.escape(named)):
+        user_checkpoint(3, state, {})
+
+
+def test_a_user_state_of_tensors_and_plain_values_round_trips(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    state = {"model": model.state_dict(), "step": 3, "name": "x", "lrs": [0.1, 0.01], "shape": (2, 2), "none": None}
+    saved = save_checkpoint(tmp_path / "u.pt", user_checkpoint(3, state, {"lr": 0.1}))
+    loaded = load_checkpoint(saved.path, saved.sha256)
+    assert loaded.user["model"]["weight"].equal(model.weight) and loaded.user["lrs"] == [0.1, 0.01]
