@@ -73,8 +73,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                          f"expected TrainingConfig keys, got unknown {', '.join(map(repr, unknown))}"))
     try:
         task = load_task(spec.task.name, spec.task.args)
-    except (TaskError, ValueError, OSError) as exc:
+    except TaskError as exc:
         return [("task", str(exc))]
+    except (ValueError, OSError) as exc:  # the task's own function refused its arguments or found no data
+        return [("task", f"{spec.task.name} raised {type(exc).__name__}: {exc}")]
 
     for key in ("task", "task_args"):
         if key in spec.fixed:

@@ -214,7 +214,8 @@ class CommandTrial:
         value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
         if value is None:
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command reported no {spec.metric!r} "
-                                                      f"and printed no JSON line holding it: {_tail(log)}"})
+                                                      f"and printed no JSON line holding it as a number: "
+                                                      f"{_tail(log)}"})
         if not math.isfinite(value):
             return TrialResult(Outcome.FAILED, None,
                                {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {steps}"})
