@@ -209,8 +209,17 @@ class CohortLoop:
                                   storage_url=worker.url)
             try:
                 admitted = self._admit(beats, trial, runner)
-            except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable, StudyBrokenError,
-                    InfrastructureError):
+            except (KeyboardInterrupt, Preempted, TimedOut) as exc:
+                # Ctrl-C or SIGTERM while this trial started (its step-0 report) or trained alone: it is not a
+                # member yet, so `_interrupt_all` would not see it. Marked and queued here, as the members are.
+                self._drop(trial)
+                beats.discard(trial)
+                preempted = isinstance(exc, Preempted)
+                reason = "preempted (SIGTERM)" if preempted else "interrupted"
+                worker._end(trial, TrialResult(Outcome.PREEMPTED if preempted else Outcome.INTERRUPTED, None,  # noqa: SLF001
+                                               {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
+                raise
+            except (StorageUnavailable, StudyBrokenError, InfrastructureError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
                 self._drop(trial)

@@ -137,7 +137,9 @@ def outcome_of(trial: FrozenTrial) -> Outcome | None:
     if trial.user_attrs.get(ATTR_INTERRUPTED):
         reason = str(trial.user_attrs.get(ATTR_FAIL, ""))
         return Outcome.PREEMPTED if reason.startswith("preempted") else Outcome.INTERRUPTED
-    return Outcome.FAILED if ATTR_FAIL in trial.user_attrs else Outcome.LOST
+    if ATTR_FAIL not in trial.user_attrs or trial.user_attrs[ATTR_FAIL] == LOST_REASON:
+        return Outcome.LOST  # failed as lost (by a worker that wrote its reason, or died before it could)
+    return Outcome.FAILED
 
 
 def budget_counts(trials: Iterable[FrozenTrial]) -> tuple[int, int]:

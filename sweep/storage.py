@@ -553,9 +553,9 @@ class PatientStorage(BaseStorage):
         return True
 
     def record_lost(self, trial_id: int, reason: str) -> None:
-        """Write why a failed trial was lost, as `fail_lost_trial` does (Optuna refuses attrs on finished trials)."""
-        self.boundary.call(self._write_user_attr, trial_id, "fail_reason", reason)
-        self.boundary.call(self._write_user_attr, trial_id, "outcome", "lost")
+        """Write why a failed trial was lost, as `fail_lost_trial` does (Optuna refuses attrs on finished trials):
+        the reason and the outcome in one transaction, so a worker killed meanwhile leaves both or neither."""
+        self.boundary.call(self._write_user_attrs, trial_id, {"fail_reason": reason, "outcome": "lost"})
 
     def _fail_if_running(self, trial_id: int) -> bool:
         try:
@@ -563,16 +563,17 @@ class PatientStorage(BaseStorage):
         except optuna.exceptions.UpdateFinishedTrialError:
             return False
 
-    def _write_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+    def _write_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         import json
 
         with self.backend.engine.begin() as connection:
-            updated = connection.execute(
-                text("UPDATE trial_user_attributes SET value_json = :v WHERE trial_id = :t AND key = :k"),
-                {"v": json.dumps(value), "t": trial_id, "k": key}).rowcount
-            if not updated:
-                connection.execute(text("INSERT INTO trial_user_attributes (trial_id, key, value_json) "
-                                        "VALUES (:t, :k, :v)"), {"v": json.dumps(value), "t": trial_id, "k": key})
+            for key, value in attrs.items():
+                updated = connection.execute(
+                    text("UPDATE trial_user_attributes SET value_json = :v WHERE trial_id = :t AND key = :k"),
+                    {"v": json.dumps(value), "t": trial_id, "k": key}).rowcount
+                if not updated:
+                    connection.execute(text("INSERT INTO trial_user_attributes (trial_id, key, value_json) "
+                                            "VALUES (:t, :k, :v)"), {"v": json.dumps(value), "t": trial_id, "k": key})
 
     def trial_age_s(self, trial: FrozenTrial) -> float:
         if trial.datetime_start is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 import traceback
@@ -57,6 +58,7 @@ from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient, never_lost
+from sweep.workers import LAUNCHED_ENV
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
            "request_stop"]
@@ -138,6 +140,8 @@ class Worker:
         """Before the first trial: the cheap reconciliation of the study's checkpoints. Returns the wall time the
         worker started at (a `sweep stop` later than that stops it)."""
         started_wall = time.time()
+        with contextlib.suppress(KeyError, ValueError):  # a launched worker: from its launcher's start
+            started_wall = min(started_wall, float(os.environ[LAUNCHED_ENV]))
         if self.checkpoints is not None:
             self.checkpoints.reconcile()
         return started_wall
@@ -294,7 +298,8 @@ class Worker:
                           f"{self.spec.heartbeat_grace_period} s); its retry trains it again", stacklevel=1)
             return None
         if result.outcome.retried:
-            self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE)
+            with self._lock():  # against `_requeue_orphans` of a worker that found this one stalled past the grace
+                self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE)
         return frozen
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:

@@ -32,11 +32,14 @@ from sweep.signals import raise_pending
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "device_groups", "gpus_problem",
-           "prepare_process", "run_local_workers", "run_workers", "storage_from_environment", "visible_gpus",
-           "worker_args", "write_storage_file"]
+__all__ = ["LAUNCHED_ENV", "SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "device_groups",
+           "gpus_problem", "prepare_process", "run_local_workers", "run_workers", "storage_from_environment",
+           "visible_gpus", "worker_args", "write_storage_file"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
+# Set in each worker: when its launcher started (time.time()). A `sweep stop` after that stops the worker, also one
+# given while the worker was still starting (importing torch takes seconds).
+LAUNCHED_ENV = "SWEEP_LAUNCHED_AT"
 STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
 STORAGE_FILE_ENV = "SWEEP_STORAGE_URL_FILE"  # or the path of an owner-only file holding it (`write_storage_file`)
 # Variables that hold a database password by convention (libpq's): they travel in the file, never in a job's record.
@@ -124,9 +127,10 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     # data-parallel trial's ranks are processes too (they inherit the count), so each of them is given a share.
     threads = str(max(1, (os.cpu_count() or 1) // (n_workers * devices_per_worker)))
     processes = []
+    launched = repr(time.time())
     for index in range(n_workers):
         worker_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, **(env or {}),
-                      WORKER_ENV: str(index)}
+                      WORKER_ENV: str(index), LAUNCHED_ENV: launched}
         if groups:
             worker_env["CUDA_VISIBLE_DEVICES"] = groups[index]
         processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=worker_env))
@@ -134,6 +138,7 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
         while any(process.poll() is None for process in processes):
             raise_pending()  # Ctrl-C or SIGTERM sent to this process alone: passed on below
             time.sleep(0.2)
+        raise_pending()  # signalled with its workers, which exited first (still importing, say): 130 or 143, not 1
         return [process.returncode for process in processes]
     except KeyboardInterrupt:
         _stop(processes, grace_s)

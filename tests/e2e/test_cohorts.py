@@ -15,6 +15,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from sweep.outcomes import budget_counts
 from sweep.reproduce import reproduce_trial
 from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 
@@ -261,3 +262,55 @@ def test_a_cohort_whose_every_trial_fails_at_its_start_fails_each_one_and_exits_
     trials = load(tmp_path).get_trials()
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
     assert all(why in t.user_attrs["fail_reason"] for t in trials)
+
+
+INTERRUPTING_TASK = '''
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+CALLS = Path(__file__).with_name("calls")
+
+
+def metrics(out, y):
+    # Ctrl-C at the 7th evaluation: the step-0 evaluation of the member that refills the cohort (members 1 and 2 at
+    # their starts, then at steps 10 and 20, when both complete and the third is asked)
+    calls = int(CALLS.read_text()) + 1 if CALLS.exists() else 1
+    CALLS.write_text(str(calls))
+    if calls == 7:
+        os.kill(os.getpid(), signal.SIGINT)
+    return {"accuracy": (out.argmax(-1) == y).float().sum()}
+
+
+def task() -> Task:
+    x = torch.randn(72, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="ctrlc", train=(x[:64], y[:64]), val=(x[64:], y[64:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: nn.Sequential(nn.Linear(6, cfg["hidden"]), nn.Linear(cfg["hidden"], 2)),
+                eval_metrics=metrics, eval_metric_names=("accuracy",))
+'''
+
+
+def test_ctrl_c_while_a_cohort_refills_marks_and_queues_the_trial_being_started(tmp_path: Path) -> None:
+    # The trial being admitted is not a member yet: it used to be left running (found lost a grace period later).
+    (tmp_path / "ctrlc_task.py").write_text(INTERRUPTING_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 4, "task": {"name": "ctrlc_task:task"},
+                                            "execution": {"cohort": 2}, "pruner": "fastfail"}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    path = write_study(tmp_path, document)
+    done = run_cli("run", path, timeout=240)  # a signal: a process of its own
+    assert done.returncode == 130, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert TrialState.RUNNING not in [t.state for t in trials], [(t.number, t.state) for t in trials]
+    interrupted = [t for t in trials if t.user_attrs.get("outcome") == "interrupted"]
+    assert interrupted and all("cohort" not in t.user_attrs for t in interrupted)  # caught before it was a member
+    queued = {t.user_attrs.get("retry_of") for t in trials if t.state == TrialState.WAITING}
+    assert queued == {t.number for t in interrupted}
+    again = run_cli("run", path, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert budget_counts(load(tmp_path).get_trials()) == (4, 0)

@@ -199,15 +199,18 @@ def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_th
     study.tell(preempted, state=TrialState.FAIL)
     lost = study.ask()  # failed as lost by another worker, which died before writing why and queuing the retry
     study.tell(lost, state=TrialState.FAIL)
+    half = study.ask()  # the same, its reason written but not its outcome
+    half.set_user_attr("fail_reason", "worker lost: no heartbeat")
+    study.tell(half, state=TrialState.FAIL)
     # Rerun at once: younger than the grace period, their retries may still be on the way (from a live worker), so
     # the run counts them as running and waits, instead of finding the budget spent; then it queues them itself.
     done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
     retries = {t.user_attrs["retry_of"]: t for t in trials if "retry_of" in t.user_attrs}
-    assert sorted(retries) == [preempted.number, lost.number]
+    assert sorted(retries) == [preempted.number, lost.number, half.number]
     assert retries[preempted.number].user_attrs["retry_reason"] == "preempted (SIGTERM)"
     assert retries[lost.number].user_attrs["retry_reason"] == "worker lost: no heartbeat"
     assert trials[lost.number].user_attrs["outcome"] == "lost"
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 3  # the budget, exactly: no slot lost, none extra
-    assert len(trials) == 5
+    assert len(trials) == 6
