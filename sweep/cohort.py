@@ -93,6 +93,16 @@ def _other_values(param: Param, value: Any) -> list[Any]:
     return [v for v in (param.low, param.high) if v != value]  # type: ignore[union-attr]
 
 
+def _signalled(exc: BaseException) -> tuple[str, Outcome]:
+    """How a trial stopped by Ctrl-C or SIGTERM ends: its reason and outcome."""
+    return ("preempted (SIGTERM)", Outcome.PREEMPTED) if isinstance(exc, Preempted) else ("interrupted",
+                                                                                            Outcome.INTERRUPTED)
+
+
+def _interrupted(reason: str, outcome: Outcome) -> TrialResult:
+    return TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True})
+
+
 @dataclass
 class _Member:
     trial: optuna.Trial
@@ -114,21 +124,19 @@ class CohortLoop:
         self.keys: list[str] | None = None  # the study's shape keys, found with the first cohort
         self.single = False  # the model cannot be batched: one trial at a time
         self.spent = False
+        self.stopping = self.timed_out = False  # kept across a failed cohort: the loop goes on with the next one
         self.cohorts = 0
         self.admitted = 0  # members the current cohort has taken
         self.tag = f"{socket.gethostname()}:{os.getpid()}"
 
     def run(self, started_wall: float) -> RunSummary:
         worker = self.worker
-        state = {"stopping": False, "timed_out": False}
         with worker.beating() as beats:
             while True:  # a cohort that fails is ended, member by member, and the loop goes on with the next one
                 try:
-                    return self._loop(beats, started_wall, state)
+                    return self._loop(beats, started_wall)
                 except (KeyboardInterrupt, Preempted, TimedOut) as exc:
-                    preempted = isinstance(exc, Preempted)
-                    self._interrupt_all(beats, "preempted (SIGTERM)" if preempted else "interrupted",
-                                        Outcome.PREEMPTED if preempted else Outcome.INTERRUPTED)
+                    self._interrupt_all(beats, *_signalled(exc))
                     raise
                 except StorageUnavailable:
                     raise  # nothing can be stored: the members are found lost and retried later
@@ -149,22 +157,21 @@ class CohortLoop:
                     if stop is not None:
                         raise stop from exc
 
-    def _loop(self, beats: Beats, started_wall: float, state: dict[str, bool]) -> RunSummary:
+    def _loop(self, beats: Beats, started_wall: float) -> RunSummary:
         worker = self.worker
         while True:
             raise_pending()
-            state["timed_out"] = state["timed_out"] or (worker.timeout is not None
-                                                        and time.monotonic() - worker.started >= worker.timeout)
+            self.timed_out = self.timed_out or (worker.timeout is not None
+                                                and time.monotonic() - worker.started >= worker.timeout)
             cohort = self.cohort
             if cohort is None or cohort.at_boundary():  # `sweep stop` is a storage read: not every step
-                state["stopping"] = (state["stopping"] or state["timed_out"]
-                                     or worker._stop_requested(started_wall))  # noqa: SLF001
-                if state["timed_out"] and cohort is not None:
+                self.stopping = self.stopping or self.timed_out or worker._stop_requested(started_wall)  # noqa: SLF001
+                if self.timed_out and cohort is not None:
                     self._interrupt_all(beats, f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
-                elif not state["stopping"]:
+                elif not self.stopping:
                     with self._shared_reads():  # the new members' step-0 reports, judged one by one
                         self._fill(beats)
-            stopping, timed_out = state["stopping"], state["timed_out"]
+            stopping, timed_out = self.stopping, self.timed_out
             cohort = self.cohort
             if cohort is not None and not cohort.active:
                 self._collect(beats)
@@ -214,10 +221,7 @@ class CohortLoop:
                 # member yet, so `_interrupt_all` would not see it. Marked and queued here, as the members are.
                 self._drop(trial)
                 beats.discard(trial)
-                preempted = isinstance(exc, Preempted)
-                reason = "preempted (SIGTERM)" if preempted else "interrupted"
-                worker._end(trial, TrialResult(Outcome.PREEMPTED if preempted else Outcome.INTERRUPTED, None,  # noqa: SLF001
-                                               {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
+                worker._end(trial, _interrupted(*_signalled(exc)), runner)  # noqa: SLF001
                 raise
             except (StorageUnavailable, StudyBrokenError, InfrastructureError):
                 raise
@@ -321,5 +325,5 @@ class CohortLoop:
             if self.cohort is not None and member_id not in self.cohort.results:
                 with contextlib.suppress(KeyError):
                     self.cohort.remove(member_id)
-            self._end(beats, member_id, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}))
+            self._end(beats, member_id, _interrupted(reason, outcome))
         self.cohort = None

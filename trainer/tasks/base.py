@@ -17,15 +17,9 @@ __all__ = ["Task", "accuracy_sum", "as_fp32", "cross_entropy"]
 
 
 def as_fp32(out: Any) -> Any:
-    """A model's output for the loss, its floating tensors in float32 (as autocast leaves them in bf16 or fp16): one
-    tensor, or the tuple, list or dict of them a model may return (a `loss=` of the task's own then takes it)."""
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() else out
-    if isinstance(out, (tuple, list)):
-        return type(out)(as_fp32(item) for item in out)
-    if isinstance(out, Mapping):
-        return {key: as_fp32(value) for key, value in out.items()}
-    return out
+    """A model's output for the loss: one tensor in float32 (autocast leaves it in bf16 or fp16); anything else (a
+    tuple, a dict, a model-output object) as the model returned it, for a `loss=` of the task's own to take."""
+    return out.float() if isinstance(out, torch.Tensor) else out
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
