@@ -5,6 +5,11 @@ callback is printed and dropped ("Exception ignored in ..."): the trial then tra
 signal only records the request, and the worker raises it where stopping is clean: at the trial's next log or
 evaluation step (`raise_pending`, called by the trial's reporter) and between trials. A second signal of the same kind
 raises at once, for a worker stuck where no check comes.
+
+A launcher (`sweep run --workers N`) passes a signal on to its workers as another one (`FORWARD`: SIGUSR1 for Ctrl-C,
+SIGUSR2 for SIGTERM), which only ever records the request. A terminal's Ctrl-C reaches the whole process group, the
+launcher included, and the launcher cannot tell that from a signal sent to it alone: passing on the same signal would
+be a worker's second one, raised at once wherever the worker happens to be.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["Preempted", "graceful_signals", "raise_pending"]
+__all__ = ["FORWARD", "Preempted", "graceful_signals", "raise_pending"]
 
 
 class Preempted(BaseException):
@@ -23,6 +28,9 @@ class Preempted(BaseException):
 
 
 _pending: type[BaseException] | None = None
+
+# The signal a launcher sends its workers for each one it received (see the module's docstring).
+FORWARD = {signal.SIGINT: signal.SIGUSR1, signal.SIGTERM: signal.SIGUSR2}
 
 
 def raise_pending() -> None:
@@ -35,20 +43,24 @@ def raise_pending() -> None:
 
 @contextlib.contextmanager
 def graceful_signals() -> Iterator[None]:
-    """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`; the handlers in place
-    before are restored afterwards."""
+    """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`, and so do their forwarded
+    forms (`FORWARD`), which never raise at once; the handlers in place before are restored afterwards."""
     global _pending
-    kinds = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Preempted}
+    kinds: dict[int, type[BaseException]] = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Preempted}
+    forwarded: dict[int, type[BaseException]] = {FORWARD[signal.Signals(s)]: kind for s, kind in kinds.items()}
 
     def handler(signum: int, frame: FrameType | None) -> None:
         global _pending
-        kind = kinds[signal.Signals(signum)]
+        if signum in forwarded:  # a launcher passing one on: a request, however often it comes
+            _pending = _pending or forwarded[signum]
+            return
+        kind = kinds[signum]
         if _pending is kind:  # asked twice: now
             _pending = None
             raise kind()
         _pending = kind
 
-    previous = {signum: signal.signal(signum, handler) for signum in kinds}
+    previous = {signum: signal.signal(signum, handler) for signum in (*kinds, *forwarded)}
     _pending = None
     try:
         yield

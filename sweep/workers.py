@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sweep.signals import raise_pending
+from sweep.signals import FORWARD, raise_pending
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -175,10 +175,12 @@ def device_groups(gpus: Sequence[str], n_workers: int, per_worker: int) -> list[
 
 
 def _stop(processes: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGINT) -> None:
-    time.sleep(0.5)  # a terminal's Ctrl-C has already reached the workers; give them a moment to start cleaning up
+    """Pass `signum` on to the workers still running, as its forwarded form: a worker that a terminal's Ctrl-C has
+    reached already must not take this for a second Ctrl-C (`sweep.signals.FORWARD`). Kill any still running after
+    `grace_s`."""
     for process in processes:
-        if process.poll() is None:  # signalled on its own (kill -INT of the parent alone): pass it on
-            process.send_signal(signum)
+        if process.poll() is None:
+            process.send_signal(FORWARD[signal.Signals(signum)])
     deadline = time.monotonic() + grace_s
     for process in processes:
         try:

@@ -89,7 +89,7 @@ class CliResult:
 _FRESH_WARNING_FILTERS: list[tuple[Literal["default", "ignore"], type[Warning], str]] = [
     ("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
     ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, "")]
-_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class _CurrentStderr(io.TextIOBase):

@@ -144,6 +144,69 @@ def test_sweep_stop_lets_workers_finish_their_trial_and_exit(tmp_path: Path) -> 
     assert resumed.returncode == 0 and "stopped" not in resumed.stderr
 
 
+# A user's loop whose steps take seconds between checks: it marks each step's start and end in a folder.
+NAPPING_LOOP = """
+import time
+from pathlib import Path
+
+
+def main(config, run):
+    for step in range(1, config["max_steps"] + 1):
+        Path(config["marks"], f"{run.trial}-{step}-begin").touch()
+        time.sleep(config["nap_s"])
+        Path(config["marks"], f"{run.trial}-{step}-end").touch()
+        if run.report(step, val_loss=1.0 / step):
+            return
+"""
+
+
+@pytest.mark.parametrize(("target", "signum", "code", "reason"), [
+    ("group", signal.SIGINT, 130, "interrupted"), ("launcher", signal.SIGTERM, 143, "preempted (SIGTERM)")])
+def test_a_signal_to_workers_and_their_launcher_stops_each_worker_at_its_next_check(
+        tmp_path: Path, target: str, signum: int, code: int, reason: str) -> None:
+    """A terminal's Ctrl-C reaches the launcher and its workers alike. The launcher passes it on to its workers too
+    (for a signal sent to it alone, as SIGTERM here); a worker that already has the request must not take that for a
+    second Ctrl-C, which raises at once, wherever the worker is (here: inside the user's step, whose end it would
+    never mark)."""
+    (tmp_path / "napper").mkdir()
+    (tmp_path / "napper" / "__init__.py").write_text("")
+    (tmp_path / "napper" / "train.py").write_text(NAPPING_LOOP)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    path = write_study(tmp_path, {
+        "name": "naps", "n_trials": 4, "sampler": {"type": "random"}, "pruner": "none", "loop": "napper.train:main",
+        "fixed": {"max_steps": 50, "nap_s": 3.0, "marks": str(marks)},
+        "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}}})
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    launcher = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)  # its own process group, as a terminal gives it
+    try:
+        deadline = time.monotonic() + 180
+        while len({mark.name.split("-")[0] for mark in marks.glob("*-1-begin")}) < 2:  # both workers mid-step
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+            time.sleep(0.1)
+        if target == "group":
+            os.killpg(launcher.pid, signum)  # Ctrl-C: the whole group
+        else:
+            os.kill(launcher.pid, signum)
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == code, stderr
+    begun = {mark.name.removesuffix("-begin") for mark in marks.glob("*-begin")}
+    ended = {mark.name.removesuffix("-end") for mark in marks.glob("*-end")}
+    assert begun == ended, f"steps cut short: {sorted(begun - ended)}\n{stderr}"
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    trials = optuna.load_study(study_name="naps", storage=f"sqlite:///{tmp_path / 'naps.db'}").get_trials()
+    interrupted = [t for t in trials if t.user_attrs.get("interrupted")]
+    assert len(interrupted) == 2, stderr
+    assert all(t.state == TrialState.FAIL and t.user_attrs["fail_reason"] == reason for t in interrupted)
+    queued = [t for t in trials if t.state == TrialState.WAITING]
+    assert sorted(t.user_attrs["retry_of"] for t in queued) == sorted(t.number for t in interrupted)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
