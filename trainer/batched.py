@@ -45,6 +45,7 @@ warm-started by the ordinary loop and the other way round.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -54,6 +55,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,7 +65,7 @@ from torch.func import functional_call, vmap
 
 from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_attention, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
-from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoint
+from trainer.checkpoint import CheckpointWriteError, LoopState, TrainState, WarmStart, save_checkpoints
 from trainer.config import TrainingConfig
 from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
 from trainer.data import choose_data_loader
@@ -668,10 +670,7 @@ class Cohort:
                 if stop and slot.done < slot.config.max_steps:
                     slot.result.steps = slot.done
                     self._finish(i, "stopped")
-        for i in sorted(set(logs) | set(evals)):
-            slot = self.slots[i]
-            if slot is not None:
-                self._checkpoint(i, slot, slot.result.metrics if i in evals else None)
+        self._checkpoint([i for i in sorted(set(logs) | set(evals)) if self.slots[i] is not None], evals)
         for i, slot in enumerate(self.slots):
             if slot is not None and slot.done >= slot.config.max_steps:
                 slot.result.steps = slot.done
@@ -900,14 +899,28 @@ class Cohort:
             state["cuda"] = cuda
         return state
 
-    def _checkpoint(self, index: int, slot: _Slot, metrics: Mapping[str, float] | None) -> None:
-        checkpointer = slot.member.checkpointer
-        if checkpointer is None:
-            return
-        path = checkpointer.path_for(slot.done, metrics)
-        if path is None:
-            return
-        checkpointer.saved(save_checkpoint(path, self.member_state(slot.id)), metrics)
+    def _checkpoint(self, indices: list[int], evals: list[int]) -> None:
+        """The listed members' checkpoints that their policies ask for now, written together (`save_checkpoints`),
+        then registered one by one in order; the first write that failed is raised after every other is registered."""
+        jobs: list[tuple[Path, Callable[[], TrainState]]] = []
+        owners: list[tuple[Any, Mapping[str, float] | None]] = []
+        for i in indices:
+            slot = self.slots[i]
+            assert slot is not None
+            checkpointer = slot.member.checkpointer
+            metrics = slot.result.metrics if i in evals else None
+            path = None if checkpointer is None else checkpointer.path_for(slot.done, metrics)
+            if path is not None:
+                jobs.append((Path(path), functools.partial(self.member_state, slot.id)))
+                owners.append((checkpointer, metrics))
+        failed: CheckpointWriteError | None = None
+        for (owner, values), info in zip(owners, save_checkpoints(jobs)):
+            if isinstance(info, CheckpointWriteError):
+                failed = failed or info
+            else:
+                owner.saved(info, values)
+        if failed is not None:
+            raise failed
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from trainer.checkpoint import (
     TrainState,
     load_checkpoint,
     save_checkpoint,
+    save_checkpoints,
     sha256_of,
     user_checkpoint,
 )
@@ -183,6 +184,42 @@ def test_a_read_only_disk_is_a_checkpoint_write_error_with_its_own_errno(small_d
     assert str(info.value).startswith(f"cannot write checkpoint {path}: read-only file system (")
     assert load_checkpoint(path, sha256=before.sha256).step == 1
 
+
+
+def test_checkpoints_written_together_are_the_files_written_one_by_one_and_a_failure_stays_its_own(
+        tmp_path: Path) -> None:
+    """A cohort's members' checkpoints are written on threads at once: each file is the one `save_checkpoint`
+    writes; a write that fails (its folder is a file here) is returned as its error, the others are written."""
+    alone = [save_checkpoint(tmp_path / "alone" / f"{k}.pt", weights(k, 1000 * k)) for k in range(1, 6)]
+    (tmp_path / "blocked").write_text("a file where the checkpoint folder should be")
+    paths = [tmp_path / "together" / f"{k}.pt" for k in range(1, 6)]
+    paths[2] = tmp_path / "blocked" / "3.pt"
+    made: list[int] = []
+    results = save_checkpoints([(path, lambda k=k: made.append(k) or weights(k, 1000 * k))
+                                for k, path in enumerate(paths, start=1)])
+    assert made == [1, 2, 3, 4, 5]  # each state made once, in order, on the calling thread
+    failed = results.pop(2)
+    assert isinstance(failed, CheckpointWriteError) and failed.filename == str(paths[2])
+    del alone[2], paths[2]
+    for info, single, path in zip(results, alone, paths):
+        assert not isinstance(info, CheckpointWriteError)
+        assert info.path == path and info.sha256 == single.sha256 == sha256_of(path) and info.step == single.step
+    assert sorted(p.name for p in (tmp_path / "together").iterdir()) == ["1.pt", "2.pt", "4.pt", "5.pt"]
+
+
+def test_checkpoints_written_together_hold_at_most_max_bytes_of_states_in_flight(tmp_path: Path) -> None:
+    """A state is made only once those in flight hold less than `max_bytes`: with room for one (40 KB each, 50 KB
+    allowed), each state is made after the previous file is written."""
+    paths = [tmp_path / f"{k}.pt" for k in range(4)]
+    written_before: list[int] = []
+
+    def make(k: int) -> TrainState:
+        written_before.append(sum(path.exists() for path in paths))
+        return weights(k, 10_000)
+
+    results = save_checkpoints([(path, lambda k=k: make(k)) for k, path in enumerate(paths)], max_bytes=50_000)
+    assert written_before == [0, 1, 2, 3]
+    assert [load_checkpoint(info.path, sha256=info.sha256).step for info in results] == [0, 1, 2, 3]  # type: ignore[union-attr]
 
 @pytest.mark.parametrize(("state", "named"), [
     ({"mean": np.zeros(3)}, "state['mean'] is a numpy.ndarray"),
