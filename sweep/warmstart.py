@@ -105,13 +105,13 @@ _signatures: dict[tuple[str, ...], list[tuple[str, list[int], str]]] = {}
 
 
 def _build_signature(task: Task, model_json: str) -> list[tuple[str, list[int], str]]:
-    model_config = task.model_config(json.loads(model_json))
+    model = json.loads(model_json)
     try:
         with torch.device("meta"):  # shapes without memory or initialisation cost
-            model = task.build_model(model_config)
+            built = task.build(model)
     except Exception:  # noqa: BLE001 - a custom model that cannot be built on meta: build it for real
-        model = task.build_model(model_config)
-    return sorted((name, list(t.shape), str(t.dtype)) for name, t in model.state_dict().items())
+        built = task.build(model)
+    return sorted((name, list(t.shape), str(t.dtype)) for name, t in built.state_dict().items())
 
 
 def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[str, Any],

@@ -102,12 +102,11 @@ def _static_attributes(model: nn.Module) -> list[tuple[str, str, list[tuple[str,
 
 
 def _meta_model(config: TrainingConfig, task: Task) -> nn.Module:
-    model_config = task.model_config(config.model)
     try:
         with torch.device("meta"):  # shapes without memory or initialisation cost, as warm start's shape key
-            return task.build_model(model_config)
+            return task.build(config.model)
     except Exception:  # noqa: BLE001 - a custom model that cannot be built on meta: build it for real
-        return task.build_model(model_config)
+        return task.build(config.model)
 
 
 def batch_signature(config: TrainingConfig, task: Task) -> str:
@@ -157,7 +156,7 @@ def _problem_probed(config: TrainingConfig, task: Task, signature: str, probes: 
 
 def _model_problem(config: TrainingConfig, task: Task) -> str | None:
     device = resolve_device(config.device)
-    model = task.build_model(task.model_config(config.model)).to(device)
+    model = task.build(config.model, device)
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
             return (f"module {name or 'model'} is {type(module).__name__}: its running statistics are updated in "
@@ -276,7 +275,7 @@ def member_bytes(config: TrainingConfig, task: Task) -> int:
     config's precision, as training runs it: bf16 autocast saves about half of what fp32 saves; each storage once,
     the parameters themselves left out), doubled for the backward's own temporaries."""
     device = resolve_device(config.device)
-    model = task.build_model(task.model_config(config.model)).to(device)
+    model = task.build(config.model, device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
@@ -379,7 +378,7 @@ class Cohort:
         self.precision = resolve_precision(like.mixed_precision, self.device)
         seed_everything(like.seed, deterministic=like.deterministic)
         allow_tf32(self.device, like.deterministic)
-        shell = task.build_model(task.model_config(like.model)).to(self.device)  # the layout; its values are not used
+        shell = task.build(like.model, self.device)  # the layout; its values are not used
         self.shell = shell
         self.template = prepare_template(shell)
         # "same": the member dropout's own draws (from each member's generator, on the stacked tensor) run inside
@@ -448,7 +447,7 @@ class Cohort:
         # Built as `build_run` builds it: seed, then the model from the seeded RNG; what the RNG holds after that is
         # what the single run's dropout draws from.
         seed_everything(config.seed, deterministic=config.deterministic)
-        model = self.task.build_model(self.task.model_config(config.model)).to(self.device)
+        model = self.task.build(config.model, self.device)
         if _static_attributes(model) != _static_attributes(self.shell):
             raise ValueError("this config's modules differ from the cohort's in a setting other than dropout")
         generator = torch.Generator(device=self.device)

@@ -222,7 +222,7 @@ def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) ->
     device = ranks.device(resolve_device(config.device))
     seed_everything(config.seed, deterministic=config.deterministic)
     allow_tf32(device, config.deterministic)
-    model = task.build_model(task.model_config(config.model)).to(device)
+    model = task.build(config.model, device)
     # The compiled module runs the training steps. `model`, whose parameters it shares, is what is evaluated (eval
     # shapes and inference mode would each cost a recompile) and saved: keys without `_orig_mod.`, loadable without it.
     # With several ranks DDP runs the steps (it averages the gradients in backward), compiled around it when asked.

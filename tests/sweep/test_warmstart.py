@@ -57,6 +57,27 @@ def test_the_shape_key_changes_with_shapes_and_only_with_shapes() -> None:
     assert key(**{"model.hidden": 16}) == key(**{"model.hidden": 16, "model.dropout": 0.5})  # no tensor changes
 
 
+
+def test_the_shape_key_of_a_model_of_lazy_modules_is_its_eager_twins() -> None:
+    """`nn.LazyLinear` has no shapes until a forward: the key is taken after the dry run every build makes."""
+    import torch
+    from torch import nn
+
+    from trainer import TrainingConfig
+    from trainer.tasks import Task
+
+    digits = load_task("digits", {})
+    builders = {"lazy": lambda cfg: nn.Sequential(nn.LazyLinear(cfg["hidden"]), nn.ReLU(), nn.LazyLinear(10)),
+                "eager": lambda cfg: nn.Sequential(nn.Linear(64, cfg["hidden"]), nn.ReLU(),
+                                                   nn.Linear(cfg["hidden"], 10))}
+    keys = {}
+    for name, build in builders.items():
+        task = Task(name="mine", train=digits.train, val=digits.val, build_model=build, model_defaults={"hidden": 8})
+        config = TrainingConfig.from_dict({"task": f"{name}:task", "model": {"hidden": 8}})
+        keys[name] = shape_key(config, task)
+    assert keys["lazy"] == keys["eager"]
+    assert torch.get_default_device().type == "cpu"  # the meta build left the process as it was
+
 def register(registry: Registry, study: str, spec, number: int, params: dict[str, Any], step: int, value: float,
              final: bool = True, key: str | None = None) -> int:
     digits = load_task("digits", {})

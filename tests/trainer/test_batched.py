@@ -212,6 +212,26 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
     assert results[0].status == "completed"
 
 
+
+def test_a_model_of_lazy_modules_trains_as_its_eager_twin_alone_and_in_a_cohort(digits: Task) -> None:
+    """`nn.LazyLinear` gets its shapes from a dry run right after the model is built, so the seeded initialisation
+    draws what the eager `nn.Linear` model draws: the same run, bit for bit, alone and in a cohort."""
+    def lazy(cfg: Mapping[str, Any]) -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(cfg["hidden"]), nn.ReLU(), nn.Dropout(0.1), nn.LazyLinear(10))
+
+    def eager(cfg: Mapping[str, Any]) -> nn.Module:
+        return nn.Sequential(nn.Linear(64, cfg["hidden"]), nn.ReLU(), nn.Dropout(0.1), nn.Linear(cfg["hidden"], 10))
+
+    tasks = {name: Task(name=name, train=digits.train, val=digits.val, build_model=build,
+                        model_defaults={"hidden": 16}) for name, build in (("lazy", lazy), ("eager", eager))}
+    configs = {name: [tiny(task=name, model={"hidden": 16}, seed=seed) for seed in (0, 1)] for name in tasks}
+    assert batch_problem(configs["lazy"][0], tasks["lazy"]) is None
+    alone = train(configs["lazy"][0], tasks["lazy"])
+    same(train(configs["eager"][0], tasks["eager"]), alone)
+    together = train_batched(configs["lazy"], tasks["lazy"])
+    same(alone, together[0])
+    same(train(configs["lazy"][1], tasks["lazy"]), together[1])
+
 def test_the_default_loss_says_what_to_do_with_a_model_that_returns_a_tuple(digits: Task) -> None:
     task = Task(name="tuple", train=digits.train, val=digits.val, build_model=lambda cfg: _TupleOut())
     with pytest.raises(TypeError, match=r"model returned a tuple.*give the Task a loss="):

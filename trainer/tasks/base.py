@@ -10,16 +10,36 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from trainer.config import ConfigError, coerce
 
-__all__ = ["Task", "accuracy_sum", "as_fp32", "cross_entropy"]
+__all__ = ["Task", "accuracy_sum", "as_fp32", "cross_entropy", "materialize"]
 
 
 def as_fp32(out: Any) -> Any:
     """A model's output for the loss: one tensor in float32 (autocast leaves it in bf16 or fp16); anything else (a
     tuple, a dict, a model-output object) as the model returned it, for a `loss=` of the task's own to take."""
     return out.float() if isinstance(out, torch.Tensor) else out
+
+
+def materialize(model: nn.Module, inputs: torch.Tensor) -> nn.Module:
+    """`model` with every lazy module's tensors created: PyTorch's dry run, one forward of the first sample of
+    `inputs` (on the model's device), in eval mode and without gradients (no dropout draw), each module's mode put
+    back afterwards. The initialisation then draws from the seeded RNG right after the model is built, wherever it is
+    built. A model without lazy modules is returned untouched."""
+    if not any(isinstance(m, LazyModuleMixin) and m.has_uninitialized_params() for m in model.modules()):
+        return model
+    device = next(iter(model.parameters())).device
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(inputs[:1].to(device))
+    finally:
+        for module, training in modes.items():
+            module.train(training)
+    return model
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,6 +135,13 @@ class Task:
             keys = [k for k in model if k in first] or sorted(model)
             return [(f"model.{keys[0]}" if keys else "model", f"task {self.name!r} cannot build its model: {first}")]
         return []
+
+    def build(self, model: Mapping[str, Any], device: torch.device | str | None = None) -> nn.Module:
+        """The model for the config's `model` mapping, moved to `device` (None: where the builder put it, the meta
+        device under `torch.device("meta")`), its lazy modules (`nn.LazyLinear`, ...) given their shapes by
+        `materialize`: every caller (the loops, the batched engine, warm start's shape key) sees the same tensors."""
+        built = self.build_model(self.model_config(model))
+        return materialize(built.to(device) if device is not None else built, self.train[0])
 
     def model_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults updated with `model`, with a `ConfigError` for anything the builder does not accept."""
