@@ -166,12 +166,19 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
             return f"parameter {name} is frozen (requires_grad=False), and the cohort's optimizer trains every one"
         if param.dtype != torch.float32:
             return f"parameter {name} is {str(param.dtype).removeprefix('torch.')}; cohorts stack float32 parameters"
+    x, y = task.train
+    idx = torch.arange(min(len(x), config.batch_size))
     try:
+        before = dict(model.named_buffers())
+        with torch.no_grad():
+            model(x[idx].to(device))  # a buffer replaced in forward is lost under vmap (the stacked ones stay)
+        replaced = [name for name, b in model.named_buffers() if before.get(name) is not b]
+        if replaced:
+            return (f"buffer {replaced[0]} is replaced by forward (`self.{replaced[0].rpartition('.')[2]} = ...`), "
+                    "and a cohort keeps only what is updated in place (`.copy_()`, `.mul_()`)")
         template = prepare_template(model)
         params = {n: p.detach().unsqueeze(0).clone().requires_grad_() for n, p in model.named_parameters()}
         buffers = {n: b.detach().unsqueeze(0).clone() for n, b in model.named_buffers()}
-        x, y = task.train
-        idx = torch.arange(min(len(x), config.batch_size))
         # Dropout layers are the engine's own (each member draws from its own generator, inside the vmap rule); the
         # probe turns them off, so that vmap's randomness check finds any other random op in the model.
         generator = torch.Generator(device=device).manual_seed(0)

@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MemberDropout", "StackedChain", "StackedLinear", "dropout_rates", "member_matmul", "member_randomness",
-           "per_member", "prepare_template", "stacked_attention", "stacked_chain", "stacked_dropout"]
+__all__ = ["MemberDropout", "MemberPaddedEmbedding", "StackedChain", "StackedLinear", "dropout_rates",
+           "member_matmul", "member_randomness", "per_member", "prepare_template", "stacked_attention",
+           "stacked_chain", "stacked_dropout"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,13 +311,31 @@ def dropout_rates(model: nn.Module) -> list[float]:
     return [float(m.p) for m in model.modules() if type(m) is nn.Dropout]
 
 
+class MemberPaddedEmbedding(nn.Embedding):
+    """`nn.Embedding` with a `padding_idx`, as vmap cannot batch it: vmap's rule folds the members' tables into one
+    and offsets each member's indices by its place, so the padding row is left out of the gradient of the first
+    member only, and the others train theirs. Here the lookup has no padding index, and the positions that hold it
+    pass their rows on without a gradient: each member's padding row gets none, its forward is the single model's,
+    and every other row's gradient sums the same terms."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        out = F.embedding(input, self.weight, None, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                          self.sparse)
+        assert self.padding_idx is not None  # only such modules are swapped for this one
+        return torch.where(input.eq(self.padding_idx).unsqueeze(-1), out.detach(), out)
+
+
 def prepare_template(model: nn.Module) -> nn.Module:
-    """A copy of `model` on the meta device with `StackedLinear` for `nn.Linear` and `MemberDropout` for `nn.Dropout`
-    (exact types only: a subclass may do something else). Parameter and buffer names stay as they were."""
+    """A copy of `model` on the meta device with `StackedLinear` for `nn.Linear`, `MemberDropout` for `nn.Dropout`
+    and `MemberPaddedEmbedding` for an `nn.Embedding` with a padding index (exact types only: a subclass may do
+    something else). Parameter and buffer names stay as they were."""
     template = copy.deepcopy(model).to("meta")  # moving to meta unties tied parameters: tied again below
     modules = dict(template.named_modules())
     layer = 0
     for qualified, child in list(modules.items()):  # module order, as `dropout_rates` counts
+        if type(child) is nn.Embedding and child.padding_idx is not None:
+            child.__class__ = MemberPaddedEmbedding  # the same module and parameter, its forward replaced
+            continue
         if not qualified or type(child) not in (nn.Linear, nn.Dropout):  # the root has no parent to swap it in
             continue
         parent_name, _, name = qualified.rpartition(".")
@@ -377,11 +396,11 @@ def stacked_chain(model: nn.Module) -> StackedChain | None:
     """`model` as a `StackedChain` when its traced graph (`torch.fx`) is one input through a chain of such layers and
     nothing else; None otherwise (the engine then runs `vmap`). The chain is read from the trace, not from the
     module's type, so a model whose forward does anything besides calling those layers in a row is never taken."""
-    try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception:  # noqa: BLE001 - a model fx cannot trace runs under vmap
-        return None
     if list(model.buffers()):
+        return None
+    try:  # a copy: tracing runs forward with proxies, and one that assigns to the module would leave them there
+        graph = torch.fx.symbolic_trace(copy.deepcopy(model)).graph
+    except Exception:  # noqa: BLE001 - a model fx cannot trace runs under vmap
         return None
     modules = dict(model.named_modules())
     layers = {name: i for i, name in enumerate(n for n, m in model.named_modules() if type(m) is nn.Dropout)}

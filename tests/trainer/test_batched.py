@@ -190,8 +190,22 @@ def _first_output_loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Te
     return F.cross_entropy(out[0], targets) + 0.01 * out[1]
 
 
+class _RunningMean(nn.Module):
+    """Keeps a running mean of its inputs by replacing the buffer (not updating it in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 10)
+        self.register_buffer("mean", torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return self.body(x - self.mean)
+
+
 @pytest.mark.parametrize(("kind", "why"), [("frozen", "frozen (requires_grad=False)"), ("float64", "float64"),
-                                           ("tuple", "returns a tuple")])
+                                           ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced")])
 def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_ordinary_loop(
         digits: Task, kind: str, why: str) -> None:
     # A frozen layer stays frozen (the ordinary loop's optimizer takes only trainable parameters), a float64 model
@@ -199,7 +213,7 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
     x, y = digits.train
     vx, vy = digits.val
     build = {"frozen": _frozen_first_layer, "float64": lambda cfg: nn.Linear(64, 10).double(),
-             "tuple": lambda cfg: _TupleOut()}[kind]
+             "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean()}[kind]
     data64 = kind == "float64"
     task = Task(name=kind, train=(x.double() if data64 else x, y), val=(vx.double() if data64 else vx, vy),
                 build_model=build, loss=_first_output_loss if kind == "tuple" else Task.loss)
@@ -231,6 +245,38 @@ def test_a_model_of_lazy_modules_trains_as_its_eager_twin_alone_and_in_a_cohort(
     together = train_batched(configs["lazy"], tasks["lazy"])
     same(alone, together[0])
     same(train(configs["lazy"][1], tasks["lazy"]), together[1])
+
+
+class _Bag(nn.Module):
+    """Token 0 pads: its embedding row gets no gradient (`padding_idx`); with `tied`, the output layer is that table."""
+
+    def __init__(self, vocab: int, width: int, tied: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(x).mean(1))))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_embedding_with_a_padding_index_trains_every_member_as_alone(tied: bool) -> None:
+    """vmap's own rule for `padding_idx` left the padding row out of the first member's gradient only: the others
+    trained theirs (a wrong answer, found by review). Every member must match its ordinary run."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 16, (512, 6), generator=g)
+    x[:, :2] = 0  # padding in every row: its gradient would be large
+    y = x.sum(1) % 15 + 1
+    task = Task(name="bag", train=(x[:384], y[:384]), val=(x[384:], y[384:]), model_defaults={"width": 16},
+                build_model=lambda cfg: _Bag(16, cfg["width"], tied))
+    configs = [tiny(task="bag", model={"width": 16}, seed=seed, learning_rate=0.05) for seed in (0, 1, 2)]
+    assert batch_problem(configs[0], task) is None
+    together = train_batched(configs, task)
+    for config, result in zip(configs, together):
+        same(train(config, task), result)
 
 def test_the_default_loss_says_what_to_do_with_a_model_that_returns_a_tuple(digits: Task) -> None:
     task = Task(name="tuple", train=digits.train, val=digits.val, build_model=lambda cfg: _TupleOut())
