@@ -195,7 +195,9 @@ class CommandTrial:
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
                                  judged=ATTR_CONFIRMS not in trial.user_attrs)  # a cold confirmation is never pruned
         started = time.perf_counter()
-        with _spawned(argv, config, trial.number, start, log, "ab") as (process, ours):
+        # A trial's number runs once in a study: a log already there is an earlier study's (of the same name, its
+        # database deleted), and its last JSON line must not become this trial's value.
+        with _spawned(argv, config, trial.number, start, log, "wb") as (process, ours):
             session = _Session(process, ours, reporter, self.deadline, spec.stop_grace_period, self.checkpointer)
             try:
                 with self.boundary.no_wait():

@@ -177,6 +177,16 @@ def test_a_script_that_never_reports_gets_its_last_json_line(tmp_path: Path) -> 
         assert trial.state.name == "COMPLETE" and trial.value == trial.params["x"] ** 2
         assert not trial.intermediate_values
 
+    # The study again from scratch (its database deleted, its trials' logs left), with a script that prints nothing:
+    # an earlier study's last JSON line is not this trial's value.
+    for leftover in tmp_path.glob("cmd.db*"):
+        leftover.unlink()
+    (tmp_path / "train.py").write_text("print('no metric here')\n")
+    again = sweep_cli("run", path, cwd=tmp_path)
+    assert again.returncode == 1, again.stderr
+    assert [t.state.name for t in trials_of(path)] == ["FAIL"] * 3
+    assert all("reported no 'val_loss'" in t.user_attrs["fail_reason"] for t in trials_of(path))
+
 
 def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> None:
     path = command_study(tmp_path, NAN_SCRIPT, "train.py", pruner="fastfail")
