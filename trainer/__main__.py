@@ -26,6 +26,10 @@ from trainer.tasks import TaskError
 
 
 class PrintReporter:
+    """Prints every log and evaluation; the fast-fail rules decide when to stop (`decides`: it does not)."""
+
+    decides = False
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"), file=sys.stderr)
 
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for path, result in zip(args.config, results):
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
+                **({"stop_reason": result.stop_reason} if result.stop_reason else {}),
                 "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}
         print(json.dumps({"config": str(path), **line} if args.batched else line))
     return 0

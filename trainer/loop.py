@@ -252,11 +252,12 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
           checkpointer: Checkpointer | None = None, ranks: Ranks | None = None) -> TrainResult:
     """Train one config. `task` defaults to `config.task`; pass one to reuse loaded data across runs.
 
-    With no `reporter`, the fast-fail rules decide locally (on val_loss); a sweep passes a reporter that asks the
-    study's pruner instead. `resume` continues exactly from a checkpoint's state: the remaining steps reproduce the
-    uninterrupted run loss for loss. `warm_start` starts from another run's weights (and optionally its optimizer
-    state) at that run's step: this config's own schedule, seed and data order take over from there, and the
-    starting point is evaluated and reported first.
+    With no `reporter`, or one whose `decides` attribute is False (it only shows the values), the fast-fail rules
+    decide locally (on val_loss); a sweep passes a reporter that asks the study's pruner instead. `resume` continues
+    exactly from a checkpoint's state: the remaining steps reproduce the uninterrupted run loss for loss.
+    `warm_start` starts from another run's weights (and optionally its optimizer state) at that run's step: this
+    config's own schedule, seed and data order take over from there, and the starting point is evaluated and
+    reported first.
 
     `ranks`: this process's place in a data-parallel group (`trainer.distributed`); every rank calls `train` with the
     same config and start, only rank 0's `reporter` is asked and only rank 0's `checkpointer` writes (pass None on
@@ -268,8 +269,8 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     task = task if task is not None else load_task(config.task, config.task_args)
     run = build_run(config, task, ranks)
     local: FastFailReporter | None = None
-    if reporter is None:  # no study: the fast-fail rules decide here
-        reporter = local = FastFailReporter(run.fast_fail, stage_starts=run.stages)
+    if reporter is None or not getattr(reporter, "decides", True):  # no study: the fast-fail rules decide here
+        reporter = local = FastFailReporter(run.fast_fail, inner=reporter, stage_starts=run.stages)
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
         config.seed, run.device, deterministic=config.deterministic))
     if run.ranks.world > 1:

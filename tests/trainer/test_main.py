@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from trainer.__main__ import main
+
 
 def run_trainer(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], capture_output=True, text=True,
@@ -23,6 +27,21 @@ def test_trains_a_yaml_config(tmp_path: Path) -> None:
     assert set(result["metrics"]) == {"val_loss", "val_accuracy"}
     assert "eval 20:" in done.stderr
 
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_fast_fail_rules_stop_a_diverging_run_alone_as_in_a_study(tmp_path: Path, batched: bool,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The README: the same rules decide when the trainer runs alone. SGD at a learning rate of 1000 explodes within
+    the first evaluations; the printed result says it stopped, and why."""
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 200\neval_every_steps: 10\nlog_every_steps: 10\noptimizer: sgd\n"
+                      "learning_rate: 1000\nmodel: {hidden: 32}\n")
+    assert main([str(config), str(config), "--batched"] if batched else [str(config)]) == 0
+    for line in capsys.readouterr().out.splitlines():
+        result = json.loads(line)
+        assert result["status"] == "stopped" and result["steps"] < 100, result
+        assert result["stop_reason"]["rule"] in ("explode", "nan", "inf"), result
 
 def test_bad_config_exits_2_naming_file_and_key(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
