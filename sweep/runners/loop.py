@@ -34,11 +34,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 
 from sweep.confirm import warm_lineage
@@ -100,6 +102,10 @@ def load_loop(name: str) -> Callable[..., Any]:
     found = getattr(module, function, None)
     if not callable(found):
         raise LoopError(f"module {module_name!r} has no function {function!r}")
+    if inspect.isgeneratorfunction(found) or inspect.iscoroutinefunction(found) or inspect.isasyncgenfunction(found):
+        kind = "an async function" if inspect.iscoroutinefunction(found) else "a generator"
+        raise LoopError(f"{name} is {kind}: calling it runs none of its body; expected a plain function "
+                        "main(config, run) that trains, reports through run.report and returns")
     try:
         inspect.signature(found).bind(None, None)
     except TypeError:
@@ -192,7 +198,7 @@ def loop_value(returned: Any, run: Run) -> float | None:
     reported value of the metric; None when there is none."""
     if isinstance(returned, Mapping) and run.metric in returned:
         return _floats({run.metric: returned[run.metric]})[run.metric]
-    if isinstance(returned, (int, float, torch.Tensor)) and not isinstance(returned, bool):
+    if isinstance(returned, (numbers.Real, torch.Tensor, np.number)) and not isinstance(returned, (bool, np.bool_)):
         return _floats({run.metric: returned})[run.metric]
     return run.metrics.get(run.metric)
 

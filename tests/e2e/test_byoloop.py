@@ -264,6 +264,24 @@ def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_pa
             assert trial.params["x"] > 0
 
 
+
+def test_a_loop_that_returns_a_numpy_or_tensor_number_gives_the_trial_that_value(tmp_path: Path) -> None:
+    # `main`'s return is the trial's value "when it is a number": a numpy float32 was ignored (the last report won).
+    (tmp_path / "returns.py").write_text(
+        "import numpy as np, torch\n"
+        "KINDS = {'f32': np.float32, 'f64': np.float64, 'i64': np.int64, 'tensor': torch.tensor, 'int': int}\n"
+        "def main(config, run):\n"
+        "    run.report(1, val_loss=0.5)\n"
+        "    return KINDS[config['kind']](3)\n")
+    path = write_study(tmp_path, {"name": "returns", "n_trials": 5, "loop": "returns:main", "sampler": "bruteforce",
+                                  "pruner": "none", "space": {"kind": {"type": "categorical",
+                                                                       "choices": ["f32", "f64", "i64", "tensor",
+                                                                                   "int"]}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert {t.params["kind"]: t.value for t in trials_of(path, "returns")} == dict.fromkeys(
+        ["f32", "f64", "i64", "tensor", "int"], 3.0)
+
 @pytest.mark.parametrize(("edit", "expected"), [
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
     ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),
@@ -271,13 +289,17 @@ def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_pa
     ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import 'nowhere_module' (ModuleNotFoundError"),
     ({"task": ..., "loop": "direct:absent"}, "loop: module 'direct' has no function 'absent'"),
     ({"task": ..., "loop": "direct:one"}, "loop: direct:one must take two arguments, (config, run)"),
+    ({"task": ..., "loop": "direct:gen"}, "loop: direct:gen is a generator: calling it runs none of its body"),
+    ({"task": ..., "loop": "direct:co"}, "loop: direct:co is an async function: calling it runs none of its body"),
     ({"task": ..., "command": "python x.py --lr {lr}"}, "command: {lr} is not a key of the config"),
     ({"task": ..., "command": "python 'x.py"}, "command: cannot split the command into arguments"),
     ({"task": ..., "command": "no-such-program-here --x {x}"}, "command: 'no-such-program-here' is not an executable"),
 ])
 def test_bad_loop_or_command_is_one_line_exit_2_and_nothing_created(tmp_path: Path, edit: dict[str, Any],
                                                                      expected: str) -> None:
-    (tmp_path / "direct.py").write_text("def main(config, run):\n    return 1.0\n\ndef one(config):\n    pass\n")
+    (tmp_path / "direct.py").write_text("def main(config, run):\n    return 1.0\n\ndef one(config):\n    pass\n\n"
+                                        "def gen(config, run):\n    yield run.report(1, val_loss=1.0)\n\n"
+                                        "async def co(config, run):\n    return 1.0\n")
     document: dict[str, Any] = {"name": "bad", "n_trials": 1, "task": "digits",
                                 "space": {"x": {"type": "float", "low": 0, "high": 1}}}
     for key, value in edit.items():
