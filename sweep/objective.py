@@ -64,10 +64,22 @@ if TYPE_CHECKING:
     from sweep.storage import Boundary
     from sweep.tracking import Tracker
 
-__all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "resume_lineage", "task_for",
-           "warm_start"]
+__all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "metric_value", "resume_lineage",
+           "task_for", "warm_start"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
+
+
+def metric_value(metrics: Mapping[str, float], metric: str) -> float:
+    """The study's metric in one evaluation's `metrics`, or NaN when the evaluation's loss (`val_loss`) is NaN or
+    infinite: a model whose outputs are not numbers has no accuracy or score worth keeping (its argmax still picks a
+    class), and fast-fail's `nan` rule, failing a trial whose final value is NaN, and keeping it out of warm start's
+    donors and the best trials, must see it whatever the metric."""
+    value = metrics[metric]
+    loss = metrics.get("val_loss")
+    if metric != "val_loss" and isinstance(loss, (int, float)) and not math.isfinite(loss):
+        return math.nan
+    return value
 
 
 class TrialReporter:
@@ -117,7 +129,7 @@ class TrialReporter:
             return False  # the donor's value at the handoff: its lineage's, not this trial's
         for tracker in self.trackers:
             tracker.report(step, metrics)
-        value = metrics[self.metric]
+        value = metric_value(metrics, self.metric)
         self.series.append((step, value))
         self.unsent.append((step, value))
         if self.training.pair(step) is not None:
@@ -339,7 +351,7 @@ class TrainerTrial:
                                  ATTR_SPEED: reporter.speed}
         if result.status == "stopped" and reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
-        value = result.metrics.get(metric, math.nan)
+        value = metric_value(result.metrics, metric) if metric in result.metrics else math.nan
         if not math.isfinite(value):
             return TrialResult(Outcome.FAILED, None,
                                {**attrs, ATTR_FAIL: f"diverged: {metric} is {value} at step {result.steps}"})

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from sweep.confirm import warm_lineage
-from sweep.objective import Deadline, Start, TrialReporter, resume_lineage, warm_start
+from sweep.objective import Deadline, Start, TrialReporter, metric_value, resume_lineage, warm_start
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -200,7 +200,7 @@ def loop_value(returned: Any, run: Run) -> float | None:
         return _floats({run.metric: returned[run.metric]})[run.metric]
     if isinstance(returned, (numbers.Real, torch.Tensor, np.number)) and not isinstance(returned, (bool, np.bool_)):
         return _floats({run.metric: returned})[run.metric]
-    return run.metrics.get(run.metric)
+    return metric_value(run.metrics, run.metric) if run.metric in run.metrics else None
 
 
 class LoopExit(RuntimeError):

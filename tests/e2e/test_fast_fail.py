@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, CliResult, sweep_cli, write_study
@@ -47,6 +48,30 @@ def test_a_diverging_learning_rate_is_pruned_within_one_check_interval(tmp_path:
     assert f"pruned: exploded at step {reason['step']}" in done.stderr
     assert sorted(trial.intermediate_values) == [0, reason["step"]]
 
+
+
+@pytest.mark.parametrize("pruner", ["fastfail", "none"])
+def test_a_model_gone_nan_is_stopped_whatever_the_metric(tmp_path: Path, pruner: str) -> None:
+    """Maximising val_accuracy: a model whose weights went NaN still has an accuracy (the argmax picks a class), and
+    it completed, ranked among the best and lent its weights to warm starts. Its metric counts as NaN once its
+    val_loss is: fast-fail's `nan` rule prunes it, and without a pruner it fails as diverged."""
+    document = copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 1, "direction": "maximize", "metric": "val_accuracy", "pruner": pruner,
+        "space": {"learning_rate": {"type": "categorical", "choices": [1e30]}}}
+    document["fixed"] = {"optimizer": "sgd", "scheduler": "none", "max_steps": 60, "eval_every_steps": 20,
+                         "log_every_steps": 5, "batch_size": 32}
+    path = write_study(tmp_path, document)
+    done = sweep(path)
+    [trial] = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert math.isnan(float(trial.user_attrs["metrics"]["val_loss"]))  # stored as the text "nan"
+    if pruner == "fastfail":
+        assert done.returncode == 0, done.stderr
+        assert trial.state == TrialState.PRUNED and trial.user_attrs["prune_reason"]["rule"] == "nan"
+        assert trial.user_attrs["steps"] < 20  # the loop's guard brought the evaluation forward
+    else:
+        assert done.returncode == 1  # every trial failed
+        assert trial.state == TrialState.FAIL
+        assert trial.user_attrs["fail_reason"] == "diverged: val_accuracy is nan at step 60"
 
 def test_nan_in_the_data_stops_the_study_instead_of_burning_its_budget(tmp_path: Path) -> None:
     (tmp_path / "broken.py").write_text(
