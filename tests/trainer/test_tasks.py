@@ -78,3 +78,26 @@ def test_unknown_tasks_are_refused_clearly(name: str, fragment: str) -> None:
 def test_unknown_task_argument_is_refused() -> None:
     with pytest.raises(TaskError, match="context"):
         load_task("digits", {"context": 3})
+
+
+@pytest.mark.parametrize(("train_part", "message"), [
+    ((torch.zeros(4, 2), torch.zeros(4), torch.ones(4)),
+     "train must be (inputs, targets), two tensors with the sample on dimension 0; got a tuple of 3"),
+    ({"x": torch.zeros(4, 2), "y": torch.zeros(4)}, "train must be (inputs, targets), two tensors with the sample on "
+                                                    "dimension 0; got a dict"),
+    (({"a": torch.zeros(4, 2)}, torch.zeros(4)), "train inputs must be a tensor (the sample on dimension 0), got dict"),
+    ((torch.zeros(4, 2).numpy(), torch.zeros(4)), "train inputs must be a tensor (the sample on dimension 0), got "
+                                                  "ndarray"),
+    ((torch.zeros(4, 2), torch.zeros(5)), "train inputs and targets must hold the same number of samples "
+                                          "(dimension 0), got (4, 2) and (5,)"),
+    ((torch.zeros(4, 2), torch.tensor(1.0)), "got (4, 2) and ()"),
+])
+def test_a_task_whose_data_is_not_two_tensors_is_refused_naming_what_it_got(train_part: object, message: str) -> None:
+    """Data of another shape failed later, inside training, with a message about something else ('too many values
+    to unpack', a batch size compared with a dict's number of keys)."""
+    from trainer.tasks import Task
+
+    with pytest.raises(ValueError, match=r"^task 'mine': ") as info:
+        Task(name="mine", train=train_part, val=(torch.zeros(2, 2), torch.zeros(2)),  # type: ignore[arg-type]
+             build_model=lambda cfg: torch.nn.Linear(2, 2))
+    assert message in str(info.value)

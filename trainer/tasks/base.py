@@ -81,6 +81,23 @@ class Task:
     difficulty: torch.Tensor | np.ndarray | Callable[[], torch.Tensor | np.ndarray] | None = None
     _scores: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        for part in ("train", "val"):
+            value = getattr(self, part)
+            if not (isinstance(value, (tuple, list)) and len(value) == 2):
+                got = f"a {type(value).__name__} of {len(value)}" if isinstance(value, (tuple, list)) \
+                    else f"a {type(value).__name__}"
+                raise ValueError(f"task {self.name!r}: {part} must be (inputs, targets), two tensors with the sample "
+                                 f"on dimension 0; got {got}")
+            for what, tensor in zip(("inputs", "targets"), value):
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"task {self.name!r}: {part} {what} must be a tensor (the sample on dimension 0), "
+                                     f"got {type(tensor).__name__}: pack other data into tensors, or write a loop: "
+                                     "function (README, From your train.py)")
+            if value[0].dim() == 0 or value[1].dim() == 0 or len(value[0]) != len(value[1]):
+                raise ValueError(f"task {self.name!r}: {part} inputs and targets must hold the same number of "
+                                 f"samples (dimension 0), got {tuple(value[0].shape)} and {tuple(value[1].shape)}")
+
     @property
     def metric_names(self) -> tuple[str, ...]:
         """Every metric an evaluation produces."""
