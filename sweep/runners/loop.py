@@ -36,6 +36,7 @@ import inspect
 import math
 import numbers
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -120,7 +121,8 @@ class Run:
 
     - `report(step, metrics)` (or `report(step, val_loss=...)`): validation metrics at `step`, which must hold the
       study's metric. Returns True when the trial must stop (the pruner decided, or `--timeout` passed): return
-      from the loop then. A report after that raises `StopTrial`.
+      from the loop then. A report after that raises `StopTrial`. A step reported again is ignored (with a
+      warning): the study keeps a step's first value.
     - `log(step, metrics)`: training metrics (shown live; `samples_per_s` and the like kept on the trial).
     - `save(state, step=None)`: a checkpoint of `state` at `step` (default: the latest reported step).
     - `load()`: the state to start from, or None (see `start`).
@@ -145,6 +147,8 @@ class Run:
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
         self.first_step: int | None = None  # this run's first report
+        self._steps: set[int] = set()  # the steps this run has reported
+
     def seed_everything(self, *, deterministic: bool = False) -> None:
         seed_everything(self.seed, deterministic=deterministic)
 
@@ -158,6 +162,11 @@ class Run:
         if self.metric not in reported:
             raise LoopError(f"run.report at step {step}: the study's metric {self.metric!r} is not among "
                             f"{sorted(reported)}")
+        if int(step) in self._steps:  # the study keeps a step's first value: the trial's value and the pruner's too
+            warnings.warn(f"run.report: step {int(step)} was reported already; its first value is kept",
+                          stacklevel=2)
+            return self.stopped
+        self._steps.add(int(step))
         self.step, self.metrics = int(step), reported
         if self.first_step is None:
             self.first_step = self.step

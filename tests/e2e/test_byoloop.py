@@ -282,6 +282,25 @@ def test_a_loop_that_returns_a_numpy_or_tensor_number_gives_the_trial_that_value
     assert {t.params["kind"]: t.value for t in trials_of(path, "returns")} == dict.fromkeys(
         ["f32", "f64", "i64", "tensor", "int"], 3.0)
 
+
+def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_and_reproduce(tmp_path: Path) -> None:
+    # Optuna stores a step's first value; the trial's value was the last report, which the pruner never saw, and
+    # `sweep reproduce` then found them different.
+    (tmp_path / "twice.py").write_text(
+        "def main(config, run):\n"
+        "    for step in (10, 20):\n"
+        "        run.report(step, val_loss=config['x'] + 1.0 / step + 1.0)\n"
+        "        run.report(step, val_loss=config['x'] + 1.0 / step)\n")
+    path = write_study(tmp_path, {"name": "twice", "n_trials": 1, "loop": "twice:main", "pruner": "none",
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "warning: run.report: step 10 was reported already; its first value is kept" in done.stderr
+    [trial] = trials_of(path, "twice")
+    assert trial.value == trial.intermediate_values[20] == trial.params["x"] + 1.0 / 20 + 1.0
+    again = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+
 @pytest.mark.parametrize(("edit", "expected"), [
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
     ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),
