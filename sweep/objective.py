@@ -106,6 +106,7 @@ class TrialReporter:
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
         self.series: list[tuple[int, float]] = list(prior)
+        self.steps = {step for step, _ in self.series}
         self.unsent: list[tuple[int, float]] = []
         self.prune_reason: dict[str, Any] | None = None
         self.report_ms: list[float] = []  # storage round trips of report + should_prune, kept on the trial
@@ -127,10 +128,13 @@ class TrialReporter:
         raise_pending()
         if self.inherited_until is not None and step <= self.inherited_until:
             return False  # the donor's value at the handoff: its lineage's, not this trial's
+        if step in self.steps:
+            return False  # the study keeps a step's first value (a resumed loop may report its resume step again)
         for tracker in self.trackers:
             tracker.report(step, metrics)
         value = metric_value(metrics, self.metric)
         self.series.append((step, value))
+        self.steps.add(step)
         self.unsent.append((step, value))
         if self.training.pair(step) is not None:
             self.training_unsent = True

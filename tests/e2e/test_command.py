@@ -188,6 +188,18 @@ def test_a_script_that_never_reports_gets_its_last_json_line(tmp_path: Path) -> 
     assert all("reported no 'val_loss'" in t.user_attrs["fail_reason"] for t in trials_of(path))
 
 
+
+def test_a_step_a_script_reports_twice_keeps_its_first_value(tmp_path: Path) -> None:
+    script = ("from sweep import client\n"
+              "for step in (1, 2):\n"
+              "    client.report(step, val_loss=10.0 + step)\n"
+              "    client.report(step, val_loss=float(step))\n")
+    path = command_study(tmp_path, script, "train.py", pruner="none",
+                         space={"x": {"type": "float", "low": 0, "high": 1}})
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
+    [trial] = trials_of(path)
+    assert trial.intermediate_values == {1: 11.0, 2: 12.0} and trial.value == 12.0
+
 def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> None:
     path = command_study(tmp_path, NAN_SCRIPT, "train.py", pruner="fastfail")
     assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
