@@ -36,7 +36,7 @@ from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageUnavailable
-from sweep.worker import InfrastructureError, StudyBrokenError
+from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
 
 if TYPE_CHECKING:
@@ -136,7 +136,8 @@ class CohortLoop:
                 try:
                     return self._loop(beats, started_wall)
                 except (KeyboardInterrupt, Preempted, TimedOut) as exc:
-                    self._interrupt_all(beats, *_signalled(exc))
+                    with unmarked_if_away("the cohort's trials", exc):
+                        self._interrupt_all(beats, *_signalled(exc))
                     raise
                 except StorageUnavailable:
                     raise  # nothing can be stored: the members are found lost and retried later

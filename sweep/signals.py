@@ -19,7 +19,7 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["FORWARD", "Preempted", "graceful_signals", "raise_pending"]
+__all__ = ["FORWARD", "Preempted", "graceful_signals", "raise_pending", "stop_requested"]
 
 
 class Preempted(BaseException):
@@ -28,9 +28,16 @@ class Preempted(BaseException):
 
 
 _pending: type[BaseException] | None = None
+_requested = False  # a signal came in this block (`graceful_signals`), raised or not
 
 # The signal a launcher sends its workers for each one it received (see the module's docstring).
 FORWARD = {signal.SIGINT: signal.SIGUSR1, signal.SIGTERM: signal.SIGUSR2}
+
+
+def stop_requested() -> bool:
+    """Whether Ctrl-C or SIGTERM came (and is still to be honoured, or is being): a worker waiting for its storage
+    stops waiting then, instead of holding a scheduler's grace period for its whole `storage_patience`."""
+    return _requested
 
 
 def raise_pending() -> None:
@@ -45,12 +52,13 @@ def raise_pending() -> None:
 def graceful_signals() -> Iterator[None]:
     """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`, and so do their forwarded
     forms (`FORWARD`), which never raise at once; the handlers in place before are restored afterwards."""
-    global _pending
+    global _pending, _requested
     kinds: dict[int, type[BaseException]] = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Preempted}
     forwarded: dict[int, type[BaseException]] = {FORWARD[signal.Signals(s)]: kind for s, kind in kinds.items()}
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        global _pending
+        global _pending, _requested
+        _requested = True
         if signum in forwarded:  # a launcher passing one on: a request, however often it comes
             _pending = _pending or forwarded[signum]
             return
@@ -61,10 +69,10 @@ def graceful_signals() -> Iterator[None]:
         _pending = kind
 
     previous = {signum: signal.signal(signum, handler) for signum in (*kinds, *forwarded)}
-    _pending = None
+    _pending, _requested = None, False
     try:
         yield
     finally:
         for signum, before in previous.items():
             signal.signal(signum, before)
-        _pending = None
+        _pending, _requested = None, False

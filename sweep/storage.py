@@ -45,6 +45,7 @@ from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from sweep.signals import stop_requested
 from sweep.urls import mask_url, mask_urls, sqlite_path
 
 __all__ = [
@@ -295,6 +296,9 @@ class Boundary:
                     raise StorageAway(f"{self.label} is unreachable") from exc
                 waited = time.monotonic() - since
                 patience = self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
+                if stop_requested() and threading.current_thread() is threading.main_thread():
+                    raise StorageUnavailable(f"{self.label} is unreachable, and the worker was told to stop (Ctrl-C "
+                                             f"or SIGTERM): not waiting for it: {_first_line(exc)}") from exc
                 if waited >= patience:
                     what = f"storage_patience is {self.patience_s:g} s" if self.reached else "never reached yet"
                     raise StorageUnavailable(f"{self.label} has been unreachable for {waited:.0f} s ({what}): "

@@ -111,6 +111,22 @@ def request_stop(study: optuna.Study) -> None:
     study.set_user_attr(STOP_ATTR, time.time())
 
 
+
+@contextlib.contextmanager
+def unmarked_if_away(what: str, stop: BaseException) -> Iterator[None]:
+    """Marking a stopped trial (Ctrl-C, SIGTERM) while the storage is unreachable: the worker does not wait for it
+    (a scheduler's grace period is shorter than `storage_patience`), and exits as the signal says (130, 143). The
+    trial is left running; the next run finds it lost by its heartbeat and trains it again from its last
+    registered checkpoint."""
+    try:
+        yield
+    except StorageUnavailable as exc:
+        if isinstance(stop, TimedOut):
+            raise
+        warnings.warn(f"{what} could not be marked ({exc}); the next run finds them lost and retries them",
+                      stacklevel=1)
+        raise stop from None
+
 class Worker:
     """Runs trials of one study until its budget is used (by this worker and any others), `timeout` seconds pass,
     or `sweep stop` asks to finish. A trial that raises ends as failed, or, when the fault is the machine's, is
@@ -262,7 +278,8 @@ class Worker:
             outcome = Outcome.PREEMPTED if isinstance(exc, Preempted) else Outcome.INTERRUPTED
             reason = ("preempted (SIGTERM)" if isinstance(exc, Preempted) else
                       f"interrupted: --timeout of {self.timeout:g} s" if isinstance(exc, TimedOut) else "interrupted")
-            self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
+            with unmarked_if_away(f"trial {trial.number}", exc):
+                self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
             if isinstance(exc, TimedOut):
                 return None  # the loop sees the timeout and stops
             raise

@@ -740,3 +740,58 @@ def test_a_retry_resumed_at_max_steps_completes_with_its_whole_curve_and_reprodu
         found.expect(done.returncode == 0, f"`sweep reproduce {retry.number}` exited {done.returncode}: "
                                            f"{(done.stdout + done.stderr).strip()[-500:]}")
     found.check()
+
+
+# A user's loop whose steps take a second: the server can go down, and the signal come, between two reports.
+NAPPING_LOOP = """
+import time
+
+
+def main(config, run):
+    for step in range(1, config["max_steps"] + 1):
+        time.sleep(config["nap_s"])
+        if run.report(step, val_loss=1.0 / step):
+            return
+"""
+
+
+def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_retries_the_trial(
+        tmp_path: Path) -> None:
+    """A scheduler's grace period (Slurm's, a pod's) is far shorter than `storage_patience`: a worker told to stop
+    while its storage is unreachable must not wait for the storage to mark its trial. It exits 143 at once; the
+    trial, left running, is found lost by the next run and trained again."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    (tmp_path / "napper.py").write_text(NAPPING_LOOP)
+    path = write_study(tmp_path, {
+        "name": "away", "n_trials": 1, "sampler": {"type": "random"}, "pruner": "none", "loop": "napper:main",
+        "heartbeat_interval": 1, "heartbeat_grace_period": 3, "storage_patience": 300,
+        "fixed": {"max_steps": 30, "nap_s": 0.5}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = tmp_path / "worker.log"
+    with PostgresServer() as server:
+        worker = start_sweep("run", path, "--storage", server.url, log=log, env=env)
+        try:
+            def reporting() -> bool:
+                try:
+                    trials = load_trials(server.url, "away")
+                except KeyError:  # not created yet
+                    return False
+                return any(t.intermediate_values and t.state == TrialState.RUNNING for t in trials)
+
+            wait_for("a first report", reporting, 120, interval=0.2, alive=worker)
+            server.stop("fast")
+            worker.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            code = finish(worker, log, timeout=120)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        assert code == 143, tail(log)
+        assert time.monotonic() - started < 60  # not its storage_patience of 300 s
+        assert "trial 0 could not be marked" in tail(log) and "not waiting for it" in tail(log)
+        server.start()
+        assert sweep_run(path, "--storage", server.url, log=log, env=env) == 0, tail(log)
+        lost, retry = load_trials(server.url, "away")
+        assert lost.state == TrialState.FAIL and lost.user_attrs["outcome"] == "lost", lost.user_attrs
+        assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == 0
