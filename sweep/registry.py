@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     Column,
@@ -47,7 +47,10 @@ from sqlalchemy.exc import DBAPIError
 
 from sweep.storage import sqlite_path
 
-__all__ = ["COORDS", "CheckpointRecord", "Registry", "default_store"]
+if TYPE_CHECKING:
+    from sweep.schema import StudySpec
+
+__all__ = ["COORDS", "CheckpointRecord", "Registry", "default_store", "resolve_store"]
 
 COORDS = 4  # normalised coordinates kept as indexed columns for the donor lookup's box
 
@@ -107,9 +110,31 @@ class CheckpointRecord:
 
 def default_store(storage_url: str) -> Path:
     """Next to the SQLite file (`NAME.db` -> `NAME.checkpoints/`, a folder per study inside); for a server
-    database, `sweep-checkpoints/` in the working folder."""
+    database, `sweep-checkpoints/` in the working folder (`resolve_store` puts it next to the study file when there
+    is one)."""
     path = sqlite_path(storage_url)
     return path.with_suffix(".checkpoints") if path is not None else Path("sweep-checkpoints")
+
+
+def resolve_store(spec: StudySpec, spec_path: Path | None, storage_url: str) -> StudySpec:
+    """`spec` with its checkpoint store a folder that does not depend on the working folder: a relative
+    `checkpoints.store` is relative to the study file (as a SQLite storage path is), and a server database's default
+    is `sweep-checkpoints/` next to the study file. A rerun or a worker started in another folder then finds the
+    same checkpoints (it found none, and the quick check deleted the rows of the resume points it could not see).
+    The study stores this folder, so commands given only a database find it too."""
+    store = spec.checkpoints.store
+    if spec_path is None or (store is not None and "://" in store):
+        return spec
+    if store is None:
+        if sqlite_path(storage_url) is not None:
+            return spec  # next to the SQLite file, wherever it is
+        folder = spec_path.resolve().parent / "sweep-checkpoints"
+    else:
+        given = Path(store).expanduser()
+        if given.is_absolute():
+            return spec
+        folder = spec_path.resolve().parent / given
+    return spec.model_copy(update={"checkpoints": spec.checkpoints.model_copy(update={"store": str(folder)})})
 
 
 class Registry:
