@@ -92,6 +92,57 @@ def _fail(lines: list[str] | str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _protected_files(study_file: str | Path | None, url: str | None) -> list[Path]:
+    """What an `-o` file must never be: the study file and the study's SQLite database with its companions (its
+    write-ahead log, shared memory, rollback journal and sweep's ask lock)."""
+    from sweep.urls import sqlite_path
+
+    files = [Path(study_file)] if study_file and Path(study_file).is_file() else []
+    database = sqlite_path(url) if url is not None else None
+    if database is not None:
+        files += [database, *(database.with_name(database.name + suffix)
+                              for suffix in ("-wal", "-shm", "-journal", ".lock"))]
+    return files
+
+
+def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
+    """What is wrong with `-o FILE` before anything is read or written, or None: a folder, '', a folder that does not
+    exist or cannot be written, and the study's own files (writing there would destroy the study)."""
+    if str(output) == ".":  # also what an empty `-o ''` becomes
+        return "-o: '.' (or '') is the current folder; expected a file to write"
+    if output.is_dir():
+        return f"-o: {output} is a folder; expected a file to write, such as {output / 'out'}"
+    resolved = output.resolve()
+    for path in protected:
+        same = resolved == path.resolve() or (output.exists() and path.exists() and os.path.samefile(output, path))
+        if same:
+            what = "the study file" if path.suffix in (".yaml", ".yml") else "the study's database"
+            if path.name.endswith(("-wal", "-shm", "-journal", ".lock")):
+                what = "a file of the study's database"
+            return f"-o: {output} is {what}; writing there would destroy the study: choose another file"
+    folder = resolved.parent
+    if not folder.is_dir():
+        return f"-o: the folder {output.parent} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"-o: cannot write {output}: the folder {output.parent} is not writable"
+    if output.exists() and not os.access(output, os.W_OK):
+        return f"-o: cannot write {output}: permission denied"
+    return None
+
+
+def _write_output(output: Path, text: str) -> None:
+    """Write `-o FILE` whole or not at all: a temporary file beside it, then renamed over it (never a half-written
+    file, nor a temporary one left behind)."""
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(output)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _fail(f"-o: cannot write {output}: {exc.strerror or exc}", 1) from None
+
+
 def _quiet_optuna() -> None:
     """Libraries' messages that ask nothing of the user stay out of the way: Optuna's per-trial info lines, Alembic's
     migrations, and the "experimental" label of features sweep relies on (its artifacts, its pruners)."""
@@ -335,6 +386,8 @@ def submit(
     if problem is not None:
         raise _fail(problem, 2)
     spec_path = study_file.resolve()
+    if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
+        raise _fail(problem, 2)
     if slurm:
         _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])
     else:
@@ -378,14 +431,15 @@ def _write_k8s(spec: Any, spec_path: Path, options: Any, output: Path | None, *,
     if output is None:
         sys.stdout.write(text)
         return
-    output.write_text(text)
+    _write_output(output, text)
     err.print(f"wrote {output}: `kubectl apply -f {output}` after creating the Secret {options.secret!r} "
               "(see the README)", markup=False)
 
 
-def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND") -> Any:
+def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND", *,
+          output: Path | None = None) -> Any:
     """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
-    return _open_with_url(target, storage, study_name, command)[0]
+    return _open_with_url(target, storage, study_name, command, output=output)[0]
 
 
 MAX_LOCAL_WORKERS = 256  # processes on one machine; each holds a torch runtime (hundreds of MB)
@@ -411,8 +465,10 @@ def _option_problems(*, storage: str | None = None, study_name: str | None = Non
     return problems
 
 
-def _open_with_url(target: str, storage: str | None, study_name: str | None,
-                   command: str = "COMMAND") -> tuple[Any, str]:
+def _open_with_url(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND", *,
+                   output: Path | None = None) -> tuple[Any, str]:
+    """The study and its storage URL. With `output` (the command's `-o FILE`), that file is checked first: it may
+    not be the study file nor the study's database."""
     problems = _option_problems(storage=storage, study_name=study_name)
     if not target and storage is None:
         err.print(f"Usage: sweep {command} [OPTIONS] TARGET", markup=False)
@@ -435,6 +491,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None,
     else:
         raise _fail(f"{target!r} is neither a study file nor a database; give a study file, a .db file, "
                     "or --storage URL [--study-name NAME]", 2)
+    if output is not None and (problem := _output_problem(output, _protected_files(target, url))):
+        raise _fail(problem, 2)
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
     if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
@@ -541,7 +599,7 @@ def best(
     from sweep.confirm import is_warm
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
-    study = _open(target, storage, study_name, "best")
+    study = _open(target, storage, study_name, "best", output=output)
     try:
         config = results.best_config(study)
     except results.ForeignStudyError as exc:
@@ -577,7 +635,7 @@ def best(
     if output is None:
         sys.stdout.write(text)
     else:
-        output.write_text(text)
+        _write_output(output, text)
         err.print(f"wrote {output}")
 
 
@@ -687,10 +745,8 @@ def report(
     """One self-contained HTML file to share: history, intermediate values, importances, infeasible trials, best."""
     from sweep.report import render_report
 
-    study = _open(target, storage, study_name, "report")
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(render_report(study))
-    tmp.replace(output)  # never a half-written report
+    study = _open(target, storage, study_name, "report", output=output)
+    _write_output(output, render_report(study))
     err.print(f"wrote {output}")
 
 

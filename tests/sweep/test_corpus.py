@@ -687,9 +687,43 @@ FOREIGN = [
              "cannot ask its workers to stop", document=None, setup=_foreign_study),
 ]
 
+# `-o FILE` (best, report, submit --k8s): never the study's own files, and one line for a path that cannot be a file.
+K8S = ("submit", STUDY, "--k8s", "--image", "x")
+OUTPUTS = [
+    bad_args("outputs", "best-over-its-database", ("best", "theirs.db", "-o", "theirs.db"), "-o: theirs.db is the "
+             "study's database", "writing there would destroy the study", document=None, setup=_foreign_study),
+    bad_args("outputs", "report-over-its-database", ("report", "theirs.db", "-o", "theirs.db"), "-o: theirs.db is ",
+             "the study's database", document=None, setup=_foreign_study),
+    bad_args("outputs", "report-over-its-wal", ("report", "theirs.db", "-o", "theirs.db-wal"), "-o: theirs.db-wal ",
+             "a file of the study's database", document=None, setup=_foreign_study),
+    bad_args("outputs", "best-over-its-lock", ("best", "theirs.db", "-o", "theirs.db.lock"), "-o: theirs.db.lock ",
+             "a file of the study's database", document=None, setup=_foreign_study),
+    bad_args("outputs", "best-over-the-study-file", ("best", STUDY, "-o", STUDY), f"-o: {STUDY} is the study file",
+             "choose another file"),
+    bad_args("outputs", "best-over-the-study-file-by-another-path", ("best", STUDY, "-o", f"./adir/../{STUDY}"),
+             "-o: ", "is the study file", setup=_folder("adir")),
+    bad_args("outputs", "best-over-the-study-files-database", ("best", STUDY, "-o", "tiny.db"),
+             "-o: tiny.db is the study's database", "destroy the study"),
+    bad_args("outputs", "k8s-over-the-database", (*K8S, "-o", "tiny.db"), "-o: tiny.db is the study's database",
+             "destroy the study"),
+    bad_args("outputs", "k8s-over-the-study-file", (*K8S, "-o", STUDY), f"-o: {STUDY} is the study file",
+             "destroy the study"),
+    bad_args("outputs", "report-to-a-folder", ("report", "theirs.db", "-o", "adir"), "-o: adir is a folder",
+             "expected a file to write", document=None, setup=lambda folder: (_foreign_study(folder),
+                                                                             _folder("adir")(folder))),
+    bad_args("outputs", "best-to-empty", ("best", "theirs.db", "-o", ""), "-o: '.' (or '') is the current folder",
+             "expected a file to write", document=None, setup=_foreign_study),
+    bad_args("outputs", "report-to-a-missing-folder", ("report", "theirs.db", "-o", "nodir/r.html"),
+             "-o: the folder nodir does not exist", "create it first", document=None, setup=_foreign_study),
+    bad_args("outputs", "k8s-to-a-folder", (*K8S, "-o", "adir"), "-o: adir is a folder", "expected a file",
+             setup=_folder("adir")),
+    bad_args("outputs", "k8s-to-a-missing-folder", (*K8S, "-o", "nodir/job.yaml"), "-o: the folder nodir does not "
+             "exist", "create it first"),
+]
+
 CORPUS = [*TYPES, *RANGES, *ENCODINGS, *SIZES, *NESTING, *ALIASES, *TAGS, *DUPLICATES, *NAMES, *PATHS, *URLS, *CLI,
           *COMPONENTS, *DID_YOU_MEAN, *FOREIGN, *COMMANDS, *CONFLICTS, *LOOP_MAX_STEPS, *SAMPLERS, *WORDING,
-          *EXPONENTS]
+          *EXPONENTS, *OUTPUTS]
 TIMES: dict[str, list[float]] = defaultdict(list)
 
 
