@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -433,6 +434,15 @@ PATHS = [
              setup=_file("needs_data.py", "import numpy\n\ndef task():\n    return numpy.load('nowhere/x.npy')\n")),
     bad_args("paths", "study-file-is-a-folder", ("run", "adir.yaml"), "adir.yaml: ",
              "cannot read the study file: Is a directory", setup=_folder("adir.yaml")),
+    bad_args("paths", "study-file-is-a-named-pipe", ("run", "fifo.yaml"), "fifo.yaml: ",
+             "cannot read the study file: it is a named pipe, not a regular file", document=None,
+             setup=lambda folder: os.mkfifo(folder / "fifo.yaml")),
+    bad_args("paths", "status-of-a-named-pipe-study-file", ("status", "fifo.yaml"), "fifo.yaml: ",
+             "it is a named pipe", document=None, setup=lambda folder: os.mkfifo(folder / "fifo.yaml")),
+    bad_args("paths", "status-of-a-named-pipe-database", ("status", "x.db"), "", "x.db is not a regular file",
+             document=None, setup=lambda folder: os.mkfifo(folder / "x.db")),
+    bad_args("paths", "storage-is-a-named-pipe", ("run", STUDY, "--storage", "sqlite:///{tmp}/x.db"), "--storage: ",
+             "x.db is not a regular file", setup=lambda folder: os.mkfifo(folder / "x.db")),
     bad_args("paths", "study-file-missing", ("run", "missing.yaml"), "missing.yaml: ",
              "cannot read the study file: No such file or directory"),
     bad_args("paths", "status-of-a-text-file", ("status", "notes.txt"), "", "notes.txt is not a SQLite database",
