@@ -240,6 +240,12 @@ RANGES = [
     bad_file("ranges", "keep_top_k-zero", changed(checkpoints={"keep_top_k": 0}), "checkpoints.keep_top_k",
              "greater than or equal to 1"),
     bad_file("ranges", "fixed-value", changed(fixed__batch_size=0), "fixed.batch_size", ""),
+    # A model whose tensor sizes PyTorch cannot count: refused where its key is, not a RuntimeError from the meta build.
+    bad_file("ranges", "fixed-hidden-overflows", changed(fixed__model={"hidden": 1099511627776},
+                                                         space={"learning_rate": FLOAT}), "fixed.model.hidden",
+             "cannot build its model: a tensor's size overflows with hidden=1099511627776"),
+    bad_file("ranges", "space-hidden-high-overflows", changed(**{"space__model.hidden": {
+        "type": "int", "low": 8, "high": 2 ** 62}}), f"{HIDDEN}.high", "a tensor's size overflows"),
 ]
 
 
