@@ -390,8 +390,9 @@ class StudySpec(_Model):
     sampler: Component = Field(default_factory=lambda: Component.model_validate("tpe"))
     pruner: Component = Field(default_factory=lambda: Component.model_validate({"type": "fastfail", "then": "median"}))
     max_repeated_failures: StrictInt = Field(5, ge=0)
-    heartbeat_interval: StrictInt = Field(10, ge=1)
-    heartbeat_grace_period: StrictInt = Field(60, ge=2)
+    # At most a day of silence before a trial counts as lost (longer ones overflow the heartbeat thread's wait).
+    heartbeat_interval: StrictInt = Field(10, ge=1, le=43_200)
+    heartbeat_grace_period: StrictInt = Field(60, ge=2, le=86_400)
     storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
     stop_grace_period: Number = Field(10.0, gt=0)  # seconds a `command` told to stop has before its group is killed
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
