@@ -757,7 +757,7 @@ def dashboard(
     study_name: NameOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind; loopback unless you say otherwise.")] =
     "127.0.0.1",
-    port: Annotated[int, typer.Option("--port")] = 8080,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8080,
 ) -> None:
     """Start optuna-dashboard on the study's storage (reading it never blocks the workers)."""
     try:
@@ -786,7 +786,8 @@ def tensorboard(
     study_name: NameOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind; loopback unless you say otherwise.")] =
     "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="0: any free port (the address is printed).")] = 6006,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: any free port (the address is "
+                                      "printed).")] = 6006,
 ) -> None:
     """Start TensorBoard on the study's trials (tracking: {tensorboard: true}): one run per trial, params and final
     values in its hparams view."""
