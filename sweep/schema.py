@@ -796,6 +796,8 @@ def storage_url_problem(url: str) -> str | None:
     except NoSuchModuleError:
         return (f"unknown storage {parsed.drivername!r}; expected sqlite:///FILE.db or "
                 "postgresql+psycopg://USER@HOST/DB")
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_url_problem(url, parsed)
     try:
         dialect.import_dbapi()
     except ImportError as exc:
@@ -803,6 +805,29 @@ def storage_url_problem(url: str) -> str | None:
             return (f"the PostgreSQL driver of {parsed.drivername!r} is not installed ({exc}): pip install "
                     "'sweep[postgres]' and use postgresql+psycopg://USER@HOST/DB")
         return f"the driver of {parsed.drivername!r} is not installed ({exc}): install it with pip"
+    return None
+
+
+def _sqlite_url_problem(url: str, parsed: Any) -> str | None:
+    """A SQLite URL is `sqlite:///FILE.db` and nothing else: sweep finds the file from it (its lock and checkpoint
+    folder go beside it), so no host, no query string, no `file:` URI, and a file, since a study in memory would
+    vanish with the process."""
+    expected = "expected sqlite:///FILE.db (three slashes, then the file's path; four for an absolute path)"
+    if not url.startswith("sqlite:///") or parsed.host or parsed.username or parsed.port:
+        database = parsed.database or ""
+        if not parsed.host and not database or database == ":memory:":
+            return (f"an in-memory SQLite database vanishes when the process ends, and the study with it; {expected}, "
+                    f"got {short_repr(mask_url(url))}")
+        return f"{expected}, got {short_repr(mask_url(url))}"
+    database = parsed.database or ""
+    if database.startswith("file:"):
+        return f"{expected}, a path, not a file: URI, got {short_repr(mask_url(url))}"
+    if "?" in url or parsed.query:
+        return (f"{expected} without a query string (sweep opens the file itself), got "
+                f"{short_repr(mask_url(url))}")
+    if database in ("", ":memory:"):
+        return (f"an in-memory SQLite database vanishes when the process ends, and the study with it; {expected}, "
+                f"got {short_repr(mask_url(url))}")
     return None
 
 
