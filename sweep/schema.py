@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import decimal
 import difflib
 import math
 import os
@@ -145,6 +146,12 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
         raise ValueError("log: true and step cannot be combined")
     if not math.isfinite(high - low):
         raise ValueError(f"the range from {low} to {high} is too wide to sample (high - low overflows)")
+    if step is not None:
+        try:  # Optuna counts a range's steps in Python's decimals (28 digits): more steps raise InvalidOperation
+            (decimal.Decimal(str(high)) - decimal.Decimal(str(low))) % decimal.Decimal(str(step))
+        except decimal.InvalidOperation:
+            raise ValueError(f"expected a step that divides high - low = {high - low:g} into fewer than 10^28 steps "
+                             f"(Optuna counts them in 28 decimal digits), got step {step:g}") from None
     if step is not None:  # Optuna would narrow the range to the last multiple, with a warning
         steps = (high - low) / step
         if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):

@@ -244,6 +244,19 @@ RANGES = [
     bad_file("ranges", "keep_top_k-zero", changed(checkpoints={"keep_top_k": 0}), "checkpoints.keep_top_k",
              "greater than or equal to 1"),
     bad_file("ranges", "fixed-value", changed(fixed__batch_size=0), "fixed.batch_size", ""),
+    # What every trial would fail on, found before the first: a batch larger than the task's training set (digits
+    # trains on 1438 samples), a searched task argument the task's function does not take, a step Optuna cannot count.
+    bad_file("ranges", "fixed-batch-larger-than-the-data", changed(fixed__batch_size=100_000), "fixed.batch_size",
+             "expected at most the training set size of task 'digits' (1438), got 100000"),
+    bad_file("ranges", "searched-batch-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
+        "type": "int", "low": 8, "high": 100_000}), "space.batch_size.high", "training set size of task 'digits'"),
+    bad_file("ranges", "batch-choice-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
+        "type": "categorical", "choices": [8, 5000]}), "space.batch_size.choices[1]", "(1438), got 5000"),
+    bad_file("ranges", "searched-task-arg-unknown", changed(**{"space__task_args.val_fractoin": {
+        "type": "float", "low": 0.1, "high": 0.3}}), "space.task_args.val_fractoin",
+             "task 'digits' takes no argument 'val_fractoin' (did you mean 'val_fraction'?); expected one of:"),
+    bad_file("ranges", "float-step-too-small-to-count", changed(space__learning_rate={**FLOAT, "step": 1e-300}), LR,
+             "into fewer than 10^28 steps"),
     # A model whose tensor sizes PyTorch cannot count: refused where its key is, not a RuntimeError from the meta build.
     bad_file("ranges", "fixed-hidden-overflows", changed(fixed__model={"hidden": 1099511627776},
                                                          space={"learning_rate": FLOAT}), "fixed.model.hidden",
@@ -894,6 +907,10 @@ ACCEPTED = [
     pytest.param(TINY_YAML.replace("sampler:\n  type: random", "sampler:\n  type: tpe\n  n_startup_trials: 5\n"
                                    "  gamma: null"), id="sampler-arguments"),
     pytest.param(TINY_YAML.replace("pruner: none", "pruner: {type: threshold, upper: 1e3}"), id="pruner-exponent"),
+    pytest.param(TINY_YAML + "  task_args.val_fraction: {type: float, low: 0.1, high: 0.3}\n", id="task-arg-searched"),
+    pytest.param(TINY_YAML + "  weight_decay: {type: float, low: 0.0, high: 0.1, step: 1.0e-27}\n",
+                 id="float-step-of-1e27-steps"),
+    pytest.param(TINY_YAML.replace("batch_size: 32", "batch_size: 1438"), id="batch-of-the-whole-training-set"),
 ]
 
 
