@@ -165,7 +165,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 @app.command()
 def run(
-    study_file: Annotated[Path, typer.Argument(help="The study file (YAML).")],
+    study_file: Annotated[str, typer.Argument(metavar="STUDY_FILE", help="The study file (YAML).")],
     storage: StorageOpt = None,
     n_trials: Annotated[Optional[int], typer.Option("--n-trials", help="The study's total budget (>= 1).")] = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Stop this run after S seconds (> 0).")] = None,
@@ -191,7 +191,7 @@ def run(
             storage = storage_from_environment()
         except (OSError, ValueError) as exc:
             raise _fail(f"cannot read the storage URL its launcher left: {exc}", 2) from None
-    spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, workers, set_ or [])
+    spec, url = _run_spec(_study_file_argument(study_file), storage, study_name, n_trials, timeout, workers, set_ or [])
     workers = min(workers, spec.n_trials)  # a worker beyond the budget would find no trial to train
     prefix = "" if worker is None else f"[worker {worker}] "
     study = _open_for_run(spec, url, prefix)
@@ -200,7 +200,7 @@ def run(
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), time.time()
             try:
-                codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+                codes = run_local_workers(Path(study_file), spec, url, workers, timeout=timeout, overrides=set_ or [])
             except ValueError as exc:  # fewer GPUs than one trial needs
                 raise _fail(str(exc), 2) from None
             _print_status(study)
@@ -226,6 +226,13 @@ def run(
     failed = None if summary.stopped else results.failed_run(counts)
     if failed:
         raise _fail(failed, 1)
+
+
+def _study_file_argument(study_file: str) -> Path:
+    """The study file argument as a path; '' is refused (as a path it would be the current folder)."""
+    if not study_file:
+        raise _fail("STUDY_FILE: expected a study file (YAML), got ''", 2)
+    return Path(study_file)
 
 
 def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_trials: int | None,
@@ -325,7 +332,8 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: st
 
 @app.command()
 def submit(
-    study_file: Annotated[Path, typer.Argument(help="The study file (YAML), on a path every node sees.")],
+    study_file_arg: Annotated[str, typer.Argument(metavar="STUDY_FILE", help="The study file (YAML), on a path "
+                                                  "every node sees.")],
     slurm: Annotated[bool, typer.Option("--slurm", help="Submit the workers as a Slurm job array.")] = False,
     k8s: Annotated[bool, typer.Option("--k8s", help="Write a Kubernetes Indexed Job manifest (with -o).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit and create nothing.")
@@ -368,6 +376,7 @@ def submit(
             raise _fail("--nodes: give it with --slurm and --gpus-per-task (G workers on each of N nodes), instead "
                         "of --workers", 2)
         workers = nodes
+    study_file = _study_file_argument(study_file_arg)
     spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, 1, set_ or [])
     given: dict[str, Any] = {"workers": workers, "gpus_per_task" if slurm else "gpus_per_worker": gpus_per_task}
     if slurm:

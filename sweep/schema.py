@@ -762,6 +762,8 @@ def name_problem(name: str) -> str | None:
         return f"expected letters, digits, '_', '-' and '.' (the name is a folder), got {short_repr(name)}"
     if set(name) == {"."}:
         return f"{name!r} is not a folder of its own; choose a name with a letter or digit"
+    if name.startswith("-"):
+        return f"expected a name that does not start with '-' (it reads as an option), got {short_repr(name)}"
     if len(name) > MAX_NAME:
         return f"expected at most {MAX_NAME} characters (the name is a folder), got {len(name)}"
     return None
@@ -878,6 +880,9 @@ def sqlite_study_problem(url: str) -> str | None:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
             tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.Error as exc:
+        if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is fine: SQLite writes its -shm beside it
+            return (f"cannot read {path}: its folder {path.parent} is not writable, and SQLite writes its -wal and "
+                    "-shm files beside the database; make the folder writable, or copy the .db to one that is")
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     if not {"studies", "trials", "version_info"} <= tables:
         return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "

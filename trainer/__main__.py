@@ -56,8 +56,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set expects key=value, got {item!r}")
+        if not sep or not key.strip():
+            raise ValueError(f"expected key=value, got {item!r}")
         out[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false", "null") else _number(raw)
     return out
 
@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.config) > 1 and not args.batched:
         parser.error("several configs need --batched")
+    try:  # a problem of the command line, not of a file
+        overrides = _parse_set(args.set)
+    except ValueError as exc:
+        print(f"--set: {exc}", file=sys.stderr)
+        return 2
     configs = []
     for path in args.config:
         folder = str(path.resolve().parent)  # importable, as a script's folder is (and a study file's for sweep run)
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.append(folder)
         try:
             values = _load(path)
-            values.update(_parse_set(args.set))
+            values.update(overrides)
             configs.append(TrainingConfig.from_dict(values))
         except (ConfigError, YamlFileError) as exc:
             for key, message in exc.problems:

@@ -123,3 +123,12 @@ def test_a_model_too_large_to_allocate_is_one_line(tmp_path: Path, capsys: pytes
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{config}: out of memory: "), lines
     assert "Traceback" not in lines[0] and len(lines[0]) < 1000
+
+
+@pytest.mark.parametrize("item", ["=3", " =3", "max_steps"])
+def test_a_set_without_a_key_is_one_line_naming_the_option(tmp_path: Path, item: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\n")
+    assert main([str(config), "--set", item]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"--set: expected key=value, got {item!r}"]
