@@ -442,3 +442,25 @@ def test_a_study_database_in_a_folder_that_is_not_writable_says_so(tmp_path: Pat
     [line] = done.stderr.strip().splitlines()
     assert line == (f"error: cannot read {db}: its folder {folder} is not writable, and SQLite writes its -wal and "
                     "-shm files beside the database; make the folder writable, or copy the .db to one that is"), line
+
+
+@pytest.mark.parametrize("command", ["best", "report"])
+def test_an_output_in_a_folder_that_is_not_writable_is_one_line_and_nothing_is_written(
+        tmp_path: Path, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    optuna.create_study(study_name="theirs", storage=f"sqlite:///{tmp_path / 'theirs.db'}")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the folder's refusal to a user, simulated
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != folder and real_access(path, mode))
+    try:
+        done = sweep_cli(command, "theirs.db", "-o", folder / "out", cwd=tmp_path)
+    finally:
+        folder.chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: -o: cannot write {folder / 'out'}: the folder {folder} is "
+                                                "not writable"]
+    assert list(folder.iterdir()) == []
