@@ -824,7 +824,7 @@ def _sqlite_url_problem(url: str, parsed: Any) -> str | None:
     expected = "expected sqlite:///FILE.db (three slashes, then the file's path; four for an absolute path)"
     if not url.startswith("sqlite:///") or parsed.host or parsed.username or parsed.port:
         database = parsed.database or ""
-        if not parsed.host and not database or database == ":memory:":
+        if (not parsed.host and not database) or database == ":memory:":
             return (f"an in-memory SQLite database vanishes when the process ends, and the study with it; {expected}, "
                     f"got {short_repr(mask_url(url))}")
         return f"{expected}, got {short_repr(mask_url(url))}"

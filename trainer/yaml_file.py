@@ -91,8 +91,8 @@ def read_text(path: Path, what: str = "study file") -> str:
     try:
         mode = os.stat(path).st_mode
     except OSError:
-        mode = None  # opening it says why
-    for test, kind in _NOT_REGULAR if mode is not None else ():
+        mode = stat.S_IFREG  # opening it says why
+    for test, kind in _NOT_REGULAR:
         if test(mode):
             raise YamlFileError(path, [("", f"cannot read the {what}: it is {kind}, not a regular file; expected a "
                                             "YAML file")])
