@@ -92,6 +92,57 @@ def _fail(lines: list[str] | str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _protected_files(study_file: str | Path | None, url: str | None) -> list[Path]:
+    """What an `-o` file must never be: the study file and the study's SQLite database with its companions (its
+    write-ahead log, shared memory, rollback journal and sweep's ask lock)."""
+    from sweep.urls import sqlite_path
+
+    files = [Path(study_file)] if study_file and Path(study_file).is_file() else []
+    database = sqlite_path(url) if url is not None else None
+    if database is not None:
+        files += [database, *(database.with_name(database.name + suffix)
+                              for suffix in ("-wal", "-shm", "-journal", ".lock"))]
+    return files
+
+
+def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
+    """What is wrong with `-o FILE` before anything is read or written, or None: a folder, '', a folder that does not
+    exist or cannot be written, and the study's own files (writing there would destroy the study)."""
+    if str(output) == ".":  # also what an empty `-o ''` becomes
+        return "-o: '.' (or '') is the current folder; expected a file to write"
+    if output.is_dir():
+        return f"-o: {output} is a folder; expected a file to write, such as {output / 'out'}"
+    resolved = output.resolve()
+    for path in protected:
+        same = resolved == path.resolve() or (output.exists() and path.exists() and os.path.samefile(output, path))
+        if same:
+            what = "the study file" if path.suffix in (".yaml", ".yml") else "the study's database"
+            if path.name.endswith(("-wal", "-shm", "-journal", ".lock")):
+                what = "a file of the study's database"
+            return f"-o: {output} is {what}; writing there would destroy the study: choose another file"
+    folder = resolved.parent
+    if not folder.is_dir():
+        return f"-o: the folder {output.parent} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"-o: cannot write {output}: the folder {output.parent} is not writable"
+    if output.exists() and not os.access(output, os.W_OK):
+        return f"-o: cannot write {output}: permission denied"
+    return None
+
+
+def _write_output(output: Path, text: str) -> None:
+    """Write `-o FILE` whole or not at all: a temporary file beside it, then renamed over it (never a half-written
+    file, nor a temporary one left behind)."""
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(output)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _fail(f"-o: cannot write {output}: {exc.strerror or exc}", 1) from None
+
+
 def _quiet_optuna() -> None:
     """Libraries' messages that ask nothing of the user stay out of the way: Optuna's per-trial info lines, Alembic's
     migrations, and the "experimental" label of features sweep relies on (its artifacts, its pruners)."""
@@ -114,7 +165,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 @app.command()
 def run(
-    study_file: Annotated[Path, typer.Argument(help="The study file (YAML).")],
+    study_file: Annotated[str, typer.Argument(metavar="STUDY_FILE", help="The study file (YAML).")],
     storage: StorageOpt = None,
     n_trials: Annotated[Optional[int], typer.Option("--n-trials", help="The study's total budget (>= 1).")] = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="Stop this run after S seconds (> 0).")] = None,
@@ -140,7 +191,7 @@ def run(
             storage = storage_from_environment()
         except (OSError, ValueError) as exc:
             raise _fail(f"cannot read the storage URL its launcher left: {exc}", 2) from None
-    spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, workers, set_ or [])
+    spec, url = _run_spec(_study_file_argument(study_file), storage, study_name, n_trials, timeout, workers, set_ or [])
     workers = min(workers, spec.n_trials)  # a worker beyond the budget would find no trial to train
     prefix = "" if worker is None else f"[worker {worker}] "
     study = _open_for_run(spec, url, prefix)
@@ -149,7 +200,7 @@ def run(
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), time.time()
             try:
-                codes = run_local_workers(study_file, spec, url, workers, timeout=timeout, overrides=set_ or [])
+                codes = run_local_workers(Path(study_file), spec, url, workers, timeout=timeout, overrides=set_ or [])
             except ValueError as exc:  # fewer GPUs than one trial needs
                 raise _fail(str(exc), 2) from None
             _print_status(study)
@@ -175,6 +226,13 @@ def run(
     failed = None if summary.stopped else results.failed_run(counts)
     if failed:
         raise _fail(failed, 1)
+
+
+def _study_file_argument(study_file: str) -> Path:
+    """The study file argument as a path; '' is refused (as a path it would be the current folder)."""
+    if not study_file:
+        raise _fail("STUDY_FILE: expected a study file (YAML), got ''", 2)
+    return Path(study_file)
 
 
 def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_trials: int | None,
@@ -277,7 +335,8 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: st
 
 @app.command()
 def submit(
-    study_file: Annotated[Path, typer.Argument(help="The study file (YAML), on a path every node sees.")],
+    study_file_arg: Annotated[str, typer.Argument(metavar="STUDY_FILE", help="The study file (YAML), on a path "
+                                                  "every node sees.")],
     slurm: Annotated[bool, typer.Option("--slurm", help="Submit the workers as a Slurm job array.")] = False,
     k8s: Annotated[bool, typer.Option("--k8s", help="Write a Kubernetes Indexed Job manifest (with -o).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit and create nothing.")
@@ -320,6 +379,7 @@ def submit(
             raise _fail("--nodes: give it with --slurm and --gpus-per-task (G workers on each of N nodes), instead "
                         "of --workers", 2)
         workers = nodes
+    study_file = _study_file_argument(study_file_arg)
     spec, url = _run_spec(study_file, storage, study_name, n_trials, timeout, 1, set_ or [])
     given: dict[str, Any] = {"workers": workers, "gpus_per_task" if slurm else "gpus_per_worker": gpus_per_task}
     if slurm:
@@ -338,6 +398,8 @@ def submit(
     if problem is not None:
         raise _fail(problem, 2)
     spec_path = study_file.resolve()
+    if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
+        raise _fail(problem, 2)
     if slurm:
         _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])
     else:
@@ -381,14 +443,15 @@ def _write_k8s(spec: Any, spec_path: Path, options: Any, output: Path | None, *,
     if output is None:
         sys.stdout.write(text)
         return
-    output.write_text(text)
+    _write_output(output, text)
     err.print(f"wrote {output}: `kubectl apply -f {output}` after creating the Secret {options.secret!r} "
               "(see the README)", markup=False)
 
 
-def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND") -> Any:
+def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND", *,
+          output: Path | None = None) -> Any:
     """A study to read, from a study file, a SQLite .db file, or --storage with a name."""
-    return _open_with_url(target, storage, study_name, command)[0]
+    return _open_with_url(target, storage, study_name, command, output=output)[0]
 
 
 MAX_LOCAL_WORKERS = 256  # processes on one machine; each holds a torch runtime (hundreds of MB)
@@ -414,8 +477,10 @@ def _option_problems(*, storage: str | None = None, study_name: str | None = Non
     return problems
 
 
-def _open_with_url(target: str, storage: str | None, study_name: str | None,
-                   command: str = "COMMAND") -> tuple[Any, str]:
+def _open_with_url(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND", *,
+                   output: Path | None = None) -> tuple[Any, str]:
+    """The study and its storage URL. With `output` (the command's `-o FILE`), that file is checked first: it may
+    not be the study file nor the study's database."""
     problems = _option_problems(storage=storage, study_name=study_name)
     if not target and storage is None:
         err.print(f"Usage: sweep {command} [OPTIONS] TARGET", markup=False)
@@ -438,6 +503,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None,
     else:
         raise _fail(f"{target!r} is neither a study file nor a database; give a study file, a .db file, "
                     "or --storage URL [--study-name NAME]", 2)
+    if output is not None and (problem := _output_problem(output, _protected_files(target, url))):
+        raise _fail(problem, 2)
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
         raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
     if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
@@ -544,7 +611,7 @@ def best(
     from sweep.confirm import is_warm
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
-    study = _open(target, storage, study_name, "best")
+    study = _open(target, storage, study_name, "best", output=output)
     try:
         config = results.best_config(study)
     except results.ForeignStudyError as exc:
@@ -580,7 +647,7 @@ def best(
     if output is None:
         sys.stdout.write(text)
     else:
-        output.write_text(text)
+        _write_output(output, text)
         err.print(f"wrote {output}")
 
 
@@ -690,10 +757,8 @@ def report(
     """One self-contained HTML file to share: history, intermediate values, importances, infeasible trials, best."""
     from sweep.report import render_report
 
-    study = _open(target, storage, study_name, "report")
-    tmp = output.with_name(output.name + ".tmp")
-    tmp.write_text(render_report(study))
-    tmp.replace(output)  # never a half-written report
+    study = _open(target, storage, study_name, "report", output=output)
+    _write_output(output, render_report(study))
     err.print(f"wrote {output}")
 
 
@@ -704,7 +769,7 @@ def dashboard(
     study_name: NameOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind; loopback unless you say otherwise.")] =
     "127.0.0.1",
-    port: Annotated[int, typer.Option("--port")] = 8080,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8080,
 ) -> None:
     """Start optuna-dashboard on the study's storage (reading it never blocks the workers)."""
     try:
@@ -733,7 +798,8 @@ def tensorboard(
     study_name: NameOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind; loopback unless you say otherwise.")] =
     "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="0: any free port (the address is printed).")] = 6006,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="0: any free port (the address is "
+                                      "printed).")] = 6006,
 ) -> None:
     """Start TensorBoard on the study's trials (tracking: {tensorboard: true}): one run per trial, params and final
     values in its hparams view."""

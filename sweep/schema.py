@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import decimal
 import difflib
 import math
 import os
 import re
-import reprlib
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 from urllib.parse import urlparse
 
-import yaml
 from pydantic import (
     AfterValidator,
     AllowInfNan,
@@ -37,7 +36,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from sweep.urls import mask_url
+from trainer import yaml_file
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
+from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
            "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "ResourcesSpec", "SlurmSpec",
@@ -145,6 +146,12 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
         raise ValueError("log: true and step cannot be combined")
     if not math.isfinite(high - low):
         raise ValueError(f"the range from {low} to {high} is too wide to sample (high - low overflows)")
+    if step is not None:
+        try:  # Optuna counts a range's steps in Python's decimals (28 digits): more steps raise InvalidOperation
+            (decimal.Decimal(str(high)) - decimal.Decimal(str(low))) % decimal.Decimal(str(step))
+        except decimal.InvalidOperation:
+            raise ValueError(f"expected a step that divides high - low = {high - low:g} into fewer than 10^28 steps "
+                             f"(Optuna counts them in 28 decimal digits), got step {step:g}") from None
     if step is not None:  # Optuna would narrow the range to the last multiple, with a warning
         steps = (high - low) / step
         if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):
@@ -390,8 +397,9 @@ class StudySpec(_Model):
     sampler: Component = Field(default_factory=lambda: Component.model_validate("tpe"))
     pruner: Component = Field(default_factory=lambda: Component.model_validate({"type": "fastfail", "then": "median"}))
     max_repeated_failures: StrictInt = Field(5, ge=0)
-    heartbeat_interval: StrictInt = Field(10, ge=1)
-    heartbeat_grace_period: StrictInt = Field(60, ge=2)
+    # At most a day of silence before a trial counts as lost (longer ones overflow the heartbeat thread's wait).
+    heartbeat_interval: StrictInt = Field(10, ge=1, le=43_200)
+    heartbeat_grace_period: StrictInt = Field(60, ge=2, le=86_400)
     storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
     stop_grace_period: Number = Field(10.0, gt=0)  # seconds a `command` told to stop has before its group is killed
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
@@ -557,57 +565,8 @@ class StudySpec(_Model):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Reading a study file: bytes, then YAML, then the schema. Whatever the input's size or shape, it is accepted or
-# refused in well under a second, and an error never renders the input (an alias bomb expands to gigabytes).
-
-MAX_FILE_BYTES = 1 << 20  # a study file is a few kilobytes; 1 MiB is far more than any needs
-MAX_DEPTH = 32  # nesting of mappings and lists, aliases expanded (a study file needs about 6)
-MAX_VALUES = 10_000  # values in the document with every alias expanded: anchors share values, they do not multiply
-_MAX_PROBLEMS = 20  # reported of one file; a file with more is mostly not a study file
-
-_SAFE: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when there: a 1 MiB file parses in ~0.1 s
-
-
-_CORE = "tag:yaml.org,2002:"
-_EXPONENT_TAG = "tag:sweep,2024:exponent"  # implicit only: a tag written in the file is refused (`_PLAIN_TAGS`)
-# A number in exponent notation as YAML 1.2 reads it (`1e3`, `1.5e3`, `2E-4`, `-1e+3`). YAML 1.1, and so PyYAML,
-# wants a dot and a signed exponent and reads `1e3` and `1.5e3` as strings.
-_EXPONENT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
-
-
-class _Loader(_SAFE):
-    """The safe loader, without YAML 1.1's implicit dates (a study file has none, and `2024-13-45` would raise), and
-    with YAML 1.2's numbers in exponent notation (`_exponent`)."""
-
-    yaml_implicit_resolvers: ClassVar = {
-        first: [(_EXPONENT_TAG, _EXPONENT)] * (first in "-+.0123456789")
-        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
-        for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
-
-
-def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
-    """`1e3` as a number: an int when the value is a whole number (`max_steps: 1e3` is 1000, `1.5e3` is 1500), so an
-    integer key takes it, else a float (`1e-3`). A plain `1.5` or `2.0` stays a float, which an integer key refuses."""
-    value = float(node.value)
-    return int(value) if math.isfinite(value) and value.is_integer() else value
-
-
-_Loader.add_constructor(_EXPONENT_TAG, _exponent)
-_LOADER = _Loader
-# Explicit tags that only restate a plain value. Others (`!!python/object`, `!!binary`, `!!set`, `!custom`) are
-# refused: a study file holds plain values, and the safe loader would fail on most with a message of many lines.
-_PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float", "bool", "null", "seq", "map"))})
-_BOMS = [(b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
-         (b"\xff\xfe", "UTF-16")]
-_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
-_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxset = 4
-
-
-def short_repr(value: Any) -> str:
-    """`repr(value)`, at most about 60 characters, in time bounded by that length (never the whole of a large value)."""
-    return _SHORT.repr(value)
-
+# Reading a study file: bytes, then YAML (`trainer.yaml_file`, the rules `python -m trainer` reads its config by
+# too), then the schema.
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
     """`" (did you mean 'n_trials'?)"` for a close match among `options`, or ''."""
@@ -616,198 +575,20 @@ def did_you_mean(word: str, options: Iterable[str]) -> str:
 
 
 def read_text(path: Path) -> str:
-    """The file as text, refused with one line when it is too large, binary, or not UTF-8. A UTF-8 byte-order mark
-    is dropped; a UTF-16 or UTF-32 file is refused (save it as UTF-8)."""
+    """The study file as text (`trainer.yaml_file.read_text`), its problems as a `StudyFileError`."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise StudyFileError(path, [("", f"cannot read the study file: {exc.strerror or exc}")]) from None
-    if len(data) > MAX_FILE_BYTES:
-        raise StudyFileError(path, [("", f"the file is larger than {MAX_FILE_BYTES >> 20} MiB; a study file is a few "
-                                         "kilobytes of YAML (is it the right file?)")])
-    for bom, encoding in _BOMS:
-        if data.startswith(bom):
-            raise StudyFileError(path, [("", f"the file is {encoding} text; save it as UTF-8")])
-    if b"\x00" in data:
-        line = data[:data.index(b"\x00")].count(b"\n") + 1
-        raise StudyFileError(path, [("", f"line {line}: a NUL byte: this is a binary file, not YAML text")])
-    try:
-        return data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise StudyFileError(path, [("", f"line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8; "
-                                         "save the file as UTF-8 text")]) from None
-
-
-class _Node:
-    """A mapping or list being read in `_structure_problems`: where it is and what it holds so far."""
-
-    def __init__(self, path: str, mapping: bool, anchor: str | None) -> None:
-        self.path, self.mapping, self.anchor = path, mapping, anchor
-        self.key: str | None = None  # a mapping's key whose value comes next; None: a key comes next
-        self.keys: dict[str, int] = {}  # a mapping's keys so far, and the line of each
-        self.index = 0  # a list's next item
-        self.size, self.height = 1, 1  # values in it (itself too) and its depth, aliases expanded
-
-    def child_path(self) -> str:
-        if not self.mapping:
-            return f"{self.path}[{self.index}]"
-        return f"{self.path}.{self.key}" if self.path else str(self.key)
-
-
-class _Fatal(Exception):
-    """A problem after which reading further is pointless or unbounded (a bomb, a loop, a deep nest)."""
-
-
-def _structure_problems(text: str, prefix: str = "") -> list[tuple[str, str]]:
-    """Problems of the YAML's shape, found from the parser's events, before any value is built: duplicate keys,
-    keys that are not plain, tags, more than one document, and the size and depth the document has once its aliases
-    are expanded. Linear in the text: the expansion is counted (an anchor's size times its uses), never done."""
-    problems: list[tuple[str, str]] = []
-    anchors: dict[str, tuple[int, int]] = {}  # name: (values, depth) of the anchored value
-    stack: list[_Node] = []
-    total, documents = 0, 0
-
-    def where(path: str) -> str:
-        path = path if len(path) <= 60 else path[:60] + "..."  # 30 levels of [0] say no more than 3 do
-        return f"{prefix}{'' if path.startswith('[') or not prefix or not path else '.'}{path}"
-
-    def fatal(path: str, message: str) -> _Fatal:
-        problems.append((where(path), message))
-        return _Fatal()
-
-    def add(size: int, height: int, new: int) -> None:
-        """A finished value of `size` values (`new` of them not counted yet): count it in its parent and the
-        document."""
-        nonlocal total
-        total += new
-        if total > MAX_VALUES:
-            expanded = " once its aliases are expanded (an alias bomb?)" if anchors else ""
-            raise fatal(parent_path(), f"line {line}: the file holds more than {MAX_VALUES} values{expanded}; a "
-                                       "study file holds a few hundred")
-        if stack:
-            parent = stack[-1]
-            parent.size += size
-            parent.height = max(parent.height, height + 1)
-            if len(stack) + height > MAX_DEPTH:
-                raise fatal(parent.path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
-            if parent.mapping:
-                parent.key = None
-            else:
-                parent.index += 1
-
-    def parent_path() -> str:
-        return stack[-1].path if stack else ""
-
-    def place(event: Any) -> str | None:
-        """The path of the value this event starts; None when it is a mapping's key (read here)."""
-        if not stack:
-            return ""
-        parent = stack[-1]
-        if not parent.mapping or parent.key is not None:
-            return parent.child_path()
-        if not isinstance(event, yaml.ScalarEvent) or event.anchor is not None:
-            raise fatal(parent.path, f"line {line}: a key must be a plain name, not a list, a mapping or an alias")
-        key = event.value
-        if key == "<<" and event.tag is None and event.implicit[0]:  # a merge key: `<<: *defaults`
-            pass
-        elif key in parent.keys:
-            first = parent.keys[key]
-            lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
-            problems.append((where(f"{parent.path}.{key}" if parent.path else key),
-                             f"duplicate key ({lines}): the second would silently replace the first"))
-        else:
-            parent.keys[key] = line
-        parent.key = key
-        return None
-
-    def check_tag(event: Any, path: str) -> None:
-        if event.tag is None:
-            return
-        tag = event.tag.replace(_CORE, "!!")
-        if event.tag not in _PLAIN_TAGS:
-            problems.append((where(path), f"line {line}: the tag {short_repr(tag)} is not allowed; a study file holds "
-                                          "plain values (numbers, strings, true/false, lists, mappings)"))
-        elif isinstance(event, yaml.ScalarEvent) and event.tag.startswith(_CORE):
-            try:  # `!!int abc`: the value its tag refuses, found here where its key is known
-                loader.construct_object(yaml.ScalarNode(event.tag, event.value))
-            except Exception:  # noqa: BLE001 - PyYAML's constructors raise what their conversion raises
-                problems.append((where(path), f"line {line}: {short_repr(event.value)} is not a valid {tag}"))
-
-    loader = _LOADER(text)
-    line = 1
-    try:
-        while loader.check_event():
-            event = loader.get_event()
-            line = event.start_mark.line + 1
-            if isinstance(event, yaml.DocumentStartEvent):
-                documents += 1
-                if documents > 1:
-                    raise fatal("", f"line {line}: a second YAML document (---); a study file is one document")
-            elif isinstance(event, yaml.AliasEvent):
-                path = place(event)
-                if event.anchor in {node.anchor for node in stack}:
-                    raise fatal(path or "", f"line {line}: the alias *{event.anchor} refers to a value that holds it "
-                                            "(a loop)")
-                if event.anchor not in anchors:
-                    raise fatal(path or "", f"line {line}: the alias *{event.anchor} has no anchor &{event.anchor} "
-                                            "before it")
-                size, height = anchors[event.anchor]
-                add(size, height, size)
-            elif isinstance(event, yaml.ScalarEvent):
-                path = place(event)
-                if path is not None:
-                    check_tag(event, path)
-                    if event.anchor is not None:
-                        anchors[event.anchor] = (1, 0)
-                    add(1, 0, 1)
-            elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                path = place(event) or ""
-                check_tag(event, path)
-                stack.append(_Node(path, isinstance(event, yaml.MappingStartEvent), event.anchor))
-                if len(stack) > MAX_DEPTH:
-                    raise fatal(path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
-            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                node = stack.pop()
-                if node.anchor is not None:
-                    anchors[node.anchor] = (node.size, node.height)
-                add(node.size, node.height, 1)
-            if len(problems) >= _MAX_PROBLEMS:
-                break
-    except _Fatal:
-        pass
-    except yaml.YAMLError as exc:
-        problems.append((prefix, _yaml_error(exc, text)))
-    return problems
-
-
-def _yaml_error(exc: yaml.YAMLError, text: str) -> str:
-    """A parser's error as one line: where, and what (PyYAML's own text spans several and quotes the input)."""
-    if isinstance(exc, yaml.reader.ReaderError):
-        line = text[:exc.position].count("\n") + 1 if isinstance(exc.position, int) else "?"
-        char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
-        return f"invalid YAML: line {line}: the character U+{char:04X} is not allowed (a control character)"
-    mark = getattr(exc, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    context = getattr(exc, "context", None)
-    return f"invalid YAML: {where}{problem}" + (f" ({context})" if context and "while" not in context else "")
+        return yaml_file.read_text(path, "study file")
+    except yaml_file.YamlFileError as exc:
+        raise StudyFileError(exc.source, exc.problems) from None
 
 
 def load_yaml(text: str, source: str | Path, prefix: str = "") -> Any:
     """YAML text as plain Python values, refused (`StudyFileError`, every problem a line) when its shape is not one a
-    study file can have: see `_structure_problems`. `prefix` is the key the text is the value of (for `--set`)."""
-    problems = _structure_problems(text, prefix)
-    if problems:
-        raise StudyFileError(source, problems)
+    study file can have: see `trainer.yaml_file.load_yaml`. `prefix` is the key the text is the value of (`--set`)."""
     try:
-        return yaml.load(text, Loader=_LOADER)  # the safe loader: libyaml's CSafeLoader, or SafeLoader
-    except yaml.YAMLError as exc:
-        raise StudyFileError(source, [(prefix, _yaml_error(exc, text))]) from None
-    except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a value its tag refuses (checked above)
-        raise StudyFileError(source, [(prefix, f"a value YAML cannot read: {short_repr(str(exc))}")]) from None
+        return yaml_file.load_yaml(text, source, prefix, "study file")
+    except yaml_file.YamlFileError as exc:
+        raise StudyFileError(exc.source, exc.problems) from None
 
 
 def read_document(path: Path) -> dict[str, Any]:
@@ -981,6 +762,8 @@ def name_problem(name: str) -> str | None:
         return f"expected letters, digits, '_', '-' and '.' (the name is a folder), got {short_repr(name)}"
     if set(name) == {"."}:
         return f"{name!r} is not a folder of its own; choose a name with a letter or digit"
+    if name.startswith("-"):
+        return f"expected a name that does not start with '-' (it reads as an option), got {short_repr(name)}"
     if len(name) > MAX_NAME:
         return f"expected at most {MAX_NAME} characters (the name is a folder), got {len(name)}"
     return None
@@ -1022,6 +805,8 @@ def storage_url_problem(url: str) -> str | None:
     except NoSuchModuleError:
         return (f"unknown storage {parsed.drivername!r}; expected sqlite:///FILE.db or "
                 "postgresql+psycopg://USER@HOST/DB")
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_url_problem(url, parsed)
     try:
         dialect.import_dbapi()
     except ImportError as exc:
@@ -1029,6 +814,29 @@ def storage_url_problem(url: str) -> str | None:
             return (f"the PostgreSQL driver of {parsed.drivername!r} is not installed ({exc}): pip install "
                     "'sweep[postgres]' and use postgresql+psycopg://USER@HOST/DB")
         return f"the driver of {parsed.drivername!r} is not installed ({exc}): install it with pip"
+    return None
+
+
+def _sqlite_url_problem(url: str, parsed: Any) -> str | None:
+    """A SQLite URL is `sqlite:///FILE.db` and nothing else: sweep finds the file from it (its lock and checkpoint
+    folder go beside it), so no host, no query string, no `file:` URI, and a file, since a study in memory would
+    vanish with the process."""
+    expected = "expected sqlite:///FILE.db (three slashes, then the file's path; four for an absolute path)"
+    if not url.startswith("sqlite:///") or parsed.host or parsed.username or parsed.port:
+        database = parsed.database or ""
+        if (not parsed.host and not database) or database == ":memory:":
+            return (f"an in-memory SQLite database vanishes when the process ends, and the study with it; {expected}, "
+                    f"got {short_repr(mask_url(url))}")
+        return f"{expected}, got {short_repr(mask_url(url))}"
+    database = parsed.database or ""
+    if database.startswith("file:"):
+        return f"{expected}, a path, not a file: URI, got {short_repr(mask_url(url))}"
+    if "?" in url or parsed.query:
+        return (f"{expected} without a query string (sweep opens the file itself), got "
+                f"{short_repr(mask_url(url))}")
+    if database in ("", ":memory:"):
+        return (f"an in-memory SQLite database vanishes when the process ends, and the study with it; {expected}, "
+                f"got {short_repr(mask_url(url))}")
     return None
 
 
@@ -1040,6 +848,8 @@ def sqlite_file_problem(url: str) -> str | None:
     path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
     if path.is_dir():
         return f"{path} is a folder; expected a SQLite file such as {path / 'study.db'}"
+    if path.exists() and not path.is_file():  # a named pipe or a device: opening it would wait, or never end
+        return f"{path} is not a regular file (a named pipe or a device?); expected a SQLite file"
     if not path.parent.is_dir():
         return f"the folder {path.parent} does not exist; create it first, or give a SQLite file in an existing one"
     if path.is_file() and path.stat().st_size > 0:
@@ -1070,6 +880,9 @@ def sqlite_study_problem(url: str) -> str | None:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
             tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.Error as exc:
+        if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is fine: SQLite writes its -shm beside it
+            return (f"cannot read {path}: its folder {path.parent} is not writable, and SQLite writes its -wal and "
+                    "-shm files beside the database; make the folder writable, or copy the .db to one that is")
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     if not {"studies", "trials", "version_info"} <= tables:
         return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "

@@ -9,6 +9,7 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import shutil
 import typing
@@ -32,7 +33,7 @@ from sweep.schema import (
 from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
-from trainer.tasks import BUILTIN_TASKS, Task, TaskError, load_task
+from trainer.tasks import BUILTIN_TASKS, Task, TaskError, load_task, resolve_task_factory
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "store_problems",
            "trainer_problems"]
@@ -88,6 +89,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     builtin = spec.task.name in BUILTIN_TASKS  # a user's model builder may do anything: not called here
     base_problems = _config_problems(base, task, builtin)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
+    if "batch_size" not in spec.space and (message := _batch_size_problem(base.get("batch_size"), task)):
+        problems.append(("fixed.batch_size", message))
 
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
     for key, param in spec.space.items():
@@ -111,6 +114,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append((where, f"unknown key for task {task.name!r}{did_you_mean(key, known)}; expected one of: "
                                     + ", ".join(known)))
             continue
+        if key.startswith("task_args.") and (message := _task_arg_problem(spec.task.name,
+                                                                            key.split(".")[1])):
+            problems.append((where, message))
+            continue
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))
             continue
@@ -120,6 +127,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             for bad_key, message in _config_problems({**base, key: value}, task, builtin):
                 if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
                     problems.append((f"{where}.{label}", message if bad_key == key else f"{bad_key}: {message}"))
+            if key == "batch_size" and (message := _batch_size_problem(value, task)):
+                problems.append((f"{where}.{label}", message))
 
     curriculum = spec.fixed.get("curriculum")  # not a mapping: refused with the fixed values' problems
     schedules = {curriculum.get("schedule", "none") if isinstance(curriculum, dict) else "none"}
@@ -174,6 +183,30 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += _warm_start_problems(spec)
     problems += component_problems(spec)
     return problems
+
+
+def _batch_size_problem(value: Any, task: Task) -> str | None:
+    """A batch larger than the task's training set: every trial would fail at its first batch."""
+    size = len(task.train[1])
+    if isinstance(value, int) and not isinstance(value, bool) and value > size:
+        return f"expected at most the training set size of task {task.name!r} ({size}), got {value}"
+    return None
+
+
+def _task_arg_problem(name: str, argument: str) -> str | None:
+    """A searched `task_args.X` that the task's function does not take (fixed ones are checked by calling it)."""
+    try:
+        parameters = inspect.signature(resolve_task_factory(name)).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the first trial finds out
+        return None
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    names = [parameter.name for parameter in parameters
+             if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if argument in names:
+        return None
+    return (f"task {name!r} takes no argument {argument!r}{did_you_mean(argument, names)}; expected one of: "
+            + (", ".join(names) or "(none)"))
 
 
 def _conflict_problems(spec: StudySpec, fixed_keys: set[str], key: str) -> list[tuple[str, str]]:

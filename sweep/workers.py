@@ -68,10 +68,15 @@ def storage_from_environment() -> str | None:
     try:
         secrets = json.loads(Path(path).read_text())
         url, extra = secrets["url"], secrets.get("env", {})
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a storage file written by sweep submit ({type(exc).__name__})") from None
-    os.environ.update({str(name): str(value) for name, value in extra.items()})
-    return str(url)
+    # Every value as sweep submit writes it: a string URL, and strings for the variables (a null is no password).
+    if not isinstance(url, str) or not isinstance(extra, dict) or not all(
+            isinstance(name, str) and isinstance(value, str) for name, value in extra.items()):
+        raise ValueError(f"{path}: not a storage file written by sweep submit (expected \"url\": a string and "
+                         "\"env\": a mapping of variable names to strings)")
+    os.environ.update(extra)
+    return url
 
 
 def worker_args(study_file: Path, spec: StudySpec, *, timeout: float | None, overrides: Sequence[str]) -> list[str]:

@@ -26,8 +26,9 @@ def test_trainer_imports_only_torch_numpy_and_stdlib() -> None:
     offenders = {}
     for path in sorted((ROOT / "trainer").rglob("*.py")):
         extra = imports(path) - ALLOWED
-        if path.name == "__main__.py":
-            extra -= {"yaml"}  # the command-line entry reads YAML config files; the library never does
+        if path.name in ("__main__.py", "yaml_file.py"):
+            extra -= {"yaml"}  # the command-line entry reads YAML config files (by yaml_file's rules, which sweep's
+            # study files share); the library never does
         if extra:
             offenders[str(path.relative_to(ROOT))] = sorted(extra)
     assert offenders == {}

@@ -20,9 +20,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer.config import ConfigError, TrainingConfig
 from trainer.loop import NullReporter, TrainResult, train
+from trainer.precision import DeviceUnavailable
 from trainer.tasks import TaskError
+from trainer.yaml_file import YamlFileError, load_yaml, read_text
 
 
 class PrintReporter:
@@ -39,13 +43,10 @@ class PrintReporter:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    text = path.read_text()
-    if path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        import yaml  # a plain data parser; only this command-line entry needs it
-
-        data = yaml.safe_load(text)
+    """The config file's values, read by the rules of a study file (`trainer.yaml_file`): a regular file of at most
+    1 MiB of UTF-8 text, one YAML document of plain values, no duplicate keys, no alias bomb."""
+    text = read_text(path, "config file")
+    data = json.loads(text) if path.suffix == ".json" else load_yaml(text, path, what="config file")
     if not isinstance(data, dict):
         raise ValueError("expected a mapping of TrainingConfig keys at the top level")
     return data
@@ -55,8 +56,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set expects key=value, got {item!r}")
+        if not sep or not key.strip():
+            raise ValueError(f"expected key=value, got {item!r}")
         out[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false", "null") else _number(raw)
     return out
 
@@ -68,6 +69,12 @@ def _number(raw: str) -> Any:
         except ValueError:
             pass
     return raw
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """PyTorch's out of memory: its own error on CUDA, a RuntimeError of the CPU allocator."""
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
 
 
 class _NotMain(Exception):
@@ -99,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.config) > 1 and not args.batched:
         parser.error("several configs need --batched")
+    try:  # a problem of the command line, not of a file
+        overrides = _parse_set(args.set)
+    except ValueError as exc:
+        print(f"--set: {exc}", file=sys.stderr)
+        return 2
     configs = []
     for path in args.config:
         folder = str(path.resolve().parent)  # importable, as a script's folder is (and a study file's for sweep run)
@@ -106,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.append(folder)
         try:
             values = _load(path)
-            values.update(_parse_set(args.set))
+            values.update(overrides)
             configs.append(TrainingConfig.from_dict(values))
-        except ConfigError as exc:
+        except (ConfigError, YamlFileError) as exc:
             for key, message in exc.problems:
-                print(f"{path}: {key}: {message}", file=sys.stderr)
+                print(f"{path}: {key}: {message}" if key else f"{path}: {message}", file=sys.stderr)
             return 2
         except (OSError, ValueError) as exc:
             print(f"{path}: {exc}", file=sys.stderr)
@@ -125,8 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TaskError) as exc:
         print(f"{args.config[0]}: {exc}", file=sys.stderr)
         return 2
+    except DeviceUnavailable as exc:  # the config's `device`, not a fault of the run: use auto or cpu here
+        print(f"{args.config[0]}: device: {exc}; set device: auto (or cpu) to train on this machine", file=sys.stderr)
+        return 2
     except _NotMain:
         return 0
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        # The config's model and batch size do not fit this machine: one line, not PyTorch's traceback.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{args.config[0]}: out of memory: {first[:300]} (a smaller model or batch_size fits)", file=sys.stderr)
+        return 1
     for path, result in zip(args.config, results):
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
                 **({"stop_reason": result.stop_reason} if result.stop_reason else {}),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Precision", "allow_tf32", "resolve_device", "resolve_precision"]
+__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "resolve_device", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,16 @@ class Precision:
         return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
 
+class DeviceUnavailable(RuntimeError):
+    """The config names a device this machine does not have (`device: cuda` where torch sees no CUDA device)."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} was asked for, but torch sees no CUDA device")
+        raise DeviceUnavailable(f"device {name!r} was asked for, but torch sees no CUDA device")
     return device
 
 

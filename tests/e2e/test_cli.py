@@ -409,3 +409,58 @@ def test_read_commands_on_a_missing_database_create_nothing(tmp_path: Path, comm
         [line] = done.stderr.strip().splitlines()
         assert "missing.db" in line, line
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_study_database_in_a_folder_that_is_not_writable_says_so(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite writes its -shm beside a WAL database even to read it: in a read-only folder the read fails, and the
+    line says the folder is not writable (the file is fine), not that the file may be damaged."""
+    import os
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    db = folder / "theirs.db"
+    optuna.create_study(study_name="theirs", storage=f"sqlite:///{db}")
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        connection.execute("PRAGMA journal_mode=WAL")
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the refusal SQLite and the folder give a user, simulated
+        real_access, real_connect = os.access, sqlite3.connect
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != folder and real_access(path, mode))
+
+        def connect(database: Any, *args: Any, **kwargs: Any) -> Any:
+            if "mode=ro" in str(database):
+                raise sqlite3.OperationalError("attempt to write a readonly database")
+            return real_connect(database, *args, **kwargs)
+
+        monkeypatch.setattr(sqlite3, "connect", connect)
+    try:
+        done = sweep_cli("status", db, cwd=tmp_path)
+    finally:
+        folder.chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line == (f"error: cannot read {db}: its folder {folder} is not writable, and SQLite writes its -wal and "
+                    "-shm files beside the database; make the folder writable, or copy the .db to one that is"), line
+
+
+@pytest.mark.parametrize("command", ["best", "report"])
+def test_an_output_in_a_folder_that_is_not_writable_is_one_line_and_nothing_is_written(
+        tmp_path: Path, command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    optuna.create_study(study_name="theirs", storage=f"sqlite:///{tmp_path / 'theirs.db'}")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: the folder's refusal to a user, simulated
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != folder and real_access(path, mode))
+    try:
+        done = sweep_cli(command, "theirs.db", "-o", folder / "out", cwd=tmp_path)
+    finally:
+        folder.chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: -o: cannot write {folder / 'out'}: the folder {folder} is "
+                                                "not writable"]
+    assert list(folder.iterdir()) == []

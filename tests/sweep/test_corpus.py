@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -230,6 +231,10 @@ RANGES = [
              "space.batch_size.choices[1]", "expected a finite number, got nan"),
     bad_file("ranges", "heartbeat-zero", changed(heartbeat_interval=0), "heartbeat_interval",
              "greater than or equal to 1"),
+    bad_file("ranges", "heartbeat-above-half-a-day", changed(heartbeat_interval=10 ** 12), "heartbeat_interval",
+             "less than or equal to 43200"),
+    bad_file("ranges", "grace-above-a-day", changed(heartbeat_grace_period=10 ** 12), "heartbeat_grace_period",
+             "less than or equal to 86400"),
     bad_file("ranges", "grace-below-two-beats", changed(heartbeat_interval=30, heartbeat_grace_period=40),
              "heartbeat_grace_period", "at least twice heartbeat_interval"),
     bad_file("ranges", "handoff-above-1", changed(warm_start={"handoff": 1.5}), "warm_start.handoff",
@@ -239,6 +244,25 @@ RANGES = [
     bad_file("ranges", "keep_top_k-zero", changed(checkpoints={"keep_top_k": 0}), "checkpoints.keep_top_k",
              "greater than or equal to 1"),
     bad_file("ranges", "fixed-value", changed(fixed__batch_size=0), "fixed.batch_size", ""),
+    # What every trial would fail on, found before the first: a batch larger than the task's training set (digits
+    # trains on 1438 samples), a searched task argument the task's function does not take, a step Optuna cannot count.
+    bad_file("ranges", "fixed-batch-larger-than-the-data", changed(fixed__batch_size=100_000), "fixed.batch_size",
+             "expected at most the training set size of task 'digits' (1438), got 100000"),
+    bad_file("ranges", "searched-batch-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
+        "type": "int", "low": 8, "high": 100_000}), "space.batch_size.high", "training set size of task 'digits'"),
+    bad_file("ranges", "batch-choice-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
+        "type": "categorical", "choices": [8, 5000]}), "space.batch_size.choices[1]", "(1438), got 5000"),
+    bad_file("ranges", "searched-task-arg-unknown", changed(**{"space__task_args.val_fractoin": {
+        "type": "float", "low": 0.1, "high": 0.3}}), "space.task_args.val_fractoin",
+             "task 'digits' takes no argument 'val_fractoin' (did you mean 'val_fraction'?); expected one of:"),
+    bad_file("ranges", "float-step-too-small-to-count", changed(space__learning_rate={**FLOAT, "step": 1e-300}), LR,
+             "into fewer than 10^28 steps"),
+    # A model whose tensor sizes PyTorch cannot count: refused where its key is, not a RuntimeError from the meta build.
+    bad_file("ranges", "fixed-hidden-overflows", changed(fixed__model={"hidden": 1099511627776},
+                                                         space={"learning_rate": FLOAT}), "fixed.model.hidden",
+             "cannot build its model: a tensor's size overflows with hidden=1099511627776"),
+    bad_file("ranges", "space-hidden-high-overflows", changed(**{"space__model.hidden": {
+        "type": "int", "low": 8, "high": 2 ** 62}}), f"{HIDDEN}.high", "a tensor's size overflows"),
 ]
 
 
@@ -407,6 +431,9 @@ NAMES = [
              "the name is a folder"),
     bad_args("names", "cli-empty", ("run", STUDY, "--study-name", ""), "--study-name: ",
              "expected a study name, got ''"),
+    bad_args("names", "cli-reads-as-an-option", ("run", STUDY, "--study-name", "--help"), "--study-name: ",
+             "expected a name that does not start with '-' (it reads as an option), got '--help'"),
+    bad_file("names", "starts-with-a-dash", changed(name="-x"), "name", "does not start with '-'"),
     bad_args("names", "status-empty-name", ("status", "theirs.db", "--study-name", ""), "--study-name: ",
              "expected a study name", document=None, setup=_foreign_study),
 ]
@@ -433,6 +460,18 @@ PATHS = [
              setup=_file("needs_data.py", "import numpy\n\ndef task():\n    return numpy.load('nowhere/x.npy')\n")),
     bad_args("paths", "study-file-is-a-folder", ("run", "adir.yaml"), "adir.yaml: ",
              "cannot read the study file: Is a directory", setup=_folder("adir.yaml")),
+    bad_args("paths", "study-file-is-a-named-pipe", ("run", "fifo.yaml"), "fifo.yaml: ",
+             "cannot read the study file: it is a named pipe, not a regular file", document=None,
+             setup=lambda folder: os.mkfifo(folder / "fifo.yaml")),
+    bad_args("paths", "status-of-a-named-pipe-study-file", ("status", "fifo.yaml"), "fifo.yaml: ",
+             "it is a named pipe", document=None, setup=lambda folder: os.mkfifo(folder / "fifo.yaml")),
+    bad_args("paths", "status-of-a-named-pipe-database", ("status", "x.db"), "", "x.db is not a regular file",
+             document=None, setup=lambda folder: os.mkfifo(folder / "x.db")),
+    bad_args("paths", "storage-is-a-named-pipe", ("run", STUDY, "--storage", "sqlite:///{tmp}/x.db"), "--storage: ",
+             "x.db is not a regular file", setup=lambda folder: os.mkfifo(folder / "x.db")),
+    bad_args("paths", "study-file-empty", ("run", ""), "STUDY_FILE: ", "expected a study file (YAML), got ''"),
+    bad_args("paths", "submit-study-file-empty", ("submit", "", "--slurm", "--dry-run"), "STUDY_FILE: ",
+             "expected a study file (YAML), got ''"),
     bad_args("paths", "study-file-missing", ("run", "missing.yaml"), "missing.yaml: ",
              "cannot read the study file: No such file or directory"),
     bad_args("paths", "status-of-a-text-file", ("status", "notes.txt"), "", "notes.txt is not a SQLite database",
@@ -461,6 +500,21 @@ URLS = [
              "--storage: ", "pip install 'sweep[postgres]'", absent="pg8000"),
     bad_args("urls", "status-ftp-storage", ("status", "--storage", "ftp://x/y", "--study-name", "x"), "--storage: ",
              "unknown storage 'ftp'", document=None),
+    # A SQLite URL is sqlite:///FILE.db: sweep puts the lock and the checkpoints beside the file it names.
+    bad_file("urls", "sqlite-two-slashes", changed(storage="sqlite://x.db"), "storage",
+             "expected sqlite:///FILE.db (three slashes"),
+    bad_file("urls", "sqlite-file-uri", changed(storage="sqlite:///file:notes.txt?uri=true"), "storage",
+             "not a file: URI"),
+    bad_file("urls", "sqlite-query-string", changed(storage="sqlite:///x.db?mode=ro"), "storage",
+             "without a query string"),
+    bad_file("urls", "sqlite-in-memory", changed(storage="sqlite:///:memory:"), "storage",
+             "an in-memory SQLite database vanishes when the process ends"),
+    bad_args("urls", "cli-sqlite-query-string", ("run", STUDY, "--storage", "sqlite:///{tmp}/x.db?mode=ro"),
+             "--storage: ", "without a query string"),
+    bad_args("urls", "cli-sqlite-no-file", ("run", STUDY, "--storage", "sqlite://"), "--storage: ",
+             "an in-memory SQLite database vanishes"),
+    bad_args("urls", "status-sqlite-in-memory", ("status", "tiny", "--storage", "sqlite:///:memory:"), "--storage: ",
+             "an in-memory SQLite database vanishes", document=None),
     bad_file("urls", "store-ftp", changed(checkpoints={"store": "ftp://x/y"}), "checkpoints.store",
              "got 'ftp://x/y'"),
     bad_file("urls", "store-s3-no-bucket", changed(checkpoints={"store": "s3://"}), "checkpoints.store",
@@ -482,6 +536,9 @@ CLI = [
              "an argument", "--timeout"),
     bad_args("cli values", "missing-argument", ("reproduce", STUDY), "sweep reproduce: Missing argument 'trial'",
              "(see sweep reproduce --help)"),
+    *(bad_args("cli values", f"{command}-port-{port}", (command, "tiny.db", "--port", port),
+               f"sweep {command}: Invalid value for '--port': Input should be ", "than or equal to",
+               document=None) for command in ("dashboard", "tensorboard") for port in ("-1", "70000")),
     bad_args("cli values", "timeout-zero", ("run", STUDY, "--timeout", "0"), "--timeout: ", "> 0, got 0"),
     bad_args("cli values", "timeout-negative", ("run", STUDY, "--timeout", "-5"), "--timeout: ", "got -5"),
     bad_args("cli values", "timeout-nan", ("run", STUDY, "--timeout", "nan"), "--timeout: ", "got nan"),
@@ -687,9 +744,43 @@ FOREIGN = [
              "cannot ask its workers to stop", document=None, setup=_foreign_study),
 ]
 
+# `-o FILE` (best, report, submit --k8s): never the study's own files, and one line for a path that cannot be a file.
+K8S = ("submit", STUDY, "--k8s", "--image", "x")
+OUTPUTS = [
+    bad_args("outputs", "best-over-its-database", ("best", "theirs.db", "-o", "theirs.db"), "-o: theirs.db is the "
+             "study's database", "writing there would destroy the study", document=None, setup=_foreign_study),
+    bad_args("outputs", "report-over-its-database", ("report", "theirs.db", "-o", "theirs.db"), "-o: theirs.db is ",
+             "the study's database", document=None, setup=_foreign_study),
+    bad_args("outputs", "report-over-its-wal", ("report", "theirs.db", "-o", "theirs.db-wal"), "-o: theirs.db-wal ",
+             "a file of the study's database", document=None, setup=_foreign_study),
+    bad_args("outputs", "best-over-its-lock", ("best", "theirs.db", "-o", "theirs.db.lock"), "-o: theirs.db.lock ",
+             "a file of the study's database", document=None, setup=_foreign_study),
+    bad_args("outputs", "best-over-the-study-file", ("best", STUDY, "-o", STUDY), f"-o: {STUDY} is the study file",
+             "choose another file"),
+    bad_args("outputs", "best-over-the-study-file-by-another-path", ("best", STUDY, "-o", f"./adir/../{STUDY}"),
+             "-o: ", "is the study file", setup=_folder("adir")),
+    bad_args("outputs", "best-over-the-study-files-database", ("best", STUDY, "-o", "tiny.db"),
+             "-o: tiny.db is the study's database", "destroy the study"),
+    bad_args("outputs", "k8s-over-the-database", (*K8S, "-o", "tiny.db"), "-o: tiny.db is the study's database",
+             "destroy the study"),
+    bad_args("outputs", "k8s-over-the-study-file", (*K8S, "-o", STUDY), f"-o: {STUDY} is the study file",
+             "destroy the study"),
+    bad_args("outputs", "report-to-a-folder", ("report", "theirs.db", "-o", "adir"), "-o: adir is a folder",
+             "expected a file to write", document=None, setup=lambda folder: (_foreign_study(folder),
+                                                                             _folder("adir")(folder))),
+    bad_args("outputs", "best-to-empty", ("best", "theirs.db", "-o", ""), "-o: '.' (or '') is the current folder",
+             "expected a file to write", document=None, setup=_foreign_study),
+    bad_args("outputs", "report-to-a-missing-folder", ("report", "theirs.db", "-o", "nodir/r.html"),
+             "-o: the folder nodir does not exist", "create it first", document=None, setup=_foreign_study),
+    bad_args("outputs", "k8s-to-a-folder", (*K8S, "-o", "adir"), "-o: adir is a folder", "expected a file",
+             setup=_folder("adir")),
+    bad_args("outputs", "k8s-to-a-missing-folder", (*K8S, "-o", "nodir/job.yaml"), "-o: the folder nodir does not "
+             "exist", "create it first"),
+]
+
 CORPUS = [*TYPES, *RANGES, *ENCODINGS, *SIZES, *NESTING, *ALIASES, *TAGS, *DUPLICATES, *NAMES, *PATHS, *URLS, *CLI,
           *COMPONENTS, *DID_YOU_MEAN, *FOREIGN, *COMMANDS, *CONFLICTS, *LOOP_MAX_STEPS, *SAMPLERS, *WORDING,
-          *EXPONENTS]
+          *EXPONENTS, *OUTPUTS]
 TIMES: dict[str, list[float]] = defaultdict(list)
 
 
@@ -822,6 +913,10 @@ ACCEPTED = [
     pytest.param(TINY_YAML.replace("sampler:\n  type: random", "sampler:\n  type: tpe\n  n_startup_trials: 5\n"
                                    "  gamma: null"), id="sampler-arguments"),
     pytest.param(TINY_YAML.replace("pruner: none", "pruner: {type: threshold, upper: 1e3}"), id="pruner-exponent"),
+    pytest.param(TINY_YAML + "  task_args.val_fraction: {type: float, low: 0.1, high: 0.3}\n", id="task-arg-searched"),
+    pytest.param(TINY_YAML + "  weight_decay: {type: float, low: 0.0, high: 0.1, step: 1.0e-27}\n",
+                 id="float-step-of-1e27-steps"),
+    pytest.param(TINY_YAML.replace("batch_size: 32", "batch_size: 1438"), id="batch-of-the-whole-training-set"),
 ]
 
 

@@ -127,9 +127,12 @@ def test_the_storage_file_is_owner_only_and_gives_workers_the_url(tmp_path: Path
     monkeypatch.setenv(STORAGE_FILE_ENV, str(path))
     assert storage_from_environment() == URL
     assert os.environ["PGPASSWORD"] == "from-libpq"  # libpq's variable travels in the file too
-    path.write_text("not json")
-    with pytest.raises(ValueError, match="not a storage file written by sweep submit"):
-        storage_from_environment()
+    for text in ("not json", "[1]", '{"url": 3}', '{"url": "URL", "env": [1]}', '{"url": "URL", "env": {"A": null}}',
+                 '{"url": "URL", "env": {"A": 1}}'):
+        path.write_text(text.replace("URL", URL))
+        with pytest.raises(ValueError, match="not a storage file written by sweep submit"):
+            storage_from_environment()
+        assert "A" not in os.environ  # nothing of a refused file is set (a null was set as the text "None")
 
 
 def test_a_worker_whose_storage_file_is_missing_exits_2_naming_it(tmp_path: Path) -> None:

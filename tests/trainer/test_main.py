@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.__main__ import main
 
@@ -72,3 +74,61 @@ def test_a_task_module_next_to_the_config_is_found_from_any_folder(tmp_path: Pat
                           cwd=elsewhere)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "completed"
+
+
+LAUGHS = "l0: &l0 [lol]\n" + "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 10))
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("task: digits\nmax_steps: 5\nmax_steps: 6\n", "max_steps: duplicate key (lines 2 and 3)"),
+    (LAUGHS, "the file holds more than 10000 values once its aliases are expanded (an alias bomb?)"),
+    ("task: !!python/object:os.system ls\n", "task: line 1: the tag '!!python/object:os.system' is not allowed"),
+    ("task: digits\n---\nmax_steps: 5\n", "a second YAML document (---); a config file is one document"),
+    ("task: digits\x00\n", "line 1: a NUL byte"),
+    ("task: [digits\n", "invalid YAML"),
+    (None, "cannot read the config file: it is a named pipe, not a regular file"),
+], ids=["duplicate-key", "alias-bomb", "python-tag", "two-documents", "nul-byte", "not-yaml", "named-pipe"])
+def test_a_config_file_is_read_by_the_rules_of_a_study_file(tmp_path: Path, text: str | None, fragment: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The same safe reading as `sweep`'s study files (trainer.yaml_file): one line naming the file and the key,
+    exit 2, at once (a named pipe is not opened: reading it would wait for a writer)."""
+    config = tmp_path / "c.yaml"
+    if text is None:
+        os.mkfifo(config)
+    else:
+        config.write_text(text)
+    assert main([str(config)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: ") and len(lines[0]) < 1000, lines
+    assert fragment in lines[0], lines
+    assert captured.out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\ndevice: cuda\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"{config}: device: device 'cuda' was asked for, but torch sees no CUDA device; set device: auto "
+                     "(or cpu) to train on this machine"], lines
+
+
+def test_a_model_too_large_to_allocate_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"  # 25.6 TB of weights: the allocator refuses at once
+    config.write_text("task: digits\nmax_steps: 4\ndevice: cpu\nmodel: {hidden: 100000000000}\n")
+    assert main([str(config)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: out of memory: "), lines
+    assert "Traceback" not in lines[0] and len(lines[0]) < 1000
+
+
+@pytest.mark.parametrize("item", ["=3", " =3", "max_steps"])
+def test_a_set_without_a_key_is_one_line_naming_the_option(tmp_path: Path, item: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\n")
+    assert main([str(config), "--set", item]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"--set: expected key=value, got {item!r}"]

@@ -151,6 +151,13 @@ class Task:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             keys = [k for k in model if k in first] or sorted(model)
             return [(f"model.{keys[0]}" if keys else "model", f"task {self.name!r} cannot build its model: {first}")]
+        except (RuntimeError, OverflowError) as exc:  # a tensor's size beyond what PyTorch can count
+            if isinstance(exc, RuntimeError) and "overflow" not in str(exc):
+                raise
+            sizes = {k: abs(v) for k, v in model.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            key = max(sizes, key=sizes.__getitem__) if sizes else None  # the largest number made the largest tensor
+            return [(f"model.{key}" if key else "model", f"task {self.name!r} cannot build its model: a tensor's "
+                     f"size overflows{f' with {key}={model[key]!r}' if key else ''}; expected a model far smaller")]
         return []
 
     def build(self, model: Mapping[str, Any], device: torch.device | str | None = None) -> nn.Module:

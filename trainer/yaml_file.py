@@ -1,0 +1,289 @@
+"""Reading a YAML file safely: the rules of `sweep`'s study files and of `python -m trainer`'s configs, in one place
+(the trainer imports nothing of sweep, so they live here).
+
+Bytes, then YAML. Whatever the input's size or shape, it is accepted or refused in well under a second, and an error
+never renders the input (an alias bomb expands to gigabytes). A file that is not a regular file (a named pipe, a
+device) is refused before it is opened: reading one would wait for a writer, or never end. Every problem is a
+`YamlFileError` line: the key where it is ('' for the whole file) and what is wrong, in the words of the file's kind
+(`what`: "study file", "config file").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import reprlib
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "YamlFileError", "load_yaml", "read_text", "short_repr"]
+
+
+class YamlFileError(ValueError):
+    """A file (or `--set` value) that is no YAML of the kind expected: one (key, message) per problem."""
+
+    def __init__(self, source: str | Path, problems: Sequence[tuple[str, str]]) -> None:
+        self.source, self.problems = source, list(problems)
+        super().__init__("; ".join(f"{key}: {message}" if key else message for key, message in self.problems))
+
+
+MAX_FILE_BYTES = 1 << 20  # a study file is a few kilobytes; 1 MiB is far more than any needs
+MAX_DEPTH = 32  # nesting of mappings and lists, aliases expanded (a study file needs about 6)
+MAX_VALUES = 10_000  # values in the document with every alias expanded: anchors share values, they do not multiply
+_MAX_PROBLEMS = 20  # reported of one file; a file with more is mostly not a study file
+
+_SAFE: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when there: a 1 MiB file parses in ~0.1 s
+
+
+_CORE = "tag:yaml.org,2002:"
+_EXPONENT_TAG = "tag:sweep,2024:exponent"  # implicit only: a tag written in the file is refused (`_PLAIN_TAGS`)
+# A number in exponent notation as YAML 1.2 reads it (`1e3`, `1.5e3`, `2E-4`, `-1e+3`). YAML 1.1, and so PyYAML,
+# wants a dot and a signed exponent and reads `1e3` and `1.5e3` as strings.
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+
+class _Loader(_SAFE):
+    """The safe loader, without YAML 1.1's implicit dates (a study file has none, and `2024-13-45` would raise), and
+    with YAML 1.2's numbers in exponent notation (`_exponent`)."""
+
+    yaml_implicit_resolvers: ClassVar = {
+        first: [(_EXPONENT_TAG, _EXPONENT)] * (first in "-+.0123456789")
+        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
+        for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
+
+
+def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
+    """`1e3` as a number: an int when the value is a whole number (`max_steps: 1e3` is 1000, `1.5e3` is 1500), so an
+    integer key takes it, else a float (`1e-3`). A plain `1.5` or `2.0` stays a float, which an integer key refuses."""
+    value = float(node.value)
+    return int(value) if math.isfinite(value) and value.is_integer() else value
+
+
+_Loader.add_constructor(_EXPONENT_TAG, _exponent)
+_LOADER = _Loader
+# Explicit tags that only restate a plain value. Others (`!!python/object`, `!!binary`, `!!set`, `!custom`) are
+# refused: a study file holds plain values, and the safe loader would fail on most with a message of many lines.
+_PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float", "bool", "null", "seq", "map"))})
+_BOMS = [(b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
+         (b"\xff\xfe", "UTF-16")]
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxset = 4
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)`, at most about 60 characters, in time bounded by that length (never the whole of a large value)."""
+    return _SHORT.repr(value)
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"))
+
+
+def read_text(path: Path, what: str = "study file") -> str:
+    """The file as text, refused with one line when it is no regular file, too large, binary, or not UTF-8. A UTF-8
+    byte-order mark is dropped; a UTF-16 or UTF-32 file is refused (save it as UTF-8)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = stat.S_IFREG  # opening it says why
+    for test, kind in _NOT_REGULAR:
+        if test(mode):
+            raise YamlFileError(path, [("", f"cannot read the {what}: it is {kind}, not a regular file; expected a "
+                                            "YAML file")])
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise YamlFileError(path, [("", f"cannot read the {what}: {exc.strerror or exc}")]) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise YamlFileError(path, [("", f"the file is larger than {MAX_FILE_BYTES >> 20} MiB; a {what} is a few "
+                                         "kilobytes of YAML (is it the right file?)")])
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            raise YamlFileError(path, [("", f"the file is {encoding} text; save it as UTF-8")])
+    if b"\x00" in data:
+        line = data[:data.index(b"\x00")].count(b"\n") + 1
+        raise YamlFileError(path, [("", f"line {line}: a NUL byte: this is a binary file, not YAML text")])
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise YamlFileError(path, [("", f"line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8; "
+                                         "save the file as UTF-8 text")]) from None
+
+
+class _Node:
+    """A mapping or list being read in `_structure_problems`: where it is and what it holds so far."""
+
+    def __init__(self, path: str, mapping: bool, anchor: str | None) -> None:
+        self.path, self.mapping, self.anchor = path, mapping, anchor
+        self.key: str | None = None  # a mapping's key whose value comes next; None: a key comes next
+        self.keys: dict[str, int] = {}  # a mapping's keys so far, and the line of each
+        self.index = 0  # a list's next item
+        self.size, self.height = 1, 1  # values in it (itself too) and its depth, aliases expanded
+
+    def child_path(self) -> str:
+        if not self.mapping:
+            return f"{self.path}[{self.index}]"
+        return f"{self.path}.{self.key}" if self.path else str(self.key)
+
+
+class _Fatal(Exception):
+    """A problem after which reading further is pointless or unbounded (a bomb, a loop, a deep nest)."""
+
+
+def _structure_problems(text: str, prefix: str = "", what: str = "study file") -> list[tuple[str, str]]:
+    """Problems of the YAML's shape, found from the parser's events, before any value is built: duplicate keys,
+    keys that are not plain, tags, more than one document, and the size and depth the document has once its aliases
+    are expanded. Linear in the text: the expansion is counted (an anchor's size times its uses), never done."""
+    problems: list[tuple[str, str]] = []
+    anchors: dict[str, tuple[int, int]] = {}  # name: (values, depth) of the anchored value
+    stack: list[_Node] = []
+    total, documents = 0, 0
+
+    def where(path: str) -> str:
+        path = path if len(path) <= 60 else path[:60] + "..."  # 30 levels of [0] say no more than 3 do
+        return f"{prefix}{'' if path.startswith('[') or not prefix or not path else '.'}{path}"
+
+    def fatal(path: str, message: str) -> _Fatal:
+        problems.append((where(path), message))
+        return _Fatal()
+
+    def add(size: int, height: int, new: int) -> None:
+        """A finished value of `size` values (`new` of them not counted yet): count it in its parent and the
+        document."""
+        nonlocal total
+        total += new
+        if total > MAX_VALUES:
+            expanded = " once its aliases are expanded (an alias bomb?)" if anchors else ""
+            raise fatal(parent_path(), f"line {line}: the file holds more than {MAX_VALUES} values{expanded}; a "
+                                       f"{what} holds a few hundred")
+        if stack:
+            parent = stack[-1]
+            parent.size += size
+            parent.height = max(parent.height, height + 1)
+            if len(stack) + height > MAX_DEPTH:
+                raise fatal(parent.path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
+            if parent.mapping:
+                parent.key = None
+            else:
+                parent.index += 1
+
+    def parent_path() -> str:
+        return stack[-1].path if stack else ""
+
+    def place(event: Any) -> str | None:
+        """The path of the value this event starts; None when it is a mapping's key (read here)."""
+        if not stack:
+            return ""
+        parent = stack[-1]
+        if not parent.mapping or parent.key is not None:
+            return parent.child_path()
+        if not isinstance(event, yaml.ScalarEvent) or event.anchor is not None:
+            raise fatal(parent.path, f"line {line}: a key must be a plain name, not a list, a mapping or an alias")
+        key = event.value
+        if key == "<<" and event.tag is None and event.implicit[0]:  # a merge key: `<<: *defaults`
+            pass
+        elif key in parent.keys:
+            first = parent.keys[key]
+            lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
+            problems.append((where(f"{parent.path}.{key}" if parent.path else key),
+                             f"duplicate key ({lines}): the second would silently replace the first"))
+        else:
+            parent.keys[key] = line
+        parent.key = key
+        return None
+
+    def check_tag(event: Any, path: str) -> None:
+        if event.tag is None:
+            return
+        tag = event.tag.replace(_CORE, "!!")
+        if event.tag not in _PLAIN_TAGS:
+            problems.append((where(path), f"line {line}: the tag {short_repr(tag)} is not allowed; a {what} holds "
+                                          "plain values (numbers, strings, true/false, lists, mappings)"))
+        elif isinstance(event, yaml.ScalarEvent) and event.tag.startswith(_CORE):
+            try:  # `!!int abc`: the value its tag refuses, found here where its key is known
+                loader.construct_object(yaml.ScalarNode(event.tag, event.value))
+            except Exception:  # noqa: BLE001 - PyYAML's constructors raise what their conversion raises
+                problems.append((where(path), f"line {line}: {short_repr(event.value)} is not a valid {tag}"))
+
+    loader = _LOADER(text)
+    line = 1
+    try:
+        while loader.check_event():
+            event = loader.get_event()
+            line = event.start_mark.line + 1
+            if isinstance(event, yaml.DocumentStartEvent):
+                documents += 1
+                if documents > 1:
+                    raise fatal("", f"line {line}: a second YAML document (---); a {what} is one document")
+            elif isinstance(event, yaml.AliasEvent):
+                path = place(event)
+                if event.anchor in {node.anchor for node in stack}:
+                    raise fatal(path or "", f"line {line}: the alias *{event.anchor} refers to a value that holds it "
+                                            "(a loop)")
+                if event.anchor not in anchors:
+                    raise fatal(path or "", f"line {line}: the alias *{event.anchor} has no anchor &{event.anchor} "
+                                            "before it")
+                size, height = anchors[event.anchor]
+                add(size, height, size)
+            elif isinstance(event, yaml.ScalarEvent):
+                path = place(event)
+                if path is not None:
+                    check_tag(event, path)
+                    if event.anchor is not None:
+                        anchors[event.anchor] = (1, 0)
+                    add(1, 0, 1)
+            elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                path = place(event) or ""
+                check_tag(event, path)
+                stack.append(_Node(path, isinstance(event, yaml.MappingStartEvent), event.anchor))
+                if len(stack) > MAX_DEPTH:
+                    raise fatal(path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                node = stack.pop()
+                if node.anchor is not None:
+                    anchors[node.anchor] = (node.size, node.height)
+                add(node.size, node.height, 1)
+            if len(problems) >= _MAX_PROBLEMS:
+                break
+    except _Fatal:
+        pass
+    except yaml.YAMLError as exc:
+        problems.append((prefix, _yaml_error(exc, text)))
+    return problems
+
+
+def _yaml_error(exc: yaml.YAMLError, text: str) -> str:
+    """A parser's error as one line: where, and what (PyYAML's own text spans several and quotes the input)."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        line = text[:exc.position].count("\n") + 1 if isinstance(exc.position, int) else "?"
+        char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1] or "\0")
+        return f"invalid YAML: line {line}: the character U+{char:04X} is not allowed (a control character)"
+    mark = getattr(exc, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    return f"invalid YAML: {where}{problem}" + (f" ({context})" if context and "while" not in context else "")
+
+
+def load_yaml(text: str, source: str | Path, prefix: str = "", what: str = "study file") -> Any:
+    """YAML text as plain Python values, refused (`YamlFileError`, every problem a line) when its shape is not one a
+    `what` can have: see `_structure_problems`. `prefix` is the key the text is the value of (for `--set`)."""
+    problems = _structure_problems(text, prefix, what)
+    if problems:
+        raise YamlFileError(source, problems)
+    try:
+        return yaml.load(text, Loader=_LOADER)  # the safe loader: libyaml's CSafeLoader, or SafeLoader
+    except yaml.YAMLError as exc:
+        raise YamlFileError(source, [(prefix, _yaml_error(exc, text))]) from None
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a value its tag refuses (checked above)
+        raise YamlFileError(source, [(prefix, f"a value YAML cannot read: {short_repr(str(exc))}")]) from None
+
