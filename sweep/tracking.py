@@ -19,13 +19,15 @@ serves `ROOT/<study>`. The trial's params and final value are in TensorBoard's h
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -144,6 +146,25 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
     return f"sqlite:///{store.resolve()}", experiment, artifacts.resolve().as_uri()
 
 
+@contextlib.contextmanager
+def _store_turn(uri: str) -> Iterator[None]:
+    """Workers of one machine take turns at a SQLite MLflow store's first use and at finding or making the study's
+    run, under a lock file beside it: MLflow creates a new store's tables with its own migrations, and several
+    workers starting at once ran them together ("duplicate column name: step"), dropping those trials' tracking;
+    two of them could also each make a parent run. A server (http, a database) serves its clients itself."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, study: str) -> tuple[str, str]:
     """The experiment and the study's parent run, found (by its tags) or made; cached per process."""
     key = (uri, experiment, study)
@@ -173,9 +194,11 @@ class MLflowTracker:
         if uri.startswith(("http://", "https://")):
             for name, value in MLFLOW_RETRY_DEFAULTS.items():
                 os.environ.setdefault(name, value)
-        self.client, self.metric, self.config = MlflowClient(tracking_uri=uri), metric, dict(config)
+        self.metric, self.config = metric, dict(config)
         self.pending: list[Any] = []
-        experiment_id, self.parent = _study_run(self.client, uri, experiment, artifacts, study)
+        with _store_turn(uri):  # a new store's tables are made by the client, at its creation
+            self.client = MlflowClient(tracking_uri=uri)
+            experiment_id, self.parent = _study_run(self.client, uri, experiment, artifacts, study)
         parent = self.parent
         self.run_id = self.client.create_run(experiment_id, run_name=trial_run_name(trial_number), tags={
             "mlflow.parentRunId": parent, TAG_STUDY: study, TAG_ROLE: "trial", TAG_TRIAL: str(trial_number)},

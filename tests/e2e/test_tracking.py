@@ -283,3 +283,39 @@ def test_a_retry_s_run_holds_its_lineage_s_evaluations_before_the_resume(tmp_pat
     evals = {e.step: e.value for e in runs[f"tiny/trial-{retry.number:05d}"].Scalars("eval/val_loss")}
     assert sorted(evals) == [10, 20, 30, 40]  # 10 and 20 from before the resume: one curve, as the study has it
     assert evals == pytest.approx(retry.intermediate_values, rel=1e-6)
+
+
+def _start_tracker(barrier: Any, storage_url: str, number: int, results: Any) -> None:
+    from sweep.schema import TrackingSpec
+    from sweep.tracking import MLflowTracker
+
+    barrier.wait()  # every worker's first trial starts at once, on a store nobody has made yet
+    try:
+        MLflowTracker(TrackingSpec.model_validate({"mlflow": True}), storage_url, "tiny", number, {"x": number},
+                      {"x": number}, "val_loss")
+        results.put("ok")
+    except Exception as exc:  # noqa: BLE001 - what the worker would have warned about, dropping the trial's tracking
+        results.put(f"{type(exc).__name__}: {exc}"[:300])
+
+
+def test_workers_starting_at_once_on_a_new_mlflow_store_all_track_their_trials(tmp_path: Path) -> None:
+    """MLflow makes a new SQLite store's tables with its own migrations on first use: three workers running them
+    together failed ("duplicate column name: step") and dropped their trials' tracking, and two of them could each
+    make the study's parent run. They take turns now."""
+    pytest.importorskip("mlflow")
+    import multiprocessing
+
+    from mlflow import MlflowClient
+
+    context = multiprocessing.get_context("spawn")  # fresh processes, as workers are
+    barrier, results = context.Barrier(3), context.Queue()
+    storage_url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    workers = [context.Process(target=_start_tracker, args=(barrier, storage_url, k, results)) for k in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    assert [results.get(timeout=10) for _ in workers] == ["ok"] * 3
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert sorted(r.data.tags.get("sweep.role") for r in runs) == ["study", "trial", "trial", "trial"]
