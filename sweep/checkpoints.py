@@ -13,7 +13,9 @@ its registrations wait in memory until the storage is back.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,7 +27,7 @@ import optuna
 
 from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_blob, local_copy
 from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, Outcome
-from sweep.reconcile import quick_check
+from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
 from sweep.storage import StorageAway, sqlite_path
 from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
@@ -70,9 +72,14 @@ class CheckpointService:
         self.folders = [str(self.store.folder.parent)] + ([str(database.parent.resolve())] if database else [])
 
     def reconcile(self) -> list[Any]:
-        """The cheap part of `sweep check`, run when a worker opens the study: rows among donors and resume points
-        whose blob is gone are removed, so no trial is sent to a missing file."""
+        """The cheap part of `sweep check`, run when a worker opens the study: checkpoints written while the storage
+        was away and never registered (their worker gave up waiting) are registered from the record beside each,
+        then rows among donors and resume points whose blob is gone are removed, so no trial is sent to a missing
+        file."""
+        if self.store.artifacts is None:
+            adopt_unregistered(self.registry, self.store.folder, self.study_name)
         return self.boundary.call(quick_check, self.registry, self.study_name, scope=self.store.scope)
+
 
     # -----------------------------------------------------------------------------------------------------------------
     # Starting a trial.
@@ -191,6 +198,25 @@ def _cleanup(trial_number: int, what: str) -> Iterator[None]:
         warnings.warn(f"trial {trial_number}: {what} failed: {type(exc).__name__}: {exc}", stacklevel=3)
 
 
+
+def _unregistered_path(blob: Path) -> Path:
+    return blob.with_name(blob.name + UNREGISTERED)
+
+
+def _write_unregistered(blob: Path, record: Mapping[str, Any]) -> None:
+    """The registry row of `blob`, beside it, while the storage is away: the worker may give up waiting
+    (`storage_patience`) with the row in memory, and the next worker to open the study registers it from here
+    (`sweep.reconcile.adopt_unregistered`), so a retry resumes from the checkpoints written in the outage.
+    Written atomically (temporary file, rename); a failure only warns."""
+    target = _unregistered_path(blob)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(dict(record)))
+        os.replace(temporary, target)
+    except (OSError, TypeError, ValueError) as exc:
+        temporary.unlink(missing_ok=True)
+        warnings.warn(f"{blob}: its registration waits in memory only ({type(exc).__name__}: {exc})", stacklevel=3)
+
 class TrialCheckpointer:
     """The trainer's `Checkpointer` for one trial: the policy (`every_steps`, `every_seconds`, `on_best`, the
     warm-start handoff step) decides at each log or eval step; the trainer writes, and `saved` registers.
@@ -238,17 +264,24 @@ class TrialCheckpointer:
         memory and is made with the next one, or when the trial ends; the blob is on disk meanwhile."""
         self.last_saved_at = self.clock()
         value = None if metrics is None else metrics.get(self.metric)
-        self.pending.append(dict(study=self.study, trial_number=self.number, step=info.step, value=value,
-                                 params=self.params, shape_key=self.shape_key, uri=self.store.put(info.path),
-                                 size=info.size, sha256=info.sha256, coords=self.coords, cat_key=self.cat_key))
-        with contextlib.suppress(StorageAway):
+        record = dict(study=self.study, trial_number=self.number, step=info.step, value=value, params=self.params,
+                      shape_key=self.shape_key, uri=self.store.put(info.path), size=info.size, sha256=info.sha256,
+                      coords=self.coords, cat_key=self.cat_key)
+        self.pending.append(record)
+        try:
             self.flush()
             self._collect()
+        except StorageAway:
+            if self.store.artifacts is None and record in self.pending:  # a folder store: beside the blob too
+                _write_unregistered(info.path, record)
 
     def flush(self) -> None:
         while self.pending:
-            self.registry.register(**self.pending[0])
+            record = self.pending[0]
+            self.registry.register(**record)
             self.pending.pop(0)
+            if self.store.artifacts is None:
+                _unregistered_path(self.store.local_path(str(record["uri"]))).unlink(missing_ok=True)
 
     def best_record(self) -> CheckpointRecord | None:
         """The trial's best checkpoint (its latest when none has a value), or None when it wrote none. Until

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
+import os
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +111,38 @@ class CheckReport:
         return [p for p in self.problems if p.kind == kind]
 
 
+UNREGISTERED = ".unregistered.json"  # beside a blob whose registry row waited for the storage (sweep.checkpoints)
+
+
+def adopt_unregistered(registry: Registry, folder: Path, study: str) -> int:
+    """Register each blob of the study's `folder` whose registration waited in its worker's memory when that worker
+    gave up on the storage (`storage_patience`): its row lies beside it, in a file named like the blob plus
+    `UNREGISTERED`. A record is claimed by renaming it, so of several workers starting at once one registers it; a
+    blob that is gone or does not match its record's hash is not registered (`sweep check` lists it). Returns how
+    many were registered."""
+    adopted = 0
+    for record_path in sorted(folder.glob(f"*{UNREGISTERED}")):
+        claimed = record_path.with_name(f"{record_path.name}.{os.getpid()}")
+        try:
+            record_path.rename(claimed)
+        except OSError:
+            continue  # another worker claimed it
+        try:
+            record = json.loads(claimed.read_text())
+            blob = folder / str(record["uri"])
+            if record.get("study") == study and blob.is_file() and sha256_of(blob) == record["sha256"]:
+                known = {r.uri for r in registry.for_trial(study, int(record["trial_number"]))}
+                if record["uri"] not in known:
+                    registry.register(**record)
+                    adopted += 1
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"{record_path}: not registered ({type(exc).__name__}: {exc}); `sweep check` lists its "
+                          "checkpoint", stacklevel=2)
+        finally:
+            claimed.unlink(missing_ok=True)
+    return adopted
+
+
 def check_study(registry: Registry, store_location: str, study: optuna.Study, *, repair: bool = False,
                 delete_orphans: bool = True,
                 orphan_min_age_s: float = ORPHAN_MIN_AGE_S,
@@ -121,6 +156,8 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
     name = study.study_name
     report = CheckReport(name)
     scope = BlobScope(store_location)
+    if repair and not is_object_url(store_location):  # checkpoints written in an outage: registered, not deleted
+        adopt_unregistered(registry, CheckpointStore(store_location, name).folder, name)
     # The folder is listed before the rows are read: a file a worker registers in between is then known by its row.
     files = _listing(store_location, name, report)
     records = registry.for_study(name)
@@ -198,7 +235,7 @@ def _listing(store_location: str, study: str, report: CheckReport) -> list[_File
                 stat = path.lstat()
             except FileNotFoundError:  # renamed or deleted since the listing
                 continue
-            if path.is_file() and not path.is_symlink():
+            if path.is_file() and not path.is_symlink() and not path.name.endswith(UNREGISTERED):
                 files.append(_File(path, now - stat.st_mtime))
     return files
 

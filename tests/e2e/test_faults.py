@@ -795,3 +795,61 @@ def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_ret
         lost, retry = load_trials(server.url, "away")
         assert lost.state == TrialState.FAIL and lost.user_attrs["outcome"] == "lost", lost.user_attrs
         assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == 0
+
+
+# The same, saving its state at each step (what a retry resumes from).
+SAVING_LOOP = """
+import time
+
+
+def main(config, run):
+    state = run.load()
+    for step in range(state["step"] + 1 if state else 1, config["max_steps"] + 1):
+        time.sleep(config["nap_s"])
+        if run.report(step, val_loss=1.0 / step):
+            return
+        run.save({"step": step})
+"""
+
+
+def test_checkpoints_written_while_postgresql_was_down_are_resumed_from_after_the_worker_gave_up(
+        tmp_path: Path) -> None:
+    """The storage stays down longer than `storage_patience`: the trial trains on and saves, its checkpoints'
+    registrations wait in memory, and the worker exits 1 when the trial ends. Those registrations were lost with it:
+    the retry started over from the last checkpoint registered before the outage. Each waits beside its blob now,
+    and the next run registers it."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    (tmp_path / "saver.py").write_text(SAVING_LOOP)
+    path = write_study(tmp_path, {
+        "name": "outage", "n_trials": 1, "sampler": {"type": "random"}, "pruner": "none", "loop": "saver:main",
+        "heartbeat_interval": 1, "heartbeat_grace_period": 3, "storage_patience": 5,
+        "checkpoints": {"store": str(tmp_path / "checkpoints")},
+        "fixed": {"max_steps": 12, "nap_s": 0.5}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = tmp_path / "worker.log"
+    with PostgresServer() as server:
+        worker = start_sweep("run", path, "--storage", server.url, log=log, env=env)
+        try:
+            def reporting() -> bool:
+                try:
+                    trials = load_trials(server.url, "outage")
+                except KeyError:  # not created yet
+                    return False
+                return any(t.intermediate_values and t.state == TrialState.RUNNING for t in trials)
+
+            wait_for("a first report", reporting, 120, interval=0.2, alive=worker)
+            server.stop("fast")
+            code = finish(worker, log, timeout=180)  # trains to the end, then gives up on its storage
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        assert code == 1 and "storage_patience is 5 s" in tail(log), tail(log)
+        assert list((tmp_path / "checkpoints" / "outage").glob("*.unregistered.json"))
+        server.start()
+        assert sweep_run(path, "--storage", server.url, log=log, env=env) == 0, tail(log)
+        lost, retry = load_trials(server.url, "outage")
+        assert lost.user_attrs["outcome"] == "lost" and retry.state == TrialState.COMPLETE
+        assert retry.user_attrs["resumed_from"] == {"trial": 0, "step": 12}, retry.user_attrs
+        assert retry.value == 1.0 / 12  # its last save's value: resumed at its end, it had no step left to report
+    assert not list((tmp_path / "checkpoints" / "outage").glob("*.unregistered.json*"))
