@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from sweep.storage import Boundary
     from sweep.tracking import Tracker
 
-__all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "metric_value", "resume_lineage",
-           "task_for", "warm_start"]
+__all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "finish_trackers", "metric_value",
+           "resume_lineage", "task_for", "trial_trackers", "warm_start"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
 
@@ -181,6 +181,32 @@ class TrialReporter:
             reason["train_loss"] = metrics["train_loss"]
         return reason
 
+
+
+
+def trial_trackers(spec: StudySpec, storage_url: str | None, trial: optuna.Trial, params: Mapping[str, Any],
+                   config: Mapping[str, Any], prior: Sequence[tuple[int, float]]) -> list[Guarded]:
+    """The trial's trackers (none with tracking off), for any runner: the built-in trainer, a loop, a command. A
+    retry's run starts with its lineage's evaluations (`prior`): one curve, as in Optuna."""
+    trackers = open_trackers(spec, storage_url, trial.study.study_name, trial.number, params, config)
+    for step, value in prior:
+        for tracker in trackers:
+            tracker.report(step, {spec.metric: value})
+    return trackers
+
+def finish_trackers(trackers: Sequence[Guarded], result: TrialResult, checkpointer: TrialCheckpointer | None) -> None:
+    """The trial's trackers (TensorBoard, MLflow) told how it ended, and where its best checkpoint lies."""
+    if not trackers:
+        return
+    best = None
+    if checkpointer is not None:
+        with contextlib.suppress(Exception):  # the registry not answering: tracking never fails a trial
+            record = checkpointer.best_record()
+            best = None if record is None else {"uri": record.uri, "step": record.step, "value": record.value,
+                                                "sha256": record.sha256}
+    attrs = {**result.attrs, "checkpoint": best}
+    for tracker in trackers:
+        tracker.finish(result.outcome.value, result.value, attrs)
 
 def _fast_fail_of(config: Mapping[str, Any]) -> FastFailConfig:
     """The fast-fail settings a trial's config dict holds (off when it holds none)."""
@@ -329,11 +355,7 @@ class TrainerTrial:
         if confirming is not None:
             trial.set_user_attr(ATTR_LINEAGE, f"cold confirmation of warm trial #{confirming}: its own config from "
                                 "step 0, never pruned")
-        self.trackers = open_trackers(spec, self.storage_url, trial.study.study_name, trial.number, params,
-                                      config.to_dict())
-        for step, value in start.prior:  # a retry's run holds its lineage's evaluations too: one curve, as in Optuna
-            for tracker in self.trackers:
-                tracker.report(step, {spec.metric: value})
+        self.trackers = trial_trackers(spec, self.storage_url, trial, params, config.to_dict(), start.prior)
         reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
                                  deadline=self.deadline, judged=confirming is None,
                                  inherited_until=None if start.warm is None else start.warm.state.step,
@@ -365,22 +387,7 @@ class TrainerTrial:
         """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
-        if self.trackers:
-            attrs = {**result.attrs, "checkpoint": self._best_checkpoint()}
-            for tracker in self.trackers:
-                tracker.finish(result.outcome.value, result.value, attrs)
-
-    def _best_checkpoint(self) -> dict[str, Any] | None:
-        """Where the trial's best checkpoint lies, for the trackers; None when it has none or the registry does
-        not answer (tracking never fails a trial)."""
-        if self.checkpointer is None:
-            return None
-        try:
-            best = self.checkpointer.best_record()
-        except Exception:  # noqa: BLE001 - see above
-            return None
-        return None if best is None else {"uri": best.uri, "step": best.step, "value": best.value,
-                                          "sha256": best.sha256}
+        finish_trackers(self.trackers, result, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task, *,
                warm_allowed: bool = True) -> Start:

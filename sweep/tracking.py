@@ -241,6 +241,32 @@ class MLflowTracker:
         self.client.set_terminated(self.parent, "FINISHED")
 
 
+
+def end_lost_run(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int) -> None:
+    """A trial found lost (its worker died): its MLflow run, which nobody will end, is ended as KILLED with the tag
+    `sweep.state: lost`, not left RUNNING forever. TensorBoard keeps no state to end. Never raises: a warning."""
+    if not spec.tracking.mlflow.enabled:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        uri, experiment, _ = mlflow_location(spec.tracking, storage_url, study_name)
+        with _store_turn(uri):
+            client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return
+        runs = client.search_runs([found.experiment_id], filter_string=(
+            f"tags.`{TAG_STUDY}` = '{study_name}' and tags.`{TAG_ROLE}` = 'trial' and "
+            f"tags.`{TAG_TRIAL}` = '{trial_number}' and attributes.status = 'RUNNING'"))
+        for run in runs:
+            client.set_tag(run.info.run_id, "sweep.state", "lost")
+            client.set_terminated(run.info.run_id, "KILLED")
+    except Exception as exc:  # noqa: BLE001 - tracking never takes a worker down
+        first = mask_urls(str(exc).splitlines()[0]) if str(exc) else ""
+        warnings.warn(f"trial {trial_number}: its MLflow run could not be ended as lost ({type(exc).__name__}: "
+                      f"{first})", stacklevel=2)
+
 def _param(name: str, value: Any) -> Any:
     from mlflow.entities import Param
 

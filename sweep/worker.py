@@ -58,6 +58,7 @@ from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient, never_lost
+from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
@@ -430,7 +431,9 @@ class Worker:
         study_id = self.study._study_id  # noqa: SLF001 - Optuna has no public handle on it
         for trial_id in self.storage.stale_trial_ids(study_id):
             if self.storage.fail_lost_trial(trial_id, LOST_REASON):
-                self._retry(self.storage.get_trial(trial_id), LOST_REASON)
+                lost = self.storage.get_trial(trial_id)
+                self._retry(lost, LOST_REASON)
+                end_lost_run(self.spec, self.url, self.study.study_name, lost.number)
 
     def _adopt_silent_trials(self, trials: list[FrozenTrial]) -> None:
         """A trial whose worker was stopped between asking for it and its first heartbeat (Ctrl-C while the sampler

@@ -40,11 +40,12 @@ def runner_for(trial: optuna.Trial, spec: StudySpec, events: Events, boundary: B
     if spec.form == "loop":
         from sweep.runners.loop import LoopTrial
 
-        return LoopTrial(trial, spec, events, boundary, checkpoints, deadline=deadline)
+        return LoopTrial(trial, spec, events, boundary, checkpoints, deadline=deadline, storage_url=storage_url)
     if spec.form == "command":
         from sweep.runners.command import CommandTrial
 
-        return CommandTrial(trial, spec, events, boundary, checkpoints, deadline=deadline)
+        return CommandTrial(trial, spec, events, boundary, checkpoints, deadline=deadline,
+                            storage_url=storage_url)
     from sweep.objective import TrainerTrial
 
     return TrainerTrial(trial, spec, events, boundary, checkpoints, deadline=deadline, storage_url=storage_url)

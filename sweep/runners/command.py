@@ -45,7 +45,7 @@ from sweep.client import (
     ENV_START_STEP,
     ENV_TRIAL,
 )
-from sweep.objective import Deadline, Start, TrialReporter
+from sweep.objective import Deadline, Start, TrialReporter, finish_trackers, trial_trackers
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -63,6 +63,7 @@ from sweep.outcomes import (
 from sweep.runners.loop import save_path, user_start
 from sweep.schema import short_repr
 from sweep.signals import raise_pending
+from sweep.tracking import Guarded
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
 
@@ -166,14 +167,18 @@ class CommandTrial:
     """One trial of a user's command, from its params to its result."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None,
+                 storage_url: str | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
+        self.storage_url = storage_url
+        self.trackers: list[Guarded] = []  # TensorBoard, MLflow: none with tracking off
         self.deadline = None if deadline is None else Deadline(deadline)
         self.checkpointer: TrialCheckpointer | None = None
 
     def release(self, result: TrialResult) -> None:
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
+        finish_trackers(self.trackers, result, self.checkpointer)
 
     def log_path(self) -> Path:
         folder = (self.checkpoints.store.folder if self.checkpoints is not None and self.checkpoints.store.artifacts
@@ -192,8 +197,10 @@ class CommandTrial:
         log.parent.mkdir(parents=True, exist_ok=True)
         trial.set_user_attr(ATTR_LOG, str(log))
         start, self.checkpointer = user_start(trial, spec, self.checkpoints, params, config)
+        self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
-                                 judged=ATTR_CONFIRMS not in trial.user_attrs)  # a cold confirmation is never pruned
+                                 judged=ATTR_CONFIRMS not in trial.user_attrs,  # a cold confirmation is never pruned
+                                 trackers=self.trackers)
         started = time.perf_counter()
         # A trial's number runs once in a study: a log already there is an earlier study's (of the same name, its
         # database deleted), and its last JSON line must not become this trial's value.

@@ -45,7 +45,16 @@ import numpy as np
 import torch
 
 from sweep.confirm import warm_lineage
-from sweep.objective import Deadline, Start, TrialReporter, metric_value, resume_lineage, warm_start
+from sweep.objective import (
+    Deadline,
+    Start,
+    TrialReporter,
+    finish_trackers,
+    metric_value,
+    resume_lineage,
+    trial_trackers,
+    warm_start,
+)
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -63,6 +72,7 @@ from sweep.outcomes import (
     Outcome,
     TrialResult,
 )
+from sweep.tracking import Guarded
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
@@ -234,8 +244,11 @@ class LoopTrial:
     """One trial of a user's loop function, from its params to its result; `release` hands its checkpoints back."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None, *, deadline: float | None = None) -> None:
+                 checkpoints: CheckpointService | None, *, deadline: float | None = None,
+                 storage_url: str | None = None) -> None:
         self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
+        self.storage_url = storage_url
+        self.trackers: list[Guarded] = []  # TensorBoard, MLflow: none with tracking off
         self.checkpointer: TrialCheckpointer | None = None
         self.deadline = None if deadline is None else Deadline(deadline)
 
@@ -248,8 +261,10 @@ class LoopTrial:
         config = spec.user_config(params)
         trial.set_user_attr(ATTR_CONFIG, config)
         start = self._start(params, config)
+        self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
-                                 judged=ATTR_CONFIRMS not in trial.user_attrs)  # a cold confirmation is never pruned
+                                 judged=ATTR_CONFIRMS not in trial.user_attrs,  # a cold confirmation is never pruned
+                                 trackers=self.trackers)
         seed, device = loop_seed(config), resolve_device(str(config.get("device", "auto")))
         initial = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
         run = Run(config, reporter, spec.metric, seed=seed, device=device, trial=trial.number, initial=initial,
@@ -286,6 +301,7 @@ class LoopTrial:
     def release(self, result: TrialResult) -> None:
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
+        finish_trackers(self.trackers, result, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> Start:
         start, self.checkpointer = user_start(self.trial, self.spec, self.checkpoints, params, config)

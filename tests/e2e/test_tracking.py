@@ -319,3 +319,83 @@ def test_workers_starting_at_once_on_a_new_mlflow_store_all_track_their_trials(t
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
     assert sorted(r.data.tags.get("sweep.role") for r in runs) == ["study", "trial", "trial", "trial"]
+
+
+def test_a_lost_trial_s_mlflow_run_is_ended_as_lost_by_the_worker_that_finds_it(tmp_path: Path) -> None:
+    """Its worker died (SIGKILL), so nobody ended its run: it stayed RUNNING forever in MLflow's UI. The worker that
+    fails the trial as lost ends it (KILLED, `sweep.state: lost`); the retry logs to a run of its own."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "heartbeat_interval": 1, "heartbeat_grace_period": 2,
+                                            "tracking": {"mlflow": True}}
+    document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 50, "log_every_steps": 50}
+    path = write_study(tmp_path, document)
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, env={**os.environ, **CLI_ENV})
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # until trial 0 has reported: its run exists and is RUNNING
+            assert time.monotonic() < deadline and worker.poll() is None
+            try:
+                trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").trials
+            except KeyError:
+                trials = []
+            if trials and len(trials[0].intermediate_values) > 1:
+                break
+            time.sleep(0.2)
+    finally:
+        worker.kill()
+        worker.wait()
+    time.sleep(3)  # its heartbeat is older than the grace period now
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id],
+                              filter_string="tags.`sweep.role` = 'trial'")
+    by_trial = {r.data.tags["sweep.trial"]: r for r in runs}
+    assert by_trial["0"].info.status == "KILLED" and by_trial["0"].data.tags["sweep.state"] == "lost"
+    assert by_trial["1"].info.status == "FINISHED" and by_trial["1"].data.tags["sweep.state"] == "complete"
+
+
+@pytest.mark.parametrize("form", ["loop", "command"])
+def test_a_users_loop_or_command_is_tracked_like_the_trainer(tmp_path: Path, form: str) -> None:
+    """`tracking:` was ignored for `loop:` and `command:` studies, silently: every report and log a user's code
+    makes now reaches TensorBoard and MLflow as the trainer's do."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    from mlflow import MlflowClient
+
+    (tmp_path / "mine.py").write_text(
+        "import sys\n"
+        "def main(config, run):\n"
+        "    for step in (10, 20):\n"
+        "        run.log(step, train_loss=2.0 / step)\n"
+        "        run.report(step, val_loss=config['x'] + 1.0 / step)\n"
+        "if __name__ == '__main__':\n"
+        "    from sweep import client\n"
+        "    x = float(sys.argv[1])\n"
+        "    for step in (10, 20):\n"
+        "        client.report(step, val_loss=x + 1.0 / step)\n")
+    runs = {"loop": {"loop": "mine:main"}, "command": {"command": f"{sys.executable} mine.py {{x}}"}}[form]
+    path = write_study(tmp_path, {"name": "mine", "n_trials": 2, "pruner": "none", **runs,
+                                  "tracking": {"tensorboard": True, "mlflow": True},
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, cwd=tmp_path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "tracking dropped" not in done.stderr
+    trials = optuna.load_study(study_name="mine", storage=f"sqlite:///{tmp_path / 'mine.db'}").get_trials()
+    tensorboard = event_runs(tmp_path / "mine.tensorboard")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mine.mlflow.db'}")
+    mlflow_runs = {r.data.tags["sweep.trial"]: r for r in client.search_runs(
+        [client.get_experiment_by_name("mine").experiment_id], filter_string="tags.`sweep.role` = 'trial'")}
+    for trial in trials:
+        accumulator = tensorboard[f"mine/trial-{trial.number:05d}"]
+        evals = {e.step: e.value for e in accumulator.Scalars("eval/val_loss")}
+        assert evals == pytest.approx(trial.intermediate_values, rel=1e-6)
+        run = mlflow_runs[str(trial.number)]
+        assert run.data.tags["sweep.state"] == "complete" and run.info.status == "FINISHED"
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_loss")}
+        assert history == pytest.approx(trial.intermediate_values, rel=1e-6)
+        if form == "loop":
+            assert [e.step for e in accumulator.Scalars("train/train_loss")] == [10, 20]
