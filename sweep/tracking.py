@@ -39,8 +39,9 @@ from sweep.urls import mask_urls
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["Guarded", "MLflowTracker", "TensorBoardTracker", "Tracker", "mlflow_location", "open_trackers",
-           "study_tensorboard_folder", "tensorboard_root", "tracking_problems", "trial_run_name"]
+__all__ = ["Guarded", "MLflowTracker", "TensorBoardTracker", "Tracker", "end_lost_run", "mlflow_location",
+           "open_trackers", "resolve_tracking", "study_tensorboard_folder", "tensorboard_root", "tracking_problems",
+           "trial_run_name"]
 
 
 class Tracker(Protocol):
@@ -63,12 +64,34 @@ def trial_run_name(number: int) -> str:
 
 def tensorboard_root(tracking: TrackingSpec, storage_url: str | None) -> Path:
     """Where TensorBoard runs go, a folder per study inside: `tracking.tensorboard.dir`, else next to the SQLite file
-    (`NAME.db` -> `NAME.tensorboard/`), else (a server database) `sweep-tensorboard/` in the working folder."""
+    (`NAME.db` -> `NAME.tensorboard/`), else (a server database) `sweep-tensorboard/` in the working folder
+    (`resolve_tracking` puts it next to the study file when there is one)."""
     if tracking.tensorboard.dir is not None:
         return Path(tracking.tensorboard.dir).expanduser()
     path = sqlite_path(storage_url) if storage_url is not None else None
     return path.with_suffix(".tensorboard") if path is not None else Path("sweep-tensorboard")
 
+
+
+def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) -> StudySpec:
+    """`spec` with its tracking folders independent of the working folder, as its checkpoint store is
+    (`sweep.registry.resolve_store`): a relative `tracking.tensorboard.dir` is relative to the study file, and with
+    a server database the defaults (TensorBoard's folder, MLflow's SQLite store) go next to the study file. Workers
+    and reruns started in other folders then write to the same runs."""
+    if spec_path is None:
+        return spec
+    folder, server = spec_path.resolve().parent, sqlite_path(storage_url) is None
+    tensorboard, mlflow = spec.tracking.tensorboard, spec.tracking.mlflow
+    if tensorboard.enabled and tensorboard.dir is None and server:
+        tensorboard = tensorboard.model_copy(update={"dir": str(folder / "sweep-tensorboard")})
+    elif tensorboard.enabled and tensorboard.dir is not None and not Path(tensorboard.dir).expanduser().is_absolute():
+        tensorboard = tensorboard.model_copy(update={"dir": str(folder / tensorboard.dir)})
+    if mlflow.enabled and mlflow.tracking_uri is None and server:
+        mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / 'sweep-mlflow.db'}"})
+    if tensorboard is spec.tracking.tensorboard and mlflow is spec.tracking.mlflow:
+        return spec
+    tracking = spec.tracking.model_copy(update={"tensorboard": tensorboard, "mlflow": mlflow})
+    return spec.model_copy(update={"tracking": tracking})
 
 def study_tensorboard_folder(study: Any, storage_url: str) -> Path:
     """The folder of a stored study's TensorBoard runs, from the spec kept on the study (`sweep tensorboard`)."""
@@ -137,7 +160,9 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
     `sweep-mlflow.db` in the working folder. The experiment defaults to the study's name. None: the server's."""
     experiment = tracking.mlflow.experiment or study_name
     if tracking.mlflow.tracking_uri is not None:
-        return tracking.mlflow.tracking_uri, experiment, None
+        given = sqlite_path(tracking.mlflow.tracking_uri)  # a SQLite store: its artifacts beside it, not in ./mlruns
+        beside = None if given is None else given.with_name(f"{given.stem}-artifacts").resolve().as_uri()
+        return tracking.mlflow.tracking_uri, experiment, beside
     path = sqlite_path(storage_url) if storage_url is not None else None
     if path is not None:
         store, artifacts = path.with_suffix(".mlflow.db"), path.with_suffix(".mlflow-artifacts")

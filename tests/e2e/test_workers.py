@@ -148,9 +148,9 @@ def test_sweep_stop_lets_workers_finish_their_trial_and_exit(tmp_path: Path) -> 
 @pytest.mark.parametrize("where", ["relative", "server default"])
 def test_the_checkpoint_store_is_found_from_the_study_file_not_the_working_folder(
         tmp_path: Path, where: str, request: pytest.FixtureRequest) -> None:
-    """A rerun or a worker started in another folder must find the same checkpoints: a relative store, and a server
-    database's default store, were relative to the working folder (a rerun from elsewhere found no resume point and
-    its quick check deleted the rows it could not see)."""
+    """A rerun or a worker started in another folder must find the same checkpoints (and tracking runs): a relative
+    store, and a server database's default store, were relative to the working folder (a rerun from elsewhere found no
+    resume point and its quick check deleted the rows it could not see)."""
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir()
     elsewhere.mkdir()
@@ -158,14 +158,18 @@ def test_the_checkpoint_store_is_found_from_the_study_file_not_the_working_folde
     args: list[str] = []
     if where == "relative":
         document["checkpoints"] = {"store": "ckpts"}
-        expected = project / "ckpts" / "tiny"
+        document["tracking"] = {"tensorboard": {"dir": "tb"}, "mlflow": True}
+        expected, tensorboard, mlflow = project / "ckpts" / "tiny", project / "tb" / "tiny", project / "tiny.mlflow.db"
     else:
         args = ["--storage", request.getfixturevalue("postgres_url")]
-        expected = project / "sweep-checkpoints" / "tiny"
+        document["tracking"] = {"tensorboard": True, "mlflow": True}
+        expected, tensorboard = project / "sweep-checkpoints" / "tiny", project / "sweep-tensorboard" / "tiny"
+        mlflow = project / "sweep-mlflow.db"
     path = write_study(project, document)
     done = sweep_cli("run", path, *args, cwd=elsewhere)
     assert done.returncode == 0, done.stderr
     assert list(expected.glob("trial*.pt")), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.pt"))
+    assert (tensorboard / "trial-00000").is_dir() and mlflow.is_file()
     assert not any(elsewhere.iterdir())  # nothing written in the working folder
 
 # A user's loop whose steps take seconds between checks: it marks each step's start and end in a folder.
