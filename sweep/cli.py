@@ -731,7 +731,7 @@ def check(
     # The store is the study file's when one is given. Named only by the database, a store other than the default
     # one beside it is not trusted to delete files in: whoever can write the database could point it anywhere.
     if target.endswith((".yaml", ".yml")):
-        spec, _ = read_spec(Path(target))
+        spec = _study_file_spec(target, url)
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
     else:
         location = store_location(study, url)
@@ -785,7 +785,7 @@ def dashboard(
 
     if isinstance(stored := study.user_attrs.get(SPEC_ATTR), dict):
         label_for_dashboard(study, stored)  # the metric's name and the readable definition, for older studies too
-    spec = _study_file_spec(target)
+    spec = _study_file_spec(target, url)
     artifacts = dashboard_artifact_store(study, (spec.checkpoints.store if spec is not None else None)
                                          or store_location(study, url))
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
@@ -864,7 +864,7 @@ def reproduce(
     from sweep.reproduce import reproduce_trial
 
     study, url = _open_with_url(target, storage, study_name)
-    spec = _study_file_spec(target)
+    spec = _study_file_spec(target, url)
     store = (spec.checkpoints.store if spec is not None else None) or store_location(study, url)
     try:
         comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target), trust_code=trust_task)
@@ -878,11 +878,19 @@ def reproduce(
     out.print(f"trial {trial} reproduced: {comparison.steps_compared} reported values identical ({how})")
 
 
-def _study_file_spec(target: str) -> Any:
-    """The study file given on the command line (already read once by `_open`), or None for a database."""
+def _study_file_spec(target: str, url: str | None = None) -> Any:
+    """The study file given on the command line (already read once by `_open`), or None for a database. With the
+    storage `url`, its folders (checkpoints, tracking) resolved as `sweep run` resolves them: relative to the study
+    file, not to the working folder."""
     if Path(target).suffix not in (".yaml", ".yml"):
         return None
-    return read_spec(Path(target))[0]
+    spec, spec_path = read_spec(Path(target))
+    if url is None:
+        return spec
+    from sweep.registry import resolve_store
+    from sweep.tracking import resolve_tracking
+
+    return resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
 
 
 def _code_named_by(target: str) -> set[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from sweep.storage import sqlite_path
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["COORDS", "CheckpointRecord", "Registry", "default_store", "resolve_store"]
+__all__ = ["COORDS", "CheckpointRecord", "Registry", "default_store", "resolve_store", "study_folder"]
 
 COORDS = 4  # normalised coordinates kept as indexed columns for the donor lookup's box
 
@@ -128,13 +129,20 @@ def resolve_store(spec: StudySpec, spec_path: Path | None, storage_url: str) -> 
     if store is None:
         if sqlite_path(storage_url) is not None:
             return spec  # next to the SQLite file, wherever it is
-        folder = spec_path.resolve().parent / "sweep-checkpoints"
+        folder = study_folder(spec_path) / "sweep-checkpoints"
     else:
         given = Path(store).expanduser()
         if given.is_absolute():
             return spec
-        folder = spec_path.resolve().parent / given
+        folder = study_folder(spec_path) / given
     return spec.model_copy(update={"checkpoints": spec.checkpoints.model_copy(update={"store": str(folder)})})
+
+
+def study_folder(spec_path: Path) -> Path:
+    """The folder relative paths of a study are taken from: the study file's, unless it cannot be written (a
+    Kubernetes pod mounts its study file read-only from a ConfigMap), then the working folder, as before."""
+    folder = spec_path.resolve().parent
+    return folder if os.access(folder, os.W_OK | os.X_OK) else Path.cwd()
 
 
 class Registry:

@@ -80,7 +80,9 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
     and reruns started in other folders then write to the same runs."""
     if spec_path is None:
         return spec
-    folder, server = spec_path.resolve().parent, sqlite_path(storage_url) is None
+    from sweep.registry import study_folder
+
+    folder, server = study_folder(spec_path), sqlite_path(storage_url) is None
     tensorboard, mlflow = spec.tracking.tensorboard, spec.tracking.mlflow
     if tensorboard.enabled and tensorboard.dir is None and server:
         tensorboard = tensorboard.model_copy(update={"dir": str(folder / "sweep-tensorboard")})

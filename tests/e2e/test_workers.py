@@ -170,6 +170,11 @@ def test_the_checkpoint_store_is_found_from_the_study_file_not_the_working_folde
     assert done.returncode == 0, done.stderr
     assert list(expected.glob("trial*.pt")), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.pt"))
     assert (tensorboard / "trial-00000").is_dir() and mlflow.is_file()
+    # The read commands find the same folder: `sweep check --repair` from elsewhere deleted the rows whose blobs it
+    # looked for in the working folder.
+    checked = sweep_cli("check", path, *args, "--repair", cwd=elsewhere)
+    assert checked.returncode == 0 and "missing_blob" not in checked.stdout, checked.stdout + checked.stderr
+    assert list(expected.glob("trial*.pt"))
     assert not any(elsewhere.iterdir())  # nothing written in the working folder
 
 # A user's loop whose steps take seconds between checks: it marks each step's start and end in a folder.
