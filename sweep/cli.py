@@ -296,13 +296,19 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
 def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
     """Ctrl-C and SIGTERM as requests the worker honours at a clean point, and how a run that ends early exits:
     130 interrupted, 143 preempted, 1 a broken study, a repeated fault of the machine or a storage gone too long."""
-    from sweep.signals import Preempted, graceful_signals
+    from sweep.signals import Preempted, graceful_signals, stop_requested
     from sweep.storage import StorageUnavailable
     from sweep.worker import InfrastructureError, StudyBrokenError
 
     try:
         with graceful_signals():
-            yield
+            try:
+                yield
+            except StorageUnavailable:
+                stop = stop_requested()
+                if stop is None:
+                    raise
+                raise stop() from None  # told to stop while the storage was away: it exits as the signal says
     except KeyboardInterrupt:
         err.print(f"{prefix}interrupted: running trials are marked and queued again; rerun the same command to "
                   "continue.", markup=False)
@@ -911,6 +917,10 @@ def _cell(value: object) -> str:
 def main() -> None:
     from sweep.private import private_umask
 
+    if os.environ.get("SWEEP_WORKER") is not None:  # a launcher's worker (sweep.workers.WORKER_ENV): its stop
+        from sweep.signals import record_forwarded  # requests are recorded from now, not only once torch is imported
+
+        record_forwarded()
     private_umask()  # what sweep writes is owner-only (see sweep.private)
     app()
 

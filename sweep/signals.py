@@ -6,10 +6,12 @@ signal only records the request, and the worker raises it where stopping is clea
 evaluation step (`raise_pending`, called by the trial's reporter) and between trials. A second signal of the same kind
 raises at once, for a worker stuck where no check comes.
 
-A launcher (`sweep run --workers N`) passes a signal on to its workers as another one (`FORWARD`: SIGUSR1 for Ctrl-C,
-SIGUSR2 for SIGTERM), which only ever records the request. A terminal's Ctrl-C reaches the whole process group, the
-launcher included, and the launcher cannot tell that from a signal sent to it alone: passing on the same signal would
-be a worker's second one, raised at once wherever the worker happens to be.
+A launcher (`sweep run --workers N`) passes a signal on to its workers as another one (`FORWARD`: a real-time signal
+for each, SIGUSR1/SIGUSR2 where there are none), which only ever records the request. A terminal's Ctrl-C reaches the
+whole process group, the launcher included, and the launcher cannot tell that from a signal sent to it alone: passing
+on the same signal would be a worker's second one, raised at once wherever the worker happens to be. Only direct
+signals count towards a second one: a forwarded request followed by the direct signal itself (a scheduler signalling
+every process of a task) is still one request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["FORWARD", "Preempted", "graceful_signals", "raise_pending", "stop_requested"]
+__all__ = ["FORWARD", "Preempted", "graceful_signals", "raise_pending", "record_forwarded", "stop_requested"]
 
 
 class Preempted(BaseException):
@@ -27,52 +29,65 @@ class Preempted(BaseException):
     trial is marked and queued again; the retry resumes from its last checkpoint."""
 
 
-_pending: type[BaseException] | None = None
-_requested = False  # a signal came in this block (`graceful_signals`), raised or not
+_pending: type[BaseException] | None = None  # the stop asked for, not raised yet
+_direct: type[BaseException] | None = None  # ... when a direct signal (not a forwarded one) asked for it
+_requested: type[BaseException] | None = None  # the stop asked for in this block, raised or not
 
-# The signal a launcher sends its workers for each one it received (see the module's docstring).
-FORWARD = {signal.SIGINT: signal.SIGUSR1, signal.SIGTERM: signal.SIGUSR2}
+# The signal a launcher sends its workers for each one it received (see the module's docstring): real-time signals
+# where there are (no library a user's loop brings uses them; Lightning, say, takes SIGUSR1 for Slurm's requeue).
+if hasattr(signal, "SIGRTMIN"):
+    FORWARD: dict[int, int] = {signal.SIGINT: signal.SIGRTMIN + 1, signal.SIGTERM: signal.SIGRTMIN + 2}
+else:  # macOS
+    FORWARD = {signal.SIGINT: signal.SIGUSR1, signal.SIGTERM: signal.SIGUSR2}
+_KINDS: dict[int, type[BaseException]] = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Preempted}
+_FORWARDED: dict[int, type[BaseException]] = {FORWARD[signum]: kind for signum, kind in _KINDS.items()}
 
 
-def stop_requested() -> bool:
-    """Whether Ctrl-C or SIGTERM came (and is still to be honoured, or is being): a worker waiting for its storage
-    stops waiting then, instead of holding a scheduler's grace period for its whole `storage_patience`."""
+def stop_requested() -> type[BaseException] | None:
+    """The stop Ctrl-C or SIGTERM asked for (KeyboardInterrupt, `Preempted`), still to be honoured or being honoured,
+    or None: a worker waiting for its storage stops waiting then, instead of holding a scheduler's grace period for
+    its whole `storage_patience`."""
     return _requested
 
 
 def raise_pending() -> None:
     """Raise the interruption a signal asked for, once."""
-    global _pending
-    kind, _pending = _pending, None
+    global _pending, _direct
+    kind, _pending, _direct = _pending, None, None
     if kind is not None:
         raise kind()
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    global _pending, _direct, _requested
+    if signum in _FORWARDED:  # a launcher passing one on: a request, however often it comes, never "asked twice"
+        _pending = _pending or _FORWARDED[signum]
+        _requested = _requested or _pending
+        return
+    kind = _KINDS[signum]
+    if _direct is kind:  # asked twice, directly (Ctrl-C again): now
+        _pending = _direct = None
+        raise kind()
+    _pending = _direct = _requested = kind
+
+
+def record_forwarded() -> None:
+    """In a worker that a launcher started, before its slow imports: a request its launcher passes on is recorded
+    from now on (their default action would end the process without a word), and honoured once the run begins."""
+    for signum in _FORWARDED:
+        signal.signal(signum, _handler)
 
 
 @contextlib.contextmanager
 def graceful_signals() -> Iterator[None]:
     """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`, and so do their forwarded
-    forms (`FORWARD`), which never raise at once; the handlers in place before are restored afterwards."""
-    global _pending, _requested
-    kinds: dict[int, type[BaseException]] = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Preempted}
-    forwarded: dict[int, type[BaseException]] = {FORWARD[signal.Signals(s)]: kind for s, kind in kinds.items()}
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        global _pending, _requested
-        _requested = True
-        if signum in forwarded:  # a launcher passing one on: a request, however often it comes
-            _pending = _pending or forwarded[signum]
-            return
-        kind = kinds[signum]
-        if _pending is kind:  # asked twice: now
-            _pending = None
-            raise kind()
-        _pending = kind
-
-    previous = {signum: signal.signal(signum, handler) for signum in (*kinds, *forwarded)}
-    _pending, _requested = None, False
+    forms (`FORWARD`), which never raise at once; a request recorded before (`record_forwarded`) is kept. The
+    handlers in place before are restored afterwards."""
+    global _pending, _direct, _requested
+    previous = {signum: signal.signal(signum, _handler) for signum in (*_KINDS, *_FORWARDED)}
     try:
         yield
     finally:
         for signum, before in previous.items():
             signal.signal(signum, before)
-        _pending, _requested = None, False
+        _pending = _direct = _requested = None

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import pytest
 import yaml
 
+from sweep.signals import FORWARD
 from tests.pg import postgres_available, postgres_server
 from tests.slurm import SlurmCluster, slurm_unavailable
 
@@ -89,7 +90,7 @@ class CliResult:
 _FRESH_WARNING_FILTERS: list[tuple[Literal["default", "ignore"], type[Warning], str]] = [
     ("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
     ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, "")]
-_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, *FORWARD.values())
 
 
 class _CurrentStderr(io.TextIOBase):

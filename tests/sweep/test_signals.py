@@ -1,0 +1,44 @@
+"""Ctrl-C and SIGTERM as requests (sweep.signals), with real signals sent to this process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from sweep.signals import FORWARD, Preempted, graceful_signals, raise_pending, stop_requested
+
+
+def deliver(signum: int) -> None:
+    """Send `signum` to this process and give Python the moment it needs to run the handler."""
+    os.kill(os.getpid(), signum)
+    time.sleep(0.05)
+
+
+def test_a_forwarded_request_then_the_direct_signal_is_still_one_request() -> None:
+    """A scheduler signals every process of a task: a worker gets its launcher's forwarded SIGTERM and the SIGTERM
+    itself, in either order. That is one request, honoured at the worker's next check, never "asked twice"."""
+    for first, second in ((FORWARD[signal.SIGTERM], signal.SIGTERM), (signal.SIGTERM, FORWARD[signal.SIGTERM])):
+        with graceful_signals():
+            deliver(first)
+            deliver(second)  # must not raise here
+            assert stop_requested() is Preempted
+            with pytest.raises(Preempted):
+                raise_pending()
+            raise_pending()  # once
+
+
+def test_forwarded_requests_never_raise_at_once_and_a_second_direct_one_does() -> None:
+    with graceful_signals():
+        for _ in range(3):
+            deliver(FORWARD[signal.SIGINT])
+        assert stop_requested() is KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            raise_pending()
+    with graceful_signals():
+        deliver(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            deliver(signal.SIGINT)  # Ctrl-C twice: a worker stuck where no check comes stops now
+    assert stop_requested() is None  # nothing outlives the block
