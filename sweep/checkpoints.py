@@ -72,12 +72,8 @@ class CheckpointService:
         self.folders = [str(self.store.folder.parent)] + ([str(database.parent.resolve())] if database else [])
 
     def reconcile(self) -> list[Any]:
-        """The cheap part of `sweep check`, run when a worker opens the study: checkpoints written while the storage
-        was away and never registered (their worker gave up waiting) are registered from the record beside each,
-        then rows among donors and resume points whose blob is gone are removed, so no trial is sent to a missing
-        file."""
-        if self.store.artifacts is None:
-            adopt_unregistered(self.registry, self.store.folder, self.study_name)
+        """The cheap part of `sweep check`, run when a worker opens the study: rows among donors and resume points
+        whose blob is gone are removed, so no trial is sent to a missing file."""
         return self.boundary.call(quick_check, self.registry, self.study_name, scope=self.store.scope)
 
 
@@ -87,7 +83,11 @@ class CheckpointService:
     def resume_point(self, lineage: Sequence[int]) -> Resume | None:
         """The newest checkpoint of the lineage (the trial being retried, the trial that one retried, ...) that loads
         and matches its hash. One that fails is removed (row and file) with a warning, and the next newest is
-        tried. The one chosen is pinned; the lineage's other checkpoints are released to retention."""
+        tried. The one chosen is pinned; the lineage's other checkpoints are released to retention. Checkpoints the
+        lineage wrote while the storage was away, whose rows died with a worker that gave up waiting, are registered
+        first, from the record beside each (`sweep.reconcile.adopt_unregistered`)."""
+        if self.store.artifacts is None:  # checkpoints of the lineage written in an outage, not registered yet
+            adopt_unregistered(self.registry, self.store.folder, self.study_name, trials=lineage)
         records = sorted((r for n in lineage for r in self.registry.for_trial(self.study_name, n)),
                          key=lambda r: (r.step, r.id), reverse=True)
         chosen: Resume | None = None
@@ -205,9 +205,9 @@ def _unregistered_path(blob: Path) -> Path:
 
 def _write_unregistered(blob: Path, record: Mapping[str, Any]) -> None:
     """The registry row of `blob`, beside it, while the storage is away: the worker may give up waiting
-    (`storage_patience`) with the row in memory, and the next worker to open the study registers it from here
-    (`sweep.reconcile.adopt_unregistered`), so a retry resumes from the checkpoints written in the outage.
-    Written atomically (temporary file, rename); a failure only warns."""
+    (`storage_patience`) with the row in memory, and the trial's retry registers it from here when it looks for its
+    lineage's resume point (`sweep.reconcile.adopt_unregistered`; `sweep check --repair` too), so it resumes from
+    the checkpoints written in the outage. Written atomically (temporary file, rename); a failure only warns."""
     target = _unregistered_path(blob)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:

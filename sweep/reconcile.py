@@ -21,6 +21,7 @@ import os
 import time
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,14 +115,15 @@ class CheckReport:
 UNREGISTERED = ".unregistered.json"  # beside a blob whose registry row waited for the storage (sweep.checkpoints)
 
 
-def adopt_unregistered(registry: Registry, folder: Path, study: str) -> int:
+def adopt_unregistered(registry: Registry, folder: Path, study: str, trials: Sequence[int] | None = None) -> int:
     """Register each blob of the study's `folder` whose registration waited in its worker's memory when that worker
     gave up on the storage (`storage_patience`): its row lies beside it, in a file named like the blob plus
     `UNREGISTERED`. A record is claimed by renaming it, so of several workers starting at once one registers it; a
-    blob that is gone or does not match its record's hash is not registered (`sweep check` lists it). Returns how
-    many were registered."""
+    blob that is gone or does not match its record's hash is not registered (`sweep check` lists it). `trials`: only
+    those trials' records (a retry's lineage, whose workers are gone). Returns how many were registered."""
     adopted = 0
-    for record_path in sorted(folder.glob(f"*{UNREGISTERED}")):
+    patterns = [f"*{UNREGISTERED}"] if trials is None else [f"trial{n:05d}-*{UNREGISTERED}" for n in trials]
+    for record_path in sorted(path for pattern in patterns for path in folder.glob(pattern)):
         claimed = record_path.with_name(f"{record_path.name}.{os.getpid()}")
         try:
             record_path.rename(claimed)
@@ -130,16 +132,20 @@ def adopt_unregistered(registry: Registry, folder: Path, study: str) -> int:
         try:
             record = json.loads(claimed.read_text())
             blob = folder / str(record["uri"])
-            if record.get("study") == study and blob.is_file() and sha256_of(blob) == record["sha256"]:
-                known = {r.uri for r in registry.for_trial(study, int(record["trial_number"]))}
-                if record["uri"] not in known:
-                    registry.register(**record)
-                    adopted += 1
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            warnings.warn(f"{record_path}: not registered ({type(exc).__name__}: {exc}); `sweep check` lists its "
-                          "checkpoint", stacklevel=2)
-        finally:
+            sound = record.get("study") == study and blob.is_file() and sha256_of(blob) == record["sha256"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # not a record: `sweep check` lists the blob
+            warnings.warn(f"{record_path}: not registered ({type(exc).__name__}: {exc})", stacklevel=2)
             claimed.unlink(missing_ok=True)
+            continue
+        try:
+            if sound and record["uri"] not in {r.uri for r in registry.for_trial(study, int(record["trial_number"]))}:
+                registry.register(**record)
+                adopted += 1
+        except BaseException:  # the storage away again, a signal: the record stays for the next worker
+            with contextlib.suppress(OSError):
+                claimed.rename(record_path)
+            raise
+        claimed.unlink(missing_ok=True)
     return adopted
 
 
@@ -235,7 +241,7 @@ def _listing(store_location: str, study: str, report: CheckReport) -> list[_File
                 stat = path.lstat()
             except FileNotFoundError:  # renamed or deleted since the listing
                 continue
-            if path.is_file() and not path.is_symlink() and not path.name.endswith(UNREGISTERED):
+            if path.is_file() and not path.is_symlink() and UNREGISTERED not in path.name:  # a record, or a claimed one
                 files.append(_File(path, now - stat.st_mtime))
     return files
 

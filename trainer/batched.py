@@ -65,7 +65,7 @@ from torch.func import functional_call, vmap
 
 from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_attention, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
-from trainer.checkpoint import CheckpointWriteError, LoopState, TrainState, WarmStart, save_checkpoints
+from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoints
 from trainer.config import TrainingConfig
 from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
 from trainer.data import choose_data_loader
@@ -907,7 +907,8 @@ class Cohort:
 
     def _checkpoint(self, indices: list[int], evals: list[int]) -> None:
         """The listed members' checkpoints that their policies ask for now, written together (`save_checkpoints`),
-        then registered one by one in order; the first write that failed is raised after every other is registered."""
+        then registered one by one in order; the first failure (a write, or making a state) is raised after every
+        checkpoint written is registered."""
         jobs: list[tuple[Path, Callable[[], TrainState]]] = []
         owners: list[tuple[Any, Mapping[str, float] | None]] = []
         for i in indices:
@@ -919,9 +920,9 @@ class Cohort:
             if path is not None:
                 jobs.append((Path(path), functools.partial(self.member_state, slot.id)))
                 owners.append((checkpointer, metrics))
-        failed: CheckpointWriteError | None = None
+        failed: BaseException | None = None
         for (owner, values), info in zip(owners, save_checkpoints(jobs)):
-            if isinstance(info, CheckpointWriteError):
+            if isinstance(info, BaseException):
                 failed = failed or info
             else:
                 owner.saved(info, values)

@@ -235,24 +235,28 @@ def save_checkpoint(path: str | Path, state: TrainState) -> CheckpointInfo:
 
 
 def save_checkpoints(jobs: Sequence[tuple[Path, Callable[[], TrainState]]], *, max_parallel: int = 8,
-                     max_bytes: int = 256 * 2**20) -> list[CheckpointInfo | CheckpointWriteError]:
+                     max_bytes: int = 256 * 2**20) -> list[CheckpointInfo | BaseException]:
     """Several checkpoints at once (a cohort's members at one evaluation), each written as `save_checkpoint`
     writes it, but on threads, so that their fsyncs overlap and the file system commits them together (8 small
     files with their two fsyncs each, on the development machine's disk: 50-60 ms one after another, 5-12 ms at
     once). Each job's state is made on the calling thread, and only once the states in flight and one more of the
     last one's size fit in `max_bytes` (one is always let through). Returns, in the jobs' order, each one's
-    `CheckpointInfo` or the `CheckpointWriteError` its write raised; any other error is raised once every write has
-    ended."""
+    `CheckpointInfo` or what its write raised; when making a state raises, that job's entry is the error and the
+    jobs after it are not started (the list is shorter). Nothing is raised: the caller registers what was written,
+    then raises."""
+    results: list[CheckpointInfo | BaseException] = []
     if len(jobs) <= 1 or max_parallel <= 1:
-        results: list[CheckpointInfo | CheckpointWriteError] = []
         for path, make in jobs:
             try:
                 results.append(save_checkpoint(path, make()))
-            except CheckpointWriteError as exc:
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, which registers the others first
                 results.append(exc)
+                if not isinstance(exc, CheckpointWriteError):
+                    break
         return results
     futures: list[concurrent.futures.Future[CheckpointInfo]] = []
     sizes: dict[concurrent.futures.Future[CheckpointInfo], int] = {}
+    unmade: BaseException | None = None
     with concurrent.futures.ThreadPoolExecutor(min(max_parallel, len(jobs)), "checkpoint") as pool:
         last = 0  # the size of the state made last: the next one's, as far as can be known before it is made
         for path, make in jobs:
@@ -260,18 +264,19 @@ def save_checkpoints(jobs: Sequence[tuple[Path, Callable[[], TrainState]]], *, m
                 done, _ = concurrent.futures.wait(sizes, return_when=concurrent.futures.FIRST_COMPLETED)
                 for future in done:
                     del sizes[future]
-            state = make()
+            try:
+                state = make()
+            except Exception as exc:  # noqa: BLE001 - see above: the writes in flight finish and are returned
+                unmade = exc
+                break
             future = pool.submit(save_checkpoint, path, state)
             futures.append(future)
             sizes[future] = last = _tensor_bytes(state.payload())
         concurrent.futures.wait(futures)
-    results = []
     for future in futures:
         failure = future.exception()
-        if failure is not None and not isinstance(failure, CheckpointWriteError):
-            raise failure
         results.append(failure if failure is not None else future.result())
-    return results
+    return results + ([unmade] if unmade is not None else [])
 
 
 def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: str | torch.device = "cpu",

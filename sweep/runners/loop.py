@@ -287,7 +287,8 @@ class LoopTrial:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         value = loop_value(returned, run)
         if value is None and run.first_step is None and start.resume is not None:
-            value = start.resume.metrics.get(spec.metric)  # resumed at its end: the value its last save holds
+            saved = start.resume.metrics  # resumed at its end: the value its last save holds
+            value = metric_value(saved, spec.metric) if spec.metric in saved else None
         if value is None:
             what = (f"returned a mapping without it ({', '.join(map(str, returned)) or 'empty'})"
                     if isinstance(returned, Mapping) else "returned none")
