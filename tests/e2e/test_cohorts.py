@@ -228,10 +228,10 @@ from torch import nn
 from trainer.tasks import Task
 
 
-def small() -> Task:  # fewer training samples than the study's batch_size
-    x = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
+def badval() -> Task:  # validation targets out of the model's classes: the step-0 evaluation raises
+    x = torch.randn(96, 6, generator=torch.Generator().manual_seed(0))
     y = (x.sum(dim=1) > 0).long()
-    return Task(name="small", train=(x[:10], y[:10]), val=(x[10:], y[10:]), model_defaults={"hidden": 8},
+    return Task(name="badval", train=(x[:64], y[:64]), val=(x[64:], y[64:] + 5), model_defaults={"hidden": 8},
                 build_model=lambda cfg: nn.Sequential(nn.Linear(6, cfg["hidden"]), nn.Linear(cfg["hidden"], 2)))
 
 
@@ -244,8 +244,7 @@ def broken() -> Task:  # a builder that raises
 '''
 
 
-@pytest.mark.parametrize(("task", "why"), [("small", "expected at most the training set size"),
-                                           ("broken", "my builder is broken")])
+@pytest.mark.parametrize(("task", "why"), [("badval", "out of bounds"), ("broken", "my builder is broken")])
 def test_a_cohort_whose_every_trial_fails_at_its_start_fails_each_one_and_exits_1(tmp_path: Path, task: str,
                                                                                    why: str) -> None:
     # Each trial fails alone, as one at a time would, said on its line; the run ends (it used to hang on a trial
