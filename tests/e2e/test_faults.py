@@ -755,6 +755,26 @@ def main(config, run):
 """
 
 
+
+def loop_study_on_postgresql(tmp_path: Path, loop: str, **document: Any) -> tuple[Path, dict[str, str]]:
+    """A one-trial study of the user loop `loop` (the module `mine.py`), and the environment that imports it."""
+    (tmp_path / "mine.py").write_text(loop)
+    path = write_study(tmp_path, {"n_trials": 1, "sampler": {"type": "random"}, "pruner": "none", "loop": "mine:main",
+                                  "heartbeat_interval": 1, "heartbeat_grace_period": 3,
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}, **document})
+    return path, {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def until_its_first_report(server: PostgresServer, name: str, worker: subprocess.Popen[bytes]) -> None:
+    def reporting() -> bool:
+        try:
+            trials = load_trials(server.url, name)
+        except KeyError:  # not created yet
+            return False
+        return any(t.intermediate_values and t.state == TrialState.RUNNING for t in trials)
+
+    wait_for("a first report", reporting, 120, interval=0.2, alive=worker)
+
 def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_retries_the_trial(
         tmp_path: Path) -> None:
     """A scheduler's grace period (Slurm's, a pod's) is far shorter than `storage_patience`: a worker told to stop
@@ -762,24 +782,13 @@ def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_ret
     trial, left running, is found lost by the next run and trained again."""
     if not postgres_available():
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    (tmp_path / "napper.py").write_text(NAPPING_LOOP)
-    path = write_study(tmp_path, {
-        "name": "away", "n_trials": 1, "sampler": {"type": "random"}, "pruner": "none", "loop": "napper:main",
-        "heartbeat_interval": 1, "heartbeat_grace_period": 3, "storage_patience": 300,
-        "fixed": {"max_steps": 30, "nap_s": 0.5}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path, env = loop_study_on_postgresql(tmp_path, NAPPING_LOOP, name="away", storage_patience=300,
+                                         fixed={"max_steps": 30, "nap_s": 0.5})
     log = tmp_path / "worker.log"
     with PostgresServer() as server:
         worker = start_sweep("run", path, "--storage", server.url, log=log, env=env)
         try:
-            def reporting() -> bool:
-                try:
-                    trials = load_trials(server.url, "away")
-                except KeyError:  # not created yet
-                    return False
-                return any(t.intermediate_values and t.state == TrialState.RUNNING for t in trials)
-
-            wait_for("a first report", reporting, 120, interval=0.2, alive=worker)
+            until_its_first_report(server, "away", worker)
             server.stop("fast")
             worker.send_signal(signal.SIGTERM)
             started = time.monotonic()
@@ -820,25 +829,14 @@ def test_checkpoints_written_while_postgresql_was_down_are_resumed_from_after_th
     and the next run registers it."""
     if not postgres_available():
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    (tmp_path / "saver.py").write_text(SAVING_LOOP)
-    path = write_study(tmp_path, {
-        "name": "outage", "n_trials": 1, "sampler": {"type": "random"}, "pruner": "none", "loop": "saver:main",
-        "heartbeat_interval": 1, "heartbeat_grace_period": 3, "storage_patience": 5,
-        "checkpoints": {"store": str(tmp_path / "checkpoints")},
-        "fixed": {"max_steps": 12, "nap_s": 0.5}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path, env = loop_study_on_postgresql(tmp_path, SAVING_LOOP, name="outage", storage_patience=5,
+                                         checkpoints={"store": str(tmp_path / "checkpoints")},
+                                         fixed={"max_steps": 12, "nap_s": 0.5})
     log = tmp_path / "worker.log"
     with PostgresServer() as server:
         worker = start_sweep("run", path, "--storage", server.url, log=log, env=env)
         try:
-            def reporting() -> bool:
-                try:
-                    trials = load_trials(server.url, "outage")
-                except KeyError:  # not created yet
-                    return False
-                return any(t.intermediate_values and t.state == TrialState.RUNNING for t in trials)
-
-            wait_for("a first report", reporting, 120, interval=0.2, alive=worker)
+            until_its_first_report(server, "outage", worker)
             server.stop("fast")
             code = finish(worker, log, timeout=180)  # trains to the end, then gives up on its storage
         finally:
