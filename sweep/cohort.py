@@ -13,6 +13,13 @@ decision, checkpoints and outcome.
 - Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
   completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
   at the next evaluation boundary, so the device stays full until the budget is spent.
+- The pruner's startup: Optuna's median and percentile pruners (and the forecast pruner) judge no trial before
+  `n_startup_trials` trials have completed, and judge against completed trials only. Members that start together end
+  together, so a first cohort of K would run K trials unjudged to their end where one trial at a time runs
+  `n_startup_trials`, and their unselected values would lower the bar for every later trial. While the study has
+  fewer completed trials than that, a cohort is a *ramp*: it holds only the startup trials still missing (those
+  running elsewhere counted, at least one), takes no more members once they are in flight, and drains; the cohort
+  after it has the full size.
 - Everything else is the worker's: the budget (asked under the study's lock), heartbeats (one thread for every
   member), retries, confirmations. A retry whose shapes differ from the cohort's, and a study whose model cannot be
   batched, train one trial at a time (with one line saying why).
@@ -31,9 +38,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optuna
+from optuna.trial import TrialState
 
 from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
+from sweep.pruners import startup_trials
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
@@ -44,7 +53,7 @@ if TYPE_CHECKING:
     from sweep.worker import Beats, RunSummary, Worker  # the loop drives a worker: its ask, end and heartbeats
     from trainer import Task, TrainingConfig
 
-__all__ = ["ATTR_COHORT", "CohortLoop", "distributions", "shape_keys"]
+__all__ = ["ATTR_COHORT", "CohortLoop", "shape_keys"]
 
 ATTR_COHORT = "cohort"  # {id, size, member}: the cohort a trial trained in
 AUTO_LIMIT = 256  # `cohort: auto` takes what fits the device's memory, up to this many (a CPU's RAM fits far more)
@@ -67,23 +76,6 @@ def shape_keys(spec: StudySpec, params: dict[str, Any], config: TrainingConfig, 
                 keys.append(key)
                 break
     return keys
-
-
-def distributions(spec: StudySpec) -> dict[str, Any]:
-    """The Optuna distribution of every searched key, as `Param.suggest` asks for it."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-    from sweep.schema import FloatParam, IntParam
-
-    found: dict[str, Any] = {}
-    for key, param in spec.space.items():
-        if isinstance(param, FloatParam):
-            found[key] = FloatDistribution(param.low, param.high, log=param.log, step=param.step)
-        elif isinstance(param, IntParam):
-            found[key] = IntDistribution(param.low, param.high, log=param.log, step=param.step)
-        else:
-            found[key] = CategoricalDistribution(param.choices)
-    return found
 
 
 def _other_values(param: Param, value: Any) -> list[Any]:
@@ -120,13 +112,15 @@ class CohortLoop:
         self.cohort: Cohort | None = None
         self.members: dict[int, _Member] = {}  # by the cohort's member id
         self.fixed: dict[str, Any] | None = None
-        self.distributions = distributions(worker.spec)
         self.keys: list[str] | None = None  # the study's shape keys, found with the first cohort
         self.single = False  # the model cannot be batched: one trial at a time
         self.spent = False
         self.stopping = self.timed_out = False  # kept across a failed cohort: the loop goes on with the next one
         self.cohorts = 0
         self.admitted = 0  # members the current cohort has taken
+        self.startup = startup_trials(worker.study.pruner)  # completed trials the pruner waits for (0: none)
+        self.ramp = False  # the current cohort holds the pruner's startup trials (see the module's doc)
+        self.seen: list[optuna.trial.FrozenTrial] = []  # the study's trials as the latest ask read them
         self.tag = f"{socket.gethostname()}:{os.getpid()}"
 
     def run(self, started_wall: float) -> RunSummary:
@@ -208,8 +202,9 @@ class CohortLoop:
         """Ask trials for the free slots (all of them when there is no cohort yet)."""
         worker = self.worker
         while not self.spent and not self.single and (self.cohort is None or (
-                self.cohort.free_slots and (not self.keys or self.admitted < GENERATIONS * self.cohort.capacity))):
-            trial, spent, _ = worker._ask_next(self.fixed, self.distributions)  # noqa: SLF001
+                self.cohort.free_slots and (not self.keys or self.admitted < GENERATIONS * self.cohort.capacity)
+                and not (self.ramp and self._startup_in_flight()))):
+            trial, spent, self.seen = worker._ask_next(self.fixed)  # noqa: SLF001
             self.spent = spent
             if trial is None:
                 return
@@ -276,6 +271,10 @@ class CohortLoop:
             self.single = True
             return False
         size = self.size or min(max_cohort_size(prepared.config, prepared.task), AUTO_LIMIT)
+        completed, running = self._startup_counts(self.seen)
+        self.ramp = completed < self.startup
+        if self.ramp:  # the startup trials still missing, less those running elsewhere; this one at least
+            size = min(size, max(1, self.startup - completed - running))
         # Never more slots than the study has trials: a slot no trial will fill still costs memory and time.
         self.cohort = Cohort(prepared.task, prepared.config, max(1, min(size, self.worker.n_trials)))
         self.cohorts += 1
@@ -284,6 +283,19 @@ class CohortLoop:
             self.keys = shape_keys(self.worker.spec, prepared.params, prepared.config, prepared.task)
         self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
         return True
+
+    @staticmethod
+    def _startup_counts(trials: list[optuna.trial.FrozenTrial]) -> tuple[int, int]:
+        """The completed and the running trials among `trials`."""
+        return (sum(t.state == TrialState.COMPLETE for t in trials),
+                sum(t.state == TrialState.RUNNING for t in trials))
+
+    def _startup_in_flight(self) -> bool:
+        """Whether the ramp cohort takes no more members: the startup trials still missing are all in flight, here
+        or elsewhere (or none is missing: it drains, and the next cohort has the full size)."""
+        completed, running = self._startup_counts(self.worker.study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
+        return completed + running >= self.startup
 
     def _alone(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, prepared: Prepared) -> None:
         """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""

@@ -18,7 +18,7 @@ from trainer.pacing import curriculum_from_dict, stage_starts
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
-__all__ = ["FastFailPruner"]
+__all__ = ["FastFailPruner", "startup_trials"]
 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -197,6 +197,20 @@ def _without_reference(trial: FrozenTrial) -> FrozenTrial:
     view = copy.copy(trial)
     view.intermediate_values = {step: value for step, value in trial.intermediate_values.items() if step != 0}
     return view
+
+
+def startup_trials(pruner: optuna.pruners.BasePruner | None) -> int:
+    """How many completed trials `pruner` waits for before it judges any trial: the `n_startup_trials` of Optuna's
+    median and percentile pruners and of the forecast and leaders pruners, found through fast-fail's `then` and Optuna's
+    `PatientPruner`; 0 for the others (fast-fail's own rules, Hyperband, successive halving and the threshold pruner
+    judge from the first trial on)."""
+    while pruner is not None:
+        for name in ("_n_startup_trials", "n_startup_trials"):
+            count = vars(pruner).get(name)
+            if isinstance(count, int) and not isinstance(count, bool):
+                return count
+        pruner = vars(pruner).get("then") or vars(pruner).get("_wrapped_pruner")
+    return 0
 
 
 def _rebuild(then: optuna.pruners.BasePruner | None, settings: dict[str, Any]) -> FastFailPruner:

@@ -138,6 +138,7 @@ class Worker:
                  events: Events | None = None, n_trials: int | None = None, timeout: float | None = None,
                  cohort: int | None = None) -> None:
         self.study, self.spec, self.url, self.boundary = study, spec, storage_url, boundary
+        self.distributions = spec.distributions()  # every searched key, sampled when a trial is asked
         self.events = events if events is not None else NoEvents()
         self.n_trials = n_trials if n_trials is not None else spec.n_trials
         self.timeout = timeout if timeout is not None else spec.timeout
@@ -197,14 +198,13 @@ class Worker:
         self._check_streak(frozen)
         return self.sampler_stopped
 
-    def _ask_next(self, fixed: dict[str, Any] | None = None,
-                  distributions: dict[str, Any] | None = None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
-        """Under the study's lock: fail lost trials, count the budget and ask for the next trial. Returns (the trial
-        or None while the last trials run elsewhere, whether the budget is spent, the study's trials). `fixed`: params
-        the sampler must not change (a cohort's shape keys), through Optuna's `PartialFixedSampler`; the trial's
-        `distributions` are then sampled at once, while that sampler is in place."""
+    def _ask_next(self, fixed: dict[str, Any] | None = None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+        """Under the study's lock: fail lost trials, count the budget and ask for the next trial, its searched keys
+        sampled at once. Returns (the trial or None while the last trials run elsewhere, whether the budget is spent,
+        the study's trials). `fixed`: params the sampler must not change (a cohort's shape keys), through Optuna's
+        `PartialFixedSampler`."""
         with self._lock() as lost:
-            asked = self._ask_locked(fixed, distributions)
+            asked = self._ask_locked(fixed)
             if asked[0] is None or not lost():
                 return asked
         return self._fence(asked[0])
@@ -227,20 +227,18 @@ class Worker:
             warnings.warn(f"trial {trial.number} {reason}", stacklevel=2)
             return None, False, self.study.get_trials(deepcopy=False)
 
-    def _ask_locked(self, fixed: dict[str, Any] | None,
-                    distributions: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+    def _ask_locked(self, fixed: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         """`_ask_next`'s work, under the lock."""
         self._fail_lost_trials()
         with self._shared_reads():
-            return self._count_and_ask(fixed, distributions)
+            return self._count_and_ask(fixed)
 
     def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
         if isinstance(self.storage, PatientStorage):
             return self.storage.shared_ask_reads()
         return contextlib.nullcontext()
 
-    def _count_and_ask(self, fixed: dict[str, Any] | None,
-                       distributions: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+    def _count_and_ask(self, fixed: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         trials = self.study.get_trials(deepcopy=False)
         queued, young = self._requeue_orphans(trials)
         if queued:
@@ -261,7 +259,10 @@ class Worker:
         if fixed:
             self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)
         try:
-            return self.study.ask(distributions if fixed else None), False, trials
+            # Every searched key sampled now, in `spec.suggest`'s order (which then finds them set): the sampler's
+            # reads of the study share the one read made under the lock, where sampling at the trial's first
+            # suggest would read every trial again, twice for TPE.
+            return self.study.ask(self.distributions), False, trials
         finally:
             self.study.sampler = sampler
 

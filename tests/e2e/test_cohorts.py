@@ -176,6 +176,29 @@ def test_members_pruners_sharing_one_read_per_step_decide_as_if_each_read_alone(
     assert shared == alone
 
 
+def test_the_pruner_s_startup_trials_train_in_a_first_cohort_of_their_own(tmp_path: Path) -> None:
+    # The median pruner judges no trial before 3 have completed, and judges against completed trials only. Members
+    # that start together end together: a first cohort of 4 ran 4 trials unjudged to their end (one at a time runs
+    # 3), and their values lowered the bar for every later trial. The ramp: the first cohort holds the 3 startup
+    # trials, no other trial starts before they have completed, and the cohorts after them have the full size.
+    path = cohort_study(tmp_path, n_trials=12, execution={"cohort": 4},
+                        pruner={"type": "fastfail", "then": {"type": "median", "n_startup_trials": 3}})
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert len(trials) == 12 and all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+
+    def completed_before(trial: optuna.trial.FrozenTrial) -> int:
+        return sum(o.state == TrialState.COMPLETE and o.datetime_complete <= trial.datetime_start for o in trials)
+
+    startup = [t for t in trials if completed_before(t) < 3]
+    assert {t.user_attrs["cohort"]["size"] for t in startup} == {3}, [t.user_attrs["cohort"] for t in startup]
+    assert max(in_flight(startup)) <= 3
+    later = [t for t in trials if completed_before(t) >= 3]
+    assert later and {t.user_attrs["cohort"]["size"] for t in later} == {4}
+    assert max(in_flight(trials)) == 4
+
+
 BATCHNORM_TASK = '''
 import torch
 from torch import nn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pickle
@@ -278,3 +279,22 @@ def test_optuna_s_bracket_questions_are_answered_from_the_wrapped_hyperband_s_st
     assert isinstance(inner, optuna.pruners.HyperbandPruner)
     assert inner._n_brackets == 4 and getattr(pruner, "_pruners") is inner._pruners  # noqa: B009 - via __getattr__
     assert "_pruners" not in vars(pruner)  # nothing of Hyperband's state was written on the wrapper
+
+
+@pytest.mark.parametrize(("document", "startup"), [
+    ({"type": "fastfail", "then": "median"}, 5),
+    ({"type": "fastfail", "then": {"type": "percentile", "percentile": 30, "n_startup_trials": 2}}, 2),
+    ({"type": "patient", "wrapped": {"type": "median", "n_startup_trials": 7}, "patience": 2}, 7),
+    ({"type": "fastfail", "then": {"type": "forecast", "n_startup_trials": 4}}, 4),
+    ({"type": "fastfail", "then": {"type": "leaders", "n_startup_trials": 6}}, 6),
+    ({"type": "fastfail", "then": "hyperband"}, 0),
+    ({"type": "fastfail"}, 0),
+    ({"type": "none"}, 0),
+])
+def test_the_startup_a_cohort_ramps_through_is_the_wrapped_pruner_s(document: dict, startup: int) -> None:
+    # `sweep.cohort`'s first cohort holds the completed trials the study's pruner waits for, found through wrappers.
+    from sweep.pruners import startup_trials
+
+    with pytest.warns() if document["type"] == "patient" else contextlib.nullcontext():
+        pruner = build_pruner(Component.model_validate(document))
+    assert startup_trials(pruner) == startup
