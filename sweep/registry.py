@@ -46,7 +46,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from sweep.storage import sqlite_path
+from sweep.storage import engine_options, sqlite_path
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -147,9 +147,7 @@ def study_folder(spec_path: Path) -> Path:
 
 class Registry:
     def __init__(self, storage_url: str, engine: Engine | None = None) -> None:
-        self.engine = engine if engine is not None else create_engine(
-            storage_url, **({"connect_args": {"timeout": 60}} if storage_url.startswith("sqlite") else
-                            {"pool_pre_ping": True}))
+        self.engine = engine if engine is not None else create_engine(storage_url, **engine_options(storage_url))
         for attempt in range(5):
             try:
                 metadata.create_all(self.engine, checkfirst=True)

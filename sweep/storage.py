@@ -41,7 +41,7 @@ from optuna.storages import BaseStorage
 from optuna.study import StudyDirection
 from optuna.study._frozen import FrozenStudy
 from optuna.trial import FrozenTrial, TrialState
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import create_engine, event, make_url, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -49,11 +49,13 @@ from sweep.signals import stop_requested
 from sweep.urls import mask_url, mask_urls, sqlite_path
 
 __all__ = [
+    "POSTGRESQL_CONNECT_ARGS",
     "Boundary",
     "PatientStorage",
     "StorageAway",
     "StorageUnavailable",
     "ask_lock",
+    "engine_options",
     "is_transient",
     "load_existing_study",
     "make_storage",
@@ -103,6 +105,27 @@ def _use_wal(url: str, patience_s: float = 60.0) -> None:
         engine.dispose()
 
 
+# libpq's settings for a server that stops answering (a wedged host, a network that drops every packet): a
+# connection attempt gives up after `connect_timeout` seconds, and an open connection whose peer is gone is found dead
+# by TCP keepalives (when idle) or by data left unacknowledged for `tcp_user_timeout` ms (mid-query), instead of
+# waiting forever; the worker then waits out `storage_patience` as for any outage. A setting the URL gives wins.
+POSTGRESQL_CONNECT_ARGS = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+                           "keepalives_count": 3, "tcp_user_timeout": 60_000}
+
+
+def engine_options(url: str) -> dict[str, Any]:
+    """`create_engine`'s options for sweep's connections to `url`: SQLite waits up to 60 s for a lock; a server's
+    connections are checked before use (one that died with a restart is replaced) and, on PostgreSQL, bounded in
+    time (`POSTGRESQL_CONNECT_ARGS`)."""
+    if sqlite_path(url) is not None or url.startswith("sqlite"):
+        return {"connect_args": {"timeout": 60}}
+    options: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("postgresql"):
+        given = {key.lower() for key in make_url(url).query}
+        options["connect_args"] = {k: v for k, v in POSTGRESQL_CONNECT_ARGS.items() if k not in given}
+    return options
+
+
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  stale_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
                  ) -> optuna.storages.RDBStorage:
@@ -110,13 +133,9 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     a RUNNING trial whose worker has not beaten for `grace_period` seconds is failed by `fail_stale_trials` and handed
     to `stale_trial_callback`."""
     path = sqlite_path(url)
-    engine_kwargs: dict[str, Any] = {}
-    if path is not None:
-        engine_kwargs["connect_args"] = {"timeout": 60}
-        if path.parent.exists():
-            _use_wal(url)
-    else:
-        engine_kwargs["pool_pre_ping"] = True
+    engine_kwargs = engine_options(url)
+    if path is not None and path.parent.exists():
+        _use_wal(url)
     for attempt in range(5):
         try:
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
@@ -198,7 +217,7 @@ _LOCK_ENGINES: dict[str, Engine] = {}
 
 def _lock_engine(url: str) -> Engine:
     if url not in _LOCK_ENGINES:
-        _LOCK_ENGINES[url] = create_engine(url, pool_size=1, pool_pre_ping=True)
+        _LOCK_ENGINES[url] = create_engine(url, pool_size=1, **engine_options(url))
     return _LOCK_ENGINES[url]
 
 

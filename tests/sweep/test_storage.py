@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -215,3 +217,53 @@ def test_a_file_lock_is_never_lost(tmp_path: Path) -> None:
 
     with ask_lock(f"sqlite:///{tmp_path / 'x.db'}", "x") as lost:
         assert not lost()
+
+
+@pytest.fixture
+def silent_server() -> Any:
+    """A TCP port on loopback that accepts connections and never says a word: a wedged database host."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for connection in accepted:
+        connection.close()
+
+
+@pytest.mark.parametrize("query", ["", "?connect_timeout=1"])
+def test_a_postgresql_server_that_never_answers_fails_the_connection_instead_of_hanging(silent_server: int,
+                                                                                       query: str) -> None:
+    # libpq waits for a server's first answer forever unless told otherwise, and the worker with it: no outage
+    # message, no storage_patience, no exit. A connection attempt now gives up (connect_timeout, 10 s unless the
+    # URL says), which the worker's boundary treats as an outage.
+    from sqlalchemy.exc import OperationalError
+
+    from sweep.storage import engine_options, make_storage
+
+    url = f"postgresql+psycopg://sweep:hunter2@127.0.0.1:{silent_server}/db{query}"
+    assert engine_options(url)["connect_args"].get("connect_timeout") == (None if query else 10)  # the URL's wins
+    outcome: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            make_storage(url)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(180)  # generous on a loaded machine; without a timeout it never ends
+    assert not thread.is_alive(), "still waiting for a server that never answers"
+    assert len(outcome) == 1 and isinstance(outcome[0], OperationalError), outcome
+    assert "timeout" in str(outcome[0]).lower()
