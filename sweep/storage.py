@@ -27,6 +27,7 @@ import copy
 import datetime
 import fcntl
 import hashlib
+import json
 import random
 import sqlite3
 import sys
@@ -502,18 +503,32 @@ class PatientStorage(BaseStorage):
 
     def set_trial_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         """Several user attrs of a running trial in one transaction: Optuna writes each in a transaction of its own
-        (on SQLite a commit, an fsync), and a trial's end writes about ten. Optuna's own upsert of one attr, in one
-        session; the same values written again by a retry after a lost reply change nothing."""
+        (on SQLite a commit, an fsync), and a trial's end writes about ten. Optuna's own checks and upsert
+        (`_set_trial_attr_without_commit`: the trial must be running, each key inserted or replaced), made once for
+        all of them: one read of the trial and, on SQLite and PostgreSQL, one multi-row upsert. The same values
+        written again by a retry after a lost reply change nothing."""
         from optuna.storages._rdb import models
         from optuna.storages._rdb.storage import _create_scoped_session
+        from sqlalchemy.dialects import postgresql, sqlite
 
         backend = self.backend
+        model = models.TrialUserAttributeModel
+        insert = {"sqlite": sqlite.insert if sqlite3.sqlite_version_info >= (3, 24, 0) else None,
+                  "postgresql": postgresql.insert}.get(backend.engine.name)
 
         def write() -> None:
             with _create_scoped_session(backend.scoped_session, True) as session:
-                for key, value in attrs.items():
-                    backend._set_trial_attr_without_commit(  # noqa: SLF001 - set_trial_user_attr's body, in one session
-                        session, models.TrialUserAttributeModel, trial_id, key, value)
+                if insert is None or not attrs:
+                    for key, value in attrs.items():
+                        backend._set_trial_attr_without_commit(  # noqa: SLF001 - set_trial_user_attr's body
+                            session, model, trial_id, key, value)
+                    return
+                trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
+                backend.check_trial_is_updatable(trial_id, trial.state)
+                rows = insert(model).values([{"trial_id": trial_id, "key": key, "value_json": json.dumps(value)}
+                                             for key, value in attrs.items()])
+                session.execute(rows.on_conflict_do_update(index_elements=[model.trial_id, model.key],
+                                                           set_={"value_json": rows.excluded.value_json}))
 
         self.boundary.call(write)
 

@@ -136,24 +136,27 @@ def test_an_ask_block_reads_the_trials_once_and_a_queued_or_claimed_trial_drops_
     assert len(mine.get_trials(deepcopy=False)) == 4  # after the block: fresh reads
 
 
-def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_them(tmp_path: Path) -> None:
-    # The worker writes a trial's outcome attrs in one transaction: each lands (an existing key is overwritten), as
-    # another process reads them, and a trial another worker has finished meanwhile refuses them as Optuna does.
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_them(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # The worker writes a trial's outcome attrs in one transaction (one multi-row upsert): each lands (an existing
+    # key is overwritten), as another process reads them, and a trial another worker has finished meanwhile refuses
+    # them as Optuna does.
     from sweep.storage import Boundary, PatientStorage, make_storage
 
-    url = f"sqlite:///{tmp_path / 'a.db'}"
+    url = f"sqlite:///{tmp_path / 'a.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
     storage = PatientStorage(make_storage(url), Boundary(60))
-    study = optuna.create_study(study_name="a", storage=storage)
+    study = optuna.create_study(study_name=f"attrs-{tmp_path.name}", storage=storage)
     trial = study.ask()
     trial.set_user_attr("outcome", "running")
     storage.set_trial_user_attrs(trial._trial_id, {"outcome": "complete", "steps": 40, "metrics": {"val_loss": 0.5}})
-    seen = optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs
+    seen = optuna.load_study(study_name=study.study_name, storage=make_storage(url)).get_trials()[0].user_attrs
     assert seen == {"outcome": "complete", "steps": 40, "metrics": {"val_loss": 0.5}}
     study.tell(trial, 1.0)
     with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
         storage.set_trial_user_attrs(trial._trial_id, {"outcome": "lost"})
-    assert optuna.load_study(study_name="a", storage=make_storage(url)).get_trials()[0].user_attrs["outcome"] == \
-        "complete"
+    assert optuna.load_study(study_name=study.study_name, storage=make_storage(url)).get_trials()[0].user_attrs[
+        "outcome"] == "complete"
 
 
 @pytest.mark.slow
