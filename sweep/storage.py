@@ -524,7 +524,7 @@ class PatientStorage(BaseStorage):
                             session, model, trial_id, key, value)
                     return
                 trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
-                backend.check_trial_is_updatable(trial_id, TrialState(trial.state))
+                backend.check_trial_is_updatable(trial_id, trial.state)  # type: ignore[arg-type] # a TrialState
                 rows = insert(model).values([{"trial_id": trial_id, "key": key, "value_json": json.dumps(value)}
                                              for key, value in attrs.items()])
                 session.execute(rows.on_conflict_do_update(index_elements=[model.trial_id, model.key],
