@@ -143,9 +143,9 @@ class CohortLoop:
                         raise  # no trial's doing: the worker's own fault, which trying again would repeat
                     result = worker._failure(exc)  # noqa: SLF001
                     stop: Exception | None = None
-                    for member_id in list(self.members):
-                        try:
-                            self._end(beats, member_id, result)
+                    for n, member_id in enumerate(list(self.members)):
+                        try:  # one exception, one failure towards max_repeated_failures (not one per member)
+                            self._end(beats, member_id, result, streak=n == 0)
                         except (InfrastructureError, StudyBrokenError) as fault:  # the other members are told too
                             stop = stop or fault
                     self.cohort = None
@@ -325,11 +325,11 @@ class CohortLoop:
             exhausted = self._end(beats, member_id, result) or exhausted
         return exhausted
 
-    def _end(self, beats: Beats, member_id: int, result: TrialResult) -> bool:
+    def _end(self, beats: Beats, member_id: int, result: TrialResult, *, streak: bool = True) -> bool:
         member = self.members.pop(member_id)
         beats.discard(member.trial)
         frozen = self.worker._end(member.trial, result, member.runner)  # noqa: SLF001
-        return frozen is not None and self.worker.finished(frozen)
+        return frozen is not None and self.worker.finished(frozen, streak=streak)
 
     def _interrupt_all(self, beats: Beats, reason: str, outcome: Outcome) -> None:
         """End every member now as interrupted or preempted: each is queued again and resumes from its newest

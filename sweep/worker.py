@@ -191,11 +191,14 @@ class Worker:
             if frozen is not None and self.finished(frozen):
                 return self._summary(exhausted=True)
 
-    def finished(self, frozen: FrozenTrial) -> bool:
-        """Count a trial this worker ended; True when the sampler has tried every point (the loop ends)."""
+    def finished(self, frozen: FrozenTrial, *, streak: bool = True) -> bool:
+        """Count a trial this worker ended; True when the sampler has tried every point (the loop ends). `streak`:
+        whether its failure counts towards `max_repeated_failures` (a cohort's members ended by one exception are
+        one failure of the code or data, not K: only the first of them counts)."""
         self.ran += 1
         self.events.trial_finished(frozen)
-        self._check_streak(frozen)
+        if streak:
+            self._check_streak(frozen)
         return self.sampler_stopped
 
     def _ask_next(self, fixed: dict[str, Any] | None = None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:

@@ -245,6 +245,53 @@ def test_a_study_that_searches_no_shape_key_keeps_one_cohort_until_the_budget_is
     assert {t.params["weight_decay"] for t in trials} <= {0.0, 0.01}
 
 
+FAILING_STEP_TASK = '''
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+
+class Breaks(nn.Module):  # not a plain chain: the cohort runs it under vmap, one call per step for every member
+    calls = 0
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, hidden), nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        if self.training:
+            Breaks.calls += 1
+            if Breaks.calls % 3 == 0:  # every cohort's third training step
+                raise RuntimeError("my model is broken")
+        return self.b(torch.tanh(self.a(x)))
+
+
+def task() -> Task:
+    x = torch.randn(96, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="breaks", train=(x[:64], y[:64]), val=(x[64:], y[64:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: Breaks(cfg["hidden"]))
+'''
+
+
+def test_a_cohort_ended_by_one_exception_counts_once_towards_max_repeated_failures(tmp_path: Path) -> None:
+    # One exception of the stacked step fails every member of the cohort, the same way. That is one failure of the
+    # code or data, as one trial failing would be: with max_repeated_failures 3 and cohorts of 4, the study stops
+    # after three cohorts (12 trials), not at the third member of the first one.
+    (tmp_path / "breaks_task.py").write_text(FAILING_STEP_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 16, "task": {"name": "breaks_task:task"},
+                                            "execution": {"cohort": 4}, "pruner": "fastfail",
+                                            "max_repeated_failures": 3}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    done = sweep_cli("run", write_study(tmp_path, document), pythonpath=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "trials in a row failed the same way (RuntimeError: my model is broken)" in done.stderr, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert len(trials) == 12 and all(t.state == TrialState.FAIL for t in trials), [t.state for t in trials]
+    assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 3
+
+
 FAILING_TASKS = '''
 import torch
 from torch import nn
