@@ -47,7 +47,7 @@ from sweep.outcomes import (
 )
 from sweep.pruners import FastFailPruner
 from sweep.signals import raise_pending
-from sweep.storage import StorageAway
+from sweep.storage import PatientStorage, StorageAway
 from sweep.tracking import Guarded, open_trackers
 from sweep.warmstart import shape_key
 from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV
@@ -142,7 +142,8 @@ class TrialReporter:
         try:
             with self.boundary.no_wait():
                 self.flush()
-                prune = self.judged and not self._last(step) and self.trial.should_prune()
+                with self._one_read():
+                    prune = self.judged and not self._last(step) and self.trial.should_prune()
         except StorageAway:
             return False  # keep training; the pruner judges this value with the next one the storage takes
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
@@ -152,6 +153,14 @@ class TrialReporter:
                 and self.deadline.passed():
             raise TimedOut()  # nothing to resume from: stop now
         return prune
+
+    def _one_read(self) -> contextlib.AbstractContextManager[None]:
+        """One read of the study's finished trials for the pruner's whole decision: fast-fail reads them for its
+        study reference, the pruner it wraps (median, percentile...) reads them again. Nothing is told meanwhile, so
+        the decision is the one two reads would give (`PatientStorage.shared_finished_reads`; inside a cohort's
+        step, the step's one read)."""
+        storage = self.trial.storage
+        return storage.shared_finished_reads() if isinstance(storage, PatientStorage) else contextlib.nullcontext()
 
     def _last(self, step: int) -> bool:
         return self.max_steps is not None and step >= self.max_steps
