@@ -418,9 +418,11 @@ class PatientStorage(BaseStorage):
         reads the trials two or three times more (the search space, then every trial, running ones included, for
         TPE's constant liar). Under the lock no other worker asks, so the block's first read already holds every
         trial asked before this one; another worker's trial that finishes meanwhile is seen at the next ask, as if
-        this one had been asked a few milliseconds earlier. The new trial itself is not in the snapshot: samplers
-        leave the trial they sample out of what they read. A trial queued (`enqueue_trial`) or claimed (a state
-        written) drops it."""
+        this one had been asked a few milliseconds earlier. A trial this storage creates in the block joins the
+        snapshot, and what it writes to it (params, attrs) is written to the snapshot's copy too, so the snapshot
+        stays what a fresh read would give: a sampler may read the trial it samples (Optuna's brute-force sampler
+        finds the params drawn so far there). A trial queued (`enqueue_trial`) or claimed (a state written) drops
+        it."""
         outer = getattr(self._shared, "everything", None)
         self._shared.everything = {}
         try:
@@ -433,8 +435,18 @@ class PatientStorage(BaseStorage):
         if everything is not None:
             if study_id not in everything:
                 everything[study_id] = self._call("get_all_trials", study_id, deepcopy=False, states=None)
-            return everything[study_id] if states is None else [t for t in everything[study_id] if t.state in states]
+            # A new list each time, as a read gives: a sampler may pop from what it got (Optuna's brute force does).
+            return [t for t in everything[study_id] if states is None or t.state in states]
         return self._finished_snapshot(study_id, states)
+
+    def _mirror(self, trial_id: int, write: Callable[[FrozenTrial], None]) -> None:
+        """Apply a write this storage made to `trial_id` to the ask block's snapshot's copy of it, if it has one."""
+        everything: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "everything", None)
+        for trials in (everything or {}).values():
+            for trial in reversed(trials):  # the block's own new trial is the last one
+                if trial._trial_id == trial_id:  # noqa: SLF001 - a FrozenTrial's storage id
+                    write(trial)
+                    return
 
     def _finished_snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:
         snapshots: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "snapshots", None)
@@ -466,11 +478,21 @@ class PatientStorage(BaseStorage):
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
         if template_trial is not None:  # a queued trial (`enqueue_trial`): the next ask must find it
             self._drop_snapshots()
-        return self._call("create_new_trial", study_id, template_trial)
+        trial_id: int = self._call("create_new_trial", study_id, template_trial)
+        everything: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "everything", None)
+        if everything and study_id in everything:  # the ask block's new trial joins its snapshot, as read afresh
+            everything[study_id].append(self._call("get_trial", trial_id))
+        return trial_id
 
     def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
                         distribution: optuna.distributions.BaseDistribution) -> None:
         self._call("set_trial_param", trial_id, param_name, param_value_internal, distribution)
+
+        def write(trial: FrozenTrial) -> None:
+            trial.params[param_name] = distribution.to_external_repr(param_value_internal)
+            trial.distributions[param_name] = distribution
+
+        self._mirror(trial_id, write)
 
     def set_trial_state_values(self, trial_id: int, state: TrialState, values: Sequence[float] | None = None) -> bool:
         """Idempotent across a lost reply: when an attempt that failed had in fact been stored, the retry finds the
@@ -494,12 +516,15 @@ class PatientStorage(BaseStorage):
 
     def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
         self._call("set_trial_intermediate_value", trial_id, step, intermediate_value)
+        self._mirror(trial_id, lambda trial: trial.intermediate_values.__setitem__(step, intermediate_value))
 
     def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
         self._call("set_trial_user_attr", trial_id, key, value)
+        self._mirror(trial_id, lambda trial: trial.user_attrs.__setitem__(key, value))
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
         self._call("set_trial_system_attr", trial_id, key, value)
+        self._mirror(trial_id, lambda trial: trial.system_attrs.__setitem__(key, value))
 
     def set_trial_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         """Several user attrs of a running trial in one transaction: Optuna writes each in a transaction of its own
@@ -531,6 +556,7 @@ class PatientStorage(BaseStorage):
                                                            set_={"value_json": rows.excluded.value_json}))
 
         self.boundary.call(write)
+        self._mirror(trial_id, lambda trial: trial.user_attrs.update(attrs))
 
     # Reads.
     def get_study_id_from_name(self, study_name: str) -> int:

@@ -136,6 +136,41 @@ def test_an_ask_block_reads_the_trials_once_and_a_queued_or_claimed_trial_drops_
     assert len(mine.get_trials(deepcopy=False)) == 4  # after the block: fresh reads
 
 
+@pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "gp", "qmc", "nsgaii", "bruteforce"])
+def test_every_sampler_draws_in_an_ask_block_what_it_draws_reading_afresh(tmp_path: Path, sampler: str) -> None:
+    # The worker asks each trial with all its keys (`study.ask(spec.distributions())`) inside one shared read of the
+    # study. Some samplers read the trial they are sampling (brute force finds the params drawn so far there, and
+    # failed "Should not reach" on a snapshot without it): the block's snapshot holds the new trial and what is
+    # written to it. Each sampler, seeded, draws the same params trial after trial with the block and without.
+    import warnings
+
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from sweep.components import SAMPLERS
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True),
+             "x": FloatDistribution(0.0, 1.0, step=0.25), "n": IntDistribution(1, 9, step=2),
+             "act": CategoricalDistribution(["relu", "tanh"])}
+    if sampler == "bruteforce":  # it enumerates: every float needs a step
+        space["lr"] = FloatDistribution(0.01, 0.05, step=0.02)
+
+    def draws(shared: bool) -> list[dict[str, object]]:
+        url = f"sqlite:///{tmp_path / f'{shared}.db'}"
+        storage = PatientStorage(make_storage(url), Boundary(60))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            study = optuna.create_study(study_name="s", storage=storage, sampler=SAMPLERS[sampler](seed=3))
+            for _ in range(8):
+                with storage.shared_ask_reads() if shared else contextlib.nullcontext():
+                    trial = study.ask(space)
+                params = dict(trial.params)
+                study.tell(trial, float(params["x"]) + float(params["n"]) / 10 + (params["act"] == "tanh"))
+        return [t.params for t in study.get_trials()]
+
+    assert draws(True) == draws(False)
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_them(
         tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
