@@ -23,6 +23,9 @@ decision, checkpoints and outcome.
 - Everything else is the worker's: the budget (asked under the study's lock), heartbeats (one thread for every
   member), retries, confirmations. A retry whose shapes differ from the cohort's, and a study whose model cannot be
   batched, train one trial at a time (with one line saying why).
+- Out of memory: a cohort's size ran out, not a member's config. Its members end as interrupted and are retried from
+  their checkpoints, and the worker's cohorts hold half as many from then on (a cohort of one that runs out fails
+  its trial, as one trial alone would).
 - Stopping: `sweep stop` lets the members finish and asks for no more; `--timeout`, Ctrl-C and SIGTERM end every
   member as interrupted (or preempted) and queue its retry, which resumes from its newest checkpoint.
 """
@@ -30,6 +33,7 @@ decision, checkpoints and outcome.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import time
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import optuna
+import torch
 from optuna.trial import TrialState
 
 from sweep.objective import Prepared, TrainerTrial
@@ -47,6 +52,7 @@ from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
+from trainer.precision import out_of_memory
 
 if TYPE_CHECKING:
     from sweep.schema import Param, StudySpec
@@ -89,6 +95,11 @@ def _signalled(exc: BaseException) -> tuple[str, Outcome]:
     """How a trial stopped by Ctrl-C or SIGTERM ends: its reason and outcome."""
     return ("preempted (SIGTERM)", Outcome.PREEMPTED) if isinstance(exc, Preempted) else ("interrupted",
                                                                                             Outcome.INTERRUPTED)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 def _interrupted(reason: str, outcome: Outcome) -> TrialResult:
@@ -141,6 +152,8 @@ class CohortLoop:
                 except Exception as exc:  # a failing cohort must never take the study down
                     if not self.members:
                         raise  # no trial's doing: the worker's own fault, which trying again would repeat
+                    if self._out_of_memory(beats, exc):
+                        continue
                     result = worker._failure(exc)  # noqa: SLF001
                     stop: Exception | None = None
                     for n, member_id in enumerate(list(self.members)):
@@ -151,6 +164,28 @@ class CohortLoop:
                     self.cohort = None
                     if stop is not None:
                         raise stop from exc
+
+    def _out_of_memory(self, beats: Beats, exc: Exception) -> bool:
+        """A cohort of more than one member that ran out of memory: the cohort's size did, not a member's config.
+        Each member ends as interrupted and is retried from its newest checkpoint (not counted, not a failure), and
+        this worker's cohorts hold half as many from now on. False for anything else (and for a cohort of one: then
+        the config itself does not fit, and it fails as one trial alone would)."""
+        cohort = self.cohort
+        if cohort is None or cohort.capacity < 2 or not out_of_memory(exc):
+            return False
+        size, step = cohort.capacity, cohort.step_count
+        smaller = size // 2
+        self.cohort = cohort = None  # its stacked tensors go before the next cohort is made
+        self.size = smaller
+        reason = f"interrupted: its cohort of {size} ran out of memory at step {step}; retried in a cohort of {smaller}"
+        warnings.warn(f"execution.cohort: a cohort ran out of memory ({_first_line(exc)}); its trials are retried "
+                      f"from their checkpoints, and this worker's cohorts hold {smaller} from now on", stacklevel=2)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        for member_id in list(self.members):
+            self._end(beats, member_id, _interrupted(reason, Outcome.INTERRUPTED), streak=False)
+        return True
 
     def _loop(self, beats: Beats, started_wall: float) -> RunSummary:
         worker = self.worker

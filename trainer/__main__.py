@@ -24,7 +24,7 @@ import torch
 
 from trainer.config import ConfigError, TrainingConfig
 from trainer.loop import NullReporter, TrainResult, train
-from trainer.precision import DeviceUnavailable
+from trainer.precision import DeviceUnavailable, out_of_memory
 from trainer.tasks import TaskError
 from trainer.yaml_file import YamlFileError, load_yaml, read_text
 
@@ -69,12 +69,6 @@ def _number(raw: str) -> Any:
         except ValueError:
             pass
     return raw
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """PyTorch's out of memory: its own error on CUDA, a RuntimeError of the CPU allocator."""
-    text = str(exc)
-    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
 
 
 class _NotMain(Exception):
@@ -143,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except _NotMain:
         return 0
     except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not _out_of_memory(exc):
+        if not out_of_memory(exc):
             raise
         # The config's model and batch size do not fit this machine: one line, not PyTorch's traceback.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "resolve_device", "resolve_precision"]
+__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "out_of_memory", "resolve_device", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,9 @@ def allow_tf32(device: torch.device, deterministic: bool) -> None:
         return
     torch.set_float32_matmul_precision("highest" if deterministic else "high")
     torch.backends.cudnn.allow_tf32 = not deterministic
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is PyTorch running out of memory: its own error on CUDA, a RuntimeError of the CPU allocator."""
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text

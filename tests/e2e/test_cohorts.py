@@ -292,6 +292,59 @@ def test_a_cohort_ended_by_one_exception_counts_once_towards_max_repeated_failur
     assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 3
 
 
+OOM_TASK = '''
+import torch
+from torch import nn
+from torch._C import _functorch
+from trainer.tasks import Task
+
+
+class Hungry(nn.Module):  # runs the cohort's vmapped step out of memory when it stacks more than two members
+    def __init__(self, hidden):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, hidden), nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        if _functorch.is_batchedtensor(x):
+            members = _functorch.get_unwrapped(x).shape[_functorch.maybe_get_bdim(x)]
+            if members > 2:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB for {members} members")
+        return self.b(torch.tanh(self.a(x)))
+
+
+def task() -> Task:
+    x = torch.randn(96, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="hungry", train=(x[:64], y[:64]), val=(x[64:], y[64:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: Hungry(cfg["hidden"]))
+'''
+
+
+def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its_size(tmp_path: Path) -> None:
+    # Out of memory in a cohort's step is the cohort's size, not a member's config: its members used to fail for
+    # good (as a config that does not fit). They are retried from their checkpoints in cohorts of half the size.
+    (tmp_path / "hungry_task.py").write_text(OOM_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 6, "task": {"name": "hungry_task:task"},
+                                            "execution": {"cohort": 4}, "pruner": "fastfail"}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    done = sweep_cli("run", write_study(tmp_path, document), pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    why = [line for line in done.stderr.splitlines() if line.startswith("warning:")]
+    assert len(why) == 1 and "ran out of memory" in why[0] and "cohorts hold 2 from now on" in why[0], done.stderr
+    trials = load(tmp_path).get_trials()
+    interrupted = [t for t in trials if t.user_attrs.get("outcome") == "interrupted"]
+    assert len(interrupted) == 4 and all(t.user_attrs["cohort"]["size"] == 4 for t in interrupted)
+    assert all("ran out of memory" in t.user_attrs["fail_reason"] for t in interrupted)
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == 6 and all(t.user_attrs["cohort"]["size"] == 2 for t in finished)  # the budget, exact
+    retried = {t.user_attrs.get("retry_of") for t in finished}
+    assert {t.number for t in interrupted} <= retried  # each retried, with its own params
+    for trial in interrupted:
+        retry = next(t for t in finished if t.user_attrs.get("retry_of") == trial.number)
+        assert retry.params == trial.params
+
+
 FAILING_TASKS = '''
 import torch
 from torch import nn
