@@ -23,9 +23,9 @@ decision, checkpoints and outcome.
 - Everything else is the worker's: the budget (asked under the study's lock), heartbeats (one thread for every
   member), retries, confirmations. A retry whose shapes differ from the cohort's, and a study whose model cannot be
   batched, train one trial at a time (with one line saying why).
-- Out of memory: a cohort's size ran out, not a member's config. Its members end as interrupted and are retried from
-  their checkpoints, and the worker's cohorts hold half as many from then on (a cohort of one that runs out fails
-  its trial, as one trial alone would).
+- Out of memory (in a step, while a cohort is made or a member joins): a cohort's size ran out, not a member's
+  config. Its members end as interrupted and are retried from their checkpoints, and the worker's cohorts hold half
+  as many (rounded up) from then on (a cohort of one that runs out fails its trial, as one trial alone would).
 - Stopping: `sweep stop` lets the members finish and asks for no more; `--timeout`, Ctrl-C and SIGTERM end every
   member as interrupted (or preempted) and queue its retry, which resumes from its newest checkpoint.
 """
@@ -132,6 +132,7 @@ class CohortLoop:
         self.startup = startup_trials(worker.study.pruner)  # completed trials the pruner waits for (0: none)
         self.ramp = False  # the current cohort holds the pruner's startup trials (see the module's doc)
         self.seen: list[optuna.trial.FrozenTrial] = []  # the study's trials as the latest ask read them
+        self.building = 0  # the size of the cohort being made (0: none is)
         self.tag = f"{socket.gethostname()}:{os.getpid()}"
 
     def run(self, started_wall: float) -> RunSummary:
@@ -165,26 +166,37 @@ class CohortLoop:
                     if stop is not None:
                         raise stop from exc
 
-    def _out_of_memory(self, beats: Beats, exc: Exception) -> bool:
-        """A cohort of more than one member that ran out of memory: the cohort's size did, not a member's config.
-        Each member ends as interrupted and is retried from its newest checkpoint (not counted, not a failure), and
-        this worker's cohorts hold half as many from now on. False for anything else (and for a cohort of one: then
-        the config itself does not fit, and it fails as one trial alone would)."""
+    def _out_of_memory(self, beats: Beats, exc: Exception,
+                       starting: tuple[optuna.Trial, TrainerTrial] | None = None) -> bool:
+        """A cohort of more than one slot ran out of memory (in its step, while it was made, or while a member
+        joined): the cohort's size did, not a member's config. Each member, and the trial `starting` if one was
+        joining, ends as interrupted and is retried from its newest checkpoint (not counted, not a failure), and this
+        worker's cohorts hold half as many (rounded up) from now on. False for anything else, and for a cohort of
+        one: then the config itself does not fit, and it fails as one trial alone would."""
         cohort = self.cohort
-        if cohort is None or cohort.capacity < 2 or not out_of_memory(exc):
+        size = cohort.capacity if cohort is not None else self.building
+        if size < 2 or not out_of_memory(exc):
             return False
-        size, step = cohort.capacity, cohort.step_count
-        smaller = size // 2
+        step = cohort.step_count if cohort is not None else 0
+        smaller = (size + 1) // 2
         self.cohort = cohort = None  # its stacked tensors go before the next cohort is made
+        self.building = 0
         self.size = smaller
         reason = f"interrupted: its cohort of {size} ran out of memory at step {step}; retried in a cohort of {smaller}"
-        warnings.warn(f"execution.cohort: a cohort ran out of memory ({_first_line(exc)}); its trials are retried "
-                      f"from their checkpoints, and this worker's cohorts hold {smaller} from now on", stacklevel=2)
+        warnings.warn(f"execution.cohort: a cohort of {size} ran out of memory ({_first_line(exc)}); its trials are "
+                      f"retried from their checkpoints, and this worker's cohorts hold {smaller} from now on",
+                      stacklevel=2)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        result = _interrupted(reason, Outcome.INTERRUPTED)
+        if starting is not None:
+            trial, runner = starting
+            self._drop(trial)
+            beats.discard(trial)
+            self.worker._end(trial, result, runner)  # noqa: SLF001
         for member_id in list(self.members):
-            self._end(beats, member_id, _interrupted(reason, Outcome.INTERRUPTED), streak=False)
+            self._end(beats, member_id, result, streak=False)
         return True
 
     def _loop(self, beats: Beats, started_wall: float) -> RunSummary:
@@ -239,7 +251,9 @@ class CohortLoop:
         while not self.spent and not self.single and (self.cohort is None or (
                 self.cohort.free_slots and (not self.keys or self.admitted < GENERATIONS * self.cohort.capacity)
                 and not (self.ramp and self._startup_in_flight()))):
-            trial, spent, self.seen = worker._ask_next(self.fixed)  # noqa: SLF001
+            # A new cohort's first member draws its shapes freely; the cohort's later members share them.
+            fixed = self.fixed if self.cohort is not None else None
+            trial, spent, self.seen = worker._ask_next(fixed)  # noqa: SLF001
             self.spent = spent
             if trial is None:
                 return
@@ -257,6 +271,8 @@ class CohortLoop:
             except (StorageUnavailable, StudyBrokenError, InfrastructureError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
+                if self._out_of_memory(beats, exc, (trial, runner)):
+                    continue
                 self._drop(trial)
                 beats.discard(trial)
                 frozen = worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
@@ -311,7 +327,9 @@ class CohortLoop:
         if self.ramp:  # the startup trials still missing, less those running elsewhere; this one at least
             size = min(size, max(1, self.startup - completed - running))
         # Never more slots than the study has trials: a slot no trial will fill still costs memory and time.
-        self.cohort = Cohort(prepared.task, prepared.config, max(1, min(size, self.worker.n_trials)))
+        self.building = max(1, min(size, self.worker.n_trials))
+        self.cohort = Cohort(prepared.task, prepared.config, self.building)
+        self.building = 0
         self.cohorts += 1
         self.admitted = 0
         if self.keys is None:

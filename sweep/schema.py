@@ -99,12 +99,6 @@ class FloatParam(_Model):
     def suggest(self, trial: Any, name: str) -> float:
         return trial.suggest_float(name, self.low, self.high, log=self.log, step=self.step)
 
-    def distribution(self) -> Any:
-        """The Optuna distribution `suggest` asks for."""
-        from optuna.distributions import FloatDistribution
-
-        return FloatDistribution(self.low, self.high, log=self.log, step=self.step)
-
 
 class IntParam(_Model):
     type: Literal["int"]
@@ -120,12 +114,6 @@ class IntParam(_Model):
 
     def suggest(self, trial: Any, name: str) -> int:
         return trial.suggest_int(name, self.low, self.high, log=self.log, step=self.step)
-
-    def distribution(self) -> Any:
-        """The Optuna distribution `suggest` asks for."""
-        from optuna.distributions import IntDistribution
-
-        return IntDistribution(self.low, self.high, log=self.log, step=self.step)
 
 
 def _plain_choice(value: Any) -> Any:
@@ -147,12 +135,6 @@ class CategoricalParam(_Model):
 
     def suggest(self, trial: Any, name: str) -> Any:
         return trial.suggest_categorical(name, self.choices)
-
-    def distribution(self) -> Any:
-        """The Optuna distribution `suggest` asks for."""
-        from optuna.distributions import CategoricalDistribution
-
-        return CategoricalDistribution(self.choices)
 
 
 def _check_range(low: float, high: float, log: bool, step: float | None) -> None:
@@ -566,11 +548,6 @@ class StudySpec(_Model):
     def suggest(self, trial: Any) -> dict[str, Any]:
         """Sample every searched key through an Optuna trial; returns `{dotted key: value}`."""
         return {key: param.suggest(trial, key) for key, param in self.space.items()}
-
-    def distributions(self) -> dict[str, Any]:
-        """The Optuna distribution of every searched key, in `suggest`'s order: `study.ask(spec.distributions())`
-        samples the trial as `suggest` would, at once."""
-        return {key: param.distribution() for key, param in self.space.items()}
 
     def stored(self) -> dict[str, Any]:
         """The spec as it is kept on the study. The storage URL is left out: it may hold a password, and a study

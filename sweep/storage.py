@@ -28,6 +28,7 @@ import datetime
 import fcntl
 import hashlib
 import json
+import os
 import random
 import sqlite3
 import sys
@@ -121,8 +122,11 @@ def engine_options(url: str) -> dict[str, Any]:
     if sqlite_path(url) is not None or url.startswith("sqlite"):
         return {"connect_args": {"timeout": 60}}
     options: dict[str, Any] = {"pool_pre_ping": True}
-    if url.startswith("postgresql"):
-        given = {key.lower() for key in make_url(url).query}
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name().startswith("psycopg"):  # libpq's
+        given = {key.lower() for key in parsed.query}
+        if os.environ.get("PGCONNECT_TIMEOUT"):  # libpq's own variable for it: the user's choice too
+            given.add("connect_timeout")
         options["connect_args"] = {k: v for k, v in POSTGRESQL_CONNECT_ARGS.items() if k not in given}
     return options
 
@@ -443,9 +447,11 @@ class PatientStorage(BaseStorage):
         """Apply a write this storage made to `trial_id` to the ask block's snapshot's copy of it, if it has one."""
         everything: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "everything", None)
         for trials in (everything or {}).values():
-            for trial in reversed(trials):  # the block's own new trial is the last one
-                if trial._trial_id == trial_id:  # noqa: SLF001 - a FrozenTrial's storage id
-                    write(trial)
+            for i in range(len(trials) - 1, -1, -1):  # the block's own new trial is the last one
+                if trials[i]._trial_id == trial_id:  # noqa: SLF001 - a FrozenTrial's storage id
+                    # A copy: a read with deepcopy=False may have handed out Optuna's cached object itself.
+                    trials[i] = copy.deepcopy(trials[i])
+                    write(trials[i])
                     return
 
     def _finished_snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:

@@ -57,7 +57,15 @@ from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
 from sweep.signals import Preempted, raise_pending
-from sweep.storage import Boundary, PatientStorage, StorageUnavailable, ask_lock, is_transient, never_lost
+from sweep.storage import (
+    Boundary,
+    PatientStorage,
+    StorageAway,
+    StorageUnavailable,
+    ask_lock,
+    is_transient,
+    never_lost,
+)
 from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
 
@@ -138,7 +146,6 @@ class Worker:
                  events: Events | None = None, n_trials: int | None = None, timeout: float | None = None,
                  cohort: int | None = None) -> None:
         self.study, self.spec, self.url, self.boundary = study, spec, storage_url, boundary
-        self.distributions = spec.distributions()  # every searched key, sampled when a trial is asked
         self.events = events if events is not None else NoEvents()
         self.n_trials = n_trials if n_trials is not None else spec.n_trials
         self.timeout = timeout if timeout is not None else spec.timeout
@@ -262,12 +269,23 @@ class Worker:
         if fixed:
             self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)
         try:
-            # Every searched key sampled now, in `spec.suggest`'s order (which then finds them set): the sampler's
-            # reads of the study share the one read made under the lock, where sampling at the trial's first
-            # suggest would read every trial again, twice for TPE.
-            return self.study.ask(self.distributions), False, trials
+            trial = self.study.ask()
+            self._sample(trial)
+            return trial, False, trials
         finally:
             self.study.sampler = sampler
+
+    def _sample(self, trial: optuna.Trial) -> None:
+        """Every searched key drawn now, as the runner's `spec.suggest` would draw them (it then finds them set):
+        the sampler's reads of the study share the one read made under the lock, where drawing at the trial's first
+        suggest read every trial again, twice for TPE. A sampler that raises is met again by the runner's suggest,
+        which fails this trial alone, with its message, as any error of a trial's start does."""
+        try:
+            self.spec.suggest(trial)
+        except (StorageUnavailable, StorageAway):
+            raise
+        except Exception:  # noqa: BLE001 - the runner's suggest raises it again, where a trial's errors go
+            pass
 
     # -----------------------------------------------------------------------------------------------------------------
     # One trial.

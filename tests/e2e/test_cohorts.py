@@ -12,6 +12,7 @@ from typing import Any
 
 import optuna
 import pytest
+import torch
 import yaml
 from optuna.trial import TrialState
 
@@ -229,6 +230,24 @@ def test_a_model_that_cannot_be_batched_trains_one_trial_at_a_time_with_one_line
     assert max(in_flight(trials)) == 1 and all("cohort" not in t.user_attrs for t in trials)
 
 
+def test_each_cohort_s_first_member_draws_its_shapes_anew(tmp_path: Path) -> None:
+    # A cohort takes 4K members, then drains, so that the next one's shapes are the sampler's choice again. The
+    # shape keys fixed for the first cohort's members stayed fixed for every later ask: one shape for the whole
+    # study. Now each cohort's first member draws them freely, and its later members share them.
+    path = cohort_study(tmp_path, n_trials=24, sampler={"type": "random"},
+                        fixed={"max_steps": 10, "eval_every_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"]["model.hidden"] = {"type": "categorical", "choices": [8, 16, 24, 32, 40, 48]}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "2")
+    assert done.returncode == 0, done.stderr
+    cohorts: dict[str, set[int]] = {}
+    for trial in load(tmp_path).get_trials():
+        cohorts.setdefault(trial.user_attrs["cohort"]["id"], set()).add(trial.params["model.hidden"])
+    assert len(cohorts) >= 3 and all(len(shapes) == 1 for shapes in cohorts.values()), cohorts
+    assert len(set.union(*cohorts.values())) > 1, cohorts  # drawn anew: not one shape for the study
+
+
 def test_a_study_that_searches_no_shape_key_keeps_one_cohort_until_the_budget_is_spent(tmp_path: Path) -> None:
     # Draining a cohort lets the next one draw its shapes anew; with no shape key searched there is nothing to draw,
     # and a drain would only leave slots empty. More than GENERATIONS x K trials, one cohort.
@@ -299,7 +318,7 @@ from torch._C import _functorch
 from trainer.tasks import Task
 
 
-class Hungry(nn.Module):  # runs the cohort's vmapped step out of memory when it stacks more than two members
+class Hungry(nn.Module):  # runs a cohort's stacked training step out of memory when it stacks more than two members
     def __init__(self, hidden):
         super().__init__()
         self.a, self.b = nn.Linear(6, hidden), nn.Linear(hidden, 2)
@@ -320,10 +339,26 @@ def task() -> Task:
 '''
 
 
-def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its_size(tmp_path: Path) -> None:
-    # Out of memory in a cohort's step is the cohort's size, not a member's config: its members used to fail for
-    # good (as a config that does not fit). They are retried from their checkpoints in cohorts of half the size.
+@pytest.mark.parametrize("where", ["step", "made"])
+def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its_size(
+        tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Out of memory in a cohort is the cohort's size, not a member's config: its members (and the trial whose start
+    # made it) used to fail for good, as configs that do not fit, and the study stopped after max_repeated_failures
+    # of them. They are retried from their checkpoints in cohorts of half the size. "step": the stacked training step
+    # runs out (the task's model); "made": the stacked tensors of a new cohort of 4 do not fit (injected: a CPU's
+    # allocator does not fail on demand).
+    from trainer.batched import Cohort
+
     (tmp_path / "hungry_task.py").write_text(OOM_TASK)
+    if where == "made":
+        made = Cohort.__init__
+
+        def hungry(self: Cohort, task: Any, like: Any, capacity: int, *args: Any, **kwargs: Any) -> None:
+            if capacity > 2:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB for {capacity} slots")
+            made(self, task, like, capacity, *args, **kwargs)
+
+        monkeypatch.setattr(Cohort, "__init__", hungry)
     document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 6, "task": {"name": "hungry_task:task"},
                                             "execution": {"cohort": 4}, "pruner": "fastfail"}
     document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
@@ -334,8 +369,11 @@ def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its
     assert len(why) == 1 and "ran out of memory" in why[0] and "cohorts hold 2 from now on" in why[0], done.stderr
     trials = load(tmp_path).get_trials()
     interrupted = [t for t in trials if t.user_attrs.get("outcome") == "interrupted"]
-    assert len(interrupted) == 4 and all(t.user_attrs["cohort"]["size"] == 4 for t in interrupted)
-    assert all("ran out of memory" in t.user_attrs["fail_reason"] for t in interrupted)
+    if where == "step":
+        assert len(interrupted) == 4 and all(t.user_attrs["cohort"]["size"] == 4 for t in interrupted)
+    else:  # the trial whose start made the cohort: never a member
+        assert len(interrupted) == 1 and "cohort" not in interrupted[0].user_attrs
+    assert all("its cohort of 4 ran out of memory" in t.user_attrs["fail_reason"] for t in interrupted)
     finished = [t for t in trials if t.state == TrialState.COMPLETE]
     assert len(finished) == 6 and all(t.user_attrs["cohort"]["size"] == 2 for t in finished)  # the budget, exact
     retried = {t.user_attrs.get("retry_of") for t in finished}

@@ -7,6 +7,7 @@ import copy
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
@@ -56,3 +57,26 @@ def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continue
     assert retry.intermediate_values == whole.intermediate_values  # bit for bit, as if never interrupted
     assert retry.value == whole.value
     assert sweep_cli("reproduce", path, str(retry.number)).returncode == 0
+
+
+def test_a_sampler_that_raises_for_one_trial_fails_that_trial_alone(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # A trial's params are drawn when it is asked, under the study's lock. A sampler error there (a broken optional
+    # dependency, a GP fit that fails, a user's sampler) once took the worker down with a traceback and left the
+    # trial running; it fails that trial alone, with its message, as an error of the trial's start does.
+    original = optuna.samplers.RandomSampler.sample_independent
+
+    def flaky(self: optuna.samplers.RandomSampler, study: optuna.Study, trial: optuna.trial.FrozenTrial,
+              name: str, distribution: optuna.distributions.BaseDistribution) -> object:
+        if trial.number == 1:
+            raise RuntimeError("my sampler broke on trial 1")
+        return original(self, study, trial, name, distribution)
+
+    monkeypatch.setattr(optuna.samplers.RandomSampler, "sample_independent", flaky)
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY))
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    found = trials(path, "tiny")
+    assert [t.state for t in found] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert found[1].user_attrs["fail_reason"] == "RuntimeError: my sampler broke on trial 1"
