@@ -9,6 +9,7 @@ run to the next, the CPU-time ratio much less (it leaves out waiting, fsync's to
 
     python bench/cohorts.py                                  # 64 trials x 300 steps, cohorts 1 8 32, seeds 0 1 2
     python bench/cohorts.py --trials 24 --steps 100 --cohorts 1 8 --seeds 0
+    python bench/cohorts.py --ramp                           # execution.ramp: the pruner's startup trials first
 
 Each run is a fresh SQLite study in a temporary folder, through the same worker loop `sweep run` uses. One thread
 per process (`torch.set_num_threads(1)`), so the ratio is the engine's and the study's, not the thread pool's. A
@@ -34,13 +35,13 @@ from sweep.study import open_study, run_study
 
 
 def document(trials: int, steps: int, seed: int, cohort: int, task: str = "digits",
-             model: tuple[int, int, int] = (384, 6, 6), context: int = 256) -> dict:
+             model: tuple[int, int, int] = (384, 6, 6), context: int = 256, ramp: bool = False) -> dict:
     if task == "charlm":  # studies/charlm.yaml's model and fixed settings, its space less the dropout choice
         d_model, n_layers, n_heads = model
         every = max(1, steps // 4)
         return {
             "name": f"cohorts-charlm-{cohort}-{seed}", "n_trials": trials, "seed": seed, "sampler": "tpe",
-            "pruner": {"type": "fastfail", "then": "median"}, "execution": {"cohort": cohort},
+            "pruner": {"type": "fastfail", "then": "median"}, "execution": {"cohort": cohort, "ramp": ramp},
             "task": {"name": "charlm", "args": {"context": context, "max_chars": 1_000_000}},
             "fixed": {"max_steps": steps, "eval_every_steps": every, "log_every_steps": every, "batch_size": 64,
                       "eval_batch_size": 64, "gradient_clip_norm": 1.0, "optimizer": "adamw", "scheduler": "cosine",
@@ -52,7 +53,8 @@ def document(trials: int, steps: int, seed: int, cohort: int, task: str = "digit
         }
     return {
         "name": f"cohorts-{cohort}-{seed}", "n_trials": trials, "seed": seed, "sampler": "tpe",
-        "pruner": {"type": "fastfail", "then": "median"}, "task": "digits", "execution": {"cohort": cohort},
+        "pruner": {"type": "fastfail", "then": "median"}, "task": "digits",
+        "execution": {"cohort": cohort, "ramp": ramp},
         "fixed": {"max_steps": steps, "eval_every_steps": max(1, steps // 10), "log_every_steps": max(1, steps // 10),
                   "batch_size": 64, "model": {"hidden": 64}},
         "space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
@@ -94,8 +96,11 @@ def main() -> None:
     parser.add_argument("--charlm-model", type=int, nargs=3, default=[384, 6, 6],
                         metavar=("D_MODEL", "LAYERS", "HEADS"))
     parser.add_argument("--charlm-context", type=int, default=256)
+    parser.add_argument("--ramp", action="store_true", help="execution.ramp: the first cohort holds only the median "
+                                                            "pruner's startup trials")
     options = parser.parse_args()
-    task = {"task": options.task, "model": tuple(options.charlm_model), "context": options.charlm_context}
+    task = {"task": options.task, "model": tuple(options.charlm_model), "context": options.charlm_context,
+            "ramp": options.ramp}
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sizes: list[int] = options.cohorts
@@ -116,7 +121,7 @@ def main() -> None:
     cpu_base = statistics.median(r["per_cpu_hour"] for r in rows[sizes[0]])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"{options.task} on {device}, {options.trials} trials x {options.steps} steps, TPE, fast-fail then median, "
-          f"seeds {options.seeds}, 1 thread; medians over the seeds")
+          f"seeds {options.seeds}, 1 thread{', ramp' if options.ramp else ''}; medians over the seeds")
     print(f"{'cohort':>6} {'wall s':>8} {'trials/h':>9} {'vs ' + str(sizes[0]):>6} {'steps':>7} {'steps/s':>8} "
           f"{'pruned':>6} {'cpu s':>6} {'vs ' + str(sizes[0]) + ' cpu':>9}  best per seed (at trial)")
     for cohort, results in rows.items():

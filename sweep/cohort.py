@@ -13,13 +13,13 @@ decision, checkpoints and outcome.
 - Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
   completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
   at the next evaluation boundary, so the device stays full until the budget is spent.
-- The pruner's startup: Optuna's median and percentile pruners (and the forecast pruner) judge no trial before
-  `n_startup_trials` trials have completed, and judge against completed trials only. Members that start together end
-  together, so a first cohort of K would run K trials unjudged to their end where one trial at a time runs
-  `n_startup_trials`, and their unselected values would lower the bar for every later trial. While the study has
-  fewer completed trials than that, a cohort is a *ramp*: it holds only the startup trials still missing (those
-  running elsewhere counted, at least one), takes no more members once they are in flight, and drains; the cohort
-  after it has the full size.
+- The pruner's startup (`execution.ramp`, off by default: the device stays full): Optuna's median and percentile
+  pruners (and the forecast and leaders pruners) judge no trial before `n_startup_trials` trials have completed, and
+  judge against completed trials only. Members that start together end together, so a first cohort of K runs K
+  trials unjudged to their end where one trial at a time runs `n_startup_trials`, and their unselected values lower
+  the bar for every later trial. With the ramp on, while the study has fewer completed trials than that, a cohort is
+  a *ramp*: it holds only the startup trials still missing (those running elsewhere counted, at least one), takes no
+  more members once they are in flight, and drains; the cohort after it has the full size.
 - Everything else is the worker's: the budget (asked under the study's lock), heartbeats (one thread for every
   member), retries, confirmations. A retry whose shapes differ from the cohort's, and a study whose model cannot be
   batched, train one trial at a time (with one line saying why).
@@ -129,7 +129,8 @@ class CohortLoop:
         self.stopping = self.timed_out = False  # kept across a failed cohort: the loop goes on with the next one
         self.cohorts = 0
         self.admitted = 0  # members the current cohort has taken
-        self.startup = startup_trials(worker.study.pruner)  # completed trials the pruner waits for (0: none)
+        # The completed trials the pruner waits for, which a ramp holds the first cohorts to (0: no ramp).
+        self.startup = startup_trials(worker.study.pruner) if worker.spec.execution.ramp else 0
         self.ramp = False  # the current cohort holds the pruner's startup trials (see the module's doc)
         self.seen: list[optuna.trial.FrozenTrial] = []  # the study's trials as the latest ask read them
         self.building = 0  # the size of the cohort being made (0: none is)

@@ -324,9 +324,12 @@ class LaunchSpec(_Model):
 
 class ExecutionSpec(_Model):
     """How a worker runs its trials: one at a time, or `cohort` of them at once as one stacked model (`auto`: as many
-    as the device's free memory holds)."""
+    as the device's free memory holds). `ramp`: the first cohort holds only the trials the pruner waits for before it
+    judges any (its `n_startup_trials`), so no more trials escape it than one at a time would let escape, at the cost
+    of a partly empty device until they have completed (see sweep.cohort)."""
 
     cohort: Any = 1  # an int >= 1 or "auto": one check, so a bad value is one line
+    ramp: StrictBool = False
 
     @field_validator("cohort", mode="before")
     @classmethod

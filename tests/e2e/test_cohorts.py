@@ -177,12 +177,15 @@ def test_members_pruners_sharing_one_read_per_step_decide_as_if_each_read_alone(
     assert shared == alone
 
 
-def test_the_pruner_s_startup_trials_train_in_a_first_cohort_of_their_own(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ramp", [True, False])
+def test_the_pruner_s_startup_trials_train_in_a_first_cohort_of_their_own_with_the_ramp_on(tmp_path: Path,
+                                                                                             ramp: bool) -> None:
     # The median pruner judges no trial before 3 have completed, and judges against completed trials only. Members
-    # that start together end together: a first cohort of 4 ran 4 trials unjudged to their end (one at a time runs
-    # 3), and their values lowered the bar for every later trial. The ramp: the first cohort holds the 3 startup
+    # that start together end together: a first cohort of 4 runs 4 trials unjudged to their end (one at a time runs
+    # 3), and their values lower the bar for every later trial. The ramp: the first cohort holds the 3 startup
     # trials, no other trial starts before they have completed, and the cohorts after them have the full size.
-    path = cohort_study(tmp_path, n_trials=12, execution={"cohort": 4},
+    # Off (the default), the device stays full: the first cohort has 4 members from the start.
+    path = cohort_study(tmp_path, n_trials=12, execution={"cohort": 4, "ramp": ramp},
                         pruner={"type": "fastfail", "then": {"type": "median", "n_startup_trials": 3}})
     done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
@@ -193,6 +196,9 @@ def test_the_pruner_s_startup_trials_train_in_a_first_cohort_of_their_own(tmp_pa
         return sum(o.state == TrialState.COMPLETE and o.datetime_complete <= trial.datetime_start for o in trials)
 
     startup = [t for t in trials if completed_before(t) < 3]
+    if not ramp:
+        assert {t.user_attrs["cohort"]["size"] for t in trials} == {4} and max(in_flight(startup)) == 4
+        return
     assert {t.user_attrs["cohort"]["size"] for t in startup} == {3}, [t.user_attrs["cohort"] for t in startup]
     assert max(in_flight(startup)) <= 3
     later = [t for t in trials if completed_before(t) >= 3]
