@@ -235,6 +235,7 @@ class TrialCheckpointer:
         self.keep_steps = set(keep_steps)  # always saved and kept: the warm-start handoff point
         self.best: float | None = None
         self.pending: list[dict[str, Any]] = []  # registrations the storage could not take yet
+        self.deferred = False  # a cohort's member: registered with the others after each step (`register_together`)
         self.clock = clock
         self.last_saved_at = clock()
 
@@ -268,20 +269,38 @@ class TrialCheckpointer:
                       shape_key=self.shape_key, uri=self.store.put(info.path), size=info.size, sha256=info.sha256,
                       coords=self.coords, cat_key=self.cat_key)
         self.pending.append(record)
+        if self.deferred:
+            return  # registered with the cohort's other members after the step (`register_together`)
         try:
             self.flush()
-            self._collect()
         except StorageAway:
-            if self.store.artifacts is None and record in self.pending:  # a folder store: beside the blob too
-                _write_unregistered(info.path, record)
+            self._beside_blobs()
 
     def flush(self) -> None:
-        while self.pending:
-            record = self.pending[0]
-            self.registry.register(**record)
-            self.pending.pop(0)
-            if self.store.artifacts is None:
-                _unregistered_path(self.store.local_path(str(record["uri"]))).unlink(missing_ok=True)
+        """Register what waits and trim the trial's checkpoints to what the policy keeps (its latest, its best
+        `keep_top_k`, the handoff step), in one transaction (`Registry.register_and_trim`); then the files of the
+        rows that went are deleted (the rows first: nobody is sent to a deleted file)."""
+        if self.pending:
+            self._registered(*self.registry.register_and_trim(self.pending, self._doomed))
+
+    def _registered(self, records: list[CheckpointRecord], gone: list[int]) -> None:
+        """The pending registrations were stored, and the trial's rows `gone` deleted: their files go too."""
+        registered, self.pending = self.pending, []
+        if self.store.artifacts is None:
+            for pending in registered:
+                _unregistered_path(self.store.local_path(str(pending["uri"]))).unlink(missing_ok=True)
+        kept = {r.uri for r in records if r.id not in gone}
+        for row in records:
+            if row.id in gone and row.uri not in kept:
+                if self.store.artifacts is None:  # its row went: nothing may register it again from beside it
+                    _unregistered_path(self.store.local_path(row.uri)).unlink(missing_ok=True)
+                _delete_in_scope(self.store.scope, row.uri, row.study)
+
+    def _beside_blobs(self) -> None:
+        """The storage is away: with a folder store, each pending registration is written beside its blob too."""
+        if self.store.artifacts is None:
+            for pending in self.pending:
+                _write_unregistered(self.store.local_path(str(pending["uri"])), pending)
 
     def best_record(self) -> CheckpointRecord | None:
         """The trial's best checkpoint (its latest when none has a value), or None when it wrote none. Until
@@ -290,19 +309,33 @@ class TrialCheckpointer:
         scored = best_first(records, self.maximize)
         return scored[0] if scored else max(records, key=lambda r: (r.step, r.id), default=None)
 
-    def _collect(self) -> None:
-        records = self.registry.for_trial(self.study, self.number)
+    def _doomed(self, records: list[CheckpointRecord]) -> list[int]:
+        """The trial's checkpoints that its policy no longer keeps: all but its latest, its best `keep_top_k` and
+        those at a kept step (the warm-start handoff)."""
         if not records:
-            return
+            return []
         latest = max(records, key=lambda r: (r.step, r.id))
         scored = best_first(records, self.maximize)
         keep = {latest.id, *(r.id for r in scored[: self.policy.keep_top_k]),
                 *(r.id for r in records if r.step in self.keep_steps)}
-        gone = set(self.registry.forget([r.id for r in records if r.id not in keep]))  # pinned ones stay
-        kept = {r.uri for r in records if r.id not in gone}
-        for record in records:  # the rows first, then the files: nobody is sent to a deleted file
-            if record.id in gone and record.uri not in kept:
-                _delete_in_scope(self.store.scope, record.uri, record.study)
+        return [r.id for r in records if r.id not in keep]
+
+
+def register_together(checkpointers: Sequence[TrialCheckpointer]) -> None:
+    """What a cohort's members saved in a step (their checkpointers are `deferred`), registered and trimmed in one
+    transaction (`Registry.register_and_trim_many`), where each checkpoint was one. While the storage is away, each
+    registration waits in its checkpointer (and beside its blob, with a folder store), as a lone trial's does."""
+    waiting = [c for c in checkpointers if c.pending]
+    if not waiting:
+        return
+    try:
+        results = waiting[0].registry.register_and_trim_many([(c.pending, c._doomed) for c in waiting])  # noqa: SLF001
+    except StorageAway:
+        for checkpointer in waiting:
+            checkpointer._beside_blobs()  # noqa: SLF001
+        return
+    for checkpointer, (records, gone) in zip(waiting, results):
+        checkpointer._registered(records, gone)  # noqa: SLF001
 
 
 def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[CheckpointRecord]:

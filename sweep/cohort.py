@@ -20,6 +20,11 @@ decision, checkpoints and outcome.
   the bar for every later trial. With the ramp on, while the study has fewer completed trials than that, a cohort is
   a *ramp*: it holds only the startup trials still missing (those running elsewhere counted, at least one), takes no
   more members once they are in flight, and drains; the cohort after it has the full size.
+- The storage work made together: the free slots' trials are asked under one hold of the study's lock
+  (`Worker._ask_many`); the members' reports and attrs in a step, a refill or the telling of those that left are
+  one transaction (`PatientStorage.deferred_writes`), their checkpoints' registrations after each step another
+  (`sweep.checkpoints.register_together`). A member another worker declared lost meanwhile (its writes refused)
+  leaves the cohort at that step, as interrupted: its retry trains it.
 - Everything else is the worker's: the budget (asked under the study's lock), heartbeats (one thread for every
   member), retries, confirmations. A retry whose shapes differ from the cohort's, and a study whose model cannot be
   batched, train one trial at a time (with one line saying why).
@@ -45,6 +50,7 @@ import optuna
 import torch
 from optuna.trial import TrialState
 
+from sweep.checkpoints import register_together
 from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
 from sweep.pruners import startup_trials
@@ -212,7 +218,7 @@ class CohortLoop:
                 if self.timed_out and cohort is not None:
                     self._interrupt_all(beats, f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
                 elif not self.stopping:
-                    with self._shared_reads():  # the new members' step-0 reports, judged one by one
+                    with self._shared_reads(), self._deferred():  # the new members' step-0 reports, one by one
                         self._fill(beats)
             stopping, timed_out = self.stopping, self.timed_out
             cohort = self.cohort
@@ -231,8 +237,15 @@ class CohortLoop:
                 worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
                 time.sleep(worker.spec.heartbeat_interval)
                 continue
-            with worker.boundary.no_wait(), self._shared_reads():
-                cohort.step()
+            with worker.boundary.no_wait(), self._shared_reads(), self._deferred():
+                try:
+                    cohort.step()
+                except BaseException:  # what the step saved before it failed is registered too
+                    with contextlib.suppress(Exception):
+                        self._register_checkpoints()
+                    raise
+                self._register_checkpoints()
+            self._end_lost_members(beats)
             if self._collect(beats):
                 return worker._summary(exhausted=True)  # noqa: SLF001
 
@@ -245,43 +258,104 @@ class CohortLoop:
             return storage.shared_finished_reads()
         return contextlib.nullcontext()
 
+    def _deferred(self) -> contextlib.AbstractContextManager[None]:
+        """The members' reports and attrs in a step (or a refill) written in one transaction at its end, where each
+        was one (`PatientStorage.deferred_writes`; each member's pruner decides as it would alone)."""
+        storage = self.worker.storage
+        if self.share_reads and isinstance(storage, PatientStorage):
+            return storage.deferred_writes()
+        return contextlib.nullcontext()
+
     # -- members -----------------------------------------------------------------------------------------------------
     def _fill(self, beats: Beats) -> None:
-        """Ask trials for the free slots (all of them when there is no cohort yet)."""
+        """Ask trials for the free slots (all of them when there is no cohort yet): a new cohort's first member
+        alone, then the free slots' trials together (`Worker._ask_many`: one hold of the lock, one read of the
+        study), admitted one by one."""
         worker = self.worker
-        while not self.spent and not self.single and (self.cohort is None or (
-                self.cohort.free_slots and (not self.keys or self.admitted < GENERATIONS * self.cohort.capacity)
-                and not (self.ramp and self._startup_in_flight()))):
-            # A new cohort's first member draws its shapes freely; the cohort's later members share them.
-            fixed = self.fixed if self.cohort is not None else None
-            trial, spent, self.seen = worker._ask_next(fixed)  # noqa: SLF001
-            self.spent = spent
-            if trial is None:
-                return
-            runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints,
-                                  storage_url=worker.url)
-            try:
-                admitted = self._admit(beats, trial, runner)
-            except (KeyboardInterrupt, Preempted, TimedOut) as exc:
-                # Ctrl-C or SIGTERM while this trial started (its step-0 report) or trained alone: it is not a
-                # member yet, so `_interrupt_all` would not see it. Marked and queued here, as the members are.
-                self._drop(trial)
-                beats.discard(trial)
-                worker._end(trial, _interrupted(*_signalled(exc)), runner)  # noqa: SLF001
-                raise
-            except (StorageUnavailable, StudyBrokenError, InfrastructureError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
-                if self._out_of_memory(beats, exc, (trial, runner)):
+        waiting: list[optuna.Trial] = []  # asked, not admitted yet
+        try:
+            while waiting or self._wants_members():
+                if not waiting:
+                    # A new cohort's first member draws its shapes freely; the cohort's later members share them.
+                    fixed = self.fixed if self.cohort is not None else None
+                    waiting, self.spent, self.seen = worker._ask_many(self._wanted(), fixed)  # noqa: SLF001
+                    if not waiting:
+                        return
+                    for trial in waiting:  # beating while they wait their turn (one may train alone meanwhile)
+                        beats.add(trial)
+                if self.cohort is not None and not self.cohort.free_slots:  # never: asked for the free slots
+                    self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort slot that was "
+                                                                 "taken", Outcome.INTERRUPTED))
+                    return
+                trial = waiting.pop(0)
+                runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints,
+                                      storage_url=worker.url)
+                try:
+                    admitted = self._admit(beats, trial, runner)
+                except (KeyboardInterrupt, Preempted, TimedOut) as exc:
+                    # Ctrl-C or SIGTERM while this trial started (its step-0 report) or trained alone: it is not a
+                    # member yet, so `_interrupt_all` would not see it. Marked and queued here, as the members are.
+                    self._drop(trial)
+                    beats.discard(trial)
+                    with unmarked_if_away(f"trial {trial.number}", exc):
+                        worker._end(trial, _interrupted(*_signalled(exc)), runner)  # noqa: SLF001
+                    raise
+                except (StorageUnavailable, StudyBrokenError, InfrastructureError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
+                    if self._out_of_memory(beats, exc, (trial, runner)):
+                        # The others asked with it were drawn for the cohort that ran out: queued again, they join
+                        # the smaller cohort made next.
+                        self._give_back(beats, waiting, _interrupted("interrupted: its cohort ran out of memory "
+                                                                     "before it started", Outcome.INTERRUPTED))
+                        continue
+                    self._drop(trial)
+                    beats.discard(trial)
+                    frozen = worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
+                    if frozen is not None and worker.finished(frozen):
+                        self.spent = True  # the sampler has tried every point
                     continue
-                self._drop(trial)
+                if not admitted:  # the study goes on one trial at a time: the others asked with it are queued
+                    self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort; the study "
+                                                                 "trains one trial at a time", Outcome.INTERRUPTED))
+                    return
+        except (KeyboardInterrupt, Preempted, TimedOut) as exc:
+            with unmarked_if_away("the trials asked for the cohort", exc):
+                self._give_back(beats, waiting, _interrupted(*_signalled(exc)))  # as the one that was starting
+            raise
+        except (StudyBrokenError, InfrastructureError):
+            self._give_back(beats, waiting, _interrupted("interrupted: the worker stopped", Outcome.INTERRUPTED))
+            raise
+        except StorageUnavailable:
+            for trial in waiting:  # nothing can be stored: found lost by their heartbeats, and retried
                 beats.discard(trial)
-                frozen = worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
-                if frozen is not None and worker.finished(frozen):
-                    self.spent = True  # the sampler has tried every point
-                continue
-            if not admitted:
-                return
+            raise
+
+    def _give_back(self, beats: Beats, trials: list[optuna.Trial], result: TrialResult) -> None:
+        """End trials asked for this cohort that never started in it, with `result` (interrupted or preempted:
+        each is queued again, not counted)."""
+        worker = self.worker
+        while trials:
+            trial = trials.pop(0)
+            beats.discard(trial)
+            worker._end(trial, result, TrainerTrial(trial, worker.spec, worker.events,  # noqa: SLF001
+                                                    worker.boundary, worker.checkpoints, storage_url=worker.url))
+
+    def _wants_members(self) -> bool:
+        """Whether the cohort takes another member now (or a new cohort is to be made)."""
+        cohort = self.cohort
+        return not self.spent and not self.single and (cohort is None or (
+            bool(cohort.free_slots) and (not self.keys or self.admitted < GENERATIONS * cohort.capacity)
+            and not (self.ramp and self._startup_in_flight())))
+
+    def _wanted(self) -> int:
+        """How many trials to ask together: one for a new cohort (its first member shapes it) and in a ramp (each
+        admission changes what it waits for); else the free slots, within the cohort's generations."""
+        cohort = self.cohort
+        if cohort is None or self.ramp:
+            return 1
+        free = len(cohort.free_slots)
+        return max(1, min(free, GENERATIONS * cohort.capacity - self.admitted) if self.keys else free)
 
     def _drop(self, trial: optuna.Trial) -> None:
         """Take `trial` out of the cohort if it got a slot before its admission failed."""
@@ -306,6 +380,8 @@ class CohortLoop:
             self._alone(beats, trial, runner, prepared)
             return True
         beats.add(trial)
+        if runner.checkpointer is not None:  # its checkpoints are registered with the others' after each step
+            runner.checkpointer.deferred = True
         member_id = self.cohort.add(CohortMember(prepared.config, prepared.reporter, prepared.start.resume,
                                                  prepared.start.warm, prepared.checkpointer))
         self.members[member_id] = _Member(trial, runner, prepared)
@@ -355,8 +431,10 @@ class CohortLoop:
         """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""
         worker = self.worker
         beats.add(trial)
-        try:
-            result = runner.train_prepared(prepared)
+        storage = worker.storage
+        try:  # its reports stored as it trains, as any lone trial's, not with the refill's
+            with storage.writes_now() if isinstance(storage, PatientStorage) else contextlib.nullcontext():
+                result = runner.train_prepared(prepared)
         except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable):
             raise
         except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
@@ -373,11 +451,30 @@ class CohortLoop:
         if self.cohort is None:
             return False
         exhausted = False
-        for member_id in [m for m in self.members if m in self.cohort.results]:
-            member = self.members[member_id]
-            result = member.runner.result_of(member.prepared, self.cohort.results[member_id])
-            exhausted = self._end(beats, member_id, result) or exhausted
+        with self._deferred():  # each member's last attrs go with its outcome's, before its state
+            for member_id in [m for m in self.members if m in self.cohort.results]:
+                member = self.members[member_id]
+                result = member.runner.result_of(member.prepared, self.cohort.results[member_id])
+                exhausted = self._end(beats, member_id, result) or exhausted
         return exhausted
+
+    def _register_checkpoints(self) -> None:
+        """The members' checkpoints of the step, registered together (`register_together`)."""
+        register_together([m.runner.checkpointer for m in self.members.values() if m.runner.checkpointer is not None])
+
+    def _end_lost_members(self, beats: Beats) -> None:
+        """Members another worker declared lost (no heartbeat within the grace period: a machine paused, a long
+        storage outage) had their reports refused: they leave the cohort now, as interrupted, and their retries,
+        queued by that worker, train them again from their checkpoints (never counted twice)."""
+        storage = self.worker.storage
+        refused = storage.take_refused() if isinstance(storage, PatientStorage) else set()
+        for member_id, member in list(self.members.items()):
+            if member.trial._trial_id in refused:  # noqa: SLF001 - Optuna has no public id of a running trial
+                if self.cohort is not None and member_id not in self.cohort.results:
+                    with contextlib.suppress(KeyError):
+                        self.cohort.remove(member_id)
+                self._end(beats, member_id, _interrupted("interrupted: declared lost by another worker while it "
+                                                         "trained", Outcome.INTERRUPTED), streak=False)
 
     def _end(self, beats: Beats, member_id: int, result: TrialResult, *, streak: bool = True) -> bool:
         member = self.members.pop(member_id)

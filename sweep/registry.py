@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,6 +109,17 @@ class CheckpointRecord:
         return cls(**values)
 
 
+def _row(*, study: str, trial_number: int, step: int, value: float | None, params: Mapping[str, Any], shape_key: str,
+         uri: str, size: int, sha256: str, coords: Sequence[float | None] = (), cat_key: str = "") -> dict[str, Any]:
+    """A checkpoint's row as `register` inserts it (a non-finite value is NULL)."""
+    if value is not None and not math.isfinite(value):
+        value = None
+    columns = {f"c{i}": (coords[i] if i < len(coords) else None) for i in range(COORDS)}
+    return dict(study=study, trial_number=trial_number, step=step, value=value,
+                params=json.dumps(params, sort_keys=True, default=str), shape_key=shape_key, uri=uri, size=size,
+                sha256=sha256, created_at=time.time(), final=0, pinned=0, cat_key=cat_key, **columns)
+
+
 def default_store(storage_url: str) -> Path:
     """Next to the SQLite file (`NAME.db` -> `NAME.checkpoints/`, a folder per study inside); for a server
     database, `sweep-checkpoints/` in the working folder (`resolve_store` puts it next to the study file when there
@@ -186,17 +197,56 @@ class Registry:
                  cat_key: str = "") -> int:
         """A non-finite value (a diverging trial's) is stored as NULL, as SQLite would store NaN anyway: such a
         checkpoint is never a donor and never ranks a trial (PostgreSQL would sort NaN above every number)."""
-        if value is not None and not math.isfinite(value):
-            value = None
-        columns = {f"c{i}": (coords[i] if i < len(coords) else None) for i in range(COORDS)}
         with self.engine.begin() as connection:
-            result = connection.execute(insert(checkpoints).values(
-                study=study, trial_number=trial_number, step=step, value=value,
-                params=json.dumps(params, sort_keys=True, default=str), shape_key=shape_key, uri=uri, size=size,
-                sha256=sha256, created_at=time.time(), final=0, pinned=0, cat_key=cat_key, **columns))
+            result = connection.execute(insert(checkpoints).values(_row(
+                study=study, trial_number=trial_number, step=step, value=value, params=params, shape_key=shape_key,
+                uri=uri, size=size, sha256=sha256, coords=coords, cat_key=cat_key)))
             key = result.inserted_primary_key
             assert key is not None  # an INSERT of one row always has it
             return int(key[0])
+
+    def register_and_trim(self, records: Sequence[Mapping[str, Any]],
+                          doomed: Callable[[list[CheckpointRecord]], Collection[int]],
+                          ) -> tuple[list[CheckpointRecord], list[int]]:
+        """Register one trial's `records` (`register`'s keywords) and trim that trial's checkpoints, in one
+        transaction, where a checkpoint's registration, the read of its trial's rows and their trimming were three:
+        `doomed` is given every row of the trial, the new ones among them, and names those to delete (pinned ones
+        stay). Returns the trial's rows as `doomed` saw them, and the ids deleted."""
+        return self.register_and_trim_many([(records, doomed)])[0]
+
+    def register_and_trim_many(self, batches: Sequence[tuple[Sequence[Mapping[str, Any]],
+                                                            Callable[[list[CheckpointRecord]], Collection[int]]]],
+                               ) -> list[tuple[list[CheckpointRecord], list[int]]]:
+        """`register_and_trim` for several trials (a cohort's members at one evaluation), in one transaction: one
+        insert, one read of their rows, one delete. Each batch holds one trial's records."""
+        trials: list[tuple[str, int] | None] = []
+        for records, _ in batches:
+            keys = {(r["study"], int(r["trial_number"])) for r in records}
+            if len(keys) > 1:
+                raise ValueError(f"register_and_trim takes one trial's checkpoints per batch, not {sorted(keys)}")
+            trials.append(next(iter(keys), None))
+        wanted = {key for key in trials if key is not None}
+        if len(wanted) < sum(key is not None for key in trials):
+            raise ValueError("register_and_trim_many takes each trial's checkpoints in one batch")
+        if not wanted:
+            return [([], []) for _ in batches]
+        rows: dict[tuple[str, int], list[CheckpointRecord]] = {key: [] for key in wanted}
+        with self.engine.begin() as connection:
+            connection.execute(insert(checkpoints), [_row(**record) for records, _ in batches for record in records])
+            for study in {study for study, _ in wanted}:
+                numbers = sorted(n for s, n in wanted if s == study)
+                for row in connection.execute(select(checkpoints).where(
+                        checkpoints.c.study == study, checkpoints.c.trial_number.in_(numbers))
+                        .order_by(checkpoints.c.id)):
+                    record = CheckpointRecord.from_row(row)
+                    rows[record.study, record.trial_number].append(record)
+            doomed_ids = sorted({i for key, (_, doomed) in zip(trials, batches) if key is not None
+                                 for i in doomed(rows[key])})
+            gone = set(connection.execute(delete(checkpoints).where(checkpoints.c.id.in_(doomed_ids),
+                                                                    checkpoints.c.pinned == 0)
+                                          .returning(checkpoints.c.id)).scalars()) if doomed_ids else set()
+        return [([], []) if key is None else (rows[key], sorted(r.id for r in rows[key] if r.id in gone))
+                for key in trials]
 
     def finish_trial(self, study: str, trial_number: int, *, donor: bool = True) -> None:
         """The trial ended: its checkpoints count for the study's retention from now on, and when it completed or was

@@ -379,6 +379,12 @@ def _to_stderr(line: str) -> None:
 
 
 _ENDED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)  # the states a trial never leaves
+UPSERT_ROWS = 1000  # rows in one multi-row upsert (`PatientStorage._write_together`)
+
+
+def _finished_only(states: Container[TrialState] | None) -> bool:
+    """Whether a read of trials in `states` leaves out every trial that is not finished."""
+    return states is not None and not any(s in states for s in TrialState if not s.is_finished())
 
 
 class PatientStorage(BaseStorage):
@@ -396,7 +402,93 @@ class PatientStorage(BaseStorage):
         self._shared = threading.local()  # `shared_finished_reads`: this thread's snapshot, by study id
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self.flush_deferred()  # what this thread deferred goes first: every call after it sees it
         return self.boundary.call(getattr(self.cached, name), *args, **kwargs)
+
+    @contextlib.contextmanager
+    def deferred_writes(self) -> Iterator[None]:
+        """In this block, this thread's intermediate values and user attrs (`trial.report`, `set_user_attr`) are kept
+        and written together, in one transaction, when the block ends (the outermost one, for nested blocks), or
+        before this thread's next other call to the storage, whichever comes first: every read or write after them
+        finds them stored, and a trial's values and attrs are stored before its end. A cohort opens one around each
+        step: its members' reports at an evaluation are one commit, where each was one, and each member's pruner
+        decides as it would alone (it judges the trial's own values, which Optuna keeps on the trial, against the
+        study's finished trials, which these writes cannot change). A value that is not JSON is refused at the call,
+        as Optuna refuses it. A trial that has ended meanwhile (another worker failed it as lost) drops its writes
+        while the others are stored, and its own end (its outcome attrs, its state) is refused as it would be
+        without a block. Inside `Boundary.no_wait`, a storage that is away keeps them waiting for the next call."""
+        depth = getattr(self._shared, "deferring", 0)
+        self._shared.deferring = depth + 1
+        try:
+            yield
+        except BaseException:
+            self._shared.deferring = depth
+            if depth == 0:
+                with contextlib.suppress(Exception):  # the error on its way out says more than this one
+                    self.flush_deferred()
+            raise
+        self._shared.deferring = depth
+        if depth == 0:
+            with contextlib.suppress(StorageAway):  # kept: the next call writes them
+                self.flush_deferred()
+
+    def _defer(self, entries: list[tuple[str, int, Any, Any]]) -> bool:
+        """Keep `entries` for `flush_deferred` when this thread is in a `deferred_writes` block."""
+        if not getattr(self._shared, "deferring", 0):
+            return False
+        self._shared.__dict__.setdefault("deferred", []).extend(entries)
+        return True
+
+    def flush_deferred(self) -> None:
+        """Write what this thread deferred (`deferred_writes`), in one transaction, through the boundary."""
+        entries: list[tuple[str, int, Any, Any]] | None = getattr(self._shared, "deferred", None)
+        if not entries:
+            return
+        self._shared.deferred = []
+        try:  # a trial that ended meanwhile drops its writes; its own end is then refused, and says why
+            self.boundary.call(self._write_together, entries, strict=False)
+        except (StorageAway, StorageUnavailable):
+            self._shared.deferred = entries + self._shared.deferred  # the storage is away: they wait, in order
+            raise
+        except Exception:
+            trials = list(dict.fromkeys(trial_id for _, trial_id, _, _ in entries))
+            if len(trials) == 1:
+                raise
+            # One trial's write is refused for good (a value the database cannot hold): each trial's are written
+            # alone, so that the others land, and the first refusal is raised.
+            failure: Exception | None = None
+            for n, trial_id in enumerate(trials):
+                try:
+                    self.boundary.call(self._write_together, [e for e in entries if e[1] == trial_id], strict=False)
+                except (StorageAway, StorageUnavailable):  # the trials not written yet wait, in order
+                    left = set(trials[n:])
+                    self._shared.deferred = [e for e in entries if e[1] in left] + self._shared.deferred
+                    raise
+                except Exception as exc:  # noqa: BLE001 - raised below, once the other trials are written
+                    failure = failure or exc
+            if failure is not None:
+                raise failure from None
+
+    @contextlib.contextmanager
+    def writes_now(self) -> Iterator[None]:
+        """In this block, this thread's writes are made at once and its reads are its own, as outside any
+        `deferred_writes` or `shared_finished_reads` block (what was deferred is written first): for a trial that
+        trains alone in the middle of a cohort's refill, whose reports the dashboard and its retry must see as it
+        goes, and whose pruner must see the trials that finish while it trains."""
+        self.flush_deferred()
+        depth, snapshots = getattr(self._shared, "deferring", 0), getattr(self._shared, "snapshots", None)
+        self._shared.deferring, self._shared.snapshots = 0, None
+        try:
+            yield
+        finally:
+            self._shared.deferring, self._shared.snapshots = depth, snapshots
+
+    def take_refused(self) -> set[int]:
+        """The trials whose deferred writes were dropped since the last call because they had ended (another
+        worker failed them as lost): the cohort ends them too, as interrupted, and their retries train them."""
+        refused: set[int] = getattr(self._shared, "refused", set())
+        self._shared.refused = set()
+        return refused
 
     @contextlib.contextmanager
     def shared_finished_reads(self) -> Iterator[None]:
@@ -418,7 +510,7 @@ class PatientStorage(BaseStorage):
     def shared_ask_reads(self) -> Iterator[None]:
         """In this block, this thread's reads of a study's trials in *any* states share one read of the storage,
         made at the first of them, until this storage writes a trial's state. For one ask under the study's lock
-        (`Worker._ask_locked`): the worker counts the budget, then Optuna looks for a queued trial and the sampler
+        (`Worker._ask_many`): the worker counts the budget, then Optuna looks for a queued trial and the sampler
         reads the trials two or three times more (the search space, then every trial, running ones included, for
         TPE's constant liar). Under the lock no other worker asks, so the block's first read already holds every
         trial asked before this one; another worker's trial that finishes meanwhile is seen at the next ask, as if
@@ -456,10 +548,11 @@ class PatientStorage(BaseStorage):
 
     def _finished_snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:
         snapshots: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "snapshots", None)
-        if snapshots is None or states is None or any(s in states for s in TrialState if not s.is_finished()):
+        if snapshots is None or states is None or not _finished_only(states):
             return None
-        if study_id not in snapshots:
-            snapshots[study_id] = self._call("get_all_trials", study_id, deepcopy=False, states=_ENDED)
+        if study_id not in snapshots:  # no flush first (`get_all_trials`)
+            snapshots[study_id] = self.boundary.call(self.cached.get_all_trials, study_id, deepcopy=False,
+                                                     states=_ENDED)
         return [t for t in snapshots[study_id] if t.state in states]
 
     def _drop_snapshots(self) -> None:
@@ -517,15 +610,18 @@ class PatientStorage(BaseStorage):
                 failed_once = True
                 raise
 
+        self.flush_deferred()
         self._drop_snapshots()
         return self.boundary.call(attempt)
 
     def set_trial_intermediate_value(self, trial_id: int, step: int, intermediate_value: float) -> None:
-        self._call("set_trial_intermediate_value", trial_id, step, intermediate_value)
+        if not self._defer([("value", trial_id, step, intermediate_value)]):
+            self._call("set_trial_intermediate_value", trial_id, step, intermediate_value)
         self._mirror(trial_id, lambda trial: trial.intermediate_values.__setitem__(step, intermediate_value))
 
     def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
-        self._call("set_trial_user_attr", trial_id, key, value)
+        if not self._defer([("user", trial_id, key, json.dumps(value))]):
+            self._call("set_trial_user_attr", trial_id, key, value)
         self._mirror(trial_id, lambda trial: trial.user_attrs.__setitem__(key, value))
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
@@ -533,36 +629,80 @@ class PatientStorage(BaseStorage):
         self._mirror(trial_id, lambda trial: trial.system_attrs.__setitem__(key, value))
 
     def set_trial_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
-        """Several user attrs of a running trial in one transaction: Optuna writes each in a transaction of its own
-        (on SQLite a commit, an fsync), and a trial's end writes about ten. Optuna's own checks and upsert
-        (`_set_trial_attr_without_commit`: the trial must be running, each key inserted or replaced), made once for
-        all of them: one read of the trial and, on SQLite and PostgreSQL, one multi-row upsert. The same values
-        written again by a retry after a lost reply change nothing."""
+        """Several user attrs of a running trial in one transaction: Optuna writes each in a transaction of its own,
+        and a trial's end writes about ten (`_write_together`). The same values written again by a retry after a lost
+        reply change nothing. In a `deferred_writes` block, they wait with the block's other writes."""
+        entries = [("user", trial_id, key, json.dumps(value)) for key, value in attrs.items()]
+        if not self._defer(entries):
+            self.flush_deferred()
+            self.boundary.call(self._write_together, entries)
+        self._mirror(trial_id, lambda trial: trial.user_attrs.update(attrs))
+
+    def _write_together(self, entries: Sequence[tuple[str, int, Any, Any]], *, strict: bool = True) -> None:
+        """Intermediate values (`("value", trial_id, step, value)`) and user attrs (`("user", trial_id, key,
+        value_json)`) of running trials, in one transaction, with Optuna's checks made once for all: one read of the
+        trials' states, then on SQLite and PostgreSQL one multi-row upsert per table (elsewhere Optuna's own
+        `_without_commit` writes, one by one). A later entry for the same step or key wins, as it would written
+        one by one. A trial that does not exist or has ended refuses its entries (Optuna's error, raised once the
+        others are stored; with `strict` False, its entries are dropped)."""
         from optuna.storages._rdb import models
         from optuna.storages._rdb.storage import _create_scoped_session
         from sqlalchemy.dialects import postgresql, sqlite
 
         backend = self.backend
-        model = models.TrialUserAttributeModel
         insert = {"sqlite": sqlite.insert if sqlite3.sqlite_version_info >= (3, 24, 0) else None,
                   "postgresql": postgresql.insert}.get(backend.engine.name)
-
-        def write() -> None:
-            with _create_scoped_session(backend.scoped_session, True) as session:
-                if insert is None or not attrs:
-                    for key, value in attrs.items():
-                        backend._set_trial_attr_without_commit(  # noqa: SLF001 - set_trial_user_attr's body
-                            session, model, trial_id, key, value)
-                    return
-                trial = models.TrialModel.find_or_raise_by_id(trial_id, session)
-                backend.check_trial_is_updatable(trial_id, trial.state)  # type: ignore[arg-type] # a TrialState
-                rows = insert(model).values([{"trial_id": trial_id, "key": key, "value_json": json.dumps(value)}
-                                             for key, value in attrs.items()])
-                session.execute(rows.on_conflict_do_update(index_elements=[model.trial_id, model.key],
-                                                           set_={"value_json": rows.excluded.value_json}))
-
-        self.boundary.call(write)
-        self._mirror(trial_id, lambda trial: trial.user_attrs.update(attrs))
+        values: dict[tuple[int, Any], Any] = {}
+        attrs: dict[tuple[int, Any], Any] = {}
+        for kind, trial_id, key, value in entries:
+            (values if kind == "value" else attrs)[trial_id, key] = value
+        refused: tuple[int, TrialState | None] | None = None
+        with _create_scoped_session(backend.scoped_session) as session:
+            ids = sorted({trial_id for _, trial_id, _, _ in entries})
+            states = dict(session.query(models.TrialModel.trial_id, models.TrialModel.state)
+                          .filter(models.TrialModel.trial_id.in_(ids)).all())
+            live = {i for i in ids if i in states and not states[i].is_finished()}
+            refused = next(((i, states.get(i)) for i in ids if i not in live), None)
+            values = {k: v for k, v in values.items() if k[0] in live}
+            attrs = {k: v for k, v in attrs.items() if k[0] in live}
+            if insert is None:
+                for (trial_id, step), value in values.items():
+                    backend._set_trial_intermediate_value_without_commit(  # noqa: SLF001 - Optuna's own write
+                        session, trial_id, step, value)
+                for (trial_id, key), value_json in attrs.items():
+                    backend._set_trial_attr_without_commit(  # noqa: SLF001 - Optuna's own write
+                        session, models.TrialUserAttributeModel, trial_id, key, json.loads(value_json))
+            else:
+                stored = models.TrialIntermediateValueModel
+                model = models.TrialUserAttributeModel
+                value_rows = [dict(zip(("trial_id", "step", "intermediate_value", "intermediate_value_type"),
+                                       (trial_id, step, *stored.intermediate_value_to_stored_repr(value))))
+                              for (trial_id, step), value in values.items()]
+                attr_rows = [{"trial_id": trial_id, "key": key, "value_json": value_json}
+                             for (trial_id, key), value_json in attrs.items()]
+                # In statements of at most `chunk` rows: PostgreSQL takes at most 65535 parameters in one, SQLite
+                # before 3.32 at most 999.
+                chunk = UPSERT_ROWS if backend.engine.name != "sqlite" or sqlite3.sqlite_version_info >= (3, 32) \
+                    else 999 // 4
+                for start in range(0, len(value_rows), chunk):
+                    rows = insert(stored).values(value_rows[start: start + chunk])
+                    session.execute(rows.on_conflict_do_update(
+                        index_elements=[stored.trial_id, stored.step],
+                        set_={"intermediate_value": rows.excluded.intermediate_value,
+                              "intermediate_value_type": rows.excluded.intermediate_value_type}))
+                for start in range(0, len(attr_rows), chunk):
+                    rows = insert(model).values(attr_rows[start: start + chunk])
+                    session.execute(rows.on_conflict_do_update(index_elements=[model.trial_id, model.key],
+                                                               set_={"value_json": rows.excluded.value_json}))
+        if not strict:
+            dropped = {i for i in ids if i not in live}
+            if dropped:
+                self._shared.__dict__.setdefault("refused", set()).update(dropped)
+        if refused is not None and strict:
+            trial_id, state = refused
+            if state is None:
+                raise KeyError(f"No trial with trial id {trial_id} exists.")
+            backend.check_trial_is_updatable(trial_id, state)
 
     # Reads.
     def get_study_id_from_name(self, study_name: str) -> int:
@@ -594,6 +734,8 @@ class PatientStorage(BaseStorage):
         shared = self._snapshot(study_id, states)
         if shared is not None:
             return copy.deepcopy(shared) if deepcopy else shared
+        if _finished_only(states):  # what this thread deferred is written to running trials: no need to write it first
+            return self.boundary.call(self.cached.get_all_trials, study_id, deepcopy=deepcopy, states=states)
         return self._call("get_all_trials", study_id, deepcopy=deepcopy, states=states)
 
     def get_best_trial(self, study_id: int) -> FrozenTrial:
@@ -604,11 +746,13 @@ class PatientStorage(BaseStorage):
 
     # Heartbeats and stale trials (sweep.worker), through the boundary too.
     def record_heartbeat(self, trial_id: int) -> None:
-        self._call("record_heartbeat", trial_id)
+        # A trial's liveness, in a table of its own: what this thread deferred need not go first.
+        self.boundary.call(self.cached.record_heartbeat, trial_id)
 
     def stale_trial_ids(self, study_id: int) -> list[int]:
         if self.heartbeat_interval is None:
             return []
+        self.flush_deferred()
         return self.boundary.call(self.backend._get_stale_trial_ids, study_id)  # noqa: SLF001
 
     def fail_lost_trial(self, trial_id: int, reason: str) -> bool:
@@ -616,6 +760,7 @@ class PatientStorage(BaseStorage):
         (several may find it stale at once). Optuna refuses attrs on finished trials, and failing it after setting
         the reason would let a live trial that beats again carry a failure reason: so the state changes first, the
         row is claimed by that change, and the reason is written to Optuna's attribute table directly."""
+        self.flush_deferred()
         self._drop_snapshots()
         if not self.boundary.call(self._fail_if_running, trial_id):
             return False
@@ -625,6 +770,7 @@ class PatientStorage(BaseStorage):
     def record_lost(self, trial_id: int, reason: str) -> None:
         """Write why a failed trial was lost, as `fail_lost_trial` does (Optuna refuses attrs on finished trials):
         the reason and the outcome in one transaction, so a worker killed meanwhile leaves both or neither."""
+        self.flush_deferred()
         self.boundary.call(self._write_user_attrs, trial_id, {"fail_reason": reason, "outcome": "lost"})
 
     def _fail_if_running(self, trial_id: int) -> bool:

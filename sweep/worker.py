@@ -91,6 +91,9 @@ class Beats:
 
     def add(self, trial: optuna.Trial) -> None:
         trial_id = trial._trial_id  # noqa: SLF001 - Optuna has no public id of a running trial
+        with self._guard:
+            if trial_id in self._ids:
+                return
         if self.storage is not None:
             self.storage.record_heartbeat(trial_id)  # the first beat now, before the trial trains
         with self._guard:
@@ -213,11 +216,39 @@ class Worker:
         sampled at once. Returns (the trial or None while the last trials run elsewhere, whether the budget is spent,
         the study's trials). `fixed`: params the sampler must not change (a cohort's shape keys), through Optuna's
         `PartialFixedSampler`."""
-        with self._lock() as lost:
-            asked = self._ask_locked(fixed)
-            if asked[0] is None or not lost():
-                return asked
-        return self._fence(asked[0])
+        asked, spent, trials = self._ask_many(1, fixed)
+        return (asked[0] if asked else None), spent, trials
+
+    def _ask_many(self, count: int, fixed: dict[str, Any] | None = None,
+                  ) -> tuple[list[optuna.Trial], bool, list[FrozenTrial]]:
+        """Up to `count` trials asked as `_ask_next` asks one, under one hold of the lock and one read of the study
+        (a cohort's free slots at an evaluation boundary): each is counted against the budget and sampled knowing
+        the ones asked before it, as if asked one after another. Returns the trials (fewer when the budget or the
+        trials in flight elsewhere allow fewer), whether the budget is spent, and the study's trials."""
+        asked: list[optuna.Trial] = []
+        created: list[optuna.Trial] = []  # every trial `study.ask` made, the one being sampled when it fails too
+        spent, trials = False, list[FrozenTrial]()
+        try:
+            with self._lock() as lost:
+                self._fail_lost_trials()
+                with self._shared_reads():
+                    while len(asked) < count:
+                        trial, spent, trials = self._count_and_ask(fixed, created)
+                        if trial is None:
+                            break
+                        asked.append(trial)
+                if not asked or not lost():
+                    return asked, spent, trials
+            fenced = [self._fence(trial) for trial in asked]
+        except BaseException as exc:
+            # The trials asked before the failure never reach their caller: a first heartbeat, if the storage takes
+            # it, lets the next worker find them lost and retry them (a trial with none is never found stale).
+            if isinstance(self.storage, PatientStorage) and not isinstance(exc, StorageUnavailable):
+                for trial in created:
+                    with contextlib.suppress(Exception), self.boundary.no_wait():
+                        self.storage.record_heartbeat(trial._trial_id)  # noqa: SLF001
+            raise
+        return [trial for trial, _, _ in fenced if trial is not None], spent, fenced[-1][2]
 
     def _fence(self, trial: optuna.Trial) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         """The lock went with its server session while `trial` was asked (a PostgreSQL restart): another worker may
@@ -237,18 +268,13 @@ class Worker:
             warnings.warn(f"trial {trial.number} {reason}", stacklevel=2)
             return None, False, self.study.get_trials(deepcopy=False)
 
-    def _ask_locked(self, fixed: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
-        """`_ask_next`'s work, under the lock."""
-        self._fail_lost_trials()
-        with self._shared_reads():
-            return self._count_and_ask(fixed)
-
     def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
         if isinstance(self.storage, PatientStorage):
             return self.storage.shared_ask_reads()
         return contextlib.nullcontext()
 
-    def _count_and_ask(self, fixed: dict[str, Any] | None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
+    def _count_and_ask(self, fixed: dict[str, Any] | None, created: list[optuna.Trial] | None = None,
+                       ) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         trials = self.study.get_trials(deepcopy=False)
         queued, young = self._requeue_orphans(trials)
         if queued:
@@ -270,6 +296,8 @@ class Worker:
             self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)
         try:
             trial = self.study.ask()
+            if created is not None:
+                created.append(trial)
             self._sample(trial)
             return trial, False, trials
         finally:
@@ -506,10 +534,15 @@ class Worker:
 
     # -----------------------------------------------------------------------------------------------------------------
 
-    def _lock(self) -> contextlib.AbstractContextManager[Callable[[], bool]]:
-        if self.url is None:
-            return contextlib.nullcontext(never_lost)
-        return ask_lock(self.url, self.study.study_name, self.boundary)
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[Callable[[], bool]]:
+        """The study's lock (`ask_lock`). What this worker wrote under it is stored before it is released, writes
+        deferred in a cohort's block too (`PatientStorage.deferred_writes`): the next worker to take it reads them."""
+        with contextlib.nullcontext(never_lost) if self.url is None else ask_lock(
+                self.url, self.study.study_name, self.boundary) as lost:
+            yield lost
+            if isinstance(self.storage, PatientStorage):
+                self.storage.flush_deferred()
 
     def _stop_requested(self, since: float) -> bool:
         requested = self.study.user_attrs.get(STOP_ATTR)

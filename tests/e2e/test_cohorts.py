@@ -345,7 +345,7 @@ def task() -> Task:
 '''
 
 
-@pytest.mark.parametrize("where", ["step", "made"])
+@pytest.mark.parametrize("where", ["step", "made", "join"])
 def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its_size(
         tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Out of memory in a cohort is the cohort's size, not a member's config: its members (and the trial whose start
@@ -365,6 +365,15 @@ def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its
             made(self, task, like, capacity, *args, **kwargs)
 
         monkeypatch.setattr(Cohort, "__init__", hungry)
+    if where == "join":  # the third member joining a cohort of 4 does not fit; the fourth was asked with it
+        join = Cohort.add
+
+        def hungry_join(self: Cohort, member: Any) -> int:
+            if self.capacity > 2 and len(self.free_slots) <= self.capacity - 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB for one more member")
+            return join(self, member)
+
+        monkeypatch.setattr(Cohort, "add", hungry_join)
     document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 6, "task": {"name": "hungry_task:task"},
                                             "execution": {"cohort": 4}, "pruner": "fastfail"}
     document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
@@ -377,9 +386,12 @@ def test_a_cohort_that_runs_out_of_memory_retries_its_trials_in_cohorts_half_its
     interrupted = [t for t in trials if t.user_attrs.get("outcome") == "interrupted"]
     if where == "step":
         assert len(interrupted) == 4 and all(t.user_attrs["cohort"]["size"] == 4 for t in interrupted)
-    else:  # the trial whose start made the cohort: never a member
+    elif where == "made":  # the trial whose start made the cohort: never a member
         assert len(interrupted) == 1 and "cohort" not in interrupted[0].user_attrs
-    assert all("its cohort of 4 ran out of memory" in t.user_attrs["fail_reason"] for t in interrupted)
+    else:  # the two members, the one joining and the one asked with it (neither of those two a member)
+        assert len(interrupted) == 4 and ["cohort" in t.user_attrs for t in interrupted] == [True, True, False, False]
+    assert all("its cohort of 4 ran out of memory" in t.user_attrs["fail_reason"] for t in interrupted[:3])
+    assert all("ran out of memory" in t.user_attrs["fail_reason"] for t in interrupted)
     finished = [t for t in trials if t.state == TrialState.COMPLETE]
     assert len(finished) == 6 and all(t.user_attrs["cohort"]["size"] == 2 for t in finished)  # the budget, exact
     retried = {t.user_attrs.get("retry_of") for t in finished}
@@ -480,3 +492,77 @@ def test_ctrl_c_while_a_cohort_refills_marks_and_queues_the_trial_being_started(
     again = run_cli("run", path, timeout=240)
     assert again.returncode == 0, again.stderr
     assert budget_counts(load(tmp_path).get_trials()) == (4, 0)
+
+
+def test_a_trial_that_trains_alone_in_a_refill_stores_each_report_as_it_trains(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cohort's members' reports are written together at the end of each step (and of each refill). A trial whose
+    # model cannot be batched trains alone, by the ordinary loop, inside the refill: its reports must be stored as
+    # it trains, as any lone trial's (the dashboard shows its curve, and its retry resumes with it), not all at its
+    # end. Observed from another connection at each report.
+    import sqlite3
+
+    from sweep.objective import TrialReporter
+    from sweep.spec import load_spec
+    from sweep.study import open_study, run_study
+
+    path = cohort_study(tmp_path, fixed={"max_steps": 60, "data_loader": "dataloader"}, n_trials=1,
+                        execution={"cohort": 2})
+    spec, _ = load_spec(path)
+    url = f"sqlite:///{tmp_path / 'coh.db'}"
+    stored: list[tuple[int, int]] = []
+    report = TrialReporter.report
+
+    def observed(self: TrialReporter, step: int, metrics: Any) -> bool:
+        decision = report(self, step, metrics)
+        with sqlite3.connect(tmp_path / "coh.db") as other:
+            stored.append((step, other.execute("SELECT count(*) FROM trial_intermediate_values").fetchone()[0]))
+        return decision
+
+    monkeypatch.setattr(TrialReporter, "report", observed)
+    with pytest.warns(UserWarning, match="cannot be trained in cohorts"):
+        summary = run_study(open_study(spec, url), spec, storage_url=url)
+    assert summary.budget_used == 1
+    assert stored == [(step, n + 1) for n, step in enumerate(range(0, 70, 10))]
+
+
+def test_a_member_another_worker_declares_lost_leaves_its_cohort_and_donates_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another worker fails a member as lost (no heartbeat within the grace period: a paused machine, a long outage)
+    # and queues its retry. The member's reports are then refused; it leaves its cohort at that step, as
+    # interrupted, instead of training on beside its retry, and its checkpoints stay its lineage's resume point:
+    # never released as a finished trial's warm-start donors. The other members train on unchanged.
+    from sweep.objective import TrialReporter
+    from sweep.registry import Registry
+    from sweep.spec import load_spec
+    from sweep.study import open_study, run_study
+
+    path = cohort_study(tmp_path, n_trials=2, execution={"cohort": 2}, pruner="none", heartbeat_interval=1,
+                        heartbeat_grace_period=4)  # the lost trial's retry is queued once it is this old
+    spec, _ = load_spec(path)
+    url = f"sqlite:///{tmp_path / 'coh.db'}"
+    study = open_study(spec, url)
+    other = optuna.load_study(study_name="coh", storage=url)  # the other worker, its own connection
+    report = TrialReporter.report
+
+    reports: list[tuple[int, int]] = []
+
+    def declared_lost_at_20(self: TrialReporter, step: int, metrics: Any) -> bool:
+        reports.append((self.trial.number, step))
+        decision = report(self, step, metrics)
+        if self.trial.number == 1 and step == 20:
+            other._storage.set_trial_state_values(self.trial._trial_id, TrialState.FAIL)
+        return decision
+
+    monkeypatch.setattr(TrialReporter, "report", declared_lost_at_20)
+    with pytest.warns(UserWarning, match="trial 1 was declared lost"):
+        run_study(study, spec, storage_url=url)
+    assert [step for number, step in reports if number == 1] == [10, 20]  # it left its cohort at once
+    first, lost = load(tmp_path).get_trials()[:2]
+    assert first.state == TrialState.COMPLETE and sorted(first.intermediate_values) == [10, 20, 30, 40]
+    assert lost.state == TrialState.FAIL and sorted(lost.intermediate_values) == [10]  # step 20's was refused
+    rows = Registry(url).for_trial("coh", 1)
+    assert rows and all(row.final != 1 for row in rows)  # its lineage's resume point, never a donor
+    assert all(row.final == 1 for row in Registry(url).for_trial("coh", 0))
+    retry = [t for t in load(tmp_path).get_trials() if t.user_attrs.get("retry_of") == 1]
+    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == lost.params

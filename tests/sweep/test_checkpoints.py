@@ -88,3 +88,42 @@ def test_every_seconds_counts_from_the_last_checkpoint_whatever_wrote_it(tmp_pat
 def test_every_seconds_alone_turns_checkpoints_on() -> None:
     assert CheckpointPolicy.model_validate({"on_best": False, "every_seconds": 600}).enabled
     assert not CheckpointPolicy.model_validate({"on_best": False}).enabled
+
+
+def test_a_cohort_s_checkpoints_registered_together_keep_what_each_trial_keeps_alone(tmp_path: Path) -> None:
+    # A cohort's members register a step's checkpoints together (`register_together`: one transaction for all of
+    # them, after the step) where a lone trial registers each at once. Either way each trial keeps its latest, its
+    # best `keep_top_k` and its handoff step, and the files of the rows that went are deleted, the others kept.
+    from sweep.checkpoints import register_together
+    from trainer.checkpoint import sha256_of
+
+    curves = {0: [0.9, 0.5, 0.7, 0.4, 0.6], 1: [0.8, 0.85, 0.3, 0.9, 0.95]}
+
+    def run(together: bool) -> tuple[dict[int, list[int]], list[str], int]:
+        root = tmp_path / str(together)
+        root.mkdir()
+        registry, store = Registry(f"sqlite:///{root / 'r.db'}"), CheckpointStore(root / "blobs", "s")
+        policy = CheckpointPolicy.model_validate({"keep_top_k": 1})
+        members = [TrialCheckpointer(registry, store, "s", n, {"n": n}, policy, "val_loss", maximize=False,
+                                     keep_steps=[20] if n == 1 else []) for n in (0, 1)]
+        waited = 0
+        for i, step in enumerate(range(10, 60, 10)):
+            for n, checkpointer in enumerate(members):
+                checkpointer.deferred = together
+                path = checkpointer.path_at(step)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(f"trial {n} step {step}".encode())
+                checkpointer.saved(CheckpointInfo(path, sha256_of(path), path.stat().st_size, step),
+                                   {"val_loss": curves[n][i]})
+            waited += sum(len(c.pending) for c in members)
+            if together:
+                register_together(members)
+        kept = {n: sorted(r.step for r in registry.for_trial("s", n)) for n in (0, 1)}
+        return kept, sorted(p.name for p in (root / "blobs").rglob("*.pt")), waited
+
+    alone, together = run(False), run(True)
+    assert alone[0] == together[0] == {0: [40, 50], 1: [20, 30, 50]}
+    assert alone[1] == together[1] == ["trial00000-step00000040.pt", "trial00000-step00000050.pt",
+                                       "trial00001-step00000020.pt", "trial00001-step00000030.pt",
+                                       "trial00001-step00000050.pt"]
+    assert (alone[2], together[2]) == (0, 10)  # deferred: each waited for the step's end

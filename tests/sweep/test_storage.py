@@ -194,6 +194,96 @@ def test_a_trial_s_user_attrs_are_written_together_and_a_finished_trial_refuses_
         "outcome"] == "complete"
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_block_s_reports_and_attrs_are_one_write_and_a_trial_ended_elsewhere_drops_its_own(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # A cohort's step: each member reports its evaluation, and its pruner judges it. In `deferred_writes` the values
+    # and attrs of every member are written together at the block's end: another process sees none of them during the
+    # block and all of them after (NaN and inf as Optuna stores them; a later write of the same key wins). A read or
+    # other write on this storage meanwhile writes them first. A trial another worker failed meanwhile drops its
+    # writes while the others land, and its own end is refused, as without the block.
+    import math
+
+    from optuna.trial import TrialState
+    from sqlalchemy import event
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 'd.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    study = optuna.create_study(study_name=f"deferred-{tmp_path.name}", storage=storage)
+    other = optuna.load_study(study_name=study.study_name, storage=make_storage(url))
+    a, b, c = study.ask(), study.ask(), study.ask()
+    inserts: list[str] = []
+    event.listen(storage.backend.engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, *rest: inserts.append(statement.split("(")[0].strip())
+                 if statement.lstrip().upper().startswith("INSERT") else None)
+    with storage.deferred_writes():
+        a.report(0.5, 0)
+        b.report(float("nan"), 0)
+        c.report(float("inf"), 0)
+        a.set_user_attr("cohort", {"id": "w:1", "member": 0})
+        a.set_user_attr("cohort", {"id": "w:1", "member": 3})
+        a.report(0.25, 10)
+        assert not a.should_prune()  # the pruner judges the values Optuna keeps on the trial
+        with storage.deferred_writes():  # nested: written with the outer block
+            b.set_user_attr("train_curve", [[1, 2.0]])
+        assert all(t.intermediate_values == {} and t.user_attrs == {} for t in other.get_trials())
+        other._storage.set_trial_state_values(c._trial_id, TrialState.FAIL)  # another worker declares c lost
+    assert inserts == ["INSERT INTO trial_intermediate_values", "INSERT INTO trial_user_attributes"]
+    seen = {t.number: t for t in other.get_trials()}
+    assert seen[0].intermediate_values == {0: 0.5, 10: 0.25}
+    assert seen[0].user_attrs == {"cohort": {"id": "w:1", "member": 3}}
+    assert math.isnan(seen[1].intermediate_values[0]) and seen[1].user_attrs == {"train_curve": [[1, 2.0]]}
+    assert seen[2].intermediate_values == {} and seen[2].state == TrialState.FAIL
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):  # c's end, as the worker tells it
+        storage.set_trial_user_attrs(c._trial_id, {"outcome": "complete"})
+
+    inserts.clear()
+    with storage.deferred_writes():
+        b.report(0.75, 5)
+        assert storage.get_trial(b._trial_id).intermediate_values[5] == 0.75  # a read writes them first
+        b.report(0.5, 10)
+        with pytest.raises(TypeError):  # not JSON: refused at the call, as Optuna refuses it
+            b.set_user_attr("bad", object())
+    assert inserts == ["INSERT INTO trial_intermediate_values"] * 2
+    values = other.get_trials()[1].intermediate_values
+    assert math.isnan(values.pop(0)) and values == {5: 0.75, 10: 0.5}
+
+
+def test_trials_asked_together_are_drawn_and_counted_as_asked_one_by_one(tmp_path: Path) -> None:
+    # A cohort asks its free slots' trials together (`Worker._ask_many`: one hold of the lock, one read of the study).
+    # Seeded TPE draws the same params as asking them one after another (each sees the ones asked before it as
+    # running: constant liar), and the budget stops the asking at n_trials exactly.
+    from sweep.worker import Worker
+
+    study_file = write_study(tmp_path, {**TINY_STUDY, "n_trials": 7, "seed": 5, "sampler": {"type": "tpe"}})
+    spec, _ = load_spec(study_file)
+
+    def drawn(together: bool) -> tuple[list[dict[str, Any]], bool, list[optuna.Trial]]:
+        url = f"sqlite:///{tmp_path / f'{together}.db'}"
+        study = open_study(spec, url)
+        worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary)
+        for _ in range(3):  # three finished trials: TPE's startup draws and then its model
+            trial = worker._ask_next()[0]
+            assert trial is not None
+            study.tell(trial, trial.params["learning_rate"])
+        if together:
+            asked, spent, _ = worker._ask_many(6)
+        else:
+            asked, spent = [], False
+            for _ in range(6):
+                trial, spent, _ = worker._ask_next()
+                if trial is not None:
+                    asked.append(trial)
+        return [t.params for t in asked], spent, worker._ask_many(2)[0]
+
+    together, one_by_one = drawn(True), drawn(False)
+    assert together[0] == one_by_one[0]
+    # 3 told + 4 asked = n_trials: four of the six, and none after them (not spent: the last four still run)
+    assert len(together[0]) == 4 and together[1:] == one_by_one[1:] == (False, [])
+
+
 @pytest.mark.slow
 def test_a_worker_whose_lock_went_with_a_server_restart_withdraws_a_trial_beyond_the_budget(tmp_path: Path) -> None:
     """The budget lock on PostgreSQL is an advisory lock, which a server restart releases with its session: another
