@@ -12,7 +12,9 @@ decision, checkpoints and outcome.
   optimizer, the schedule, the seed...) has nothing to draw anew: its cohort never drains until the budget is spent.
 - Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
   completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
-  at the next evaluation boundary, so the device stays full until the budget is spent.
+  at the next evaluation boundary, so the device stays full until the budget is spent. At a boundary where no trial
+  takes a free slot (the rest of the budget is in flight, the study stops, the cohort drains), the cohort drops its
+  free slots (`Cohort.shrink`): its tail costs what its members need; a retry that comes later gets a slot back.
 - The pruner's startup (`execution.ramp`, off by default: the device stays full): Optuna's median and percentile
   pruners (and the forecast and leaders pruners) judge no trial before `n_startup_trials` trials have completed, and
   judge against completed trials only. Members that start together end together, so a first cohort of K runs K
@@ -140,6 +142,7 @@ class CohortLoop:
         self.ramp = False  # the current cohort holds the pruner's startup trials (see the module's doc)
         self.seen: list[optuna.trial.FrozenTrial] = []  # the study's trials as the latest ask read them
         self.building = 0  # the size of the cohort being made (0: none is)
+        self.made = 0  # the size the current cohort was made with (it shrinks in its tail: `_open_slots`)
         self.tag = f"{socket.gethostname()}:{os.getpid()}"
 
     def run(self, started_wall: float) -> RunSummary:
@@ -220,6 +223,8 @@ class CohortLoop:
                 elif not self.stopping:
                     with self._shared_reads(), self._deferred():  # the new members' step-0 reports, one by one
                         self._fill(beats)
+                if self.cohort is not None:  # slots no trial took now cost their share of every step: dropped
+                    self.cohort.shrink()
             stopping, timed_out = self.stopping, self.timed_out
             cohort = self.cohort
             if cohort is not None and not cohort.active:
@@ -283,7 +288,7 @@ class CohortLoop:
                         return
                     for trial in waiting:  # beating while they wait their turn (one may train alone meanwhile)
                         beats.add(trial)
-                if self.cohort is not None and not self.cohort.free_slots:  # never: asked for the free slots
+                if self.cohort is not None and self._open_slots() < 1:  # never: asked for the open slots
                     self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort slot that was "
                                                                  "taken", Outcome.INTERRUPTED))
                     return
@@ -345,7 +350,7 @@ class CohortLoop:
         """Whether the cohort takes another member now (or a new cohort is to be made)."""
         cohort = self.cohort
         return not self.spent and not self.single and (cohort is None or (
-            bool(cohort.free_slots) and (not self.keys or self.admitted < GENERATIONS * cohort.capacity)
+            self._open_slots() > 0 and (not self.keys or self.admitted < GENERATIONS * self.made)
             and not (self.ramp and self._startup_in_flight())))
 
     def _wanted(self) -> int:
@@ -354,8 +359,14 @@ class CohortLoop:
         cohort = self.cohort
         if cohort is None or self.ramp:
             return 1
-        free = len(cohort.free_slots)
-        return max(1, min(free, GENERATIONS * cohort.capacity - self.admitted) if self.keys else free)
+        free = self._open_slots()
+        return max(1, min(free, GENERATIONS * self.made - self.admitted) if self.keys else free)
+
+    def _open_slots(self) -> int:
+        """The members the cohort takes now: its size as made, less its members (a cohort that took none at a
+        boundary has shrunk to its members, and grows again for one that joins: `Cohort.shrink`)."""
+        cohort = self.cohort
+        return 0 if cohort is None else self.made - len(cohort.active)
 
     def _drop(self, trial: optuna.Trial) -> None:
         """Take `trial` out of the cohort if it got a slot before its admission failed."""
@@ -380,13 +391,15 @@ class CohortLoop:
             self._alone(beats, trial, runner, prepared)
             return True
         beats.add(trial)
+        if not self.cohort.free_slots:  # shrunk at an earlier boundary
+            self.cohort.grow(1)
         if runner.checkpointer is not None:  # its checkpoints are registered with the others' after each step
             runner.checkpointer.deferred = True
         member_id = self.cohort.add(CohortMember(prepared.config, prepared.reporter, prepared.start.resume,
                                                  prepared.start.warm, prepared.checkpointer))
         self.members[member_id] = _Member(trial, runner, prepared)
         self.admitted += 1
-        trial.set_user_attr(ATTR_COHORT, {"id": f"{self.tag}:{self.cohorts}", "size": self.cohort.capacity,
+        trial.set_user_attr(ATTR_COHORT, {"id": f"{self.tag}:{self.cohorts}", "size": self.made,
                                           "member": member_id})
         return True
 
@@ -406,7 +419,7 @@ class CohortLoop:
         # Never more slots than the study has trials: a slot no trial will fill still costs memory and time.
         self.building = max(1, min(size, self.worker.n_trials))
         self.cohort = Cohort(prepared.task, prepared.config, self.building)
-        self.building = 0
+        self.made, self.building = self.building, 0
         self.cohorts += 1
         self.admitted = 0
         if self.keys is None:

@@ -505,6 +505,52 @@ class Cohort:
                 return self._finish(index, "stopped")
         raise KeyError(f"no member {member_id} in this cohort")
 
+    @torch.no_grad()
+    def shrink(self) -> None:
+        """Drop the free slots, at an evaluation boundary: the members left train on as a smaller stacked model
+        (their parameters, optimizer state and loss sums moved along, in their order), where the free slots would
+        go on training on an idle batch at the full size's cost. For a cohort that takes no member now (the budget
+        is spent or in flight, the study stops, a cohort drains): its tail costs what its members need. Each
+        member's numbers are those it has at any cohort size (bit for bit on a CPU). A cohort with no member keeps
+        its size."""
+        keep = self.active
+        if len(keep) == self.capacity or not keep:
+            return
+        self._resize(keep, len(keep))
+
+    @torch.no_grad()
+    def grow(self, slots: int) -> None:
+        """Add `slots` free slots, at an evaluation boundary (a cohort shrunk by `shrink` that takes a member
+        again: a retry queued after the budget was in flight)."""
+        if slots < 1:
+            raise ValueError(f"a cohort grows by at least one slot, but got {slots=}")
+        self._resize(list(range(self.capacity)), self.capacity + slots)
+
+    def _resize(self, keep: list[int], capacity: int) -> None:
+        """The slots `keep`, in order, then free slots up to `capacity`: every stacked tensor made anew."""
+        if not self.at_boundary() or self._pending:
+            raise ValueError(f"a cohort changes its size at evaluation boundaries (multiples of eval_every_steps="
+                             f"{self.like.eval_every_steps}), but it is at step {self.step_count}")
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        added = capacity - len(keep)
+
+        def resized(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+            kept = t.detach().index_select(0, index)
+            if added == 0:
+                return kept
+            return torch.cat([kept, torch.full((added, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
+
+        self.params = {n: resized(p).requires_grad_(True) for n, p in self.params.items()}
+        self.buffers = {n: resized(b) for n, b in self.buffers.items()}
+        self.optimizer.params = dict(self.params)
+        self.optimizer.state = {n: {k: resized(t) for k, t in s.items()} for n, s in self.optimizer.state.items()}
+        self._loss_sum = resized(self._loss_sum)
+        self._worst = resized(self._worst, -math.inf)
+        self.slots = [self.slots[i] for i in keep] + [None] * added
+        self.capacity = capacity
+        self._stretch = None
+        self._clip = None
+
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self, on_boundary: Callable[[Cohort], None] | None = None) -> dict[int, TrainResult]:
         """Step until every slot is free. `on_boundary(self)` is called at each evaluation boundary (after the

@@ -566,3 +566,50 @@ def test_a_member_another_worker_declares_lost_leaves_its_cohort_and_donates_not
     assert all(row.final == 1 for row in Registry(url).for_trial("coh", 0))
     retry = [t for t in load(tmp_path).get_trials() if t.user_attrs.get("retry_of") == 1]
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == lost.params
+
+
+def test_a_cohort_shrunk_in_its_tail_grows_again_for_a_retry_that_joins_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cohort drops the slots no trial took at a boundary (the budget is in flight: each step then costs what its
+    # members need). A retry queued later (another worker found a member lost) joins the same cohort in a slot
+    # added back for it, and trains to its end.
+    from sweep.objective import TrialReporter
+    from sweep.spec import load_spec
+    from sweep.study import open_study, run_study
+    from trainer.batched import Cohort
+
+    path = cohort_study(tmp_path, n_trials=2, execution={"cohort": 2}, pruner="none", heartbeat_interval=1,
+                        heartbeat_grace_period=600)  # this worker never queues the lost trial's retry itself
+    spec, _ = load_spec(path)
+    url = f"sqlite:///{tmp_path / 'coh.db'}"
+    study = open_study(spec, url)
+    other = optuna.load_study(study_name="coh", storage=url)  # the other worker, its own connection
+    report = TrialReporter.report
+    sizes: list[tuple[int, int]] = []  # (capacity, members) at each step
+    step = Cohort.step
+
+    def counted(self: Cohort) -> None:
+        sizes.append((self.capacity, len(self.active)))
+        step(self)
+
+    def lost_then_retried(self: TrialReporter, at: int, metrics: Any) -> bool:
+        decision = report(self, at, metrics)
+        if self.trial.number == 1 and at == 10:  # found lost: its reports are refused from now on
+            other._storage.set_trial_state_values(self.trial._trial_id, TrialState.FAIL)
+        if self.trial.number == 0 and at == 20:  # its retry queued two boundaries later
+            lost = other.get_trials(deepcopy=False)[1]
+            other.enqueue_trial(lost.params, user_attrs={"retry_of": 1, "retry_reason": "lost", "retry_depth": 0})
+        return decision
+
+    monkeypatch.setattr(TrialReporter, "report", lost_then_retried)
+    monkeypatch.setattr(Cohort, "step", counted)
+    with pytest.warns(UserWarning, match="trial 1 was declared lost"):
+        run_study(study, spec, storage_url=url)
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    retry = trials[2]
+    assert retry.user_attrs["retry_of"] == 1 and retry.params == trials[1].params
+    assert retry.user_attrs["cohort"]["id"] == trials[0].user_attrs["cohort"]["id"]  # the same cohort, grown again
+    assert all(t.user_attrs["cohort"]["size"] == 2 for t in (trials[0], retry))
+    # Two members until the lost one left at step 10, one alone in a slot of its own until the retry joined at 20.
+    assert sizes[:10] == [(2, 2)] * 10 and sizes[10:20] == [(1, 1)] * 10 and sizes[20:40] == [(2, 2)] * 20, sizes

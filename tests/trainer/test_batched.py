@@ -125,6 +125,39 @@ def test_members_are_removed_at_any_step_and_refilled_at_a_boundary(digits: Task
     same(train(late, digits), results[c])
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "lion"])
+def test_a_cohort_shrunk_to_its_members_and_grown_again_trains_each_as_alone(digits: Task, optimizer: str) -> None:
+    """The members after a free slot move down when the cohort shrinks (their weights, moments and loss sums with
+    them); a slot added later starts afresh. Each member's values stay its solo run's, to the last bit."""
+    lr = {"sgd": 10.0, "lion": 0.3}.get(optimizer, 1.0)
+    # Logs every 3 steps: at the boundary (step 8) the members' loss sums hold two steps, which move with them.
+    configs = [tiny(**{**m, "optimizer": optimizer, "learning_rate": m.get("learning_rate", 3e-3) * lr,
+                       "log_every_steps": 3}) for m in MEMBERS[:4]]
+    late = tiny(optimizer=optimizer, seed=9, max_steps=16, learning_rate=3e-3 * lr)
+    cohort = Cohort(digits, configs[0], capacity=4)
+    ids = [cohort.add(c) for c in configs]
+    for _ in range(3):
+        cohort.step()
+    cohort.remove(ids[0])  # the first slot, mid-interval: the three others move down at the boundary
+    with pytest.raises(ValueError, match="evaluation boundaries"):
+        cohort.shrink()
+    for _ in range(5):
+        cohort.step()
+    cohort.shrink()  # step 8
+    assert (cohort.capacity, cohort.free_slots, len(cohort.active)) == (3, [], 3)
+    for _ in range(8):
+        cohort.step()
+    cohort.grow(1)  # step 16
+    assert cohort.free_slots == [3]
+    added = cohort.add(late)
+    results = cohort.run()
+    for config, member in zip(configs[1:], ids[1:], strict=True):
+        same(train(config, digits), results[member])
+    same(train(late, digits), results[added])
+    with pytest.raises(ValueError, match="at least one slot"):
+        cohort.grow(0)
+
+
 def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_path: Path) -> None:
     config = tiny(seed=5, model={"hidden": 16, "dropout": 0.2}, gradient_clip_norm=0.5)
     whole = train(config, digits)
