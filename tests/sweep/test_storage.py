@@ -133,7 +133,12 @@ def test_an_ask_block_reads_the_trials_once_and_a_queued_or_claimed_trial_drops_
         assert [t.state for t in mine.get_trials(deepcopy=False)] == [TrialState.COMPLETE] + [TrialState.RUNNING] * 2
         other.ask()
         assert len(mine.get_trials(deepcopy=False)) == 3
-    assert len(mine.get_trials(deepcopy=False)) == 4  # after the block: fresh reads
+        created = mine.ask()  # created here: it joins the block's read as a read would give it
+        created.set_user_attr("k", 1)
+        joined = mine.get_trials(deepcopy=False)[-1]
+    assert len(mine.get_trials(deepcopy=False)) == 5  # after the block: fresh reads
+    assert joined == mine.get_trials(deepcopy=False)[-1] and joined.number == created.number == 4
+    assert joined.user_attrs == {"k": 1} and joined.datetime_start is not None
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "gp", "qmc", "nsgaii", "bruteforce"])
