@@ -338,10 +338,11 @@ def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.element_size() * value.numel()
     if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return 0
+    # Only what may hold a tensor is followed: an RNG state is a tuple of 625 ints.
+    return sum(_tensor_bytes(v) for v in value if isinstance(v, (torch.Tensor, dict, list, tuple)))
 
 
 def _bytes(n: int) -> str:
