@@ -184,7 +184,7 @@ class CohortLoop:
         worker's cohorts hold half as many (rounded up) from now on. False for anything else, and for a cohort of
         one: then the config itself does not fit, and it fails as one trial alone would."""
         cohort = self.cohort
-        size = cohort.capacity if cohort is not None else self.building
+        size = self.made if cohort is not None else self.building  # as made: a tail's shrinking is not its size
         if size < 2 or not out_of_memory(exc):
             return False
         step = cohort.step_count if cohort is not None else 0
@@ -296,7 +296,7 @@ class CohortLoop:
                 runner = TrainerTrial(trial, worker.spec, worker.events, worker.boundary, worker.checkpoints,
                                       storage_url=worker.url)
                 try:
-                    admitted = self._admit(beats, trial, runner)
+                    admitted = self._admit(beats, trial, runner, 1 + len(waiting))
                 except (KeyboardInterrupt, Preempted, TimedOut) as exc:
                     # Ctrl-C or SIGTERM while this trial started (its step-0 report) or trained alone: it is not a
                     # member yet, so `_interrupt_all` would not see it. Marked and queued here, as the members are.
@@ -377,9 +377,10 @@ class CohortLoop:
                     with contextlib.suppress(KeyError):
                         self.cohort.remove(member_id)
 
-    def _admit(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial) -> bool:
+    def _admit(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, joining: int = 1) -> bool:
         """Start `trial` in a free slot (the cohort's first member shapes it). False when its model cannot be
-        batched: it was trained alone, and the study goes on one trial at a time."""
+        batched: it was trained alone, and the study goes on one trial at a time. `joining`: this trial and those
+        asked with it that wait their turn (a shrunk cohort grows once for all of them)."""
         prepared = runner.prepare()
         if self.cohort is None and not self._start_cohort(trial, prepared):
             self._alone(beats, trial, runner, prepared)  # the model cannot be batched: this one, then singly
@@ -391,8 +392,8 @@ class CohortLoop:
             self._alone(beats, trial, runner, prepared)
             return True
         beats.add(trial)
-        if not self.cohort.free_slots:  # shrunk at an earlier boundary
-            self.cohort.grow(1)
+        if not self.cohort.free_slots:  # shrunk at an earlier boundary: the slots of those joining now, at once
+            self.cohort.grow(max(1, min(joining, self._open_slots())))
         if runner.checkpointer is not None:  # its checkpoints are registered with the others' after each step
             runner.checkpointer.deferred = True
         member_id = self.cohort.add(CohortMember(prepared.config, prepared.reporter, prepared.start.resume,

@@ -540,12 +540,13 @@ class Cohort:
                 return kept
             return torch.cat([kept, torch.full((added, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
 
-        self.params = {n: resized(p).requires_grad_(True) for n, p in self.params.items()}
-        self.buffers = {n: resized(b) for n, b in self.buffers.items()}
-        self.optimizer.params = dict(self.params)
-        self.optimizer.state = {n: {k: resized(t) for k, t in s.items()} for n, s in self.optimizer.state.items()}
-        self._loss_sum = resized(self._loss_sum)
-        self._worst = resized(self._worst, -math.inf)
+        # Every tensor made before any is replaced: a resize that runs out of memory leaves the cohort as it was.
+        params = {n: resized(p).requires_grad_(True) for n, p in self.params.items()}
+        buffers = {n: resized(b) for n, b in self.buffers.items()}
+        state = {n: {k: resized(t) for k, t in s.items()} for n, s in self.optimizer.state.items()}
+        loss_sum, worst = resized(self._loss_sum), resized(self._worst, -math.inf)
+        self.params, self.buffers, self._loss_sum, self._worst = params, buffers, loss_sum, worst
+        self.optimizer.params, self.optimizer.state = dict(params), state
         self.slots = [self.slots[i] for i in keep] + [None] * added
         self.capacity = capacity
         self._stretch = None

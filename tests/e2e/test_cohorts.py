@@ -568,23 +568,48 @@ def test_a_member_another_worker_declares_lost_leaves_its_cohort_and_donates_not
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == lost.params
 
 
-def test_a_cohort_shrunk_in_its_tail_grows_again_for_a_retry_that_joins_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A cohort drops the slots no trial took at a boundary (the budget is in flight: each step then costs what its
-    # members need). A retry queued later (another worker found a member lost) joins the same cohort in a slot
-    # added back for it, and trains to its end.
+def _member_lost_at_10(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       retry_at: int | None) -> tuple[Any, str, optuna.Study, optuna.Study]:
+    """Two trials in a cohort of 2; another worker declares trial 1 lost at its step 10 (its reports refused from
+    then on) and, at trial 0's step `retry_at`, queues its retry. This worker never queues it itself."""
     from sweep.objective import TrialReporter
     from sweep.spec import load_spec
-    from sweep.study import open_study, run_study
-    from trainer.batched import Cohort
+    from sweep.study import open_study
 
     path = cohort_study(tmp_path, n_trials=2, execution={"cohort": 2}, pruner="none", heartbeat_interval=1,
-                        heartbeat_grace_period=600)  # this worker never queues the lost trial's retry itself
+                        heartbeat_grace_period=600)
     spec, _ = load_spec(path)
     url = f"sqlite:///{tmp_path / 'coh.db'}"
     study = open_study(spec, url)
     other = optuna.load_study(study_name="coh", storage=url)  # the other worker, its own connection
     report = TrialReporter.report
+
+    def lost_then_retried(self: TrialReporter, at: int, metrics: Any) -> bool:
+        decision = report(self, at, metrics)
+        if self.trial.number == 1 and at == 10:
+            other._storage.set_trial_state_values(self.trial._trial_id, TrialState.FAIL)
+        if self.trial.number == 0 and at == retry_at:
+            queue_retry_of_1(other)
+        return decision
+
+    monkeypatch.setattr(TrialReporter, "report", lost_then_retried)
+    return spec, url, study, other
+
+
+def queue_retry_of_1(other: optuna.Study) -> None:
+    lost = other.get_trials(deepcopy=False)[1]
+    other.enqueue_trial(lost.params, user_attrs={"retry_of": 1, "retry_reason": "lost", "retry_depth": 0})
+
+
+def test_a_cohort_shrunk_in_its_tail_grows_again_for_a_retry_that_joins_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cohort drops the slots no trial took at a boundary (the budget is in flight: each step then costs what its
+    # members need). A retry queued later (another worker found a member lost) joins the same cohort in a slot
+    # added back for it, and trains to its end.
+    from sweep.study import run_study
+    from trainer.batched import Cohort
+
+    spec, url, study, _ = _member_lost_at_10(tmp_path, monkeypatch, retry_at=20)
     sizes: list[tuple[int, int]] = []  # (capacity, members) at each step
     step = Cohort.step
 
@@ -592,16 +617,6 @@ def test_a_cohort_shrunk_in_its_tail_grows_again_for_a_retry_that_joins_it(
         sizes.append((self.capacity, len(self.active)))
         step(self)
 
-    def lost_then_retried(self: TrialReporter, at: int, metrics: Any) -> bool:
-        decision = report(self, at, metrics)
-        if self.trial.number == 1 and at == 10:  # found lost: its reports are refused from now on
-            other._storage.set_trial_state_values(self.trial._trial_id, TrialState.FAIL)
-        if self.trial.number == 0 and at == 20:  # its retry queued two boundaries later
-            lost = other.get_trials(deepcopy=False)[1]
-            other.enqueue_trial(lost.params, user_attrs={"retry_of": 1, "retry_reason": "lost", "retry_depth": 0})
-        return decision
-
-    monkeypatch.setattr(TrialReporter, "report", lost_then_retried)
     monkeypatch.setattr(Cohort, "step", counted)
     with pytest.warns(UserWarning, match="trial 1 was declared lost"):
         run_study(study, spec, storage_url=url)
@@ -613,3 +628,31 @@ def test_a_cohort_shrunk_in_its_tail_grows_again_for_a_retry_that_joins_it(
     assert all(t.user_attrs["cohort"]["size"] == 2 for t in (trials[0], retry))
     # Two members until the lost one left at step 10, one alone in a slot of its own until the retry joined at 20.
     assert sizes[:10] == [(2, 2)] * 10 and sizes[10:20] == [(1, 1)] * 10 and sizes[20:40] == [(2, 2)] * 20, sizes
+
+
+def test_a_cohort_shrunk_to_one_member_that_runs_out_of_memory_retries_it_as_a_cohort_of_two_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Out of memory is judged at the size the cohort was made with, not the size its tail shrank to: the member
+    # left alone is interrupted and retried (a cohort of one made so would fail its trial, as a config too large).
+    from sweep.study import run_study
+    from trainer.batched import Cohort
+
+    spec, url, study, other = _member_lost_at_10(tmp_path, monkeypatch, retry_at=None)
+    step, once = Cohort.step, []
+
+    def hungry(self: Cohort) -> None:
+        if self.step_count == 15 and self.capacity == 1 and not once:
+            once.append(self.capacity)
+            queue_retry_of_1(other)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        step(self)
+
+    monkeypatch.setattr(Cohort, "step", hungry)
+    with pytest.warns(UserWarning, match="a cohort of 2 ran out of memory"):
+        run_study(study, spec, storage_url=url)
+    trials = load(tmp_path).get_trials()
+    first = trials[0]
+    assert first.state == TrialState.FAIL and first.user_attrs["outcome"] == "interrupted"
+    assert "its cohort of 2 ran out of memory at step 15; retried in a cohort of 1" in first.user_attrs["fail_reason"]
+    retries = {t.user_attrs.get("retry_of"): t for t in trials[2:]}
+    assert sorted(retries) == [0, 1] and all(t.state == TrialState.COMPLETE for t in retries.values())

@@ -158,6 +158,33 @@ def test_a_cohort_shrunk_to_its_members_and_grown_again_trains_each_as_alone(dig
         cohort.grow(0)
 
 
+def test_a_resize_that_runs_out_of_memory_leaves_the_cohort_as_it_was(digits: Task,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = [tiny(seed=1), tiny(seed=2, learning_rate=1e-2)]
+    cohort = Cohort(digits, configs[0], capacity=2)
+    members = [cohort.add(c) for c in configs]
+    for _ in range(8):
+        cohort.step()
+    cat, calls = torch.cat, []
+
+    def hungry(*args: Any, **kwargs: Any) -> torch.Tensor:  # the parameters made, then the optimizer state's first
+        calls.append(1)
+        if len(calls) > len(cohort.params):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return cat(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", hungry)
+    with pytest.raises(torch.OutOfMemoryError):
+        cohort.grow(1)
+    monkeypatch.undo()
+    assert cohort.capacity == 2 and len(cohort.slots) == 2
+    assert all(p.shape[0] == 2 for p in cohort.params.values())
+    assert all(t.shape[0] == 2 for s in cohort.optimizer.state.values() for t in s.values())
+    results = cohort.run()
+    for config, member in zip(configs, members, strict=True):
+        same(train(config, digits), results[member])
+
+
 def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_path: Path) -> None:
     config = tiny(seed=5, model={"hidden": 16, "dropout": 0.2}, gradient_clip_norm=0.5)
     whole = train(config, digits)
