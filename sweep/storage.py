@@ -587,12 +587,15 @@ class PatientStorage(BaseStorage):
         """A trial this storage has just created, as Optuna's cache took it from the row the backend wrote (a copy):
         what a read would give, without the read's six queries. Read afresh where the cache holds no such entry."""
         cached = self.cached
-        with cached._lock:  # noqa: SLF001 - `_CachedStorage` keeps each trial it creates; it has no public read of it
-            where = cached._trial_id_to_study_id_and_number.get(trial_id)  # noqa: SLF001
-            info = cached._studies.get(where[0]) if where is not None else None  # noqa: SLF001
-            trial = info.trials.get(where[1]) if info is not None and where is not None else None
-            if trial is not None and trial._trial_id == trial_id:  # noqa: SLF001
-                return copy.deepcopy(trial)
+        try:
+            with cached._lock:  # noqa: SLF001 - `_CachedStorage` keeps each trial it creates, with no public read
+                where = cached._trial_id_to_study_id_and_number.get(trial_id)  # noqa: SLF001
+                info = cached._studies.get(where[0]) if where is not None else None  # noqa: SLF001
+                trial = info.trials.get(where[1]) if info is not None and where is not None else None
+                if trial is not None and trial._trial_id == trial_id:  # noqa: SLF001
+                    return copy.deepcopy(trial)
+        except AttributeError:  # another Optuna's cache
+            pass
         return self._call("get_trial", trial_id)
 
     def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
