@@ -10,6 +10,7 @@ run to the next, the CPU-time ratio much less (it leaves out waiting, fsync's to
     python bench/cohorts.py                                  # 64 trials x 300 steps, cohorts 1 8 32, seeds 0 1 2
     python bench/cohorts.py --trials 24 --steps 100 --cohorts 1 8 --seeds 0
     python bench/cohorts.py --ramp                           # execution.ramp: the pruner's startup trials first
+    python bench/cohorts.py --hidden 512 --cohorts 1 16      # a model whose arithmetic dominates a step
 
 Each run is a fresh SQLite study in a temporary folder, through the same worker loop `sweep run` uses. One thread
 per process (`torch.set_num_threads(1)`), so the ratio is the engine's and the study's, not the thread pool's. A
@@ -35,7 +36,8 @@ from sweep.study import open_study, run_study
 
 
 def document(trials: int, steps: int, seed: int, cohort: int, task: str = "digits",
-             model: tuple[int, int, int] = (384, 6, 6), context: int = 256, ramp: bool = False) -> dict:
+             model: tuple[int, int, int] = (384, 6, 6), context: int = 256, ramp: bool = False,
+             hidden: int = 64) -> dict:
     if task == "charlm":  # studies/charlm.yaml's model and fixed settings, its space less the dropout choice
         d_model, n_layers, n_heads = model
         every = max(1, steps // 4)
@@ -56,7 +58,7 @@ def document(trials: int, steps: int, seed: int, cohort: int, task: str = "digit
         "pruner": {"type": "fastfail", "then": "median"}, "task": "digits",
         "execution": {"cohort": cohort, "ramp": ramp},
         "fixed": {"max_steps": steps, "eval_every_steps": max(1, steps // 10), "log_every_steps": max(1, steps // 10),
-                  "batch_size": 64, "model": {"hidden": 64}},
+                  "batch_size": 64, "model": {"hidden": hidden}},
         "space": {"learning_rate": {"type": "float", "low": 1e-4, "high": 1.0, "log": True},
                   "weight_decay": {"type": "float", "low": 1e-6, "high": 1e-1, "log": True},
                   "warmup_steps": {"type": "int", "low": 0, "high": max(1, steps // 5)}},
@@ -96,11 +98,13 @@ def main() -> None:
     parser.add_argument("--charlm-model", type=int, nargs=3, default=[384, 6, 6],
                         metavar=("D_MODEL", "LAYERS", "HEADS"))
     parser.add_argument("--charlm-context", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=64, help="digits: the MLP's width (512: a model whose "
+                                                               "arithmetic, not the per-step overhead, sets the pace)")
     parser.add_argument("--ramp", action="store_true", help="execution.ramp: the first cohort holds only the median "
                                                             "pruner's startup trials")
     options = parser.parse_args()
     task = {"task": options.task, "model": tuple(options.charlm_model), "context": options.charlm_context,
-            "ramp": options.ramp}
+            "ramp": options.ramp, "hidden": options.hidden}
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sizes: list[int] = options.cohorts
