@@ -13,8 +13,9 @@ decision, checkpoints and outcome.
 - Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
   completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
   at the next evaluation boundary, so the device stays full until the budget is spent. At a boundary where no trial
-  takes a free slot (the rest of the budget is in flight, the study stops, the cohort drains), the cohort drops its
-  free slots (`Cohort.shrink`): its tail costs what its members need; a retry that comes later gets a slot back.
+  takes the free slots (the rest of the budget is in flight, the study stops, the cohort drains) and at least half
+  of the slots are free, the cohort drops them (`Cohort.shrink`): its tail costs about what its members need; a
+  retry that comes later gets a slot back.
 - The pruner's startup (`execution.ramp`, off by default: the device stays full): Optuna's median and percentile
   pruners (and the forecast and leaders pruners) judge no trial before `n_startup_trials` trials have completed, and
   judge against completed trials only. Members that start together end together, so a first cohort of K runs K
@@ -223,7 +224,9 @@ class CohortLoop:
                 elif not self.stopping:
                     with self._shared_reads(), self._deferred():  # the new members' step-0 reports, one by one
                         self._fill(beats)
-                if self.cohort is not None:  # slots no trial took now cost their share of every step: dropped
+                if self.cohort is not None and len(self.cohort.active) <= self.cohort.capacity // 2:
+                    # Slots no trial took cost their share of every step: dropped once half are empty, so that a
+                    # tail passes through few sizes (on a CPU, each new size checks its batched kernels once).
                     self.cohort.shrink()
             stopping, timed_out = self.stopping, self.timed_out
             cohort = self.cohort
