@@ -1028,6 +1028,8 @@ def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size
         while queue and c.free_slots:
             index, member = queue.pop(0)
             placed[c.add(member)] = index
+        if not queue and c.active and len(c.active) <= c.capacity // 2:  # the tail: half the slots train nothing
+            c.shrink()
 
     refill(cohort)
     cohort.run(on_boundary=refill)

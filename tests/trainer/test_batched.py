@@ -158,6 +158,23 @@ def test_a_cohort_shrunk_to_its_members_and_grown_again_trains_each_as_alone(dig
         cohort.grow(0)
 
 
+def test_train_batched_trains_its_tail_in_a_cohort_shrunk_to_its_members(digits: Task,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    configs = [tiny(seed=1, max_steps=8), tiny(seed=2, max_steps=8), tiny(seed=3, max_steps=8), tiny(seed=4)]
+    widths: list[int] = []
+    shrink = Cohort.shrink
+
+    def recorded(self: Cohort) -> None:
+        shrink(self)
+        widths.append(self.capacity)
+
+    monkeypatch.setattr(Cohort, "shrink", recorded)
+    results = train_batched(configs, digits, capacity=4)
+    assert widths == [1]  # at step 8, the queue empty and three slots free
+    for config, result in zip(configs, results, strict=True):
+        same(train(config, digits), result)
+
+
 def test_a_resize_that_runs_out_of_memory_leaves_the_cohort_as_it_was(digits: Task,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     configs = [tiny(seed=1), tiny(seed=2, learning_rate=1e-2)]
