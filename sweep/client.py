@@ -70,8 +70,9 @@ def report(step: int, metrics: Mapping[str, float] | None = None, /, **values: f
     if connection is None:
         return False
     reported = {str(k): _number(v) for k, v in {**(metrics or {}), **values}.items()}
-    _last = (int(step), reported)
-    message = {"step": int(step), "metrics": reported}
+    step = whole_step(step)
+    _last = (step, reported)
+    message = {"step": step, "metrics": reported}
     connection.sendall(json.dumps(message).encode() + b"\n")
     answer = _answers.readline()
     _stopped = answer.strip() != b"go"  # "stop", or the worker has gone (an empty line): stop either way
@@ -131,6 +132,23 @@ def _ask(message: Mapping[str, Any]) -> dict[str, Any] | None:
     except OSError:
         return None
     return dict(json.loads(answer)) if answer.strip() else None
+
+
+def whole_step(step: Any) -> int:
+    """A reported step as an int: a whole number >= 0 (an int, or a float or numpy number holding one); anything else
+    is a ValueError naming it, not a step silently cut to an int."""
+    try:
+        whole = int(step)
+        exact = not isinstance(step, (bool, str, bytes)) and float(step) == whole
+    except (TypeError, ValueError, OverflowError):
+        exact = False
+    if not exact:
+        text = repr(step)
+        raise ValueError(f"report: the step must be a whole number, got {type(step).__name__} "
+                         f"{text if len(text) <= 60 else text[:57] + '...'}")
+    if whole < 0:
+        raise ValueError(f"report: the step must be >= 0, got {whole}")
+    return whole
 
 
 def _number(value: Any) -> float | str:

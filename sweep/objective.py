@@ -180,7 +180,8 @@ class TrialReporter:
         pruner = self.trial.study.pruner
         reason: dict[str, Any] = {"rule": pruner_name(pruner), "step": step, "value": value}
         if isinstance(pruner, FastFailPruner):
-            verdict = pruner.verdict(self.series, self.config, self.maximize, self.trial.study,
+            # The reports in step order, as `prune` reads them from the trial (a loop may report out of order).
+            verdict = pruner.verdict(sorted(self.series), self.config, self.maximize, self.trial.study,
                                      train_series=self.training.series, warm=ATTR_WARM_START in self.trial.user_attrs)
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}

@@ -45,6 +45,7 @@ warm-started by the ordinary loop and the other way round.
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import json
@@ -53,6 +54,7 @@ import os
 import random
 import sys
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,16 +91,73 @@ MAX_STRETCH = 256  # the most steps whose learning rates and batches are planned
 # What may share a cohort.
 
 def _static_attributes(model: nn.Module) -> list[tuple[str, str, list[tuple[str, str]]]]:
-    """Each module's type and plain settings (ints, floats, strings, ...), but not dropout rates, which may differ
-    per member: two members whose modules differ in anything else (an attention dropout rate kept as a float, say)
-    cannot share one template."""
+    """Each module's type and settings: every public attribute but dropout rates, which may differ per member (an
+    activation function kept as an attribute, a list of sizes, a mode string...). Two members whose modules differ in
+    any of them cannot share one template, whose modules are the first member's."""
     out = []
     for name, module in model.named_modules():
-        plain = sorted((k, repr(v)) for k, v in vars(module).items()
-                       if not k.startswith("_") and k != "training" and isinstance(v, (int, float, str, bool, tuple))
-                       and not (type(module) is nn.Dropout and k == "p"))
+        plain = sorted((k, _setting(v)) for k, v in vars(module).items()
+                       if not k.startswith("_") and k != "training" and not (type(module) is nn.Dropout and k == "p"))
         out.append((name, type(module).__name__, plain))
     return out
+
+
+def _setting(value: Any, depth: int = 0) -> str:
+    """A module's attribute as the signature compares it, the same in every process: plain values by their repr,
+    containers by their items, functions by their qualified name with what they close over and their defaults,
+    tensors by their dtype and shape (their values are the model's business: `_plain_tensors` refuses a model that
+    keeps tensors outside its parameters and buffers), any other object by its type."""
+    if depth > 4:
+        return "..."
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                                           torch.Size, enum.Enum)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.dtype!s}, {list(value.shape)})"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(_setting(v, depth + 1) for v in value)})"
+    if isinstance(value, (set, frozenset)):
+        return f"{type(value).__name__}({', '.join(sorted(_setting(v, depth + 1) for v in value))})"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_setting(k, depth + 1)}: {_setting(v, depth + 1)}" for k, v in value.items()) + "}"
+    if isinstance(value, nn.Module):  # a module kept outside the module tree: its type (its settings are its own)
+        return f"module {type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, functools.partial):
+        return (f"partial({_setting(value.func, depth + 1)}, {_setting(value.args, depth + 1)}, "
+                f"{_setting(value.keywords, depth + 1)})")
+    if callable(value):
+        name = f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        closed = []
+        for cell in getattr(value, "__closure__", None) or ():
+            try:
+                closed.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                closed.append(None)
+        extra = [v for v in (tuple(closed), getattr(value, "__defaults__", None) or (),
+                             getattr(value, "__kwdefaults__", None) or {}) if v]
+        owner = getattr(value, "__self__", None)  # a bound method: whose
+        if owner is not None and not isinstance(owner, (type, types.ModuleType)):
+            extra.append(owner)
+        return f"<{name}{''.join(' ' + _setting(v, depth + 1) for v in extra)}>"
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _plain_tensors(model: nn.Module) -> str | None:
+    """The first attribute of a module that holds a tensor outside its parameters and buffers (`self.scale =
+    torch.tensor(...)`, a list of tensors), as `module.attribute`, or None. A cohort's template would give every
+    member the first member's tensor there."""
+    def holds(value: Any, depth: int = 0) -> bool:
+        if isinstance(value, torch.Tensor):
+            return True
+        if depth < 4 and isinstance(value, (tuple, list, set, frozenset)):
+            return any(holds(v, depth + 1) for v in value)
+        return depth < 4 and isinstance(value, Mapping) and any(holds(v, depth + 1) for v in value.values())
+
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if not key.startswith("_") and holds(value):
+                return f"{name}.{key}" if name else key
+    return None
 
 
 def _meta_model(config: TrainingConfig, task: Task) -> nn.Module:
@@ -117,7 +176,8 @@ def batch_signature(config: TrainingConfig, task: Task) -> str:
     device = resolve_device(config.device)
     shared = {
         "task": config.task, "task_args": config.task_args,
-        "tensors": sorted((n, list(t.shape), str(t.dtype)) for n, t in model.state_dict().items()),
+        "tensors": sorted((n, list(t.shape), str(t.dtype))
+                          for n, t in {**dict(model.named_buffers()), **model.state_dict()}.items()),
         "modules": _static_attributes(model),
         "optimizer": config.optimizer, "precision": resolve_precision(config.mixed_precision, device).name,
         "batch_size": config.batch_size, "accumulation": config.gradient_accumulation_steps,
@@ -166,16 +226,27 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
             return f"parameter {name} is frozen (requires_grad=False), and the cohort's optimizer trains every one"
         if param.dtype != torch.float32:
             return f"parameter {name} is {str(param.dtype).removeprefix('torch.')}; cohorts stack float32 parameters"
+    held = _plain_tensors(model)
+    if held is not None:
+        return (f"module attribute {held} holds a tensor that is neither a parameter nor a buffer, and a cohort would "
+                "give every member the first member's (register it with `register_buffer` to batch)")
     x, y = task.train
     idx = torch.arange(min(len(x), config.batch_size))
     try:
-        before = dict(model.named_buffers())
+        before, settings = dict(model.named_buffers()), _static_attributes(model)
         with torch.no_grad():
             model(x[idx].to(device))  # a buffer replaced in forward is lost under vmap (the stacked ones stay)
+            model.eval()
+            model(task.val[0][:config.eval_batch_size].to(device))
+            model.train()
         replaced = [name for name, b in model.named_buffers() if before.get(name) is not b]
         if replaced:
             return (f"buffer {replaced[0]} is replaced by forward (`self.{replaced[0].rpartition('.')[2]} = ...`), "
                     "and a cohort keeps only what is updated in place (`.copy_()`, `.mul_()`)")
+        changed = _changed_setting(settings, _static_attributes(model))
+        if changed is not None:
+            return (f"forward changes module attribute {changed}, and a cohort runs one forward for all its members "
+                    "(keep such state in a buffer updated in place)")
         template = prepare_template(model)
         params = {n: p.detach().unsqueeze(0).clone().requires_grad_() for n, p in model.named_parameters()}
         buffers = {n: b.detach().unsqueeze(0).clone() for n, b in model.named_buffers()}
@@ -187,9 +258,25 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
         if not isinstance(out, torch.Tensor):
             return f"the model returns a {type(out).__name__}, and a cohort stacks models that return one tensor"
         task.loss(out[0].float(), y[idx].to(device)).backward()
+        template.eval()  # the evaluation's forward: every member on one shared batch, in eval mode
+        with torch.no_grad():
+            vmap(_forward(template), in_dims=(0, 0, None), randomness="error")(
+                params, buffers, task.val[0][:config.eval_batch_size].to(device))
     except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the ordinary loop trains
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"vmap cannot batch this model ({type(exc).__name__}: {first_line})"
+    return None
+
+
+def _changed_setting(before: list[tuple[str, str, list[tuple[str, str]]]],
+                     after: list[tuple[str, str, list[tuple[str, str]]]]) -> str | None:
+    """The first module attribute (`module.attribute`) that differs between two `_static_attributes`, or None."""
+    olds, news = ({name: dict(plain) for name, _, plain in side} for side in (before, after))
+    for name in [*olds, *(n for n in news if n not in olds)]:
+        old, new = olds.get(name, {}), news.get(name, {})
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key) != new.get(key):
+                return f"{name}.{key}" if name else key
     return None
 
 
@@ -395,13 +482,16 @@ class Cohort:
         # A plain MLP skips vmap (`StackedChain`: the same kernels, a fraction of the per-call cost), in fp32 and
         # under bf16 autocast alike (its linear layers cast their inputs as autocast casts `F.linear`'s).
         self.chain = stacked_chain(shell)
-        self.stacked_loss = STACKED_LOSSES.get(task.loss)
         self.params = {n: torch.zeros(capacity, *p.shape, dtype=p.dtype, device=self.device, requires_grad=True)
                        for n, p in shell.named_parameters()}
         self.buffers = {n: torch.zeros(capacity, *b.shape, dtype=b.dtype, device=self.device)
                         for n, b in shell.named_buffers()}
         self.optimizer = StackedOptimizer(like.optimizer, self.params)
         self.train_x, self.train_y = (t.to(self.device) for t in task.train)
+        # The stacked cross entropy gathers each row's target: class indices only (no ignore_index -100 rows, which
+        # F.cross_entropy leaves out of the mean; those run the task's loss member by member, as alone).
+        plain = not (self.train_y.is_floating_point() or self.train_y.is_complex()) and bool((self.train_y >= 0).all())
+        self.stacked_loss = STACKED_LOSSES.get(task.loss) if plain else None
         self.val = tuple(t.to(self.device) for t in task.val)
         self.slots: list[_Slot | None] = [None] * capacity
         self.results: dict[int, TrainResult] = {}
@@ -477,6 +567,8 @@ class Cohort:
                      sampler=build_sampler(config, self.task, self.device), generator=generator,
                      rates=dropout_rates(model), result=result, started=time.perf_counter())
         self._ids += 1
+        for name, b in model.named_buffers():  # a state dict leaves non-persistent buffers out: its model's own
+            self.buffers[name][index].copy_(b)
         self._load_model(index, model.state_dict())
         self.optimizer.reset(index)
         self._loss_sum[index] = 0.0
@@ -804,6 +896,7 @@ class Cohort:
                             totals[j][name] = totals[j][name] + value if name in totals[j] else value
         finally:
             self.template.train()
+        self.task.check_metrics(totals[0])
         rows = torch.stack([torch.stack([loss_totals[j], *(v.float() for v in totals[j].values())])
                             for j in range(len(indices))]).div(n)
         with allowed_sync():
@@ -855,7 +948,8 @@ class Cohort:
         for name, p in self.shell.named_parameters():
             self.params[name][index].copy_(p)
         for name, b in self.shell.named_buffers():
-            self.buffers[name][index].copy_(b)
+            if name in state:  # a non-persistent buffer is the member's own model's (`add`), as the loop's
+                self.buffers[name][index].copy_(b)
 
     @torch.no_grad()
     def _load_optimizer(self, index: int, state: Mapping[str, Any]) -> int:

@@ -279,6 +279,9 @@ def stacked_dropout(x: Tensor, layer: int) -> Tensor:
         return x
     noise = torch.ones_like(x)
     for k, p, generator in drawing:  # each member's own generator: one draw per dropping member, in member order
+        if p == 1.0:  # F.dropout's own special case: zeros, drawing nothing (dividing by 1 - p would make NaN)
+            noise[k].zero_()
+            continue
         # F.dropout on a CPU: noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise
         noise[k].bernoulli_(1 - p, generator=generator).div_(1 - p)
     return x * noise
@@ -330,23 +333,26 @@ def prepare_template(model: nn.Module) -> nn.Module:
     and `MemberPaddedEmbedding` for an `nn.Embedding` with a padding index (exact types only: a subclass may do
     something else). Parameter and buffer names stay as they were."""
     template = copy.deepcopy(model).to("meta")  # moving to meta unties tied parameters: tied again below
-    modules = dict(template.named_modules())
+    # By the module's identity: one module under two names (a dropout layer passed to two blocks) is swapped under
+    # both for one and the same module, which keeps one dropout layer number (`dropout_rates` counts it once).
+    swapped: dict[int, nn.Module] = {}
     layer = 0
-    for qualified, child in list(modules.items()):  # module order, as `dropout_rates` counts
+    for qualified, child in list(template.named_modules(remove_duplicate=False)):  # module order, as `dropout_rates`
         if type(child) is nn.Embedding and child.padding_idx is not None:
             child.__class__ = MemberPaddedEmbedding  # the same module and parameter, its forward replaced
             continue
         if not qualified or type(child) not in (nn.Linear, nn.Dropout):  # the root has no parent to swap it in
             continue
+        if id(child) not in swapped:
+            if type(child) is nn.Linear:
+                swapped[id(child)] = StackedLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                                   device="meta")
+                swapped[id(child)].weight, swapped[id(child)].bias = child.weight, child.bias  # the same (tied) ones
+            else:
+                swapped[id(child)] = MemberDropout(layer)
+                layer += 1
         parent_name, _, name = qualified.rpartition(".")
-        parent = modules[parent_name]
-        if type(child) is nn.Linear:
-            swapped = StackedLinear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-            swapped.weight, swapped.bias = child.weight, child.bias  # the same (tied) parameter objects
-            setattr(parent, name, swapped)
-        else:
-            setattr(parent, name, MemberDropout(layer))
-            layer += 1
+        setattr(template.get_submodule(parent_name), name, swapped[id(child)])
     first: dict[int, str] = {}  # a parameter's first name, by the parameter's identity in `model`
     for qualified, p in model.named_parameters(remove_duplicate=False):
         if id(p) not in first:
@@ -399,8 +405,13 @@ def stacked_chain(model: nn.Module) -> StackedChain | None:
     if list(model.buffers()):
         return None
     try:  # a copy: tracing runs forward with proxies, and one that assigns to the module would leave them there
-        graph = torch.fx.symbolic_trace(copy.deepcopy(model)).graph
+        graph = torch.fx.symbolic_trace(copy.deepcopy(model).train()).graph
+        # A trace fixes every Python branch: one on `self.training` (or on anything else that differs between the
+        # two modes) would run the training graph in evaluations too. Such a forward runs under vmap, which calls it.
+        evaluating = torch.fx.symbolic_trace(copy.deepcopy(model).eval()).graph
     except Exception:  # noqa: BLE001 - a model fx cannot trace runs under vmap
+        return None
+    if _shape(graph) != _shape(evaluating):
         return None
     modules = dict(model.named_modules())
     layers = {name: i for i, name in enumerate(n for n, m in model.named_modules() if type(m) is nn.Dropout)}
@@ -432,3 +443,7 @@ def stacked_chain(model: nn.Module) -> StackedChain | None:
             return None
         previous = node
     return None
+
+
+def _shape(graph: torch.fx.Graph) -> list[tuple[str, str, str, str]]:
+    return [(node.op, str(node.target), repr(node.args), repr(node.kwargs)) for node in graph.nodes]

@@ -37,6 +37,7 @@ def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tenso
             for name, value in task.eval_metrics(out, y).items():
                 totals[name] = totals[name] + value if name in totals else value
     model.train(was_training)
+    task.check_metrics(totals)
     with allowed_sync():  # the evaluation's one read-back
         values = torch.stack([loss_total, *(v.float() for v in totals.values())]).div(n).tolist()
     return {f"val_{name}": value for name, value in zip(["loss", *totals], values)}

@@ -44,6 +44,7 @@ from sweep.client import (
     ENV_START_SHA256,
     ENV_START_STEP,
     ENV_TRIAL,
+    whole_step,
 )
 from sweep.objective import Deadline, Start, TrialReporter, finish_trackers, trial_trackers
 from sweep.outcomes import (
@@ -330,7 +331,13 @@ class _Session:
             self._answer(line)
 
     def _answer(self, line: bytes) -> None:
-        message = json.loads(line)
+        try:
+            message = json.loads(line)
+            if not isinstance(message, dict):
+                raise ValueError(f"a JSON {type(message).__name__}, not an object")
+        except ValueError as exc:
+            text = line[:80].decode("utf-8", "replace")
+            raise ValueError(f"the command sent a report line that is not sweep.client's ({exc}): {text!r}") from None
         if "save" in message or "saved" in message:
             self._reply(json.dumps(self._checkpoint(message)).encode())
             return
@@ -340,7 +347,7 @@ class _Session:
             if self.reporter.metric not in metrics:
                 raise ValueError(f"client.report at step {message['step']}: the study's metric "
                                  f"{self.reporter.metric!r} is not among {sorted(metrics)}")
-            stop = self.reporter.report(int(message["step"]), metrics)
+            stop = self.reporter.report(whole_step(message["step"]), metrics)
             self.metrics = metrics
             if stop:
                 self.stop_sent = time.monotonic()

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from sweep.client import whole_step
 from sweep.confirm import warm_lineage
 from sweep.objective import (
     Deadline,
@@ -77,6 +78,7 @@ from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_ch
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
 from trainer.seeding import reproducibility_record, seed_everything
+from trainer.yaml_file import short_repr
 
 if TYPE_CHECKING:
     import optuna
@@ -168,16 +170,19 @@ class Run:
     def report(self, step: int, metrics: Mapping[str, Any] | None = None, /, **values: Any) -> bool:
         if self.stopped:
             raise StopTrial(f"trial {self.trial}: run.report at step {step} after a report returned True (stop)")
+        try:
+            step = whole_step(step)
+        except ValueError as exc:
+            raise LoopError(f"run.{exc}") from None
         reported = _floats({**(metrics or {}), **values})
         if self.metric not in reported:
             raise LoopError(f"run.report at step {step}: the study's metric {self.metric!r} is not among "
                             f"{sorted(reported)}")
-        if int(step) in self._steps:  # the study keeps a step's first value: the trial's value and the pruner's too
-            warnings.warn(f"run.report: step {int(step)} was reported already; its first value is kept",
-                          stacklevel=2)
+        if step in self._steps:  # the study keeps a step's first value: the trial's value and the pruner's too
+            warnings.warn(f"run.report: step {step} was reported already; its first value is kept", stacklevel=2)
             return self.stopped
-        self._steps.add(int(step))
-        self.step, self.metrics = int(step), reported
+        self._steps.add(step)
+        self.step, self.metrics = step, reported
         if self.first_step is None:
             self.first_step = self.step
         self.stopped = bool(self._reporter.report(self.step, reported))
@@ -291,7 +296,8 @@ class LoopTrial:
             value = metric_value(saved, spec.metric) if spec.metric in saved else None
         if value is None:
             what = (f"returned a mapping without it ({', '.join(map(str, returned)) or 'empty'})"
-                    if isinstance(returned, Mapping) else "returned none")
+                    if isinstance(returned, Mapping) else "returned none" if returned is None else
+                    f"returned a {type(returned).__name__} ({short_repr(returned)}), not a number")
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the loop reported no {spec.metric!r} and "
                                                       f"{what}"})
         if not math.isfinite(value):

@@ -283,6 +283,39 @@ def test_a_loop_that_returns_a_numpy_or_tensor_number_gives_the_trial_that_value
         ["f32", "f64", "i64", "tensor", "int"], 3.0)
 
 
+def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_trial_saying_so(
+        tmp_path: Path) -> None:
+    # A step of 2.7 was cut to 2 (and a later 2.2 dropped as a duplicate), NaN was "cannot convert float NaN to
+    # integer", a returned bool or list was "returned none"; a loop reporting out of step order was pruned by
+    # fast-fail with the wrapped pruner's name as the reason (the explanation read the reports unsorted).
+    (tmp_path / "odd.py").write_text(
+        "def main(config, run):\n"
+        "    mode = config['mode']\n"
+        "    if mode == 'unordered':\n"
+        "        for step, value in ((20, 1.0), (10, 0.5), (30, 0.9)):\n"
+        "            if run.report(step, val_loss=value):\n"
+        "                return\n"
+        "    steps = {'fraction': 2.7, 'nan': float('nan'), 'negative': -1, 'text': '3'}\n"
+        "    if mode in steps:\n"
+        "        run.report(steps[mode], val_loss=0.5)\n"
+        "    return {'bool': True, 'list': [0.1]}.get(mode)\n")
+    modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list"]
+    path = write_study(tmp_path, {"name": "odd", "n_trials": len(modes), "loop": "odd:main", "sampler": "bruteforce",
+                                  "max_repeated_failures": 0, "fixed": {"max_steps": 30},
+                                  "space": {"mode": {"type": "categorical", "choices": modes}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert "Traceback" not in done.stderr
+    reasons = {t.params["mode"]: t.user_attrs.get("fail_reason") or t.user_attrs.get("prune_reason")
+               for t in trials_of(path, "odd")}
+    assert reasons["fraction"] == "LoopError: run.report: the step must be a whole number, got float 2.7"
+    assert reasons["nan"] == "LoopError: run.report: the step must be a whole number, got float nan"
+    assert reasons["negative"] == "LoopError: run.report: the step must be >= 0, got -1"
+    assert reasons["text"] == "LoopError: run.report: the step must be a whole number, got str '3'"
+    assert reasons["bool"] == "the loop reported no 'val_loss' and returned a bool (True), not a number"
+    assert reasons["list"] == "the loop reported no 'val_loss' and returned a list ([0.1]), not a number"
+    assert reasons["unordered"]["rule"] == "plateau" and reasons["unordered"]["best_step"] == 10
+
+
 def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_and_reproduce(tmp_path: Path) -> None:
     # Optuna stores a step's first value; the trial's value was the last report, which the pruner never saw, and
     # `sweep reproduce` then found them different.

@@ -281,16 +281,60 @@ class _RunningMean(nn.Module):
         return self.body(x - self.mean)
 
 
+class _Scaled(nn.Module):
+    """Keeps a tensor as a plain attribute, neither a parameter nor a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.scale = nn.Linear(64, 10), torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+class _Counting(nn.Module):
+    """Counts its forward calls in a Python attribute and halves its features after the eighth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.calls = nn.Linear(64, 10), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.body(x * 0.5 if self.calls > 8 else x)
+
+
+class _WritesIntoInput(nn.Module):
+    """Writes into a copy of its input: batched in training (each member's own batch), not in evaluation (one batch
+    shared by every member, which a member's values cannot be written into)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, 16), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.clone()
+        h[:, :16] = torch.tanh(self.inp(x))
+        return self.out(h)
+
+
 @pytest.mark.parametrize(("kind", "why"), [("frozen", "frozen (requires_grad=False)"), ("float64", "float64"),
-                                           ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced")])
+                                           ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced"),
+                                           ("tensor", "attribute scale holds a tensor"),
+                                           ("counter", "forward changes module attribute calls"),
+                                           ("evaluation", "vmap cannot batch")])
 def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_ordinary_loop(
         digits: Task, kind: str, why: str) -> None:
     # A frozen layer stays frozen (the ordinary loop's optimizer takes only trainable parameters), a float64 model
-    # keeps its precision, a model may return a tuple that its task's loss takes: none of them is stacked.
+    # keeps its precision, a model may return a tuple that its task's loss takes: none of them is stacked. Nor is a
+    # model that keeps a tensor or state of its own outside its parameters and buffers, or one whose evaluation
+    # forward vmap cannot run (the probe runs it too, not only the training forward).
     x, y = digits.train
     vx, vy = digits.val
     build = {"frozen": _frozen_first_layer, "float64": lambda cfg: nn.Linear(64, 10).double(),
-             "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean()}[kind]
+             "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean(),
+             "tensor": lambda cfg: _Scaled(), "counter": lambda cfg: _Counting(),
+             "evaluation": lambda cfg: _WritesIntoInput()}[kind]
     data64 = kind == "float64"
     task = Task(name=kind, train=(x.double() if data64 else x, y), val=(vx.double() if data64 else vx, vy),
                 build_model=build, loss=_first_output_loss if kind == "tuple" else Task.loss)
@@ -302,6 +346,105 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
     same(train(config, task), results[0])
     assert results[0].status == "completed"
 
+
+
+class _Features(nn.Module):
+    """Random Fourier features: a fixed projection drawn at build time, kept out of the state dict."""
+
+    def __init__(self, sigma: float) -> None:
+        super().__init__()
+        self.register_buffer("project", torch.randn(64, 16) * sigma, persistent=False)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x @ self.project
+        return self.head(torch.cat([z.sin(), z.cos()], -1))
+
+
+class _Activation(nn.Module):
+    """The activation a config names, kept as a plain function attribute."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.inp, self.out, self.act = nn.Linear(64, 16), nn.Linear(16, 10), getattr(torch, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.inp(x)))
+
+
+class _Tempered(nn.Module):
+    """A plain chain of layers in training; its logits divided by a temperature in evaluation."""
+
+    def __init__(self, temperature: float) -> None:
+        super().__init__()
+        self.inp, self.act, self.out, self.temperature = nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10), temperature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.out(self.act(self.inp(x)))
+        return out if self.training else out / self.temperature
+
+
+class _SharedDropout(nn.Module):
+    """One dropout layer used by two residual blocks (a module under two names)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        drop = nn.Dropout(p)
+        self.inp, self.out = nn.Linear(64, 16), nn.Linear(16, 10)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.ReLU(), drop) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(20, 16), nn.Linear(16, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x)))
+
+
+def _padded_tokens() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Next-token targets whose last three positions are cross entropy's ignore_index, -100."""
+    x = torch.randint(0, 20, (400, 8), generator=torch.Generator().manual_seed(0))
+    y = (x + 1) % 20
+    y[:, -3:] = -100
+    return (x[:300], y[:300]), (x[300:], y[300:])
+
+
+@pytest.mark.parametrize("kind", ["unsaved buffer", "function attribute", "eval-only branch", "shared dropout",
+                                  "dropout 1", "ignore_index"])
+def test_models_a_cohort_once_trained_wrongly_give_every_member_its_solo_values(digits: Task, kind: str) -> None:
+    """Found by review, each silently wrong before (or, for ignore_index, a crash of the whole cohort): a buffer left
+    out of the state dict took the first member's values; an activation kept as a function attribute was the first
+    member's for all; a plain MLP whose forward branches on `self.training` ran its training graph in evaluations;
+    a dropout layer under two names was swapped under one only, and drew one mask for all members; a rate of 1 made
+    NaN; targets of -100 broke the stacked cross entropy."""
+    data = _padded_tokens() if kind == "ignore_index" else (digits.train, digits.val)
+    build, values = {
+        "unsaved buffer": (lambda cfg: _Features(cfg["v"]), [1.0, 1.0, 0.1]),
+        "function attribute": (lambda cfg: _Activation(cfg["v"]), ["relu", "tanh", "relu"]),
+        "eval-only branch": (lambda cfg: _Tempered(cfg["v"]), [2.0, 2.0, 2.0]),
+        "shared dropout": (lambda cfg: _SharedDropout(cfg["v"]), [0.0, 0.3, 0.3]),
+        "dropout 1": (lambda cfg: nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Dropout(cfg["v"]), nn.Linear(16, 10)),
+                      [0.2, 1.0, 0.0]),
+        "ignore_index": (lambda cfg: _Tokens(), [0, 0, 0]),
+    }[kind]
+    task = Task(name="t", train=data[0], val=data[1], build_model=build, model_defaults={"v": values[0]})
+    configs = [tiny(task="t", model={"v": v}, seed=seed) for seed, v in enumerate(values)]
+    assert batch_problem(configs[0], task) is None
+    signatures = {batch_signature(c, task) for c in configs}
+    assert len(signatures) == (2 if kind == "function attribute" else 1)  # relu and tanh cannot share a template
+    messages: list[str] = []
+    together = train_batched(configs, task, say=messages.append)
+    assert messages == []
+    for config, result in zip(configs, together, strict=True):
+        same(train(config, task), result)
 
 
 def test_a_model_of_lazy_modules_trains_as_its_eager_twin_alone_and_in_a_cohort(digits: Task) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trainer import ConfigError, TrainingConfig, load_task, train
+from trainer.batched import train_batched
 from trainer.tasks import TaskError
 
 
@@ -91,6 +92,7 @@ def test_unknown_task_argument_is_refused() -> None:
     ((torch.zeros(4, 2), torch.zeros(5)), "train inputs and targets must hold the same number of samples "
                                           "(dimension 0), got (4, 2) and (5,)"),
     ((torch.zeros(4, 2), torch.tensor(1.0)), "got (4, 2) and ()"),
+    ((torch.zeros(0, 2), torch.zeros(0)), "train holds no samples (inputs of shape (0, 2)); it needs at least one"),
 ])
 def test_a_task_whose_data_is_not_two_tensors_is_refused_naming_what_it_got(train_part: object, message: str) -> None:
     """Data of another shape failed later, inside training, with a message about something else ('too many values
@@ -101,3 +103,40 @@ def test_a_task_whose_data_is_not_two_tensors_is_refused_naming_what_it_got(trai
         Task(name="mine", train=train_part, val=(torch.zeros(2, 2), torch.zeros(2)),  # type: ignore[arg-type]
              build_model=lambda cfg: torch.nn.Linear(2, 2))
     assert message in str(info.value)
+
+
+def test_a_user_task_that_fails_to_build_is_refused_in_one_line_naming_it(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # `python -m trainer` printed the factory's traceback (an empty validation set made NaN losses before that).
+    (tmp_path / "broken_tasks.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from trainer.tasks import Task
+
+        def empty_val():
+            x, y = torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)
+            return Task(name="ev", train=(x, y), val=(x[:0], y[:0]), build_model=lambda cfg: nn.Linear(2, 2))
+
+        def missing_file():
+            open("/nonexistent/data.npy")
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match=r"^task 'broken_tasks:empty_val': task 'ev': val holds no samples"):
+        load_task("broken_tasks:empty_val")
+    with pytest.raises(TaskError, match=r"^task 'broken_tasks:missing_file': FileNotFoundError: \[Errno 2\]"):
+        load_task("broken_tasks:missing_file")
+
+
+def test_metrics_the_task_declares_but_its_evaluation_leaves_out_are_named() -> None:
+    # A study may choose a declared metric; a task returning another name failed every trial with KeyError.
+    from trainer.tasks import Task
+
+    digits = load_task("digits")
+    task = Task(name="renamed", train=digits.train, val=digits.val, build_model=digits.build_model,
+                model_defaults=digits.model_defaults, eval_metric_names=("accuracy",),
+                eval_metrics=lambda out, y: {"acc": (out.argmax(-1) == y).float().sum()})
+    config = TrainingConfig.from_dict({"max_steps": 2, "batch_size": 8, "eval_every_steps": 1})
+    for run in (train, lambda c, t: train_batched([c], t)):  # alone and in a cohort
+        with pytest.raises(ValueError, match=r"^task 'renamed': eval_metric_names declares accuracy, but "
+                                             r"eval_metrics returned acc: return a sum per declared name$"):
+            run(config, task)

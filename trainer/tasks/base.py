@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,18 @@ class Task:
             if value[0].dim() == 0 or value[1].dim() == 0 or len(value[0]) != len(value[1]):
                 raise ValueError(f"task {self.name!r}: {part} inputs and targets must hold the same number of "
                                  f"samples (dimension 0), got {tuple(value[0].shape)} and {tuple(value[1].shape)}")
+            if len(value[0]) == 0:
+                raise ValueError(f"task {self.name!r}: {part} holds no samples (inputs of shape "
+                                 f"{tuple(value[0].shape)}); it needs at least one")
+
+    def check_metrics(self, returned: Iterable[str]) -> None:
+        """Refuse an evaluation whose `eval_metrics` left out a metric `eval_metric_names` declares (a study may
+        have chosen it), naming both."""
+        got = list(returned)
+        missing = [name for name in self.eval_metric_names if name not in got]
+        if missing:
+            raise ValueError(f"task {self.name!r}: eval_metric_names declares {', '.join(missing)}, but eval_metrics "
+                             f"returned {', '.join(got) or 'nothing'}: return a sum per declared name")
 
     @property
     def metric_names(self) -> tuple[str, ...]:
