@@ -247,6 +247,24 @@ def test_bad_report_from_a_script_fails_the_trial(tmp_path: Path) -> None:
     assert "the study's metric 'val_loss' is not among ['accuracy']" in trial.user_attrs["fail_reason"]
 
 
+@pytest.mark.parametrize(("script", "reason"), [
+    ("from sweep import client\nclient.report(2.5, val_loss=0.5)\n",
+     "ValueError: report: the step must be a whole number, got float 2.5"),
+    ("import os, socket\nsocket.socket(fileno=int(os.environ['SWEEP_REPORT_FD'])).sendall(b'step 1 loss 0.5\\n')\n",
+     "ValueError: the command sent a report line that is not sweep.client's (Expecting value: line 1 column 1 "
+     "(char 0)): 'step 1 loss 0.5'"),
+    ("import os, socket\nsocket.socket(fileno=int(os.environ['SWEEP_REPORT_FD'])).sendall(b'[1, 0.5]\\n')\n",
+     "the command sent a report line that is not sweep.client's (a JSON list, not an object)"),
+])
+def test_a_report_sweep_cannot_read_fails_the_trial_naming_it(tmp_path: Path, script: str, reason: str) -> None:
+    # A step of 2.5 was cut to 2; a line written to the report socket by hand failed with a bare JSONDecodeError.
+    path = command_study(tmp_path, script, "train.py")
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr  # its only trial failed
+    (trial,) = trials_of(path)
+    assert trial.state.name == "FAIL" and reason in trial.user_attrs["fail_reason"]
+
+
 def test_the_client_outside_a_study_changes_nothing(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(ARGS_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWEEP_")}
