@@ -60,7 +60,7 @@ from sweep.pruners import startup_trials
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
-from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size
+from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
 from trainer.precision import out_of_memory
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class CohortLoop:
                     stop: Exception | None = None
                     for n, member_id in enumerate(list(self.members)):
                         try:  # one exception, one failure towards max_repeated_failures (not one per member)
-                            self._end(beats, member_id, result, streak=n == 0)
+                            self._end(beats, member_id, result, streak=n == 0, counted=n == 0)
                         except (InfrastructureError, StudyBrokenError) as fault:  # the other members are told too
                             stop = stop or fault
                     self.cohort = None
@@ -245,14 +245,20 @@ class CohortLoop:
                 worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
                 time.sleep(worker.spec.heartbeat_interval)
                 continue
+            unwritten: dict[int, Exception] = {}
             with worker.boundary.no_wait(), self._shared_reads(), self._deferred():
                 try:
                     cohort.step()
+                except MemberFailures as failures:  # the step is done; these members' checkpoints were not written
+                    unwritten = failures.failures
                 except BaseException:  # what the step saved before it failed is registered too
                     with contextlib.suppress(Exception):
                         self._register_checkpoints()
                     raise
                 self._register_checkpoints()
+            for n, (member_id, exc) in enumerate(unwritten.items()):  # each ends as its trial alone would
+                cohort.remove(member_id)
+                self._end(beats, member_id, worker._failure(exc), streak=n == 0, counted=n == 0)  # noqa: SLF001
             self._end_lost_members(beats)
             if self._collect(beats):
                 return worker._summary(exhausted=True)  # noqa: SLF001
@@ -493,10 +499,14 @@ class CohortLoop:
                 self._end(beats, member_id, _interrupted("interrupted: declared lost by another worker while it "
                                                          "trained", Outcome.INTERRUPTED), streak=False)
 
-    def _end(self, beats: Beats, member_id: int, result: TrialResult, *, streak: bool = True) -> bool:
+    def _end(self, beats: Beats, member_id: int, result: TrialResult, *, streak: bool = True,
+             counted: bool = True) -> bool:
+        """End a member's trial with `result`; `streak` and `counted`: whether its failure counts towards
+        `max_repeated_failures` and a fault of the machine towards `MAX_INFRA_REPEATS` (one exception that ends
+        several members counts once)."""
         member = self.members.pop(member_id)
         beats.discard(member.trial)
-        frozen = self.worker._end(member.trial, result, member.runner)  # noqa: SLF001
+        frozen = self.worker._end(member.trial, result, member.runner, counted=counted)  # noqa: SLF001
         return frozen is not None and self.worker.finished(frozen, streak=streak)
 
     def _interrupt_all(self, beats: Beats, reason: str, outcome: Outcome) -> None:

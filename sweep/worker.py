@@ -352,10 +352,12 @@ class Worker:
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
                                                   ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
 
-    def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner) -> FrozenTrial | None:
+    def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner, *,
+             counted: bool = True) -> FrozenTrial | None:
         """Release the checkpoints (first: the best one's artifact is an attr, which only a running trial takes),
         store the outcome, queue the retry it calls for. None when another worker declared the trial lost meanwhile
-        (its retry trains it again)."""
+        (its retry trains it again). `counted`: whether a fault of the machine that ended it counts towards
+        `MAX_INFRA_REPEATS` (one fault that ends a cohort's members counts once)."""
         runner.release(result)
         try:
             frozen = self._tell(trial, result)
@@ -367,7 +369,8 @@ class Worker:
             return None
         if result.outcome.retried:
             with self._lock():  # against `_requeue_orphans` of a worker that found this one stalled past the grace
-                self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE)
+                self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE,
+                            counted=counted)
         return frozen
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:
@@ -433,16 +436,19 @@ class Worker:
             return
         self.study.enqueue_trial(due[0].params, user_attrs={ATTR_CONFIRMS: due[0].number})
 
-    def _retry(self, trial: FrozenTrial, reason: str, *, infrastructure: bool = False) -> None:
+    def _retry(self, trial: FrozenTrial, reason: str, *, infrastructure: bool = False, counted: bool = True) -> None:
         """Queue the trial's params again; the retry resumes from the newest checkpoint of its lineage. Faults of
         the machine in a row are counted (`retry_depth`), and the same one `MAX_INFRA_REPEATS` times stops this
-        worker: retrying cannot help until someone fixes the machine."""
+        worker: retrying cannot help until someone fixes the machine (`counted`: False for the second and later
+        trials one fault ended at once)."""
         if any(t.user_attrs.get(ATTR_RETRY_OF) == trial.number for t in self.study.get_trials(deepcopy=False)):
             return  # queued already (`_requeue_orphans`): this worker stalled between the trial's end and now
         depth = trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1 if infrastructure else 0
         carried = {ATTR_CONFIRMS: trial.user_attrs[ATTR_CONFIRMS]} if ATTR_CONFIRMS in trial.user_attrs else {}
         self.study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
                                                            ATTR_RETRY_DEPTH: depth, **carried})
+        if infrastructure and not counted:
+            return
         if infrastructure:
             kind = self.fault_kind  # the same errno in the same folder, whichever file it was
             count = self.infra[0] + 1 if self.infra[1] == kind else 1

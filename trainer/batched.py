@@ -67,7 +67,7 @@ from torch.func import functional_call, vmap
 
 from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_attention, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
-from trainer.checkpoint import LoopState, TrainState, WarmStart, save_checkpoints
+from trainer.checkpoint import CheckpointWriteError, LoopState, TrainState, WarmStart, save_checkpoints
 from trainer.config import TrainingConfig
 from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
 from trainer.data import choose_data_loader
@@ -80,8 +80,8 @@ from trainer.sync import allowed_sync
 from trainer.tasks import Task, cross_entropy, load_task
 from trainer.tasks.arrays import class_cross_entropy
 
-__all__ = ["Cohort", "CohortMember", "available_memory", "batch_problem", "batch_signature", "max_cohort_size",
-           "train_batched"]
+__all__ = ["Cohort", "CohortMember", "MemberFailures", "available_memory", "batch_problem", "batch_signature",
+           "max_cohort_size", "train_batched"]
 
 MEMORY_SAFETY = 0.7  # a cohort may plan on this share of the free memory; the rest is for the allocator and the OS
 MAX_STRETCH = 256  # the most steps whose learning rates and batches are planned at once
@@ -649,7 +649,10 @@ class Cohort:
         """Step until every slot is free. `on_boundary(self)` is called at each evaluation boundary (after the
         step's evaluations), where it may `add` members to free slots or `remove` any."""
         while self.active:
-            self.step()
+            try:
+                self.step()
+            except MemberFailures as failures:  # alone, each would have raised its own: the first is raised
+                raise next(iter(failures.failures.values())) from failures
             if on_boundary is not None and self.at_boundary():
                 on_boundary(self)
         return self.results
@@ -815,11 +818,13 @@ class Cohort:
                 if stop and slot.done < slot.config.max_steps:
                     slot.result.steps = slot.done
                     self._finish(i, "stopped")
-        self._checkpoint([i for i in sorted(set(logs) | set(evals)) if self.slots[i] is not None], evals)
+        unwritten = self._checkpoint([i for i in sorted(set(logs) | set(evals)) if self.slots[i] is not None], evals)
         for i, slot in enumerate(self.slots):
-            if slot is not None and slot.done >= slot.config.max_steps:
+            if slot is not None and slot.id not in unwritten and slot.done >= slot.config.max_steps:
                 slot.result.steps = slot.done
                 self._finish(i, "completed")
+        if unwritten:
+            raise MemberFailures(unwritten)
 
     @staticmethod
     def _log_now(slot: _Slot, after: bool = False) -> bool:
@@ -1046,12 +1051,13 @@ class Cohort:
             state["cuda"] = cuda
         return state
 
-    def _checkpoint(self, indices: list[int], evals: list[int]) -> None:
+    def _checkpoint(self, indices: list[int], evals: list[int]) -> dict[int, CheckpointWriteError]:
         """The listed members' checkpoints that their policies ask for now, written together (`save_checkpoints`),
-        then registered one by one in order; the first failure (a write, or making a state) is raised after every
-        checkpoint written is registered."""
+        then registered one by one in order. Returns the members whose checkpoint could not be written (by id):
+        each ends as its trial alone would, while the others go on. Any other failure (making a member's state:
+        out of memory, say) is the cohort's, raised after every checkpoint written is registered."""
         jobs: list[tuple[Path, Callable[[], TrainState]]] = []
-        owners: list[tuple[Any, Mapping[str, float] | None]] = []
+        owners: list[tuple[int, Any, Mapping[str, float] | None]] = []
         for i in indices:
             slot = self.slots[i]
             assert slot is not None
@@ -1060,15 +1066,29 @@ class Cohort:
             path = None if checkpointer is None else checkpointer.path_for(slot.done, metrics)
             if path is not None:
                 jobs.append((Path(path), functools.partial(self.member_state, slot.id)))
-                owners.append((checkpointer, metrics))
+                owners.append((slot.id, checkpointer, metrics))
         failed: BaseException | None = None
-        for (owner, values), info in zip(owners, save_checkpoints(jobs)):
-            if isinstance(info, BaseException):
+        unwritten: dict[int, CheckpointWriteError] = {}
+        for (member_id, owner, values), info in zip(owners, save_checkpoints(jobs)):
+            if isinstance(info, CheckpointWriteError):
+                unwritten[member_id] = info
+            elif isinstance(info, BaseException):
                 failed = failed or info
             else:
                 owner.saved(info, values)
         if failed is not None:
             raise failed
+        return unwritten
+
+
+class MemberFailures(Exception):
+    """Raised by `Cohort.step` when some members' checkpoints could not be written (`failures`: by member id, what
+    each write raised: a full disk, a path that is a folder). The step is complete and every other member went on;
+    the failed members are still in their slots: `remove` them and end each as its trial alone would end."""
+
+    def __init__(self, failures: Mapping[int, Exception]) -> None:
+        super().__init__("; ".join(f"member {m}: {exc}" for m, exc in failures.items()))
+        self.failures = dict(failures)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

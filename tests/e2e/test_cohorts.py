@@ -96,6 +96,22 @@ def test_a_diverging_member_is_pruned_alone_and_the_others_train_on(tmp_path: Pa
     assert again.returncode == 0, again.stdout + again.stderr
 
 
+def test_a_member_whose_checkpoint_cannot_be_written_fails_alone_and_its_cohort_trains_on(tmp_path: Path) -> None:
+    # A folder where trial 2's step-20 checkpoint goes: alone, trial 2 fails and the others complete. In a cohort
+    # the write's error ended every member as failed, each naming trial 2's path, none retried.
+    path = cohort_study(tmp_path, n_trials=6, execution={"cohort": 4}, sampler={"type": "random"}, pruner="none")
+    (tmp_path / "coh.checkpoints" / "coh" / "trial00002-step00000020.pt" / "blocked").mkdir(parents=True)
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.number for t in trials] == list(range(6))
+    assert [t.number for t in trials if t.state != TrialState.COMPLETE] == [2]
+    assert "trial00002-step00000020.pt: is a directory" in trials[2].user_attrs["fail_reason"]
+    assert trials[2].user_attrs["outcome"] == "failed"
+    mates = [t for t in trials if t.user_attrs["cohort"]["id"] == trials[2].user_attrs["cohort"]["id"]]
+    assert len(mates) == 6 and all(t.user_attrs["steps"] == 40 for t in mates if t.number != 2)  # one cohort, refilled
+
+
 def test_two_workers_with_cohorts_share_a_postgresql_study_exactly(tmp_path: Path, postgres_url: str) -> None:
     path = cohort_study(tmp_path, n_trials=12)
     done = run_cli("run", path, "--workers", "2", "--cohort", "4", "--storage", postgres_url, "--study-name",
