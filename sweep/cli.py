@@ -34,6 +34,7 @@ from typer.core import TyperGroup
 
 from sweep.schema import (
     StudyFileError,
+    long_name_problem,
     name_problem,
     read_spec,
     resolve_storage_url,
@@ -110,6 +111,8 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
     exist or cannot be written, and the study's own files (writing there would destroy the study)."""
     if str(output) == ".":  # also what an empty `-o ''` becomes
         return "-o: '.' (or '') is the current folder; expected a file to write"
+    if problem := long_name_problem(output):
+        return f"-o: {problem}"
     if output.is_dir():
         return f"-o: {output} is a folder; expected a file to write, such as {output / 'out'}"
     resolved = output.resolve()
@@ -239,7 +242,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
               timeout: float | None, workers: int, set_: list[str]) -> tuple[Any, str]:
     """The validated spec and the storage URL of `sweep run`, every problem of the options and the file reported
     together (exit 2), and nothing created before they are all fine."""
-    from sweep.spec import load_spec, store_problems
+    from sweep.spec import load_spec, make_store, store_problems
 
     problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                 workers=workers)
@@ -265,6 +268,9 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     where = "--storage" if storage is not None else f"{study_file}: storage"
     problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
     problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
+    if problems:
+        raise _fail(problems, 2)
+    problems = [f"{study_file}: {key}: {message}" for key, message in make_store(spec, url)]
     if problems:
         raise _fail(problems, 2)
     return spec, url
@@ -496,6 +502,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
         raise _fail(problems, 2)
     path = Path(target) if target else None
     name = study_name
+    if path is not None and (problem := long_name_problem(path)):
+        raise _fail(problem, 2)
     if path is not None and path.suffix in (".yaml", ".yml"):
         try:
             spec, spec_path = read_spec(path)

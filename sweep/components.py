@@ -78,6 +78,12 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
             cannot = "" if exc.givable else " (which a study file cannot give)"
             problems.append((f"{where}.{name}", f"{cls.__name__}'s {name} takes {exc}{cannot}, got "
                                                 f"{short_repr(value)}"))
+    for name, value in args.items():
+        for (owner, argument), (low, strict) in _BOUNDS.items():
+            if issubclass(cls, owner) and name == argument and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and (value <= low if strict else value < low):
+                problems.append((f"{where}.{name}", f"{cls.__name__}'s {name} must be {'>' if strict else '>='} "
+                                                    f"{low}, got {short_repr(value)}"))
     if problems:
         raise StudyFileError("", problems)
     kwargs = {**{k: v for k, v in (extra or {}).items() if k in accepted and k not in args}, **args}
@@ -96,6 +102,21 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
 
 
 _WRAPPED_HINT = ": the pruner it wraps, a name or {type: median, ...}"
+
+# Arguments Optuna's constructors take without checking, whose bad values would fail every trial at run time (a
+# division by zero in Hyperband's brackets, an assertion in CMA-ES): (lowest value, whether it is excluded).
+_BOUNDS: dict[tuple[type, str], tuple[float, bool]] = {
+    (optuna.pruners.HyperbandPruner, "min_resource"): (1, False),
+    (optuna.pruners.HyperbandPruner, "max_resource"): (1, False),
+    (optuna.pruners.HyperbandPruner, "reduction_factor"): (2, False),
+    (optuna.pruners.HyperbandPruner, "bootstrap_count"): (0, False),
+    (optuna.samplers.CmaEsSampler, "popsize"): (1, False),
+    (optuna.samplers.CmaEsSampler, "sigma0"): (0, True),
+    (optuna.samplers.CmaEsSampler, "n_startup_trials"): (0, False),
+    (optuna.samplers.TPESampler, "n_startup_trials"): (0, False),
+    (optuna.samplers.TPESampler, "n_ei_candidates"): (1, False),
+    (optuna.samplers.GPSampler, "n_startup_trials"): (0, False),
+}
 
 
 class _Mismatch(Exception):

@@ -43,9 +43,9 @@ from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
            "FloatParam", "IntParam", "K8sSpec", "LaunchSpec", "MLflowSpec", "Param", "ResourcesSpec", "SlurmSpec",
            "StudyFileError", "StudySpec", "TaskSpec", "TensorBoardSpec", "TrackingSpec", "WarmStartSpec",
-           "apply_overrides", "did_you_mean", "load_yaml", "name_problem", "read_document", "read_spec",
-           "resolve_storage_url", "short_repr", "sqlite_file_problem", "sqlite_study_problem", "storage_url_problem",
-           "store_url_problem", "validate_document", "with_options"]
+           "apply_overrides", "did_you_mean", "load_yaml", "long_name_problem", "name_problem", "read_document",
+           "read_spec", "resolve_storage_url", "short_repr", "sqlite_file_problem", "sqlite_study_problem",
+           "storage_url_problem", "store_url_problem", "validate_document", "with_options"]
 
 FORMS = ("task", "loop", "command")  # what a trial runs: exactly one of them in a study file
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -350,7 +350,7 @@ class ResourcesSpec(_Model):
     connection (a hung rank) before the trial fails."""
 
     devices_per_trial: StrictInt = Field(1, ge=1)
-    collective_timeout_s: Number = Field(300.0, gt=0)
+    collective_timeout_s: Number = Field(300.0, gt=0, le=604_800)  # at most a week
 
 
 class TensorBoardSpec(_Model):
@@ -843,12 +843,27 @@ def _sqlite_url_problem(url: str, parsed: Any) -> str | None:
     return None
 
 
+NAME_MAX = 255  # bytes in one part of a path, on every common file system
+
+
+def long_name_problem(path: str | Path) -> str | None:
+    """What is wrong with a path one of whose parts is longer than a file system allows (every call on it fails with
+    "File name too long"), or None."""
+    for part in Path(path).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            return (f"{short_repr(str(path))}: a part of the path is {len(os.fsencode(part))} bytes long, and file "
+                    f"systems allow {NAME_MAX}")
+    return None
+
+
 def sqlite_file_problem(url: str) -> str | None:
     """For a SQLite URL: what is wrong with its file before anything creates it, or None. The folder must exist;
     the path must not be a folder, nor a file that is not a SQLite database (it would not be written into)."""
     if not url.startswith("sqlite:///") or url.endswith(":memory:"):
         return None
     path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+    if problem := long_name_problem(path):
+        return problem
     if path.is_dir():
         return f"{path} is a folder; expected a SQLite file such as {path / 'study.db'}"
     if path.exists() and not path.is_file():  # a named pipe or a device: opening it would wait, or never end

@@ -26,6 +26,7 @@ from sweep.schema import (
     StudyFileError,
     StudySpec,
     did_you_mean,
+    long_name_problem,
     read_spec,
     short_repr,
     validate_document,
@@ -35,8 +36,8 @@ from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.tasks import BUILTIN_TASKS, Task, TaskError, load_task, resolve_task_factory
 
-__all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec", "store_problems",
-           "trainer_problems"]
+__all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "make_store", "parse_spec",
+           "store_problems", "trainer_problems"]
 
 
 def load_spec(path: str | Path, overrides: Sequence[str] = (), *, check_trainer: bool = True) -> tuple[StudySpec, Path]:
@@ -118,6 +119,14 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                                             key.split(".")[1])):
             problems.append((where, message))
             continue
+        if key.count(".") == 1 and key.startswith("task_args."):  # each end of its range builds the task, as fixed
+            ends = ([("low", param.low), ("high", param.high)] if not isinstance(param, CategoricalParam)
+                    else [(f"choices[{i}]", c) for i, c in enumerate(param.choices)])
+            for label, value in ends[:8]:
+                try:
+                    load_task(spec.task.name, {**spec.task.args, key.split(".")[1]: value})
+                except (TaskError, ValueError) as exc:
+                    problems.append((f"{where}.{label}", str(exc)))
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))
             continue
@@ -291,6 +300,8 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
         return []
     folder = Path(store).expanduser() if store is not None else default_store(storage_url)
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
+    if problem := long_name_problem(folder / spec.name):
+        return [(which, problem)]
     for path in (folder / spec.name, folder, *folder.resolve().parents):
         if path.exists():
             if not path.is_dir():
@@ -298,6 +309,23 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
             if not os.access(path, os.W_OK | os.X_OK):
                 return [(which, f"cannot create folders in {path}: permission denied")]
             return []
+    return []
+
+
+def make_store(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
+    """Create the study's checkpoint folder (once `store_problems` found none), before the study is: a folder the
+    checks could not foresee that cannot be made (under /proc, on a read-only mount) is refused with nothing else
+    created. An object store is made by the worker."""
+    from sweep.registry import default_store
+
+    store = spec.checkpoints.store
+    if store is not None and "://" in store:
+        return []
+    folder = Path(store).expanduser() if store is not None else default_store(storage_url)
+    try:
+        (folder / spec.name).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return [("checkpoints.store", f"cannot create the folder {folder / spec.name}: {exc.strerror or exc}")]
     return []
 
 

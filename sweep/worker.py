@@ -83,6 +83,9 @@ class InfrastructureError(Exception):
     """The same fault of the machine (disk full, checkpoint folder gone) repeated: fix it, then rerun."""
 
 
+BLOCKED_BEAT_S = 1.0  # a heartbeat write that took this long waited for the database (a lock held by another)
+
+
 class Beats:
     """The trials a worker's heartbeat thread beats for: one, or a cohort's members."""
 
@@ -158,6 +161,8 @@ class Worker:
         self.streak: tuple[int, str | None] = (0, None)  # trials in a row that failed the same way, and how
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
+        self.beats: Beats | None = None  # the trials this worker beats for now (`beating`): never judged lost by it
+        self.beating_since: float | None = None  # when the heartbeat write in progress started (None: none is)
         self.sampler_stopped = False
         self.fault_kind: str | None = None  # the latest fault of the machine, as compared for repeats
         self.started = time.monotonic()  # the sampler has tried every point of the space (brute force, grid)
@@ -479,14 +484,17 @@ class Worker:
         its params queued again (the retry resumes from the lineage's checkpoint)."""
         if not isinstance(self.storage, PatientStorage):
             return
-        recovered = self.boundary.recovered_at
+        recovered, beating = self.boundary.recovered_at, self.beating_since
+        if beating is not None and time.monotonic() - beating >= BLOCKED_BEAT_S:
+            return  # this worker's own beat is waiting for the database: so are the others' (see `beating`)
         if recovered is not None and time.monotonic() - recovered < self.spec.heartbeat_grace_period:
             # Right after an outage no worker could beat for its length: give them the grace period to beat again
             # before anyone is judged lost, or every trial that trained through the outage would be.
             return
         study_id = self.study._study_id  # noqa: SLF001 - Optuna has no public handle on it
+        mine = set(self.beats.ids()) if self.beats is not None else set()  # alive, whatever their beats say
         for trial_id in self.storage.stale_trial_ids(study_id):
-            if self.storage.fail_lost_trial(trial_id, LOST_REASON):
+            if trial_id not in mine and self.storage.fail_lost_trial(trial_id, LOST_REASON):
                 lost = self.storage.get_trial(trial_id)
                 self._retry(lost, LOST_REASON)
                 end_lost_run(self.spec, self.url, self.study.study_name, lost.number)
@@ -527,14 +535,23 @@ class Worker:
         def beat() -> None:
             while not stopped.wait(interval):
                 for trial_id in beats.ids():
+                    self.beating_since = started = time.monotonic()
                     with contextlib.suppress(Exception):  # a storage blip: beat again next time rather than never
                         backend.record_heartbeat(trial_id)
+                    self.beating_since = None
+                    if time.monotonic() - started >= BLOCKED_BEAT_S:
+                        # A one-row write that waited this long waited for a lock (another process's long write
+                        # transaction): every worker's beats waited as long, so no trial is judged lost until they
+                        # have had the grace period to beat again, as after an outage.
+                        self.boundary.recovered_at = time.monotonic()
 
         thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
         thread.start()
+        outer, self.beats = self.beats, beats
         try:
             yield beats
         finally:
+            self.beats = outer
             stopped.set()
             thread.join()
 

@@ -172,6 +172,9 @@ class TrainingConfig:
             problems.append(("curriculum.end_steps",
                              f"expected at most max_steps ({self.max_steps}), got {end_steps}: the run would end "
                              "before seeing its whole training set; use end_fraction to scale with max_steps"))
+        problem = self.curriculum.schedule_problem(self.max_steps)
+        if problem is not None:
+            problems.append(("curriculum.schedule", problem))
         return problems
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,6 +81,21 @@ class CurriculumConfig:
                                        "start_level > 0, got 0"))
         return out
 
+    def schedule_problem(self, max_steps: int) -> str | None:
+        """What is wrong with a user schedule (`package.module:function`), found by calling it at the first and last
+        steps as the loop would: it raises, or returns no level in [0, 1]. None for a built-in schedule, one that
+        cannot be imported (`problems` says so), or one that works."""
+        if self.schedule in BUILTIN_SCHEDULES or self.problems():
+            return None
+        for step in sorted({0, max(0, max_steps - 1)}):
+            try:
+                level_at(step, self, max_steps)
+            except Exception as exc:  # noqa: BLE001 - whatever the user's function raises is the problem to show
+                first = (str(exc).strip().splitlines() or [""])[0]
+                return first if isinstance(exc, ValueError) and first.startswith("schedule ") else (
+                    f"schedule {self.schedule!r} raised {type(exc).__name__} at step {step}: {first}")
+        return None
+
     def end_step(self, max_steps: int) -> int:
         """The step at which the level reaches 1."""
         return self.end_steps if self.end_steps is not None else max(1, round(self.end_fraction * max_steps))

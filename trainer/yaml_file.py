@@ -47,14 +47,27 @@ _EXPONENT_TAG = "tag:sweep,2024:exponent"  # implicit only: a tag written in the
 _EXPONENT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 
 
+_INT_TAG = "tag:sweep,2024:int"  # implicit only, as the exponent's
+# An integer as YAML 1.2's core schema reads it: decimal (`010` is 10), `0o` octal, `0x` hex. YAML 1.1, and so
+# PyYAML, reads `010` as octal 8, `1:30` as 90 (base 60), and takes `0b11` and `1_000`: strings here, which an integer
+# key refuses, rather than numbers the user did not write.
+_INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+
+
 class _Loader(_SAFE):
     """The safe loader, without YAML 1.1's implicit dates (a study file has none, and `2024-13-45` would raise), and
-    with YAML 1.2's numbers in exponent notation (`_exponent`)."""
+    with YAML 1.2's integers (`_int`) and numbers in exponent notation (`_exponent`)."""
 
     yaml_implicit_resolvers: ClassVar = {
         first: [(_EXPONENT_TAG, _EXPONENT)] * (first in "-+.0123456789")
-        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith(":timestamp")]
+        + [(_INT_TAG, _INT)] * (first in "-+0123456789")
+        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith((":timestamp", ":int"))]
         for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
+
+
+def _int(loader: Any, node: yaml.ScalarNode) -> int:
+    text = str(node.value)
+    return int(text[2:], 8) if text.startswith("0o") else int(text[2:], 16) if text.startswith("0x") else int(text)
 
 
 def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
@@ -65,6 +78,7 @@ def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
 
 
 _Loader.add_constructor(_EXPONENT_TAG, _exponent)
+_Loader.add_constructor(_INT_TAG, _int)
 _LOADER = _Loader
 # Explicit tags that only restate a plain value. Others (`!!python/object`, `!!binary`, `!!set`, `!custom`) are
 # refused: a study file holds plain values, and the safe loader would fail on most with a message of many lines.

@@ -21,6 +21,7 @@ from trainer.tasks.base import Task, accuracy_sum
 __all__ = ["CharTransformer", "charlm", "load_stdlib_text", "unigram_surprisal"]
 
 VOCAB = 256  # bytes
+MAX_LAYERS = 1000  # transformer blocks
 MODEL_DEFAULTS = {"d_model": 128, "n_layers": 2, "n_heads": 4, "mlp_ratio": 4, "dropout": 0.0}
 
 
@@ -66,6 +67,8 @@ class CharTransformer(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"model.d_model must be divisible by model.n_heads, but got {d_model=}, {n_heads=}")
+        if not 1 <= n_layers <= MAX_LAYERS:  # each block is modules: a million of them take minutes to build
+            raise ValueError(f"model.n_layers must be in [1, {MAX_LAYERS}], but got {n_layers=}")
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(context, d_model)
         blocks = [Block(d_model, n_heads, mlp_ratio, dropout) for _ in range(n_layers)]

@@ -20,6 +20,7 @@ from trainer.tasks.base import Task, accuracy_sum
 __all__ = ["MLP", "digits", "linear_margin_difficulty", "load_digits_arrays"]
 
 MODEL_DEFAULTS = {"hidden": 64, "depth": 2, "activation": "relu", "dropout": 0.0}
+MAX_DEPTH = 1000  # hidden layers of the built-in MLP (digits, blobs, arrays)
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
 
@@ -46,6 +47,8 @@ class MLP(nn.Module):
         super().__init__()
         if hidden < 1 or depth < 0:
             raise ValueError(f"model.hidden must be >= 1 and model.depth >= 0, but got {hidden=}, {depth=}")
+        if depth > MAX_DEPTH:  # each layer is a module: a million of them take minutes to build, even on meta
+            raise ValueError(f"model.depth must be at most {MAX_DEPTH}, but got {depth=}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, but got {activation=}")
         if not 0.0 <= dropout < 1.0:
