@@ -242,7 +242,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
               timeout: float | None, workers: int, set_: list[str]) -> tuple[Any, str]:
     """The validated spec and the storage URL of `sweep run`, every problem of the options and the file reported
     together (exit 2), and nothing created before they are all fine."""
-    from sweep.spec import load_spec, make_store, store_problems
+    from sweep.spec import load_spec, store_problems
 
     problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                 workers=workers)
@@ -268,9 +268,6 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     where = "--storage" if storage is not None else f"{study_file}: storage"
     problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
     problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
-    if problems:
-        raise _fail(problems, 2)
-    problems = [f"{study_file}: {key}: {message}" for key, message in make_store(spec, url)]
     if problems:
         raise _fail(problems, 2)
     return spec, url

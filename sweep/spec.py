@@ -8,6 +8,7 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -36,7 +37,7 @@ from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.tasks import BUILTIN_TASKS, Task, TaskError, load_task, resolve_task_factory
 
-__all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "make_store", "parse_spec",
+__all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec",
            "store_problems", "trainer_problems"]
 
 
@@ -302,30 +303,26 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
     if problem := long_name_problem(folder / spec.name):
         return [(which, problem)]
+    missing: list[Path] = []
     for path in (folder / spec.name, folder, *folder.resolve().parents):
         if path.exists():
             if not path.is_dir():
                 return [(which, f"{path} is a file; the checkpoints need a folder there")]
             if not os.access(path, os.W_OK | os.X_OK):
                 return [(which, f"cannot create folders in {path}: permission denied")]
-            return []
-    return []
-
-
-def make_store(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
-    """Create the study's checkpoint folder (once `store_problems` found none), before the study is: a folder the
-    checks could not foresee that cannot be made (under /proc, on a read-only mount) is refused with nothing else
-    created. An object store is made by the worker."""
-    from sweep.registry import default_store
-
-    store = spec.checkpoints.store
-    if store is not None and "://" in store:
-        return []
-    folder = Path(store).expanduser() if store is not None else default_store(storage_url)
-    try:
-        (folder / spec.name).mkdir(parents=True, exist_ok=True)
+            break
+        missing.append(path)
+    made: list[Path] = []
+    try:  # what no check foresees (under /proc, a read-only mount): made and taken away again, nothing left
+        for path in reversed(missing):
+            path.mkdir()
+            made.append(path)
     except OSError as exc:
-        return [("checkpoints.store", f"cannot create the folder {folder / spec.name}: {exc.strerror or exc}")]
+        return [(which, f"cannot create the folder {path}: {exc.strerror or exc}")]
+    finally:
+        for path in reversed(made):
+            with contextlib.suppress(OSError):
+                path.rmdir()
     return []
 
 

@@ -778,9 +778,52 @@ OUTPUTS = [
              "exist", "create it first"),
 ]
 
+# Found by a review of inputs that used to fail trials at run time (often with exit 0), print a traceback, or leave a
+# half-made study behind.
+LONG = "x" * 300  # one part of a path over the 255 bytes file systems allow
+SCHEDULES = ("def raises(step, max_steps):\n    raise RuntimeError('no')\n\n"
+             "def above(step, max_steps):\n    return 5.0\n")
+REVIEWED = [
+    bad_file("reviewed", "hyperband-min-resource-0", changed(pruner={"type": "hyperband", "min_resource": 0}),
+             "pruner.min_resource", "HyperbandPruner's min_resource must be >= 1, got 0"),
+    bad_file("reviewed", "hyperband-reduction-factor-1", changed(pruner={"type": "hyperband", "reduction_factor": 1}),
+             "pruner.reduction_factor", "must be >= 2, got 1"),
+    bad_file("reviewed", "wrapped-hyperband-bootstrap", changed(pruner={"type": "fastfail", "then": {
+        "type": "hyperband", "bootstrap_count": -1}}), "pruner.then.bootstrap_count", "must be >= 0, got -1"),
+    bad_file("reviewed", "cmaes-popsize-0", changed(sampler={"type": "cmaes", "popsize": 0}), "sampler.popsize",
+             "CmaEsSampler's popsize must be >= 1, got 0"),
+    bad_file("reviewed", "store-that-cannot-be-made", changed(checkpoints={"store": "/proc/sweep-corpus"}),
+             "checkpoints.store", "cannot create"),  # as root: the folder /proc/sweep-corpus; else: folders in /proc
+    bad_file("reviewed", "store-with-a-long-name", changed(checkpoints={"store": f"a/{LONG}/b"}), "checkpoints.store",
+             "a part of the path is 300 bytes long, and file systems allow 255"),
+    bad_args("reviewed", "storage-with-a-long-name", ("run", STUDY, "--storage", f"sqlite:///{LONG}.db"),
+             ("--storage: ", f"{STUDY}: checkpoints.store (default"), "a part of the path is 303 bytes long"),
+    bad_args("reviewed", "status-of-a-long-name", ("status", f"{LONG}.db"), "'xxx", "file systems allow 255"),
+    bad_args("reviewed", "output-with-a-long-name", ("best", STUDY, "-o", f"{LONG}.yaml"), "-o: ",
+             "a part of the path is 305 bytes long"),
+    bad_file("reviewed", "schedule-that-raises", changed(fixed__curriculum={"schedule": "corpus_schedules:raises"}),
+             "fixed.curriculum.schedule*", "schedule 'corpus_schedules:raises' raised RuntimeError at step 0: no",
+             setup=_file("corpus_schedules.py", SCHEDULES)),
+    bad_file("reviewed", "schedule-out-of-range", changed(fixed__curriculum={"schedule": "corpus_schedules:above"}),
+             "fixed.curriculum.schedule*", "returned 5.0 at step 0; a level must be in [0, 1]",
+             setup=_file("corpus_schedules.py", SCHEDULES)),
+    bad_file("reviewed", "searched-task-arg-out-of-range", changed(space={
+        **TINY_STUDY["space"], "task_args.val_fraction": {"type": "float", "low": 0.5, "high": 2.0}}),
+             "space.task_args.val_fraction.high", "task_args.val_fraction must be in (0, 1), but got val_fraction=2.0"),
+    bad_file("reviewed", "depth-of-a-million", changed(fixed__model={"depth": 1_000_000}),
+             "fixed.model.depth", "model.depth must be at most 1000"),
+    bad_file("reviewed", "collective-timeout-of-1e308", changed(resources={"devices_per_trial": 2,
+                                                                         "collective_timeout_s": 1e308}),
+             "resources.collective_timeout_s", "less than or equal to 604800"),
+    bad_file("reviewed", "yaml-1.1-octal", yaml_with(replace=("n_trials: 3", "n_trials: 0b11")), "n_trials",
+             "valid integer"),
+    bad_file("reviewed", "yaml-1.1-sexagesimal", yaml_with(replace=("max_steps: 20", "max_steps: 1:30")),
+             "fixed.max_steps", "expected an integer"),
+]
+
 CORPUS = [*TYPES, *RANGES, *ENCODINGS, *SIZES, *NESTING, *ALIASES, *TAGS, *DUPLICATES, *NAMES, *PATHS, *URLS, *CLI,
           *COMPONENTS, *DID_YOU_MEAN, *FOREIGN, *COMMANDS, *CONFLICTS, *LOOP_MAX_STEPS, *SAMPLERS, *WORDING,
-          *EXPONENTS, *OUTPUTS]
+          *EXPONENTS, *OUTPUTS, *REVIEWED]
 TIMES: dict[str, list[float]] = defaultdict(list)
 
 
@@ -941,6 +984,14 @@ def test_a_whole_number_in_exponent_notation_is_an_integer(tmp_path: Path, writt
     assert spec.fixed["max_steps"] == read and type(spec.fixed["max_steps"]) is int
     spec, _ = load_spec(path, [f"n_trials={written}", f"space.model.hidden.high={written}"])
     assert spec.n_trials == read and spec.space["model.hidden"].high == read  # type: ignore[union-attr]
+
+
+def test_integers_are_read_as_yaml_1_2_reads_them() -> None:
+    """PyYAML's YAML 1.1 read `030` as octal 24 (a study of `max_steps: 030` trained 24 steps) and `1:30` as 90."""
+    from sweep.schema import load_yaml
+
+    assert load_yaml("a: [030, 010, -7, +7, 0o17, 0x1F, 1:30, 0b11, 1_000]", "x.yaml") == {
+        "a": [30, 10, -7, 7, 15, 31, "1:30", "0b11", "1_000"]}
 
 
 def test_a_fraction_in_exponent_notation_is_a_float() -> None:

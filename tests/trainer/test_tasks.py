@@ -121,9 +121,10 @@ def test_a_user_task_that_fails_to_build_is_refused_in_one_line_naming_it(tmp_pa
             open("/nonexistent/data.npy")
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(TaskError, match=r"^task 'broken_tasks:empty_val': task 'ev': val holds no samples"):
+    with pytest.raises(TaskError, match=r"^broken_tasks:empty_val raised ValueError: task 'ev': val holds no "
+                                        r"samples"):
         load_task("broken_tasks:empty_val")
-    with pytest.raises(TaskError, match=r"^task 'broken_tasks:missing_file': FileNotFoundError: \[Errno 2\]"):
+    with pytest.raises(TaskError, match=r"^broken_tasks:missing_file raised FileNotFoundError: \[Errno 2\]"):
         load_task("broken_tasks:missing_file")
 
 

@@ -40,8 +40,7 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
         raise
     except Exception as exc:  # the factory, or the Task it made, refused: its data, its arguments (one line, named)
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise TaskError(f"task {name!r}: {type(exc).__name__}: {first}" if not isinstance(exc, ValueError)
-                        else f"task {name!r}: {first}") from exc
+        raise TaskError(f"{name} raised {type(exc).__name__}: {first}") from exc
     if not isinstance(task, Task):
         raise TaskError(f"task {name!r} returned {type(task).__name__}, expected trainer.tasks.Task")
     return task
