@@ -261,13 +261,14 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     except StudyFileError as exc:  # named as the user gave it, like the file's other problems
         raise _fail(StudyFileError(study_file, exc.problems).lines(), 2) from None
     from sweep.registry import resolve_store
-    from sweep.tracking import resolve_tracking
+    from sweep.tracking import destination_problems, resolve_tracking
 
     spec = resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
     # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
     where = "--storage" if storage is not None else f"{study_file}: storage"
     problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
     problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
+    problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec)]
     if problems:
         raise _fail(problems, 2)
     return spec, url

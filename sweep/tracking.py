@@ -111,6 +111,42 @@ def tracking_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return problems
 
 
+MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "databricks-uc", "uc", "sqlite", "postgresql", "mysql",
+                  "mssql")  # what MLflow's tracking URI takes (a database URL's scheme may name its driver: +psycopg)
+
+
+def destination_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """Where tracking writes, once resolved (`resolve_tracking`), checked before anything is created: TensorBoard's
+    folder must be one that can be made (no part of it a file, nor over 255 bytes), and MLflow's tracking URI of a
+    kind MLflow takes. Otherwise every trial would warn that its tracking was dropped."""
+    from sweep.schema import long_name_problem
+
+    problems = []
+    tensorboard, mlflow = spec.tracking.tensorboard, spec.tracking.mlflow
+    if tensorboard.enabled and tensorboard.dir is not None:
+        folder = Path(tensorboard.dir).expanduser()
+        if problem := long_name_problem(folder):
+            problems.append(("tracking.tensorboard.dir", problem))
+        else:
+            for path in (folder, *folder.absolute().parents):
+                if path.exists():
+                    if not path.is_dir():
+                        problems.append(("tracking.tensorboard.dir", f"{path} is a file; TensorBoard needs a folder "
+                                                                     "there"))
+                    elif not os.access(path, os.W_OK | os.X_OK):
+                        problems.append(("tracking.tensorboard.dir", f"cannot create folders in {path}: permission "
+                                                                     "denied"))
+                    break
+    uri = mlflow.tracking_uri
+    if mlflow.enabled and uri is not None and "://" in uri:
+        scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
+        if scheme not in MLFLOW_SCHEMES:
+            kinds = ", ".join(f"{kind}://" for kind in MLFLOW_SCHEMES)
+            problems.append(("tracking.mlflow.tracking_uri", f"MLflow takes a folder, or a URL of {kinds}; got "
+                                                             f"{mask_urls(uri)!r}"))
+    return problems
+
+
 class TensorBoardTracker:
     """One trial's TensorBoard run, written with PyTorch's `SummaryWriter` (the event files TensorBoard reads).
     Tags: `train/<name>` for what the trainer logs, `eval/<name>` for evaluations, and, at the end, the hparams

@@ -61,7 +61,7 @@ class _Loader(_SAFE):
     yaml_implicit_resolvers: ClassVar = {
         first: [(_EXPONENT_TAG, _EXPONENT)] * (first in "-+.0123456789")
         + [(_INT_TAG, _INT)] * (first in "-+0123456789")
-        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith((":timestamp", ":int"))]
+        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith((":timestamp", ":int", ":value"))]
         for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
 
 

@@ -815,6 +815,10 @@ REVIEWED = [
     bad_file("reviewed", "collective-timeout-of-1e308", changed(resources={"devices_per_trial": 2,
                                                                          "collective_timeout_s": 1e308}),
              "resources.collective_timeout_s", "less than or equal to 604800"),
+    bad_file("reviewed", "tensorboard-dir-is-a-file", changed(tracking={"tensorboard": {"dir": "afile"}}),
+             "tracking.tensorboard.dir", "afile is a file; TensorBoard needs a folder there", setup=_file("afile")),
+    bad_file("reviewed", "mlflow-uri-of-another-kind", changed(tracking={"mlflow": {
+        "tracking_uri": "ftp://me:secret@example.org"}}), "tracking.mlflow.tracking_uri", "got 'ftp://me:***@"),
     bad_file("reviewed", "yaml-1.1-octal", yaml_with(replace=("n_trials: 3", "n_trials: 0b11")), "n_trials",
              "valid integer"),
     bad_file("reviewed", "yaml-1.1-sexagesimal", yaml_with(replace=("max_steps: 20", "max_steps: 1:30")),
