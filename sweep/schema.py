@@ -273,6 +273,12 @@ def _k8s_subdomain(value: str) -> str:
 K8sNamespace = Annotated[StrictStr, _matching(re.compile(_K8S_LABEL), "a Kubernetes namespace (at most 63 "
                                               "lowercase letters, digits and '-', starting and ending with a letter "
                                               "or digit)")]
+# A Kubernetes resource quantity (8Gi, 512Mi, 1.5G, 1e9) and a container image reference (no space or control
+# character: a manifest would carry it into YAML as something else).
+_K8S_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?([eE][0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
+K8sQuantity = Annotated[StrictStr, _matching(_K8S_QUANTITY, "a Kubernetes quantity such as 8Gi, 512Mi or 2G")]
+K8sImage = Annotated[StrictStr, _matching(re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*"), "a container image reference "
+                                          "such as registry.example.org/team/sweep:1.0 (no spaces)")]
 K8sSecretName = Annotated[StrictStr, AfterValidator(_k8s_subdomain),
                           _matching(re.compile(rf"{_K8S_LABEL}(\.{_K8S_LABEL})*"), "a Kubernetes Secret name "
                                     "(lowercase letters, digits, '-' and '.', starting and ending with a letter or "
@@ -306,12 +312,12 @@ class K8sSpec(_Model):
     """`launch.k8s`: the Indexed Job manifest of `sweep submit --k8s` (see sweep.launch.k8s)."""
 
     workers: StrictInt = Field(1, ge=1)
-    image: StrictStr | None = None  # an image with sweep installed; required, here or with --image
+    image: K8sImage | None = None  # an image with sweep installed; required, here or with --image
     namespace: K8sNamespace | None = None
     secret: K8sSecretName = "sweep-storage"  # the Secret whose key `url` holds the storage URL
     gpus_per_worker: StrictInt = Field(0, ge=0)
     cpus_per_worker: Number | None = Field(None, gt=0)
-    memory: StrictStr | None = None  # a Kubernetes quantity such as 8Gi
+    memory: K8sQuantity | None = None  # a Kubernetes quantity such as 8Gi
     grace_period_s: StrictInt = Field(120, ge=1)  # from SIGTERM to SIGKILL when a pod is evicted or preempted
 
 

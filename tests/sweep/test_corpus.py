@@ -819,6 +819,10 @@ REVIEWED = [
              "tracking.tensorboard.dir", "afile is a file; TensorBoard needs a folder there", setup=_file("afile")),
     bad_file("reviewed", "mlflow-uri-of-another-kind", changed(tracking={"mlflow": {
         "tracking_uri": "ftp://me:secret@example.org"}}), "tracking.mlflow.tracking_uri", "got 'ftp://me:***@"),
+    bad_file("reviewed", "k8s-memory", changed(launch={"k8s": {"memory": "lots"}}), "launch.k8s.memory",
+             "expected a Kubernetes quantity such as 8Gi", args=()),
+    bad_args("reviewed", "k8s-image-with-a-newline", ("submit", STUDY, "--k8s", "--image", "a b\nc: d"),
+             "command line: --image: ", "expected a container image reference"),
     bad_file("reviewed", "yaml-1.1-octal", yaml_with(replace=("n_trials: 3", "n_trials: 0b11")), "n_trials",
              "valid integer"),
     bad_file("reviewed", "yaml-1.1-sexagesimal", yaml_with(replace=("max_steps: 20", "max_steps: 1:30")),
