@@ -237,3 +237,12 @@ def test_best_says_when_its_value_is_a_warm_start_s(tmp_path: Path) -> None:
     assert f"# trial {best.number}, value" in done.stdout  # the written YAML says so too
     status = sweep_cli("status", path)
     assert "lineage" in status.stdout and "its value belongs to this lineage" in status.stdout
+
+
+def test_a_from_studies_name_the_storage_does_not_hold_is_named_in_a_warning(tmp_path: Path) -> None:
+    # A typo in warm_start.from_studies silently gave no donors.
+    path = warm_study(tmp_path, n_trials=1, warm_start={"enabled": True, "from_studies": ["warmm"]})
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    assert "warning: warm_start.from_studies: no study 'warmm' in sqlite:///" in done.stderr
+    assert "so it gives no donors (its studies: warm)" in done.stderr
