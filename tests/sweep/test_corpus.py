@@ -823,6 +823,8 @@ REVIEWED = [
              "expected a Kubernetes quantity such as 8Gi", args=()),
     bad_args("reviewed", "k8s-image-with-a-newline", ("submit", STUDY, "--k8s", "--image", "a b\nc: d"),
              "command line: --image: ", "expected a container image reference"),
+    bad_file("reviewed", "task-arg-of-another-type", changed(task={"name": "digits", "args": {"val_fraction": "x"}}),
+             "task", "task 'digits': task_args.val_fraction: expected a number, got 'x'"),
     bad_file("reviewed", "yaml-1.1-octal", yaml_with(replace=("n_trials: 3", "n_trials: 0b11")), "n_trials",
              "valid integer"),
     bad_file("reviewed", "yaml-1.1-sexagesimal", yaml_with(replace=("max_steps: 20", "max_steps: 1:30")),

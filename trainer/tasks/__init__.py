@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trainer.config import coerce
 from trainer.imports import import_callable
 from trainer.tasks.arrays import arrays
 from trainer.tasks.base import Task, accuracy_sum, cross_entropy
@@ -32,8 +34,19 @@ def resolve_task_factory(name: str) -> Callable[..., Task]:
 
 def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     factory = resolve_task_factory(name)
+    args = dict(args or {})
     try:
-        task = factory(**dict(args or {}))
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a callable without a signature: the call says what is wrong
+        parameters = {}  # type: ignore[assignment]
+    for key, parameter in parameters.items():
+        default = parameter.default
+        if key in args and isinstance(default, (bool, int, float, str)):  # typed by its default, as model keys are
+            ok, args[key], message = coerce(args[key], type(default))
+            if not ok:
+                raise TaskError(f"task {name!r}: task_args.{key}: {message}")
+    try:
+        task = factory(**args)
     except TypeError as exc:  # an unknown task_args key
         raise TaskError(f"task {name!r}: {exc}") from exc
     except TaskError:
