@@ -186,7 +186,9 @@ def run(
     from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
 
     if cohort is not None:  # the same as --set execution.cohort=K, so the local workers get it too
-        set_ = [*(set_ or []), f"execution.cohort={json.dumps(cohort) if cohort == 'auto' else cohort}"]
+        if cohort != "auto" and not (cohort.isascii() and cohort.isdigit() and int(cohort) >= 1):
+            raise _fail(f"--cohort: expected a whole number >= 1 or auto, got {cohort!r}", 2)
+        set_ = [*(set_ or []), f"execution.cohort={json.dumps(cohort) if cohort == 'auto' else int(cohort)}"]
 
     worker = os.environ.get(WORKER_ENV)
     if worker is not None and storage is None:  # a launched worker: the URL comes by environment, never by argument
