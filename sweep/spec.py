@@ -8,11 +8,11 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import os
 import shutil
+import tempfile
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -123,7 +123,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         if key.count(".") == 1 and key.startswith("task_args."):  # each end of its range builds the task, as fixed
             ends = ([("low", param.low), ("high", param.high)] if not isinstance(param, CategoricalParam)
                     else [(f"choices[{i}]", c) for i, c in enumerate(param.choices)])
-            for label, value in ends[:8]:
+            for label, value in ends[:4]:  # a task may read its data each time: the ends, or the first choices
                 try:
                     load_task(spec.task.name, {**spec.task.args, key.split(".")[1]: value})
                 except (TaskError, ValueError) as exc:
@@ -303,26 +303,19 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
     if problem := long_name_problem(folder / spec.name):
         return [(which, problem)]
-    missing: list[Path] = []
     for path in (folder / spec.name, folder, *folder.resolve().parents):
         if path.exists():
             if not path.is_dir():
                 return [(which, f"{path} is a file; the checkpoints need a folder there")]
             if not os.access(path, os.W_OK | os.X_OK):
                 return [(which, f"cannot create folders in {path}: permission denied")]
-            break
-        missing.append(path)
-    made: list[Path] = []
-    try:  # what no check foresees (under /proc, a read-only mount): made and taken away again, nothing left
-        for path in reversed(missing):
-            path.mkdir()
-            made.append(path)
-    except OSError as exc:
-        return [(which, f"cannot create the folder {path}: {exc.strerror or exc}")]
-    finally:
-        for path in reversed(made):
-            with contextlib.suppress(OSError):
-                path.rmdir()
+            if path == folder / spec.name:
+                return []
+            try:  # what no check foresees (under /proc): a folder of a name of its own, made and taken away again
+                os.rmdir(tempfile.mkdtemp(prefix=".sweep-probe-", dir=path))
+            except OSError as exc:
+                return [(which, f"cannot create folders in {path}: {exc.strerror or exc}")]
+            return []
     return []
 
 

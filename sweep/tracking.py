@@ -111,18 +111,14 @@ def tracking_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return problems
 
 
-MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "databricks-uc", "uc", "sqlite", "postgresql", "mysql",
-                  "mssql")  # what MLflow's tracking URI takes (a database URL's scheme may name its driver: +psycopg)
-
-
 def destination_problems(spec: StudySpec) -> list[tuple[str, str]]:
     """Where tracking writes, once resolved (`resolve_tracking`), checked before anything is created: TensorBoard's
-    folder must be one that can be made (no part of it a file, nor over 255 bytes), and MLflow's tracking URI of a
-    kind MLflow takes. Otherwise every trial would warn that its tracking was dropped."""
+    folder must be one that can be made (no part of it a file, nor over 255 bytes); otherwise every trial would warn
+    that its tracking was dropped. MLflow's tracking URI is MLflow's to judge (plugins add kinds of their own)."""
     from sweep.schema import long_name_problem
 
     problems = []
-    tensorboard, mlflow = spec.tracking.tensorboard, spec.tracking.mlflow
+    tensorboard = spec.tracking.tensorboard
     if tensorboard.enabled and tensorboard.dir is not None:
         folder = Path(tensorboard.dir).expanduser()
         if problem := long_name_problem(folder):
@@ -137,13 +133,6 @@ def destination_problems(spec: StudySpec) -> list[tuple[str, str]]:
                         problems.append(("tracking.tensorboard.dir", f"cannot create folders in {path}: permission "
                                                                      "denied"))
                     break
-    uri = mlflow.tracking_uri
-    if mlflow.enabled and uri is not None and "://" in uri:
-        scheme = uri.split("://", 1)[0].split("+", 1)[0].lower()
-        if scheme not in MLFLOW_SCHEMES:
-            kinds = ", ".join(f"{kind}://" for kind in MLFLOW_SCHEMES)
-            problems.append(("tracking.mlflow.tracking_uri", f"MLflow takes a folder, or a URL of {kinds}; got "
-                                                             f"{mask_urls(uri)!r}"))
     return problems
 
 

@@ -83,7 +83,7 @@ class InfrastructureError(Exception):
     """The same fault of the machine (disk full, checkpoint folder gone) repeated: fix it, then rerun."""
 
 
-BLOCKED_BEAT_S = 1.0  # a heartbeat write that took this long waited for the database (a lock held by another)
+BLOCKED_BEAT_S = 1.0  # the least wait of a heartbeat write taken for the database being blocked (`_blocked_s`)
 
 
 class Beats:
@@ -355,7 +355,7 @@ class Worker:
             self.fault_kind = fault.kind
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}"})
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
-                                                  ATTR_TRACEBACK: traceback.format_exc()[-4000:]})
+                                                  ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]})
 
     def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner, *,
              counted: bool = True) -> FrozenTrial | None:
@@ -485,7 +485,7 @@ class Worker:
         if not isinstance(self.storage, PatientStorage):
             return
         recovered, beating = self.boundary.recovered_at, self.beating_since
-        if beating is not None and time.monotonic() - beating >= BLOCKED_BEAT_S:
+        if beating is not None and time.monotonic() - beating >= self._blocked_s():
             return  # this worker's own beat is waiting for the database: so are the others' (see `beating`)
         if recovered is not None and time.monotonic() - recovered < self.spec.heartbeat_grace_period:
             # Right after an outage no worker could beat for its length: give them the grace period to beat again
@@ -498,6 +498,13 @@ class Worker:
                 lost = self.storage.get_trial(trial_id)
                 self._retry(lost, LOST_REASON)
                 end_lost_run(self.spec, self.url, self.study.study_name, lost.number)
+
+    def _blocked_s(self) -> float:
+        """How long a heartbeat write must wait before it may have made a live trial look lost: beats come every
+        `heartbeat_interval`, so a wait longer than the grace period less two intervals could (at least
+        `BLOCKED_BEAT_S`; a slow write shorter than that changes nothing)."""
+        interval = self.storage.heartbeat_interval if isinstance(self.storage, PatientStorage) else None
+        return max(BLOCKED_BEAT_S, self.spec.heartbeat_grace_period - 2 * (interval or 0))
 
     def _adopt_silent_trials(self, trials: list[FrozenTrial]) -> None:
         """A trial whose worker was stopped between asking for it and its first heartbeat (Ctrl-C while the sampler
@@ -539,7 +546,7 @@ class Worker:
                     with contextlib.suppress(Exception):  # a storage blip: beat again next time rather than never
                         backend.record_heartbeat(trial_id)
                     self.beating_since = None
-                    if time.monotonic() - started >= BLOCKED_BEAT_S:
+                    if time.monotonic() - started >= self._blocked_s():
                         # A one-row write that waited this long waited for a lock (another process's long write
                         # transaction): every worker's beats waited as long, so no trial is judged lost until they
                         # have had the grace period to beat again, as after an outage.

@@ -114,6 +114,11 @@ def _setting(value: Any, depth: int = 0) -> str:
         return repr(value)
     if isinstance(value, torch.Tensor):
         return f"tensor({value.dtype!s}, {list(value.shape)})"
+    if isinstance(value, np.generic):
+        return repr(value.item())
+    if isinstance(value, np.ndarray):
+        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+        return f"ndarray({value.dtype}, {list(value.shape)}, {digest})"
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__}({', '.join(_setting(v, depth + 1) for v in value)})"
     if isinstance(value, (set, frozenset)):
@@ -125,8 +130,12 @@ def _setting(value: Any, depth: int = 0) -> str:
     if isinstance(value, functools.partial):
         return (f"partial({_setting(value.func, depth + 1)}, {_setting(value.args, depth + 1)}, "
                 f"{_setting(value.keywords, depth + 1)})")
-    if callable(value):
+    if callable(value) and not (hasattr(value, "__dict__") and not isinstance(value, (types.FunctionType,
+                                                                                       types.MethodType, type))):
         name = f"{getattr(value, '__module__', None)}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+        code = getattr(value, "__code__", None)
+        if isinstance(code, types.CodeType):  # two lambdas of one line differ by their code, not their name
+            name += f" {_code_key(code)}"
         closed = []
         for cell in getattr(value, "__closure__", None) or ():
             try:
@@ -139,7 +148,17 @@ def _setting(value: Any, depth: int = 0) -> str:
         if owner is not None and not isinstance(owner, (type, types.ModuleType)):
             extra.append(owner)
         return f"<{name}{''.join(' ' + _setting(v, depth + 1) for v in extra)}>"
-    return f"{type(value).__module__}.{type(value).__qualname__}"
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if hasattr(value, "__dict__"):  # an object of settings (a namespace, a dataclass, a callable object): its fields
+        return f"{kind}({_setting(vars(value), depth + 1)})"
+    return kind
+
+
+def _code_key(code: types.CodeType) -> str:
+    """A function's code, the same in every process: where it is, what it runs, the names and constants it uses."""
+    consts = tuple(_code_key(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts)
+    text = f"{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()}:{code.co_names}:{consts}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _plain_tensors(model: nn.Module) -> str | None:
@@ -149,9 +168,16 @@ def _plain_tensors(model: nn.Module) -> str | None:
     def holds(value: Any, depth: int = 0) -> bool:
         if isinstance(value, torch.Tensor):
             return True
-        if depth < 4 and isinstance(value, (tuple, list, set, frozenset)):
+        if depth >= 4:
+            return False
+        if isinstance(value, (tuple, list, set, frozenset)):
             return any(holds(v, depth + 1) for v in value)
-        return depth < 4 and isinstance(value, Mapping) and any(holds(v, depth + 1) for v in value.values())
+        if isinstance(value, Mapping):
+            return any(holds(v, depth + 1) for v in value.values())
+        if hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, types.FunctionType,
+                                                                types.MethodType, types.ModuleType)):
+            return holds(vars(value), depth + 1)  # an object of settings: a namespace, a dataclass
+        return False
 
     for name, module in model.named_modules():
         for key, value in vars(module).items():

@@ -52,16 +52,20 @@ _INT_TAG = "tag:sweep,2024:int"  # implicit only, as the exponent's
 # PyYAML, reads `010` as octal 8, `1:30` as 90 (base 60), and takes `0b11` and `1_000`: strings here, which an integer
 # key refuses, rather than numbers the user did not write.
 _INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
+# A float as YAML 1.2 reads it (the exponent forms are `_EXPONENT`'s): no `_` separators, no base 60 (`1:30.5`).
+_FLOAT = re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
 
 
 class _Loader(_SAFE):
     """The safe loader, without YAML 1.1's implicit dates (a study file has none, and `2024-13-45` would raise), and
-    with YAML 1.2's integers (`_int`) and numbers in exponent notation (`_exponent`)."""
+    with YAML 1.2's integers (`_int`), floats (`_FLOAT`) and numbers in exponent notation (`_exponent`)."""
 
     yaml_implicit_resolvers: ClassVar = {
         first: [(_EXPONENT_TAG, _EXPONENT)] * (first in "-+.0123456789")
         + [(_INT_TAG, _INT)] * (first in "-+0123456789")
-        + [(tag, pattern) for tag, pattern in resolvers if not tag.endswith((":timestamp", ":int", ":value"))]
+        + [(_CORE + "float", _FLOAT)] * (first in "-+.0123456789")
+        + [(tag, pattern) for tag, pattern in resolvers
+           if not tag.endswith((":timestamp", ":int", ":float", ":value"))]
         for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
 
 

@@ -817,8 +817,6 @@ REVIEWED = [
              "resources.collective_timeout_s", "less than or equal to 604800"),
     bad_file("reviewed", "tensorboard-dir-is-a-file", changed(tracking={"tensorboard": {"dir": "afile"}}),
              "tracking.tensorboard.dir", "afile is a file; TensorBoard needs a folder there", setup=_file("afile")),
-    bad_file("reviewed", "mlflow-uri-of-another-kind", changed(tracking={"mlflow": {
-        "tracking_uri": "ftp://me:secret@example.org"}}), "tracking.mlflow.tracking_uri", "got 'ftp://me:***@"),
     bad_file("reviewed", "k8s-memory", changed(launch={"k8s": {"memory": "lots"}}), "launch.k8s.memory",
              "expected a Kubernetes quantity such as 8Gi", args=()),
     bad_args("reviewed", "k8s-image-with-a-newline", ("submit", STUDY, "--k8s", "--image", "a b\nc: d"),
@@ -1006,6 +1004,8 @@ def test_integers_are_read_as_yaml_1_2_reads_them() -> None:
 
     assert load_yaml("a: [030, 010, -7, +7, 0o17, 0x1F, 1:30, 0b11, 1_000]", "x.yaml") == {
         "a": [30, 10, -7, 7, 15, 31, "1:30", "0b11", "1_000"]}
+    assert load_yaml("a: [1_000.5, 1:30.5, 2.5, .5, -1.5, 3., .inf]", "x.yaml") == {
+        "a": ["1_000.5", "1:30.5", 2.5, 0.5, -1.5, 3.0, float("inf")]}
 
 
 def test_a_fraction_in_exponent_notation_is_a_float() -> None:

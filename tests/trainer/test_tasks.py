@@ -141,3 +141,27 @@ def test_metrics_the_task_declares_but_its_evaluation_leaves_out_are_named() -> 
         with pytest.raises(ValueError, match=r"^task 'renamed': eval_metric_names declares accuracy, but "
                                              r"eval_metrics returned acc: return a sum per declared name$"):
             run(config, task)
+
+
+def test_task_arguments_are_checked_against_the_functions_annotations(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # `val_fraction: x` failed inside the task with "'<' not supported between 'float' and 'str'"; an argument is
+    # typed by its annotation (a default of 0 does not make `noise: float` an integer), and an unannotated one or
+    # one of a type the config does not know (a list) is the function's to check.
+    (tmp_path / "typed_tasks.py").write_text(textwrap.dedent("""
+        from __future__ import annotations
+        import torch
+        from torch import nn
+        from trainer.tasks import Task
+
+        def noisy(noise: float = 0, subset: str | None = "all", sizes: list[int] | None = None, free=3):
+            x, y = torch.zeros(8, 2), torch.zeros(8, dtype=torch.long)
+            return Task(name="noisy", train=(x, y), val=(x, y), build_model=lambda cfg: nn.Linear(2, 2))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for args in ({"noise": 0.3}, {"noise": "1e-3"}, {"subset": None}, {"sizes": [1, 2]}, {"free": "anything"}):
+        assert load_task("typed_tasks:noisy", args).name == "noisy"
+    with pytest.raises(TaskError, match=r"^task 'typed_tasks:noisy': task_args.noise: expected a number, got 'x'$"):
+        load_task("typed_tasks:noisy", {"noise": "x"})
+    with pytest.raises(TaskError, match=r"^task 'digits': task_args.val_fraction: expected a number, got 'x'$"):
+        load_task("digits", {"val_fraction": "x"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,16 +35,18 @@ def resolve_task_factory(name: str) -> Callable[..., Task]:
 def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     factory = resolve_task_factory(name)
     args = dict(args or {})
-    try:
-        parameters = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # a callable without a signature: the call says what is wrong
-        parameters = {}  # type: ignore[assignment]
-    for key, parameter in parameters.items():
-        default = parameter.default
-        if key in args and isinstance(default, (bool, int, float, str)):  # typed by its default, as model keys are
-            ok, args[key], message = coerce(args[key], type(default))
-            if not ok:
-                raise TaskError(f"task {name!r}: task_args.{key}: {message}")
+    try:  # an argument the function annotates is checked (and converted: `1e-3` read as text) as config keys are
+        hints = typing.get_type_hints(factory)
+    except Exception:  # noqa: BLE001 - no hints, or hints that cannot be resolved: the call says what is wrong
+        hints = {}
+    for key in sorted(args.keys() & hints.keys() - {"return"}):
+        try:
+            ok, coerced, message = coerce(args[key], hints[key])
+        except TypeError:  # an annotation the config's types do not cover (a list, a path): the function checks it
+            continue
+        if not ok:
+            raise TaskError(f"task {name!r}: task_args.{key}: {message}")
+        args[key] = coerced
     try:
         task = factory(**args)
     except TypeError as exc:  # an unknown task_args key
