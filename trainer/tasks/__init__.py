@@ -53,8 +53,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
         raise TaskError(f"task {name!r}: {exc}") from exc
     except TaskError:
         raise
-    except (ValueError, OSError) as exc:  # the factory, or the Task it made, refused its arguments or found no data
-        # (one line, named); any other exception is a bug in the task's code, whose traceback says where
+    except ValueError as exc:  # the factory, or the Task it made, refused its arguments (one line, named); an OSError
+        # (its data not found) keeps its type, and any other exception is a bug in the task, whose traceback says where
         first = (str(exc).strip().splitlines() or [""])[0]
         raise TaskError(f"{name} raised {type(exc).__name__}: {first}") from exc
     if not isinstance(task, Task):
