@@ -104,13 +104,18 @@ def test_tracking_off_imports_neither_library(tmp_path: Path) -> None:
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_a_tracking_folder_that_cannot_be_written_fails_no_trial_and_warns_once_per_trial(tmp_path: Path) -> None:
+def test_a_tracking_folder_that_is_a_file_is_refused_before_any_trial(tmp_path: Path) -> None:
+    # It used to run every trial with one warning each ("tensorboard tracking dropped for this trial"): a folder that
+    # can never be written is a mistake in the study file, refused as a checkpoint folder that cannot be made is.
+    # What fails while trials run is still one warning per trial ("Never fails a trial", README).
     pytest.importorskip("tensorboard")
     (tmp_path / "blocked").write_text("a file where the folder should be\n")
-    trials, stderr = tracked_study(tmp_path, {"tensorboard": {"dir": str(tmp_path / "blocked")}})
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
-    warned = re.findall(r"trial (\d+): tensorboard tracking dropped for this trial", stderr)
-    assert sorted(map(int, warned)) == [0, 1, 2], stderr
+    document = copy.deepcopy(TINY_STUDY) | {"tracking": {"tensorboard": {"dir": str(tmp_path / "blocked")}}}
+    done = sweep_cli("run", write_study(tmp_path, document))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith("tracking.tensorboard.dir: " + str(tmp_path / "blocked") + " is a file; "
+                                        "TensorBoard needs a folder there"), done.stderr
+    assert not (tmp_path / "tiny.db").exists()
 
 
 @pytest.mark.slow
