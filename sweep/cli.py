@@ -124,10 +124,11 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
                 what = "a file of the study's database"
             return f"-o: {output} is {what}; writing there would destroy the study: choose another file"
     folder = resolved.parent
+    shown = output.parent if output.parent.resolve() == folder else f"{folder} (where the link {output} points)"
     if not folder.is_dir():
-        return f"-o: the folder {output.parent} does not exist; create it first"
+        return f"-o: the folder {shown} does not exist; create it first"
     if not os.access(folder, os.W_OK | os.X_OK):
-        return f"-o: cannot write {output}: the folder {output.parent} is not writable"
+        return f"-o: cannot write {output}: the folder {shown} is not writable"
     if output.exists() and not os.access(output, os.W_OK):
         return f"-o: cannot write {output}: permission denied"
     return None
@@ -135,7 +136,17 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
 
 def _write_output(output: Path, text: str) -> None:
     """Write `-o FILE` whole or not at all: a temporary file beside it, then renamed over it (never a half-written
-    file, nor a temporary one left behind)."""
+    file, nor a temporary one left behind). Through a symbolic link, the file it points to is written (the link
+    stays a link); a FIFO or a device (`-o /dev/stdout`, `-o /dev/null`) is written to, never renamed over."""
+    if output.exists() and not output.is_file():
+        try:
+            with output.open("w") as handle:
+                handle.write(text)
+        except OSError as exc:
+            raise _fail(f"-o: cannot write {output}: {exc.strerror or exc}", 1) from None
+        return
+    if output.is_symlink():
+        output = output.resolve()
     tmp = output.with_name(output.name + ".tmp")
     try:
         tmp.write_text(text)

@@ -293,8 +293,10 @@ class Prepared:
     checkpointer: Any
 
 
-class TrainerTrial:
-    """One trial of the built-in trainer, from its params to its result; `release` hands its checkpoints back."""
+class TrialRun:
+    """What every runner of one trial holds (the built-in trainer's, a loop's, a command's): the trial, its study's
+    spec, where its events, storage calls and checkpoints go, its deadline and trackers; `release` hands its
+    checkpoints back to retention and closes its trackers once it has ended."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
                  checkpoints: CheckpointService | None, *, deadline: float | None = None,
@@ -303,7 +305,17 @@ class TrainerTrial:
         self.checkpointer: TrialCheckpointer | None = None
         self.deadline = None if deadline is None else Deadline(deadline)
         self.storage_url = storage_url
-        self.trackers: list[Guarded] = []  # none with tracking off
+        self.trackers: list[Guarded] = []  # TensorBoard, MLflow: none with tracking off
+
+    def release(self, result: TrialResult) -> None:
+        """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
+        if self.checkpoints is not None:
+            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
+        finish_trackers(self.trackers, result, self.checkpointer)
+
+
+class TrainerTrial(TrialRun):
+    """One trial of the built-in trainer, from its params to its result; `release` hands its checkpoints back."""
 
     def run(self) -> TrialResult:
         return self.train_prepared(self.prepare())
@@ -392,12 +404,6 @@ class TrainerTrial:
             return TrialResult(Outcome.FAILED, None,
                                {**attrs, ATTR_FAIL: f"diverged: {metric} is {value} at step {result.steps}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
-
-    def release(self, result: TrialResult) -> None:
-        """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
-        if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
-        finish_trackers(self.trackers, result, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: TrainingConfig, task: Task, *,
                warm_allowed: bool = True) -> Start:

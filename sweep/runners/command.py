@@ -46,7 +46,7 @@ from sweep.client import (
     ENV_TRIAL,
     whole_step,
 )
-from sweep.objective import Deadline, Start, TrialReporter, finish_trackers, trial_trackers
+from sweep.objective import Deadline, Start, TrialReporter, TrialRun, trial_trackers
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -64,17 +64,12 @@ from sweep.outcomes import (
 from sweep.runners.loop import save_path, user_start
 from sweep.schema import short_repr
 from sweep.signals import raise_pending
-from sweep.tracking import Guarded
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
 
 if TYPE_CHECKING:
-    import optuna
 
-    from sweep.checkpoints import CheckpointService, TrialCheckpointer
-    from sweep.progress import Events
-    from sweep.schema import StudySpec
-    from sweep.storage import Boundary
+    from sweep.checkpoints import TrialCheckpointer
 
 __all__ = ["CommandError", "CommandTrial", "command_line", "last_json_value"]
 
@@ -164,22 +159,8 @@ def _tail(log: Path, lines: int = 5) -> str:
         return ""
 
 
-class CommandTrial:
+class CommandTrial(TrialRun):
     """One trial of a user's command, from its params to its result."""
-
-    def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None, *, deadline: float | None = None,
-                 storage_url: str | None = None) -> None:
-        self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
-        self.storage_url = storage_url
-        self.trackers: list[Guarded] = []  # TensorBoard, MLflow: none with tracking off
-        self.deadline = None if deadline is None else Deadline(deadline)
-        self.checkpointer: TrialCheckpointer | None = None
-
-    def release(self, result: TrialResult) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
-        finish_trackers(self.trackers, result, self.checkpointer)
 
     def log_path(self) -> Path:
         folder = (self.checkpoints.store.folder if self.checkpoints is not None and self.checkpoints.store.artifacts

@@ -47,10 +47,9 @@ import torch
 from sweep.client import whole_step
 from sweep.confirm import warm_lineage
 from sweep.objective import (
-    Deadline,
     Start,
     TrialReporter,
-    finish_trackers,
+    TrialRun,
     metric_value,
     resume_lineage,
     trial_trackers,
@@ -73,7 +72,6 @@ from sweep.outcomes import (
     Outcome,
     TrialResult,
 )
-from sweep.tracking import Guarded
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
@@ -84,9 +82,7 @@ if TYPE_CHECKING:
     import optuna
 
     from sweep.checkpoints import CheckpointService, TrialCheckpointer
-    from sweep.progress import Events
     from sweep.schema import StudySpec
-    from sweep.storage import Boundary
 
 __all__ = ["LoopError", "LoopTrial", "Run", "StopTrial", "load_loop", "loop_value", "save_path", "user_start"]
 
@@ -245,17 +241,8 @@ def call_loop(function: Callable[..., Any], config: dict[str, Any], run: Run) ->
         raise LoopExit(f"the loop called sys.exit({exc.code!r}){hint}") from exc
 
 
-class LoopTrial:
+class LoopTrial(TrialRun):
     """One trial of a user's loop function, from its params to its result; `release` hands its checkpoints back."""
-
-    def __init__(self, trial: optuna.Trial, spec: StudySpec, events: Events, boundary: Boundary,
-                 checkpoints: CheckpointService | None, *, deadline: float | None = None,
-                 storage_url: str | None = None) -> None:
-        self.trial, self.spec, self.events, self.boundary, self.checkpoints = trial, spec, events, boundary, checkpoints
-        self.storage_url = storage_url
-        self.trackers: list[Guarded] = []  # TensorBoard, MLflow: none with tracking off
-        self.checkpointer: TrialCheckpointer | None = None
-        self.deadline = None if deadline is None else Deadline(deadline)
 
     def run(self) -> TrialResult:
         trial, spec = self.trial, self.spec
@@ -304,11 +291,6 @@ class LoopTrial:
             return TrialResult(Outcome.FAILED, None,
                                {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {run.step}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
-
-    def release(self, result: TrialResult) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
-        finish_trackers(self.trackers, result, self.checkpointer)
 
     def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> Start:
         start, self.checkpointer = user_start(self.trial, self.spec, self.checkpoints, params, config)

@@ -464,3 +464,35 @@ def test_an_output_in_a_folder_that_is_not_writable_is_one_line_and_nothing_is_w
     assert done.stderr.strip().splitlines() == [f"error: -o: cannot write {folder / 'out'}: the folder {folder} is "
                                                 "not writable"]
     assert list(folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["best", "report"])
+def test_an_output_that_is_a_fifo_or_a_link_is_written_through_never_replaced(tmp_path: Path, command: str) -> None:
+    """`-o /dev/stdout`, `-o /dev/null` or a FIFO is written to, and a link's target is written (the link stays):
+    renaming a temporary file over them replaced them (run as root, `-o /dev/null` replaced the machine's
+    /dev/null with a regular file)."""
+    import os
+    import stat
+    import threading
+
+    write_study(tmp_path, TINY_STUDY)
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()  # a FIFO's writer waits for a reader: this one reads until the writer closes it
+    done = sweep_cli(command, "study.yaml", "-o", fifo, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_ISFIFO(fifo.lstat().st_mode), "the FIFO was replaced by a file"
+    reader.join(timeout=120)
+    assert received and received[0].strip(), "nothing came through the FIFO"
+
+    target = tmp_path / "kept" / "out.txt"
+    target.parent.mkdir()
+    link = tmp_path / "latest"
+    link.symlink_to(target)
+    done = sweep_cli(command, "study.yaml", "-o", link, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and target.read_bytes()[:60] == received[0][:60]  # (best's header names its path)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.txt"]  # no temporary file left beside it
