@@ -46,10 +46,29 @@ def _load(path: Path) -> dict[str, Any]:
     """The config file's values, read by the rules of a study file (`trainer.yaml_file`): a regular file of at most
     1 MiB of UTF-8 text, one YAML document of plain values, no duplicate keys, no alias bomb."""
     text = read_text(path, "config file")
-    data = json.loads(text) if path.suffix == ".json" else load_yaml(text, path, what="config file")
+    data = _load_json(text) if path.suffix == ".json" else load_yaml(text, path, what="config file")
     if not isinstance(data, dict):
         raise ValueError("expected a mapping of TrainingConfig keys at the top level")
     return data
+
+
+def _load_json(text: str) -> Any:
+    """JSON by the same rules as YAML here: a key given twice is refused (json would keep the last silently), and
+    nesting too deep to read is one error, not a RecursionError."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}; each key may appear once")
+            seen[key] = value
+        return seen
+
+    try:
+        return json.loads(text, object_pairs_hook=unique)
+    except RecursionError:
+        raise ValueError("invalid JSON: nested too deeply; expected a mapping of TrainingConfig keys") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -69,6 +88,19 @@ def _number(raw: str) -> Any:
         except ValueError:
             pass
     return raw
+
+
+def _check_model(config: TrainingConfig) -> None:
+    """A built-in task's model values that its builder refuses (`model.hidden: 0`, `model.activation: foo`), found
+    before training by building the model on the meta device, as `sweep run` checks a study's (`ConfigError`). A
+    user's task is not built here: its builder may do anything, and it meets its errors when it trains."""
+    from trainer.tasks import BUILTIN_TASKS, load_task
+
+    if config.task not in BUILTIN_TASKS:
+        return
+    problems = load_task(config.task, config.task_args).build_problems(config.model)
+    if problems:
+        raise ConfigError(problems)
 
 
 class _NotMain(Exception):
@@ -113,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             values = _load(path)
             values.update(overrides)
-            configs.append(TrainingConfig.from_dict(values))
+            config = TrainingConfig.from_dict(values)
+            _check_model(config)
+            configs.append(config)
         except (ConfigError, YamlFileError) as exc:
             for key, message in exc.problems:
                 print(f"{path}: {key}: {message}" if key else f"{path}: {message}", file=sys.stderr)

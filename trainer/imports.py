@@ -22,6 +22,10 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
         hint = ("; a module of your own must be importable: put it next to the study file (or the config file), "
                 "or install it, or add its folder to PYTHONPATH") if isinstance(exc, ModuleNotFoundError) else ""
         raise error(f"cannot import {what} module {module_name!r}: {exc}{hint}") from exc
+    except (Exception, SystemExit) as exc:  # the module's own code failed as it ran (SyntaxError, a raise, exit())
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise error(f"cannot import {what} module {module_name!r}: importing it raised {type(exc).__name__}: "
+                    f"{detail}") from exc
     function = getattr(module, attr, None)
     if not callable(function):
         raise error(f"{what} {path!r}: module {module_name!r} has no function {attr!r}")

@@ -496,3 +496,18 @@ def test_an_output_that_is_a_fifo_or_a_link_is_written_through_never_replaced(tm
     assert done.returncode == 0, done.stderr
     assert link.is_symlink() and target.read_bytes()[:60] == received[0][:60]  # (best's header names its path)
     assert sorted(p.name for p in target.parent.iterdir()) == ["out.txt"]  # no temporary file left beside it
+
+
+@pytest.mark.parametrize("module", ['raise RuntimeError("boom at import")\n', "import sys\nsys.exit(3)\n"],
+                         ids=["raises", "exits"])
+def test_a_task_module_that_fails_at_import_is_refused_in_one_line_creating_nothing(tmp_path: Path,
+                                                                                     module: str) -> None:
+    name = f"broken_task_{'raises' if 'raise' in module else 'exits'}"
+    (tmp_path / f"{name}.py").write_text(module)
+    write_study(tmp_path, {**TINY_STUDY, "task": f"{name}:task"})
+    done = sweep_cli("run", "study.yaml", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    raised = "RuntimeError: boom at import" if "raise" in module else "SystemExit: 3"
+    assert line == f"error: study.yaml: task: cannot import task module '{name}': importing it raised {raised}", line
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [f"{name}.py", "study.yaml"]

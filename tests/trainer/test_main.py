@@ -117,8 +117,8 @@ def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path: Path,
 
 
 def test_a_model_too_large_to_allocate_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = tmp_path / "c.yaml"  # 25.6 TB of weights: the allocator refuses at once
-    config.write_text("task: digits\nmax_steps: 4\ndevice: cpu\nmodel: {hidden: 100000000000}\n")
+    config = tmp_path / "c.yaml"  # 16 TB of weights: the allocator refuses at once
+    config.write_text("task: digits\nmax_steps: 4\ndevice: cpu\nmodel: {hidden: 2000000}\n")
     assert main([str(config)]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{config}: out of memory: "), lines
@@ -132,3 +132,62 @@ def test_a_set_without_a_key_is_one_line_naming_the_option(tmp_path: Path, item:
     config.write_text("task: digits\nmax_steps: 4\n")
     assert main([str(config), "--set", item]) == 2
     assert capsys.readouterr().err.splitlines() == [f"--set: expected key=value, got {item!r}"]
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ("model: {hidden: 0}\n", "model.hidden: task 'digits' cannot build its model: model.hidden must be >= 1"),
+    ("model: {activation: foo}\n", "model.activation: task 'digits' cannot build its model: model.activation must be "
+                                   "one of"),
+    ("task: charlm\nmodel: {d_model: 30, n_heads: 4}\n", "model.d_model: task 'charlm' cannot build its model: "
+                                                         "model.d_model must be divisible by model.n_heads"),
+], ids=["hidden-0", "activation", "heads"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_model_value_the_builder_refuses_is_one_line_before_training(
+        tmp_path: Path, text: str, line: str, batched: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `sweep run` refuses in a study's `model` values, the trainer alone refuses the same way (it raised the
+    builder's ValueError as a traceback)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("max_steps: 4\n" + text)
+    good = tmp_path / "good.yaml"
+    good.write_text("task: digits\nmax_steps: 4\n")
+    assert main([str(good), str(config), "--batched"] if batched else [str(config)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: {line}"), lines
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('{"task": "digits", "max_steps": 4, "max_steps": 7}', "duplicate key 'max_steps'; each key may appear once"),
+    ('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid JSON: nested too deeply"),
+    ('{"max_steps": 4,}', "invalid JSON: line 1, column 17"),
+], ids=["duplicate-key", "deep", "trailing-comma"])
+def test_a_json_config_is_read_as_strictly_as_yaml(tmp_path: Path, text: str, fragment: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.json"
+    config.write_text(text)
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: ") and fragment in lines[0], lines
+
+
+@pytest.mark.parametrize(("module", "raised"), [
+    ('raise RuntimeError("boom at import")\n', "RuntimeError: boom at import"),
+    ("def task(:\n", "SyntaxError: invalid syntax"),
+    ("import sys\nsys.exit(3)\n", "SystemExit: 3"),
+], ids=["raises", "syntax", "exits"])
+@pytest.mark.parametrize("key", ["task", "curriculum.schedule"])
+def test_a_user_module_that_fails_at_import_is_one_line(tmp_path: Path, module: str, raised: str, key: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A task or schedule module whose own code fails as it is imported: one line naming the key and what it
+    raised (it was a traceback; `sys.exit` at import ended the process silently)."""
+    name = f"broken_{abs(hash((module, key))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(module)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"task: {name}:task\nmax_steps: 4\n" if key == "task"
+                      else f"max_steps: 4\ncurriculum: {{schedule: '{name}:pace'}}\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    what = "task" if key == "task" else "schedule"
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: "), lines
+    assert f"cannot import {what} module '{name}': importing it raised {raised}" in lines[0], lines
