@@ -126,6 +126,9 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
     folder = resolved.parent
     shown = output.parent if output.parent.resolve() == folder else f"{folder} (where the link {output} points)"
     if not folder.is_dir():
+        above = next((p for p in [folder, *folder.parents] if p.exists()), None)
+        if above is not None and not above.is_dir():
+            return f"-o: {above} is a file, not a folder; expected a file to write in a folder"
         return f"-o: the folder {shown} does not exist; create it first"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"-o: cannot write {output}: the folder {shown} is not writable"
@@ -147,13 +150,17 @@ def _write_output(output: Path, text: str) -> None:
         return
     if output.is_symlink():
         output = output.resolve()
-    tmp = output.with_name(output.name + ".tmp")
-    try:
-        tmp.write_text(text)
+    tmp: Path | None = None
+    try:  # a name of its own, so that a file of the user's beside it (out.yaml.tmp) is never written over
+        tmp = output.with_name(f".{output.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
         tmp.replace(output)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         raise _fail(f"-o: cannot write {output}: {exc.strerror or exc}", 1) from None
 
 
@@ -545,11 +552,30 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
     from sweep.storage import load_existing_study
 
     try:
-        return load_existing_study(url, name), url
+        study = load_existing_study(url, name)
     except KeyError as exc:
         raise _fail(str(exc.args[0]) if exc.args else f"study {name!r} not found in {mask_url(url)}", 1) from None
     except Exception as exc:  # noqa: BLE001 - as in `run`: one line, without the password
         raise _storage_failure(url, exc) from None
+    if output is not None and (problem := _store_output_problem(output, study, url)):
+        raise _fail(problem, 2)
+    return study, url
+
+
+def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
+    """`-o` inside the study's checkpoint store (known once the study is open): writing there would replace a
+    checkpoint, or leave a file the store's check reports."""
+    from sweep.blobs import is_object_url
+    from sweep.reconcile import store_location
+
+    store = store_location(study, url)
+    if is_object_url(store):
+        return None
+    folder = Path(store).resolve()
+    if folder == output.resolve() or folder in output.resolve().parents:
+        return f"-o: {output} is inside the study's checkpoint store {store}; writing there would damage the " \
+               "study: choose another file"
+    return None
 
 
 def _storage_failure(url: str, exc: Exception) -> typer.Exit:

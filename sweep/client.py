@@ -66,10 +66,10 @@ def report(step: int, metrics: Mapping[str, float] | None = None, /, **values: f
     global _stopped, _last
     if _stopped:
         return True
+    reported = {str(k): _number(v) for k, v in {**(metrics or {}), **values}.items()}  # checked outside a study too
     connection = _connect()
     if connection is None:
         return False
-    reported = {str(k): _number(v) for k, v in {**(metrics or {}), **values}.items()}
     step = whole_step(step)
     _last = (step, reported)
     message = {"step": step, "metrics": reported}
@@ -152,7 +152,10 @@ def whole_step(step: Any) -> int:
 
 
 def _number(value: Any) -> float | str:
-    """A float for JSON; NaN and the infinities as strings (JSON has none), which the worker reads back."""
+    """A float for JSON; NaN and the infinities as strings (JSON has none), which the worker reads back. A bool or a
+    string is refused, as the loop's reports refuse them (float() takes both: a comparison's True would be 1.0)."""
+    if isinstance(value, (bool, str, bytes)) or type(value).__name__ == "bool_":
+        raise TypeError(f"sweep.client.report: expected a number, got {type(value).__name__} ({value!r})")
     number = float(value)
     return number if math.isfinite(number) else str(number)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,10 +43,19 @@ class PrintReporter:
         return False
 
 
+# The first line `sweep best` writes for a study of the user's own loop or command (sweep.cli.best): its keys may all be
+# TrainingConfig keys (learning_rate, max_steps), and training them here would train the built-in model instead.
+_USER_CONFIG = re.compile(r"\A\ufeff?# best trial of study .*: its config[,;] ")
+
+
 def _load(path: Path) -> dict[str, Any]:
     """The config file's values, read by the rules of a study file (`trainer.yaml_file`): a regular file of at most
     1 MiB of UTF-8 text, one YAML document of plain values, no duplicate keys, no alias bomb."""
     text = read_text(path, "config file")
+    if _USER_CONFIG.match(text):
+        raise ValueError("this is the config of a `loop:` or `command:` study's trial, as `sweep best` writes it; "
+                         "python -m trainer trains the built-in trainer's configs only: give it to your own code, "
+                         "or train the trial again with `sweep reproduce STUDY TRIAL`")
     data = _load_json(text) if path.suffix == ".json" else load_yaml(text, path, what="config file")
     if not isinstance(data, dict):
         raise ValueError("expected a mapping of TrainingConfig keys at the top level")

@@ -247,6 +247,10 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
             return (f"module {name or 'model'} is {type(module).__name__}: its running statistics are updated in "
                     "place in training mode, which vmap cannot batch")
+        if isinstance(module, nn.modules.conv._ConvNd):  # noqa: SLF001
+            return (f"module {name or 'model'} is {type(module).__name__}: vmap batches a convolution by folding "
+                    "the members into its groups, which sums in another order than the model alone (its values "
+                    "would drift from the trial's own)")
     for name, param in model.named_parameters():
         if not param.requires_grad:
             return f"parameter {name} is frozen (requires_grad=False), and the cohort's optimizer trains every one"

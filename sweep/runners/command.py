@@ -145,10 +145,8 @@ def last_json_value(log: Path, metric: str) -> float | None:
         except ValueError:
             continue
         if isinstance(found, dict) and metric in found:
-            try:
-                return float(found[metric])
-            except (TypeError, ValueError):
-                return None
+            value = found[metric]  # a number; JSON's true, "0.42" or null is not one
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return None
 
 

@@ -207,9 +207,13 @@ def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     out = {}
     for key, value in metrics.items():
         try:
-            out[str(key)] = float(value.item() if isinstance(value, torch.Tensor) else value)
+            raw = value.item() if isinstance(value, torch.Tensor) else value
+            if isinstance(raw, (bool, np.bool_, str, bytes)):  # float() takes them: a comparison's True would be 1.0
+                raise TypeError
+            out[str(key)] = float(raw)
         except (TypeError, ValueError, RuntimeError):
-            raise LoopError(f"metric {key!r}: expected a number, got {type(value).__name__}") from None
+            raise LoopError(f"metric {key!r}: expected a number, got {type(value).__name__}"
+                            + (f" ({value!r})" if isinstance(value, (bool, np.bool_, str)) else "")) from None
     return out
 
 

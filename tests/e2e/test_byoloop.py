@@ -121,6 +121,10 @@ def test_a_user_loop_trains_reports_checkpoints_and_reproduces(tmp_path: Path) -
     assert "myproj.train:main(config, run)" in written.splitlines()[0]
     winner = min(trials, key=lambda t: t.value if t.value is not None else math.inf)
     assert yaml.safe_load(written) == winner.user_attrs["config"]
+    # Its keys are TrainingConfig keys too: `python -m trainer` would train the built-in model with them, silently.
+    from trainer.__main__ import main as trainer_main
+
+    assert trainer_main([str(tmp_path / "best.yaml")]) == 2
 
 
 def test_reproduce_refuses_a_loop_only_the_database_names(tmp_path: Path) -> None:
@@ -298,8 +302,11 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
         "    steps = {'fraction': 2.7, 'nan': float('nan'), 'negative': -1, 'text': '3'}\n"
         "    if mode in steps:\n"
         "        run.report(steps[mode], val_loss=0.5)\n"
+        "    if mode in ('reports-bool', 'reports-text'):\n"
+        "        run.report(1, val_loss=0.9)\n"
+        "        run.report(2, val_loss=config['max_steps'] > 0 if mode == 'reports-bool' else '0.42')\n"
         "    return {'bool': True, 'list': [0.1]}.get(mode)\n")
-    modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list"]
+    modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list", "reports-bool", "reports-text"]
     path = write_study(tmp_path, {"name": "odd", "n_trials": len(modes), "loop": "odd:main", "sampler": "bruteforce",
                                   "max_repeated_failures": 0, "fixed": {"max_steps": 30},
                                   "space": {"mode": {"type": "categorical", "choices": modes}}})
@@ -314,6 +321,9 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
     assert reasons["bool"] == "the loop reported no 'val_loss' and returned a bool (True), not a number"
     assert reasons["list"] == "the loop reported no 'val_loss' and returned a list ([0.1]), not a number"
     assert reasons["unordered"]["rule"] == "plateau" and reasons["unordered"]["best_step"] == 10
+    # A reported bool (a comparison by mistake) or string was float()ed: True completed the trial with 1.0.
+    assert reasons["reports-bool"] == "LoopError: metric 'val_loss': expected a number, got bool (True)"
+    assert reasons["reports-text"] == "LoopError: metric 'val_loss': expected a number, got str ('0.42')"
 
 
 def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_and_reproduce(tmp_path: Path) -> None:

@@ -511,3 +511,32 @@ def test_a_task_module_that_fails_at_import_is_refused_in_one_line_creating_noth
     raised = "RuntimeError: boom at import" if "raise" in module else "SystemExit: 3"
     assert line == f"error: study.yaml: task: cannot import task module '{name}': importing it raised {raised}", line
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [f"{name}.py", "study.yaml"]
+
+
+def test_an_output_in_the_checkpoint_store_or_under_a_file_is_refused_and_a_users_tmp_file_is_kept(
+        tmp_path: Path) -> None:
+    """`-o` onto a checkpoint blob replaced it (`sweep check` then found it corrupt); `-o f/r.html` with `f` a file
+    said the folder did not exist; `-o best.yaml` wrote over, then removed, the user's `best.yaml.tmp`."""
+    write_study(tmp_path, TINY_STUDY)
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    blob = next((tmp_path / "tiny.checkpoints" / "tiny").glob("*.pt"))
+    before = blob.read_bytes()
+    for command in ("best", "report"):
+        done = sweep_cli(command, "study.yaml", "-o", blob, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(f"error: -o: {blob} is inside the study's checkpoint store "), line
+    assert blob.read_bytes() == before
+    assert sweep_cli("check", "study.yaml", cwd=tmp_path).returncode == 0
+
+    (tmp_path / "f").write_text("a file\n")
+    done = sweep_cli("report", "study.yaml", "-o", "f/r.html", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"error: -o: {tmp_path / 'f'} is a file, not a folder; expected a "
+                                                "file to write in a folder"]
+
+    (tmp_path / "best.yaml.tmp").write_text("my notes\n")
+    assert sweep_cli("best", "study.yaml", "-o", "best.yaml", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "best.yaml.tmp").read_text() == "my notes\n"
+    assert (tmp_path / "best.yaml").read_text().startswith("# best trial of study 'tiny'")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".best.yaml")]  # no temporary file left

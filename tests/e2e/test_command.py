@@ -159,6 +159,13 @@ def test_a_script_reads_its_arguments_and_reports_through_the_client(tmp_path: P
     header = (tmp_path / "best.yaml").read_text().splitlines()[1]
     winner = min(trials_of(path), key=lambda t: t.value or math.inf)
     assert header == f"#   {sys.executable} train.py --lr {winner.params['learning_rate']} --hidden 8"
+    refused = subprocess.run([sys.executable, "-m", "trainer", str(tmp_path / "best.yaml")], capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert refused.stderr.strip().splitlines() == [
+        f"{tmp_path / 'best.yaml'}: this is the config of a `loop:` or `command:` study's trial, as `sweep best` "
+        "writes it; python -m trainer trains the built-in trainer's configs only: give it to your own code, or "
+        "train the trial again with `sweep reproduce STUDY TRIAL`"]
 
     # Reproduce runs the same command line again and compares every reported value.
     again = sweep_cli("reproduce", path, str(winner.number), cwd=tmp_path)
@@ -306,3 +313,15 @@ def test_commands_report_the_same_with_postgresql_storage(tmp_path: Path, postgr
     (trial,) = trials_of(path, "cmd_pg", storage=postgres_url)
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2, 3, 4]
     assert Path(trial.user_attrs["log"]).is_relative_to(tmp_path / "store")
+
+
+@pytest.mark.parametrize("last", ["true", '"0.42"'])
+def test_a_json_line_whose_metric_is_no_number_is_not_the_trials_value(tmp_path: Path, last: str) -> None:
+    """A script's last JSON line holding the metric as `true` or a string: float() took them (true completed the
+    trial with 1.0); they are no number, as null is not."""
+    script = f"print('{{\"val_loss\": 0.9}}')\nprint('{{\"val_loss\": {last}}}')\n"
+    path = command_study(tmp_path, script, "train.py", n_trials=1)
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    [trial] = trials_of(path)
+    assert trial.state.name == "FAIL" and "reported no 'val_loss'" in trial.user_attrs["fail_reason"]
