@@ -120,6 +120,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                                             key.split(".")[1])):
             problems.append((where, message))
             continue
+        if key.count(".") == 1 and key.startswith("task_args.") and isinstance(param, FloatParam) \
+                and _task_arg_type(spec.task.name, key.split(".")[1]) is int:
+            problems.append((f"{where}.type", f"{key} takes integers (the task's function says `int`); use type: int"))
+            continue
         if key.count(".") == 1 and key.startswith("task_args."):  # each end of its range builds the task, as fixed
             ends = ([("low", param.low), ("high", param.high)] if not isinstance(param, CategoricalParam)
                     else [(f"choices[{i}]", c) for i, c in enumerate(param.choices)])
@@ -334,6 +338,17 @@ def _expected_type(key: str, task: Task) -> type | None:
         break
     options = typing.get_args(hint) or (hint,)
     return int if int in options else None
+
+
+def _task_arg_type(task_name: str, arg: str) -> type | None:
+    """int when the task's function annotates `arg` as an integer (a float range for it would fail every trial that
+    draws a fraction), else None."""
+    try:
+        hint = typing.get_type_hints(resolve_task_factory(task_name)).get(arg)
+    except Exception:  # noqa: BLE001 - no hints, or hints that cannot be resolved: the task's call says what is wrong
+        return None
+    options = typing.get_args(hint) or (hint,)
+    return int if int in options and float not in options else None
 
 
 def _unique(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -153,3 +153,22 @@ def test_a_searched_batch_size_whose_choices_split_evenly_is_taken_with_several_
                        space={"batch_size": {"type": "categorical", "choices": [48, 96]}})
     spec, _ = load_spec(write_study(tmp_path, document))
     assert spec.resources.devices_per_trial == 3
+
+
+def test_a_float_range_over_a_task_argument_annotated_int_is_refused_before_any_trial(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`task_args.n_val: {type: float, low: 100, high: 300}` for `def picky(n_val: int = 300)`: its ends are whole
+    numbers, so building the task with them passed, and every trial then failed on a drawn fraction."""
+    (tmp_path / "picky_tasks.py").write_text(
+        "import torch\nfrom torch import nn\nfrom trainer.tasks import Task\n\n"
+        "def picky(n_val: int = 300, scale: float = 1.0):\n"
+        "    x, y = torch.zeros(64, 2), torch.zeros(64, dtype=torch.long)\n"
+        "    return Task(name='picky', train=(x, y), val=(x, y), build_model=lambda cfg: nn.Linear(2, 2))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    space = {"task_args.n_val": {"type": "float", "low": 100, "high": 300},
+             "task_args.scale": {"type": "float", "low": 0.5, "high": 2}}  # a float for a float: fine
+    path = write_study(tmp_path, changed(task="picky_tasks:picky", space=space))
+    with pytest.raises(StudyFileError) as info:
+        load_spec(path)
+    assert info.value.problems == [("space.task_args.n_val.type", "task_args.n_val takes integers (the task's "
+                                                                   "function says `int`); use type: int")]
