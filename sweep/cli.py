@@ -835,6 +835,8 @@ def dashboard(
     except ImportError:
         raise _fail("optuna-dashboard is not installed: pip install 'sweep[dashboard]'", 1) from None
     study, url = _open_with_url(target, storage, study_name, "dashboard")
+    if problem := _bind_problem(host, port):
+        raise _fail(problem, 2)
     _warn_if_exposed(host, "read and edit the study")
     from sweep.outcomes import SPEC_ATTR
     from sweep.reconcile import store_location
@@ -846,7 +848,10 @@ def dashboard(
     artifacts = dashboard_artifact_store(study, (spec.checkpoints.store if spec is not None else None)
                                          or store_location(study, url))
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
-    optuna_dashboard.run_server(url, host=host, port=port, artifact_store=artifacts)
+    try:
+        optuna_dashboard.run_server(url, host=host, port=port, artifact_store=artifacts)
+    except OSError as exc:  # taken between the check and the server's bind
+        raise _fail(f"--host/--port: cannot serve on {host}:{port}: {exc.strerror or exc}", 1) from None
 
 
 @app.command()
@@ -872,14 +877,45 @@ def tensorboard(
     if not folder.is_dir():
         raise _fail(f"no TensorBoard runs for study {study.study_name!r} in {folder}: its trials write them with "
                     "tracking: {tensorboard: true} in the study file", 2)
+    if problem := _bind_problem(host, port):
+        raise _fail(problem, 2)
     _warn_if_exposed(host, "read the study's curves")
     board = program.TensorBoard()
     board.configure(argv=[None, "--logdir", str(folder), "--host", host, "--port", str(port)])
-    served = board.launch()  # serves from a thread of its own; this one waits for Ctrl-C
+    try:
+        served = board.launch()  # serves from a thread of its own; this one waits for Ctrl-C
+    except (OSError, program.TensorBoardServerException) as exc:  # taken between the check and the server's bind
+        message = getattr(exc, "msg", None) or getattr(exc, "strerror", None) or str(exc)
+        raise _fail(f"--host/--port: cannot serve on {host}:{port}: {message}", 1) from None
     err.print(f"TensorBoard on {served} for study {study.study_name!r} ({folder}; Ctrl-C to stop)")
     with contextlib.suppress(KeyboardInterrupt):
         while True:
             time.sleep(3600)
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on `host:port`, before it starts (its own error is a long traceback): a name
+    that does not resolve, an address that is not this machine's, a port in use. None when a socket binds there."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"--host: cannot resolve {host!r}: {getattr(exc, 'strerror', None) or exc}; expected an address or " \
+               "a name of this machine (127.0.0.1 by default)"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a port in TIME_WAIT is free
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"--port: {port} is in use on {host}; choose another port"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"--host: {host} is not an address of this machine; expected one of its own (127.0.0.1 by " \
+                       "default)"
+            return f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def _warn_if_exposed(host: str, what: str) -> None:

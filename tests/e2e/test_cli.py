@@ -540,3 +540,26 @@ def test_an_output_in_the_checkpoint_store_or_under_a_file_is_refused_and_a_user
     assert (tmp_path / "best.yaml.tmp").read_text() == "my notes\n"
     assert (tmp_path / "best.yaml").read_text().startswith("# best trial of study 'tiny'")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".best.yaml")]  # no temporary file left
+
+
+@pytest.mark.parametrize("command", ["dashboard", "tensorboard"])
+def test_a_server_that_cannot_listen_is_one_line_before_it_starts(tmp_path: Path, command: str) -> None:
+    """A port in use or a host that is not this machine's: one line naming the option (both servers' own errors were
+    60-line tracebacks)."""
+    import socket
+
+    pytest.importorskip("optuna_dashboard" if command == "dashboard" else "tensorboard")
+    document = {**TINY_STUDY, "n_trials": 1, "tracking": {"tensorboard": True}}
+    write_study(tmp_path, document)
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = sweep_cli(command, "study.yaml", "--port", str(port), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: --port: {port} is in use on 127.0.0.1; choose another port"]
+    done = sweep_cli(command, "study.yaml", "--host", "no such host!", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: --host: cannot resolve 'no such host!': "), line
