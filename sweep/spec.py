@@ -302,7 +302,7 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
 
     store = spec.checkpoints.store
     if store is not None and "://" in store:
-        return []
+        return [("checkpoints.store", problem)] if (problem := _object_store_client_problem(store)) else []
     folder = Path(store).expanduser() if store is not None else default_store(storage_url)
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
     if problem := long_name_problem(folder / spec.name):
@@ -321,6 +321,26 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
                 return [(which, f"cannot create folders in {path}: {exc.strerror or exc}")]
             return []
     return []
+
+
+_OBJECT_STORE_CLIENTS = {"s3": ("boto3", "boto3", "'sweep[s3]'"),
+                         "gs": ("google.cloud.storage", "google-cloud-storage", "'sweep[gs]'")}
+
+
+def _object_store_client_problem(store: str) -> str | None:
+    """An object store whose client library is not installed (Optuna's artifact store imports it when the first
+    trial starts, with a traceback), before anything is created; the store itself is not contacted."""
+    import importlib.util
+
+    scheme = store.partition("://")[0]
+    if scheme not in _OBJECT_STORE_CLIENTS:
+        return None
+    module, package, extra = _OBJECT_STORE_CLIENTS[scheme]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package (google, google.cloud) missing
+        found = False
+    return None if found else f"{scheme}:// needs {package}, which is not installed: pip install {extra}"
 
 
 def _expected_type(key: str, task: Task) -> type | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sweep.spec import StudyFileError, load_spec
-from tests.conftest import TINY_STUDY, changed, run_cli, write_study
+from tests.conftest import TINY_STUDY, changed, run_cli, sweep_cli, write_study
 
 LR = "learning_rate"
 BAD_FILES = [
@@ -172,3 +172,25 @@ def test_a_float_range_over_a_task_argument_annotated_int_is_refused_before_any_
         load_spec(path)
     assert info.value.problems == [("space.task_args.n_val.type", "task_args.n_val takes integers (the task's "
                                                                    "function says `int`); use type: int")]
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(_installed("google.cloud.storage"), reason="google-cloud-storage is installed here")
+def test_an_object_store_whose_client_is_not_installed_is_refused_creating_nothing(tmp_path: Path) -> None:
+    """`gs://` without google-cloud-storage: Optuna's artifact store raised its ImportError as a traceback when the
+    first trial started, after the study was created."""
+    path = write_study(tmp_path, changed(checkpoints={"store": "gs://bucket/prefix"}))
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: {path}: checkpoints.store: gs:// needs google-cloud-storage, which is not installed: "
+        "pip install 'sweep[gs]'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
