@@ -295,15 +295,16 @@ def _sbatch_line(value: str) -> str:
 class SlurmSpec(_Model):
     """`launch.slurm`: how `sweep submit --slurm` asks Slurm for the workers (see sweep.launch.slurm)."""
 
-    workers: StrictInt = Field(1, ge=1)  # array tasks, one `sweep run` worker each (G with gpus_per_task: G)
+    # Array tasks, one `sweep run` worker each (G with gpus_per_task: G); Slurm's MaxArraySize is at most 4000001.
+    workers: StrictInt = Field(1, ge=1, le=4_000_000)
     partition: SlurmName | None = None
     time: SlurmTime | None = None
     account: SlurmName | None = None
     qos: SlurmName | None = None
     mem: SlurmMem | None = None
-    cpus_per_task: StrictInt | None = Field(None, ge=1)
-    gpus_per_task: StrictInt = Field(0, ge=0)  # G GPUs per array task, one worker pinned to each
-    warning_s: StrictInt = Field(120, ge=1)  # Slurm's warning this many seconds before the time limit
+    cpus_per_task: StrictInt | None = Field(None, ge=1, le=1_000_000)
+    gpus_per_task: StrictInt = Field(0, ge=0, le=1024)  # G GPUs per array task, one worker pinned to each
+    warning_s: StrictInt = Field(120, ge=1, le=65535)  # Slurm's warning this many s before the time limit (at most)
     log_dir: StrictStr | None = None  # default NAME.slurm next to the study file; on a path every node sees
     sbatch: list[Annotated[StrictStr, AfterValidator(_sbatch_line)]] = []  # extra `#SBATCH` options, one each
 
@@ -311,14 +312,14 @@ class SlurmSpec(_Model):
 class K8sSpec(_Model):
     """`launch.k8s`: the Indexed Job manifest of `sweep submit --k8s` (see sweep.launch.k8s)."""
 
-    workers: StrictInt = Field(1, ge=1)
+    workers: StrictInt = Field(1, ge=1, le=100_000)  # an Indexed Job's completions: at most 10^5
     image: K8sImage | None = None  # an image with sweep installed; required, here or with --image
     namespace: K8sNamespace | None = None
     secret: K8sSecretName = "sweep-storage"  # the Secret whose key `url` holds the storage URL
-    gpus_per_worker: StrictInt = Field(0, ge=0)
+    gpus_per_worker: StrictInt = Field(0, ge=0, le=1024)
     cpus_per_worker: Number | None = Field(None, gt=0)
     memory: K8sQuantity | None = None  # a Kubernetes quantity such as 8Gi
-    grace_period_s: StrictInt = Field(120, ge=1)  # from SIGTERM to SIGKILL when a pod is evicted or preempted
+    grace_period_s: StrictInt = Field(120, ge=1, le=604_800)  # SIGTERM to SIGKILL when a pod is evicted or preempted
 
 
 class LaunchSpec(_Model):

@@ -157,6 +157,14 @@ class _Fatal(Exception):
     """A problem after which reading further is pointless or unbounded (a bomb, a loop, a deep nest)."""
 
 
+def _implicit_kind(plain: str) -> str | None:
+    """What YAML makes of a plain (unquoted) scalar other than a string: `off` and `yes` a boolean (YAML 1.1's words,
+    which PyYAML keeps), `1.5` a number, `~` null; None for a string."""
+    tag = _LOADER.resolve(_LOADER, yaml.ScalarNode, plain, (True, False))
+    kinds = {"bool": "a boolean", "int": "a number", "float": "a number", "null": "null", "timestamp": "a date"}
+    return kinds.get(tag.rpartition(":")[2], None) if tag != "tag:yaml.org,2002:str" else None
+
+
 def _structure_problems(text: str, prefix: str = "", what: str = "study file") -> list[tuple[str, str]]:
     """Problems of the YAML's shape, found from the parser's events, before any value is built: duplicate keys,
     keys that are not plain, tags, more than one document, and the size and depth the document has once its aliases
@@ -209,6 +217,11 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
         key = event.value
         if key == "<<" and event.tag is None and event.implicit[0]:  # a merge key: `<<: *defaults`
             pass
+        elif event.tag is None and event.implicit[0] and (kind := _implicit_kind(key)) is not None:
+            problems.append((where(f"{parent.path}.{key}" if parent.path else key),
+                             f"line {line}: the key {key} is read as {kind} by YAML, not as a name; quote it "
+                             f"('{key}') if it is meant"))
+            parent.keys.setdefault(key, line)
         elif key in parent.keys:
             first = parent.keys[key]
             lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
