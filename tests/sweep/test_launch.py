@@ -85,6 +85,11 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(), ["--time", "1:00:00:00:00"], "command line: --time: expected a Slurm time"),
     (changed(), ["--cpus-per-task", "0"], "command line: --cpus-per-task: Input should be greater"),
     (changed(), ["--n-trials", "0"], "--n-trials: expected at least 1 trial"),
+    # Numbers beyond what Slurm takes went into the script (`--array=0-99999999999999999999998`), exit 0.
+    (changed(), ["--workers", "9" * 23], "command line: --workers: Input should be less than or equal to 4000000"),
+    (changed(), ["--warning-s", "9" * 23], "command line: --warning-s: Input should be less than or equal to 65535"),
+    (changed(launch={"slurm": {"warning_s": 70000}}), [], "launch.slurm.warning_s: Input should be less than or "
+                                                          "equal to 65535"),
 ])
 def test_bad_launch_options_exit_2_with_one_line_and_nothing_created(tmp_path: Path, document: dict[str, Any],
                                                                      args: list[str], expected: str) -> None:
