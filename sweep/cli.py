@@ -40,6 +40,7 @@ from sweep.schema import (
     resolve_storage_url,
     sqlite_file_problem,
     sqlite_study_problem,
+    sqlite_write_problem,
     storage_url_problem,
 )
 from sweep.urls import mask_url, redact
@@ -286,7 +287,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     spec = resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
     # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
     where = "--storage" if storage is not None else f"{study_file}: storage"
-    problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url)] if problem]
+    problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url) or sqlite_write_problem(url)] if problem]
     problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
     problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec)]
     if problems:

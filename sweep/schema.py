@@ -888,6 +888,21 @@ def sqlite_file_problem(url: str) -> str | None:
     return None
 
 
+def sqlite_write_problem(url: str) -> str | None:
+    """For a SQLite URL a study's workers will write: a read-only file, or a folder in which SQLite cannot create
+    the file or its -wal and -shm companions (Optuna's error would be a failed commit, saying neither)."""
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        return None
+    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
+    if path.is_file() and not os.access(path, os.R_OK | os.W_OK):
+        return f"cannot write {path}: the file is read-only (permission denied), and the study's trials are written " \
+               "there; make it writable (chmod u+w), or copy it"
+    if path.parent.is_dir() and not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"cannot write {path}: its folder {path.parent} is not writable, and SQLite creates the file and its " \
+               "-wal and -shm files there"
+    return None
+
+
 def sqlite_study_problem(url: str) -> str | None:
     """For a command that reads a study from an existing SQLite file: what is wrong with the file, or None. It must
     hold Optuna's tables; it is opened read-only, since Optuna's storage would create its tables in any SQLite file

@@ -563,3 +563,29 @@ def test_a_server_that_cannot_listen_is_one_line_before_it_starts(tmp_path: Path
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: --host: cannot resolve 'no such host!': "), line
+
+
+def test_a_read_only_database_is_refused_before_the_run_saying_so(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was Optuna's "StorageInternalError: An exception is raised during the commit ... e.g. exceeding max
+    length", which says neither the file nor why."""
+    import os
+
+    write_study(tmp_path, {**TINY_STUDY, "n_trials": 1})
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    db = tmp_path / "tiny.db"
+    db.chmod(0o444)
+    if os.geteuid() == 0:  # root writes any file: the file's refusal to a user, simulated
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: (Path(path) != db or not mode & os.W_OK)
+                            and real_access(path, mode))
+    before = db.read_bytes()
+    try:
+        done = sweep_cli("run", "study.yaml", "--n-trials", "2", cwd=tmp_path)
+    finally:
+        db.chmod(0o644)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: study.yaml: storage: cannot write {db}: the file is read-only (permission denied), and the study's "
+        "trials are written there; make it writable (chmod u+w), or copy it"]
+    assert db.read_bytes() == before
