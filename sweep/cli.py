@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 import warnings
@@ -444,6 +445,22 @@ def submit(
         _write_k8s(spec, spec_path, options, output, timeout=timeout, overrides=set_ or [])
 
 
+def _submit_paths(url: str, spec: Any, folder: Path) -> list[Path]:
+    """What `sweep submit --slurm` may create before `sbatch` answers: the SQLite file and its companions, the
+    checkpoint store's folder, the job's folder (the storage file and the batch script)."""
+    from sweep.urls import sqlite_path
+
+    paths = [folder]
+    if (database := sqlite_path(url)) is not None:
+        paths += [database, *(database.with_name(database.name + suffix)
+                              for suffix in ("-wal", "-shm", "-journal", ".lock"))]
+    store = spec.checkpoints.store
+    if store is not None and "://" not in store:
+        paths.append(Path(store) / spec.name)  # the study's own folder in the store (the store may hold others)
+        paths.append(Path(store))
+    return paths
+
+
 def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run: bool, timeout: float | None,
                   overrides: list[str]) -> None:
     from sweep.launch import slurm
@@ -458,11 +475,17 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     if dry_run:
         sys.stdout.write(script)
         return
+    made = [p for p in _submit_paths(url, spec, folder) if not p.exists() and not p.is_symlink()]
     try:
         slurm.check_tools()
         study = _open_for_run(spec, url, "")  # created once, here: no array task creates another
         job_id = slurm.submit(script, url, folder, workdir=workdir)
     except slurm.SlurmError as exc:
+        # Nothing was submitted: what this call made for it goes again (a new SQLite study, its store, the job's
+        # folder), so a corrected submit starts as this one did. What existed before stays.
+        for path in made:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         raise _fail(str(exc), 1) from None
     slurm.record_job(study, job_id, options, folder)
     err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "

@@ -234,3 +234,17 @@ def test_a_worker_that_cannot_start_is_shown_in_status_with_its_log(
     assert "Slurm workers: failed 1" in status
     assert f"{job}_0 failed; the end of {tmp_path / f'{name}.slurm' / f'{job}_0.log'}:" in status
     assert "cannot read the storage URL its launcher left" in status  # the log's last lines, here
+
+
+def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+    """sbatch refuses the job (a partition the cluster does not have): exit 1 with sbatch's reason, and what the
+    submit made for it goes again (the new SQLite study, its checkpoint folder, the job's folder with its storage
+    file and script), so a corrected submit starts afresh. A folder that was there before stays."""
+    path = study_file(tmp_path, "slurm_refused", 2)
+    (tmp_path / "keep").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = sweep_cli("submit", path, "--slurm", "--partition", "nosuchpartition", cwd=tmp_path,
+                     env={"SLURM_CONF": str(slurm_cluster.conf)})
+    assert done.returncode == 1, done.stderr
+    assert "error: sbatch refused the job" in done.stderr and "artition" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
