@@ -287,7 +287,11 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
             out = vmap(_forward(template), randomness="error")(params, buffers, x[idx].to(device).unsqueeze(0))
         if not isinstance(out, torch.Tensor):
             return f"the model returns a {type(out).__name__}, and a cohort stacks models that return one tensor"
-        task.loss(out[0].float(), y[idx].to(device)).backward()
+        try:
+            loss = task.checked_loss(out[0].float(), y[idx].to(device))
+        except ValueError as exc:  # alone, the trial then fails with this message
+            return str(exc)
+        loss.backward()
         template.eval()  # the evaluation's forward: every member on one shared batch, in eval mode
         with torch.no_grad():
             vmap(_forward(template), in_dims=(0, 0, None), randomness="error")(

@@ -32,7 +32,7 @@ def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tenso
         x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
         with precision.autocast():
             out = model(x)
-        loss_total += task.loss(as_fp32(out), y) * len(x)
+        loss_total += task.checked_loss(as_fp32(out), y) * len(x)
         if task.eval_metrics is not None:
             for name, value in task.eval_metrics(out, y).items():
                 totals[name] = totals[name] + value if name in totals else value

@@ -337,7 +337,7 @@ def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter,
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = (batches.next(step) for _ in range(accum))
-        step_loss = accumulate_gradients(run.forward, run.task.loss, micro, accum, precision, run.defer_sync)
+        step_loss = accumulate_gradients(run.forward, run.task.checked_loss, micro, accum, precision, run.defer_sync)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
         interval.add(step_loss)
         guard.observe(step_loss, done)  # on the device: no sync

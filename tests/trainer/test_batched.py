@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import warnings
 from collections.abc import Mapping
@@ -831,3 +832,19 @@ def test_attention_in_the_engine_is_each_members_own_attention(mask: str | None,
         torch.testing.assert_close(together[m], alone)
         for grad, own in zip(grads, torch.autograd.grad(alone.square().sum(), (q, key, value)), strict=True):
             torch.testing.assert_close(grad[m], own[m])
+
+
+def test_a_loss_that_is_not_one_number_is_named_alone_and_in_a_cohort(digits: Task) -> None:
+    """`nn.CrossEntropyLoss(reduction="none")` as the task's loss: PyTorch's "grad can be implicitly created only
+    for scalar outputs" named neither the loss nor the task, and a cohort blamed vmap."""
+    task = Task(name="rows", train=digits.train, val=digits.val,
+                build_model=lambda cfg: nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)),
+                loss=nn.CrossEntropyLoss(reduction="none"), eval_metrics=accuracy_sum,
+                eval_metric_names=("accuracy",))
+    config = tiny(task="rows", model={})
+    expected = (r"^task 'rows': its loss returned a tensor of shape \(\d+,\); expected one number, a 0-d tensor \(a "
+                r"mean over the batch: reduction='mean'\)$")
+    assert re.match(expected, batch_problem(config, task) or "")
+    for run in (train, lambda c, t: train_batched([c], t, say=lambda message: None)[0]):
+        with pytest.raises(ValueError, match=expected):
+            run(config, task)

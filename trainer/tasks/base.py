@@ -101,6 +101,18 @@ class Task:
                 raise ValueError(f"task {self.name!r}: {part} holds no samples (inputs of shape "
                                  f"{tuple(value[0].shape)}); it needs at least one")
 
+    def checked_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`loss(out, y)`, refused (ValueError) unless it is one number: a loss with `reduction="none"` returns one
+        per row, which PyTorch's backward refuses without naming the loss. Its shape is known on the host: no
+        sync."""
+        loss = self.loss(out, y)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+                f"a {type(loss).__name__}"
+            raise ValueError(f"task {self.name!r}: its loss returned {what}; expected one number, a 0-d tensor (a "
+                             "mean over the batch: reduction='mean')")
+        return loss
+
     def check_metrics(self, returned: Iterable[str]) -> None:
         """Refuse an evaluation whose `eval_metrics` left out a metric `eval_metric_names` declares (a study may
         have chosen it), naming both."""
