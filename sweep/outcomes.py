@@ -123,6 +123,14 @@ class TrialResult:
         return self.attrs.get(ATTR_FAIL)
 
 
+def count_key(trial: FrozenTrial) -> str:
+    """How a run counts a finished trial: `complete`, `pruned`, `fail` (its config failed), or the outcome of a trial
+    that ended for a reason not its config's (`interrupted`, `preempted`, `lost`, `infrastructure`): a run whose
+    trials were all stopped by its --timeout, Ctrl-C or a lost worker did not fail (`results.failed_run`)."""
+    outcome = outcome_of(trial) if trial.state == TrialState.FAIL else None
+    return outcome.value if outcome is not None and outcome.retried else trial.state.name.lower()
+
+
 def outcome_of(trial: FrozenTrial) -> Outcome | None:
     """The outcome of a finished trial, also for trials stored before the `outcome` attr existed."""
     stored = trial.user_attrs.get(ATTR_OUTCOME)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from sweep.outcomes import ATTR_FAIL, LOST_REASON
+from sweep.outcomes import ATTR_FAIL, LOST_REASON, count_key
 
 __all__ = ["Events", "LiveProgress", "NoEvents", "describe_outcome"]
 
@@ -101,8 +101,7 @@ class LiveProgress:
         self._refresh()
 
     def trial_finished(self, trial: FrozenTrial) -> None:
-        state = trial.state.name.lower()
-        self.counts[state] += 1
+        self.counts[count_key(trial)] += 1
         self.done += 1
         if trial.state == TrialState.COMPLETE and trial.value is not None:
             better = self.best is None or (trial.value > self.best if self.maximize else trial.value < self.best)

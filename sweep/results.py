@@ -23,6 +23,7 @@ from sweep.outcomes import (
     SPEC_ATTR,
     STOP_ATTR,
     budget_counts,
+    count_key,
 )
 from sweep.progress import describe_outcome
 
@@ -42,9 +43,10 @@ def trial_states(study: optuna.Study) -> dict[int, TrialState]:
 
 
 def finished_since(study: optuna.Study, before: Mapping[int, TrialState]) -> Counter[str]:
-    """The trials that finished since `before` was taken (new ones, and queued ones taken up), counted by state as
-    `LiveProgress.counts` counts them (`complete`, `pruned`, `fail`). A trial running then is another's."""
-    return Counter(trial.state.name.lower() for trial in study.get_trials(deepcopy=False)
+    """The trials that finished since `before` was taken (new ones, and queued ones taken up), counted as
+    `LiveProgress.counts` counts them (`outcomes.count_key`: `complete`, `pruned`, `fail`, or why a trial that is
+    retried ended). A trial running then is another's."""
+    return Counter(count_key(trial) for trial in study.get_trials(deepcopy=False)
                    if trial.state.is_finished() and before.get(trial.number) in (None, TrialState.WAITING))
 
 

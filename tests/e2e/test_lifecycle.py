@@ -8,9 +8,10 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import TrialState
 
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 
 MAX_STEPS, EVERY = 6000, 500
 
@@ -57,6 +58,21 @@ def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continue
     assert retry.intermediate_values == whole.intermediate_values  # bit for bit, as if never interrupted
     assert retry.value == whole.value
     assert sweep_cli("reproduce", path, str(retry.number)).returncode == 0
+
+
+@pytest.mark.parametrize("how", [["--cohort", "2"], ["--workers", "2"]], ids=["cohort", "workers"])
+def test_a_timeout_that_stops_every_trial_of_a_run_is_no_failed_run(tmp_path: Path, how: list[str]) -> None:
+    """Interrupted trials are not failures: a cohort's members, or several workers' trials, all stopped by --timeout
+    made the run exit 1 with "every trial of this run failed", where one trial at a time exits 0."""
+    path = one_config_study(tmp_path / "cut", "cut")
+    document = yaml.safe_load(path.read_text()) | {"n_trials": 2}
+    path.write_text(yaml.safe_dump(document))
+    done = sweep_cli("run", path, "--timeout", "2", *how) if how[0] == "--cohort" else \
+        run_cli("run", path, "--timeout", "2", *how)
+    assert done.returncode == 0, done.stderr
+    assert "every trial of this run failed" not in done.stderr
+    ended = [t for t in trials(path, "cut") if t.state == TrialState.FAIL]
+    assert ended and all(t.user_attrs["outcome"] == "interrupted" for t in ended)
 
 
 def test_a_sampler_that_raises_for_one_trial_fails_that_trial_alone(tmp_path: Path,
