@@ -143,9 +143,9 @@ def _write_output(output: Path, text: str) -> None:
     """Write `-o FILE` whole or not at all: a temporary file beside it, then renamed over it (never a half-written
     file, nor a temporary one left behind). Through a symbolic link, the file it points to is written (the link
     stays a link); a FIFO or a device (`-o /dev/stdout`, `-o /dev/null`) is written to, never renamed over."""
-    if output.exists() and not output.is_file():
-        try:
-            with output.open("w") as handle:
+    if output.exists() and (not output.is_file() or _a_stream(output)):
+        try:  # appended: `-o /dev/stdout >> log.txt` keeps what the log held (its descriptor is in append mode)
+            with output.open("a") as handle:
                 handle.write(text)
         except OSError as exc:
             raise _fail(f"-o: cannot write {output}: {exc.strerror or exc}", 1) from None
@@ -164,6 +164,19 @@ def _write_output(output: Path, text: str) -> None:
             with contextlib.suppress(OSError):
                 tmp.unlink()
         raise _fail(f"-o: cannot write {output}: {exc.strerror or exc}", 1) from None
+
+
+def _a_stream(output: Path) -> bool:
+    """Whether `output` names one of this process's streams rather than a file: a path under /dev or /proc, or a
+    link into them (`/dev/stdout` -> `/proc/self/fd/1`, which may stand for a regular file the shell opened)."""
+    path = output.absolute()
+    for _ in range(40):  # links followed one at a time: resolving would land on the file behind the descriptor
+        if str(path).startswith(("/dev/", "/proc/")):
+            return True
+        if not path.is_symlink():
+            return False
+        path = (path.parent / os.readlink(path)).absolute()
+    return False
 
 
 def _quiet_optuna() -> None:
@@ -445,20 +458,22 @@ def submit(
         _write_k8s(spec, spec_path, options, output, timeout=timeout, overrides=set_ or [])
 
 
-def _submit_paths(url: str, spec: Any, folder: Path) -> list[Path]:
-    """What `sweep submit --slurm` may create before `sbatch` answers: the SQLite file and its companions, the
-    checkpoint store's folder, the job's folder (the storage file and the batch script)."""
+def _submit_paths(url: str, spec: Any, folder: Path) -> list[tuple[Path, str]]:
+    """What `sweep submit --slurm` will have made, if sbatch then refuses, that is this study's alone and did not
+    exist before: the job's folder (the storage file and the batch script) and the study's folder in its store
+    (`tree`: removed whole), a SQLite file this call creates with its companions (`file`; the companions of a file
+    that exists are another process's too, and are never touched), and the store's folder (`empty`: removed only if
+    nothing else was written there meanwhile)."""
     from sweep.urls import sqlite_path
 
-    paths = [folder]
-    if (database := sqlite_path(url)) is not None:
-        paths += [database, *(database.with_name(database.name + suffix)
-                              for suffix in ("-wal", "-shm", "-journal", ".lock"))]
+    made = [(folder, "tree")]
+    if (database := sqlite_path(url)) is not None and not database.exists():
+        made += [(path, "file") for path in (database, *(database.with_name(database.name + suffix)
+                                                          for suffix in ("-wal", "-shm", "-journal", ".lock")))]
     store = spec.checkpoints.store
     if store is not None and "://" not in store:
-        paths.append(Path(store) / spec.name)  # the study's own folder in the store (the store may hold others)
-        paths.append(Path(store))
-    return paths
+        made += [(Path(store) / spec.name, "tree"), (Path(store), "empty")]
+    return [(path, how) for path, how in made if not path.exists() and not path.is_symlink()]
 
 
 def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run: bool, timeout: float | None,
@@ -475,7 +490,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     if dry_run:
         sys.stdout.write(script)
         return
-    made = [p for p in _submit_paths(url, spec, folder) if not p.exists() and not p.is_symlink()]
+    made = _submit_paths(url, spec, folder)
     try:
         slurm.check_tools()
         study = _open_for_run(spec, url, "")  # created once, here: no array task creates another
@@ -483,9 +498,9 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     except slurm.SlurmError as exc:
         # Nothing was submitted: what this call made for it goes again (a new SQLite study, its store, the job's
         # folder), so a corrected submit starts as this one did. What existed before stays.
-        for path in made:
+        for path, how in made:
             with contextlib.suppress(OSError):
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                shutil.rmtree(path) if how == "tree" else path.rmdir() if how == "empty" else path.unlink()
         raise _fail(str(exc), 1) from None
     slurm.record_job(study, job_id, options, folder)
     err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "

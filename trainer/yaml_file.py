@@ -217,7 +217,11 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
         key = event.value
         if key == "<<" and event.tag is None and event.implicit[0]:  # a merge key: `<<: *defaults`
             pass
-        elif event.tag is None and event.implicit[0] and (kind := _implicit_kind(key)) is not None:
+        elif event.tag is None and event.implicit[0] and (kind := _implicit_kind(key)) is not None \
+                and (kind in ("a boolean", "null") or not (parent.path or prefix)):
+            # A boolean or null key is YAML 1.1's trap (`on:`, `no:`) wherever it stands; a number is a name only
+            # among the file's own top-level keys: below them a mapping may be the user's, keyed by numbers on
+            # purpose (a loop's `class_weights: {0: 1.0, 1: 5.0}`).
             problems.append((where(f"{parent.path}.{key}" if parent.path else key),
                              f"line {line}: the key {key} is read as {kind} by YAML, not as a name; quote it "
                              f"('{key}') if it is meant"))

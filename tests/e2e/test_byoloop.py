@@ -395,3 +395,22 @@ def test_timeout_stops_a_loop_at_its_next_report_and_queues_it_again(tmp_path: P
     assert max(trial.intermediate_values) < 9_999
     assert time.monotonic() - started < 120  # a generous bound: the loop stopped at a report, long before its end
 
+
+
+def test_a_mapping_of_the_users_keyed_by_numbers_reaches_the_loop_as_written(tmp_path: Path) -> None:
+    """Below the study file's own keys a mapping may be the user's, keyed by numbers on purpose: it is not refused
+    (a refusal of every key YAML reads as a number refused it), and reaches the loop. Its keys arrive as strings, as
+    the config is stored as JSON (and `sweep best` and `reproduce` give it back)."""
+    (tmp_path / "weighted.py").write_text(
+        "def main(config, run):\n"
+        "    weights = config['class_weights']\n"
+        "    assert weights == {'0': 1.0, '1': 5.0}, weights\n"
+        "    return weights['1'] + config['lr']\n")
+    path = write_study(tmp_path, {"name": "weighted", "n_trials": 1, "loop": "weighted:main",
+                                  "fixed": {"max_steps": 1, "class_weights": {0: 1.0, 1: 5.0}},
+                                  "space": {"lr": {"type": "float", "low": 0.1, "high": 0.2}}})
+    assert "class_weights:\n    0: 1.0\n" in path.read_text()  # unquoted: YAML reads them as numbers
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [trial] = trials_of(path, "weighted")
+    assert trial.state.name == "COMPLETE" and trial.value == 5.0 + trial.params["lr"]

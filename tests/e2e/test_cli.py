@@ -589,3 +589,18 @@ def test_a_read_only_database_is_refused_before_the_run_saying_so(tmp_path: Path
         f"error: study.yaml: storage: cannot write {db}: the file is read-only (permission denied), and the study's "
         "trials are written there; make it writable (chmod u+w), or copy it"]
     assert db.read_bytes() == before
+
+
+def test_an_output_to_dev_stdout_appended_to_a_log_keeps_the_log(tmp_path: Path) -> None:
+    """`sweep best -o /dev/stdout >> log.txt`: /dev/stdout stands for the log file the shell opened in append mode;
+    renaming a temporary file over it replaced the log, losing what it held."""
+    write_study(tmp_path, {**TINY_STUDY, "n_trials": 1})
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    log = tmp_path / "log.txt"
+    log.write_text("earlier line\n")
+    with log.open("a") as appended:
+        done = subprocess.run([sys.executable, "-m", "sweep.cli", "best", "study.yaml", "-o", "/dev/stdout"],
+                              stdout=appended, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "earlier line" and lines[1].startswith("# best trial of study 'tiny'"), lines

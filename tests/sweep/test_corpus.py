@@ -726,8 +726,10 @@ WORDING = [
     # should be strings, got False"), a key the file does not hold.
     bad_file("wording", "key-read-as-a-boolean", TINY_YAML + "off: 3\n", "off",
              "the key off is read as a boolean by YAML, not as a name; quote it ('off') if it is meant"),
-    bad_file("wording", "nested-key-read-as-a-number", TINY_YAML.replace("fixed:\n", "fixed:\n  1.5: 2\n", 1),
-             "fixed.1.5", "the key 1.5 is read as a number by YAML, not as a name; quote it ('1.5') if it is meant"),
+    bad_file("wording", "nested-key-read-as-a-boolean", TINY_YAML.replace("fixed:\n", "fixed:\n  on: 2\n", 1),
+             "fixed.on", "the key on is read as a boolean by YAML, not as a name; quote it ('on') if it is meant"),
+    bad_file("wording", "top-level-key-read-as-a-number", TINY_YAML + "1.5: 2\n", "1.5",
+             "the key 1.5 is read as a number by YAML, not as a name; quote it ('1.5') if it is meant"),
     bad_file("wording", "no-did-you-mean-of-itself", changed(space={"curriculum": {"type": "categorical",
                                                                                   "choices": ["none"]}}),
              "space.curriculum", "not a searchable TrainingConfig key; expected one of: optimizer,"),

@@ -191,3 +191,18 @@ def test_a_user_module_that_fails_at_import_is_one_line(tmp_path: Path, module: 
     what = "task" if key == "task" else "schedule"
     assert len(lines) == 1 and lines[0].startswith(f"{config}: "), lines
     assert f"cannot import {what} module '{name}': importing it raised {raised}" in lines[0], lines
+
+
+def test_a_task_loss_that_is_not_one_number_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "rowloss.py").write_text(
+        "from torch import nn\nfrom trainer.tasks import Task\nfrom trainer.tasks.digits import digits\n\n"
+        "def task():\n"
+        "    d = digits()\n"
+        "    return Task(name='rows', train=d.train, val=d.val, build_model=lambda cfg: nn.Linear(64, 10),\n"
+        "                loss=nn.CrossEntropyLoss(reduction='none'))\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("task: rowloss:task\nmax_steps: 4\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: task 'rows': its loss returned a tensor of shape ("), \
+        lines

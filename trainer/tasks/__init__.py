@@ -9,7 +9,7 @@ from typing import Any
 from trainer.config import coerce
 from trainer.imports import import_callable
 from trainer.tasks.arrays import arrays
-from trainer.tasks.base import Task, accuracy_sum, cross_entropy
+from trainer.tasks.base import Task, TaskError, accuracy_sum, cross_entropy
 from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
 from trainer.tasks.digits import digits
@@ -19,10 +19,6 @@ __all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "cross_entropy"
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs,
                                                  "arrays": arrays}
-
-
-class TaskError(ValueError):
-    """A task that cannot be found or built; the message names the task."""
 
 
 def resolve_task_factory(name: str) -> Callable[..., Task]:

@@ -14,7 +14,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from trainer.config import ConfigError, coerce
 
-__all__ = ["Task", "accuracy_sum", "as_fp32", "cross_entropy", "materialize"]
+__all__ = ["Task", "TaskError", "accuracy_sum", "as_fp32", "cross_entropy", "materialize"]
 
 
 def as_fp32(out: Any) -> Any:
@@ -55,6 +55,10 @@ def accuracy_sum(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
     """Per-sample accuracy summed over the batch (the mean over positions for sequences)."""
     correct = (logits.argmax(-1) == targets).float()
     return {"accuracy": correct.reshape(correct.shape[0], -1).mean(1).sum()}
+
+
+class TaskError(ValueError):
+    """A task that cannot be found, built or used as it is (its loss not one number); the message names the task."""
 
 
 @dataclass
@@ -102,15 +106,15 @@ class Task:
                                  f"{tuple(value[0].shape)}); it needs at least one")
 
     def checked_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`loss(out, y)`, refused (ValueError) unless it is one number: a loss with `reduction="none"` returns one
+        """`loss(out, y)`, refused (`TaskError`) unless it is one number: a loss with `reduction="none"` returns one
         per row, which PyTorch's backward refuses without naming the loss. Its shape is known on the host: no
         sync."""
         loss = self.loss(out, y)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
                 f"a {type(loss).__name__}"
-            raise ValueError(f"task {self.name!r}: its loss returned {what}; expected one number, a 0-d tensor (a "
-                             "mean over the batch: reduction='mean')")
+            raise TaskError(f"task {self.name!r}: its loss returned {what}; expected one number, a 0-d tensor (a "
+                            "mean over the batch: reduction='mean')")
         return loss
 
     def check_metrics(self, returned: Iterable[str]) -> None:
