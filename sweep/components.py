@@ -21,6 +21,7 @@ from sweep.forecast import ForecastPruner
 from sweep.leaders import LeadersPruner
 from sweep.pruners import FastFailPruner
 from sweep.schema import CategoricalParam, Component, FloatParam, StudyFileError, did_you_mean, short_repr
+from trainer.config import number_from_text
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -84,6 +85,12 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
                     and not isinstance(value, bool) and (value <= low if strict else value < low):
                 problems.append((f"{where}.{name}", f"{cls.__name__}'s {name} must be {'>' if strict else '>='} "
                                                     f"{low}, got {short_repr(value)}"))
+    resources = [v for v in (args.get("min_resource"), args.get("max_resource"))
+                 if isinstance(v, int) and not isinstance(v, bool)]
+    if issubclass(cls, optuna.pruners.HyperbandPruner) and len(resources) == 2 and resources[0] > resources[1]:
+        problems.append((f"{where}.min_resource", f"HyperbandPruner's min_resource ({resources[0]}) must be at most "
+                                                  f"its max_resource ({resources[1]}); with it above, no bracket "
+                                                  "prunes"))
     if problems:
         raise StudyFileError("", problems)
     kwargs = {**{k: v for k, v in (extra or {}).items() if k in accepted and k not in args}, **args}
@@ -209,12 +216,14 @@ def _conform(value: Any, hint: Any) -> Any:
 
 
 def _finite(value: Any) -> float | None:
-    """A finite float from an int, a float or a numeric string (YAML reads `1e-3` as one), else None."""
+    """A finite float from an int, a float or a number written as text (`trainer.config.NUMBER_TEXT`), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
-        number = float(value)
-    except (ValueError, OverflowError):
+        number = number_from_text(value) if isinstance(value, str) else float(value)
+    except OverflowError:
+        return None
+    if number is None:
         return None
     return number if math.isfinite(number) else None
 
@@ -264,6 +273,7 @@ def component_problems(spec: StudySpec) -> list[tuple[str, str]]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                warnings.simplefilter("ignore", FutureWarning)  # deprecated arguments: said when the run builds it
                 build()
         except StudyFileError as exc:
             problems += exc.problems
@@ -284,7 +294,33 @@ def _sampler_space_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if kind == "cmaes" and spec.space and all(isinstance(param, CategoricalParam) for param in spec.space.values()):
         return [("sampler", "cmaes searches float and int keys only, and every key of the space is categorical (it "
                             "would draw them all at random); use tpe, random or bruteforce")]
+    x0 = spec.sampler.args.get("x0")
+    if kind == "cmaes" and isinstance(x0, dict):
+        return _x0_problems(spec, x0)
     return []
+
+
+def _x0_problems(spec: StudySpec, x0: dict[str, Any]) -> list[tuple[str, str]]:
+    """CMA-ES's `x0`, its first mean: a value for every float and int key of the space, inside its range (Optuna
+    asserts both in every trial it samples, which then fails)."""
+    searched = {key: param for key, param in spec.space.items() if not isinstance(param, CategoricalParam)}
+    problems = [(f"sampler.x0.{key}", "not a float or int key of the space; expected one of: "
+                                      + (", ".join(searched) or "none")) for key in x0 if key not in searched]
+    missing = [key for key in searched if key not in x0]
+    if missing:
+        problems.append(("sampler.x0", f"expected a value for every float and int key of the space, missing "
+                                       f"{', '.join(missing)}"))
+    for key, value in x0.items():
+        param = searched.get(key)
+        number = _finite(value)
+        if param is None:
+            continue
+        if number is None:
+            problems.append((f"sampler.x0.{key}", f"expected a number, got {short_repr(value)}"))
+        elif not param.low <= number <= param.high:
+            problems.append((f"sampler.x0.{key}", f"expected a value in space.{key}'s range [{param.low}, "
+                                                  f"{param.high}], got {short_repr(value)}"))
+    return problems
 
 
 def pruner_name(pruner: optuna.pruners.BasePruner | None) -> str:

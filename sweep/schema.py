@@ -6,6 +6,7 @@ module is what commands that only read a study need (`status`, `trials`), and it
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import decimal
 import difflib
@@ -37,7 +38,7 @@ from pydantic_core import PydanticCustomError
 
 from sweep.urls import mask_url
 from trainer import yaml_file
-from trainer.config import FastFailConfig, TrainingConfig, flatten, nest
+from trainer.config import FastFailConfig, TrainingConfig, flatten, nest, number_from_text
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
@@ -72,10 +73,22 @@ _ModelT = TypeVar("_ModelT", bound=_Model)
 
 
 def _not_a_bool(value: Any) -> Any:
-    """YAML's `true` is not 1: a number field refuses it (pydantic's lax mode would take it)."""
+    """YAML's `true` is not 1: a number field refuses it (pydantic's lax mode would take it), and text that is not
+    YAML's notation of a number (`1_000`, `" 0.5 "`, which float() takes)."""
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {value!r}")
+    if isinstance(value, str) and number_from_text(value) is None and _python_float(value):
+        # Text float() takes that is not YAML's notation (`1_000`, `" 0.5 "`); other text is pydantic's to refuse.
+        raise ValueError(f"Input should be a valid number (as YAML writes one: 1000, 1e3, 0.5), got {value!r}")
     return value
+
+
+def _python_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # A finite number: an int, a float or a string that reads as one (the YAML loader reads `1e-3` as a number itself:
@@ -364,7 +377,8 @@ class TensorBoardSpec(_Model):
     """One TensorBoard run per trial: `DIR/<study>/trial-NNNNN/` (see sweep.tracking)."""
 
     enabled: StrictBool = True
-    dir: StrictStr | None = None  # default: NAME.tensorboard/ next to the SQLite file (sweep-tensorboard/ for a server)
+    # Default: NAME.tensorboard/ next to the SQLite file (sweep-tensorboard/ for a server).
+    dir: Annotated[StrictStr, Field(min_length=1)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -377,7 +391,7 @@ class MLflowSpec(_Model):
 
     enabled: StrictBool = True
     tracking_uri: StrictStr | None = None  # default: sqlite:///NAME.mlflow.db next to the SQLite file
-    experiment: StrictStr | None = None  # default: the study's name
+    experiment: Annotated[StrictStr, Field(min_length=1)] | None = None  # default: the study's name
 
     @model_validator(mode="before")
     @classmethod
@@ -614,6 +628,12 @@ def read_document(path: Path) -> dict[str, Any]:
 PARAM_FIELDS = frozenset({"type", "low", "high", "log", "step", "choices"})
 
 
+# A study's sampler and pruner when its file names none (`StudySpec`'s defaults): `--set pruner.then.x=...` goes
+# into these, as into a file that wrote them.
+_COMPONENT_DEFAULTS: dict[str, dict[str, Any]] = {"sampler": {"type": "tpe"},
+                                                  "pruner": {"type": "fastfail", "then": "median"}}
+
+
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`), as strictly as a file."""
     problems = []
@@ -646,7 +666,12 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
             field = parts[-1] if len(parts) > 2 and parts[-1] in PARAM_FIELDS else None
             parts = ["space", ".".join(parts[1:-1] if field else parts[1:]), *([field] if field else [])]
         *parents, leaf = parts
+        if parents and parents[0] in _COMPONENT_DEFAULTS and parents[0] not in document:
+            document[parents[0]] = copy.deepcopy(_COMPONENT_DEFAULTS[parents[0]])  # into the default, not instead
         for depth, part in enumerate(parents):
+            if isinstance(node.get(part), str) and ((depth == 0 and part in _COMPONENT_DEFAULTS)
+                                                    or (depth > 0 and part in ("then", "wrapped"))):
+                node[part] = {"type": node[part]}  # `pruner: median` is `pruner: {type: median}`
             if part in node and not isinstance(node[part], dict):
                 problems.append((f"--set {key}", f"{'.'.join(parents[:depth + 1])} is "
                                  f"{short_repr(node[part])}, not a mapping: it has no key {parts[depth + 1]!r}"))

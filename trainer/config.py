@@ -26,6 +26,7 @@ from trainer.fast_fail_rules import FastFailConfig
 from trainer.pacing import CurriculumConfig
 
 __all__ = [
+    "NUMBER_TEXT",
     "ConfigError",
     "CurriculumConfig",
     "FastFailConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "coerce",
     "flatten",
     "nest",
+    "number_from_text",
 ]
 
 Check = Callable[[Any], "str | None"]
@@ -306,10 +308,20 @@ def _describe(tp: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
+# A number written as text (`"1e-3"`, quoted): YAML's own notation, not Python's, which float() also takes (`1_000`,
+# `" 0.5 "`, `"infinity"`): a key that takes numbers refuses those, as the README says of `1_000`.
+NUMBER_TEXT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
+def number_from_text(value: str) -> float | None:
+    """The float a numeric string (`NUMBER_TEXT`) reads as, or None."""
+    return float(value) if NUMBER_TEXT.fullmatch(value) else None
+
+
 def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     """`(ok, value, message)`: `value` checked against the annotation `tp`, converted where the config allows it
-    (tasks check their `model` keys with it too). Ints are accepted for floats, and so are numeric strings, since
-    YAML 1.1 reads `1e-3` (no dot) as a string."""
+    (tasks check their `model` keys with it too). Ints are accepted for floats, and so are numbers written as text
+    (`"1e-3"`, `NUMBER_TEXT`); an integer key takes integers only (`2.0` is refused, as the README says)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
@@ -332,8 +344,6 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return True, value, ""
-        if isinstance(value, float) and value.is_integer():
-            return True, int(value), ""
         return False, value, f"expected an integer, got {value!r}"
     if tp is float:
         if isinstance(value, bool):
@@ -341,10 +351,10 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         if isinstance(value, (int, float)):
             value = float(value)
         elif isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
+            number = number_from_text(value)
+            if number is None:
                 return False, value, f"expected a number, got {value!r}"
+            value = number
         else:
             return False, value, f"expected a number, got {value!r}"
         if math.isnan(value):

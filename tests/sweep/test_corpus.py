@@ -730,6 +730,24 @@ WORDING = [
              "fixed.on", "the key on is read as a boolean by YAML, not as a name; quote it ('on') if it is meant"),
     bad_file("wording", "top-level-key-read-as-a-number", TINY_YAML + "1.5: 2\n", "1.5",
              "the key 1.5 is read as a number by YAML, not as a name; quote it ('1.5') if it is meant"),
+    # Python's float() takes `1_000` and `" 0.5 "`, which the README says a number key refuses; `2.0` for an integer
+    # TrainingConfig key was taken as 2 (other integer keys refused it).
+    bad_file("wording", "number-with-underscores", changed(timeout="1_000"), "timeout",
+             "Input should be a valid number (as YAML writes one: 1000, 1e3, 0.5), got '1_000'"),
+    bad_file("wording", "config-number-with-spaces", changed(fixed__momentum=" 0.5 "), "fixed.momentum",
+             "expected a number, got ' 0.5 '"),
+    bad_file("wording", "config-integer-as-float", changed(fixed__max_steps=20.0), "fixed.max_steps",
+             "expected an integer, got 20.0"),
+    bad_file("wording", "hyperband-min-above-max", changed(pruner={"type": "hyperband", "min_resource": 100,
+                                                                   "max_resource": 10}), "pruner.min_resource",
+             "min_resource (100) must be at most its max_resource (10)"),
+    bad_file("wording", "tensorboard-dir-empty", changed(tracking={"tensorboard": {"dir": ""}}),
+             "tracking.tensorboard.dir", "at least 1 character"),
+    bad_file("wording", "cmaes-x0-incomplete", changed(sampler={"type": "cmaes", "x0": {"learning_rate": 0.01}}),
+             "sampler.x0", "expected a value for every float and int key of the space, missing model.hidden"),
+    bad_file("wording", "cmaes-x0-out-of-range", changed(sampler={"type": "cmaes", "x0": {
+        "learning_rate": 5.0, "model.hidden": 16}}), "sampler.x0.learning_rate", "expected a value in "
+             "space.learning_rate's range"),
     bad_file("wording", "no-did-you-mean-of-itself", changed(space={"curriculum": {"type": "categorical",
                                                                                   "choices": ["none"]}}),
              "space.curriculum", "not a searchable TrainingConfig key; expected one of: optimizer,"),

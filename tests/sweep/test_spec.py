@@ -194,3 +194,16 @@ def test_an_object_store_whose_client_is_not_installed_is_refused_creating_nothi
         f"error: {path}: checkpoints.store: gs:// needs google-cloud-storage, which is not installed: "
         "pip install 'sweep[gs]'"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
+def test_an_override_reaches_into_a_pruner_or_sampler_named_by_a_word_or_left_at_its_default(tmp_path: Path) -> None:
+    """`pruner: none` is `{type: none}`, so `--set pruner.type=median` overrides its type (it was refused: "pruner
+    is 'none', not a mapping"); with no `pruner:` in the file, `--set pruner.then.n_startup_trials=3` goes into the
+    default fastfail-then-median (it replaced the default, and the file was blamed for a missing type)."""
+    path = write_study(tmp_path, changed(pruner="none", sampler="tpe"))
+    spec, _ = load_spec(path, ["pruner.type=median", "sampler.n_startup_trials=3"])
+    assert spec.pruner.type == "median" and spec.sampler.type == "tpe"
+    assert spec.sampler.args == {"n_startup_trials": 3}
+    path = write_study(tmp_path, changed(pruner=...))
+    spec, _ = load_spec(path, ["pruner.then.n_startup_trials=3"])
+    assert spec.pruner.type == "fastfail" and spec.pruner.args["then"] == {"type": "median", "n_startup_trials": 3}
