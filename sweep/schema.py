@@ -84,11 +84,11 @@ def _not_a_bool(value: Any) -> Any:
 
 
 def _python_float(text: str) -> bool:
+    """Whether float() reads `text` as a finite number (`'inf'` and `'nan'` are pydantic's to refuse, as not finite)."""
     try:
-        float(text)
+        return math.isfinite(float(text))
     except ValueError:
         return False
-    return True
 
 
 # A finite number: an int, a float or a string that reads as one (the YAML loader reads `1e-3` as a number itself:
