@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import signal
 import sqlite3
@@ -24,6 +25,24 @@ def checkpointed_steps(db: Path, trial: int) -> list[int]:
                 "SELECT step FROM sweep_checkpoints WHERE trial_number = ? ORDER BY step", (trial,))]
     except sqlite3.OperationalError:  # the table does not exist yet
         return []
+
+
+def pause_outside_a_write(process: subprocess.Popen[str], db: Path) -> None:
+    """SIGSTOP `process` at a moment it holds no write transaction on the SQLite file `db`. Stopped inside one (a
+    heartbeat, a checkpoint's row), it would keep the file locked against every other worker for as long as it is
+    stopped, as any SQLite writer frozen mid-transaction does: that is not the pause this test is about."""
+    for _ in range(100):
+        process.send_signal(signal.SIGSTOP)
+        time.sleep(0.05)  # the signal has landed
+        try:
+            with contextlib.closing(sqlite3.connect(db, timeout=0)) as probe:
+                probe.execute("BEGIN IMMEDIATE")  # refused while another connection holds the write lock
+                probe.rollback()
+            return
+        except sqlite3.OperationalError:
+            process.send_signal(signal.SIGCONT)
+            time.sleep(0.1)
+    pytest.fail("the worker held the database's write lock at every try")
 
 
 def long_study(folder: Path, **keys) -> Path:
@@ -85,7 +104,7 @@ def test_a_worker_paused_past_the_grace_period_goes_on_when_its_trial_was_declar
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not checkpointed_steps(db, 0):
             time.sleep(0.2)
-        paused.send_signal(signal.SIGSTOP)
+        pause_outside_a_write(paused, db)
         time.sleep(3.5)  # past the grace period
         other = sweep_cli("run", path)  # fails trial 0 as lost, trains its retry and trial 1 or its own
         paused.send_signal(signal.SIGCONT)
