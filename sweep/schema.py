@@ -36,7 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sweep.urls import mask_url
+from sweep.urls import mask_url, sqlite_path
 from trainer import yaml_file
 from trainer.config import FastFailConfig, TrainingConfig, flatten, nest, number_from_text
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
@@ -916,9 +916,9 @@ def sqlite_file_problem(url: str) -> str | None:
 def sqlite_write_problem(url: str) -> str | None:
     """For a SQLite URL a study's workers will write: a read-only file, or a folder in which SQLite cannot create
     the file or its -wal and -shm companions (Optuna's error would be a failed commit, saying neither)."""
-    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+    path = sqlite_path(url)
+    if path is None:
         return None
-    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
     if path.is_file() and not os.access(path, os.R_OK | os.W_OK):
         return f"cannot write {path}: the file is read-only (permission denied), and the study's trials are written " \
                "there; make it writable (chmod u+w), or copy it"
