@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +44,10 @@ ENV_START_KIND = "SWEEP_START_KIND"  # "resume" or "warm"
 ENV_START_STEP = "SWEEP_START_STEP"  # the step it was saved at
 
 _connection: socket.socket | None = None
-_answers: Any = None
+# Lines the worker sent that no call has taken yet: answers to reports ("go", "stop") and to requests (JSON), kept
+# apart, since a signal handler's save can be asked while a report waits for its answer (`_answer`).
+_received = b""
+_waiting: dict[bool, list[bytes]] = {False: [], True: []}
 _stopped = False
 _last: tuple[int, dict[str, float | str]] | None = None  # the latest report: its step and metrics
 
@@ -74,7 +78,7 @@ def report(step: int, metrics: Mapping[str, float] | None = None, /, **values: f
     _last = (step, reported)
     message = {"step": step, "metrics": reported}
     connection.sendall(json.dumps(message).encode() + b"\n")
-    answer = _answers.readline()
+    answer = _answer(connection, request=False)
     _stopped = answer.strip() != b"go"  # "stop", or the worker has gone (an empty line): stop either way
     return _stopped
 
@@ -128,10 +132,29 @@ def _ask(message: Mapping[str, Any]) -> dict[str, Any] | None:
     assert connection is not None
     try:
         connection.sendall(json.dumps(message).encode() + b"\n")
-        answer = _answers.readline()
+        answer = _answer(connection, request=True)
     except OSError:
         return None
     return dict(json.loads(answer)) if answer.strip() else None
+
+
+def _answer(connection: socket.socket, *, request: bool) -> bytes:
+    """The next answer to a report ("go" or "stop") or, with `request`, to a request (a JSON object); empty when
+    the worker has gone. Safe to call again from a signal handler while a call waits here (a SIGTERM handler that
+    saves): each takes the answer of its own kind, and a waiting call looks again at least every 0.2 s."""
+    global _received
+    while True:
+        if _waiting[request]:
+            return _waiting[request].pop(0)
+        if b"\n" in _received:
+            line, _, _received = _received.partition(b"\n")
+            _waiting[line.lstrip().startswith(b"{")].append(line)
+            continue
+        if select.select([connection], [], [], 0.2)[0]:
+            data = connection.recv(1 << 16)
+            if not data:
+                return b""
+            _received += data
 
 
 def whole_step(step: Any) -> int:
@@ -161,11 +184,10 @@ def _number(value: Any) -> float | str:
 
 
 def _connect() -> socket.socket | None:
-    global _connection, _answers
+    global _connection
     if _connection is None:
         fd = os.environ.get(ENV_REPORT_FD)
         if not fd:
             return None
         _connection = socket.socket(fileno=int(fd))
-        _answers = _connection.makefile("rb")
     return _connection

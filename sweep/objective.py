@@ -93,16 +93,21 @@ class TrialReporter:
     (a `TrainingConfig`'s dict, or a user loop's own), which the fast-fail rules read (`max_steps` and the like).
     `inherited_until`: a warm trial's handoff step; its evaluation there is the donor's work, so it is neither stored
     nor judged: pruners see only the steps the trial trained itself. `judged=False` (a cold confirmation): values are
-    stored, the pruner is never asked."""
+    stored, the pruner is never asked. `answers_deadline`: a user's loop or command, which saves its own checkpoints:
+    once `--timeout` has passed, a report returns True ("stop": it saves and returns) and `timed_out` is set, where
+    the built-in trainer's, with no checkpoint to stop at, raises `TimedOut` there. `signals=False` (a command, whose
+    runner answers Ctrl-C and SIGTERM itself, while the command saves): a report never raises them."""
 
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: Mapping[str, Any], events: Events,
                  boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: Deadline | None = None,
-                 inherited_until: int | None = None, judged: bool = True, trackers: Sequence[Tracker] = ()) -> None:
+                 inherited_until: int | None = None, judged: bool = True, trackers: Sequence[Tracker] = (),
+                 answers_deadline: bool = False, signals: bool = True) -> None:
         self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
         self.inherited_until, self.judged = inherited_until, judged
         max_steps = config.get("max_steps")  # a user's loop may have none: then no step is known to be the last
         self.max_steps = max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None
-        self.deadline = deadline
+        self.deadline, self.answers_deadline, self.signals = deadline, answers_deadline, signals
+        self.timed_out = False  # a report answered "stop" because `--timeout` passed (`answers_deadline`)
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
         self.series: list[tuple[int, float]] = list(prior)
@@ -117,7 +122,8 @@ class TrialReporter:
         self.trackers = list(trackers)  # TensorBoard, MLflow (sweep.tracking): empty with tracking off
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
+        if self.signals:
+            raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
         self.events.trial_log(self.trial.number, step, metrics)
         self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
         self.training.log(metrics)
@@ -125,7 +131,8 @@ class TrialReporter:
             tracker.log(step, metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
-        raise_pending()
+        if self.signals:
+            raise_pending()
         if self.inherited_until is not None and step <= self.inherited_until:
             return False  # the donor's value at the handoff: its lineage's, not this trial's
         if step in self.steps:
@@ -151,7 +158,10 @@ class TrialReporter:
             self.prune_reason = self._explain(step, value, metrics)
         elif self.deadline is not None and self.deadline.checkpointer is None and not self._last(step) \
                 and self.deadline.passed():
-            raise TimedOut()  # nothing to resume from: stop now
+            if not self.answers_deadline:
+                raise TimedOut()  # nothing to resume from: stop now
+            self.timed_out = True  # the loop saves, then returns; its runner then stops the trial as timed out
+            return True
         return prune
 
     def _one_read(self) -> contextlib.AbstractContextManager[None]:

@@ -200,9 +200,12 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         raise KeyError(f"study {study.study_name!r} has no trial {number}")
     trial = trials[0]
     stored_config = trial.user_attrs.get(ATTR_CONFIG)
-    if not isinstance(stored_config, dict) or not trial.intermediate_values:
-        raise ValueError(f"trial {number} has no stored config or reported values to compare (state "
-                         f"{trial.state.name.lower()})")
+    if not isinstance(stored_config, dict):
+        raise ValueError(f"trial {number} has no stored config to train again (state {trial.state.name.lower()})")
+    if not trial.intermediate_values:
+        raise ValueError(f"trial {number} reported no values while it trained (state {trial.state.name.lower()}"
+                         + (": its value came from what the loop returned or the command printed last"
+                            if trial.value is not None else "") + "), so there is nothing to compare step by step")
     study_spec = study.user_attrs.get(SPEC_ATTR, {})
     metric = study_spec.get("metric", "val_loss")
     stored = dict(sorted(trial.intermediate_values.items()))

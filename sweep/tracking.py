@@ -25,6 +25,8 @@ import importlib.util
 import json
 import math
 import os
+import posixpath
+import re
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -246,7 +248,7 @@ class MLflowTracker:
         if uri.startswith(("http://", "https://")):
             for name, value in MLFLOW_RETRY_DEFAULTS.items():
                 os.environ.setdefault(name, value)
-        self.metric, self.config = metric, dict(config)
+        self.metric, self.config, self.trial_number = metric, dict(config), trial_number
         self.pending: list[Any] = []
         with _store_turn(uri):  # a new store's tables are made by the client, at its creation
             self.client = MlflowClient(tracking_uri=uri)
@@ -255,13 +257,26 @@ class MLflowTracker:
         self.run_id = self.client.create_run(experiment_id, run_name=trial_run_name(trial_number), tags={
             "mlflow.parentRunId": parent, TAG_STUDY: study, TAG_ROLE: "trial", TAG_TRIAL: str(trial_number)},
         ).info.run_id
-        self.client.log_batch(self.run_id, params=[_param(k, v) for k, v in params.items()])
+        self.renamed: dict[str, str] = {}  # metric and param names MLflow refuses, as they were logged
+        self.client.log_batch(self.run_id, params=[_param(self._name(k), v) for k, v in params.items()])
+
+    def _name(self, name: str) -> str:
+        """`name` as MLflow takes it: each character it refuses (`@`, `(`, ...) an underscore, one warning a name."""
+        if name in self.renamed:
+            return self.renamed[name]
+        logged = mlflow_name(name)
+        if logged != name:
+            warnings.warn(f"trial {self.trial_number}: MLflow refuses the name {name!r}; logged as {logged!r}",
+                          stacklevel=3)
+        self.renamed[name] = logged
+        return logged
 
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(name, float(value), now, step) for name, value in metrics.items() if name != "step"]
+        batch = [Metric(self._name(name), float(value), now, step) for name, value in metrics.items()
+                 if name != "step"]
         self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -271,26 +286,44 @@ class MLflowTracker:
         self._metrics(step, metrics)
 
     def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
+        failure: Exception | None = None
         for operation in self.pending:  # the metrics sent in the background: an error there surfaces here
             if operation is not None:
-                operation.wait()
+                try:
+                    operation.wait()
+                except Exception as exc:  # noqa: BLE001 - raised once the run is ended: never left RUNNING
+                    failure = failure or exc
+        try:
+            self._end(outcome, value, attrs)
+        finally:
+            # The study's run ends with its latest trial (its end time moves on with each one): no worker knows
+            # which trial is the study's last, and a run left RUNNING would look alive in MLflow's UI forever.
+            self.client.set_terminated(self.parent, "FINISHED")
+        if failure is not None:
+            raise failure
+
+    def _end(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        """The run's tags, final value and files, then its end (its status from the trial's outcome)."""
+        status = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED"}.get(outcome, "KILLED")
+        try:
+            self._record(outcome, value, attrs)
+        finally:
+            self.client.set_terminated(self.run_id, status)
+
+    def _record(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
         tags = [RunTag("sweep.state", outcome)]
         for key in ("prune_reason", "fail_reason", "checkpoint"):
             if attrs.get(key) is not None:
                 tags.append(RunTag(f"sweep.{key}", json.dumps(attrs[key], default=str)[:5000]))
         self.client.log_batch(self.run_id, tags=tags)
         if value is not None and math.isfinite(value):
-            self.client.log_metric(self.run_id, f"final_{self.metric}", value, step=int(attrs.get("steps", 0)))
+            self.client.log_metric(self.run_id, self._name(f"final_{self.metric}"), value,
+                                   step=int(attrs.get("steps", 0)))
         self.client.log_dict(self.run_id, self.config, "config.json")
         if attrs.get("reproducibility") is not None:
             self.client.log_dict(self.run_id, dict(attrs["reproducibility"]), "reproducibility.json")
-        status = {"complete": "FINISHED", "pruned": "FINISHED", "failed": "FAILED"}.get(outcome, "KILLED")
-        self.client.set_terminated(self.run_id, status)
-        # The study's run ends with its latest trial (its end time moves on with each one): no worker knows which
-        # trial is the study's last, and a run left RUNNING would look alive in MLflow's UI forever.
-        self.client.set_terminated(self.parent, "FINISHED")
 
 
 
@@ -318,6 +351,15 @@ def end_lost_run(spec: StudySpec, storage_url: str | None, study_name: str, tria
         first = mask_urls(str(exc).splitlines()[0]) if str(exc) else ""
         warnings.warn(f"trial {trial_number}: its MLflow run could not be ended as lost ({type(exc).__name__}: "
                       f"{first})", stacklevel=2)
+
+def mlflow_name(name: str) -> str:
+    """A metric or param name as MLflow takes it: alphanumerics, `_ - . : /` and spaces (MLflow's own rule), the
+    rest an underscore each, and no path that normalises to another (`a//b`, `./a`, `/a`)."""
+    cleaned = re.sub(r"[^/\w.\- :]", "_", name)
+    if posixpath.normpath(cleaned) != cleaned or cleaned.startswith(("/", ".")) or cleaned in ("", "."):
+        cleaned = "_" + re.sub(r"/+", "/", cleaned.lstrip("/.")).rstrip("/")
+    return cleaned
+
 
 def _param(name: str, value: Any) -> Any:
     from mlflow.entities import Param

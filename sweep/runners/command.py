@@ -10,9 +10,11 @@ Each trial runs the command once, as a subprocess in its own process group (its 
 - stdout and stderr together in one log file per trial (`log` on the trial; `sweep trials` shows it), kept in the
   study's checkpoint folder (`<store>/<study>/logs/`).
 
-The trial ends when the process exits. Told to stop (pruned), timed out (`--timeout`) or stopped (Ctrl-C, SIGTERM
-to the worker), the process first hears "stop" (a report's answer) or SIGTERM (the whole group), and after
-`stop_grace_period` seconds the whole group is killed (SIGKILL). Its result: pruned if the pruner stopped it; failed
+The trial ends when the process exits. Told to stop (pruned), the process hears "stop" (a report's answer); timed
+out (`--timeout`) or stopped (Ctrl-C, SIGTERM to the worker), its whole group gets SIGTERM and the worker goes on
+answering it (a handler that calls `sweep.client.save` is answered, and its checkpoint registered) until it exits;
+either way, after `stop_grace_period` seconds the whole group is killed (SIGKILL). A timed-out or stopped trial is
+then queued again, its retry resuming from the newest checkpoint. Its result: pruned if the pruner stopped it; failed
 when it exited non-zero or was killed by a signal (the log's last lines in the reason); otherwise the last reported
 value of the metric, or, for a script that never reports, the metric in the last line of its output that is a JSON
 object holding it.
@@ -63,7 +65,7 @@ from sweep.outcomes import (
 )
 from sweep.runners.loop import save_path, user_start
 from sweep.schema import short_repr
-from sweep.signals import raise_pending
+from sweep.signals import Preempted, raise_pending
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
 
@@ -130,31 +132,64 @@ def _filled(word: str, values: Mapping[str, Any]) -> str:
     return "".join(text)
 
 
+def _lines_backwards(log: Path, block: int = 1 << 16) -> Iterator[str]:
+    """The log's lines (as `str.splitlines` splits them: a progress bar's carriage return too), last first, read
+    block by block from its end: a log of gigabytes is never held whole. Raises OSError when it cannot be read."""
+    with open(log, "rb") as file:
+        end = file.seek(0, os.SEEK_END)
+        rest = b""  # the start of a line that may begin in the block before
+        while end > 0:
+            start = max(0, end - block)
+            file.seek(start)
+            parts = (file.read(end - start) + rest).split(b"\n")
+            end = start
+            rest = parts.pop(0) if end > 0 else b""
+            for part in reversed(parts):
+                yield from reversed(part.decode("utf-8", "replace").splitlines() or [""])
+
+
 def last_json_value(log: Path, metric: str) -> float | None:
     """The metric in the last line of the log that is a JSON object holding it, or None."""
     try:
-        lines = log.read_text(errors="replace").splitlines()
+        for line in _lines_backwards(log):
+            line = line.strip()
+            if not (line.startswith("{") and line.endswith("}")):
+                continue
+            try:
+                found = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(found, dict) and metric in found:
+                value = found[metric]  # a number; JSON's true, "0.42" or null is not one
+                return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     except OSError:
         return None
-    for line in reversed(lines):
-        line = line.strip()
-        if not (line.startswith("{") and line.endswith("}")):
-            continue
-        try:
-            found = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(found, dict) and metric in found:
-            value = found[metric]  # a number; JSON's true, "0.42" or null is not one
-            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return None
 
 
 def _tail(log: Path, lines: int = 5) -> str:
+    """The log's last `lines` lines (trailing blank ones left out), joined, at most 800 characters."""
+    kept: list[str] = []
     try:
-        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-lines:])[-800:]
+        for line in _lines_backwards(log):
+            if kept or line.strip():
+                kept.append(line)
+            if len(kept) == lines:
+                break
     except OSError:
         return ""
+    return " | ".join(reversed(kept)).strip()[-800:]
+
+
+def _signal_name(number: int) -> str:
+    """SIGKILL, SIGRTMIN+3 or "signal 99": a real-time signal has no name of its own in `signal.Signals`."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        low, high = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
+        if low is not None and high is not None and low <= number <= high:
+            return f"SIGRTMIN+{number - low}"
+        return f"signal {number}"
 
 
 class CommandTrial(TrialRun):
@@ -180,7 +215,7 @@ class CommandTrial(TrialRun):
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
                                  judged=ATTR_CONFIRMS not in trial.user_attrs,  # a cold confirmation is never pruned
-                                 trackers=self.trackers)
+                                 trackers=self.trackers, answers_deadline=True, signals=False)
         started = time.perf_counter()
         # A trial's number runs once in a study: a log already there is an earlier study's (of the same name, its
         # database deleted), and its last JSON line must not become this trial's value.
@@ -198,7 +233,7 @@ class CommandTrial(TrialRun):
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         if code != 0:
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            how = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {_tail(log)}"})
         value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
         if value is None:
@@ -217,15 +252,21 @@ def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Sta
     """The command started in a session of its own, its output in `log` (opened with `mode`), its config, trial
     number and start state in its environment; yields it and the worker's end of its report socket."""
     ours, theirs = socket.socketpair()
+    start_env = _start_env(start, log.with_suffix(".start.pt"))
     env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(number), ENV_CONFIG: json.dumps(config),
-           **_start_env(start, log.with_suffix(".start.pt"))}
-    with open(log, mode) as output, ours:
-        try:
-            process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, pass_fds=[theirs.fileno()], start_new_session=True)
-        finally:
-            theirs.close()
-        yield process, ours
+           **start_env}
+    try:
+        with open(log, mode) as output, ours:
+            try:
+                process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, pass_fds=[theirs.fileno()], start_new_session=True)
+            finally:
+                theirs.close()
+            yield process, ours
+    finally:  # the start state's copy was the command's alone: gone with it
+        if ENV_START in start_env:
+            with contextlib.suppress(OSError):
+                Path(start_env[ENV_START]).unlink()
 
 
 def _start_env(start: Start, path: Path) -> dict[str, str]:
@@ -278,15 +319,17 @@ class _Session:
         self.buffer = b""
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stop_sent: float | None = None
+        self.ending: BaseException | None = None  # Ctrl-C, SIGTERM to the worker or --timeout: raised once it exits
         self.open = True
 
     def wait(self) -> int:
+        """Its exit code, once it has exited. Stopped (Ctrl-C or SIGTERM to the worker, `--timeout`), the command's
+        group gets SIGTERM and is answered while it saves, and that stop is raised once it has exited (or was killed
+        after the grace period); a second Ctrl-C raises at once, and the caller ends the group."""
         with selectors.DefaultSelector() as selector:
             selector.register(self.connection, selectors.EVENT_READ)
             while True:
-                raise_pending()  # Ctrl-C or SIGTERM to the worker: the caller ends the group
-                if self.deadline is not None and self.deadline.passed():
-                    raise TimedOut()  # nothing to resume from: the caller ends the group, the trial is queued again
+                self._stop_if_asked()
                 if self.open and selector.select(_POLL_S):
                     self._read()
                 elif not self.open:
@@ -295,9 +338,24 @@ class _Session:
                 if code is not None:
                     while self.open and selector.select(0):  # what it wrote just before exiting
                         self._read()
+                    if self.ending is not None:
+                        raise self.ending
                     return code
                 if self.stop_sent is not None and time.monotonic() - self.stop_sent > self.grace:
                     _kill_group(self.process, signal.SIGKILL)
+
+    def _stop_if_asked(self) -> None:
+        if self.ending is not None:
+            return
+        try:
+            raise_pending()
+        except (KeyboardInterrupt, Preempted) as exc:
+            self.ending = exc
+        if self.ending is None and self.deadline is not None and self.deadline.passed():
+            self.ending = TimedOut()
+        if self.ending is not None:  # as a preemption would: it may save, and is answered meanwhile
+            _kill_group(self.process, signal.SIGTERM)
+            self.stop_sent = self.stop_sent or time.monotonic()
 
     def _read(self) -> None:
         data = self.connection.recv(1 << 16)
@@ -320,6 +378,7 @@ class _Session:
         if "save" in message or "saved" in message:
             self._reply(json.dumps(self._checkpoint(message)).encode())
             return
+        self._stop_if_asked()
         stop = self.stop_sent is not None
         if not stop:
             metrics = {str(k): float(v) for k, v in dict(message["metrics"]).items()}

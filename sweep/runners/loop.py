@@ -16,9 +16,12 @@
 (`model.hidden` becomes `config["model"]["hidden"]`); the keys are the user's own. `run` is a `Run`.
 
 What the trial's result is: `main`'s return value when it is a number, or the study's metric in a mapping it returns;
-otherwise the last value of the metric it reported. A trial told to stop is pruned, whatever `main` returns. A
-non-finite result fails the trial as diverged; an exception fails it (or, for a fault of the machine, retries it),
-as for the built-in trainer.
+otherwise the last value of the metric it reported. A trial told to stop is pruned, whatever `main` returns or
+raises after that. A non-finite result fails the trial as diverged; an exception fails it (or, for a fault of the
+machine, retries it), as for the built-in trainer. A report that returned True because `--timeout` passed, and a
+Ctrl-C or SIGTERM that reached a report, stop the trial as interrupted (queued again, resumed from its newest
+save) even when the loop catches the interruption or returns a value; signal handlers the loop installs are put back
+when it returns.
 
 Checkpoints go through the study's checkpoint service: a `run.save(state)` is written atomically to the study's
 checkpoint store, hash-checked and registered, and read back with `torch.load(weights_only=True)` (so a state holds
@@ -31,13 +34,16 @@ what to take from it (`run.start` says which).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import numbers
+import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -70,8 +76,10 @@ from sweep.outcomes import (
     ATTR_WALL,
     ATTR_WARM_START,
     Outcome,
+    TimedOut,
     TrialResult,
 )
+from sweep.signals import FORWARD, Preempted
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
@@ -154,6 +162,7 @@ class Run:
         self.step = self.start_step  # the latest reported step
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
+        self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM that reached a report or a log
         self.first_step: int | None = None  # this run's first report
         self._steps: set[int] = set()  # the steps this run has reported
 
@@ -161,7 +170,9 @@ class Run:
         seed_everything(self.seed, deterministic=deterministic)
 
     def log(self, step: int, metrics: Mapping[str, Any] | None = None, /, **values: Any) -> None:
-        self._reporter.log(step, _floats({**(metrics or {}), **values}))
+        floats = _floats({**(metrics or {}), **values})
+        with self._noting_interruptions():
+            self._reporter.log(step, floats)
 
     def report(self, step: int, metrics: Mapping[str, Any] | None = None, /, **values: Any) -> bool:
         if self.stopped:
@@ -178,11 +189,23 @@ class Run:
             warnings.warn(f"run.report: step {step} was reported already; its first value is kept", stacklevel=2)
             return self.stopped
         self._steps.add(step)
-        self.step, self.metrics = step, reported
+        with self._noting_interruptions():
+            stop = bool(self._reporter.report(step, reported))
+        self.step, self.metrics = step, reported  # reported: an interruption raised above leaves it out
         if self.first_step is None:
             self.first_step = self.step
-        self.stopped = bool(self._reporter.report(self.step, reported))
+        self.stopped = stop
         return self.stopped
+
+    @contextlib.contextmanager
+    def _noting_interruptions(self) -> Iterator[None]:
+        """A Ctrl-C or SIGTERM raised at a report is kept: a loop that catches it (or a thread of its that reported)
+        still ends the trial as interrupted."""
+        try:
+            yield
+        except (KeyboardInterrupt, Preempted) as exc:
+            self.interrupted = self.interrupted or exc
+            raise
 
     def save(self, state: Mapping[str, Any], step: int | None = None) -> None:
         """Checkpoint `state` (tensors and plain values) at `step`, with every RNG's state. Without checkpoints (an
@@ -218,11 +241,14 @@ def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def loop_value(returned: Any, run: Run) -> float | None:
-    """The trial's value: `main`'s return when it is a number, the metric of a mapping it returns, else the last
-    reported value of the metric; None when there is none."""
+    """The trial's value: `main`'s return when it is a number (a tensor or array holding one number too), the metric
+    of a mapping it returns, else the last reported value of the metric; None when there is none."""
     if isinstance(returned, Mapping) and run.metric in returned:
         return _floats({run.metric: returned[run.metric]})[run.metric]
-    if isinstance(returned, (numbers.Real, torch.Tensor, np.number)) and not isinstance(returned, (bool, np.bool_)):
+    if isinstance(returned, (torch.Tensor, np.ndarray)):  # one number in it is that number; more are none
+        count = returned.numel() if isinstance(returned, torch.Tensor) else returned.size
+        returned = returned.item() if count == 1 else None
+    if isinstance(returned, (numbers.Real, np.number)) and not isinstance(returned, (bool, np.bool_)):
         return _floats({run.metric: returned})[run.metric]
     return metric_value(run.metrics, run.metric) if run.metric in run.metrics else None
 
@@ -234,15 +260,32 @@ class LoopExit(RuntimeError):
 
 def call_loop(function: Callable[..., Any], config: dict[str, Any], run: Run) -> Any:
     """Call the loop; a `StopTrial` it lets through is an ordinary end. `sys.exit` inside it fails the trial, as
-    any exception does, instead of ending the worker with its trial left running."""
+    any exception does, instead of ending the worker with its trial left running. Signal handlers it installs are
+    put back when it returns: the worker's own answer Ctrl-C and SIGTERM again between trials."""
     try:
-        return function(config, run)
+        with _kept_signal_handlers():
+            return function(config, run)
     except StopTrial:
         return None
     except SystemExit as exc:
         hint = " (argparse's parse_args() reads sweep's own command line: take the values from config)" \
             if exc.code == 2 else ""
         raise LoopExit(f"the loop called sys.exit({exc.code!r}){hint}") from exc
+
+
+@contextlib.contextmanager
+def _kept_signal_handlers() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can set them
+        yield
+        return
+    signums = {signal.SIGINT, signal.SIGTERM, *FORWARD.values()}
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            if handler is not None and signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
 
 
 class LoopTrial(TrialRun):
@@ -260,7 +303,7 @@ class LoopTrial(TrialRun):
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
                                  judged=ATTR_CONFIRMS not in trial.user_attrs,  # a cold confirmation is never pruned
-                                 trackers=self.trackers)
+                                 trackers=self.trackers, answers_deadline=True)
         seed, device = loop_seed(config), resolve_device(str(config.get("device", "auto")))
         initial = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
         run = Run(config, reporter, spec.metric, seed=seed, device=device, trial=trial.number, initial=initial,
@@ -269,8 +312,17 @@ class LoopTrial(TrialRun):
         seed_everything(seed)
         started = time.perf_counter()
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
-            returned = call_loop(function, config, run)
+            try:
+                returned = call_loop(function, config, run)
+            except Exception:
+                if run.interrupted is None and not reporter.timed_out and reporter.prune_reason is None:
+                    raise
+                returned = None  # what it raised once told to stop (a StopTrial it wrapped, say) changes nothing
+        if run.interrupted is not None:  # the loop caught it, or a thread of its reported
+            raise type(run.interrupted)()
         reporter.flush()
+        if reporter.timed_out:  # it was told to stop for --timeout, and has saved what it chose to
+            raise TimedOut()
         attrs: dict[str, Any] = {ATTR_REPRO: {**reproducibility_record(seed, device), "loop": spec.loop},
                                  ATTR_METRICS: run.metrics, ATTR_STEPS: run.step,
                                  ATTR_STEPS_TRAINED: steps_trained(run, start),

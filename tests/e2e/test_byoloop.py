@@ -273,18 +273,20 @@ def test_a_loop_that_returns_a_numpy_or_tensor_number_gives_the_trial_that_value
     # `main`'s return is the trial's value "when it is a number": a numpy float32 was ignored (the last report won).
     (tmp_path / "returns.py").write_text(
         "import numpy as np, torch\n"
-        "KINDS = {'f32': np.float32, 'f64': np.float64, 'i64': np.int64, 'tensor': torch.tensor, 'int': int}\n"
+        "KINDS = {'f32': np.float32, 'f64': np.float64, 'i64': np.int64, 'tensor': torch.tensor, 'int': int,\n"
+        "         'array': np.array, 'vector': lambda v: torch.tensor([v, v])}\n"
         "def main(config, run):\n"
         "    run.report(1, val_loss=0.5)\n"
         "    return KINDS[config['kind']](3)\n")
-    path = write_study(tmp_path, {"name": "returns", "n_trials": 5, "loop": "returns:main", "sampler": "bruteforce",
+    path = write_study(tmp_path, {"name": "returns", "n_trials": 7, "loop": "returns:main", "sampler": "bruteforce",
                                   "pruner": "none", "space": {"kind": {"type": "categorical",
                                                                        "choices": ["f32", "f64", "i64", "tensor",
-                                                                                   "int"]}}})
+                                                                                   "int", "array", "vector"]}}})
     done = sweep_cli("run", path, pythonpath=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert {t.params["kind"]: t.value for t in trials_of(path, "returns")} == dict.fromkeys(
-        ["f32", "f64", "i64", "tensor", "int"], 3.0)
+    # A 0-d array is its number; a tensor of two numbers is none (it failed the trial): the last report is the value.
+    assert {t.params["kind"]: t.value for t in trials_of(path, "returns")} == {
+        **dict.fromkeys(["f32", "f64", "i64", "tensor", "int", "array"], 3.0), "vector": 0.5}
 
 
 def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_trial_saying_so(
@@ -414,3 +416,72 @@ def test_a_mapping_of_the_users_keyed_by_numbers_reaches_the_loop_as_written(tmp
     assert done.returncode == 0, done.stderr
     [trial] = trials_of(path, "weighted")
     assert trial.state.name == "COMPLETE" and trial.value == 5.0 + trial.params["lr"]
+
+
+def test_a_loop_told_to_stop_by_timeout_saves_there_and_its_retry_resumes_from_that_save(tmp_path: Path) -> None:
+    # The report that saw --timeout pass raised instead of returning True: a loop that saves when told to stop (or
+    # after its report, as the README's example does) lost that save, and its retry began from scratch.
+    (tmp_path / "saver.py").write_text(
+        "import time\n"
+        "def main(config, run):\n"
+        "    state = run.load()\n"
+        "    first = state['step'] + 1 if state else 1\n"
+        "    for step in range(first, config['max_steps'] + 1):\n"
+        "        time.sleep(config['pause'])\n"
+        "        if run.report(step, val_loss=1.0 / step):\n"
+        "            run.save({'step': step})  # saves only when told to stop\n"
+        "            return\n")
+    path = write_study(tmp_path, {"name": "saver", "n_trials": 1, "loop": "saver:main", "pruner": "none",
+                                  "fixed": {"max_steps": 300, "pause": 0.01}})
+    assert sweep_cli("run", path, "--timeout", "1", pythonpath=tmp_path).returncode == 0
+    timed_out, _ = trials_of(path, "saver")
+    last = max(timed_out.intermediate_values)
+    assert timed_out.user_attrs["fail_reason"].startswith("interrupted: --timeout") and last < 300
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    _, retry = trials_of(path, "saver")
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from"] == {"trial": 0, "step": last}
+    assert sorted(retry.intermediate_values) == list(range(1, 301))
+
+
+def test_a_loop_that_catches_ctrl_c_or_installs_signal_handlers_still_lets_the_worker_stop(tmp_path: Path) -> None:
+    # A loop that caught the KeyboardInterrupt its report raised completed at a step it never reported, and the
+    # worker went on; handlers a loop installed (a library's, SIG_IGN here) stayed for the worker's whole life.
+    (tmp_path / "catcher.py").write_text(
+        "import os, signal\n"
+        "def main(config, run):\n"
+        "    if run.trial == 0:\n"
+        "        signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "        run.report(1, val_loss=1.0)\n"
+        "        return 1.0\n"
+        "    try:\n"
+        "        for step in range(1, 50):\n"
+        "            if step == 3:\n"
+        "                os.kill(os.getpid(), signal.SIGINT)\n"
+        "            run.report(step, val_loss=1.0 / step)\n"
+        "    except KeyboardInterrupt:\n"
+        "        return 0.5  # the loop's own Ctrl-C handling\n"
+        "    return 0.1\n")
+    path = write_study(tmp_path, {"name": "catcher", "n_trials": 3, "loop": "catcher:main", "pruner": "none"})
+    done = run_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    first, stopped, retry = trials_of(path, "catcher")
+    assert first.state.name == "COMPLETE" and first.value == 1.0
+    assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
+    assert sorted(stopped.intermediate_values) == [1, 2]
+    assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
+
+
+def test_a_loop_that_wraps_the_stop_in_its_own_exception_is_pruned_not_failed(tmp_path: Path) -> None:
+    (tmp_path / "wrapping.py").write_text(
+        "def main(config, run):\n"
+        "    try:\n"
+        "        for step in range(1, 100):\n"
+        "            run.report(step, val_loss=float('nan') if step > 1 else 1.0)\n"
+        "    except Exception as exc:\n"
+        "        raise RuntimeError('training failed') from exc\n")
+    path = write_study(tmp_path, {"name": "wrapping", "n_trials": 1, "loop": "wrapping:main"})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    (trial,) = trials_of(path, "wrapping")
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2]

@@ -325,3 +325,88 @@ def test_a_json_line_whose_metric_is_no_number_is_not_the_trials_value(tmp_path:
     assert done.returncode == 1, done.stderr
     [trial] = trials_of(path)
     assert trial.state.name == "FAIL" and "reported no 'val_loss'" in trial.user_attrs["fail_reason"]
+
+
+# Saves only when it is asked to stop, from its SIGTERM handler (the usual way a script meets a preemption); writes
+# `ready` once it has reported a few steps.
+SAVES_ON_SIGTERM = '''
+import signal
+import sys
+import time
+from pathlib import Path
+
+from sweep import client
+
+state = client.load()
+first = state["step"] + 1 if state is not None else 1
+step = first - 1
+
+
+def on_term(signum, frame):
+    client.save({"step": step}, step)
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, on_term)
+for step in range(first, 301):
+    time.sleep(0.02)
+    client.report(step, val_loss=1.0 / step)
+    if step == 3:
+        Path(sys.argv[1]).write_text("ready")
+'''
+
+
+@pytest.mark.parametrize("stop", ["sigterm", "timeout"])
+def test_a_command_stopped_by_sigterm_or_timeout_saves_from_its_handler_and_its_retry_resumes_there(
+        tmp_path: Path, stop: str) -> None:
+    # The worker stopped answering the script's socket once it was stopped: the handler's save blocked, the script
+    # was killed after the grace period and its retry started from scratch.
+    ready = tmp_path / "ready"
+    path = command_study(tmp_path, SAVES_ON_SIGTERM, f"train.py {ready}", pruner="none", stop_grace_period=60)
+    if stop == "timeout":
+        assert sweep_cli("run", path, "--timeout", "1", cwd=tmp_path).returncode == 0
+        reason = "interrupted: --timeout"
+    else:
+        worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not ready.exists() and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.send_signal(signal.SIGTERM)
+        _, stderr = worker.communicate(timeout=240)
+        assert worker.returncode == 143, stderr
+        reason = "preempted"
+    stopped, _ = trials_of(path)
+    assert stopped.user_attrs["fail_reason"].startswith(reason), stopped.user_attrs["fail_reason"]
+    last = max(stopped.intermediate_values)
+    assert 1 <= last < 300
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    _, retry = trials_of(path)
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from"]["step"] >= last - 1
+    assert sorted(retry.intermediate_values) == list(range(1, 301))
+    # The start state handed to the retry was the command's alone: gone with it.
+    assert not list(Path(retry.user_attrs["log"]).parent.glob("*.start.pt"))
+
+
+def test_a_command_killed_by_a_real_time_signal_fails_naming_it_with_its_log(tmp_path: Path) -> None:
+    script = "import os, signal\nprint('about to go')\nos.kill(os.getpid(), signal.SIGRTMIN + 3)\n"
+    path = command_study(tmp_path, script, "train.py", pruner="none")
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 1
+    (trial,) = trials_of(path)
+    assert trial.user_attrs["fail_reason"] == "the command killed by SIGRTMIN+3: about to go"
+
+
+def test_the_last_json_line_is_found_from_the_end_of_a_long_log_across_its_blocks(tmp_path: Path) -> None:
+    # The log was read whole into memory (a script that prints gigabytes took the worker with it); now it is read
+    # block by block from its end, lines split as before (a progress bar's carriage return too).
+    from sweep.runners.command import _tail, last_json_value
+
+    log = tmp_path / "trial.log"
+    with log.open("wb") as out:
+        out.write(b'{"val_loss": 0.25}\n' + "épöch 1\r".encode() * 40_000 + b'{"val_loss": 0.5}\rloading ')
+        out.write("é".encode() * 100_000 + b"\n" + b"done\n\n")
+    assert last_json_value(log, "val_loss") == 0.5
+    assert _tail(log, 2).endswith("é | done") and len(_tail(log, 2)) == 800
+    assert last_json_value(log, "accuracy") is None
+    assert last_json_value(tmp_path / "missing.log", "val_loss") is None

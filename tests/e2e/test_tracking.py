@@ -404,3 +404,30 @@ def test_a_users_loop_or_command_is_tracked_like_the_trainer(tmp_path: Path, for
         assert history == pytest.approx(trial.intermediate_values, rel=1e-6)
         if form == "loop":
             assert [e.step for e in accumulator.Scalars("train/train_loss")] == [10, 20]
+
+
+def test_metric_names_mlflow_refuses_are_logged_renamed_and_every_run_still_ends(tmp_path: Path) -> None:
+    # One name MLflow refuses ("val_loss(ema)", "acc@1") failed the trial's whole batch of metrics in the background:
+    # the trial's run and the study's were left RUNNING, without a single metric, tag or config.
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    (tmp_path / "named.py").write_text(
+        "def main(config, run):\n"
+        "    for step in (1, 2):\n"
+        "        run.log(step, {'acc@1': 0.5 * step})\n"
+        "        run.report(step, {'val_loss': 1.0 / step, 'val_loss(ema)': 2.0 / step})\n")
+    path = write_study(tmp_path, {"name": "named", "n_trials": 1, "loop": "named:main", "pruner": "none",
+                                  "tracking": {"mlflow": True}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "MLflow refuses the name 'val_loss(ema)'; logged as 'val_loss_ema_'" in done.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'named.mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("named").experiment_id])
+    assert sorted(run.info.status for run in runs) == ["FINISHED", "FINISHED"]  # the study's run and the trial's
+    [trial_run] = [run for run in runs if run.data.tags.get("sweep.state")]
+    assert trial_run.data.tags["sweep.state"] == "complete"
+    history = {name: [(m.step, m.value) for m in client.get_metric_history(trial_run.info.run_id, name)]
+               for name in ("val_loss", "val_loss_ema_", "acc_1")}
+    assert history == {"val_loss": [(1, 1.0), (2, 0.5)], "val_loss_ema_": [(1, 2.0), (2, 1.0)],
+                       "acc_1": [(1, 0.5), (2, 1.0)]}

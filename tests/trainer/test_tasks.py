@@ -165,3 +165,16 @@ def test_task_arguments_are_checked_against_the_functions_annotations(tmp_path: 
         load_task("typed_tasks:noisy", {"noise": "x"})
     with pytest.raises(TaskError, match=r"^task 'digits': task_args.val_fraction: expected a number, got 'x'$"):
         load_task("digits", {"val_fraction": "x"})
+
+
+def test_the_loss_gets_low_precision_outputs_in_float32_and_float64_or_complex_ones_as_they_are() -> None:
+    # Every output was cast with .float(): a float64 model's loss lost its precision and a complex one its imaginary
+    # part (with only a warning), so the loss and its gradient were wrong.
+    from trainer.tasks.base import as_fp32
+
+    for dtype, expected in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                            (torch.float32, torch.float32), (torch.float64, torch.float64),
+                            (torch.complex64, torch.complex64), (torch.int64, torch.float32)):
+        assert as_fp32(torch.ones(2, dtype=dtype)).dtype == expected, dtype
+    precise = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
+    assert as_fp32(precise).item() == 1.0 + 1e-12

@@ -18,9 +18,12 @@ __all__ = ["Task", "TaskError", "accuracy_sum", "as_fp32", "cross_entropy", "mat
 
 
 def as_fp32(out: Any) -> Any:
-    """A model's output for the loss: one tensor in float32 (autocast leaves it in bf16 or fp16); anything else (a
+    """A model's output for the loss: one tensor in float32 (autocast leaves it in bf16 or fp16), unless it is
+    float64 or complex (cast, a model of that type would lose precision or its imaginary part); anything else (a
     tuple, a dict, a model-output object) as the model returned it, for a `loss=` of the task's own to take."""
-    return out.float() if isinstance(out, torch.Tensor) else out
+    if isinstance(out, torch.Tensor) and out.dtype != torch.float64 and not out.is_complex():
+        return out.float()
+    return out
 
 
 def materialize(model: nn.Module, inputs: torch.Tensor) -> nn.Module:
