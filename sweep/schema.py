@@ -157,19 +157,38 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
         raise ValueError(f"log: true needs low > 0, got low={low}")
     if log and step is not None:
         raise ValueError("log: true and step cannot be combined")
-    if not math.isfinite(high - low):
-        raise ValueError(f"the range from {low} to {high} is too wide to sample (high - low overflows)")
-    if step is not None:
-        try:  # Optuna counts a range's steps in Python's decimals (28 digits): more steps raise InvalidOperation
-            (decimal.Decimal(str(high)) - decimal.Decimal(str(low))) % decimal.Decimal(str(step))
+    whole = all(isinstance(v, int) for v in (low, high)) and (step is None or isinstance(step, int))
+    if whole and max(abs(low), abs(high)) > 2**53:
+        raise ValueError(f"expected integers within +-2^53 (Optuna keeps a parameter's value as a float), got "
+                         f"low={_short_number(low)}, high={_short_number(high)}")
+    try:
+        width = float(high) - float(low)
+    except OverflowError:
+        width = math.inf
+    if not math.isfinite(width):
+        raise ValueError(f"the range from {_short_number(low)} to {_short_number(high)} is too wide to sample "
+                         "(high - low overflows)")
+    if step is None:
+        return
+    if whole:  # Optuna's own rule, in exact arithmetic: the range is narrowed to the last multiple of step
+        remainder: Any = (high - low) % step
+    else:
+        try:  # Optuna counts a float range's steps in Python's decimals (28 digits): more raise InvalidOperation
+            remainder = (decimal.Decimal(str(high)) - decimal.Decimal(str(low))) % decimal.Decimal(str(step))
         except decimal.InvalidOperation:
-            raise ValueError(f"expected a step that divides high - low = {high - low:g} into fewer than 10^28 steps "
-                             f"(Optuna counts them in 28 decimal digits), got step {step:g}") from None
-    if step is not None:  # Optuna would narrow the range to the last multiple, with a warning
-        steps = (high - low) / step
-        if abs(steps - round(steps)) > 1e-9 * max(1.0, abs(steps)):
-            raise ValueError(f"expected high - low to be a multiple of step, got high - low = {high - low:g} and "
-                             f"step {step:g} (Optuna would sample up to {low + math.floor(steps) * step:g} only)")
+            raise ValueError(f"expected a step that divides high - low = {width:g} into fewer than 10^28 steps "
+                             f"(Optuna counts them in 28 decimal digits), got step {_short_number(step)}") from None
+    if remainder != 0:  # Optuna would narrow the range to the last multiple, with a warning
+        last = high - remainder if whole else float(decimal.Decimal(str(high)) - remainder)
+        raise ValueError(f"expected high - low to be a multiple of step, got high - low = {width:g} and step "
+                         f"{_short_number(step)} (Optuna would sample up to {_short_number(last)} only)")
+
+
+def _short_number(value: Any) -> str:
+    """A number for a message: a whole number of hundreds of digits shortened."""
+    if isinstance(value, int) and abs(value) >= 10**15:
+        return f"{'-' if value < 0 else ''}about 10^{int(abs(value).bit_length() * math.log10(2))}"
+    return str(value)
 
 
 Param = Annotated[Union[FloatParam, IntParam, CategoricalParam], Field(discriminator="type")]

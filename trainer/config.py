@@ -349,7 +349,11 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         if isinstance(value, bool):
             return False, value, f"expected a number, got {value!r}"
         if isinstance(value, (int, float)):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # a whole number of hundreds of digits
+                return False, value, (f"expected a number, got a whole number too large for a float (about "
+                                      f"10^{int(value.bit_length() * math.log10(2))})")
         elif isinstance(value, str):
             number = number_from_text(value)
             if number is None:

@@ -262,7 +262,21 @@ RANGES = [
                                                          space={"learning_rate": FLOAT}), "fixed.model.hidden",
              "cannot build its model: a tensor's size overflows with hidden=1099511627776"),
     bad_file("ranges", "space-hidden-high-overflows", changed(**{"space__model.hidden": {
-        "type": "int", "low": 8, "high": 2 ** 62}}), f"{HIDDEN}.high", "a tensor's size overflows"),
+        "type": "int", "low": 8, "high": 2 ** 62}}), HIDDEN, "expected integers within +-2^53"),
+    # A whole number of hundreds of digits in an int range, or as a step, was an OverflowError's traceback; a step
+    # that does not divide the range by a hair (or at all, when it is huge) passed a float tolerance and Optuna
+    # narrowed the range, with a warning.
+    bad_file("ranges", "space-int-high-hundreds-of-digits", changed(**{"space__model.hidden": {
+        "type": "int", "low": 8, "high": 10 ** 400}}), HIDDEN, "expected integers within +-2^53"),
+    bad_file("ranges", "space-int-step-huge", changed(**{"space__model.hidden": {
+        "type": "int", "low": 8, "high": 32, "step": 10 ** 400}}), HIDDEN, "expected high - low to be a multiple"),
+    bad_file("ranges", "space-int-step-by-a-hair", changed(**{"space__seed": {
+        "type": "int", "low": 0, "high": 10 ** 12 + 1, "step": 2}}), "space.seed", "expected high - low to be a"),
+    bad_file("ranges", "space-float-step-by-a-hair", changed(**{"space__weight_decay": {
+        "type": "float", "low": 0.0, "high": 1.0, "step": 0.3333333333333}}), "space.weight_decay",
+        "expected high - low to be a multiple"),
+    bad_file("numbers", "fixed-float-hundreds-of-digits", changed(**{"fixed__momentum": 10 ** 400}),
+             "fixed.momentum", "expected a number, got a whole number too large for a float"),
 ]
 
 
