@@ -303,7 +303,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     where = "--storage" if storage is not None else f"{study_file}: storage"
     problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url) or sqlite_write_problem(url)] if problem]
     problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
-    problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec)]
+    problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec, url)]
     if problems:
         raise _fail(problems, 2)
     return spec, url

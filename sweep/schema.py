@@ -907,9 +907,10 @@ def long_name_problem(path: str | Path) -> str | None:
     return None
 
 
-def sqlite_file_problem(url: str) -> str | None:
+def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     """For a SQLite URL: what is wrong with its file before anything creates it, or None. The folder must exist;
-    the path must not be a folder, nor a file that is not a SQLite database (it would not be written into)."""
+    the path must not be a folder, nor a file that is not a SQLite database (it would not be written into), nor
+    (with `study`, for a study's storage) a database of another program's tables."""
     if not url.startswith("sqlite:///") or url.endswith(":memory:"):
         return None
     path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
@@ -921,6 +922,10 @@ def sqlite_file_problem(url: str) -> str | None:
         return f"{path} is not a regular file (a named pipe or a device?); expected a SQLite file"
     if not path.parent.is_dir():
         return f"the folder {path.parent} does not exist; create it first, or give a SQLite file in an existing one"
+    for suffix in ("-wal", "-shm", "-journal", ".lock"):  # SQLite's files beside it, and sweep's ask lock
+        companion = path.with_name(path.name + suffix)
+        if companion.exists() and not companion.is_file():
+            return f"{companion} is not a file (a folder?), and the database's {suffix} file goes there; remove it"
     if path.is_file() and path.stat().st_size > 0:
         try:
             with open(path, "rb") as handle:
@@ -929,6 +934,29 @@ def sqlite_file_problem(url: str) -> str | None:
             return f"cannot read {path}: {exc.strerror or exc}"
         if header != b"SQLite format 3\x00":
             return f"{path} is not a SQLite database; give a new or existing .db file"
+        return _foreign_tables_problem(path) if study else None
+    return None
+
+
+def _foreign_tables_problem(path: Path) -> str | None:
+    """A SQLite database with tables, none of them Optuna's: another program's, which a study would be written into.
+    A database busy with another worker's write is left to the storage, which waits for it."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                                                timeout=10)) as connection:
+            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc) or not os.access(path.parent, os.W_OK | os.X_OK):
+            return None
+        return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
+    except sqlite3.DatabaseError as exc:
+        return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
+    if tables and not {"studies", "trials", "version_info"} <= tables:
+        shown = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
+        return (f"{path} is a SQLite database of another program (tables {shown}; no Optuna tables), and a study "
+                "would be written into it; give a new or existing study .db file")
     return None
 
 
@@ -956,7 +984,7 @@ def sqlite_study_problem(url: str) -> str | None:
     if not url.startswith("sqlite:///") or url.endswith(":memory:"):
         return None
     path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
-    if problem := sqlite_file_problem(url):
+    if problem := sqlite_file_problem(url, study=False):
         return problem.replace("; give a new or existing .db file", "; give the .db file of a study")
     if path.stat().st_size == 0:
         return f"{path} is an empty file, not a study database; give the .db file of a study"

@@ -307,6 +307,9 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
     if problem := long_name_problem(folder / spec.name):
         return [(which, problem)]
+    artifacts = folder / "_artifacts"  # every study's dashboard copies (`sweep.blobs.artifact_store_at`)
+    if (artifacts.exists() or artifacts.is_symlink()) and not artifacts.is_dir():
+        return [(which, f"{artifacts} is a file; the dashboard's checkpoint copies need a folder there")]
     for path in (folder / spec.name, folder, *folder.resolve().parents):
         if path.exists():
             if not path.is_dir():

@@ -113,28 +113,34 @@ def tracking_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return problems
 
 
-def destination_problems(spec: StudySpec) -> list[tuple[str, str]]:
+def destination_problems(spec: StudySpec, storage_url: str | None = None) -> list[tuple[str, str]]:
     """Where tracking writes, once resolved (`resolve_tracking`), checked before anything is created: TensorBoard's
-    folder must be one that can be made (no part of it a file, nor over 255 bytes); otherwise every trial would warn
-    that its tracking was dropped. MLflow's tracking URI is MLflow's to judge (plugins add kinds of their own)."""
-    from sweep.schema import long_name_problem
+    folder for the study must be one that can be made (no part of it a file, nor over 255 bytes), and MLflow's SQLite
+    store a file SQLite can use (not a folder, nor another kind of file); otherwise every trial would warn that its
+    tracking was dropped, or wait on MLflow's retries. Other MLflow tracking URIs are MLflow's to judge (plugins add
+    kinds of their own)."""
+    from sweep.schema import long_name_problem, sqlite_file_problem
 
     problems = []
     tensorboard = spec.tracking.tensorboard
-    if tensorboard.enabled and tensorboard.dir is not None:
-        folder = Path(tensorboard.dir).expanduser()
+    if tensorboard.enabled:
+        key = "tracking.tensorboard.dir" if tensorboard.dir is not None else "tracking.tensorboard"
+        folder = tensorboard_root(spec.tracking, storage_url) / spec.name
         if problem := long_name_problem(folder):
-            problems.append(("tracking.tensorboard.dir", problem))
+            problems.append((key, problem))
         else:
             for path in (folder, *folder.absolute().parents):
                 if path.exists():
                     if not path.is_dir():
-                        problems.append(("tracking.tensorboard.dir", f"{path} is a file; TensorBoard needs a folder "
-                                                                     "there"))
+                        problems.append((key, f"{path} is a file; TensorBoard needs a folder there"))
                     elif not os.access(path, os.W_OK | os.X_OK):
-                        problems.append(("tracking.tensorboard.dir", f"cannot create folders in {path}: permission "
-                                                                     "denied"))
+                        problems.append((key, f"cannot create folders in {path}: permission denied"))
                     break
+    if spec.tracking.mlflow.enabled:
+        uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)
+        if problem := sqlite_file_problem(uri, study=False):  # an existing store holds MLflow's tables
+            key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
+            problems.append((key, f"MLflow's store: {problem}"))
     return problems
 
 

@@ -11,6 +11,7 @@ Cases are grouped by kind in tables; a kind's table says what a fix must hold fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -78,6 +79,14 @@ def bad_args(kind: str, id: str, args: tuple[str, ...], line: str | tuple[str, .
 
 def _file(name: str, content: str = "not a folder\n") -> Callable[[Path], None]:
     return lambda folder: (folder / name).write_text(content)
+
+
+def _other_programs_database(path: Path) -> None:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        connection.execute("CREATE TABLE notes (body TEXT)")
+        connection.commit()
 
 
 def _folder(name: str) -> Callable[[Path], None]:
@@ -465,6 +474,23 @@ PATHS = [
              "blobs/tiny is a file", setup=lambda folder: (_folder("blobs")(folder), _file("blobs/tiny")(folder))),
     bad_file("paths", "sqlite-folder-missing", changed(storage="sqlite:///missing/tiny.db"), "storage",
              "missing does not exist"),
+    # A folder where SQLite's companion files, sweep's ask lock or the dashboard's copies go was a traceback (the
+    # lock, the copies) or a wait and a half-made database (-wal, -shm), each after the study was created; another
+    # program's SQLite database got Optuna's tables written into it; tracking's default places in the way warned on
+    # every trial (TensorBoard) or hung on MLflow's retries.
+    *[bad_file("paths", f"sqlite{suffix}-is-a-folder", TINY_STUDY, "storage",
+               f"tiny.db{suffix} is not a file (a folder?)", setup=_folder(f"tiny.db{suffix}"))
+      for suffix in ("-wal", "-shm", ".lock")],
+    bad_file("paths", "artifacts-is-a-file", TINY_STUDY, "checkpoints.store (default: next to the SQLite file)",
+             "_artifacts is a file", setup=lambda folder: (_folder("tiny.checkpoints")(folder),
+                                                          _file("tiny.checkpoints/_artifacts")(folder))),
+    bad_file("paths", "sqlite-of-another-program", TINY_STUDY, "storage",
+             "tiny.db is a SQLite database of another program (tables notes; no Optuna tables)",
+             setup=lambda folder: _other_programs_database(folder / "tiny.db")),
+    bad_file("paths", "default-tensorboard-is-a-file", changed(tracking={"tensorboard": True}),
+             "tracking.tensorboard", "tiny.tensorboard is a file", setup=_file("tiny.tensorboard")),
+    bad_file("paths", "default-mlflow-store-is-a-folder", changed(tracking={"mlflow": True}),
+             "tracking.mlflow", "tiny.mlflow.db is a folder", setup=_folder("tiny.mlflow.db")),
     bad_args("paths", "sqlite-is-a-folder", ("run", STUDY, "--storage", "sqlite:///{tmp}/adir"), "--storage: ",
              "adir is a folder", setup=_folder("adir")),
     bad_args("paths", "sqlite-is-the-study-file", ("run", STUDY, "--storage", "sqlite:///{tmp}/study.yaml"),
