@@ -267,6 +267,17 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if spec.warm_start.confirm >= spec.n_trials:
         return [("warm_start.confirm", f"expected fewer than n_trials ({spec.n_trials}): the confirmations are the "
                  f"last trials of the budget, after the search, but got {spec.warm_start.confirm}")]
+    if spec.loop is None and spec.command is None:  # the built-in trainer hands over at an evaluation step
+        for end in (0, -1):
+            try:
+                config = TrainingConfig.from_dict(_example_config(spec, end))
+            except ConfigError:  # reported by the config's own check
+                return []
+            if spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps) == 0:
+                return [("warm_start.handoff", f"{spec.warm_start.handoff:g} x max_steps ({config.max_steps}) is "
+                         f"below the first evaluation (eval_every_steps {config.eval_every_steps}), so no trial would "
+                         "keep a checkpoint to hand over and warm start would never happen; expected a handoff of at "
+                         f"least {config.eval_every_steps / config.max_steps:.3g}, or evaluations more often")]
     return []
 
 

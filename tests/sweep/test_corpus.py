@@ -195,6 +195,9 @@ RANGES = [
     bad_file("combinations", "devices_per_trial-with-command",
              changed(resources={"devices_per_trial": 2}, task=..., command="python train.py"), "resources",
              "a command study's trial runs as one process"),
+    # A handoff below the first evaluation turned warm start (and its confirmations) off without a word.
+    bad_file("ranges", "handoff-before-the-first-evaluation", changed(warm_start={"handoff": 0.4}),
+             "warm_start.handoff", "is below the first evaluation (eval_every_steps 10)"),
     bad_file("ranges", "confirm-negative", changed(warm_start={"confirm": -1}), "warm_start.confirm",
              "greater than or equal to 0"),
     bad_file("ranges", "seed-above-2**32", changed(seed=2**32), "seed", "less than or equal to 4294967295"),
