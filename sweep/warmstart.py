@@ -67,12 +67,14 @@ def coordinates(space: Mapping[str, Param], params: Mapping[str, Any]) -> list[f
     return numeric[:COORDS]
 
 
-def distance(space: Mapping[str, Param], a: Mapping[str, Any], b: Mapping[str, Any]) -> float:
-    """Euclidean distance between two points of `space`; a key one side lacks counts as the full range."""
+def distance(space: Mapping[str, Param], a: Mapping[str, Any], b: Mapping[str, Any], *,
+             absent: float = 1.0) -> float:
+    """Euclidean distance between two points of `space`; a key one side lacks counts as `absent` (the full range by
+    default; 0 for another study's point, which fixed the keys it lacks)."""
     total = 0.0
     for key, param in space.items():
         if key not in a or key not in b:
-            total += 1.0
+            total += absent
         elif isinstance(param, CategoricalParam):
             total += 0.0 if a[key] == b[key] else 1.0
         else:
@@ -131,10 +133,10 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
     sign = -1.0 if spec.direction == "maximize" else 1.0
     best: Donor | None = None
 
-    def consider(records: list[CheckpointRecord]) -> None:
+    def consider(records: list[CheckpointRecord], absent: float = 1.0) -> None:
         nonlocal best
         for record in records:
-            d = distance(spec.space, params, record.params)
+            d = distance(spec.space, params, record.params, absent=absent)
             if d > radius or record.value is None or not math.isfinite(record.value):
                 continue
             if any(k in record.params and record.params[k] != v for k, v in match.items()):
@@ -157,8 +159,9 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
             break
         offset += PAGE
     others = [name for name in options.from_studies if name != study]
-    if others:  # other studies' spaces may differ: their coordinate columns mean other things
-        consider(registry.donor_candidates(others, key, before_step=handoff_step + 1))
+    if others:  # other studies' spaces may differ: their coordinate columns mean other things, and a key they fixed
+        # is not compared (the README: keep such keys equal across the studies)
+        consider(registry.donor_candidates(others, key, before_step=handoff_step + 1), absent=0.0)
     return best
 
 

@@ -157,6 +157,15 @@ def test_from_studies_finds_donors_in_other_studies(registry: Registry) -> None:
     assert donor is not None and (donor.record.study, donor.record.trial_number) == (f"{study}-before", 7)
 
 
+def test_a_key_another_study_fixed_is_not_compared_for_its_donors(registry: Registry) -> None:
+    # A donor study that fixed a key this one searches was never a donor: the key counted as the full range.
+    study = f"s-{uuid.uuid4().hex[:8]}"
+    before = make_spec()
+    register(registry, f"{study}-before", before, 3, {k: v for k, v in BASE.items() if k != "weight_decay"}, 50, 0.1)
+    donor = lookup(registry, make_spec(from_studies=[f"{study}-before"]), study, BASE)
+    assert donor is not None and donor.record.trial_number == 3 and donor.distance == 0.0
+
+
 def test_a_pinned_checkpoint_is_never_collected(registry: Registry) -> None:
     spec, study = make_spec(), f"s-{uuid.uuid4().hex[:8]}"
     pinned = register(registry, study, spec, 0, BASE, 50, 0.1)
