@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_blob, local_copy
-from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, Outcome
+from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, Outcome, lineage
 from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
 from sweep.storage import StorageAway, sqlite_path
@@ -147,6 +147,12 @@ class CheckpointService:
                     self._upload_best(trial, checkpointer, outcome)
         with _cleanup(trial.number, "releasing its checkpoints"):
             self.registry.finish_trial(self.study_name, trial.number, donor=outcome.donor)
+            if outcome.donor and trial.user_attrs.get("retry_of") is not None:
+                # A retry that ended well: its lineage's checkpoints (the handoff one, often, which a retry resumed
+                # past does not write again) are this config's work too, and donors again.
+                trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
+                for number in lineage(trials, trial.number)[1:]:
+                    self.registry.finish_trial(self.study_name, number, donor=True)
             self.apply_retention(trial.study)
 
     def _upload_best(self, trial: optuna.Trial, checkpointer: TrialCheckpointer, outcome: Outcome) -> None:

@@ -246,3 +246,35 @@ def test_a_from_studies_name_the_storage_does_not_hold_is_named_in_a_warning(tmp
     assert done.returncode == 0, done.stderr
     assert "warning: warm_start.from_studies: no study 'warmm' in sqlite:///" in done.stderr
     assert "so it gives no donors (its studies: warm)" in done.stderr
+
+
+def test_a_preempted_trial_is_a_donor_again_once_its_retry_completes(tmp_path: Path) -> None:
+    # The retry resumed past the handoff and wrote no handoff checkpoint of its own, and its lineage's stayed
+    # marked "not a donor" after the retry completed: every preemption took a config out of the donor pool.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.e2e.test_resume import checkpointed_steps, long_study
+
+    path = long_study(tmp_path, n_trials=2, warm_start={"handoff": 0.2, "max_distance": 1.0},
+                      space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}})
+    db = tmp_path / "tiny.db"
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and max(checkpointed_steps(db, 0), default=0) <= 600:
+            time.sleep(0.2)
+        worker.send_signal(signal.SIGTERM)  # past its handoff (step 500), long before its end (3000)
+        _, stderr = worker.communicate(timeout=120)
+    finally:
+        worker.kill()
+    assert worker.returncode == 143, stderr
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    preempted, retry, fresh = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").trials
+    assert preempted.user_attrs["fail_reason"].startswith("preempted") and retry.user_attrs["retry_of"] == 0
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from"]["step"] > 500
+    assert fresh.user_attrs["warm_start_from"]["trial"] == 0 and fresh.user_attrs["warm_start_from"]["step"] == 500
