@@ -15,6 +15,7 @@ from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_LOG,
+    ATTR_RETRY_OF,
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
@@ -107,15 +108,26 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "budget_used": budget_counts(trials)[0],
         "states": state_counts(study),
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
-                                           "warm_start_from": best.user_attrs.get(ATTR_WARM_START, {}).get("trial"),
+                                           "warm_start_from": donor_label(best, study.study_name),
                                            "lineage": lineage_label(best, trials)},
         "confirmations": confirmation_rows(trials),
         "steps_trained": steps_trained(trials),
-        "warm_started": sum(ATTR_WARM_START in t.user_attrs for t in trials),
+        # one per config: a retry carries its lineage's donor too, and is not another warm start
+        "warm_started": sum(ATTR_WARM_START in t.user_attrs and t.user_attrs.get(ATTR_RETRY_OF) is None
+                            for t in trials),
         "trials_per_hour": trials_per_hour(trials),
         "cohorts": sorted({int(c["size"]) for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict)
                            and "size" in c}),
     }
+
+
+def donor_label(trial: FrozenTrial, study_name: str) -> int | str | None:
+    """The trial a warm-started trial started from: its number, or `study#number` for another study's (from_studies)."""
+    parent = trial.user_attrs.get(ATTR_WARM_START)
+    if not isinstance(parent, dict):
+        return None
+    donor_study = parent.get("study")
+    return parent.get("trial") if donor_study in (None, study_name) else f"{donor_study}#{parent.get('trial')}"
 
 
 def trials_per_hour(trials: list[FrozenTrial]) -> float | None:
@@ -141,7 +153,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row.update({f"params.{k}": v for k, v in trial.params.items()})
         row["steps"] = trial.user_attrs.get(ATTR_STEPS)
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
-        row["warm_start_from"] = trial.user_attrs.get(ATTR_WARM_START, {}).get("trial")
+        row["warm_start_from"] = donor_label(trial, study.study_name)
         row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
         row["cohort"] = (trial.user_attrs.get("cohort") or {}).get("id")  # trained batched with others (sweep.cohort)
         row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show

@@ -56,3 +56,16 @@ def test_fast_fail_judges_a_warm_trial_only_by_what_breaks() -> None:
     assert pruner.verdict(flat, config, maximize=False, warm=True) is None  # its lineage has learned
     broken = [*flat, (120, math.nan)]
     assert pruner.verdict(broken, config, maximize=False, warm=True).rule == "nan"
+
+
+def test_a_donor_of_another_study_is_named_with_its_study_and_a_retry_is_no_second_warm_start(tmp_path: Path) -> None:
+    # `sweep trials` showed a from_studies donor's number alone (it read as this study's trial), and `sweep status`
+    # counted a preempted warm trial and its retry as two warm starts.
+    from sweep.results import donor_label, study_status
+
+    other = {"warm_start_from": {"study": "last-week", "trial": 7, "step": 50}}
+    trials = _trials(tmp_path, [(0.3, WARM), (0.2, other), (0.1, {**WARM, "retry_of": 0}), (0.4, {})])
+    assert [donor_label(t, "s") for t in trials] == [0, "last-week#7", 0, None]
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+    assert study_status(study)["warm_started"] == 2
