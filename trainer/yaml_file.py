@@ -320,5 +320,10 @@ def load_yaml(text: str, source: str | Path, prefix: str = "", what: str = "stud
     except yaml.YAMLError as exc:
         raise YamlFileError(source, [(prefix, _yaml_error(exc, text))]) from None
     except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a value its tag refuses (checked above)
+        digits = re.search(r"\d{4301,}", text) if "digits" in str(exc) else None
+        if digits is not None:  # Python's limit on reading an int from text (sys.set_int_max_str_digits)
+            line = text[:digits.start()].count("\n") + 1
+            raise YamlFileError(source, [(prefix, f"line {line}: a whole number of {len(digits.group())} digits; "
+                                                  "expected a number of at most 4300")]) from None
         raise YamlFileError(source, [(prefix, f"a value YAML cannot read: {short_repr(str(exc))}")]) from None
 
