@@ -916,6 +916,8 @@ def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
     if problem := long_name_problem(path):
         return problem
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(path)):  # a file no listing shows as it is named
+        return f"the path {short_repr(str(path))} holds a control character; expected a printable file name"
     if path.is_dir():
         return f"{path} is a folder; expected a SQLite file such as {path / 'study.db'}"
     if path.exists() and not path.is_file():  # a named pipe or a device: opening it would wait, or never end

@@ -496,6 +496,8 @@ PATHS = [
              "tracking.tensorboard", "tiny.tensorboard is a file", setup=_file("tiny.tensorboard")),
     bad_file("paths", "default-mlflow-store-is-a-folder", changed(tracking={"mlflow": True}),
              "tracking.mlflow", "tiny.mlflow.db is a folder", setup=_folder("tiny.mlflow.db")),
+    bad_args("paths", "sqlite-path-with-a-control-character", ("run", STUDY, "--storage", "sqlite:///t\x01.db"),
+             "--storage: ", "holds a control character"),
     bad_args("paths", "sqlite-is-a-folder", ("run", STUDY, "--storage", "sqlite:///{tmp}/adir"), "--storage: ",
              "adir is a folder", setup=_folder("adir")),
     bad_args("paths", "sqlite-is-the-study-file", ("run", STUDY, "--storage", "sqlite:///{tmp}/study.yaml"),
