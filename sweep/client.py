@@ -189,5 +189,12 @@ def _connect() -> socket.socket | None:
         fd = os.environ.get(ENV_REPORT_FD)
         if not fd:
             return None
-        _connection = socket.socket(fileno=int(fd))
+        try:
+            _connection = socket.socket(fileno=int(fd))
+        except OSError as exc:
+            raise RuntimeError(
+                f"sweep.client: the report channel ({ENV_REPORT_FD}={fd}) is not open in this process "
+                f"({exc.strerror}): a launcher started it without passing that file descriptor on (subprocess "
+                f"closes it unless told: pass_fds=[int(os.environ['{ENV_REPORT_FD}'])]); report from the process "
+                "sweep started, or pass it on") from None
     return _connection

@@ -410,3 +410,15 @@ def test_the_last_json_line_is_found_from_the_end_of_a_long_log_across_its_block
     assert _tail(log, 2).endswith("é | done") and len(_tail(log, 2)) == 800
     assert last_json_value(log, "accuracy") is None
     assert last_json_value(tmp_path / "missing.log", "val_loss") is None
+
+
+def test_a_process_a_launcher_started_without_the_report_channel_is_told_how_to_pass_it_on(tmp_path: Path) -> None:
+    # A launcher's child (subprocess closes inherited descriptors by default) crashed on "Bad file descriptor".
+    script = ("import subprocess, sys\n"
+              "code = 'from sweep import client; client.report(1, val_loss=0.5)'\n"
+              "sys.exit(subprocess.run([sys.executable, '-c', code]).returncode)\n")
+    path = command_study(tmp_path, script, "train.py", pruner="none")
+    assert sweep_cli("run", path, cwd=tmp_path).returncode == 1
+    (trial,) = trials_of(path)
+    assert "the report channel (SWEEP_REPORT_FD=" in trial.user_attrs["fail_reason"]
+    assert "pass_fds=[int(os.environ['SWEEP_REPORT_FD'])]" in trial.user_attrs["fail_reason"]
