@@ -95,8 +95,18 @@ def command_line(template: str, config: Mapping[str, Any]) -> list[str]:
         raise CommandError(f"cannot split the command into arguments: {exc}") from None
     if not words:
         raise CommandError("expected a command to run, got an empty one")
-    values = flatten(config)
+    values = dict(flatten(config))
+    for key, value in _mappings(config):  # `{opts}` for a whole mapping: written as JSON
+        values.setdefault(key, value)
     return [_filled(word, values) for word in words]
+
+
+def _mappings(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every mapping in `config` by its dotted key (`opts`, `model.extra`), nested ones too."""
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            yield f"{prefix}{key}", dict(value)
+            yield from _mappings(value, f"{prefix}{key}.")
 
 
 def _filled(word: str, values: Mapping[str, Any]) -> str:

@@ -422,3 +422,14 @@ def test_a_process_a_launcher_started_without_the_report_channel_is_told_how_to_
     (trial,) = trials_of(path)
     assert "the report channel (SWEEP_REPORT_FD=" in trial.user_attrs["fail_reason"]
     assert "pass_fds=[int(os.environ['SWEEP_REPORT_FD'])]" in trial.user_attrs["fail_reason"]
+
+
+def test_a_placeholder_for_a_whole_mapping_is_written_as_json(tmp_path: Path) -> None:
+    # `{model}` was "not a key of the config", though the README writes a mapping as JSON.
+    script = ("import json, sys\nmodel = json.loads(sys.argv[1])\n"
+              "print(json.dumps({'val_loss': model['hidden'] / 100}))\n")
+    path = command_study(tmp_path, script, "train.py {model}", pruner="none", fixed={"model": {"hidden": 8}})
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (trial,) = trials_of(path)
+    assert trial.value == 0.08
