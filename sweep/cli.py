@@ -819,7 +819,8 @@ def check(
                 ] = False,
 ) -> None:
     """Registry and disk agree? Lists every checkpoint row whose blob is missing or fails its hash, every file in the
-    store that no row names, and every dashboard artifact that points nowhere; exit 1 while any is left."""
+    store that no row names, and every dashboard artifact that points nowhere; exit 1 while any --repair can fix is
+    left."""
     from sweep.reconcile import check_study, store_location
     from sweep.registry import Registry, default_store
 
