@@ -262,6 +262,21 @@ class LocalGroup:
     results: list[RankResult] = field(default_factory=list)
 
 
+def _remove_stale_rank_folders() -> None:
+    """The rank folders (`sweep-ranks-PID-*`: config, logs, a copy of the start state) of workers that died without
+    cleaning up (SIGKILL, the OOM killer): removed when their process is gone. Another user's, or a live one's, stay."""
+    for folder in Path(tempfile.gettempdir()).glob("sweep-ranks-*-*"):
+        pid = folder.name.split("-")[2]
+        try:
+            if not pid.isdigit() or folder.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # alive (another user's process: EPERM), or the folder went meanwhile
+            continue
+
+
 @contextlib.contextmanager
 def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None = None,
                 warm: TrainState | None = None, warm_optimizer: bool = False,
@@ -275,7 +290,8 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
     On leaving, normally or not, the group is destroyed and the children are joined: after a clean end they finish
     on their own; otherwise (an exception, Ctrl-C) they are terminated, and killed a few seconds later. A child that
     died first turns the exception of rank 0's failed collective into `RankFailed`."""
-    folder = Path(tempfile.mkdtemp(prefix="sweep-ranks-"))
+    _remove_stale_rank_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"sweep-ranks-{os.getpid()}-"))
     children: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
     group: ProcessGroup | None = None

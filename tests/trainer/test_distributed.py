@@ -224,3 +224,26 @@ def test_a_child_that_dies_before_joining_fails_the_run_at_once(tmp_path: Path,
             train(config(), reporter=NullReporter(), ranks=ranks.group)
     assert not failed.value.lost  # its own error: the trial fails, no retry
     assert time.monotonic() - started < 300
+
+
+def test_rank_folders_of_a_worker_that_died_are_removed_at_the_next_start_and_a_live_ones_are_kept() -> None:
+    # A worker SIGKILLed during a data-parallel trial left its rank folder behind (config, logs, a copy of the start
+    # state) on every kill.
+    import tempfile
+
+    from trainer.distributed import _remove_stale_rank_folders
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead = Path(tempfile.mkdtemp(prefix=f"sweep-ranks-{int(gone.stdout)}-"))
+    (dead / "start.pt").write_bytes(b"state")
+    live = Path(tempfile.mkdtemp(prefix=f"sweep-ranks-{os.getpid()}-"))
+    try:
+        _remove_stale_rank_folders()
+        assert not dead.exists() and live.is_dir()
+    finally:
+        for folder in (dead, live):
+            if folder.exists():
+                for child in folder.iterdir():
+                    child.unlink()
+                folder.rmdir()
