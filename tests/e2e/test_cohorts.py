@@ -614,17 +614,28 @@ def test_a_member_another_worker_declares_lost_leaves_its_cohort_and_donates_not
         return decision
 
     monkeypatch.setattr(TrialReporter, "report", declared_lost_at_20)
+    finish_trial = Registry.finish_trial
+    released: list[tuple[int, bool]] = []  # (trial, as donors), in order
+
+    def recorded(self: Registry, study_name: str, trial_number: int, *, donor: bool = True) -> None:
+        released.append((trial_number, donor))
+        finish_trial(self, study_name, trial_number, donor=donor)
+
+    monkeypatch.setattr(Registry, "finish_trial", recorded)
     with pytest.warns(UserWarning, match="trial 1 was declared lost"):
         run_study(study, spec, storage_url=url)
     assert [step for number, step in reports if number == 1] == [10, 20]  # it left its cohort at once
     first, lost = load(tmp_path).get_trials()[:2]
     assert first.state == TrialState.COMPLETE and sorted(first.intermediate_values) == [10, 20, 30, 40]
     assert lost.state == TrialState.FAIL and sorted(lost.intermediate_values) == [10]  # step 20's was refused
-    rows = Registry(url).for_trial("coh", 1)
-    assert rows and all(row.final != 1 for row in rows)  # its lineage's resume point, never a donor
     assert all(row.final == 1 for row in Registry(url).for_trial("coh", 0))
     retry = [t for t in load(tmp_path).get_trials() if t.user_attrs.get("retry_of") == 1]
     assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == lost.params
+    # Its checkpoints stayed its lineage's resume point, never released as donors by the member that left: only
+    # once its retry completed did they become donors, as the retry's own lineage.
+    assert (1, True) in released and released.index((1, True)) > released.index((retry[0].number, True))
+    rows = Registry(url).for_trial("coh", 1)
+    assert rows and all(row.final == 1 for row in rows)
 
 
 def _member_lost_at_10(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
