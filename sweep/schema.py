@@ -772,8 +772,8 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         return "task", message
     if error["type"] == "extra_forbidden":
         known = _known_keys(error["loc"])
-        message = "unknown key" + did_you_mean(loc[-1], known) + (f"; expected one of: {', '.join(known)}"
-                                                                  if known else "")
+        message = ("unknown key" if loc[-1] else "unknown key '' (empty)") + did_you_mean(loc[-1], known) + (
+            f"; expected one of: {', '.join(known)}" if known else "")
     elif error["type"] in ("union_tag_not_found", "union_tag_invalid"):  # a tagged union: the space's `type`
         field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'")
         tags = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected_tags", ""))) or list(_TAGS)

@@ -287,6 +287,7 @@ RANGES = [
     bad_file("ranges", "space-float-step-by-a-hair", changed(**{"space__weight_decay": {
         "type": "float", "low": 0.0, "high": 1.0, "step": 0.3333333333333}}), "space.weight_decay",
         "expected high - low to be a multiple"),
+    bad_file("keys", "empty-key", changed(**{"": 1}), "", "unknown key '' (empty); expected one of: name,"),
     bad_file("numbers", "int-of-5000-digits", "name: tiny\nn_trials: " + "9" * 5000 + "\ntask: digits\n", "",
              "line 2: a whole number of 5000 digits; expected a number of at most 4300"),
     bad_file("numbers", "fixed-float-hundreds-of-digits", changed(**{"fixed__momentum": 10 ** 400}),
