@@ -38,7 +38,7 @@ from pydantic_core import PydanticCustomError
 
 from sweep.urls import mask_url, sqlite_path
 from trainer import yaml_file
-from trainer.config import FastFailConfig, TrainingConfig, flatten, nest, number_from_text
+from trainer.config import FastFailConfig, TrainingConfig, flatten, magnitude, nest, number_from_text
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
@@ -187,7 +187,7 @@ def _check_range(low: float, high: float, log: bool, step: float | None) -> None
 def _short_number(value: Any) -> str:
     """A number for a message: a whole number of hundreds of digits shortened."""
     if isinstance(value, int) and abs(value) >= 10**15:
-        return f"{'-' if value < 0 else ''}about 10^{int(abs(value).bit_length() * math.log10(2))}"
+        return f"{'-' if value < 0 else ''}{magnitude(abs(value))}"
     return str(value)
 
 
@@ -940,22 +940,33 @@ def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     return None
 
 
+OPTUNA_TABLES = {"studies", "trials", "version_info"}  # what makes a SQLite file a study database
+
+
+def _sqlite_tables(path: Path, timeout: float = 5.0) -> set[str]:
+    """The tables of the SQLite database at `path`, read read-only (Optuna's storage would create its own tables in
+    any file it opens); raises `sqlite3.Error` when it cannot be read."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                                            timeout=timeout)) as connection:
+        return {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
 def _foreign_tables_problem(path: Path) -> str | None:
     """A SQLite database with tables, none of them Optuna's: another program's, which a study would be written into.
     A database busy with another worker's write is left to the storage, which waits for it."""
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
-                                                timeout=10)) as connection:
-            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = _sqlite_tables(path, timeout=10)
     except sqlite3.OperationalError as exc:
         if "locked" in str(exc) or "busy" in str(exc) or not os.access(path.parent, os.W_OK | os.X_OK):
             return None
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     except sqlite3.DatabaseError as exc:
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
-    if tables and not {"studies", "trials", "version_info"} <= tables:
+    if tables and not OPTUNA_TABLES <= tables:
         shown = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
         return (f"{path} is a SQLite database of another program (tables {shown}; no Optuna tables), and a study "
                 "would be written into it; give a new or existing study .db file")
@@ -991,14 +1002,13 @@ def sqlite_study_problem(url: str) -> str | None:
     if path.stat().st_size == 0:
         return f"{path} is an empty file, not a study database; give the .db file of a study"
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
-            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        tables = _sqlite_tables(path)
     except sqlite3.Error as exc:
         if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is fine: SQLite writes its -shm beside it
             return (f"cannot read {path}: its folder {path.parent} is not writable, and SQLite writes its -wal and "
                     "-shm files beside the database; make the folder writable, or copy the .db to one that is")
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
-    if not {"studies", "trials", "version_info"} <= tables:
+    if not OPTUNA_TABLES <= tables:
         return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "
                 "of a study")
     return None

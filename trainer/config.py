@@ -313,6 +313,11 @@ def _describe(tp: Any) -> str:
 NUMBER_TEXT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 
 
+def magnitude(whole: int) -> str:
+    """A whole number of hundreds of digits, for a message: "about 10^400" (its text would fill the screen)."""
+    return f"about 10^{int(abs(whole).bit_length() * math.log10(2))}"
+
+
 def number_from_text(value: str) -> float | None:
     """The float a numeric string (`NUMBER_TEXT`) reads as, or None."""
     return float(value) if NUMBER_TEXT.fullmatch(value) else None
@@ -352,8 +357,7 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
             try:
                 value = float(value)
             except OverflowError:  # a whole number of hundreds of digits
-                return False, value, (f"expected a number, got a whole number too large for a float (about "
-                                      f"10^{int(value.bit_length() * math.log10(2))})")
+                return False, value, f"expected a number, got a whole number too large for a float ({magnitude(value)})"
         elif isinstance(value, str):
             number = number_from_text(value)
             if number is None:
