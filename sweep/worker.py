@@ -40,6 +40,7 @@ from sweep.outcomes import (
     ATTR_RETRY_OF,
     ATTR_RETRY_REASON,
     ATTR_TRACEBACK,
+    ATTR_WARM_START,
     ATTR_WITHDRAWN,
     LOST_REASON,
     STOP_ATTR,
@@ -295,6 +296,8 @@ class Worker:
             return None, True, trials
         if used + running >= self.n_trials:
             return None, False, trials
+        if self._warm_results_pending(trials, used + running):
+            return None, False, trials
         self._queue_confirmation(trials, used + running)
         sampler = self.study.sampler
         if fixed:
@@ -430,6 +433,18 @@ class Worker:
             self._retry(trial, reason)
             queued = True
         return queued, young
+
+    def _warm_results_pending(self, trials: list[FrozenTrial], taken: int) -> bool:
+        """Whether the next trial, one of the budget's last `warm_start.confirm`, must wait for a running trial that
+        is (or may still become) warm: the confirmations retrain the best warm trials, and one still running may end
+        best among them (with `--workers N` or a cohort, the last slots are asked while others train). A running
+        trial that has reported without a donor started cold and is not waited for; a queued (waiting) trial is
+        asked next anyway, so the wait never holds the last trials back from the workers that would train them."""
+        warm_start = self.spec.warm_start
+        if not warm_start.enabled or not warm_start.confirm or self.n_trials - taken > warm_start.confirm:
+            return False
+        return any(t.state == TrialState.RUNNING and ATTR_CONFIRMS not in t.user_attrs
+                   and (ATTR_WARM_START in t.user_attrs or not t.intermediate_values) for t in trials)
 
     def _queue_confirmation(self, trials: list[FrozenTrial], taken: int) -> None:
         """With `warm_start.confirm: K`, the last trials of the budget retrain the best K warm trials cold: when no

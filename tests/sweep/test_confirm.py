@@ -69,3 +69,47 @@ def test_a_donor_of_another_study_is_named_with_its_study_and_a_retry_is_no_seco
     url = f"sqlite:///{tmp_path / 'c.db'}"
     study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
     assert study_status(study)["warm_started"] == 2
+
+
+def test_the_last_slots_wait_for_a_running_warm_trial_before_choosing_what_to_confirm(tmp_path: Path) -> None:
+    # With `--workers N` (or a cohort) the budget's last slots are asked while other trials still train. A warm trial
+    # still running may end best among the warm ones: the confirmation waits for it instead of retraining a worse one
+    # (and a trial that already reported without a donor started cold, so nothing waits for it).
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+    from sweep.worker import Worker
+    from tests.conftest import TINY_STUDY, write_study
+
+    document = {**TINY_STUDY, "n_trials": 4, "warm_start": {"max_distance": 1.0, "confirm": 1}}
+    spec, _ = load_spec(write_study(tmp_path, document))
+
+    def scene(name: str, running_attrs: dict[str, Any], reported: bool) -> tuple[Worker, optuna.Study, int]:
+        url = f"sqlite:///{tmp_path / f'{name}.db'}"
+        study = open_study(spec, url)
+        worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary)
+        for value, attrs in ((0.9, {}), (0.5, WARM)):  # a cold trial and a finished warm one
+            trial = worker._ask_next()[0]
+            assert trial is not None
+            for key, attr in attrs.items():
+                trial.set_user_attr(key, attr)
+            study.tell(trial, value)
+        running = worker._ask_next()[0]  # another worker's trial, still training
+        assert running is not None
+        for key, attr in running_attrs.items():
+            running.set_user_attr(key, attr)
+        if reported:
+            running.report(0.7, 10)
+        return worker, study, running.number
+
+    worker, study, running = scene("warm", WARM, reported=True)
+    assert worker._ask_next()[:2] == (None, False)  # the last slot waits for the running warm trial
+    study.tell(running, 0.3)  # it ends the best warm trial
+    confirmation = worker._ask_next()[0]
+    assert confirmation is not None and confirmation.user_attrs["confirms"] == running
+
+    worker, study, running = scene("undecided", {}, reported=False)  # started, not yet known to be cold or warm
+    assert worker._ask_next()[:2] == (None, False)
+
+    worker, study, running = scene("cold", {}, reported=True)  # it reported without a donor: cold, not waited for
+    confirmation = worker._ask_next()[0]
+    assert confirmation is not None and confirmation.user_attrs["confirms"] == 1
