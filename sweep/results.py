@@ -132,13 +132,15 @@ def donor_label(trial: FrozenTrial, study_name: str) -> int | str | None:
 
 def trials_per_hour(trials: list[FrozenTrial]) -> float | None:
     """Trials finished per hour of the study's wall time, from the first trial's start to the last one's end (time
-    between runs of the study counts too). None before two trials have finished."""
+    between runs of the study counts too). Finished as the budget counts them: a trial interrupted, preempted or lost
+    is trained again by its retry, so its time counts but not the trial. None before two trials have finished."""
     spans = [(t.datetime_start, t.datetime_complete) for t in trials
              if t.datetime_complete is not None and t.datetime_start is not None]
-    if len(spans) < 2:
+    finished = budget_counts(trials)[0]
+    if finished < 2 or not spans:
         return None
     seconds = (max(end for _, end in spans) - min(start for start, _ in spans)).total_seconds()
-    return 3600.0 * len(spans) / seconds if seconds > 0 else None
+    return 3600.0 * finished / seconds if seconds > 0 else None
 
 
 def steps_trained(trials: list[FrozenTrial]) -> int:
@@ -155,7 +157,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
         row["warm_start_from"] = donor_label(trial, study.study_name)
         row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
-        row["cohort"] = (trial.user_attrs.get("cohort") or {}).get("id")  # trained batched with others (sweep.cohort)
+        cohort = trial.user_attrs.get("cohort") or {}  # trained batched with others (sweep.cohort)
+        row["cohort"], row["cohort_size"] = cohort.get("id"), cohort.get("size")
         row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
         row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
         if ATTR_LOG in trial.user_attrs:  # a command's stdout and stderr

@@ -611,6 +611,8 @@ class Cohort:
         self._clip = None
         if member.resume is not None:
             self._restore(index, slot, member.resume)
+            if slot.done >= config.max_steps:  # checkpointed at its last step: nothing is left to train, as alone
+                self._finish(index, "completed")
         elif member.warm_start is not None or fast_fail.enabled:
             if member.warm_start is not None:
                 self._load_model(index, member.warm_start.state.model)

@@ -66,7 +66,7 @@ def test_a_cohort_of_four_spends_the_budget_exactly_with_four_in_flight(tmp_path
     status = sweep_cli("status", path)
     assert "trials/hour (in cohorts of 4)" in status.stdout, status.stdout
     rows = json.loads(sweep_cli("trials", path, "--format", "json").stdout)
-    assert [row["cohort"] for row in rows] == [t.user_attrs["cohort"]["id"] for t in trials]
+    assert [(row["cohort"], row["cohort_size"]) for row in rows] == [(t.user_attrs["cohort"]["id"], 4) for t in trials]
     # A member replayed alone by the ordinary loop reports the same values (within the stated tolerance).
     complete = next(t for t in trials if t.state == TrialState.COMPLETE)
     again = sweep_cli("reproduce", path, str(complete.number))

@@ -136,3 +136,30 @@ def test_a_locked_sqlite_database_is_waited_out_through_the_patient_storage(tmp_
         release.join()
         holder.dispose()
     assert study.trials[0].state == TrialState.COMPLETE
+
+
+def test_throughput_counts_the_trials_the_budget_counts_not_the_interrupted_ones() -> None:
+    # A study stopped and resumed: the interrupted trial's time counts, the trial does not (its retry trains it again),
+    # so a study killed repeatedly does not look faster for it.
+    import datetime
+
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import FrozenTrial
+
+    from sweep.results import trials_per_hour
+
+    t0 = datetime.datetime(2026, 1, 1)
+
+    def trial(number: int, state: TrialState, start: int, end: int | None, **attrs: object) -> FrozenTrial:
+        return FrozenTrial(number=number, trial_id=number, state=state, value=0.5 if state == TrialState.COMPLETE
+                           else None, values=None, datetime_start=t0 + datetime.timedelta(seconds=start),
+                           datetime_complete=None if end is None else t0 + datetime.timedelta(seconds=end),
+                           params={"x": 0.1}, distributions={"x": FloatDistribution(0, 1)}, user_attrs=dict(attrs),
+                           system_attrs={}, intermediate_values={})
+
+    interrupted = trial(2, TrialState.FAIL, 20, 30, outcome="interrupted")
+    trials = [trial(0, TrialState.COMPLETE, 0, 10), trial(1, TrialState.COMPLETE, 10, 20), interrupted,
+              trial(3, TrialState.COMPLETE, 30, 40, retry_of=2)]
+    assert trials_per_hour(trials) == 3600.0 * 3 / 40
+    assert trials_per_hour(trials[:3] + [trial(3, TrialState.WAITING, 30, None, retry_of=2)]) == 3600.0 * 2 / 30
+    assert trials_per_hour([trials[0], interrupted, trial(3, TrialState.WAITING, 30, None, retry_of=2)]) is None

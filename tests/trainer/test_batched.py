@@ -229,6 +229,19 @@ def test_a_whole_cohort_resumes_exactly(digits: Task, tmp_path: Path) -> None:
         assert a.evals[-1] == b.evals[-1] and a.logs[-1]["train_loss"] == b.logs[-1]["train_loss"]
 
 
+def test_a_member_resumed_from_its_last_step_ends_there_as_alone(digits: Task, tmp_path: Path) -> None:
+    # A worker killed after a member's last checkpoint but before its end was stored: the retry resumes at max_steps
+    # and has nothing left to train (the step count stays max_steps, no step is trained), beside a member that trains.
+    config = tiny(seed=3)
+    saver = SaveAt(config.max_steps, tmp_path / "last.pt")
+    whole = train(config, digits, checkpointer=saver)
+    alone = train(config, digits, resume=load_checkpoint(saver.path))
+    resumed, other = train_batched([CohortMember(config, resume=load_checkpoint(saver.path)), tiny(seed=4)], digits)
+    assert (alone.status, alone.steps) == (resumed.status, resumed.steps) == ("completed", config.max_steps)
+    assert resumed.metrics == alone.metrics == whole.metrics and resumed.evals == [] and resumed.logs == []
+    same(train(tiny(seed=4), digits), other)
+
+
 class _Norm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
