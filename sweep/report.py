@@ -196,9 +196,16 @@ def render_report(study: optuna.Study) -> str:
             warning_html += f"<p class='warning'>&#9888; {html.escape(lineage)}</p>"
         elif lineage:
             warning_html += f"<p class='note'>{html.escape(lineage)}</p>"
+        if spec.get("loop") is not None:  # the user's own config: `python -m trainer` does not run it
+            again = (f"Its config, as <code>{html.escape(str(spec['loop']))}(config, run)</code> received it; "
+                     f"<code>sweep reproduce STUDY {best.number}</code> runs it again:")
+        elif spec.get("command") is not None:
+            again = (f"Its config, as the command received it; <code>sweep reproduce STUDY {best.number}</code> runs "
+                     "it again:")
+        else:
+            again = "Its full config; <code>python -m trainer best.yaml</code> trains it again:"
         sections.append(f"<h2>Best trial: #{best.number}, {html.escape(str(spec.get('metric', 'value')))} = "
-                        f"{best.value:.6g}</h2>{warning_html}<p>Its full config; <code>python -m trainer "
-                        f"best.yaml</code> trains it again:</p><pre>{html.escape(config)}</pre>")
+                        f"{best.value:.6g}</h2>{warning_html}<p>{again}</p><pre>{html.escape(config)}</pre>")
 
     counts = ", ".join(f"{k} {v}" for k, v in state_counts(study).items())
     rate = trials_per_hour(trials)

@@ -782,7 +782,7 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         tag = str(error["ctx"]["tag"])
         return _dotted([*loc, field]), (f"unknown {field} {short_repr(tag)}{did_you_mean(tag, tags)}; expected one "
                                         f"of {', '.join(tags)}")
-    elif error["type"] == "model_attributes_type":  # pydantic's "... or object to extract fields from"
+    elif error["type"] in ("model_attributes_type", "model_type"):  # pydantic's "... or instance of ExecutionSpec"
         message = f"Input should be a valid dictionary (a mapping of keys), got {short_repr(error['input'])}"
     elif error["type"] == "missing":
         message = "required key is missing"

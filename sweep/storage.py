@@ -284,9 +284,9 @@ class Boundary:
     FIRST_CONTACT_S = 10.0  # a storage never reached yet is more likely a wrong URL than an outage
 
     def __init__(self, patience_s: float = 600.0, *, label: str = "the storage",
-                 notify: Callable[[str], None] | None = None) -> None:
+                 notify: Callable[[str], None] | None = None, reached: bool = False) -> None:
         self.patience_s, self.label = patience_s, label
-        self.reached = False  # whether any call has succeeded yet
+        self.reached = reached  # whether any call has succeeded yet (or a launcher's had: the URL is right)
         self.notify = notify if notify is not None else _to_stderr
         self.down_since: float | None = None
         self.recovered_at: float | None = None  # when the storage last came back (time.monotonic)
@@ -338,8 +338,10 @@ class Boundary:
         with self._lock:
             if self.down_since is None:
                 self.down_since = time.monotonic()
+                patience = self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
                 self.notify(f"{self.label} is unreachable ({_first_line(exc)}); waiting up to "
-                            f"{self.patience_s:g} s for it to come back")
+                            f"{patience:g} s for it to come back"
+                            f"{'' if self.reached or patience == self.patience_s else ' (never reached yet)'}")
             return self.down_since
 
     def _came_back(self) -> None:

@@ -7,6 +7,7 @@ run: a rerun after an interruption finishes the remaining trials. The loop itsel
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -35,7 +36,11 @@ class StudyMismatchError(Exception):
 def worker_storage(spec: StudySpec, url: str, *, notify: Callable[[str], None] | None = None) -> PatientStorage:
     """The storage a worker uses: every call behind one `Boundary` that waits out an outage for the study's
     `storage_patience`, with the study's heartbeat settings."""
-    boundary = Boundary(spec.storage_patience, label=f"storage {mask_url(url)}", notify=notify)
+    # A launcher's worker (`sweep run --workers N`, a Slurm array task, a Kubernetes pod: SWEEP_WORKER is set) runs
+    # with a URL its launcher or `sweep submit` has reached: an outage at its start is waited out for the whole
+    # storage_patience, not the short first-contact limit that tells a wrong URL early.
+    boundary = Boundary(spec.storage_patience, label=f"storage {mask_url(url)}", notify=notify,
+                        reached=os.environ.get("SWEEP_WORKER") is not None)
     backend = boundary.call(make_storage, url, heartbeat_interval=spec.heartbeat_interval,
                             grace_period=spec.heartbeat_grace_period)
     return PatientStorage(backend, boundary)

@@ -125,6 +125,12 @@ def test_a_user_loop_trains_reports_checkpoints_and_reproduces(tmp_path: Path) -
     from trainer.__main__ import main as trainer_main
 
     assert trainer_main([str(tmp_path / "best.yaml")]) == 2
+    # The report says so too: its best config is run again by `sweep reproduce`, not by `python -m trainer`.
+    from sweep.report import render_report
+
+    page = render_report(optuna.load_study(study_name="loopy", storage=f"sqlite:///{tmp_path / 'loopy.db'}"))
+    assert f"sweep reproduce STUDY {winner.number}</code> runs it again" in page
+    assert "python -m trainer" not in page
 
 
 def test_reproduce_refuses_a_loop_only_the_database_names(tmp_path: Path) -> None:

@@ -102,6 +102,38 @@ def test_the_boundary_waits_an_outage_out_and_says_so_twice() -> None:
     assert boundary.available
 
 
+def test_a_launchers_worker_waits_out_an_outage_at_its_start_for_its_whole_patience(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A storage never reached is given a short first contact (a wrong URL is told early), and its line says so; a
+    # worker that `sweep run --workers N`, Slurm or Kubernetes started (SWEEP_WORKER set) runs with a URL its launcher
+    # reached, so an outage at its start is waited out for the whole storage_patience.
+    from sweep.spec import load_spec
+    from sweep.study import worker_storage
+    from tests.conftest import TINY_STUDY, write_study
+
+    monkeypatch.setattr(Boundary, "FIRST_CONTACT_S", 0.3)
+    back_at = time.monotonic() + 1.0
+
+    def down_for_a_second() -> str:
+        if time.monotonic() < back_at:
+            raise ConnectionRefusedError("refused")
+        return "stored"
+
+    lines: list[str] = []
+    with pytest.raises(StorageUnavailable, match=r"never reached yet"):
+        Boundary(60, notify=lines.append).call(down_for_a_second)
+    assert "waiting up to 0.3 s for it to come back (never reached yet)" in lines[0]
+
+    # The same from a worker's first call, to a server that is not there (nothing listens on that loopback port).
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "storage_patience": 1.5}))
+    nowhere = "postgresql+psycopg://u:p@127.0.0.1:9/db"
+    with pytest.raises(StorageUnavailable, match=r"never reached yet"):
+        worker_storage(spec, nowhere, notify=lambda line: None)
+    monkeypatch.setenv("SWEEP_WORKER", "0")
+    with pytest.raises(StorageUnavailable, match=r"storage_patience is 1.5 s"):
+        worker_storage(spec, nowhere, notify=lambda line: None)
+
+
 def test_past_its_patience_the_boundary_gives_up_and_without_waiting_it_answers_at_once() -> None:
     boundary = Boundary(0.5, notify=lambda line: None)
 
