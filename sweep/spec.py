@@ -81,6 +81,14 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     except (ValueError, OSError) as exc:  # the task's own function refused its arguments or found no data
         return [("task", f"{spec.task.name} raised {type(exc).__name__}: {exc}")]
 
+    for key in spec.warm_start.match:  # the task's model keys and arguments, as for a searched key
+        name = key.split(".")[1] if key.count(".") >= 1 else ""
+        if key.startswith("model.") and name not in task.model_defaults:
+            known = [f"model.{k}" for k in sorted(task.model_defaults)]
+            problems.append(("warm_start.match", f"unknown key {key!r} for task {task.name!r}"
+                             f"{did_you_mean(key, known)}; expected one of: {', '.join(known)}"))
+        elif key.startswith("task_args.") and (message := _task_arg_problem(spec.task.name, name)):
+            problems.append(("warm_start.match", message))
     for key in ("task", "task_args"):
         if key in spec.fixed:
             problems.append((f"fixed.{key}", "set the task and its arguments with the top-level `task:` key"))
