@@ -32,7 +32,7 @@ import optuna
 import torch
 
 from sweep.blobs import BlobScope, load_blob
-from sweep.objective import task_for
+from sweep.objective import metric_value, task_for
 from sweep.outcomes import ATTR_CONFIG, ATTR_REPRO, ATTR_WARM_START, SPEC_ATTR
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
@@ -116,7 +116,7 @@ class _Recorder:
         pass
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
-        self.values[step] = metrics[self.metric]
+        self.values[step] = metric_value(metrics, self.metric)  # NaN with a non-finite val_loss, as the study stored
         return step >= self.stop_at
 
 

@@ -26,3 +26,19 @@ def test_reproduce_passes_on_an_untouched_trial_and_fails_on_a_tampered_one(tmp_
     assert done.returncode == 1
     assert "trial 1 differs first at step 10" in done.stderr
     assert sweep_cli("reproduce", path, "7").returncode == 2  # no such trial
+
+
+def test_a_trial_whose_loss_diverged_reproduces_when_its_metric_is_another(tmp_path: Path) -> None:
+    # The study stores its metric as NaN once the same evaluation's val_loss is not finite (accuracy still counts an
+    # argmax of NaN logits); reproduce applies the same rule to the rerun, which is then identical.
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "metric": "val_accuracy", "direction": "maximize"}
+    document["fixed"] = {**document["fixed"], "optimizer": "sgd", "momentum": 0.9, "scheduler": "none"}
+    document["space"] = {"learning_rate": {"type": "float", "low": 1e29, "high": 1e30, "log": True}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    with sqlite3.connect(tmp_path / "tiny.db") as db:
+        stored = db.execute("SELECT step, intermediate_value_type FROM trial_intermediate_values").fetchall()
+    assert sorted(stored) == [(10, "NAN"), (20, "NAN")]
+    done = sweep_cli("reproduce", path, "0")
+    assert done.returncode == 0, done.stderr
+    assert "trial 0 reproduced: 2 reported values identical (bit for bit)" in done.stdout
