@@ -35,7 +35,7 @@ def test_a_trial_whose_loss_diverged_reproduces_when_its_metric_is_another(tmp_p
     document["fixed"] = {**document["fixed"], "optimizer": "sgd", "momentum": 0.9, "scheduler": "none"}
     document["space"] = {"learning_rate": {"type": "float", "low": 1e29, "high": 1e30, "log": True}}
     path = write_study(tmp_path, document)
-    assert sweep_cli("run", path).returncode == 0
+    assert sweep_cli("run", path).returncode == 1  # its one trial failed: diverged
     with sqlite3.connect(tmp_path / "tiny.db") as db:
         stored = db.execute("SELECT step, intermediate_value_type FROM trial_intermediate_values").fetchall()
     assert sorted(stored) == [(10, "NAN"), (20, "NAN")]
