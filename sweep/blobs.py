@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import shutil
 import tempfile
 import warnings
@@ -31,8 +33,10 @@ import optuna
 
 from trainer.checkpoint import TrainState, load_checkpoint
 
-__all__ = ["BlobScope", "CheckpointStore", "RetainedArtifacts", "artifact_store_at", "artifact_store_for",
-           "delete_blob", "is_object_url", "load_blob", "local_copy"]
+__all__ = ["OWNER_FILE", "BlobScope", "CheckpointStore", "RetainedArtifacts", "artifact_store_at",
+           "artifact_store_for", "claim_problem", "delete_blob", "is_object_url", "load_blob", "local_copy"]
+
+OWNER_FILE = ".sweep-owner.json"  # in STORE/STUDY/: which study (by the id its database keeps) owns the folder
 
 SCHEMES = ("s3", "gs")
 
@@ -179,6 +183,45 @@ class CheckpointStore:
             self.artifacts.write(key, handle)
         path.unlink(missing_ok=True)
         return f"{self.scheme}://{self.bucket}/{key}"
+
+
+def claim_problem(location: str | Path, study: str, owner: str | None, *, claim: bool = True) -> str | None:
+    """Why the study's folder of a local store belongs to another study of the same name (another database: two
+    PostgreSQL databases, or a database recreated, pointed at one default `sweep-checkpoints/` folder), or None.
+    The folder's owner file holds the id its study's database keeps (`owner`, made when the study was created);
+    with `claim`, a folder without one is claimed for this study (created atomically: one of two workers racing
+    wins, the other reads the winner's id). Sharing a folder, their blobs would overwrite each other's (the same
+    names) and each study's `sweep check --repair` would delete the other's as orphans. A study created before
+    owner ids existed (`owner` None) and object stores are not checked."""
+    if owner is None or is_object_url(str(location)):
+        return None
+    folder = Path(location).expanduser().resolve() / study
+    marker = folder / OWNER_FILE
+    for _ in range(2):
+        try:
+            found = json.loads(marker.read_text(encoding="utf-8")).get("owner")
+        except FileNotFoundError:
+            if not claim:
+                return None
+            with contextlib.suppress(OSError):  # an unwritable store is told by the run's own checks
+                folder.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".sweep-owner-", delete=False) as handle:
+                    json.dump({"study": study, "owner": owner}, handle)
+                try:
+                    os.link(handle.name, marker)  # fails if another worker claimed it first: then read theirs
+                finally:
+                    os.unlink(handle.name)
+                return None
+            continue
+        except (OSError, ValueError, AttributeError):
+            return None  # unreadable or not ours to judge: no claim either way
+        if found == owner:
+            return None
+        return (f"the checkpoint folder {folder} belongs to another study named {study!r} (in another database, or "
+                f"one deleted and created again): sharing it, each would overwrite and delete the other's "
+                f"checkpoints. Set checkpoints.store to a folder of this study's own, or, if that study is gone, "
+                f"remove the folder")
+    return None
 
 
 class RetainedArtifacts:

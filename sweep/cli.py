@@ -323,6 +323,14 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
         raise _fail(str(exc), 2) from None
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         raise _storage_failure(url, exc) from None
+    if spec.checkpoints.enabled:  # a folder another study of this name writes in: refused before any trial runs
+        from sweep.blobs import claim_problem
+        from sweep.outcomes import OWNER_ATTR
+        from sweep.registry import default_store
+
+        location = spec.checkpoints.store or default_store(url)
+        if problem := claim_problem(location, spec.name, study.user_attrs.get(OWNER_ATTR)):
+            raise _fail(f"{prefix}checkpoints.store: {problem}", 2)
     if not prefix:  # the launching process, not one of its workers
         from sweep.outcomes import budget_counts
 
@@ -833,6 +841,11 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
+    from sweep.blobs import claim_problem
+    from sweep.outcomes import OWNER_ATTR
+
+    if claimed := claim_problem(location, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=False):
+        raise _fail(f"{claimed}; nothing checked or repaired", 2)  # its files are the other study's, not orphans
     report = check_study(Registry(url), location, study, repair=repair, delete_orphans=trusted)
     for problem in report.problems:
         status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"

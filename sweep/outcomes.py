@@ -74,6 +74,7 @@ ATTR_WITHDRAWN = "withdrawn"
 ATTR_TRAIN_CURVE = "train_curve"
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
+OWNER_ATTR = "sweep.owner"  # study user attr: a random id made at creation, which its checkpoint folder records
 ARTIFACTS_ATTR = "sweep.artifacts"  # study user attr: the folder of the artifact store (for sweep dashboard)
 STOP_ATTR = "sweep.stop_requested_at"  # study user attr set by `sweep stop`
 SLURM_JOBS_ATTR = "sweep.slurm_jobs"  # study user attr: the Slurm job arrays `sweep submit` started (job id, log dir)

@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from sweep.blobs import BlobScope, CheckpointStore, artifact_store_at, delete_blob, is_object_url, local_copy
+from sweep.blobs import (
+    OWNER_FILE,
+    BlobScope,
+    CheckpointStore,
+    artifact_store_at,
+    delete_blob,
+    is_object_url,
+    local_copy,
+)
 from sweep.outcomes import ARTIFACTS_ATTR, SPEC_ATTR
 from sweep.outcomes import ATTR_CHECKPOINT as CHECKPOINT_ATTR
 from sweep.registry import default_store
@@ -240,6 +248,8 @@ def _listing(store_location: str, study: str, report: CheckReport) -> list[_File
             try:
                 stat = path.lstat()
             except FileNotFoundError:  # renamed or deleted since the listing
+                continue
+            if path.name == OWNER_FILE or path.name.startswith(".sweep-owner-"):  # whose folder it is (sweep.blobs)
                 continue
             if path.is_file() and not path.is_symlink() and UNREGISTERED not in path.name:  # a record, or a claimed one
                 files.append(_File(path, now - stat.st_mtime))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ import optuna
 import yaml
 
 from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
-from sweep.outcomes import SPEC_ATTR, budget_counts
+from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
 from sweep.schema import StudySpec, resolve_storage_url
 from sweep.storage import Boundary, PatientStorage, load_existing_study, make_storage, mask_url
 from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
@@ -60,6 +61,7 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
         except optuna.exceptions.DuplicatedStudyError:  # another worker created it since we looked
             study = optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
         else:
+            study.set_user_attr(OWNER_ATTR, uuid.uuid4().hex)  # its checkpoint folder is claimed with it (sweep.blobs)
             study.set_user_attr(SPEC_ATTR, spec.stored())
             label_for_dashboard(study, spec.stored())
             return study

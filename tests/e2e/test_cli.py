@@ -604,3 +604,31 @@ def test_an_output_to_dev_stdout_appended_to_a_log_keeps_the_log(tmp_path: Path)
     assert done.returncode == 0, done.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "earlier line" and lines[1].startswith("# best trial of study 'tiny'"), lines
+
+
+def test_a_checkpoint_folder_another_database_s_study_of_that_name_owns_is_refused(tmp_path: Path) -> None:
+    # Two databases (two PostgreSQL databases behind one default `sweep-checkpoints/`, or here two SQLite files with
+    # one `checkpoints.store`) holding a study of one name: the second would overwrite the first's blobs (the same
+    # names) and its `sweep check --repair` would delete them as orphans. It is refused before any trial runs.
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "checkpoints": {"store": "shared", "artifacts": False}}
+    path = write_study(tmp_path, document)
+    first = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'a.db'}")
+    assert first.returncode == 0, first.stderr
+    folder = tmp_path / "shared" / "tiny"
+    blobs = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
+    assert blobs
+    second = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}")
+    assert second.returncode == 2
+    line = second.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: checkpoints.store: the checkpoint folder {folder.resolve()} belongs to another "
+                           "study named 'tiny'"), line
+    assert {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs  # untouched
+    assert not optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'b.db'}").trials
+    refused = sweep_cli("check", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--repair")
+    assert refused.returncode == 2 and "nothing checked or repaired" in refused.stderr
+    assert {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs
+    # Its own study goes on with it: a rerun, and a check that does not take the owner file for an orphan.
+    again = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--n-trials", "2")
+    assert again.returncode == 0, again.stderr
+    checked = sweep_cli("check", path, "--storage", f"sqlite:///{tmp_path / 'a.db'}")
+    assert checked.returncode == 0 and "orphan_file 0" in checked.stderr, checked.stdout + checked.stderr
