@@ -596,10 +596,12 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
     if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
         raise _fail(problem, 2)
     _quiet_optuna()
-    from sweep.storage import load_existing_study
+    from sweep.storage import AmbiguousStudy, load_existing_study
 
     try:
         study = load_existing_study(url, name)
+    except AmbiguousStudy as exc:  # several studies there: which one is the user's to say
+        raise _fail(str(exc.args[0]), 2) from None
     except KeyError as exc:
         raise _fail(str(exc.args[0]) if exc.args else f"study {name!r} not found in {mask_url(url)}", 1) from None
     except Exception as exc:  # noqa: BLE001 - as in `run`: one line, without the password

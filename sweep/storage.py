@@ -52,6 +52,7 @@ from sweep.urls import mask_url, mask_urls, sqlite_path
 
 __all__ = [
     "POSTGRESQL_CONNECT_ARGS",
+    "AmbiguousStudy",
     "Boundary",
     "PatientStorage",
     "StorageAway",
@@ -814,6 +815,10 @@ class PatientStorage(BaseStorage):
         return (datetime.datetime.now() - trial.datetime_start).total_seconds()
 
 
+class AmbiguousStudy(KeyError):
+    """The storage holds several studies and none was named: the command needs --study-name (bad input)."""
+
+
 def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
     """A study for reading (status, trials, report): by name, or the only one in the storage. Raises KeyError
     naming the studies there when there is no such study."""
@@ -822,7 +827,8 @@ def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
         names = optuna.get_all_study_names(storage)
         if len(names) != 1:
             found = ", ".join(names) if names else "none"
-            raise KeyError(f"{mask_url(storage_url)} holds {len(names)} studies ({found}); name one with --study-name")
+            raise (AmbiguousStudy if names else KeyError)(f"{mask_url(storage_url)} holds {len(names)} studies "
+                                                          f"({found}); name one with --study-name")
         name = names[0]
     try:
         return optuna.load_study(study_name=name, storage=storage)

@@ -290,6 +290,11 @@ def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     done = sweep_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
     assert done.returncode == 1
     assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr
+    # A database of two studies with none named: which one is the user's to say (bad input, exit 2).
+    assert sweep_cli("run", tiny_study, "--n-trials", "1", "--study-name", "other").returncode == 0
+    done = sweep_cli("status", tiny_study.parent / "tiny.db")
+    assert done.returncode == 2
+    assert "holds 2 studies (" in done.stderr and "name one with --study-name" in done.stderr
 
 
 def test_a_study_folder_moved_elsewhere_keeps_its_checkpoints(tmp_path: Path) -> None:
