@@ -454,6 +454,12 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
     stored = found.state.metrics.get(metric)
     if found.step not in prior and stored is not None and evaluated(found.step):
         prior[found.step] = stored  # evaluated and checkpointed, but lost before its report was stored
+    # Evaluations whose reports never reached the study (held through a storage outage, then lost with the worker):
+    # the checkpoint's history has them. A warm lineage's own reports begin after its donor's handoff.
+    handoff = (source.user_attrs.get(ATTR_WARM_START) or {}).get("step", -1)
+    for step, metrics in found.state.evals:
+        if step not in prior and step <= found.step and step > handoff and metric in metrics and evaluated(step):
+            prior[step] = metric_value(metrics, metric)
     for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
         trial.report(value, step)
     trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": found.trial, "step": found.step})

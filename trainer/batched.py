@@ -467,6 +467,7 @@ class _Slot:
     steps_since_log: int = 0
     threshold: float | None = None
     interval_began: float = field(default_factory=time.perf_counter)
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # a resumed member's evaluations before
 
     @property
     def config(self) -> TrainingConfig:
@@ -611,6 +612,7 @@ class Cohort:
         self._clip = None
         if member.resume is not None:
             self._restore(index, slot, member.resume)
+            slot.history = [e for e in member.resume.evals if e[0] <= member.resume.step]
             if slot.done >= config.max_steps:  # checkpointed at its last step: nothing is left to train, as alone
                 self._finish(index, "completed")
         elif member.warm_start is not None or fast_fail.enabled:
@@ -1052,7 +1054,8 @@ class Cohort:
                           scaler=self.precision.scaler.state_dict(), rng=self._member_rng(slot),
                           data=self._sampler_state(index, slot),
                           loop=LoopState(loss_sum, slot.steps_since_log, slot.threshold),
-                          config=config.to_dict(), metrics=dict(slot.result.metrics))
+                          config=config.to_dict(), metrics=dict(slot.result.metrics),
+                          evals=[*slot.history, *slot.result.evals])
 
     def _sampler_state(self, index: int, slot: _Slot) -> dict[str, Any]:
         """The member's data position after the steps it has done. Its sampler has drawn the whole stretch's

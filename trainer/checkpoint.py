@@ -89,6 +89,9 @@ class TrainState:
     config: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     user: dict[str, Any] = field(default_factory=dict)  # a user's own loop's state (`run.save`); the trainer's: empty
+    # Every evaluation of the run up to `step`, (step, metrics), its resumed-from runs' included: the curve a retry
+    # copies when the reports that would hold it never reached the study (lost with the worker in a storage outage).
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
     def payload(self) -> dict[str, Any]:
         payload = {"format": FORMAT, "step": self.step, "model": self.model, "optimizer": self.optimizer,
@@ -96,6 +99,9 @@ class TrainState:
                    "config": self.config, "metrics": self.metrics}
         if self.user:  # only then: the trainer's checkpoints stay as they have always been
             payload["user"] = self.user
+        if self.evals:  # plain lists and floats, which a weights-only load reads
+            payload["evals"] = [[int(step), {str(k): float(v) for k, v in metrics.items()}]
+                                for step, metrics in self.evals]
         return payload
 
     @classmethod
@@ -104,7 +110,16 @@ class TrainState:
             raise CheckpointError(f"unknown checkpoint format {payload.get('format')!r}, expected {FORMAT}")
         return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "config",
                                               "metrics")}, loop=LoopState.from_dict(payload["loop"]),
-                   user=payload.get("user") or {})
+                   user=payload.get("user") or {}, evals=_evals(payload.get("evals")))
+
+
+def _evals(stored: Any) -> list[tuple[int, dict[str, float]]]:
+    """A checkpoint's evaluation history; a malformed one (or none: a checkpoint written before it was kept) is
+    empty: it only fills gaps in a retry's curve, never its training state."""
+    try:
+        return [(int(step), {str(k): float(v) for k, v in metrics.items()}) for step, metrics in stored or []]
+    except (TypeError, ValueError, AttributeError):
+        return []
 
 
 def user_checkpoint(step: int, state: Mapping[str, Any], config: Mapping[str, Any],

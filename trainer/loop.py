@@ -209,6 +209,7 @@ class Run:
     ranks: Ranks = field(default_factory=Ranks)  # the data-parallel group (trainer.distributed); one process: Ranks()
     # entered around each micro-batch but a step's last: DDP's no_sync with several ranks, else nothing
     defer_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # a resumed run's evaluations before
 
 
 def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) -> Run:
@@ -281,6 +282,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
         if resume is not None:
             loop, first_step = _restore(run, resume), resume.step
             result.steps, result.metrics = resume.step, dict(resume.metrics)
+            run.history = [e for e in resume.evals if e[0] <= resume.step]
         elif warm_start is not None or run.fast_fail.enabled:
             if warm_start is not None:
                 _load_warm_start(run, warm_start)
@@ -448,7 +450,7 @@ def _checkpoint(run: Run, checkpointer: Checkpointer | None, step: int, metrics:
     state = TrainState(step=step, model=run.model.state_dict(), optimizer=run.optimizer.state_dict(),
                        scaler=run.precision.scaler.state_dict(), rng=capture_rng(), data=run.batches.state_dict(),
                        loop=interval.state(run.guard.threshold), config=run.config.to_dict(),
-                       metrics=dict(result.metrics))
+                       metrics=dict(result.metrics), evals=[*run.history, *result.evals])
     checkpointer.saved(save_checkpoint(path, state), metrics)
 
 

@@ -851,3 +851,34 @@ def test_checkpoints_written_while_postgresql_was_down_are_resumed_from_after_th
         assert retry.user_attrs["resumed_from"] == {"trial": 0, "step": 12}, retry.user_attrs
         assert retry.value == 1.0 / 12  # its last save's value: resumed at its end, it had no step left to report
     assert not list((tmp_path / "checkpoints" / "outage").glob("*.unregistered.json*"))
+
+
+def test_a_retry_copies_the_evaluations_whose_reports_were_lost_from_its_checkpoint(tmp_path: Path) -> None:
+    # A worker that trained on through a storage outage held its reports in memory; killed before the storage came
+    # back, they were lost, while its checkpoints (written meanwhile) hold every evaluation up to theirs. Its retry's
+    # curve is whole again: the lost values come from the checkpoint it resumes from, equal to what was evaluated.
+    from tests.conftest import TINY_STUDY, sweep_cli
+
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1}
+    document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 5, "log_every_steps": 5}
+    document["checkpoints"] = {"on_best": False, "every_steps": 20, "keep_top_k": 2, "artifacts": False}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    whole = optuna.load_study(study_name="tiny", storage=url).trials[0].intermediate_values
+    assert sorted(whole) == list(range(5, 45, 5))
+    # As the lost worker left it: its end stored (interrupted) long ago, no retry queued, none of its reports stored,
+    # and its newest checkpoint the one at step 20 (the one at 40 never written).
+    folder = tmp_path / "tiny.checkpoints" / "tiny"
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["trial00000-step00000020.pt", "trial00000-step00000040.pt"]
+    (folder / "trial00000-step00000040.pt").unlink()
+    with sqlite3.connect(tmp_path / "tiny.db") as db:
+        db.execute("UPDATE trials SET state = 'FAIL', datetime_complete = datetime('now', '-1 hour') WHERE number = 0")
+        db.execute("DELETE FROM trial_values")
+        db.execute("DELETE FROM trial_intermediate_values")
+        db.execute("UPDATE trial_user_attributes SET value_json = '\"interrupted\"' WHERE key = 'outcome'")
+    rerun = sweep_cli("run", path)
+    assert rerun.returncode == 0, rerun.stderr
+    retry = optuna.load_study(study_name="tiny", storage=url).trials[1]
+    assert retry.user_attrs["retry_of"] == 0 and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 20}
+    assert retry.intermediate_values == whole  # steps 5-15 from the checkpoint's history, 20 from its metrics
