@@ -323,7 +323,12 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
         raise _fail(str(exc), 2) from None
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         raise _storage_failure(url, exc) from None
-    if spec.checkpoints.enabled:  # a folder another study of this name writes in: refused before any trial runs
+    from sweep.urls import sqlite_path
+
+    # A folder another study of this name writes in is refused before any trial runs. Not the default folder of a
+    # SQLite file, named after it: no other database's study writes there, and one whose file was deleted to start
+    # over (`rm study.db`) left only what nothing reads any more.
+    if spec.checkpoints.enabled and (spec.checkpoints.store is not None or sqlite_path(url) is None):
         from sweep.blobs import claim_problem
         from sweep.outcomes import OWNER_ATTR
         from sweep.registry import default_store
@@ -845,8 +850,11 @@ def check(
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
     from sweep.blobs import claim_problem
     from sweep.outcomes import OWNER_ATTR
+    from sweep.urls import sqlite_path
 
-    if claimed := claim_problem(location, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=False):
+    own_folder = sqlite_path(url) is not None and Path(location).resolve() == Path(default_store(url)).resolve()
+    if not own_folder and (claimed := claim_problem(location, study.study_name, study.user_attrs.get(OWNER_ATTR),
+                                                    claim=False)):
         raise _fail(f"{claimed}; nothing checked or repaired", 2)  # its files are the other study's, not orphans
     report = check_study(Registry(url), location, study, repair=repair, delete_orphans=trusted)
     for problem in report.problems:
@@ -1007,7 +1015,8 @@ def reproduce(
     study_name: NameOpt = None,
     trust_task: TrustOpt = False,
 ) -> None:
-    """Train one trial again from the storage alone and compare every reported value; exit 0 when identical."""
+    """Train one trial again from the storage alone and compare every reported value (a loop's or command's that
+    reported none: its final value); exit 0 when identical."""
     from sweep.reconcile import store_location
     from sweep.reproduce import reproduce_trial
 
@@ -1022,8 +1031,11 @@ def reproduce(
         f"within a relative {comparison.tolerance:g}: at most {comparison.largest_difference:.2g}")
     if comparison.first_difference is not None:
         step, stored, again = comparison.first_difference
-        raise _fail(f"trial {trial} differs first at step {step}: stored {stored!r}, reproduced {again!r}", 1)
-    out.print(f"trial {trial} reproduced: {comparison.steps_compared} reported values identical ({how})")
+        where = "in its final value (it reported none)" if comparison.final_only else f"first at step {step}"
+        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, reproduced {again!r}", 1)
+    what = ("its final value (it reported none) identical" if comparison.final_only else
+            f"{comparison.steps_compared} reported values identical")
+    out.print(f"trial {trial} reproduced: {what} ({how})")
 
 
 def _study_file_spec(target: str, url: str | None = None) -> Any:

@@ -33,7 +33,7 @@ import torch
 
 from sweep.blobs import BlobScope, load_blob
 from sweep.objective import metric_value, task_for
-from sweep.outcomes import ATTR_CONFIG, ATTR_REPRO, ATTR_WARM_START, SPEC_ATTR
+from sweep.outcomes import ATTR_CONFIG, ATTR_REPRO, ATTR_STEPS, ATTR_WARM_START, SPEC_ATTR
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.pacing import BUILTIN_SCHEDULES
@@ -100,6 +100,7 @@ class Comparison:
     tolerance: float  # 0.0: bit for bit
     first_difference: tuple[int, float, float] | None  # (step, stored, reproduced)
     largest_difference: float = 0.0  # relative, over the values compared (0.0: every one bit for bit)
+    final_only: bool = False  # a loop or command that never reported: its final value was compared
 
     @property
     def identical(self) -> bool:
@@ -107,7 +108,7 @@ class Comparison:
 
 
 class _Recorder:
-    def __init__(self, stop_at: int, metric: str) -> None:
+    def __init__(self, stop_at: float, metric: str) -> None:
         self.stop_at, self.metric = stop_at, metric
         self.values: dict[int, float] = {}
         self.series: list[tuple[int, float]] = []  # what a command's session reads (sweep.runners.command.Reports)
@@ -148,10 +149,12 @@ def _parent(trial: optuna.trial.FrozenTrial, scope: BlobScope) -> WarmStart | No
     return WarmStart(state, optimizer=lineage.get("inherit") == "weights+optimizer")
 
 
-def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: WarmStart | None) -> bool:
+def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: WarmStart | None,
+                ) -> tuple[bool, float | None]:
     """A loop trial again, from its stored config (and its donor's state, if it was warm-started), reporting to
-    `recorder`. Returns whether it asked for deterministic algorithms (the config's `deterministic`)."""
-    from sweep.runners.loop import Run, call_loop, load_loop, loop_seed
+    `recorder`. Returns whether it asked for deterministic algorithms (the config's `deterministic`) and its value
+    as the study takes it (`loop_value`)."""
+    from sweep.runners.loop import Run, call_loop, load_loop, loop_seed, loop_value
 
     function = load_loop(name)
     seed = loop_seed(config)
@@ -159,8 +162,8 @@ def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: 
     run = Run(dict(config), recorder, recorder.metric, seed=seed, device=device,
               initial=None if parent is None else parent.state, start=None if parent is None else "warm")
     seed_everything(seed)
-    call_loop(function, dict(config), run)
-    return bool(config.get("deterministic", False))
+    returned = call_loop(function, dict(config), run)
+    return bool(config.get("deterministic", False)), loop_value(returned, run)
 
 
 @contextlib.contextmanager
@@ -202,28 +205,38 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     stored_config = trial.user_attrs.get(ATTR_CONFIG)
     if not isinstance(stored_config, dict):
         raise ValueError(f"trial {number} has no stored config to train again (state {trial.state.name.lower()})")
-    if not trial.intermediate_values:
-        raise ValueError(f"trial {number} reported no values while it trained (state {trial.state.name.lower()}"
-                         + (": its value came from what the loop returned or the command printed last"
-                            if trial.value is not None else "") + "), so there is nothing to compare step by step")
     study_spec = study.user_attrs.get(SPEC_ATTR, {})
     metric = study_spec.get("metric", "val_loss")
-    stored = dict(sorted(trial.intermediate_values.items()))
-    recorder = _Recorder(max(stored), metric)
     loop = study_spec.get("loop")
     command = study_spec.get("command")
+    # A loop or command that never reported has its value from what the loop returned or the command printed last:
+    # that one value is compared (at the trial's last step), the rerun left to run to its end.
+    final_only = not trial.intermediate_values and trial.value is not None and (loop or command) is not None
+    if not trial.intermediate_values and not final_only:
+        raise ValueError(f"trial {number} reported no values while it trained (state {trial.state.name.lower()}), "
+                         "so there is nothing to compare")
+    last = int(trial.user_attrs.get(ATTR_STEPS) or 0)
+    stored = {last: float(trial.value)} if final_only else dict(sorted(trial.intermediate_values.items()))  # type: ignore[arg-type]
+    recorder = _Recorder(math.inf if final_only else max(stored), metric)
     if command is not None:
         if not trust_code and command not in trusted:
             raise _untrusted(number, f"run the command {command!r}")
-        from sweep.runners.command import rerun_command
+        from sweep.runners.command import last_json_value, rerun_command
 
         parent = _parent(trial, BlobScope(store))
         folder = Path(tempfile.mkdtemp(prefix="sweep-reproduce-"))
         code = rerun_command(command, stored_config, number, recorder, None if parent is None else parent.state,
                              float(study_spec.get("stop_grace_period", 10)), folder)
-        if code != 0 and not recorder.values:
+        log = folder / f"reproduce-{number}.log"
+        if final_only:
+            printed = last_json_value(log, metric) if code == 0 else None
+            if printed is None:
+                raise ValueError(f"trial {number}'s command exited with code {code} without printing its {metric} "
+                                 f"as JSON; its output is in {log}")
+            recorder.values[last] = printed
+        elif code != 0 and not recorder.values:
             raise ValueError(f"trial {number}'s command exited with code {code} before its first report; its output "
-                             f"is in {folder / f'reproduce-{number}.log'}")
+                             f"is in {log}")
         shutil.rmtree(folder, ignore_errors=True)
         device = resolve_device(str(stored_config.get("device", "cpu")))
         deterministic = bool(stored_config.get("deterministic", False))
@@ -231,7 +244,9 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         if not trust_code and loop not in trusted:
             raise _untrusted(number, f"import and run the loop {loop!r}")
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
-            deterministic = _rerun_loop(loop, stored_config, recorder, _parent(trial, BlobScope(store)))
+            deterministic, value = _rerun_loop(loop, stored_config, recorder, _parent(trial, BlobScope(store)))
+        if final_only and value is not None:
+            recorder.values[last] = value
         device = resolve_device(str(stored_config.get("device", "auto")))
     else:
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
@@ -254,4 +269,4 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             break
         if value != again and math.isfinite(value) and math.isfinite(again):
             largest = max(largest, abs(value - again) / max(abs(value), abs(again)))
-    return Comparison(number, len(stored), tolerance, difference, largest)
+    return Comparison(number, len(stored), tolerance, difference, largest, final_only)

@@ -183,6 +183,14 @@ def test_a_script_that_never_reports_gets_its_last_json_line(tmp_path: Path) -> 
     for trial in trials_of(path):
         assert trial.state.name == "COMPLETE" and trial.value == trial.params["x"] ** 2
         assert not trial.intermediate_values
+    # Reproduced by its final value, the only one it gave; a script changed since is told apart.
+    again = sweep_cli("reproduce", path, "1", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "trial 1 reproduced: its final value (it reported none) identical (bit for bit)" in again.stdout
+    script = (tmp_path / "train.py").read_text()
+    (tmp_path / "train.py").write_text(script.replace('config["x"] ** 2', 'config["x"] ** 2 + 1e-9'))
+    changed = sweep_cli("reproduce", path, "1", cwd=tmp_path)
+    assert changed.returncode == 1 and "differs in its final value (it reported none)" in changed.stderr
 
     # The study again from scratch (its database deleted, its trials' logs left), with a script that prints nothing:
     # an earlier study's last JSON line is not this trial's value.
