@@ -250,6 +250,10 @@ def test_a_loop_may_return_its_value(tmp_path: Path) -> None:
     assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
     for trial in trials_of(path, "direct"):
         assert trial.state.name == "COMPLETE" and trial.value == trial.params["x"] ** 2
+    # It reported nothing: reproduce compares the value it returned.
+    again = sweep_cli("reproduce", path, "2", pythonpath=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "trial 2 reproduced: its final value (it reported none) identical (bit for bit)" in again.stdout
 
 
 def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_path: Path) -> None:
