@@ -80,14 +80,17 @@ class CheckpointService:
     # -----------------------------------------------------------------------------------------------------------------
     # Starting a trial.
 
-    def resume_point(self, lineage: Sequence[int]) -> Resume | None:
+    def resume_point(self, lineage: Sequence[int], keep_steps: Sequence[int] = ()) -> Resume | None:
         """The newest checkpoint of the lineage (the trial being retried, the trial that one retried, ...) that loads
         and matches its hash. One that fails is removed (row and file) with a warning, and the next newest is
         tried. The one chosen is pinned; the lineage's other checkpoints are released to retention. Checkpoints the
         lineage wrote while the storage was away, whose rows died with a worker that gave up waiting, are registered
-        first, from the record beside each (`sweep.reconcile.adopt_unregistered`)."""
+        first, from the record beside each (`sweep.reconcile.adopt_unregistered`), and trimmed to what the study's
+        policy keeps of a trial (its latest, its best `keep_top_k`, `keep_steps`: the handoff), as their worker would
+        have trimmed them had the storage answered."""
         if self.store.artifacts is None:  # checkpoints of the lineage written in an outage, not registered yet
-            adopt_unregistered(self.registry, self.store.folder, self.study_name, trials=lineage)
+            if adopt_unregistered(self.registry, self.store.folder, self.study_name, trials=lineage):
+                self._trim_adopted(lineage, keep_steps)
         records = sorted((r for n in lineage for r in self.registry.for_trial(self.study_name, n)),
                          key=lambda r: (r.step, r.id), reverse=True)
         chosen: Resume | None = None
@@ -111,6 +114,21 @@ class CheckpointService:
         for number in lineage:  # the lost trials' other checkpoints: collectable (the pinned one stays)
             self.registry.finish_trial(self.study_name, number, donor=False)
         return chosen
+
+    def _trim_adopted(self, lineage: Sequence[int], keep_steps: Sequence[int]) -> None:
+        policy = self.spec.checkpoints
+        for number in lineage:
+            records = self.registry.for_trial(self.study_name, number)
+            if not records:
+                continue
+            latest = max(records, key=lambda r: (r.step, r.id))
+            keep = {latest.id, *(r.id for r in best_first(records, self.maximize)[: policy.keep_top_k]),
+                    *(r.id for r in records if r.step in keep_steps)}
+            gone = set(self.registry.forget([r.id for r in records if r.id not in keep]))
+            kept = {r.uri for r in records if r.id not in gone}
+            for record in records:
+                if record.id in gone and record.uri not in kept:
+                    _delete_in_scope(self.store.scope, record.uri, record.study)
 
     def warm_start(self, trial_number: int, params: Mapping[str, Any], config: TrainingConfig | Mapping[str, Any],
                    key: str,

@@ -431,14 +431,14 @@ class TrainerTrial(TrialRun):
         def evaluated(step: int) -> bool:
             return step % config.eval_every_steps == 0 or step == config.max_steps
 
-        start = resume_lineage(trial, self.checkpoints, spec.metric, evaluated)
+        start = resume_lineage(trial, self.checkpoints, spec.metric, evaluated, keep_steps=[handoff] if handoff else [])
         if start is None and handoff and warm_allowed:
             start = warm_start(trial, spec, self.checkpoints, params, config, key, handoff)
         return start or Start()
 
 
 def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: str,
-                   evaluated: Callable[[int], bool]) -> Start | None:
+                   evaluated: Callable[[int], bool], *, keep_steps: Sequence[int] = ()) -> Start | None:
     """A retry's start: the newest intact checkpoint of its lineage, after the lineage's reported values up to there
     are copied onto this trial (one continuous curve, from the lineage's first report). None: not a retry, or no
     checkpoint to resume from. `evaluated(step)`: whether the runner reports at that step (a checkpointed value
@@ -446,7 +446,7 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
     if trial.user_attrs.get("retry_of") is None:
         return None
     trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
-    found = checkpoints.resume_point(lineage(trials, trial.number)[1:])
+    found = checkpoints.resume_point(lineage(trials, trial.number)[1:], keep_steps)
     if found is None:
         return None
     source = trials[found.trial]

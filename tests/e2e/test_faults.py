@@ -851,6 +851,10 @@ def test_checkpoints_written_while_postgresql_was_down_are_resumed_from_after_th
         assert retry.user_attrs["resumed_from"] == {"trial": 0, "step": 12}, retry.user_attrs
         assert retry.value == 1.0 / 12  # its last save's value: resumed at its end, it had no step left to report
     assert not list((tmp_path / "checkpoints" / "outage").glob("*.unregistered.json*"))
+    # Registered late, they were trimmed as their worker would have trimmed them: keep_top_k 1 keeps the latest
+    # (here also the best) of the trial's saves, one per step through the outage.
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "outage").glob("trial00000-*.pt")) == [
+        "trial00000-step00000012.pt"]
 
 
 def test_a_retry_copies_the_evaluations_whose_reports_were_lost_from_its_checkpoint(tmp_path: Path) -> None:
