@@ -291,8 +291,10 @@ def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     assert done.returncode == 1
     assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr
     # A database of two studies with none named: which one is the user's to say (bad input, exit 2).
-    assert sweep_cli("run", tiny_study, "--n-trials", "1", "--study-name", "other").returncode == 0
-    done = sweep_cli("status", tiny_study.parent / "tiny.db")
+    database = tiny_study.parent / "tiny.db"
+    assert sweep_cli("run", tiny_study, "--n-trials", "1", "--study-name", "other",
+                     "--storage", f"sqlite:///{database}").returncode == 0
+    done = sweep_cli("status", database)
     assert done.returncode == 2
     assert "holds 2 studies (" in done.stderr and "name one with --study-name" in done.stderr
 
