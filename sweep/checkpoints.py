@@ -18,7 +18,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,9 +121,7 @@ class CheckpointService:
             records = self.registry.for_trial(self.study_name, number)
             if not records:
                 continue
-            latest = max(records, key=lambda r: (r.step, r.id))
-            keep = {latest.id, *(r.id for r in best_first(records, self.maximize)[: policy.keep_top_k]),
-                    *(r.id for r in records if r.step in keep_steps)}
+            keep = policy_keeps(records, policy.keep_top_k, keep_steps, self.maximize)
             gone = set(self.registry.forget([r.id for r in records if r.id not in keep]))
             kept = {r.uri for r in records if r.id not in gone}
             for record in records:
@@ -336,12 +334,7 @@ class TrialCheckpointer:
     def _doomed(self, records: list[CheckpointRecord]) -> list[int]:
         """The trial's checkpoints that its policy no longer keeps: all but its latest, its best `keep_top_k` and
         those at a kept step (the warm-start handoff)."""
-        if not records:
-            return []
-        latest = max(records, key=lambda r: (r.step, r.id))
-        scored = best_first(records, self.maximize)
-        keep = {latest.id, *(r.id for r in scored[: self.policy.keep_top_k]),
-                *(r.id for r in records if r.step in self.keep_steps)}
+        keep = policy_keeps(records, self.policy.keep_top_k, self.keep_steps, self.maximize)
         return [r.id for r in records if r.id not in keep]
 
 
@@ -360,6 +353,17 @@ def register_together(checkpointers: Sequence[TrialCheckpointer]) -> None:
         return
     for checkpointer, (records, gone) in zip(waiting, results):
         checkpointer._registered(records, gone)  # noqa: SLF001
+
+
+def policy_keeps(records: Sequence[CheckpointRecord], keep_top_k: int, keep_steps: Collection[int],
+                 maximize: bool) -> set[int]:
+    """The ids of one trial's checkpoints its policy keeps: its latest, its best `keep_top_k` and those at a kept
+    step (the warm-start handoff)."""
+    if not records:
+        return set()
+    latest = max(records, key=lambda r: (r.step, r.id))
+    return {latest.id, *(r.id for r in best_first(records, maximize)[:keep_top_k]),
+            *(r.id for r in records if r.step in keep_steps)}
 
 
 def best_first(records: Sequence[CheckpointRecord], maximize: bool) -> list[CheckpointRecord]:

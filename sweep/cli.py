@@ -323,18 +323,10 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
         raise _fail(str(exc), 2) from None
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         raise _storage_failure(url, exc) from None
-    from sweep.urls import sqlite_path
-
-    # A folder another study of this name writes in is refused before any trial runs. Not the default folder of a
-    # SQLite file, named after it: no other database's study writes there, and one whose file was deleted to start
-    # over (`rm study.db`) left only what nothing reads any more.
-    if spec.checkpoints.enabled and (spec.checkpoints.store is not None or sqlite_path(url) is None):
-        from sweep.blobs import claim_problem
-        from sweep.outcomes import OWNER_ATTR
+    if spec.checkpoints.enabled:  # a folder another study of this name writes in: refused before any trial runs
         from sweep.registry import default_store
 
-        location = spec.checkpoints.store or default_store(url)
-        if problem := claim_problem(location, spec.name, study.user_attrs.get(OWNER_ATTR)):
+        if problem := _store_claim_problem(study, spec.checkpoints.store or default_store(url), url, claim=True):
             raise _fail(f"{prefix}checkpoints.store: {problem}", 2)
     if not prefix:  # the launching process, not one of its workers
         from sweep.outcomes import budget_counts
@@ -348,6 +340,20 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
                     err.print(f"warning: warm_start.from_studies: no study {name!r} in {mask_url(url)}, so it gives "
                               f"no donors (its studies: {', '.join(sorted(names))})", markup=False)
     return study
+
+
+def _store_claim_problem(study: Any, location: str | Path, url: str, *, claim: bool) -> str | None:
+    """Whether the study's folder of the store belongs to another study of its name (`sweep.blobs.claim_problem`).
+    Not the default folder of a SQLite file, named after it: no other database's study writes there, and one whose
+    file was deleted to start over (`rm study.db`) left only what nothing reads any more."""
+    from sweep.blobs import claim_problem
+    from sweep.outcomes import OWNER_ATTR
+    from sweep.registry import default_store
+    from sweep.urls import sqlite_path
+
+    if sqlite_path(url) is not None and Path(location).resolve() == Path(default_store(url)).resolve():
+        return None
+    return claim_problem(location, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=claim)
 
 
 @contextlib.contextmanager
@@ -848,13 +854,7 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
-    from sweep.blobs import claim_problem
-    from sweep.outcomes import OWNER_ATTR
-    from sweep.urls import sqlite_path
-
-    own_folder = sqlite_path(url) is not None and Path(location).resolve() == Path(default_store(url)).resolve()
-    if not own_folder and (claimed := claim_problem(location, study.study_name, study.user_attrs.get(OWNER_ATTR),
-                                                    claim=False)):
+    if claimed := _store_claim_problem(study, location, url, claim=False):
         raise _fail(f"{claimed}; nothing checked or repaired", 2)  # its files are the other study's, not orphans
     report = check_study(Registry(url), location, study, repair=repair, delete_orphans=trusted)
     for problem in report.problems:

@@ -320,7 +320,7 @@ class Boundary:
                 if getattr(self._local, "no_wait", False):
                     raise StorageAway(f"{self.label} is unreachable") from exc
                 waited = time.monotonic() - since
-                patience = self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
+                patience = self._patience()
                 if stop_requested() and threading.current_thread() is threading.main_thread():
                     raise StorageUnavailable(f"{self.label} is unreachable, and the worker was told to stop (Ctrl-C "
                                              f"or SIGTERM): not waiting for it: {_first_line(exc)}") from exc
@@ -335,11 +335,15 @@ class Boundary:
             self._came_back()
             return result
 
+    def _patience(self) -> float:
+        """How long an outage is waited out: a storage never reached yet gets the short first contact."""
+        return self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
+
     def _went_away(self, exc: BaseException) -> float:
         with self._lock:
             if self.down_since is None:
                 self.down_since = time.monotonic()
-                patience = self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
+                patience = self._patience()
                 self.notify(f"{self.label} is unreachable ({_first_line(exc)}); waiting up to "
                             f"{patience:g} s for it to come back"
                             f"{'' if self.reached or patience == self.patience_s else ' (never reached yet)'}")
