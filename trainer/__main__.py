@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -191,8 +192,20 @@ def main(argv: list[str] | None = None) -> int:
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
                 **({"stop_reason": result.stop_reason} if result.stop_reason else {}),
                 "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}
-        print(json.dumps({"config": str(path), **line} if args.batched else line))
+        print(json.dumps(_strict_json({"config": str(path), **line} if args.batched else line), allow_nan=False))
     return 0
+
+
+def _strict_json(value: Any) -> Any:
+    """NaN and infinities (a diverged run's metrics) as null: Python's `json.dumps` writes `NaN`, which is not JSON
+    and which jq, JavaScript and most other readers of this line refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,6 +45,23 @@ def test_the_fast_fail_rules_stop_a_diverging_run_alone_as_in_a_study(tmp_path: 
         assert result["status"] == "stopped" and result["steps"] < 100, result
         assert result["stop_reason"]["rule"] in ("explode", "nan", "inf"), result
 
+def test_a_run_that_went_nan_prints_strict_json_with_null(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Python's json writes NaN, which is not JSON (jq, JavaScript and strict parsers refuse the line): the diverged
+    value is null, and the rest of the line is as it was."""
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 100\neval_every_steps: 10\nlog_every_steps: 10\noptimizer: sgd\n"
+                      "learning_rate: 1.0e+30\nmodel: {hidden: 32}\n")
+    assert main([str(config)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    result = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert result["status"] == "stopped" and result["stop_reason"]["rule"] in ("nan", "inf"), result
+    assert result["stop_reason"]["value"] is None and result["metrics"]["val_loss"] is None, result
+    assert 0.0 <= result["metrics"]["val_accuracy"] <= 1.0
+
+
 def test_bad_config_exits_2_naming_file_and_key(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("task: digits\noptimiser: adam\n")
