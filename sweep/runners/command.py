@@ -32,6 +32,7 @@ import signal
 import socket
 import string
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -77,6 +78,7 @@ __all__ = ["CommandError", "CommandTrial", "command_line", "last_json_value"]
 
 _FORMATTER = string.Formatter()
 _POLL_S = 0.1
+GUARD = Path(__file__).with_name("_guard.py")  # runs each command; ends its group when the worker dies first
 
 
 class CommandError(ValueError):
@@ -229,7 +231,7 @@ class CommandTrial(TrialRun):
         started = time.perf_counter()
         # A trial's number runs once in a study: a log already there is an earlier study's (of the same name, its
         # database deleted), and its last JSON line must not become this trial's value.
-        with _spawned(argv, config, trial.number, start, log, "wb") as (process, ours):
+        with _spawned(argv, config, trial.number, start, log, "wb", spec.stop_grace_period) as (process, ours):
             session = _Session(process, ours, reporter, self.deadline, spec.stop_grace_period, self.checkpointer)
             try:
                 with self.boundary.no_wait():
@@ -257,10 +259,12 @@ class CommandTrial(TrialRun):
 
 
 @contextlib.contextmanager
-def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Start, log: Path,
-             mode: str) -> Iterator[tuple[subprocess.Popen[bytes], socket.socket]]:
+def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Start, log: Path, mode: str,
+             grace: float) -> Iterator[tuple[subprocess.Popen[bytes], socket.socket]]:
     """The command started in a session of its own, its output in `log` (opened with `mode`), its config, trial
-    number and start state in its environment; yields it and the worker's end of its report socket."""
+    number and start state in its environment; yields it and the worker's end of its report socket. The process
+    yielded is the command's guard (`_guard.py`, the group's leader, exiting as the command does), which ends the
+    group `grace` seconds after asking it to stop if this worker dies first."""
     ours, theirs = socket.socketpair()
     start_env = _start_env(start, log.with_suffix(".start.pt"))
     env = {**os.environ, ENV_REPORT_FD: str(theirs.fileno()), ENV_TRIAL: str(number), ENV_CONFIG: json.dumps(config),
@@ -268,7 +272,8 @@ def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Sta
     try:
         with open(log, mode) as output, ours:
             try:
-                process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                guarded = [sys.executable, "-I", str(GUARD), str(os.getpid()), str(grace), *argv]
+                process = subprocess.Popen(guarded, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            env=env, pass_fds=[theirs.fileno()], start_new_session=True)
             finally:
                 theirs.close()
@@ -308,7 +313,7 @@ def rerun_command(template: str, config: Mapping[str, Any], number: int, reports
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / f"reproduce-{number}.log"
     start = Start(warm=WarmStart(parent)) if parent is not None else Start()
-    with _spawned(argv, config, number, start, log, "wb") as (process, ours):
+    with _spawned(argv, config, number, start, log, "wb", grace) as (process, ours):
         session = _Session(process, ours, reports, None, grace, None)
         try:
             return session.wait()

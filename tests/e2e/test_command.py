@@ -110,7 +110,8 @@ for step in range(first, 7):
     assert client.save({"weight": weight, "step": step})
     if step == 3 and not marker.exists():
         marker.write_text("killed")
-        os.kill(os.getppid(), signal.SIGKILL)
+        guard = Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()
+        os.kill(int(guard[1]), signal.SIGKILL)  # the worker: the parent of the guard that runs this command
         sys.exit(0)
 print(json.dumps({"weight": weight.tolist()}))
 '''
@@ -253,6 +254,48 @@ def test_a_script_that_ignores_stop_is_killed_with_its_group_after_the_grace_per
     assert gone(leader) and gone(child), (leader, child)
 
 
+# Never reports (so never hears that its worker is gone) and starts a child: a plain script printing its result at the
+# end. Ignores SIGTERM, as some training scripts' handlers in effect do.
+SILENT_SCRIPT = '''
+import os
+import signal
+import subprocess
+import sys
+import time
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(sys.argv[1], "w") as pids:
+    pids.write(f"{os.getpid()} {child.pid}")
+time.sleep(600)
+print('{"val_loss": 0.5}')
+'''
+
+
+def test_a_command_whose_worker_is_killed_does_not_run_on_for_nobody(tmp_path: Path) -> None:
+    """SIGKILL of the worker (the out-of-memory killer, a scheduler) leaves nobody to end the command's group. A command
+    that reports would fail at its next report; one that never reports trained on to its end, holding its device and
+    writing files its retry may own. Its group is now ended (TERM, then KILL after the grace period), its child too."""
+    pids = tmp_path / "pids"
+    path = command_study(tmp_path, SILENT_SCRIPT, f"train.py {pids}", stop_grace_period=1)
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not pids.exists() or not pids.read_text():
+            assert worker.poll() is None and time.monotonic() < deadline, "the command never started"
+            time.sleep(0.05)
+        command, child = map(int, pids.read_text().split())
+        assert not gone(command) and not gone(child)
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 120
+    while not (gone(command) and gone(child)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(command) and gone(child), (command, child)
+
+
 def test_bad_report_from_a_script_fails_the_trial(tmp_path: Path) -> None:
     script = "from sweep import client\nclient.report(1, accuracy=0.5)\n"
     path = command_study(tmp_path, script, "train.py")
@@ -347,11 +390,11 @@ from sweep import client
 
 state = client.load()
 first = state["step"] + 1 if state is not None else 1
-step = first - 1
+done = first - 1  # the last step trained and reported: what a save holds (a signal may land inside the next one)
 
 
 def on_term(signum, frame):
-    client.save({"step": step}, step)
+    client.save({"step": done}, done)
     sys.exit(0)
 
 
@@ -359,6 +402,7 @@ signal.signal(signal.SIGTERM, on_term)
 for step in range(first, 301):
     time.sleep(0.02)
     client.report(step, val_loss=1.0 / step)
+    done = step
     if step == 3:
         Path(sys.argv[1]).write_text("ready")
 '''
