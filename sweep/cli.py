@@ -282,8 +282,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                 workers=workers)
     options_ok = not problems
-    # The options' values go in as YAML strings (JSON is YAML): `--study-name 2024` is the name "2024", not a number.
-    overrides = [*set_, *([f"name={json.dumps(study_name)}"] if study_name and options_ok else []),
+    overrides = [*set_, *(_name_override(study_name) if options_ok else []),
                  *([f"n_trials={n_trials}"] if n_trials is not None and options_ok else [])]
     try:
         spec, spec_path = load_spec(study_file, overrides)
@@ -588,7 +587,7 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
         raise _fail(problem, 2)
     if path is not None and path.suffix in (".yaml", ".yml"):
         try:
-            spec, spec_path = read_spec(path)
+            spec, spec_path = read_spec(path, _name_override(study_name))  # its database, as `sweep run` named it
             url = resolve_storage_url(spec, spec_path, storage)
         except StudyFileError as exc:
             raise _fail(StudyFileError(target, exc.problems).lines(), 2) from None
@@ -849,7 +848,7 @@ def check(
     # The store is the study file's when one is given. Named only by the database, a store other than the default
     # one beside it is not trusted to delete files in: whoever can write the database could point it anywhere.
     if target.endswith((".yaml", ".yml")):
-        spec = _study_file_spec(target, url)
+        spec = _study_file_spec(target, url, study_name)
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
     else:
         location = store_location(study, url)
@@ -907,7 +906,7 @@ def dashboard(
 
     if isinstance(stored := study.user_attrs.get(SPEC_ATTR), dict):
         label_for_dashboard(study, stored)  # the metric's name and the readable definition, for older studies too
-    spec = _study_file_spec(target, url)
+    spec = _study_file_spec(target, url, study_name)
     artifacts = dashboard_artifact_store(study, (spec.checkpoints.store if spec is not None else None)
                                          or store_location(study, url))
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
@@ -1021,7 +1020,7 @@ def reproduce(
     from sweep.reproduce import reproduce_trial
 
     study, url = _open_with_url(target, storage, study_name)
-    spec = _study_file_spec(target, url)
+    spec = _study_file_spec(target, url, study_name)
     store = (spec.checkpoints.store if spec is not None else None) or store_location(study, url)
     try:
         comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target), trust_code=trust_task)
@@ -1038,13 +1037,19 @@ def reproduce(
     out.print(f"trial {trial} reproduced: {what} ({how})")
 
 
-def _study_file_spec(target: str, url: str | None = None) -> Any:
+def _name_override(study_name: str | None) -> list[str]:
+    """`--study-name` as `sweep run` applies it to a study file: its `name`, and so its default database (`NAME.db`)
+    and folders. A YAML string (JSON is YAML): `--study-name 2024` is the name "2024", not a number."""
+    return [f"name={json.dumps(study_name)}"] if study_name else []
+
+
+def _study_file_spec(target: str, url: str | None = None, study_name: str | None = None) -> Any:
     """The study file given on the command line (already read once by `_open`), or None for a database. With the
     storage `url`, its folders (checkpoints, tracking) resolved as `sweep run` resolves them: relative to the study
-    file, not to the working folder."""
+    file, not to the working folder, and named after `study_name` when one was given."""
     if Path(target).suffix not in (".yaml", ".yml"):
         return None
-    spec, spec_path = read_spec(Path(target))
+    spec, spec_path = read_spec(Path(target), _name_override(study_name))
     if url is None:
         return spec
     from sweep.registry import resolve_store

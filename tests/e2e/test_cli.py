@@ -285,6 +285,20 @@ def test_read_commands_on_an_unreachable_storage_give_one_line_without_the_passw
     assert line.startswith("error: cannot open storage postgresql+psycopg://sweeper:***@127.0.0.1:1/nothing: ")
 
 
+def test_every_command_finds_a_study_run_under_another_name_from_its_study_file(tiny_study: Path) -> None:
+    """The README's way to change a study's definition is a new study (`--study-name`), which `sweep run` puts in its
+    own database (`other.db`, as `name: other` would). The other commands looked for it in the file's own name's
+    database, so not even `sweep stop` reached its workers."""
+    assert sweep_cli("run", tiny_study, "--n-trials", "1", "--study-name", "other").returncode == 0
+    assert (tiny_study.parent / "other.db").exists() and not (tiny_study.parent / "tiny.db").exists()
+    done = sweep_cli("trials", tiny_study, "--study-name", "other", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert [row["state"] for row in json.loads(done.stdout)] == ["complete"]
+    for command in ("status", "check", "stop"):
+        done = sweep_cli(command, tiny_study, "--study-name", "other")
+        assert done.returncode == 0, (command, done.stderr)
+
+
 def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
     done = sweep_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
