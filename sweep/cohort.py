@@ -10,6 +10,8 @@ decision, checkpoints and outcome.
   members, then drains, and the next cohort's first member draws its shapes freely: the choice of shapes stays the
   sampler's too, at the cost of a partly empty cohort while one drains. A study with no shape keys (it searches the
   optimizer, the schedule, the seed...) has nothing to draw anew: its cohort never drains until the budget is spent.
+  A cohort never holds or takes more members than its fixed shapes leave configs to draw (`variety`); a study whose
+  every searched key is a shape key trains one trial at a time (its members would be copies of one config).
 - Pruning one by one: each member reports to its own trial through its own `TrialReporter`. A member that is pruned,
   completes, fails or diverges leaves at once and is told to the study; its slot is refilled with a newly asked trial
   at the next evaluation boundary, so the device stays full until the budget is spent. At a boundary where no trial
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import socket
 import time
@@ -93,6 +96,28 @@ def shape_keys(spec: StudySpec, params: dict[str, Any], config: TrainingConfig, 
     return keys
 
 
+def variety(spec: StudySpec, keys: list[str]) -> float:
+    """How many configs a cohort's members can differ in once its shape `keys` are fixed: the product of the other
+    searched keys' sizes (a continuous range: infinity). 1: the members would all be one config."""
+    count: float = 1
+    for key, param in spec.space.items():
+        if key not in keys:
+            count *= _size(param)
+    return count
+
+
+def _size(param: Param) -> float:
+    """The values a searched key can take (Optuna's grid for a stepped range; a continuous range: infinity)."""
+    choices = getattr(param, "choices", None)
+    if choices is not None:
+        return len({repr(choice) for choice in choices})
+    step = getattr(param, "step", None)
+    if step is None:
+        return math.inf
+    width = param.high - param.low  # type: ignore[union-attr]
+    return width // step + 1 if isinstance(width, int) and isinstance(step, int) else round(width / step) + 1
+
+
 def _other_values(param: Param, value: Any) -> list[Any]:
     choices = getattr(param, "choices", None)
     if choices is not None:
@@ -133,6 +158,7 @@ class CohortLoop:
         self.members: dict[int, _Member] = {}  # by the cohort's member id
         self.fixed: dict[str, Any] | None = None
         self.keys: list[str] | None = None  # the study's shape keys, found with the first cohort
+        self.variety: float = math.inf  # the configs a cohort's members can differ in, its shapes fixed (`variety`)
         self.single = False  # the model cannot be batched: one trial at a time
         self.spent = False
         self.stopping = self.timed_out = False  # kept across a failed cohort: the loop goes on with the next one
@@ -359,7 +385,7 @@ class CohortLoop:
         """Whether the cohort takes another member now (or a new cohort is to be made)."""
         cohort = self.cohort
         return not self.spent and not self.single and (cohort is None or (
-            self._open_slots() > 0 and (not self.keys or self.admitted < GENERATIONS * self.made)
+            self._open_slots() > 0 and (not self.keys or self.admitted < self._intake())
             and not (self.ramp and self._startup_in_flight())))
 
     def _wanted(self) -> int:
@@ -369,7 +395,12 @@ class CohortLoop:
         if cohort is None or self.ramp:
             return 1
         free = self._open_slots()
-        return max(1, min(free, GENERATIONS * self.made - self.admitted) if self.keys else free)
+        return max(1, min(free, self._intake() - self.admitted) if self.keys else free)
+
+    def _intake(self) -> int:
+        """The members a cohort with shape keys takes before it drains: its generations, and no more than the configs
+        its fixed shapes leave to draw."""
+        return int(min(GENERATIONS * self.made, self.variety))
 
     def _open_slots(self) -> int:
         """The members the cohort takes now: its size as made, less its members (a cohort that took none at a
@@ -421,7 +452,17 @@ class CohortLoop:
                           "train one at a time", stacklevel=2)
             self.single = True
             return False
+        if self.keys is None:
+            self.keys = shape_keys(self.worker.spec, prepared.params, prepared.config, prepared.task)
+            self.variety = variety(self.worker.spec, self.keys) if self.keys else math.inf
+            if self.variety <= 1:
+                warnings.warn(f"execution.cohort: every key this study searches ({', '.join(self.keys)}) changes the "
+                              "model's shapes, so a cohort's members would all train one and the same config; its "
+                              "trials train one at a time", stacklevel=2)
+                self.single = True
+                return False
         size = self.size or min(max_cohort_size(prepared.config, prepared.task), AUTO_LIMIT)
+        size = int(min(size, self.variety))  # more members than configs to draw: copies of one another
         completed, running = self._startup_counts(self.seen)
         self.ramp = completed < self.startup
         if self.ramp:  # the startup trials still missing, less those running elsewhere; this one at least
@@ -432,8 +473,6 @@ class CohortLoop:
         self.made, self.building = self.building, 0
         self.cohorts += 1
         self.admitted = 0
-        if self.keys is None:
-            self.keys = shape_keys(self.worker.spec, prepared.params, prepared.config, prepared.task)
         self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
         return True
 

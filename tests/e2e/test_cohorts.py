@@ -313,6 +313,41 @@ def test_each_cohort_s_first_member_draws_its_shapes_anew(tmp_path: Path) -> Non
     assert len(set.union(*cohorts.values())) > 1, cohorts  # drawn anew: not one shape for the study
 
 
+def test_a_study_that_searches_only_shape_keys_trains_one_trial_at_a_time_not_copies(tmp_path: Path) -> None:
+    # Every searched key fixed for a cohort's later members left them nothing to differ in: four trials of one
+    # config, one value, the budget spent on copies. Now such a study trains one trial at a time, saying why.
+    path = cohort_study(tmp_path, n_trials=4, sampler={"type": "random"}, fixed={"max_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"] = {"model.hidden": {"type": "int", "low": 8, "high": 64, "log": True}}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "2")
+    assert done.returncode == 0, done.stderr
+    why = [line for line in done.stderr.splitlines() if "cohort" in line]
+    assert len(why) == 1 and "model.hidden" in why[0] and "one at a time" in why[0], done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    assert max(in_flight(trials)) == 1 and len({t.params["model.hidden"] for t in trials}) > 1
+
+
+def test_a_cohort_takes_no_more_members_than_its_fixed_shapes_leave_configs(tmp_path: Path) -> None:
+    # Shapes fixed, two seeds left to draw: a cohort of four would hold copies. Each cohort holds at most two
+    # members, and takes two before it drains, so no two members of a cohort can be one config.
+    path = cohort_study(tmp_path, n_trials=8, sampler={"type": "random"}, fixed={"max_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"] = {"model.hidden": {"type": "categorical", "choices": [8, 16, 24, 32]},
+                         "seed": {"type": "categorical", "choices": [0, 1]}}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "4")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 8
+    cohorts: dict[str, list[optuna.trial.FrozenTrial]] = {}
+    for trial in trials:
+        cohorts.setdefault(trial.user_attrs["cohort"]["id"], []).append(trial)
+    assert all(len(members) <= 2 and members[0].user_attrs["cohort"]["size"] <= 2 for members in cohorts.values())
+    assert len(cohorts) >= 4
+
+
 def test_a_study_that_searches_no_shape_key_keeps_one_cohort_until_the_budget_is_spent(tmp_path: Path) -> None:
     # Draining a cohort lets the next one draw its shapes anew; with no shape key searched there is nothing to draw,
     # and a drain would only leave slots empty. More than GENERATIONS x K trials, one cohort.
