@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["THREAD_ENV", "apply_threads", "deterministic_cublas", "reproducibility_record", "seed_everything",
-           "seed_worker", "thread_record"]
+__all__ = ["THREAD_ENV", "apply_threads", "command_record", "deterministic_cublas", "git_commit",
+           "reproducibility_record", "seed_everything", "seed_worker", "thread_record"]
 
 # The variables that set the thread counts of a process that imports torch (read once, when torch loads).
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -66,17 +66,39 @@ def seed_worker(worker_id: int) -> None:
 @functools.lru_cache(maxsize=1)
 def _git_commit() -> str | None:
     root = Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return None
+    return git_commit(root) if (root / ".git").exists() else None
+
+
+def git_commit(folder: Path) -> str | None:
+    """The commit checked out in the git work tree that holds `folder`, with "-dirty" when a tracked file differs
+    from it; None outside a work tree or without git."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        out = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def command_record(argv: list[str], seed: int | None) -> dict[str, Any]:
+    """What it takes to re-run a command's trial: its command line and working folder, the commit of the code there
+    (a git work tree), the config's seed, and the worker's platform, Python and project version. What the command
+    imports and on what device it trains are the command's own, which only it can record."""
+    workdir = Path.cwd()
+    return {
+        "seed": seed,
+        "command": list(argv),
+        "workdir": str(workdir),
+        "workdir_git_commit": git_commit(workdir),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "sweep_version": _project_version(),
+        "git_commit": _git_commit(),
+    }
 
 
 def _project_version() -> str | None:

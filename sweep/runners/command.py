@@ -58,17 +58,19 @@ from sweep.outcomes import (
     ATTR_METRICS,
     ATTR_PRUNE,
     ATTR_REPORT_MS,
+    ATTR_REPRO,
     ATTR_STEPS,
     ATTR_WALL,
     Outcome,
     TimedOut,
     TrialResult,
 )
-from sweep.runners.loop import save_path, user_start
+from sweep.runners.loop import loop_seed, save_path, user_start
 from sweep.schema import short_repr
 from sweep.signals import Preempted, raise_pending
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
+from trainer.seeding import command_record
 
 if TYPE_CHECKING:
 
@@ -241,7 +243,8 @@ class CommandTrial(TrialRun):
         reporter.flush()
         steps = reporter.series[-1][0] if reporter.series else 0
         attrs: dict[str, Any] = {ATTR_STEPS: steps, ATTR_WALL: round(time.perf_counter() - started, 3),
-                                 ATTR_REPORT_MS: reporter.report_ms, ATTR_METRICS: session.metrics}
+                                 ATTR_REPORT_MS: reporter.report_ms, ATTR_METRICS: session.metrics,
+                                 ATTR_REPRO: command_record(argv, loop_seed(config) if "seed" in config else None)}
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         if code != 0:

@@ -152,6 +152,11 @@ def test_a_script_reads_its_arguments_and_reports_through_the_client(tmp_path: P
         assert trial.value == trial.intermediate_values[5]
         log = Path(trial.user_attrs["log"])
         assert log.read_text().splitlines()[0].startswith("step 1 loss ")
+        # Its reproducibility record, as a loop's or a task's trial has one: what ran, where, with which code.
+        record = trial.user_attrs["reproducibility"]
+        assert record["command"] == [sys.executable, "train.py", "--lr", str(lr), "--hidden", "8"]
+        assert record["workdir"] == str(tmp_path) and record["workdir_git_commit"] is None  # not a git work tree
+        assert record["python"] and record["sweep_version"]
     rows = json.loads(sweep_cli("trials", path, "--format", "json").stdout)
     assert [Path(row["log"]).name for row in rows] == ["trial00000.log", "trial00001.log"]
 
