@@ -182,7 +182,8 @@ def last_json_value(log: Path, metric: str) -> float | None:
 
 
 def _tail(log: Path, lines: int = 5) -> str:
-    """The log's last `lines` lines (trailing blank ones left out), joined, at most 800 characters."""
+    """The log's last `lines` lines (trailing blank ones left out), joined, at most 800 characters; "(no output)" for
+    a command that printed nothing, so that a reason never ends in a bare colon."""
     kept: list[str] = []
     try:
         for line in _lines_backwards(log):
@@ -190,9 +191,9 @@ def _tail(log: Path, lines: int = 5) -> str:
                 kept.append(line)
             if len(kept) == lines:
                 break
-    except OSError:
-        return ""
-    return " | ".join(reversed(kept)).strip()[-800:]
+    except OSError as exc:
+        return f"(its log cannot be read: {exc.strerror or exc})"
+    return " | ".join(reversed(kept)).strip()[-800:] or "(no output)"
 
 
 def _signal_name(number: int) -> str:

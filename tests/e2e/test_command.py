@@ -467,6 +467,9 @@ def test_the_last_json_line_is_found_from_the_end_of_a_long_log_across_its_block
     assert _tail(log, 2).endswith("é | done") and len(_tail(log, 2)) == 800
     assert last_json_value(log, "accuracy") is None
     assert last_json_value(tmp_path / "missing.log", "val_loss") is None
+    # A command that printed nothing: its failure reason says so, never ends in a bare colon.
+    (tmp_path / "empty.log").write_bytes(b"\n\n")
+    assert _tail(tmp_path / "empty.log") == "(no output)"
 
 
 def test_a_process_a_launcher_started_without_the_report_channel_is_told_how_to_pass_it_on(tmp_path: Path) -> None:
