@@ -34,7 +34,9 @@ import sqlite3
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import optuna
@@ -165,24 +167,38 @@ def never_lost() -> bool:
     return False
 
 
+LOCK_WAIT_S = 1.0  # a PostgreSQL waiter's turn in the lock's queue before it looks at who holds the lock
+
+
 @contextlib.contextmanager
-def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Iterator[Callable[[], bool]]:
+def ask_lock(url: str, study_name: str, boundary: Boundary | None = None,
+             stale_after: float | None = None) -> Iterator[Callable[[], bool]]:
     """Held while a worker counts the trials in flight and asks for a new one. Taking the PostgreSQL lock goes through
     the `boundary`; releasing it cannot fail for good: a connection that died released it with its session.
 
     Yields `lost()`: whether the lock may have been lost since it was taken. A PostgreSQL advisory lock belongs to
     its session, and a server restart ends every session, so another worker may have taken the lock (and asked for a
     trial) while this one was still counting and asking: `lost()` tells by whether the lock's own connection is still
-    the session that took it (a connection never reconnects silently). A file lock is never lost."""
+    the session that took it (a connection never reconnects silently). A lock file is lost once another worker has
+    replaced it (below).
+
+    `stale_after` (the study's heartbeat grace period): a lock held that long by a worker that does not answer (a
+    paused process or machine, one cut off from the network; its session stays open) would stall every other worker,
+    and with them the failing of its own lost trials, which happens under this lock. A waiter takes it over, with one
+    warning: on PostgreSQL it ends the holder's session once that session has been idle that long (the server's
+    clock; a healthy holder holds the lock for a moment); a lock file it replaces by a new one after waiting that
+    long. Safe either way: the holder, when it comes back, finds its lock lost and counts what it asked against the
+    budget again (`Worker._fence`)."""
     path = sqlite_path(url)
     if path is not None:
         lock_file = path.with_name(path.name + ".lock")
-        with open(lock_file, "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield never_lost
-            finally:
+        handle = _take_file_lock(lock_file, stale_after)
+        try:
+            yield lambda: _file_lock_lost(lock_file, handle)
+        finally:
+            with contextlib.suppress(OSError):
                 fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
         return
     if url.startswith("postgresql"):
         key = int.from_bytes(hashlib.sha256(f"sweep:{study_name}".encode()).digest()[:8], "big", signed=True)
@@ -191,7 +207,7 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Ite
         def acquire() -> Any:
             connection = engine.connect()
             try:
-                connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+                _take_advisory_lock(connection, key, stale_after)
             except BaseException:
                 connection.close()
                 raise
@@ -216,6 +232,103 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None) -> Ite
                 connection.close()
         return
     yield never_lost  # other backends: best effort
+
+
+def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
+    """The lock file, opened and locked (`flock`); replaced by a new one when another process has held it for
+    `stale_after` seconds."""
+    started, pause, warned = time.monotonic(), 0.001, False
+    while True:
+        handle = open(lock_file, "a+")  # returned open: `ask_lock` closes it
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            waited = time.monotonic() - started
+            if stale_after is not None and waited >= stale_after:
+                holder = _flock_holder(lock_file)
+                replacement = lock_file.with_name(f"{lock_file.name}.{os.getpid()}.new")
+                replacement.touch()
+                os.replace(replacement, lock_file)  # a new file: a new lock; the holder's is no longer the study's
+                if not warned:
+                    warnings.warn(f"the study's lock {lock_file} was held for {waited:.0f} s by {holder} that does not "
+                                  "release it (paused or hung); this worker took it over so that the study goes on "
+                                  "(what that process asks when it comes back is counted against the budget again)",
+                                  stacklevel=4)
+                    warned = True
+                started = time.monotonic()
+                continue
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            continue
+        except BaseException:
+            handle.close()
+            raise
+        if not _file_lock_lost(lock_file, handle):
+            return handle
+        handle.close()  # replaced between our open and our lock: lock the file there now
+
+
+def _file_lock_lost(lock_file: Path, handle: Any) -> bool:
+    """Whether `lock_file` is no longer the file `handle` locked (another worker replaced it: `_take_file_lock`)."""
+    try:
+        return os.stat(lock_file).st_ino != os.fstat(handle.fileno()).st_ino
+    except OSError:
+        return True
+
+
+def _flock_holder(lock_file: Path) -> str:
+    """Which process holds the lock on `lock_file`, as /proc/locks tells (Linux, this machine), for the warning."""
+    with contextlib.suppress(OSError, ValueError):
+        inode = os.stat(lock_file).st_ino
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                return f"process {fields[4]}"
+    return "another process"
+
+
+def _take_advisory_lock(connection: Any, key: int, stale_after: float | None) -> None:
+    """The study's advisory lock on `connection`'s session: waited for in the server's queue a second at a time
+    (`lock_timeout`); between turns, a holder whose session has been idle for `stale_after` seconds has it ended."""
+    warned = False
+    while True:
+        connection.execute(text(f"SET lock_timeout = '{int(LOCK_WAIT_S * 1000)}ms'"))
+        try:
+            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            connection.execute(text("SET lock_timeout = 0"))
+            connection.commit()
+            return
+        except OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available: our turn ran out
+                raise
+            connection.rollback()
+        if stale_after is None:
+            continue
+        holder = connection.execute(text(
+            "SELECT a.pid, a.client_addr, EXTRACT(EPOCH FROM now() - a.state_change) FROM pg_locks l "
+            "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+            "AND l.classid = :high AND l.objid = :low AND l.objsubid = 1 AND a.state LIKE 'idle%'"),
+            {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF}).first()
+        connection.rollback()
+        if holder is None or holder[2] is None or float(holder[2]) < stale_after:
+            continue
+        pid, address, idle = holder
+        try:
+            ended = connection.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
+            connection.commit()
+        except DBAPIError as exc:  # another role's session, and no right to end it: wait on, as before
+            connection.rollback()
+            ended, why = False, str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+        else:
+            why = ""
+        if not warned:
+            where = f" from {address}" if address else ""
+            did = ("its session was ended so that the study goes on (what that worker asks when it comes back is "
+                   "counted against the budget again)") if ended else f"its session could not be ended ({why}); waiting"
+            warnings.warn(f"the study's lock was held for {float(idle):.0f} s by a worker that does not answer "
+                          f"(paused or cut off; PostgreSQL backend {pid}{where}): {did}", stacklevel=5)
+            warned = True
 
 
 _LOCK_ENGINES: dict[str, Engine] = {}

@@ -584,7 +584,7 @@ class Worker:
         """The study's lock (`ask_lock`). What this worker wrote under it is stored before it is released, writes
         deferred in a cohort's block too (`PatientStorage.deferred_writes`): the next worker to take it reads them."""
         with contextlib.nullcontext(never_lost) if self.url is None else ask_lock(
-                self.url, self.study.study_name, self.boundary) as lost:
+                self.url, self.study.study_name, self.boundary, stale_after=self.spec.heartbeat_grace_period) as lost:
             yield lost
             if isinstance(self.storage, PatientStorage):
                 self.storage.flush_deferred()

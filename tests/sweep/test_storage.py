@@ -352,6 +352,76 @@ def test_a_file_lock_is_never_lost(tmp_path: Path) -> None:
         assert not lost()
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_lock_held_past_the_grace_by_a_worker_that_does_not_answer_is_taken_over(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    """A worker paused (SIGSTOP, a suspended machine) while it held the study's lock stalled every other worker for as
+    long as it stayed paused, with the failing of its own lost trials, which happens under the lock. A waiter now
+    takes the lock over after the grace period, with a warning; the holder, when it comes back, finds it lost."""
+    import time
+    import warnings
+
+    from sweep.storage import ask_lock
+
+    url = f"sqlite:///{tmp_path / 'x.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    name = f"paused-{tmp_path.name}"
+    held, release = threading.Event(), threading.Event()
+    lost_after: list[bool] = []
+
+    def paused_holder() -> None:  # takes the lock, then answers nothing until released
+        with ask_lock(url, name) as lost:
+            held.set()
+            release.wait(120)
+            lost_after.append(lost())
+
+    holder = threading.Thread(target=paused_holder)
+    holder.start()
+    try:
+        assert held.wait(60)
+        # Waited for through the grace period (past the wait's own one-second turns in PostgreSQL's queue), then taken.
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ask_lock(url, name, stale_after=1.5) as lost:
+                waited = time.monotonic() - started
+                assert not lost()
+        assert waited >= 1.5, waited
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1 and "held for" in messages[0] and "does not" in messages[0], messages
+    finally:
+        release.set()
+        holder.join(60)
+    assert lost_after == [True]  # its lock is gone: what it asked is counted again (`Worker._fence`)
+    # Once over, the lock works as before: taken, not lost, released.
+    with ask_lock(url, name, stale_after=1.5) as lost:
+        assert not lost()
+
+
+def test_a_lock_held_briefly_is_waited_for_and_stays_its_holder_s(tmp_path: Path) -> None:
+    import time
+    import warnings
+
+    from sweep.storage import ask_lock
+
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    held, holds = threading.Event(), []
+
+    def holder() -> None:
+        with ask_lock(url, "x") as lost:
+            held.set()
+            time.sleep(0.5)
+            holds.append(lost())
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no takeover, so no warning
+        with ask_lock(url, "x", stale_after=60) as lost:
+            assert holds == [False] and not lost()
+    thread.join(60)
+
+
 @pytest.fixture
 def silent_server() -> Any:
     """A TCP port on loopback that accepts connections and never says a word: a wedged database host."""
