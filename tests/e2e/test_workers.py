@@ -86,6 +86,43 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+# Takes the study's lock as a worker does when it asks for a trial, then stops itself (SIGSTOP) while holding it: a
+# worker paused on a suspended machine, its session to the database still open.
+PAUSED_HOLDER = """
+import os, signal, sys
+from pathlib import Path
+from sweep.storage import ask_lock
+with ask_lock(sys.argv[1], sys.argv[2]):
+    Path(sys.argv[3]).write_text("held")
+    os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_worker_paused_while_it_holds_the_study_s_lock_stalls_nobody_past_the_grace_period(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    document = copy.deepcopy(TINY_STUDY) | {"name": f"paused{backend}", "heartbeat_interval": 1,
+                                            "heartbeat_grace_period": 3}
+    path = write_study(tmp_path, document)
+    url = (f"sqlite:///{tmp_path / 'paused.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url"))
+    assert sweep_cli("run", path, "--storage", url, "--n-trials", "1").returncode == 0  # the study and its tables
+    flag = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", PAUSED_HOLDER, url, document["name"], str(flag)])
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder never took the lock"
+            time.sleep(0.05)
+        done = sweep_cli("run", path, "--storage", url)  # waited forever, while the holder stayed paused
+        assert done.returncode == 0, done.stderr
+        assert "the study's lock" in done.stderr and "held for" in done.stderr, done.stderr
+        trials = optuna.load_study(study_name=document["name"], storage=url).get_trials()
+        assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path: Path) -> None:
     path = busy_study(tmp_path, 6, max_steps=800, eval_every_steps=400, log_every_steps=400)
     db = tmp_path / "tiny.db"
