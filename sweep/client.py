@@ -179,8 +179,17 @@ def _number(value: Any) -> float | str:
     string is refused, as the loop's reports refuse them (float() takes both: a comparison's True would be 1.0)."""
     if isinstance(value, (bool, str, bytes)) or type(value).__name__ == "bool_":
         raise TypeError(f"sweep.client.report: expected a number, got {type(value).__name__} ({value!r})")
-    number = float(value)
+    number = as_float(value)
     return number if math.isfinite(number) else str(number)
+
+
+def as_float(value: Any) -> float:
+    """`float(value)`, where a number beyond a float's range (an int of 400 digits, a Fraction) is the infinity of its
+    sign, as a float overflowing in arithmetic is: a metric that large diverged, and says so."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _connect() -> socket.socket | None:

@@ -47,6 +47,7 @@ from sweep.client import (
     ENV_START_SHA256,
     ENV_START_STEP,
     ENV_TRIAL,
+    as_float,
     whole_step,
 )
 from sweep.objective import Deadline, Start, TrialReporter, TrialRun, trial_trackers
@@ -175,7 +176,7 @@ def last_json_value(log: Path, metric: str) -> float | None:
                 continue
             if isinstance(found, dict) and metric in found:
                 value = found[metric]  # a number; JSON's true, "0.42" or null is not one
-                return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+                return as_float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     except OSError:
         return None
     return None
@@ -400,7 +401,7 @@ class _Session:
         self._stop_if_asked()
         stop = self.stop_sent is not None
         if not stop:
-            metrics = {str(k): float(v) for k, v in dict(message["metrics"]).items()}
+            metrics = {str(k): as_float(v) for k, v in dict(message["metrics"]).items()}
             if self.reporter.metric not in metrics:
                 raise ValueError(f"client.report at step {message['step']}: the study's metric "
                                  f"{self.reporter.metric!r} is not among {sorted(metrics)}")

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from sweep.client import whole_step
+from sweep.client import as_float, whole_step
 from sweep.confirm import warm_lineage
 from sweep.objective import (
     Start,
@@ -233,7 +233,7 @@ def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
             raw = value.item() if isinstance(value, torch.Tensor) else value
             if isinstance(raw, (bool, np.bool_, str, bytes)):  # float() takes them: a comparison's True would be 1.0
                 raise TypeError
-            out[str(key)] = float(raw)
+            out[str(key)] = as_float(raw)
         except (TypeError, ValueError, RuntimeError):
             raise LoopError(f"metric {key!r}: expected a number, got {type(value).__name__}"
                             + (f" ({value!r})" if isinstance(value, (bool, np.bool_, str)) else "")) from None

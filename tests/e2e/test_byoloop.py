@@ -317,8 +317,11 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
         "    if mode in ('reports-bool', 'reports-text'):\n"
         "        run.report(1, val_loss=0.9)\n"
         "        run.report(2, val_loss=config['max_steps'] > 0 if mode == 'reports-bool' else '0.42')\n"
-        "    return {'bool': True, 'list': [0.1]}.get(mode)\n")
-    modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list", "reports-bool", "reports-text"]
+        "    if mode == 'reports-huge':\n"
+        "        run.report(1, val_loss=10 ** 400)\n"
+        "    return {'bool': True, 'list': [0.1], 'huge': 10 ** 400}.get(mode)\n")
+    modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list", "reports-bool", "reports-text",
+             "huge", "reports-huge"]
     path = write_study(tmp_path, {"name": "odd", "n_trials": len(modes), "loop": "odd:main", "sampler": "bruteforce",
                                   "max_repeated_failures": 0, "fixed": {"max_steps": 30},
                                   "space": {"mode": {"type": "categorical", "choices": modes}}})
@@ -336,6 +339,10 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
     # A reported bool (a comparison by mistake) or string was float()ed: True completed the trial with 1.0.
     assert reasons["reports-bool"] == "LoopError: metric 'val_loss': expected a number, got bool (True)"
     assert reasons["reports-text"] == "LoopError: metric 'val_loss': expected a number, got str ('0.42')"
+    # An int beyond a float's range was "OverflowError: int too large to convert to float": it is infinite, so
+    # diverged, as any value that overflows.
+    assert reasons["huge"] == "diverged: val_loss is inf at step 0", reasons["huge"]
+    assert reasons["reports-huge"]["rule"] == "inf", reasons["reports-huge"]
 
 
 def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_and_reproduce(tmp_path: Path) -> None:

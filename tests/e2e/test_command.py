@@ -467,6 +467,9 @@ def test_the_last_json_line_is_found_from_the_end_of_a_long_log_across_its_block
     assert _tail(log, 2).endswith("é | done") and len(_tail(log, 2)) == 800
     assert last_json_value(log, "accuracy") is None
     assert last_json_value(tmp_path / "missing.log", "val_loss") is None
+    # An integer beyond a float's range is infinite (the trial diverged), not an OverflowError failing the trial.
+    (tmp_path / "huge.log").write_text('{"val_loss": 1' + "0" * 400 + "}\n")
+    assert last_json_value(tmp_path / "huge.log", "val_loss") == math.inf
     # A command that printed nothing: its failure reason says so, never ends in a bare colon.
     (tmp_path / "empty.log").write_bytes(b"\n\n")
     assert _tail(tmp_path / "empty.log") == "(no output)"
