@@ -638,7 +638,12 @@ def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
 
 
 def _storage_failure(url: str, exc: Exception) -> typer.Exit:
-    """A storage that cannot be opened (unreachable, refused, damaged): one line, its password masked."""
+    """A storage that cannot be opened (unreachable, refused, damaged): one line, its password masked. An option of
+    the URL that the driver calls invalid is bad input (exit 2)."""
+    from sweep.storage import bad_url_option
+
+    if (option := bad_url_option(exc)) is not None:
+        return _fail(f"storage URL {mask_url(url)}: {redact(option, url)}; fix the option in the URL", 2)
     first = redact(str(exc), url).strip().splitlines()
     return _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: {first[0] if first else ''}", 1)
 

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sqlite3
 import sys
 import threading
@@ -60,6 +61,7 @@ __all__ = [
     "StorageAway",
     "StorageUnavailable",
     "ask_lock",
+    "bad_url_option",
     "engine_options",
     "is_transient",
     "load_existing_study",
@@ -357,6 +359,27 @@ _FINAL_MESSAGES = ("does not exist", "authentication failed", "password", "no su
                    "permission denied for", "syntax error", "could not translate host name",
                    "name or service not known", "nodename nor servname")
 _SQLITE_TRANSIENT = ("locked", "busy", "disk", "full", "unable to open", "i/o")
+# The driver's words for an option of the URL that no server will ever take (`?sslmode=bogus`, `?port=abc`, an unknown
+# option): final, and the user's input, not the storage's state.
+_BAD_OPTION = re.compile(r"invalid [a-z_]+ value|invalid connection option|invalid integer value|invalid port number"
+                         r"|invalid uri query parameter|invalid value for parameter"
+                         r"|unrecognized configuration parameter|missing \"=\" after", re.IGNORECASE)
+
+
+def bad_url_option(exc: BaseException) -> str | None:
+    """The driver's message when `exc`, or an error it was raised from, says an option of the storage URL is invalid;
+    else None."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, sqlalchemy.exc.ArgumentError):  # SQLAlchemy's own reading of the URL refused it
+            return str(error).strip().splitlines()[0]
+        for line in str(error).splitlines():
+            if found := _BAD_OPTION.search(line):
+                return line[found.start():].strip()
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -369,7 +392,7 @@ def is_transient(exc: BaseException) -> bool:
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         message = str(error).lower()
-        if any(final in message for final in _FINAL_MESSAGES):
+        if any(final in message for final in _FINAL_MESSAGES) or _BAD_OPTION.search(message):
             return False
         if isinstance(error, sqlite3.OperationalError):
             return any(word in message for word in _SQLITE_TRANSIENT)

@@ -299,6 +299,22 @@ def test_every_command_finds_a_study_run_under_another_name_from_its_study_file(
         assert done.returncode == 0, (command, done.stderr)
 
 
+@pytest.mark.parametrize(("option", "said"), [("sslmode=bogus", 'invalid sslmode value: "bogus"'),
+                                              ("fancy=1", 'invalid connection option "fancy"'),
+                                              ("port=abc", "non-integer port")])
+def test_an_option_of_the_storage_url_no_server_takes_is_bad_input_at_once(
+        tiny_study: Path, option: str, said: str) -> None:
+    """It was taken for an outage: `storage_patience` seconds of waiting, then exit 1 with two long lines."""
+    url = f"postgresql+psycopg://sweeper:secretpw@127.0.0.1:1/nothing?{option}"
+    for args in (("run", tiny_study, "--storage", url), ("status", "--storage", url, "--study-name", "any")):
+        done = sweep_cli(*args)
+        assert done.returncode == 2, done.stderr
+        [line] = [line for line in done.stderr.splitlines() if line.strip()]
+        assert line.startswith("error: storage URL postgresql+psycopg://sweeper:***@127.0.0.1:1/nothing?"), line
+        assert said in line and "secretpw" not in done.stdout + done.stderr and "waiting" not in line, line
+    assert not list(tiny_study.parent.glob("*.db"))
+
+
 def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
     done = sweep_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
