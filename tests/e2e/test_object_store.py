@@ -14,7 +14,8 @@ from pathlib import Path
 import optuna
 import pytest
 
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from sweep.outcomes import budget_counts
+from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -63,3 +64,34 @@ def test_checkpoints_live_in_the_object_store_and_warm_start_from_it(tmp_path: P
 
     again = sweep_cli("reproduce", path, str(warm[-1].number))  # the parent comes back from the bucket
     assert again.returncode == 0, again.stderr
+
+
+def test_an_object_store_without_credentials_costs_no_budget_and_stops_the_worker_saying_so(
+        tmp_path: Path, s3_env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No credentials: each trial failed as the config's fault ("NoCredentialsError"), counted in `n_trials`. It is
+    the store's fault: the trials are retried, not counted, and the same fault three times in a row stops the worker
+    with it; with credentials the next run spends the whole budget. A process of its own: boto3 keeps the credentials
+    it found in the process."""
+    document = copy.deepcopy(TINY_STUDY) | {"name": "nocreds", "n_trials": 2, "checkpoints": {"store": "s3://ckpts/x"}}
+    document["fixed"] = {**document["fixed"], "max_steps": 10}
+    path = write_study(tmp_path, document)
+    # No credentials anywhere boto3 looks, and no instance metadata server to ask (nothing leaves this machine).
+    with monkeypatch.context() as bare:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            bare.delenv(key)
+        bare.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        bare.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        bare.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        done = run_cli("run", path)
+    assert done.returncode == 1, done.stderr
+    assert "NoCredentialsError" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    study = optuna.load_study(study_name="nocreds", storage=f"sqlite:///{tmp_path / 'nocreds.db'}")
+    trials = study.get_trials()
+    failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(failed) == 3 and all(t.user_attrs["fail_reason"].startswith("infrastructure: the checkpoint store's client "
+                                                                 "failed: NoCredentialsError") for t in failed)
+    assert budget_counts(trials)[0] == 0  # none of the budget spent: their retries wait
+    done = run_cli("run", path)  # s3_env's credentials are back
+    assert done.returncode == 0, done.stderr
+    complete = [t for t in study.get_trials() if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 2
