@@ -258,7 +258,8 @@ class WarmStartSpec(_Model):
     match: list[StrictStr] = []  # keys whose values must be equal besides those that change tensor shapes (inferred)
     inherit: Literal["weights", "weights+optimizer"] = "weights"
     handoff: Number = Field(0.5, gt=0, lt=1)  # a donor hands its state over at this fraction of its budget
-    from_studies: list[StrictStr] = []  # other studies in the same storage whose checkpoints may be donors too
+    # Other studies in the same storage whose checkpoints may be donors too: sweep's studies, so names as `name` takes.
+    from_studies: list[Annotated[StrictStr, AfterValidator(_study_name)]] = []
     confirm: StrictInt = Field(0, ge=0)  # the last K trials of the budget retrain the best K warm trials cold
 
     @model_validator(mode="before")
@@ -805,6 +806,12 @@ def _dotted(loc: Sequence[str]) -> str:
 
 _NAME = re.compile(r"^[\w.\-]+$")
 MAX_NAME = 128
+
+
+def _study_name(value: str) -> str:
+    if problem := name_problem(value):
+        raise ValueError(problem)
+    return value
 
 
 def name_problem(name: str) -> str | None:
