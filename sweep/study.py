@@ -7,6 +7,7 @@ run: a rerun after an interruption finishes the remaining trials. The loop itsel
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -73,12 +74,30 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
     differences = [key for key, value in spec.identity().items()
                    if before[key] != value and not (key == "fixed" and _same_values(spec, before[key]))]
     if differences:
+        identity = spec.identity()
+        changes = [change for key in differences for change in _changes(key, before[key], identity[key])]
+        shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
         raise StudyMismatchError(
-            f"study {spec.name!r} already exists with a different {', '.join(differences)}; start a new study with "
-            "--study-name NAME, or rerun with the original file")
+            f"study {spec.name!r} already exists with a different {', '.join(differences)} ({shown}); start a new "
+            "study with --study-name NAME, or rerun with the original file")
     study.set_user_attr(SPEC_ATTR, spec.stored())  # the latest budget, sampler and pruner
     label_for_dashboard(study, spec.stored())
     return study
+
+
+def _changes(key: str, stored: Any, now: Any) -> list[str]:
+    """Where two definitions differ, by dotted key: `fixed.max_steps: stored 5, now 6`."""
+    if isinstance(stored, dict) and isinstance(now, dict):
+        return [change for part in dict.fromkeys([*stored, *now]) if stored.get(part) != now.get(part)
+                for change in _changes(f"{key}.{part}", stored.get(part), now.get(part))]
+    if stored is None or now is None:
+        return [f"{key}: {'added' if stored is None else 'removed'}"]
+    return [f"{key}: stored {_short(stored)}, now {_short(now)}"]
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def label_for_dashboard(study: optuna.Study, stored: dict[str, Any]) -> None:
