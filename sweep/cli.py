@@ -1026,6 +1026,12 @@ def reproduce(
 
     study, url = _open_with_url(target, storage, study_name)
     spec = _study_file_spec(target, url, study_name)
+    if trust_task and spec is None and Path(target).is_file():
+        # A study file makes its folder importable (`sweep run`); its database, beside it by default, does the same
+        # once the code it names is trusted, so the task module next to both is found from any working folder.
+        folder = str(Path(target).resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)  # after the installed packages: a file there never shadows one of them
     store = (spec.checkpoints.store if spec is not None else None) or store_location(study, url)
     try:
         comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target), trust_code=trust_task)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import TINY_STUDY, sweep_cli
+from tests.conftest import TINY_STUDY, run_cli, sweep_cli
 
 TASK = '''
 import torch
@@ -40,6 +40,11 @@ def test_a_task_package_next_to_the_study_file_is_found_from_any_working_folder(
         done = sweep_cli("run", project / "study.yaml", cwd=elsewhere)
         assert done.returncode == 0, done.stderr
         assert "2/2 trials" in done.stdout
+        # Its database alone, the task trusted: found beside the database as beside the study file, from any folder
+        # (it needed PYTHONPATH). A fresh interpreter: this one has imported the task already.
+        again = run_cli("reproduce", project / "tiny.db", "1", "--trust-task", cwd=elsewhere)
+        assert again.returncode == 0, again.stderr
+        assert "reproduced" in again.stdout
     finally:
         for name in [m for m in sys.modules if m.startswith("newcomer_tasks")]:
             del sys.modules[name]
