@@ -759,7 +759,8 @@ def best(
                 refuse_untrusted_code(config, _code_named_by(target), f"writing trial {chosen.number}'s config")
         except UntrustedCode as exc:
             raise _fail(str(exc), 2) from None
-        text = f"# best trial of study {study.study_name!r}: python -m trainer {output or 'best.yaml'}\n"
+        text = (f"# best trial of study {study.study_name!r}: {_code_path(config, target, output)}python -m trainer "
+                f"{output or 'best.yaml'}\n")
     if is_warm(chosen):  # a warm value: this config alone, trained cold, may not reach it
         lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
         err.print(f"warning: trial {chosen.number}'s value {chosen.value:.6g} is a warm start's: {lineage}",
@@ -771,6 +772,19 @@ def best(
     else:
         _write_output(output, text)
         err.print(f"wrote {output}")
+
+
+def _code_path(config: dict[str, Any], target: str, output: Path | None) -> str:
+    """`PYTHONPATH=FOLDER ` for the header of `sweep best -o FILE` when the config names user code (a task, a
+    schedule) that lives beside the study file or its database and FILE is written elsewhere: `python -m trainer`
+    imports from the config file's folder, where that code is not. Else ''."""
+    from sweep.reproduce import user_code
+
+    if not user_code(config) or not target or not Path(target).is_file():
+        return ""
+    code_folder = Path(target).resolve().parent
+    written_in = (output.resolve().parent if output is not None else Path.cwd().resolve())
+    return "" if written_in == code_folder else f"PYTHONPATH={shlex.quote(str(code_folder))} "
 
 
 @app.command()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,6 +47,14 @@ def test_a_task_package_next_to_the_study_file_is_found_from_any_working_folder(
         again = run_cli("reproduce", project / "tiny.db", "1", "--trust-task", cwd=elsewhere)
         assert again.returncode == 0, again.stderr
         assert "reproduced" in again.stdout
+        # `sweep best -o` elsewhere: its header's command line runs there (the task is beside the study, not there).
+        assert sweep_cli("best", project / "study.yaml", "-o", elsewhere / "best.yaml").returncode == 0
+        header = (elsewhere / "best.yaml").read_text().splitlines()[0]
+        assert header.endswith(f"PYTHONPATH={project} python -m trainer {elsewhere / 'best.yaml'}"), header
+        trained = subprocess.run([sys.executable, "-m", "trainer", str(elsewhere / "best.yaml")], cwd=elsewhere,
+                                 env={**os.environ, "PYTHONPATH": str(project)}, capture_output=True, text=True,
+                                 timeout=300)
+        assert trained.returncode == 0, trained.stderr
     finally:
         for name in [m for m in sys.modules if m.startswith("newcomer_tasks")]:
             del sys.modules[name]
