@@ -237,28 +237,39 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None,
 
 
 def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
-    """The lock file, opened and locked (`flock`); replaced by a new one when another process has held it for
-    `stale_after` seconds."""
-    started, pause, warned = time.monotonic(), 0.001, False
+    """The lock file, opened and locked (`flock`); replaced by a new one when one holder has held it for
+    `stale_after` seconds. Each holder stamps the file as it takes it (its pid and the time), so a waiter measures
+    how long the *same* holder has held it: workers passing the lock among themselves, however long one waiter
+    waits for its turn, are never taken for a paused one, and waiters never take over from one another."""
+    pause, warned, cant_replace = 0.001, False, False
+    seen, since = None, time.monotonic()  # the holder's stamp last seen, and since when
     while True:
         handle = open(lock_file, "a+")  # returned open: `ask_lock` closes it
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            waited = time.monotonic() - started
-            if stale_after is not None and waited >= stale_after:
+            stamp = _stamp_of(lock_file)
+            if stamp != seen:  # another holder (or another file) since the last look: its time starts now
+                seen, since = stamp, time.monotonic()
+            held = time.monotonic() - since
+            if stale_after is not None and held >= stale_after and not cant_replace:
                 holder = _flock_holder(lock_file)
-                replacement = lock_file.with_name(f"{lock_file.name}.{os.getpid()}.new")
-                replacement.touch()
-                os.replace(replacement, lock_file)  # a new file: a new lock; the holder's is no longer the study's
-                if not warned:
-                    warnings.warn(f"the study's lock {lock_file} was held for {waited:.0f} s by {holder} that does not "
+                try:
+                    replaced = _replace_if_still(lock_file, seen)
+                except OSError as exc:  # a folder this worker cannot write in: wait, as without a takeover
+                    cant_replace = True
+                    warnings.warn(f"the study's lock {lock_file} has been held for {held:.0f} s by {holder}, which "
+                                  f"does not release it, and cannot be replaced ({exc.strerror or exc}); waiting",
+                                  stacklevel=4)
+                    continue
+                if replaced and not warned:
+                    warnings.warn(f"the study's lock {lock_file} was held for {held:.0f} s by {holder} that does not "
                                   "release it (paused or hung); this worker took it over so that the study goes on "
                                   "(what that process asks when it comes back is counted against the budget again)",
                                   stacklevel=4)
                     warned = True
-                started = time.monotonic()
+                seen, since = None, time.monotonic()
                 continue
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
@@ -267,8 +278,44 @@ def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
             handle.close()
             raise
         if not _file_lock_lost(lock_file, handle):
+            with contextlib.suppress(OSError):  # the stamp that tells waiters a new holder has it
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"{os.getpid()} {time.time_ns()}\n")
+                handle.flush()
             return handle
         handle.close()  # replaced between our open and our lock: lock the file there now
+
+
+def _replace_if_still(lock_file: Path, seen: tuple[int, int, str] | None) -> bool:
+    """Replace `lock_file` by a new, empty one if its stamp is still `seen` (the stale holder's). Waiters that decide
+    together take turns on a second lock file and check again, so only the first replaces it: the others find the
+    new file's stamp and start timing its holder. False when another waiter is at it, or the holder changed."""
+    with open(lock_file.with_name(lock_file.name + ".takeover"), "a+") as turn:
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if _stamp_of(lock_file) != seen:
+            return False
+        replacement = lock_file.with_name(f"{lock_file.name}.{os.getpid()}.new")
+        try:
+            replacement.touch()
+            os.replace(replacement, lock_file)  # a new file, a new lock: the holder's is the study's no more
+        except OSError:
+            with contextlib.suppress(OSError):
+                replacement.unlink()
+            raise
+        return True
+
+
+def _stamp_of(lock_file: Path) -> tuple[int, int, str] | None:
+    """Which holder has the lock file: its inode and the stamp its holder wrote (None: none readable)."""
+    try:
+        with open(lock_file) as handle:
+            return os.fstat(handle.fileno()).st_ino, os.fstat(handle.fileno()).st_mtime_ns, handle.read(64)
+    except OSError:
+        return None
 
 
 def _file_lock_lost(lock_file: Path, handle: Any) -> bool:
@@ -310,7 +357,9 @@ def _take_advisory_lock(connection: Any, key: int, stale_after: float | None) ->
         holder = connection.execute(text(
             "SELECT a.pid, a.client_addr, EXTRACT(EPOCH FROM now() - a.state_change) FROM pg_locks l "
             "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
-            "AND l.classid = :high AND l.objid = :low AND l.objsubid = 1 AND a.state LIKE 'idle%'"),
+            "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+            "AND l.classid = :high AND l.objid = :low AND l.objsubid = 1 AND a.state LIKE 'idle%' "
+            "ORDER BY a.state_change"),
             {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF}).first()
         connection.rollback()
         if holder is None or holder[2] is None or float(holder[2]) < stale_after:
@@ -366,6 +415,15 @@ _BAD_OPTION = re.compile(r"invalid [a-z_]+ value|invalid connection option|inval
                          r"|unrecognized configuration parameter|missing \"=\" after", re.IGNORECASE)
 
 
+def _driver_message(error: BaseException) -> str:
+    """What the database or its driver said: for SQLAlchemy's wrapper, its original error's message, without the
+    statement and the parameters it adds (a trial's reason stored as a parameter may say "password" or "invalid lr
+    value" and must not make a dropped connection look final)."""
+    if isinstance(error, sqlalchemy.exc.StatementError) and error.orig is not None:
+        return str(error.orig)
+    return str(error)
+
+
 def bad_url_option(exc: BaseException) -> str | None:
     """The driver's message when `exc`, or an error it was raised from, says an option of the storage URL is invalid;
     else None."""
@@ -375,7 +433,9 @@ def bad_url_option(exc: BaseException) -> str | None:
         seen.add(id(error))
         if isinstance(error, sqlalchemy.exc.ArgumentError):  # SQLAlchemy's own reading of the URL refused it
             return str(error).strip().splitlines()[0]
-        for line in str(error).splitlines():
+        if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
+            return None
+        for line in _driver_message(error).splitlines()[:1]:
             if found := _BAD_OPTION.search(line):
                 return line[found.start():].strip()
         error = error.__cause__ or error.__context__
@@ -391,14 +451,14 @@ def is_transient(exc: BaseException) -> bool:
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        message = str(error).lower()
+        if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
+            return True  # the connection went: whatever the statement carried
+        message = _driver_message(error).lower()
         if any(final in message for final in _FINAL_MESSAGES) or _BAD_OPTION.search(message):
             return False
         if isinstance(error, sqlite3.OperationalError):
             return any(word in message for word in _SQLITE_TRANSIENT)
         if isinstance(error, sqlalchemy.exc.DBAPIError):
-            if error.connection_invalidated:
-                return True
             if isinstance(error.orig, sqlite3.Error):  # SQLite's own error tells "locked" from "no such table"
                 return isinstance(error.orig, sqlite3.OperationalError) and any(
                     word in str(error.orig).lower() for word in _SQLITE_TRANSIENT)

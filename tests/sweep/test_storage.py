@@ -422,6 +422,68 @@ def test_a_lock_held_briefly_is_waited_for_and_stays_its_holder_s(tmp_path: Path
     thread.join(60)
 
 
+def test_workers_passing_the_lock_file_among_themselves_never_take_it_over_from_each_other(tmp_path: Path) -> None:
+    """A waiter timed its own wait: with several workers, one could wait past the grace period for its turn while
+    every holder was healthy, and break a healthy holder's lock; after a real takeover, the other long waiters broke
+    the new holder's lock one after another. A takeover now needs the same holder for the whole grace period."""
+    import time
+
+    from sweep.storage import ask_lock
+
+    url = f"sqlite:///{tmp_path / 'x.db'}"
+    lost_seen: list[bool] = []
+    held, release = threading.Event(), threading.Event()
+
+    def paused_holder() -> None:
+        with ask_lock(url, "x") as lost:
+            held.set()
+            release.wait(120)
+            lost_seen.append(("paused", lost()))  # type: ignore[arg-type]
+
+    def busy_worker(until: float) -> None:
+        while time.monotonic() < until:
+            with ask_lock(url, "x", stale_after=1.0) as lost:
+                time.sleep(0.15)
+                lost_seen.append(lost())
+
+    paused = threading.Thread(target=paused_holder)
+    paused.start()
+    assert held.wait(60)
+    until = time.monotonic() + 6.0
+    workers = [threading.Thread(target=busy_worker, args=(until,)) for _ in range(5)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    release.set()
+    paused.join(60)
+    assert lost_seen[-1] == ("paused", True)  # the paused one was taken over, once
+    healthy = lost_seen[:-1]
+    assert len(healthy) >= 5 and not any(healthy), healthy  # and no healthy holder ever lost its lock
+
+
+def test_a_dropped_connection_is_transient_whatever_the_statement_s_parameters_say(postgres_url: str) -> None:
+    """The messages that make an error final were searched in SQLAlchemy's whole text, parameters included: a trial's
+    failure reason stored while the server restarted ("invalid lr value", "password ... does not exist") made the
+    dropped connection final, and the worker crashed instead of waiting the outage out."""
+    from sqlalchemy import create_engine, text
+
+    from sweep.storage import bad_url_option, is_transient
+
+    engine, other = create_engine(postgres_url), create_engine(postgres_url)
+    try:
+        with engine.connect() as connection, other.connect() as killer:
+            pid = connection.execute(text("SELECT pg_backend_pid()")).scalar()
+            killer.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            with pytest.raises(Exception) as raised:
+                connection.execute(text("SELECT :reason"),
+                                   {"reason": "ValueError: invalid lr value -1; password for x does not exist"})
+        assert is_transient(raised.value) and bad_url_option(raised.value) is None
+    finally:
+        engine.dispose()
+        other.dispose()
+
+
 @pytest.fixture
 def silent_server() -> Any:
     """A TCP port on loopback that accepts connections and never says a word: a wedged database host."""
