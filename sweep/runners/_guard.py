@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -35,9 +36,9 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: None)
     try:
         child = subprocess.Popen(command, close_fds=False)
-    except OSError as exc:
+    except OSError as exc:  # the shell's codes: 127 not found, 126 found but not runnable
         print(f"sweep: cannot run {command[0]!r}: {exc.strerror or exc}", flush=True)
-        return 127
+        return 127 if isinstance(exc, FileNotFoundError) else 126
     exited = _exit_watch(child)
     while (code := child.poll()) is None:
         exited(POLL_S)
@@ -45,7 +46,10 @@ def main(argv: list[str]) -> int:
             _end_group(child, grace)
             return 1
     if code < 0:  # killed by a signal: die of it too, so the worker names it
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # the command dumped its core if it was to: not this one too
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         os.kill(os.getpid(), -code)
         time.sleep(1.0)
         return 128 - code
