@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import optuna
 
+from sweep.outcomes import OBJECT_STORE_CLIENTS, ObjectStoreError
 from trainer.checkpoint import TrainState, load_checkpoint
 
 __all__ = ["OWNER_FILE", "BlobScope", "CheckpointStore", "RetainedArtifacts", "artifact_store_at",
@@ -53,11 +54,47 @@ def _split(url: str) -> tuple[str, str, str]:
 
 
 def artifact_store_for(url: str) -> Any:
-    """Optuna's artifact store for `s3://bucket` or `gs://bucket` (boto3 / google-cloud-storage must be installed)."""
+    """Optuna's artifact store for `s3://bucket` or `gs://bucket` (boto3 / google-cloud-storage must be installed),
+    whose client's failures come out as `ObjectStoreError`."""
     scheme, bucket, _ = _split(url)
-    if scheme == "s3":
-        return optuna.artifacts.Boto3ArtifactStore(bucket)
-    return optuna.artifacts.GCSArtifactStore(bucket)
+    with _client_faults(f"{scheme}://{bucket}"):
+        store = (optuna.artifacts.Boto3ArtifactStore(bucket) if scheme == "s3"
+                 else optuna.artifacts.GCSArtifactStore(bucket))
+    return _ObjectStore(store, f"{scheme}://{bucket}")
+
+
+@contextlib.contextmanager
+def _client_faults(where: str) -> Iterator[None]:
+    try:
+        yield
+    except ObjectStoreError:
+        raise
+    except Exception as exc:  # the client's own errors, of its own many types
+        if not type(exc).__module__.startswith(OBJECT_STORE_CLIENTS):
+            raise
+        lines = str(exc).strip().splitlines()
+        raise ObjectStoreError(f"{where}: {type(exc).__name__}: {lines[0] if lines else ''}") from exc
+
+
+class _ObjectStore:
+    """An object store's artifact store, as Optuna's: what its client raises (no credentials, access denied, no such
+    bucket, the endpoint unreachable) is an `ObjectStoreError`, which the worker treats as the machine's fault, not
+    the trial's config's. Only these calls are: a user's own code using the same client is never mistaken for it."""
+
+    def __init__(self, store: Any, where: str) -> None:
+        self.store, self.where = store, where
+
+    def open_reader(self, artifact_id: str) -> BinaryIO:
+        with _client_faults(self.where):
+            return self.store.open_reader(artifact_id)
+
+    def write(self, artifact_id: str, content_body: BinaryIO) -> None:
+        with _client_faults(self.where):
+            self.store.write(artifact_id, content_body)
+
+    def remove(self, artifact_id: str) -> None:
+        with _client_faults(self.where):
+            self.store.remove(artifact_id)
 
 
 def artifact_store_at(location: str) -> Any:

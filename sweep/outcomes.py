@@ -30,7 +30,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 __all__ = [
     "ATTR_CONFIG",
+    "OBJECT_STORE_CLIENTS",
     "Fault",
+    "ObjectStoreError",
     "Outcome",
     "TimedOut",
     "TrialResult",
@@ -201,7 +203,11 @@ def failure_signature(trial: FrozenTrial) -> str | None:
 # machine's wherever they happen; a missing file or a refused permission only under the study's own folders (its
 # checkpoint store, its database's folder): elsewhere it is a path the config names. Out of memory is never the
 # machine's: it is a property of the config (its model and batch size), and the same config runs out again.
-_OBJECT_STORE_CLIENTS = ("botocore.", "boto3.", "s3transfer.", "google.auth.", "google.api_core.", "google.cloud.",
+class ObjectStoreError(RuntimeError):
+    """The checkpoint store's client (boto3, google-cloud-storage) failed on a call sweep made (`sweep.blobs`)."""
+
+
+OBJECT_STORE_CLIENTS = ("botocore.", "boto3.", "s3transfer.", "google.auth.", "google.api_core.", "google.cloud.",
                          "google.resumable_media.")
 _ANYWHERE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 _UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ESTALE}
@@ -232,13 +238,13 @@ def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePat
                 folder = "" if path is None else str(PurePath(path).parent)
                 return Fault(text + ("" if " free" in text else free),
                              f"{errno.errorcode.get(error.errno, error.errno)} in {folder}")
-        if type(error).__module__.startswith(_OBJECT_STORE_CLIENTS):
-            # The object store's client failed (no credentials, access denied, the endpoint unreachable, no such
+        if isinstance(error, ObjectStoreError):
+            # The checkpoint store's client failed (no credentials, access denied, the endpoint unreachable, no such
             # bucket): the store's fault, never the config's. Its trial is retried, and the same fault three times
             # in a row stops the worker with it.
-            lines = str(error).strip().splitlines()
-            return Fault(f"the checkpoint store's client failed: {type(error).__name__}: {lines[0] if lines else ''}",
-                         f"{type(error).__name__} at the object store")
+            cause = error.__cause__
+            return Fault(f"the checkpoint store's client failed: {error}",
+                         f"{type(cause).__name__ if cause is not None else 'error'} at the object store")
         error = error.__cause__ or error.__context__
     return None
 

@@ -88,7 +88,7 @@ def test_an_object_store_without_credentials_costs_no_budget_and_stops_the_worke
     study = optuna.load_study(study_name="nocreds", storage=f"sqlite:///{tmp_path / 'nocreds.db'}")
     trials = study.get_trials()
     failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
-    reason = "infrastructure: the checkpoint store's client failed: NoCredentialsError"
+    reason = "infrastructure: the checkpoint store's client failed: s3://ckpts: NoCredentialsError"
     assert len(failed) == 3 and all(t.user_attrs["fail_reason"].startswith(reason) for t in failed)
     assert budget_counts(trials)[0] == 0  # none of the budget spent: their retries wait
     done = run_cli("run", path)  # s3_env's credentials are back

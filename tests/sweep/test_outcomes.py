@@ -195,3 +195,23 @@ def test_throughput_counts_the_trials_the_budget_counts_not_the_interrupted_ones
     assert trials_per_hour(trials) == 3600.0 * 3 / 40
     assert trials_per_hour(trials[:3] + [trial(3, TrialState.WAITING, 30, None, retry_of=2)]) == 3600.0 * 2 / 30
     assert trials_per_hour([trials[0], interrupted, trial(3, TrialState.WAITING, 30, None, retry_of=2)]) is None
+
+
+def test_only_the_checkpoint_store_s_own_client_failures_are_the_machine_s_fault() -> None:
+    """A boto3 error from a user's own code (its data in a bucket, a key that is not there) is the config's failure,
+    counted and not retried: only a failure of a call sweep made to its checkpoint store is the store's."""
+    botocore = pytest.importorskip("botocore.exceptions")
+    from sweep.outcomes import ObjectStoreError, infrastructure_fault
+
+    missing = botocore.ClientError({"Error": {"Code": "NoSuchKey", "Message": "no such key"}}, "GetObject")
+    try:
+        raise RuntimeError("the data loader failed") from missing
+    except RuntimeError as exc:
+        assert infrastructure_fault(exc) is None
+    try:
+        raise ObjectStoreError("s3://ckpts: NoCredentialsError: Unable to locate credentials") from (
+            botocore.NoCredentialsError())
+    except ObjectStoreError as exc:
+        fault = infrastructure_fault(exc)
+    assert fault is not None and fault.kind == "NoCredentialsError at the object store"
+    assert fault.reason.startswith("the checkpoint store's client failed: s3://ckpts: NoCredentialsError")
