@@ -112,6 +112,8 @@ def _size(param: Param) -> float:
     if choices is not None:
         return len({repr(choice) for choice in choices})
     step = getattr(param, "step", None)
+    if param.low == param.high:  # type: ignore[union-attr]
+        return 1
     if step is None:
         return math.inf
     width = param.high - param.low  # type: ignore[union-attr]
@@ -454,8 +456,8 @@ class CohortLoop:
             return False
         if self.keys is None:
             self.keys = shape_keys(self.worker.spec, prepared.params, prepared.config, prepared.task)
-            self.variety = variety(self.worker.spec, self.keys) if self.keys else math.inf
-            if self.variety <= 1:
+            self.variety = variety(self.worker.spec, self.keys) if self.worker.spec.space else math.inf
+            if self.keys and self.variety <= 1:
                 warnings.warn(f"execution.cohort: every key this study searches ({', '.join(self.keys)}) changes the "
                               "model's shapes, so a cohort's members would all train one and the same config; its "
                               "trials train one at a time", stacklevel=2)

@@ -88,11 +88,15 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
 def _changes(key: str, stored: Any, now: Any) -> list[str]:
     """Where two definitions differ, by dotted key: `fixed.max_steps: stored 5, now 6`."""
     if isinstance(stored, dict) and isinstance(now, dict):
-        return [change for part in dict.fromkeys([*stored, *now]) if stored.get(part) != now.get(part)
-                for change in _changes(f"{key}.{part}", stored.get(part), now.get(part))]
-    if stored is None or now is None:
-        return [f"{key}: {'added' if stored is None else 'removed'}"]
+        return [change for part in dict.fromkeys([*stored, *now])
+                if part not in stored or part not in now or stored[part] != now[part]
+                for change in _changes(f"{key}.{part}", stored.get(part, _ABSENT), now.get(part, _ABSENT))]
+    if stored is _ABSENT or now is _ABSENT:
+        return [f"{key}: {'added' if stored is _ABSENT else 'removed'}"]
     return [f"{key}: stored {_short(stored)}, now {_short(now)}"]
+
+
+_ABSENT = object()  # a key one definition has and the other has not (null is a value)
 
 
 def _short(value: Any) -> str:

@@ -84,6 +84,13 @@ def git_commit(folder: Path) -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+@functools.lru_cache(maxsize=4)
+def _workdir_commit(folder: str) -> str | None:
+    """`git_commit` of a command's working folder, once per process (two git calls per trial are not free in a large
+    work tree), as the project's own commit is."""
+    return git_commit(Path(folder))
+
+
 def command_record(argv: list[str], seed: int | None) -> dict[str, Any]:
     """What it takes to re-run a command's trial: its command line and working folder, the commit of the code there
     (a git work tree), the config's seed, and the worker's platform, Python and project version. What the command
@@ -93,7 +100,7 @@ def command_record(argv: list[str], seed: int | None) -> dict[str, Any]:
         "seed": seed,
         "command": list(argv),
         "workdir": str(workdir),
-        "workdir_git_commit": git_commit(workdir),
+        "workdir_git_commit": _workdir_commit(str(workdir)),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "sweep_version": _project_version(),
