@@ -80,6 +80,19 @@ class StudyBrokenError(Exception):
     """Several trials in a row failed the same way: the code or the data is broken, not the configs."""
 
 
+def _twin(trial: optuna.Trial, trials: list[FrozenTrial]) -> int | None:
+    """Another live trial queued for the same thing as `trial` (the retry of the same trial, the confirmation of the
+    same warm trial): its number, or None. A failed one (a lost or interrupted attempt) is no twin."""
+    attrs = trial.user_attrs
+    key, target = ((ATTR_RETRY_OF, attrs[ATTR_RETRY_OF]) if ATTR_RETRY_OF in attrs
+                   else (ATTR_CONFIRMS, attrs.get(ATTR_CONFIRMS)))
+    for other in trials:
+        if (other.number != trial.number and other.state != TrialState.FAIL and key in other.user_attrs
+                and other.user_attrs[key] == target):
+            return other.number
+    return None
+
+
 class InfrastructureError(Exception):
     """The same fault of the machine (disk full, checkpoint folder gone) repeated: fix it, then rerun."""
 
@@ -264,10 +277,13 @@ class Worker:
             trials = self.study.get_trials(deepcopy=False)
             used, running = budget_counts(trials)
             queued = ATTR_RETRY_OF in trial.user_attrs or ATTR_CONFIRMS in trial.user_attrs  # its place was counted
-            if used + running <= self.n_trials or queued:
+            twin = _twin(trial, trials) if queued else None  # queued twice: by this worker and one that took the lock
+            if (used + running <= self.n_trials or queued) and twin is None:
                 return trial, False, trials
             reason = (f"withdrawn: asked while the storage restarted, beyond n_trials ({self.n_trials}); "
-                      "never trained")
+                      "never trained") if twin is None else (
+                f"withdrawn: asked while the study's lock was lost, as trial {twin} was for the same "
+                f"{'retry' if ATTR_RETRY_OF in trial.user_attrs else 'confirmation'}; never trained")
             trial.set_user_attr(ATTR_WITHDRAWN, reason)
             trial.set_user_attr(ATTR_FAIL, reason)
             self.study.tell(trial, state=TrialState.FAIL)

@@ -113,3 +113,30 @@ def test_the_last_slots_wait_for_a_running_warm_trial_before_choosing_what_to_co
     worker, study, running = scene("cold", {}, reported=True)  # it reported without a donor: cold, not waited for
     confirmation = worker._ask_next()[0]
     assert confirmation is not None and confirmation.user_attrs["confirms"] == 1
+
+
+def test_a_confirmation_queued_twice_while_the_lock_was_lost_trains_once(tmp_path: Path) -> None:
+    """Two workers inside the ask section at once (one came back after its lock was taken over) may both queue the
+    confirmation of the same warm trial. The fence counted a queued trial as already in the budget and let both
+    train; the one asked without the lock is now withdrawn before it trains, and the budget keeps its place."""
+    from sweep.outcomes import ATTR_CONFIRMS, budget_counts
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+    from sweep.worker import Worker
+    from tests.conftest import TINY_STUDY, write_study
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "n_trials": 3}))
+    url = f"sqlite:///{tmp_path / 'twice.db'}"
+    study = open_study(spec, url)
+    worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary)
+    params = {"learning_rate": 0.01, "model.hidden": 16}
+    for _ in range(2):
+        study.enqueue_trial(params, user_attrs={ATTR_CONFIRMS: 0})
+    first, second = worker._ask_next()[0], worker._ask_next()[0]
+    assert first is not None and second is not None
+    kept, _, _ = worker._fence(second)
+    assert kept is None  # withdrawn: its twin trains
+    assert worker._fence(first)[0] is first  # the one left has no twin now
+    states = {t.number: (t.state, t.user_attrs.get("withdrawn", "")) for t in study.get_trials()}
+    assert states[second.number][0] == TrialState.FAIL and "as trial 0 was" in states[second.number][1]
+    assert budget_counts(study.get_trials())[0] == 0  # a withdrawn trial spends no budget
