@@ -313,7 +313,8 @@ def _stamp_of(lock_file: Path) -> tuple[int, int, str] | None:
     """Which holder has the lock file: its inode and the stamp its holder wrote (None: none readable)."""
     try:
         with open(lock_file) as handle:
-            return os.fstat(handle.fileno()).st_ino, os.fstat(handle.fileno()).st_mtime_ns, handle.read(64)
+            status = os.fstat(handle.fileno())
+            return status.st_ino, status.st_mtime_ns, handle.read(64)
     except OSError:
         return None
 
@@ -427,10 +428,7 @@ def _driver_message(error: BaseException) -> str:
 def bad_url_option(exc: BaseException) -> str | None:
     """The driver's message when `exc`, or an error it was raised from, says an option of the storage URL is invalid;
     else None."""
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
+    for error in _chain(exc):
         if isinstance(error, sqlalchemy.exc.ArgumentError):  # SQLAlchemy's own reading of the URL refused it
             return str(error).strip().splitlines()[0]
         if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
@@ -438,8 +436,17 @@ def bad_url_option(exc: BaseException) -> str | None:
         for line in _driver_message(error).splitlines()[:1]:
             if found := _BAD_OPTION.search(line):
                 return line[found.start():].strip()
-        error = error.__cause__ or error.__context__
     return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the errors it was raised from (cause, else context), each once."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -447,10 +454,7 @@ def is_transient(exc: BaseException) -> bool:
     refused connection, a server restarting (Optuna wraps those in `StorageInternalError`, "invalid data in the
     commit"), SQLite locked or its disk full. Integrity errors, missing tables, a wrong database name or password
     are final."""
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
+    for error in _chain(exc):
         if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
             return True  # the connection went: whatever the statement carried
         message = _driver_message(error).lower()
@@ -469,7 +473,6 @@ def is_transient(exc: BaseException) -> bool:
         if type(error).__module__.startswith("psycopg") and type(error).__name__ in (
                 "OperationalError", "InterfaceError", "AdminShutdown", "CannotConnectNow", "ConnectionTimeout"):
             return True
-        error = error.__cause__ or error.__context__
     return False
 
 
