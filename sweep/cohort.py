@@ -81,15 +81,18 @@ GENERATIONS = 4  # with shape keys, a cohort takes this many times its size in m
 
 def shape_keys(spec: StudySpec, params: dict[str, Any], config: TrainingConfig, task: Task) -> list[str]:
     """The searched keys whose values change `config`'s batch signature: each is moved to another value of its
-    range (its ends, or another choice) and the model built again on the meta device."""
+    range (its ends, or another choice) and the model built again on the meta device. A value the trainer refuses
+    beside the others drawn (`max_steps: 1` below `warmup_steps: 6`) says nothing about shapes: it is passed over,
+    not counted as a change (which would fix that key for the whole cohort). A member whose shapes differ all the
+    same trains alone (`CohortLoop._admit`), so a key missed here costs speed, never a wrong result."""
     signature = batch_signature(config, task)
     keys = []
     for key, param in spec.space.items():
         for other in _other_values(param, params.get(key)):
             try:
                 changed = batch_signature(spec.config_for({**params, key: other}), task)
-            except Exception:  # noqa: BLE001 - a value the trainer refuses cannot share the signature either
-                changed = None
+            except Exception:  # noqa: BLE001 - not a config at all with the others' values: try the next
+                continue
             if changed != signature:
                 keys.append(key)
                 break
@@ -124,7 +127,9 @@ def _other_values(param: Param, value: Any) -> list[Any]:
     choices = getattr(param, "choices", None)
     if choices is not None:
         return [c for c in choices if c != value]
-    return [v for v in (param.low, param.high) if v != value]  # type: ignore[union-attr]
+    low, high = param.low, param.high  # type: ignore[union-attr]
+    middle = (low + high) // 2 if isinstance(low, int) and isinstance(high, int) else (low + high) / 2
+    return [v for v in dict.fromkeys((low, high, middle)) if v != value]  # the middle: where an end is refused
 
 
 def _signalled(exc: BaseException) -> tuple[str, Outcome]:

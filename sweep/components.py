@@ -5,13 +5,15 @@ a word, and every trial fails later), then the constructor's own checks."""
 from __future__ import annotations
 
 import collections.abc
+import decimal
 import inspect
+import itertools
 import math
 import sys
 import types
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,11 +22,13 @@ import optuna
 from sweep.forecast import ForecastPruner
 from sweep.leaders import LeadersPruner
 from sweep.pruners import FastFailPruner
-from sweep.schema import CategoricalParam, Component, FloatParam, StudyFileError, did_you_mean, short_repr
+from sweep.schema import CategoricalParam, Component, FloatParam, IntParam, StudyFileError, did_you_mean, short_repr
 from trainer.config import number_from_text
 
 if TYPE_CHECKING:
-    from sweep.schema import StudySpec
+    from optuna.trial import FrozenTrial
+
+    from sweep.schema import Param, StudySpec
 
 __all__ = ["PRUNERS", "SAMPLERS", "build_pruner", "build_sampler", "component_problems", "pruner_name"]
 
@@ -245,6 +249,53 @@ def build_sampler(spec: StudySpec, joined_at: tuple[int, ...] = ()) -> optuna.sa
         if "seed" in args:
             args["seed"] = seed
     return _instantiate("sampler", SAMPLERS, spec.sampler.type, args, {"seed": seed})
+
+
+def unexplored_point(spec: StudySpec, fixed: Mapping[str, Any], trials: Sequence[FrozenTrial],
+                     ) -> dict[str, Any] | None:
+    """`bruteforce` in a cohort: a point of the grid with the cohort's shape keys at their `fixed` values that no
+    trial in `trials` holds (running, finished or queued), drawn at random; None when every such point is taken.
+    BruteForceSampler draws each key in turn among the branches still open given the keys drawn before it, so with a
+    shape key fixed that comes later in the space it opens branches that are open only under the other shapes, and
+    the cohort's members were copies of trials it had (3 of 9 trials, a 6-point grid). Seeded by the sampler's seed
+    and the trial count, so a seeded study draws the same points again."""
+    free = [key for key in spec.space if key not in fixed]
+    grids = [_grid(spec.space[key]) for key in free]
+
+    def point(values: Mapping[str, Any], keys: Sequence[str]) -> tuple[tuple[str, Any], ...]:
+        return tuple((type(values.get(key)).__name__, values.get(key)) for key in keys)  # 1, 1.0, True: 3 choices
+
+    shapes = point(fixed, list(fixed))
+    taken = {point(t.params, free) for t in trials if point(t.params, list(fixed)) == shapes}
+    seed = spec.sampler.args.get("seed", spec.seed)
+    rng = np.random.default_rng(None if seed is None else [int(seed), len(trials)])
+    total = math.prod(len(grid) for grid in grids)
+    if total <= 100_000:  # every open point, one drawn
+        open_points = [values for values in itertools.product(*grids)
+                       if point(dict(zip(free, values)), free) not in taken]
+        return dict(zip(free, open_points[rng.integers(len(open_points))])) if open_points else None
+    for _ in range(1000):  # a grid too large to list: drawn until an open point comes up (nearly every draw)
+        values = [grid[rng.integers(len(grid))] for grid in grids]
+        if point(dict(zip(free, values)), free) not in taken:
+            return dict(zip(free, values))
+    return None
+
+
+def _grid(param: Param) -> list[Any]:
+    """A key's values as BruteForceSampler enumerates them: the choices, or the range from low in steps (in decimal
+    arithmetic, as Optuna does, so that the floats are the ones its trials hold)."""
+    if isinstance(param, CategoricalParam):
+        return list(param.choices)
+    if isinstance(param, IntParam):
+        return list(range(param.low, param.high + 1, param.step))
+    assert param.step is not None, "bruteforce: every float has a step (checked with the study file)"
+    low, high = decimal.Decimal(str(float(param.low))), decimal.Decimal(str(float(param.high)))
+    width = decimal.Decimal(str(float(param.step)))
+    values = []
+    while low <= high:
+        values.append(float(low))
+        low += width
+    return values
 
 
 def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.BasePruner:

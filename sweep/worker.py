@@ -29,7 +29,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.checkpoints import CheckpointService
-from sweep.components import build_sampler
+from sweep.components import build_sampler, unexplored_point
 from sweep.confirm import confirmations_due
 from sweep.outcomes import (
     ATTR_CONFIRMS,
@@ -315,6 +315,12 @@ class Worker:
         if self._warm_results_pending(trials, used + running):
             return None, False, trials
         self._queue_confirmation(trials, used + running)
+        if fixed and self.spec.sampler.type == "bruteforce" and not any(t.state == TrialState.WAITING
+                                                                         for t in trials):
+            point = unexplored_point(self.spec, fixed, trials)  # a queued trial comes first, with its own params
+            if point is None:  # every point of these shapes is taken: the cohort drains, the next draws anew
+                return None, False, trials
+            fixed = {**fixed, **point}
         sampler = self.study.sampler
         if fixed:
             self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)

@@ -18,7 +18,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 
 from trainer.config import ConfigError, TrainingConfig
 from trainer.loop import NullReporter, TrainResult, train
-from trainer.precision import DeviceUnavailable, out_of_memory
+from trainer.precision import DeviceUnavailable, out_of_memory, resolve_device
 from trainer.tasks import TaskError
 from trainer.yaml_file import YamlFileError, load_yaml, read_text
 
@@ -121,7 +121,6 @@ class _NotMain(Exception):
 def _train_one(config: TrainingConfig) -> TrainResult:
     """Train one config: in this process, or as one rank of a torchrun group (WORLD_SIZE > 1 in the environment)."""
     from trainer.distributed import from_environment
-    from trainer.precision import resolve_device
 
     ranks = from_environment(device_type=resolve_device(config.device).type)
     try:
@@ -174,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results = [_train_one(configs[0])]
     except (ConfigError, TaskError) as exc:
-        print(f"{args.config[0]}: {exc}", file=sys.stderr)
+        print(f"{_culprit(args.config, configs, _task_fails)}: {exc}", file=sys.stderr)
         return 2
     except DeviceUnavailable as exc:  # the config's `device`, not a fault of the run: use auto or cpu here
-        print(f"{args.config[0]}: device: {exc}; set device: auto (or cpu) to train on this machine", file=sys.stderr)
+        print(f"{_culprit(args.config, configs, _device_fails)}: device: {exc}; set device: auto (or cpu) to train "
+              "on this machine", file=sys.stderr)
         return 2
     except _NotMain:
         return 0
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # The config's model and batch size do not fit this machine: one line, not PyTorch's traceback.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"{args.config[0]}: out of memory: {first[:300]} (a smaller model or batch_size fits)", file=sys.stderr)
+        files = ", ".join(map(str, args.config))  # of several trained together, their cohort ran out
+        print(f"{files}: out of memory: {first[:300]} (a smaller model or batch_size fits)", file=sys.stderr)
         return 1
     for path, result in zip(args.config, results):
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
@@ -194,6 +195,35 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}
         print(json.dumps(_strict_json({"config": str(path), **line} if args.batched else line), allow_nan=False))
     return 0
+
+
+def _culprit(paths: list[Path], configs: list[TrainingConfig], fails: Callable[[TrainingConfig], bool]) -> str:
+    """The file whose config raised, of several trained together: the first one that `fails` alone (its task
+    loaded again, its device resolved), else all of them."""
+    if len(paths) == 1:
+        return str(paths[0])
+    for path, config in zip(paths, configs):
+        if fails(config):
+            return str(path)
+    return ", ".join(map(str, paths))
+
+
+def _task_fails(config: TrainingConfig) -> bool:
+    from trainer.tasks import load_task
+
+    try:
+        load_task(config.task, config.task_args)
+    except Exception:  # noqa: BLE001 - whatever it raises, this is the config that raised
+        return True
+    return False
+
+
+def _device_fails(config: TrainingConfig) -> bool:
+    try:
+        resolve_device(config.device)
+    except DeviceUnavailable:
+        return True
+    return False
 
 
 def _strict_json(value: Any) -> Any:

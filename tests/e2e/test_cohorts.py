@@ -20,9 +20,12 @@ import torch
 import yaml
 from optuna.trial import TrialState
 
+from sweep.cohort import shape_keys
 from sweep.outcomes import budget_counts
 from sweep.reproduce import reproduce_trial
+from sweep.spec import parse_spec
 from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
+from trainer.tasks import load_task
 
 
 def cohort_study(folder: Path, lr: tuple[float, float] = (1e-3, 1e-1), fixed: dict[str, Any] | None = None,
@@ -346,6 +349,46 @@ def test_a_cohort_takes_no_more_members_than_its_fixed_shapes_leave_configs(tmp_
         cohorts.setdefault(trial.user_attrs["cohort"]["id"], []).append(trial)
     assert all(len(members) <= 2 and members[0].user_attrs["cohort"]["size"] <= 2 for members in cohorts.values())
     assert len(cohorts) >= 4
+
+
+def test_bruteforce_in_cohorts_trains_every_grid_point_once(tmp_path: Path) -> None:
+    # BruteForceSampler draws the learning rate first, among the branches still open under either shape; the cohort
+    # then fixed model.hidden, and its members were copies of trials it had: 9 trials for a 6-point grid, three of
+    # them twice. Now a member with the cohort's shapes takes a point of the grid no trial holds.
+    path = cohort_study(tmp_path, n_trials=20, sampler={"type": "bruteforce"}, pruner="none",
+                        fixed={"max_steps": 10, "eval_every_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"] = {"learning_rate": {"type": "categorical", "choices": [0.01, 0.03, 0.1]},
+                         "model.hidden": {"type": "categorical", "choices": [16, 32]}}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "4")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    points = [(t.params["learning_rate"], t.params["model.hidden"]) for t in trials]
+    assert sorted(points) == sorted(itertools.product([0.01, 0.03, 0.1], [16, 32])), points
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert max(in_flight(trials)) == 3  # a shape's three points in one cohort
+
+
+def test_a_key_whose_neighbour_value_is_refused_is_not_taken_for_a_shape_key(tmp_path: Path) -> None:
+    # `max_steps: 1` under the first member's `warmup_steps: 6` is no config at all; that refusal was counted as a
+    # change of shapes, and max_steps (which may differ per member) was fixed for the whole cohort: all 12 trials of
+    # a study searching [1, 7, 33] trained 7 steps.
+    document = copy.deepcopy(TINY_STUDY) | {"fixed": {"eval_every_steps": 1, "batch_size": 32}, "space": {
+        "max_steps": {"type": "categorical", "choices": [1, 7, 33]},
+        "warmup_steps": {"type": "int", "low": 0, "high": 6},
+        "model.hidden": {"type": "categorical", "choices": [16, 32]}}}
+    spec = parse_spec(document, tmp_path / "study.yaml")
+    params = {"max_steps": 7, "warmup_steps": 6, "model.hidden": 16}
+    config = spec.config_for(params)
+    task = load_task(config.task, config.task_args)
+    assert shape_keys(spec, params, config, task) == ["model.hidden"]
+    assert shape_keys(spec, {**params, "warmup_steps": 0}, config, task) == ["model.hidden"]
+    # Every other value of max_steps refused beside warmup_steps 20: nothing says it changes shapes.
+    document["space"]["warmup_steps"] = {"type": "int", "low": 0, "high": 40}
+    spec = parse_spec(document, tmp_path / "study.yaml")
+    params = {"max_steps": 33, "warmup_steps": 20, "model.hidden": 16}
+    assert shape_keys(spec, params, spec.config_for(params), task) == ["model.hidden"]
 
 
 def test_a_study_that_searches_no_shape_key_keeps_one_cohort_until_the_budget_is_spent(tmp_path: Path) -> None:

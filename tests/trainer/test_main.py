@@ -210,6 +210,24 @@ def test_a_user_module_that_fails_at_import_is_one_line(tmp_path: Path, module: 
     assert f"cannot import {what} module '{name}': importing it raised {raised}" in lines[0], lines
 
 
+def test_configs_trained_together_name_the_file_whose_task_raised(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Of several configs (`--batched`), the one whose task refuses its args is named (the first file was, always)."""
+    name = f"picky_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(
+        "from trainer.tasks.digits import digits\n\n"
+        "def task(fail=False):\n"
+        "    if fail:\n"
+        "        raise ValueError('this task refuses fail=True')\n"
+        "    return digits()\n")
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(f"task: {name}:task\nmax_steps: 4\n")
+    bad.write_text(f"task: {name}:task\ntask_args: {{fail: true}}\nmax_steps: 4\n")
+    assert main([str(good), str(bad), "--batched"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{bad}: ") and "refuses fail=True" in lines[0], lines
+
+
 def test_a_task_loss_that_is_not_one_number_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "rowloss.py").write_text(
         "from torch import nn\nfrom trainer.tasks import Task\nfrom trainer.tasks.digits import digits\n\n"
