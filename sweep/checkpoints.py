@@ -29,7 +29,7 @@ from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_bl
 from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, Outcome, lineage
 from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
-from sweep.storage import StorageAway, sqlite_path
+from sweep.storage import StorageAway, error_line, sqlite_path
 from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
 
@@ -217,7 +217,7 @@ def _cleanup(trial_number: int, what: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - see above
-        warnings.warn(f"trial {trial_number}: {what} failed: {type(exc).__name__}: {exc}", stacklevel=3)
+        warnings.warn(f"trial {trial_number}: {what} failed: {error_line(exc)}", stacklevel=3)  # one line
 
 
 

@@ -245,8 +245,10 @@ def run(
             lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
             if lost:
                 raise _fail(lost, 1)
-            failed = None if results.stop_requested_since(study, started) else results.failed_run(
-                results.finished_since(study, before))
+            stopped = results.stop_requested_since(study, started)
+            if stopped:
+                err.print("stopped by `sweep stop`; rerun the same command to continue.")
+            failed = None if stopped else results.failed_run(results.finished_since(study, before))
             if failed:
                 raise _fail(failed, 1)
             return
@@ -297,11 +299,13 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     from sweep.registry import resolve_store
     from sweep.tracking import destination_problems, resolve_tracking
 
-    spec = resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
-    # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
+    # Before anything is created: a SQLite file that cannot be one (first: the folders next to it are named after
+    # it), a checkpoint folder that cannot be made.
     where = "--storage" if storage is not None else f"{study_file}: storage"
-    problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url) or sqlite_write_problem(url)] if problem]
-    problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
+    if problem := sqlite_file_problem(url) or sqlite_write_problem(url):
+        raise _fail(f"{where}: {problem}", 2)
+    spec = resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
+    problems = [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
     problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec, url)]
     if problems:
         raise _fail(problems, 2)
@@ -313,6 +317,7 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
     from sweep.study import StudyMismatchError, open_study, worker_storage
     from sweep.workers import prepare_process
 
+    _OPENED[:] = [url]
     prepare_process(spec)
     _quiet_optuna()
     notify = lambda line: err.print(f"{prefix}{line}", markup=False)
@@ -360,7 +365,7 @@ def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
     """Ctrl-C and SIGTERM as requests the worker honours at a clean point, and how a run that ends early exits:
     130 interrupted, 143 preempted, 1 a broken study, a repeated fault of the machine or a storage gone too long."""
     from sweep.signals import Preempted, graceful_signals, stop_requested
-    from sweep.storage import StorageUnavailable
+    from sweep.storage import StorageUnavailable, storage_refusal
     from sweep.worker import InfrastructureError, StudyBrokenError
 
     try:
@@ -384,6 +389,12 @@ def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
         if not isinstance(exc, StorageUnavailable):
             _print_status(study)
         raise _fail(f"{prefix}{exc}", 1) from None
+    except Exception as exc:  # a trial's end refused by the storage (a database dropped): one line, not a traceback
+        refusal = storage_refusal(exc)
+        if refusal is None:
+            raise
+        raise _fail(f"{prefix}{refusal[0]}; fix the storage, then rerun the same command: the trials left running "
+                    "are found lost and retried", 1) from None
 
 
 def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: str, *,
@@ -605,6 +616,7 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
         raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
     if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
         raise _fail(problem, 2)
+    _OPENED[:] = [url]
     _quiet_optuna()
     from sweep.storage import AmbiguousStudy, load_existing_study
 
@@ -1106,7 +1118,44 @@ def main() -> None:
 
         record_forwarded()
     private_umask()  # what sweep writes is owner-only (see sweep.private)
-    app()
+    try:
+        app()
+    except Exception as exc:
+        line, code = _storage_error(exc)
+        if line is None:
+            raise
+        err.print(f"error: {line}", markup=False)
+        raise SystemExit(code) from None
+
+
+_OPENED: list[str] = []  # the storage URL the command opened, for an error it lets out (`_storage_error`)
+
+
+def _storage_error(exc: BaseException) -> tuple[str | None, int]:
+    """A storage error that a command let out, as one line and its exit code: a SQLite file damaged past the
+    pages its opening reads (2: the input), or anything else the database raised (1); `(None, 0)` for the rest."""
+    import sqlite3
+
+    import optuna
+    import sqlalchemy.exc
+
+    from sweep.storage import error_line
+    from sweep.urls import sqlite_path
+
+    url = _OPENED[0] if _OPENED else None
+    path = None if url is None else sqlite_path(url)
+    where = f"the storage {mask_url(url)}" if path is None and url is not None else str(path or "the storage")
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    database = False
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, sqlite3.DatabaseError) and not isinstance(error, sqlite3.OperationalError):
+            return f"{where} cannot be read ({error}); is the file damaged?", 2
+        database = database or isinstance(error, (sqlalchemy.exc.SQLAlchemyError,
+                                                  optuna.exceptions.StorageInternalError))
+        error = error.__cause__ or error.__context__
+    return (f"{where} failed: {error_line(exc)}", 1) if database else (None, 0)
 
 
 if __name__ == "__main__":

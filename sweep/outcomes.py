@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import errno
 import math
+import re
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -187,12 +188,15 @@ def lineage(trials: Mapping[int, FrozenTrial], number: int) -> list[int]:
     return chain
 
 
+_SQL_DETAILS = re.compile(r"\s*(\[SQL: .*|\(Background on this error at: [^)]*\))$", re.DOTALL)
+
+
 def failure_signature(trial: FrozenTrial) -> str | None:
     """What makes two failures "the same way": the same exception and message, or NaN/Inf at the same step. A
     divergence at different steps, or an explosion, is a property of the configs and has no signature."""
     outcome = outcome_of(trial)
-    if outcome == Outcome.FAILED:
-        return str(trial.user_attrs.get(ATTR_FAIL))
+    if outcome == Outcome.FAILED:  # less what SQLAlchemy appends: the statement and the parameters differ per trial
+        return _SQL_DETAILS.sub("", str(trial.user_attrs.get(ATTR_FAIL)))
     reason = trial.user_attrs.get(ATTR_PRUNE) or {}
     if outcome == Outcome.PRUNED and reason.get("rule") in ("nan", "inf"):
         return f"{reason['rule']} at step {reason.get('step')}"

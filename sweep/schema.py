@@ -146,6 +146,18 @@ class CategoricalParam(_Model):
     type: Literal["categorical"]
     choices: list[Choice] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _distinct(self) -> CategoricalParam:
+        """Optuna stores a choice as the index of the first choice equal to it, and to Python `0 == false` and
+        `1 == 1.0`: a trial that trained with `false` would be stored, shown and sampled as `0`."""
+        for j, choice in enumerate(self.choices):
+            for i in range(j):
+                if self.choices[i] == choice:
+                    same = "is listed twice" if type(self.choices[i]) is type(choice) else (
+                        f"equals choices[{i}] ({short_repr(self.choices[i])}) to Optuna, which would store it as that")
+                    raise ValueError(f"choices[{j}]: {short_repr(choice)} {same}; expected distinct choices")
+        return self
+
     def suggest(self, trial: Any, name: str) -> Any:
         return trial.suggest_categorical(name, self.choices)
 

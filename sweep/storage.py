@@ -449,6 +449,34 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
+_REFUSED = "_sweep_storage_refused"  # set on a database error that a storage call raised and waiting would not end
+
+
+def _mark_refused(exc: Exception) -> None:
+    """Mark `exc` as the storage's refusal when it is a database's error (`storage_refusal`)."""
+    if any(isinstance(error, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError))
+           for error in _chain(exc)):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(exc, _REFUSED, True)
+
+
+def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
+    """`(reason, kind)` when `exc`, or an error it was raised from, is a database error that a call to the study's
+    storage raised and that waiting does not end: a role without the right to write a table, a database or table
+    dropped, SQLite's file read-only. The storage's fault, never a config's: its trial is retried, not counted, and
+    the same refusal three times in a row stops the worker with it. None for anything else (a user's own code
+    failing on its own database included: only errors raised through `Boundary.call` are marked)."""
+    errors = list(_chain(exc))
+    if not any(getattr(error, _REFUSED, False) for error in errors):
+        return None
+    for error in errors:
+        if isinstance(error, sqlalchemy.exc.DBAPIError) and error.orig is not None:
+            line = next((x.strip() for x in _driver_message(error).splitlines() if x.strip()), "")
+            name = type(error.orig).__name__
+            return mask_urls(f"the storage refused: {name}: {line}"[:300]), f"storage refused: {name}"
+    return f"the storage refused: {error_line(exc)}", f"storage refused: {type(errors[-1]).__name__}"
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether `exc`, or an error it was raised from, is a storage fault that goes away by itself: a dropped or
     refused connection, a server restarting (Optuna wraps those in `StorageInternalError`, "invalid data in the
@@ -460,6 +488,8 @@ def is_transient(exc: BaseException) -> bool:
         message = _driver_message(error).lower()
         if any(final in message for final in _FINAL_MESSAGES) or _BAD_OPTION.search(message):
             return False
+        if "read-only transaction" in message:  # a standby, as a failover leaves it until it is promoted
+            return True
         if isinstance(error, sqlite3.OperationalError):
             return any(word in message for word in _SQLITE_TRANSIENT)
         if isinstance(error, sqlalchemy.exc.DBAPIError):
@@ -514,6 +544,7 @@ class Boundary:
                 result = fn(*args, **kwargs)
             except Exception as exc:
                 if not is_transient(exc):
+                    _mark_refused(exc)
                     raise
                 since = self._went_away(exc)
                 if getattr(self._local, "no_wait", False):
@@ -522,11 +553,11 @@ class Boundary:
                 patience = self._patience()
                 if stop_requested() and threading.current_thread() is threading.main_thread():
                     raise StorageUnavailable(f"{self.label} is unreachable, and the worker was told to stop (Ctrl-C "
-                                             f"or SIGTERM): not waiting for it: {_first_line(exc)}") from exc
+                                             f"or SIGTERM): not waiting for it: {error_line(exc)}") from exc
                 if waited >= patience:
                     what = f"storage_patience is {self.patience_s:g} s" if self.reached else "never reached yet"
                     raise StorageUnavailable(f"{self.label} has been unreachable for {waited:.0f} s ({what}): "
-                                             f"{_first_line(exc)}") from exc
+                                             f"{error_line(exc)}") from exc
                 time.sleep(min(delay, max(0.0, patience - waited)))
                 delay = min(delay * 2, 10.0)
                 continue
@@ -543,7 +574,7 @@ class Boundary:
             if self.down_since is None:
                 self.down_since = time.monotonic()
                 patience = self._patience()
-                self.notify(f"{self.label} is unreachable ({_first_line(exc)}); waiting up to "
+                self.notify(f"{self.label} is unreachable ({error_line(exc)}); waiting up to "
                             f"{patience:g} s for it to come back"
                             f"{'' if self.reached or patience == self.patience_s else ' (never reached yet)'}")
             return self.down_since
@@ -572,7 +603,7 @@ class _Guarded:
         return lambda *args, **kwargs: self._boundary.call(value, *args, **kwargs)
 
 
-def _first_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """The innermost cause's first line: a driver's message says more than Optuna's wrapper ("invalid data")."""
     while exc.__cause__ is not None:
         exc = exc.__cause__

@@ -66,6 +66,7 @@ from sweep.storage import (
     ask_lock,
     is_transient,
     never_lost,
+    storage_refusal,
 )
 from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
@@ -376,6 +377,8 @@ class Worker:
         if fault is None and is_transient(exc):
             first = str(exc).splitlines()[0] if str(exc) else ""
             fault = Fault(f"lost connection: {type(exc).__name__}: {first}", f"connection: {type(exc).__name__}")
+        if fault is None and (refusal := storage_refusal(exc)) is not None:  # a checkpoint's row, say
+            fault = Fault(*refusal)
         if fault is not None:
             self.fault_kind = fault.kind
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}"})
@@ -496,10 +499,12 @@ class Worker:
             count = self.infra[0] + 1 if self.infra[1] == kind else 1
             self.infra = (count, kind)
             if count >= MAX_INFRA_REPEATS:
+                fix = ("grant the storage's role its rights, make the database writable again" if kind is not None
+                       and kind.startswith("storage") else "free space, remount or recreate the folder")
                 raise InfrastructureError(
                     f"{count} trials in a row were stopped by the same fault of the machine, not of their configs: "
-                    f"{reason.removeprefix('infrastructure: ')}. Fix it (free space, remount or recreate the "
-                    "folder), then rerun the same command: the trials resume from their checkpoints.")
+                    f"{reason.removeprefix('infrastructure: ')}. Fix it ({fix}), then rerun the same command: the "
+                    "trials resume from their checkpoints.")
         else:
             self.infra = (0, None)
 

@@ -112,7 +112,7 @@ def load_loop(name: str) -> Callable[..., Any]:
     module_name, _, function = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module's, reported in one line
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's, in one line
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise LoopError(f"cannot import {module_name!r} ({type(exc).__name__}: {first}); expected a module on the "
                         "path or next to the study file") from None

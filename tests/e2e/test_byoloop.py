@@ -368,6 +368,7 @@ def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_an
     ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),
     ({"task": ..., "loop": "no colon"}, "loop: expected package.module:function, got 'no colon'"),
     ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import 'nowhere_module' (ModuleNotFoundError"),
+    ({"task": ..., "loop": "exits_at_import:main"}, "loop: cannot import 'exits_at_import' (SystemExit: 0)"),
     ({"task": ..., "loop": "direct:absent"}, "loop: module 'direct' has no function 'absent'"),
     ({"task": ..., "loop": "direct:one"}, "loop: direct:one must take two arguments, (config, run)"),
     ({"task": ..., "loop": "direct:gen"}, "loop: direct:gen is a generator: calling it runs none of its body"),
@@ -381,6 +382,7 @@ def test_bad_loop_or_command_is_one_line_exit_2_and_nothing_created(tmp_path: Pa
     (tmp_path / "direct.py").write_text("def main(config, run):\n    return 1.0\n\ndef one(config):\n    pass\n\n"
                                         "def gen(config, run):\n    yield run.report(1, val_loss=1.0)\n\n"
                                         "async def co(config, run):\n    return 1.0\n")
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")  # it ended sweep, silently, exit 0
     document: dict[str, Any] = {"name": "bad", "n_trials": 1, "task": "digits",
                                 "space": {"x": {"type": "float", "low": 0, "high": 1}}}
     for key, value in edit.items():

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 
 from sweep.spec import load_spec
 from sweep.study import definition_note, open_study
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 
 
 def load(path: Path, name: str = "tiny") -> optuna.Study:
@@ -670,3 +670,25 @@ def test_a_checkpoint_folder_another_database_s_study_of_that_name_owns_is_refus
     assert again.returncode == 0, again.stderr
     checked = sweep_cli("check", path, "--storage", f"sqlite:///{tmp_path / 'a.db'}")
     assert checked.returncode == 0 and "orphan_file 0" in checked.stderr, checked.stdout + checked.stderr
+
+
+def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(tmp_path: Path) -> None:
+    """Damage that the opening check does not read (it reads the schema) came out of every command as a 120-line
+    traceback ending in Optuna's "invalid data in the commit"."""
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 3})
+    assert sweep_cli("run", path).returncode == 0
+    db = tmp_path / "tiny.db"
+    with contextlib.closing(sqlite3.connect(db)) as connection:  # the page that holds the trials' values
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the file itself
+        [(root,)] = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'trial_values'").fetchall()
+        [(size,)] = connection.execute("PRAGMA page_size").fetchall()
+    data = bytearray(db.read_bytes())
+    start = (root - 1) * size
+    data[start + 8:start + size] = bytes(size - 8)  # its cells gone, its header kept
+    db.write_bytes(bytes(data))
+    for command in (("status", db), ("trials", db), ("best", db), ("run", path)):
+        done = run_cli(*command)  # a process of its own: this one's SQLite connections cache the pages as they were
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (command, done.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "tiny.db" in lines[0], (command, done.stderr)
+        assert "cannot be read (database disk image is malformed); is the file damaged?" in lines[0], lines

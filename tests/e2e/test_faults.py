@@ -886,3 +886,47 @@ def test_a_retry_copies_the_evaluations_whose_reports_were_lost_from_its_checkpo
     retry = optuna.load_study(study_name="tiny", storage=url).trials[1]
     assert retry.user_attrs["retry_of"] == 0 and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 20}
     assert retry.intermediate_values == whole  # steps 5-15 from the checkpoint's history, 20 from its metrics
+
+
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_worker_saying_so(
+        tmp_path: Path) -> None:
+    """The checkpoint registry refused the workers' role its writes (one role made the tables, the workers run as
+    a more limited one): every trial failed as its config's fault, the whole budget went to configs that never
+    trained, and `max_repeated_failures` never stopped it (SQLAlchemy's message holds each statement's parameters,
+    so no two failures looked the same). The storage's refusal is the machine's fault: retried, not counted, and
+    three in a row stop the worker with one line; once the right is granted back the next run spends the budget."""
+    from sqlalchemy import create_engine, text
+
+    from sweep.outcomes import budget_counts
+    from tests.conftest import TINY_STUDY, sweep_cli
+
+    with PostgresServer() as server:
+        admin = create_engine(server.url)
+        with admin.begin() as connection:
+            connection.execute(text("CREATE ROLE sweeper LOGIN"))
+            connection.execute(text("ALTER DATABASE sweep OWNER TO sweeper"))
+        url = server.url.replace("postgres@", "sweeper@")
+        document = copy.deepcopy(TINY_STUDY) | {"name": "refused", "n_trials": 5}
+        path = write_study(tmp_path, document)
+        first = sweep_cli("run", path, "--storage", url, "--n-trials", "1")
+        assert first.returncode == 0, first.stderr
+        with admin.begin() as connection:
+            connection.execute(text("REVOKE INSERT, UPDATE, DELETE ON sweep_checkpoints FROM sweeper"))
+        refused = sweep_cli("run", path, "--storage", url)
+        assert refused.returncode == 1, refused.stderr
+        last = refused.stderr.strip().splitlines()[-1]
+        assert "the storage refused: InsufficientPrivilege: permission denied for table sweep_checkpoints" in last, \
+            refused.stderr
+        assert "Traceback" not in refused.stderr, refused.stderr
+        trials = load_trials(url, "refused")
+        failed = [t for t in trials if t.state == TrialState.FAIL]
+        assert len(failed) == 3 and all(t.user_attrs["outcome"] == "infrastructure" for t in failed), summary(trials)
+        assert budget_counts(trials)[0] == 1  # only the trial trained before the revoke
+        with admin.begin() as connection:
+            connection.execute(text("GRANT INSERT, UPDATE, DELETE ON sweep_checkpoints TO sweeper"))
+        again = sweep_cli("run", path, "--storage", url)
+        assert again.returncode == 0, again.stderr
+        trials = load_trials(url, "refused")
+        assert sum(t.state == TrialState.COMPLETE for t in trials) == 5, summary(trials)
+        admin.dispose()

@@ -302,6 +302,15 @@ RANGES = [
         "type": "float", "low": 0.0, "high": 1.0, "step": 0.3333333333333}}), "space.weight_decay",
         "expected high - low to be a multiple"),
     bad_file("keys", "empty-key", changed(**{"": 1}), "", "unknown key '' (empty); expected one of: name,"),
+    bad_file("ranges", "choices-equal-to-python", changed(**{"space__weight_decay": {
+        "type": "categorical", "choices": [0, False]}}), "space.weight_decay",
+        "choices[1]: False equals choices[0] (0) to Optuna"),
+    bad_file("ranges", "choices-one-and-one-point-zero", changed(**{"space__weight_decay": {
+        "type": "categorical", "choices": [0.5, 1, 1.0]}}), "space.weight_decay", "choices[2]: 1.0 equals"),
+    bad_file("ranges", "choices-listed-twice", changed(**{"space__weight_decay": {
+        "type": "categorical", "choices": [0.1, 0.2, 0.1]}}), "space.weight_decay", "choices[2]: 0.1 is listed twice"),
+    bad_file("numbers", "exponent-underflows-to-zero", yaml_with(replace=("seed: 0", "seed: 1e-400")), "",
+             "1e-400 is too small for a 64-bit float (it would be read as 0)"),
     bad_file("numbers", "int-of-5000-digits", "name: tiny\nn_trials: " + "9" * 5000 + "\ntask: digits\n", "",
              "line 2: a whole number of 5000 digits; expected a number of at most 4300"),
     bad_file("numbers", "fixed-float-hundreds-of-digits", changed(**{"fixed__momentum": 10 ** 400}),
@@ -515,6 +524,9 @@ PATHS = [
              "--storage: ", "holds a control character"),
     bad_args("paths", "sqlite-is-a-folder", ("run", STUDY, "--storage", "sqlite:///{tmp}/adir"), "--storage: ",
              "adir is a folder", setup=_folder("adir")),
+    bad_args("paths", "sqlite-is-the-working-folder", ("run", STUDY, "--storage", "sqlite:///."), "--storage: ",
+             ". is a folder"),
+    bad_file("paths", "sqlite-is-the-root-folder", changed(storage="sqlite:////"), "storage", "/ is a folder"),
     bad_args("paths", "sqlite-is-the-study-file", ("run", STUDY, "--storage", "sqlite:///{tmp}/study.yaml"),
              "--storage: ", "study.yaml is not a SQLite database"),
     bad_file("paths", "task-data-missing", changed(task={"name": "needs_data:task"}), "task",

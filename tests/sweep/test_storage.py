@@ -484,6 +484,49 @@ def test_a_dropped_connection_is_transient_whatever_the_statement_s_parameters_s
         other.dispose()
 
 
+def test_a_standby_s_read_only_refusal_is_waited_out_and_a_denied_write_is_the_storage_s_refusal(
+        postgres_url: str) -> None:
+    """A failover leaves a worker on a standby until it is promoted ("cannot execute INSERT in a read-only
+    transaction"): waited out as an outage, where it ended the worker with a traceback. A write the role may not
+    make is final, and when a storage call raised it, it is the storage's refusal (the trial is retried, not
+    counted), never a config's fault; the same error raised by a user's own code is not marked."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    from sweep.storage import Boundary, is_transient, storage_refusal
+
+    engine = create_engine(postgres_url, poolclass=NullPool)  # each connect a new session
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("CREATE TABLE IF NOT EXISTS refusals (x integer)"))
+            connection.commit()
+            connection.execute(text("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY"))
+            connection.commit()  # the transactions after this one are read-only, as on a standby
+            with pytest.raises(Exception) as read_only:
+                connection.execute(text("INSERT INTO refusals VALUES (1)"))
+        assert is_transient(read_only.value)
+        with engine.connect() as connection:
+            connection.execute(text("CREATE ROLE reader_only"))
+            connection.commit()
+            connection.execute(text("SET ROLE reader_only"))
+
+            def insert() -> None:
+                connection.execute(text("INSERT INTO refusals VALUES (1)"))
+
+            with pytest.raises(Exception) as own:
+                insert()
+            assert not is_transient(own.value) and storage_refusal(own.value) is None  # not through the storage
+            connection.rollback()
+            connection.execute(text("SET ROLE reader_only"))
+            with pytest.raises(Exception) as denied:
+                Boundary(5.0).call(insert)
+            refusal = storage_refusal(denied.value)
+            assert refusal == ("the storage refused: InsufficientPrivilege: permission denied for table refusals",
+                               "storage refused: InsufficientPrivilege"), refusal
+    finally:
+        engine.dispose()
+
+
 @pytest.fixture
 def silent_server() -> Any:
     """A TCP port on loopback that accepts connections and never says a word: a wedged database host."""
