@@ -103,7 +103,16 @@ def artifact_store_at(location: str) -> Any:
     if is_object_url(location):
         return artifact_store_for(location)
     Path(location).mkdir(parents=True, exist_ok=True)
-    return optuna.artifacts.FileSystemArtifactStore(location)
+    return _FolderArtifacts(location)
+
+
+class _FolderArtifacts(optuna.artifacts.FileSystemArtifactStore):
+    """Optuna's folder store, which makes its folder again when it is gone (the store removed while the study runs:
+    every later trial's artifact failed, and the dashboard showed none)."""
+
+    def write(self, artifact_id: str, content_body: BinaryIO) -> None:
+        Path(self._base_path).mkdir(parents=True, exist_ok=True)
+        super().write(artifact_id, content_body)
 
 
 class BlobScope:

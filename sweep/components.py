@@ -72,6 +72,9 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     unknown = [name for name in args if name not in accepted]
     if unknown:
+        if not accepted:
+            raise StudyFileError("", [(f"{where}.{name}", f"unknown argument: {where} {kind!r} takes no arguments")
+                                      for name in unknown])
         raise StudyFileError("", [(f"{where}.{name}", f"unknown argument of {cls.__name__}"
                                                       f"{did_you_mean(name, accepted)}; expected one of: "
                                                       + ", ".join(accepted)) for name in unknown])

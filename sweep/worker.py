@@ -500,7 +500,9 @@ class Worker:
             self.infra = (count, kind)
             if count >= MAX_INFRA_REPEATS:
                 fix = ("grant the storage's role its rights, make the database writable again" if kind is not None
-                       and kind.startswith("storage") else "free space, remount or recreate the folder")
+                       and kind.startswith("storage") else "the checkpoint store's credentials, bucket or endpoint"
+                       if kind is not None and kind.endswith("at the object store") else
+                       "free space, remount or recreate the folder")
                 raise InfrastructureError(
                     f"{count} trials in a row were stopped by the same fault of the machine, not of their configs: "
                     f"{reason.removeprefix('infrastructure: ')}. Fix it ({fix}), then rerun the same command: the "

@@ -337,7 +337,9 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if origin is Literal:
         if value in typing.get_args(tp) and isinstance(value, str):
             return True, value, ""
-        return False, value, f"expected {_describe(tp)}, got {value!r}"
+        words = [word for word, read in (("off", False), ("on", True)) if value is read and word in typing.get_args(tp)]
+        hint = f" (YAML reads an unquoted {words[0]} as {str(value).lower()}: write '{words[0]}')" if words else ""
+        return False, value, f"expected {_describe(tp)}, got {value!r}{hint}"
     if tp is type(None):
         return (value is None), value, f"expected null, got {value!r}"
     if origin is dict:

@@ -181,6 +181,10 @@ class Run:
             step = whole_step(step)
         except ValueError as exc:
             raise LoopError(f"run.{exc}") from None
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise LoopError(f"run.report at step {step}: expected the metrics as a mapping or as keywords "
+                            f"(run.report({step}, {self.metric}=...)), got {type(metrics).__name__} "
+                            f"{str(metrics)[:40]}")
         reported = _floats({**(metrics or {}), **values})
         if self.metric not in reported:
             raise LoopError(f"run.report at step {step}: the study's metric {self.metric!r} is not among "

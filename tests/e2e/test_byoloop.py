@@ -319,9 +319,11 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
         "        run.report(2, val_loss=config['max_steps'] > 0 if mode == 'reports-bool' else '0.42')\n"
         "    if mode == 'reports-huge':\n"
         "        run.report(1, val_loss=10 ** 400)\n"
+        "    if mode == 'reports-positional':\n"
+        "        run.report(1, 0.5)\n"
         "    return {'bool': True, 'list': [0.1], 'huge': 10 ** 400}.get(mode)\n")
     modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list", "reports-bool", "reports-text",
-             "huge", "reports-huge"]
+             "huge", "reports-huge", "reports-positional"]
     path = write_study(tmp_path, {"name": "odd", "n_trials": len(modes), "loop": "odd:main", "sampler": "bruteforce",
                                   "max_repeated_failures": 0, "fixed": {"max_steps": 30},
                                   "space": {"mode": {"type": "categorical", "choices": modes}}})
@@ -343,6 +345,9 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
     # diverged, as any value that overflows.
     assert reasons["huge"] == "diverged: val_loss is inf at step 0", reasons["huge"]
     assert reasons["reports-huge"]["rule"] == "inf", reasons["reports-huge"]
+    # A value where the metrics go was "TypeError: 'float' object is not a mapping".
+    assert reasons["reports-positional"] == ("LoopError: run.report at step 1: expected the metrics as a mapping or "
+                                             "as keywords (run.report(1, val_loss=...)), got float 0.5")
 
 
 def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_and_reproduce(tmp_path: Path) -> None:

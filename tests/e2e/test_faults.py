@@ -918,7 +918,8 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
         last = refused.stderr.strip().splitlines()[-1]
         assert "the storage refused: InsufficientPrivilege: permission denied for table sweep_checkpoints" in last, \
             refused.stderr
-        assert "Traceback" not in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr and "Fix it (grant the storage's role its rights" in last, \
+            refused.stderr
         trials = load_trials(url, "refused")
         failed = [t for t in trials if t.state == TrialState.FAIL]
         assert len(failed) == 3 and all(t.user_attrs["outcome"] == "infrastructure" for t in failed), summary(trials)

@@ -85,6 +85,7 @@ def test_an_object_store_without_credentials_costs_no_budget_and_stops_the_worke
         done = run_cli("run", path)
     assert done.returncode == 1, done.stderr
     assert "NoCredentialsError" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "Fix it (the checkpoint store's credentials, bucket or endpoint)" in done.stderr, done.stderr
     study = optuna.load_study(study_name="nocreds", storage=f"sqlite:///{tmp_path / 'nocreds.db'}")
     trials = study.get_trials()
     failed = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]

@@ -127,3 +127,18 @@ def test_a_cohort_s_checkpoints_registered_together_keep_what_each_trial_keeps_a
                                        "trial00001-step00000020.pt", "trial00001-step00000030.pt",
                                        "trial00001-step00000050.pt"]
     assert (alone[2], together[2]) == (0, 10)  # deferred: each waited for the step's end
+
+
+def test_the_dashboard_artifact_folder_is_made_again_when_it_was_removed(tmp_path: Path) -> None:
+    """The checkpoint store removed while a study ran: the trials' folder was made again, `_artifacts/` was not, and
+    every later trial's dashboard artifact failed (a warning each, none on the dashboard)."""
+    import io
+    import shutil
+
+    from sweep.blobs import artifact_store_at
+
+    store = artifact_store_at(str(tmp_path / "store" / "_artifacts"))
+    shutil.rmtree(tmp_path / "store")
+    store.write("a1", io.BytesIO(b"checkpoint"))
+    with store.open_reader("a1") as reader:
+        assert reader.read() == b"checkpoint"

@@ -309,6 +309,10 @@ RANGES = [
         "type": "categorical", "choices": [0.5, 1, 1.0]}}), "space.weight_decay", "choices[2]: 1.0 equals"),
     bad_file("ranges", "choices-listed-twice", changed(**{"space__weight_decay": {
         "type": "categorical", "choices": [0.1, 0.2, 0.1]}}), "space.weight_decay", "choices[2]: 0.1 is listed twice"),
+    bad_file("values", "argument-of-a-pruner-that-takes-none", changed(pruner={"type": "none", "x": 1}), "pruner.x",
+             "unknown argument: pruner 'none' takes no arguments"),
+    bad_file("values", "unquoted-off-is-false", changed(fixed__mixed_precision=False), "fixed.mixed_precision",
+             "got False (YAML reads an unquoted off as false: write 'off')"),
     bad_file("numbers", "exponent-underflows-to-zero", yaml_with(replace=("seed: 0", "seed: 1e-400")), "",
              "1e-400 is too small for a 64-bit float (it would be read as 0)"),
     bad_file("numbers", "int-of-5000-digits", "name: tiny\nn_trials: " + "9" * 5000 + "\ntask: digits\n", "",
