@@ -44,7 +44,7 @@ from sweep.schema import (
     sqlite_write_problem,
     storage_url_problem,
 )
-from sweep.urls import mask_url, redact
+from sweep.urls import mask_url, redact, sqlite_path
 
 # click's exception classes, wherever this typer takes click from (its own vendored copy, or click itself).
 _CLICK_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -299,13 +299,13 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     from sweep.registry import resolve_store
     from sweep.tracking import destination_problems, resolve_tracking
 
-    # Before anything is created: a SQLite file that cannot be one (first: the folders next to it are named after
-    # it), a checkpoint folder that cannot be made.
+    # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
     where = "--storage" if storage is not None else f"{study_file}: storage"
-    if problem := sqlite_file_problem(url) or sqlite_write_problem(url):
-        raise _fail(f"{where}: {problem}", 2)
+    problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url) or sqlite_write_problem(url)] if problem]
+    if problems and not (sqlite_path(url) or Path("x")).name:  # `.` or `/`: nothing can be named after it
+        raise _fail(problems, 2)
     spec = resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
-    problems = [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
+    problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
     problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec, url)]
     if problems:
         raise _fail(problems, 2)
@@ -1133,13 +1133,11 @@ _OPENED: list[str] = []  # the storage URL the command opened, for an error it l
 
 def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     """A storage error that a command let out, as one line and its exit code: a SQLite file damaged past the
-    pages its opening reads (2: the input), or anything else the database raised (1); `(None, 0)` for the rest."""
+    pages its opening reads (2: the input), or a call the storage refused (1: its state or the role's rights);
+    `(None, 0)` for the rest, which stays a traceback (a bug is not hidden behind a line)."""
     import sqlite3
 
-    import optuna
-    import sqlalchemy.exc
-
-    from sweep.storage import error_line
+    from sweep.storage import storage_refusal
     from sweep.urls import sqlite_path
 
     url = _OPENED[0] if _OPENED else None
@@ -1147,15 +1145,14 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     where = f"the storage {mask_url(url)}" if path is None and url is not None else str(path or "the storage")
     seen: set[int] = set()
     error: BaseException | None = exc
-    database = False
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, sqlite3.DatabaseError) and not isinstance(error, sqlite3.OperationalError):
+        if isinstance(error, sqlite3.DatabaseError) and any(
+                words in str(error).lower() for words in ("malformed", "not a database", "file is encrypted")):
             return f"{where} cannot be read ({error}); is the file damaged?", 2
-        database = database or isinstance(error, (sqlalchemy.exc.SQLAlchemyError,
-                                                  optuna.exceptions.StorageInternalError))
         error = error.__cause__ or error.__context__
-    return (f"{where} failed: {error_line(exc)}", 1) if database else (None, 0)
+    refusal = storage_refusal(exc)
+    return (f"{where}: {refusal[0]}", 1) if refusal is not None else (None, 0)
 
 
 if __name__ == "__main__":

@@ -450,31 +450,44 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 _REFUSED = "_sweep_storage_refused"  # set on a database error that a storage call raised and waiting would not end
+# The database's state or the role's rights, not the values written: PostgreSQL's error classes (SQLSTATE 42501,
+# 42P01, 3D000, 3F000, 25006) and SQLite's words. A value that does not fit a column (a step beyond a 4-byte integer,
+# a key too long) or a broken constraint is not among them: those are the trial's own, and fail it for good.
+_REFUSALS = ("InsufficientPrivilege", "UndefinedTable", "InvalidCatalogName", "InvalidSchemaName",
+             "ReadOnlySqlTransaction")
+_SQLITE_REFUSALS = ("readonly database", "no such table")
+_GONE = re.compile(r'database "[^"]*" does not exist')  # dropped: what a new connection is told (no error class)
 
 
 def _mark_refused(exc: Exception) -> None:
-    """Mark `exc` as the storage's refusal when it is a database's error (`storage_refusal`)."""
-    if any(isinstance(error, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError))
-           for error in _chain(exc)):
+    """Mark `exc` as the storage's refusal when a database said its state or the role's rights refuse the call
+    (`storage_refusal`)."""
+    if _refusal(exc) is not None:
         with contextlib.suppress(AttributeError, TypeError):
             setattr(exc, _REFUSED, True)
 
 
-def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
-    """`(reason, kind)` when `exc`, or an error it was raised from, is a database error that a call to the study's
-    storage raised and that waiting does not end: a role without the right to write a table, a database or table
-    dropped, SQLite's file read-only. The storage's fault, never a config's: its trial is retried, not counted, and
-    the same refusal three times in a row stops the worker with it. None for anything else (a user's own code
-    failing on its own database included: only errors raised through `Boundary.call` are marked)."""
-    errors = list(_chain(exc))
-    if not any(getattr(error, _REFUSED, False) for error in errors):
-        return None
-    for error in errors:
+def _refusal(exc: BaseException) -> tuple[str, str] | None:
+    for error in _chain(exc):
         if isinstance(error, sqlalchemy.exc.DBAPIError) and error.orig is not None:
-            line = next((x.strip() for x in _driver_message(error).splitlines() if x.strip()), "")
-            name = type(error.orig).__name__
-            return mask_urls(f"the storage refused: {name}: {line}"[:300]), f"storage refused: {name}"
-    return f"the storage refused: {error_line(exc)}", f"storage refused: {type(errors[-1]).__name__}"
+            name, message = type(error.orig).__name__, _driver_message(error)
+            if name in _REFUSALS or _GONE.search(message) or (isinstance(error.orig, sqlite3.Error) and any(
+                    words in message.lower() for words in _SQLITE_REFUSALS)):
+                line = next((x.strip() for x in message.splitlines() if x.strip()), "")
+                return mask_urls(f"the storage refused: {name}: {line}"[:300]), f"storage refused: {name}"
+    return None
+
+
+def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
+    """`(reason, kind)` when `exc`, or an error it was raised from, is a call to the study's storage refused by the
+    database's state or the role's rights, which waiting does not change: a role without the right to write a
+    table, a table or the database dropped, SQLite's file read-only. The storage's fault, never a config's: its trial
+    is retried, not counted, and the same refusal three times in a row stops the worker with it. None for anything
+    else: a value the database refuses (the trial's own), and a user's own code failing on its own database (only
+    errors raised through `Boundary.call` are marked)."""
+    if not any(getattr(error, _REFUSED, False) for error in _chain(exc)):
+        return None
+    return _refusal(exc)
 
 
 def is_transient(exc: BaseException) -> bool:

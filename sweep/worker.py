@@ -64,6 +64,7 @@ from sweep.storage import (
     StorageAway,
     StorageUnavailable,
     ask_lock,
+    error_line,
     is_transient,
     never_lost,
     storage_refusal,
@@ -377,12 +378,17 @@ class Worker:
         if fault is None and is_transient(exc):
             first = str(exc).splitlines()[0] if str(exc) else ""
             fault = Fault(f"lost connection: {type(exc).__name__}: {first}", f"connection: {type(exc).__name__}")
-        if fault is None and (refusal := storage_refusal(exc)) is not None:  # a checkpoint's row, say
+        refusal = storage_refusal(exc) if fault is None else None  # a checkpoint's row refused, say
+        if refusal is not None:
             fault = Fault(*refusal)
         if fault is not None:
             self.fault_kind = fault.kind
-            return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}"})
-        return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: f"{type(exc).__name__}: {exc}",
+            kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]} if refusal else {}
+            return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept})
+        reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
+            reason = f"{reason.strip()} ({error_line(exc)})"  # what the database said: Optuna's text guesses ("max length")
+        return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: reason,
                                                   ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]})
 
     def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner, *,

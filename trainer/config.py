@@ -364,6 +364,8 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
             number = number_from_text(value)
             if number is None:
                 return False, value, f"expected a number, got {value!r}"
+            if number == 0 and any(digit in re.split("[eE]", value)[0] for digit in "123456789"):
+                return False, value, f"expected a number, got {value!r}: too small for a 64-bit float (read as 0)"
             value = number
         else:
             return False, value, f"expected a number, got {value!r}"

@@ -692,3 +692,15 @@ def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_comma
         assert done.returncode == 2, (command, done.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and "tiny.db" in lines[0], (command, done.stderr)
         assert "cannot be read (database disk image is malformed); is the file damaged?" in lines[0], lines
+
+
+def test_a_sqlite_error_that_is_no_damage_is_not_called_damage() -> None:
+    """Only a damaged file is "is the file damaged?" (exit 2); a broken constraint or a closed connection is a bug
+    or a race, and stays a traceback with its cause."""
+    from sweep.cli import _storage_error
+
+    for error in (sqlite3.IntegrityError("UNIQUE constraint failed: trials.number"),
+                  sqlite3.ProgrammingError("Cannot operate on a closed database.")):
+        assert _storage_error(error) == (None, 0)
+    line, code = _storage_error(sqlite3.DatabaseError("database disk image is malformed"))
+    assert code == 2 and line is not None and line.endswith("is the file damaged?")

@@ -523,6 +523,12 @@ def test_a_standby_s_read_only_refusal_is_waited_out_and_a_denied_write_is_the_s
             refusal = storage_refusal(denied.value)
             assert refusal == ("the storage refused: InsufficientPrivilege: permission denied for table refusals",
                                "storage refused: InsufficientPrivilege"), refusal
+            connection.rollback()
+            # A value the column cannot hold (a loop's step counted in tokens, beyond a 4-byte integer) is the
+            # trial's own: not the storage's refusal, or its retries would stop the worker, run after run.
+            with pytest.raises(Exception) as too_large:
+                Boundary(5.0).call(lambda: connection.execute(text("INSERT INTO refusals VALUES (3000000000)")))
+            assert not is_transient(too_large.value) and storage_refusal(too_large.value) is None
     finally:
         engine.dispose()
 
