@@ -387,7 +387,7 @@ class Worker:
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept})
         reason = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
-            reason = f"{reason.strip()} ({error_line(exc)})"  # what the database said: Optuna's text guesses ("max length")
+            reason = f"{reason.strip()} ({error_line(exc)})"  # the database's words, not a guess
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: reason,
                                                   ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]})
 
