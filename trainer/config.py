@@ -342,10 +342,14 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         return False, value, f"expected {_describe(tp)}, got {value!r}{hint}"
     if tp is type(None):
         return (value is None), value, f"expected null, got {value!r}"
-    if origin is dict:
+    if origin is dict or tp is dict:
         if isinstance(value, Mapping):
             return True, dict(value), ""
         return False, value, f"expected a mapping, got {value!r}"
+    if tp in (list, tuple):  # a task's default of layer widths, say: a list or a tuple as its default is
+        if isinstance(value, (list, tuple)):
+            return True, tp(value), ""
+        return False, value, f"expected a list, got {value!r}"
     if tp is bool:
         return isinstance(value, bool), value, f"expected true/false, got {value!r}"
     if tp is int:

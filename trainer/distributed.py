@@ -230,8 +230,11 @@ class RankFailed(RuntimeError):
         self.rank, self.returncode, self.tail = rank, returncode, tail
         self.signal = -returncode if returncode is not None and returncode < 0 else None
         self.lost = returncode is None or self.signal is not None or returncode == LOST_EXIT
-        # Its last line (torch prefixes a rank's traceback lines with "[rankN]: ").
-        last = re.sub(r"^\[rank\d+\]:\s*", "", tail.strip().splitlines()[-1]) if tail.strip() else ""
+        # Its exception's line, else its last line (torch prefixes a rank's traceback lines with "[rankN]: "): an
+        # exception whose message spans lines ends with advice ("In addition, you can set ...") that says nothing.
+        lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in tail.strip().splitlines()]
+        raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
+        last = (raised[-1] if raised else lines[-1] if lines else "")[:300]
         if returncode is None:
             message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
         elif self.signal is not None:
@@ -241,6 +244,9 @@ class RankFailed(RuntimeError):
         else:
             message = f"rank {rank} exited with code {returncode}" + (f": {last}" if last else "")
         super().__init__(message)
+
+
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)(: |$)")
 
 
 @dataclass

@@ -265,7 +265,7 @@ class CommandTrial(TrialRun):
 
 @contextlib.contextmanager
 def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Start, log: Path, mode: str,
-             grace: float) -> Iterator[tuple[subprocess.Popen[bytes], socket.socket]]:
+             grace: float, cwd: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], socket.socket]]:
     """The command started in a session of its own, its output in `log` (opened with `mode`), its config, trial
     number and start state in its environment; yields it and the worker's end of its report socket. The process
     yielded is the command's guard (`_guard.py`, the group's leader, exiting as the command does), which ends the
@@ -279,7 +279,7 @@ def _spawned(argv: list[str], config: Mapping[str, Any], number: int, start: Sta
             try:
                 guarded = [sys.executable, "-I", str(GUARD), str(os.getpid()), str(grace), *argv]
                 process = subprocess.Popen(guarded, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=env, pass_fds=[theirs.fileno()], start_new_session=True)
+                                           env=env, pass_fds=[theirs.fileno()], start_new_session=True, cwd=cwd)
             finally:
                 theirs.close()
             yield process, ours
@@ -310,15 +310,16 @@ class Reports(Protocol):
 
 
 def rerun_command(template: str, config: Mapping[str, Any], number: int, reports: Reports,
-                  parent: TrainState | None, grace: float, folder: Path) -> int:
+                  parent: TrainState | None, grace: float, folder: Path, cwd: Path | None = None) -> int:
     """A command trial again, for `sweep reproduce`: the same command line, config and environment (the donor's
-    state when the trial was warm-started), its reports to `reports` (which answers "stop" after the stored trial's
-    last step), no checkpoints; its output in `folder/reproduce-NUMBER.log`. Returns its exit code."""
+    state when the trial was warm-started), in `cwd` (the folder the trial ran in), its reports to `reports` (which
+    answers "stop" after the stored trial's last step), no checkpoints; its output in `folder/reproduce-NUMBER.log`.
+    Returns its exit code."""
     argv = command_line(template, config)
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / f"reproduce-{number}.log"
     start = Start(warm=WarmStart(parent)) if parent is not None else Start()
-    with _spawned(argv, config, number, start, log, "wb", grace) as (process, ours):
+    with _spawned(argv, config, number, start, log, "wb", grace, cwd) as (process, ours):
         session = _Session(process, ours, reports, None, grace, None)
         try:
             return session.wait()

@@ -35,8 +35,10 @@ what to take from it (`run.start` says which).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import inspect
+import json
 import math
 import numbers
 import signal
@@ -94,7 +96,17 @@ if TYPE_CHECKING:
 
 __all__ = ["LoopError", "LoopTrial", "Run", "StopTrial", "load_loop", "loop_value", "save_path", "user_start"]
 
-SHAPE_KEY = "loop"  # a loop's model is its own: donors are told apart by the study's `match` keys alone
+SHAPE_KEY = "loop"  # a loop's model is its own, not built by sweep: see `loop_shape_key`
+
+
+def loop_shape_key(params: Mapping[str, Any]) -> str:
+    """The shape key of a loop's or command's checkpoints, which sweep cannot find by building the model: the
+    searched `model.*` keys' values (a donor must share them: `model.hidden` 8 and 10 would hand over weights that
+    no `load_state_dict` takes), besides the study's `match` keys."""
+    shaped = {key: params[key] for key in sorted(params) if key.startswith("model.")}
+    if not shaped:
+        return SHAPE_KEY
+    return f"{SHAPE_KEY}:{hashlib.sha256(json.dumps(shaped, sort_keys=True, default=str).encode()).hexdigest()[:40]}"
 
 
 class LoopError(ValueError):
@@ -375,10 +387,11 @@ def user_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointServ
     checkpointer (None: no checkpoints, its saves are dropped)."""
     if checkpoints is None or not spec.checkpoints.enabled:
         return Start(), None
-    checkpointer = checkpoints.checkpointer(trial.number, params, SHAPE_KEY, 0)
+    shape_key = loop_shape_key(params)
+    checkpointer = checkpoints.checkpointer(trial.number, params, shape_key, 0)
     start = resume_lineage(trial, checkpoints, spec.metric, lambda step: True)
     if start is None and spec.warm_start.enabled and ATTR_CONFIRMS not in trial.user_attrs:  # confirmations: cold
-        start = warm_start(trial, spec, checkpoints, params, config, SHAPE_KEY, ANY_STEP)
+        start = warm_start(trial, spec, checkpoints, params, config, shape_key, ANY_STEP)
     return start or Start(), checkpointer
 
 

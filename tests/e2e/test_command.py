@@ -173,8 +173,11 @@ def test_a_script_reads_its_arguments_and_reports_through_the_client(tmp_path: P
         "writes it; python -m trainer trains the built-in trainer's configs only: give it to your own code, or "
         "train the trial again with `sweep reproduce STUDY TRIAL`"]
 
-    # Reproduce runs the same command line again and compares every reported value.
-    again = sweep_cli("reproduce", path, str(winner.number), cwd=tmp_path)
+    # Reproduce runs the same command line again, in the folder it ran in (from any other: `python train.py` was
+    # looked for in the working folder), and compares every reported value.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = sweep_cli("reproduce", path, str(winner.number), cwd=elsewhere)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"trial {winner.number} reproduced: 5 reported values identical (bit for bit)" in again.stdout
     (tmp_path / "train.py").write_text(ARGS_SCRIPT.replace("1.0 / step", "1.01 / step"))  # the script changed since

@@ -232,3 +232,20 @@ def test_sweep_stop_lets_the_two_rank_trial_finish_and_starts_no_other(tmp_path:
     trials = load(tmp_path)
     assert [t.state for t in trials] == [TrialState.COMPLETE]  # the one in flight finished; none other was asked
     assert [(r["status"], r["steps"]) for r in trials[0].user_attrs["ranks"]["ranks"]] == [("completed", 120)] * 2
+
+
+def test_a_rank_s_failure_is_named_by_its_exception_not_by_the_advice_after_it() -> None:
+    """DDP's unused-parameter error ends with several lines of advice; the trial's reason was the last of them ("In
+    addition, you can set the environment variable ..."), which says nothing about what went wrong."""
+    from trainer.distributed import RankFailed
+
+    tail = ("[rank1]: Traceback (most recent call last):\n"
+            '[rank1]:   File "loop.py", line 3, in step\n'
+            "[rank1]: RuntimeError: Expected to have finished reduction in the prior iteration before starting a new "
+            "one. This error indicates that your module has parameters that were not used in producing loss.\n"
+            "[rank1]: Parameter indices which did not receive grad for rank 1: 2 3\n"
+            "[rank1]:  In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or "
+            "DETAIL to print out information about which particular parameters did not receive gradient\n")
+    assert str(RankFailed(1, 1, tail)).startswith("rank 1 exited with code 1: RuntimeError: Expected to have finished "
+                                                  "reduction"), str(RankFailed(1, 1, tail))
+    assert str(RankFailed(1, 1, "no exception here\nits last line")) == "rank 1 exited with code 1: its last line"

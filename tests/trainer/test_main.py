@@ -228,6 +228,33 @@ def test_configs_trained_together_name_the_file_whose_task_raised(tmp_path: Path
     assert len(lines) == 1 and lines[0].startswith(f"{bad}: ") and "refuses fail=True" in lines[0], lines
 
 
+def test_a_task_whose_model_defaults_hold_a_list_trains_with_a_list_given(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`model_defaults={"layers": [16, 16]}` (every key the builder takes, with its default): a config giving
+    `model: {layers: [8, 4]}` crashed with "unsupported annotation <class 'list'>"; a number there is one line."""
+    name = f"layered_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(
+        "from torch import nn\n"
+        "from trainer.tasks import Task\n"
+        "from trainer.tasks.digits import digits\n\n"
+        "def build(cfg):\n"
+        "    widths = [64, *cfg['layers']]\n"
+        "    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU())]\n"
+        "    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))\n\n"
+        "def task():\n"
+        "    d = digits()\n"
+        "    return Task(name='layered', train=d.train, val=d.val, build_model=build, loss=nn.CrossEntropyLoss(),\n"
+        "                model_defaults={'layers': [16, 16], 'norm': None})\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"task: {name}:task\nmax_steps: 4\nmodel: {{layers: [8, 4]}}\n")
+    assert main([str(config)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    config.write_text(f"task: {name}:task\nmax_steps: 4\nmodel: {{layers: 8}}\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0] == f"{config}: model.layers: expected a list, got 8", lines
+
+
 def test_a_task_loss_that_is_not_one_number_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "rowloss.py").write_text(
         "from torch import nn\nfrom trainer.tasks import Task\nfrom trainer.tasks.digits import digits\n\n"

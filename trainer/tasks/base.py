@@ -162,7 +162,7 @@ class Task:
                 problems.append((f"model.{key}", f"unknown key for task {self.name!r}; expected one of: {allowed}"))
                 continue
             default = self.model_defaults[key]
-            ok, _, message = coerce(value, type(default)) if default is not None else (True, value, "")
+            ok, _, message = _model_value(value, default)
             if not ok:
                 problems.append((f"model.{key}", message))
         return problems
@@ -205,6 +205,16 @@ class Task:
             raise ConfigError(problems)
         merged = dict(self.model_defaults)
         for key, value in model.items():
-            default = self.model_defaults[key]
-            merged[key] = coerce(value, type(default))[1] if default is not None else value
+            merged[key] = _model_value(value, self.model_defaults[key])[1]
         return merged
+
+
+_CHECKED_TYPES = (bool, int, float, str, list, tuple, dict)
+
+
+def _model_value(value: Any, default: Any) -> tuple[bool, Any, str]:
+    """`value` for a model key whose default is `default`: checked against the default's type where it is a plain
+    value, a list or a mapping; taken as given where the default is None or of a type of the task's own."""
+    if default is None or type(default) not in _CHECKED_TYPES:
+        return True, value, ""
+    return coerce(value, type(default))
