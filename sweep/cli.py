@@ -1137,20 +1137,15 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     `(None, 0)` for the rest, which stays a traceback (a bug is not hidden behind a line)."""
     import sqlite3
 
-    from sweep.storage import storage_refusal
-    from sweep.urls import sqlite_path
+    from sweep.storage import error_chain, storage_refusal
 
     url = _OPENED[0] if _OPENED else None
     path = None if url is None else sqlite_path(url)
     where = f"the storage {mask_url(url)}" if path is None and url is not None else str(path or "the storage")
-    seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
+    for error in error_chain(exc):
         if isinstance(error, sqlite3.DatabaseError) and any(
                 words in str(error).lower() for words in ("malformed", "not a database", "file is encrypted")):
             return f"{where} cannot be read ({error}); is the file damaged?", 2
-        error = error.__cause__ or error.__context__
     refusal = storage_refusal(exc)
     return (f"{where}: {refusal[0]}", 1) if refusal is not None else (None, 0)
 

@@ -428,7 +428,7 @@ def _driver_message(error: BaseException) -> str:
 def bad_url_option(exc: BaseException) -> str | None:
     """The driver's message when `exc`, or an error it was raised from, says an option of the storage URL is invalid;
     else None."""
-    for error in _chain(exc):
+    for error in error_chain(exc):
         if isinstance(error, sqlalchemy.exc.ArgumentError):  # SQLAlchemy's own reading of the URL refused it
             return str(error).strip().splitlines()[0]
         if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
@@ -439,7 +439,7 @@ def bad_url_option(exc: BaseException) -> str | None:
     return None
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
     """`exc` and the errors it was raised from (cause, else context), each once."""
     seen: set[int] = set()
     error: BaseException | None = exc
@@ -449,7 +449,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         error = error.__cause__ or error.__context__
 
 
-_REFUSED = "_sweep_storage_refused"  # set on a database error that a storage call raised and waiting would not end
+_REFUSED = "_sweep_storage_refused"  # its (reason, kind): a storage call's database error that waiting would not end
 # The database's state or the role's rights, not the values written: PostgreSQL's error classes (SQLSTATE 42501,
 # 42P01, 3D000, 3F000, 25006) and SQLite's words. A value that does not fit a column (a step beyond a 4-byte integer,
 # a key too long) or a broken constraint is not among them: those are the trial's own, and fail it for good.
@@ -460,15 +460,15 @@ _GONE = re.compile(r'database "[^"]*" does not exist')  # dropped: what a new co
 
 
 def _mark_refused(exc: Exception) -> None:
-    """Mark `exc` as the storage's refusal when a database said its state or the role's rights refuse the call
-    (`storage_refusal`)."""
-    if _refusal(exc) is not None:
+    """Mark `exc` with its refusal (`storage_refusal`) when a database said its state or the role's rights refuse
+    the call."""
+    if (refusal := _refusal(exc)) is not None:
         with contextlib.suppress(AttributeError, TypeError):
-            setattr(exc, _REFUSED, True)
+            setattr(exc, _REFUSED, refusal)
 
 
 def _refusal(exc: BaseException) -> tuple[str, str] | None:
-    for error in _chain(exc):
+    for error in error_chain(exc):
         if isinstance(error, sqlalchemy.exc.DBAPIError) and error.orig is not None:
             name, message = type(error.orig).__name__, _driver_message(error)
             if name in _REFUSALS or _GONE.search(message) or (isinstance(error.orig, sqlite3.Error) and any(
@@ -485,9 +485,7 @@ def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
     is retried, not counted, and the same refusal three times in a row stops the worker with it. None for anything
     else: a value the database refuses (the trial's own), and a user's own code failing on its own database (only
     errors raised through `Boundary.call` are marked)."""
-    if not any(getattr(error, _REFUSED, False) for error in _chain(exc)):
-        return None
-    return _refusal(exc)
+    return next((getattr(error, _REFUSED) for error in error_chain(exc) if hasattr(error, _REFUSED)), None)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -495,7 +493,7 @@ def is_transient(exc: BaseException) -> bool:
     refused connection, a server restarting (Optuna wraps those in `StorageInternalError`, "invalid data in the
     commit"), SQLite locked or its disk full. Integrity errors, missing tables, a wrong database name or password
     are final."""
-    for error in _chain(exc):
+    for error in error_chain(exc):
         if isinstance(error, sqlalchemy.exc.DBAPIError) and error.connection_invalidated:
             return True  # the connection went: whatever the statement carried
         message = _driver_message(error).lower()

@@ -318,6 +318,11 @@ def magnitude(whole: int) -> str:
     return f"about 10^{int(abs(whole).bit_length() * math.log10(2))}"
 
 
+def underflows(text: str, value: float) -> bool:
+    """Whether a number written as `text` (`1e-400`) was read as 0 though its digits are not all zeros."""
+    return value == 0 and any(digit in re.split("[eE]", text)[0] for digit in "123456789")
+
+
 def number_from_text(value: str) -> float | None:
     """The float a numeric string (`NUMBER_TEXT`) reads as, or None."""
     return float(value) if NUMBER_TEXT.fullmatch(value) else None
@@ -368,7 +373,7 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
             number = number_from_text(value)
             if number is None:
                 return False, value, f"expected a number, got {value!r}"
-            if number == 0 and any(digit in re.split("[eE]", value)[0] for digit in "123456789"):
+            if underflows(value, number):
                 return False, value, f"expected a number, got {value!r}: too small for a 64-bit float (read as 0)"
             value = number
         else:

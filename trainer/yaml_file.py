@@ -21,6 +21,8 @@ from typing import Any, ClassVar
 
 import yaml
 
+from trainer.config import underflows
+
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "YamlFileError", "load_yaml", "read_text", "short_repr"]
 
 
@@ -78,7 +80,7 @@ def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
     """`1e3` as a number: an int when the value is a whole number (`max_steps: 1e3` is 1000, `1.5e3` is 1500), so an
     integer key takes it, else a float (`1e-3`). A plain `1.5` or `2.0` stays a float, which an integer key refuses."""
     value = float(node.value)
-    if value == 0 and any(digit in re.split("[eE]", node.value)[0] for digit in "123456789"):  # 1e-400: not 0
+    if underflows(node.value, value):  # 1e-400: not 0
         raise yaml.constructor.ConstructorError(None, None, f"{node.value} is too small for a 64-bit float (it would "
                                                 "be read as 0); write 0 if 0 is meant", node.start_mark)
     return int(value) if math.isfinite(value) and value.is_integer() else value
