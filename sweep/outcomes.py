@@ -29,6 +29,8 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
+from trainer.config import DeviceUnavailable
+
 __all__ = [
     "ATTR_CONFIG",
     "OBJECT_STORE_CLIENTS",
@@ -217,13 +219,18 @@ _ANYWHERE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
 _UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ESTALE}
 
 
+FOLDER_FIX = "free space, remount or recreate the folder"
+
+
 @dataclass(frozen=True)
 class Fault:
-    """A fault of the machine: the one-line reason stored on the trial, and its kind (the error in a folder, without
-    the file: the same full disk fails each trial on another file)."""
+    """A fault of the machine: the one-line reason stored on the trial, its kind (the error in a folder, without
+    the file: the same full disk fails each trial on another file) and what fixes it, said when the same kind stops
+    the worker."""
 
     reason: str
     kind: str
+    fix: str = FOLDER_FIX
 
 
 def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePath] = ()) -> Fault | None:
@@ -248,7 +255,13 @@ def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePat
             # in a row stops the worker with it.
             cause = error.__cause__
             return Fault(f"the checkpoint store's client failed: {error}",
-                         f"{type(cause).__name__ if cause is not None else 'error'} at the object store")
+                         f"{type(cause).__name__ if cause is not None else 'error'} at the object store",
+                         "the checkpoint store's credentials, bucket or endpoint")
+        if isinstance(error, DeviceUnavailable):
+            # `device: cuda` on a machine whose torch sees no GPU (no driver, a CPU-only torch, a node whose GPU
+            # fell off the bus): the same config trains on a machine that has one, so the trial is retried there.
+            return Fault(str(error), "no CUDA device", "run the worker on a machine where torch sees a GPU, or set "
+                         "device: auto")
         error = error.__cause__ or error.__context__
     return None
 

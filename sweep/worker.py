@@ -42,6 +42,7 @@ from sweep.outcomes import (
     ATTR_TRACEBACK,
     ATTR_WARM_START,
     ATTR_WITHDRAWN,
+    FOLDER_FIX,
     LOST_REASON,
     STOP_ATTR,
     Fault,
@@ -180,7 +181,7 @@ class Worker:
         self.beats: Beats | None = None  # the trials this worker beats for now (`beating`): never judged lost by it
         self.beating_since: float | None = None  # when the heartbeat write in progress started (None: none is)
         self.sampler_stopped = False
-        self.fault_kind: str | None = None  # the latest fault of the machine, as compared for repeats
+        self.fault: Fault | None = None  # the latest fault of the machine, its kind compared for repeats
         self.started = time.monotonic()  # the sampler has tried every point of the space (brute force, grid)
         self.first = True  # no trial asked yet: a worker joining a study reseeds its sampler at its first ask
         self.cohort_size = cohort if cohort is not None else spec.execution.cohort_size()
@@ -377,12 +378,13 @@ class Worker:
         fault = infrastructure_fault(exc, folders)
         if fault is None and is_transient(exc):
             first = str(exc).splitlines()[0] if str(exc) else ""
-            fault = Fault(f"lost connection: {type(exc).__name__}: {first}", f"connection: {type(exc).__name__}")
+            fault = Fault(f"lost connection: {type(exc).__name__}: {first}", f"connection: {type(exc).__name__}",
+                          "bring the storage back, or point --storage at one this machine reaches")
         refusal = storage_refusal(exc) if fault is None else None  # a checkpoint's row refused, say
         if refusal is not None:
-            fault = Fault(*refusal)
+            fault = Fault(*refusal, "grant the storage's role its rights, make the database writable again")
         if fault is not None:
-            self.fault_kind = fault.kind
+            self.fault = fault
             kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]} if refusal else {}
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept})
         reason = f"{type(exc).__name__}: {exc}"
@@ -501,14 +503,11 @@ class Worker:
         if infrastructure and not counted:
             return
         if infrastructure:
-            kind = self.fault_kind  # the same errno in the same folder, whichever file it was
+            kind = None if self.fault is None else self.fault.kind  # the same errno in the same folder, whichever file
             count = self.infra[0] + 1 if self.infra[1] == kind else 1
             self.infra = (count, kind)
             if count >= MAX_INFRA_REPEATS:
-                fix = ("grant the storage's role its rights, make the database writable again" if kind is not None
-                       and kind.startswith("storage") else "the checkpoint store's credentials, bucket or endpoint"
-                       if kind is not None and kind.endswith("at the object store") else
-                       "free space, remount or recreate the folder")
+                fix = FOLDER_FIX if self.fault is None else self.fault.fix
                 raise InfrastructureError(
                     f"{count} trials in a row were stopped by the same fault of the machine, not of their configs: "
                     f"{reason.removeprefix('infrastructure: ')}. Fix it ({fix}), then rerun the same command: the "

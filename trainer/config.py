@@ -29,6 +29,7 @@ __all__ = [
     "NUMBER_TEXT",
     "ConfigError",
     "CurriculumConfig",
+    "DeviceUnavailable",
     "FastFailConfig",
     "TrainingConfig",
     "coerce",
@@ -38,6 +39,12 @@ __all__ = [
 ]
 
 Check = Callable[[Any], "str | None"]
+
+
+class DeviceUnavailable(RuntimeError):
+    """The config names a device this machine does not have (`device: cuda` where torch sees no CUDA device): the
+    machine's shortcoming, not the config's (the same config trains where there is one). Here, not beside
+    `resolve_device`, so that the sweep can tell it without importing torch."""
 
 
 class ConfigError(ValueError):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.config import DeviceUnavailable
+
 __all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "out_of_memory", "resolve_device", "resolve_precision"]
 
 
@@ -25,10 +27,6 @@ class Precision:
     @property
     def name(self) -> str:
         return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
-
-
-class DeviceUnavailable(RuntimeError):
-    """The config names a device this machine does not have (`device: cuda` where torch sees no CUDA device)."""
 
 
 def resolve_device(name: str) -> torch.device:
