@@ -35,6 +35,12 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DeviceUnavailable(f"device {name!r} was asked for, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise DeviceUnavailable(f"device {name!r} was asked for, but torch sees {count} CUDA device"
+                                f"{'' if count == 1 else 's'} (cuda:0 to cuda:{count - 1})")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceUnavailable(f"device {name!r} was asked for, but torch sees no MPS device (Apple silicon)")
     return device
 
 

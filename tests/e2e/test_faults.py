@@ -934,20 +934,21 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
         admin.dispose()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine whose torch sees no CUDA device")
-@pytest.mark.parametrize("cohort", [1, 2])
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
+                    reason="needs a machine whose torch sees no GPU")
+@pytest.mark.parametrize(("device", "cohort"), [("cuda", 1), ("cuda", 2), ("mps", 1)])
 def test_a_worker_without_the_gpu_the_study_asks_for_costs_no_budget_and_stops_saying_so(
-        tmp_path: Path, cohort: int) -> None:
+        tmp_path: Path, device: str, cohort: int) -> None:
     """`device: cuda` on a worker whose torch sees no GPU (a CPU-only torch, a node whose driver broke): each trial
     failed as its config's fault and was counted, so a cluster's one bad node spent the budget on configs that never
     trained. It is the machine's fault: the trials are retried (by a worker that has a GPU), not counted, and three
     in a row stop the worker with the reason and the fix."""
     document = copy.deepcopy(TINY_STUDY) | {"name": "nogpu", "n_trials": 5, "execution": {"cohort": cohort}}
-    document["fixed"] = {**document["fixed"], "device": "cuda"}
+    document["fixed"] = {**document["fixed"], "device": device}
     done = sweep_cli("run", write_study(tmp_path, document))
     assert done.returncode == 1, done.stderr
     assert "3 trials in a row were stopped by the same fault of the machine" in done.stderr, done.stderr
-    assert "torch sees no CUDA device" in done.stderr and "set device: auto" in done.stderr, done.stderr
+    assert f"device '{device}' was asked for, but torch sees no" in done.stderr and "set device: auto" in done.stderr, done.stderr
     trials = load_trials(f"sqlite:///{tmp_path / 'nogpu.db'}", "nogpu")
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert len(failed) == 3 and all(t.user_attrs["outcome"] == "infrastructure" for t in failed), summary(trials)
