@@ -23,10 +23,12 @@ Safe by construction: "plateau" and "stuck" judge only a run that is still *near
 covered less than `near_initial_pct` percent of the way from its initial value to the best value the study has seen
 (`StudyReference`, derived by `study_reference` from the study's finished curves). A run that has left its initial
 value, however slowly it goes on (a two-phase learner sitting on an intermediate plateau, a noisy or converged curve),
-is never failed by these rules: comparing it with other runs is the wrapped pruner's job. In a study none of whose
-trials has finished with a value, the way is measured to zero, the best a loss can be: "near" means "improved by less
-than `near_initial_pct` percent of the initial value". Without a study (the trainer alone), or when no finished trial
-did better than this run's start, "near" means "improved by less than `learned_pct` percent of the initial value".
+is never failed by these rules: comparing it with other runs is the wrapped pruner's job; nor is a run whose best is
+already as good as the study's best (one that starts there and sits there would end among the study's best). In a
+study none of whose trials has finished with a value, the way is measured to zero, the best a loss can be: "near"
+means "improved by less than `near_initial_pct` percent of the initial value". Without a study (the trainer alone),
+"near" means "improved by less than `learned_pct` percent of the initial value" (from an initial value of exactly 0:
+not improved at all).
 With fewer than `min_learners` learners "stuck" waits at least plateau's patience, and with none it is off.
 
 Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
@@ -209,11 +211,14 @@ def _near_initial(initial: float, best: float, config: FastFailConfig, reference
         # be: near means less than `near_initial_pct`% of the way there, as against a study's best.
         return gain < abs(initial) * config.near_initial_pct / 100.0
     if reference is not None and reference.best is not None:
-        distance = _gain(initial, reference.best, maximize)
-        if distance > 0:
-            return gain < distance * config.near_initial_pct / 100.0
-    # No study, or nothing in it better than this run's start: the trainer-alone rule.
-    return initial == 0 or gain < abs(initial) * config.learned_pct / 100.0
+        if _gain(best, reference.best, maximize) <= 0:
+            # As good as anything the study finished with (a run that starts there, and sits there): it would end
+            # among the study's best, whatever its curve, so it is not going nowhere.
+            return False
+        return gain < _gain(initial, reference.best, maximize) * config.near_initial_pct / 100.0
+    # The trainer alone: improved by less than `learned_pct`% of the initial value; from an initial value of
+    # exactly 0 (an accuracy that starts at 0), not improved at all.
+    return gain <= 0 if initial == 0 else gain < abs(initial) * config.learned_pct / 100.0
 
 
 # The training metrics the trainer logs (`Reporter.log`) that have a validation counterpart.

@@ -310,3 +310,22 @@ def test_an_overfit_verdict_says_what_it_saw() -> None:
 def test_bad_overfitting_settings_are_named(key: str, value: float) -> None:
     problems = FastFailConfig(**{key: value}).problems()  # type: ignore[arg-type]
     assert [k for k, _ in problems] == [key]
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("level", [0.0, 0.4])
+def test_a_run_that_sits_at_least_as_good_as_the_study_s_best_is_never_stuck(level: float, maximize: bool) -> None:
+    # A metric that starts at the study's best, or better, and stays there (a loss already at 0; a run better than
+    # every finished trial from its first evaluation) would end among the study's best: it was pruned as stuck
+    # ("best 0 still near initial 0"), so which run won depended on the order the trials ran in.
+    sign = -1 if maximize else 1
+    flat = shaped(lambda s: sign * level)
+    reference = StudyReference(best=sign * 0.5, learners=10, learners_step=20, stuck_after=40)
+    assert first_failure(flat, reference, maximize=maximize) is None
+    assert first_failure(shaped(lambda s: sign * 2.3), reference, maximize=maximize) == (40, "stuck")  # far worse
+
+
+def test_alone_an_accuracy_that_starts_at_zero_is_near_its_start_only_until_it_improves() -> None:
+    learns = shaped(lambda s: min(0.5, s / 200))  # 0 to 0.5, then flat: it learned; a plateau is no failure
+    assert first_failure(learns, None, maximize=True) is None
+    assert first_failure(shaped(lambda s: 0.0), None, maximize=True) == (250, "plateau")
