@@ -178,7 +178,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
             return True
         if self.then is None or series[-1][0] == 0:
             return False
-        return self.then.prune(study, _without_reference(trial))
+        return self.then.prune(_StudyView(study), _without_reference(trial))  # type: ignore[arg-type]
 
 
 # What the constructor takes is `__init__`'s signature (inspect would read `__new__`'s): the study file's arguments are
@@ -197,6 +197,27 @@ def _without_reference(trial: FrozenTrial) -> FrozenTrial:
     view = copy.copy(trial)
     view.intermediate_values = {step: value for step, value in trial.intermediate_values.items() if step != 0}
     return view
+
+
+class _StudyView:
+    """The study as the wrapped pruner sees it: its best trial without the step-0 evaluation too (Wilcoxon's
+    safety compares the mean of the best trial's values with the judged trial's, and the untrained model's value
+    in one of them only made the best trial look worse). Everything else is the study's own. Other trials' values
+    reach a pruner only at the judged trial's steps, which never include 0."""
+
+    def __init__(self, study: optuna.Study) -> None:
+        self._study = study
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+    @property
+    def best_trial(self) -> FrozenTrial:
+        return _without_reference(self._study.best_trial)
+
+    @property
+    def best_trials(self) -> list[FrozenTrial]:
+        return [_without_reference(t) for t in self._study.best_trials]
 
 
 def startup_trials(pruner: optuna.pruners.BasePruner | None) -> int:

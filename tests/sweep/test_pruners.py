@@ -130,6 +130,28 @@ def test_a_wrapped_pruner_decides_when_fast_fail_has_nothing_to_say(inner, bad) 
     assert pruned_step(FastFailPruner(then=inner()), [(10, 1.0), (20, NAN)], history=GOOD) == 20
 
 
+@pytest.mark.parametrize(("inner", "bad"), WRAPPED)
+def test_a_wrapped_pruner_decides_as_if_no_trial_had_a_step_0_evaluation(inner, bad) -> None:
+    # With fast-fail on every trial reports the untrained model's value at step 0, the finished ones too. The
+    # wrapped pruner decides as it does with fast-fail off, where no trial has one: Wilcoxon's safety averaged the
+    # best trial's values with its step-0 value in and then kept trials it prunes without it.
+    alone = pruned_step(inner(), bad, history=GOOD)
+    untrained = [[(0, 2.3), *good] for good in GOOD]
+    assert pruned_step(FastFailPruner(then=inner()), [(0, 2.3), *bad], history=untrained) == alone
+
+
+def test_wilcoxon_wrapped_judges_the_best_trial_without_its_step_0_evaluation() -> None:
+    # A best trial that learned at once (0.10 from step 1) and a trial a little worse at every step: Wilcoxon alone
+    # prunes it. The best trial's untrained value (2.3 at step 0) lifted its mean above the judged trial's, and
+    # Wilcoxon's safety ("the best trial is not better on average") then kept the trial.
+    best = [(step, 0.10 + 0.001 * step) for step in range(1, 11)]
+    worse = [(step, value + 0.03) for step, value in best]
+    alone = pruned_step(optuna.pruners.WilcoxonPruner(p_threshold=0.1), worse, history=[best])
+    assert alone is not None
+    wrapped = FastFailPruner(then=optuna.pruners.WilcoxonPruner(p_threshold=0.1))
+    assert pruned_step(wrapped, [(0, 2.3), *worse], history=[[(0, 2.3), *best]]) == alone
+
+
 def test_the_wrapped_pruner_is_not_asked_at_step_0() -> None:
     # ThresholdPruner alone prunes the untrained model's step-0 value; fast-fail never lets it decide there.
     assert pruned_step(optuna.pruners.ThresholdPruner(upper=1.0), curve([2.3])) == 0
