@@ -45,7 +45,7 @@ from sweep.outcomes import (
     TrialResult,
     lineage,
 )
-from sweep.pruners import FastFailPruner
+from sweep.pruners import FastFailPruner, judges_by_rungs
 from sweep.signals import raise_pending
 from sweep.storage import PatientStorage, StorageAway
 from sweep.tracking import Guarded, open_trackers
@@ -104,6 +104,10 @@ class TrialReporter:
                  answers_deadline: bool = False, signals: bool = True) -> None:
         self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
         self.inherited_until, self.judged = inherited_until, judged
+        pruner = trial.study.pruner
+        if judged and not isinstance(pruner, FastFailPruner) and judges_by_rungs(pruner) and (
+                inherited_until is not None or ATTR_WARM_START in trial.user_attrs):
+            self.judged = False  # a warm trial in successive halving's rungs: see `judges_by_rungs`
         max_steps = config.get("max_steps")  # a user's loop may have none: then no step is known to be the last
         self.max_steps = max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None
         self.deadline, self.answers_deadline, self.signals = deadline, answers_deadline, signals

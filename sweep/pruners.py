@@ -178,6 +178,8 @@ class FastFailPruner(optuna.pruners.BasePruner):
             return True
         if self.then is None or series[-1][0] == 0:
             return False
+        if ATTR_WARM_START in trial.user_attrs and judges_by_rungs(self.then):
+            return False  # see `judges_by_rungs`
         return self.then.prune(_StudyView(study), _without_reference(trial))  # type: ignore[arg-type]
 
 
@@ -197,6 +199,21 @@ def _without_reference(trial: FrozenTrial) -> FrozenTrial:
     view = copy.copy(trial)
     view.intermediate_values = {step: value for step, value in trial.intermediate_values.items() if step != 0}
     return view
+
+
+def judges_by_rungs(pruner: optuna.pruners.BasePruner | None) -> bool:
+    """Whether `pruner`, or one it wraps, is successive halving's (Hyperband's brackets are too). Such a pruner never
+    judges a warm trial: its first report (the first step it trained itself, past the handoff) would be written into
+    every rung below that step, where cold trials' rungs hold what they reached after far fewer updates, and cold
+    trials would be pruned for being compared with it. Fast-fail's rules still judge it."""
+    while pruner is not None:
+        if isinstance(pruner, FastFailPruner):
+            pruner = pruner.then
+        elif isinstance(pruner, (optuna.pruners.SuccessiveHalvingPruner, optuna.pruners.HyperbandPruner)):
+            return True
+        else:
+            pruner = getattr(pruner, "_wrapped_pruner", None)  # PatientPruner's
+    return False
 
 
 class _StudyView:

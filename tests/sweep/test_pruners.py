@@ -14,10 +14,17 @@ from pathlib import Path
 
 import optuna
 import pytest
+from optuna.trial import TrialState
 
 from sweep.components import PRUNERS, build_pruner
+from sweep.objective import TrialReporter
+from sweep.outcomes import ATTR_WARM_START
+from sweep.progress import NoEvents
 from sweep.pruners import FastFailPruner
 from sweep.schema import Component, StudyFileError
+from sweep.spec import parse_spec
+from sweep.storage import Boundary
+from tests.conftest import TINY_STUDY
 
 NAN, INF = math.nan, math.inf
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -320,3 +327,39 @@ def test_the_startup_a_cohort_ramps_through_is_the_wrapped_pruner_s(document: di
     with pytest.warns() if document["type"] == "patient" else contextlib.nullcontext():
         pruner = build_pruner(Component.model_validate(document))
     assert startup_trials(pruner) == startup
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+@pytest.mark.parametrize("rungs", [
+    pytest.param(lambda: optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3), id="sha"),
+    pytest.param(lambda: optuna.pruners.HyperbandPruner(min_resource=1, max_resource=100, reduction_factor=3),
+                 id="hyperband"),
+])
+def test_a_warm_trial_takes_no_rung_from_cold_trials_in_successive_halving(rungs, wrapped: bool) -> None:
+    # A warm trial reports from the first step it trained itself (75, past a handoff at 50). Successive halving
+    # wrote that value into every rung below 75, where cold trials hold their step-25 values, and then pruned at
+    # its first rung a cold trial that ends best. Successive halving does not judge warm trials; fast-fail does.
+    config = {"max_steps": 100, "eval_every_steps": 25}  # the last step is not judged: a trial that gets there completes
+    study = optuna.create_study(pruner=FastFailPruner(then=rungs()) if wrapped else rungs(), study_name="curve")
+
+    def run(curve: list[tuple[int, float]], warm: bool = False) -> str:
+        trial = study.ask()
+        trial.set_user_attr("config", config)
+        if warm:
+            trial.set_user_attr(ATTR_WARM_START, {"trial": 1, "step": 50})
+        reporter = TrialReporter(trial, parse_spec(TINY_STUDY, Path("study.yaml")), config, NoEvents(), Boundary(),
+                                 inherited_until=50 if warm else None)
+        for step, value in curve:
+            if reporter.report(step, {"val_loss": value}):
+                study.tell(trial, state=TrialState.PRUNED)
+                return f"pruned at {step}"
+        study.tell(trial, curve[-1][1])
+        return "complete"
+
+    assert run([(25, 1.20), (50, 0.63), (75, 0.49), (100, 0.47)]) == "complete"
+    assert run([(25, 0.66), (50, 0.37), (75, 0.28), (100, 0.25)]) == "complete"
+    assert run([(75, 0.28), (100, 0.26)], warm=True) == "complete"
+    assert not any(key.startswith("completed_rung") for key in study.trials[2].system_attrs)
+    assert run([(25, 0.64), (50, 0.36), (75, 0.25), (100, 0.22)]) == "complete"  # cold, ends best
+    if wrapped:  # fast-fail still judges a warm trial: a NaN is stopped
+        assert run([(75, NAN), (100, 0.3)], warm=True) == "pruned at 75"
