@@ -531,7 +531,12 @@ class StudySpec(_Model):
                              "(a cohort packs many trials onto one device, a data-parallel trial spreads one over "
                              "several): use one of them")
         searched = (info.data.get("space") or {}).get("batch_size")
-        if searched is not None:  # each categorical choice now; an int range's draws are checked per trial
+        if isinstance(searched, IntParam) and (searched.low % n or searched.step % n or (
+                searched.log and searched.low < searched.high)):
+            raise ValueError(f"devices_per_trial: {n} splits each global batch evenly between the ranks: the "
+                             f"batch_size range [{searched.low}, {searched.high}] draws values that are not multiples "
+                             f"of {n}; use a low that is one and step: {n} (not log: true)")
+        if searched is not None:
             choices = getattr(searched, "choices", None) or []
             uneven = [c for c in choices if isinstance(c, int) and not isinstance(c, bool) and c % n]
             if uneven:

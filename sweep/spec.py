@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import typing
 from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from sweep.schema import (
     CategoricalParam,
     Component,
     FloatParam,
+    IntParam,
     StudyFileError,
     StudySpec,
     did_you_mean,
@@ -103,6 +105,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         problems.append(("fixed.batch_size", message))
 
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
+    alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones
     for key, param in spec.space.items():
         where = f"space.{key}"
         if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model") or key.startswith("fast_fail."):
@@ -143,14 +146,19 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))
             continue
-        candidates = ([("low", param.low), ("high", param.high)] if not isinstance(param, CategoricalParam)
-                      else [(f"choices[{i}]", c) for i, c in enumerate(param.choices)])
-        for label, value in candidates:
-            for bad_key, message in _config_problems({**base, key: value}, task, builtin):
+        found = len(problems)
+        for drawn, value in _candidates(param):
+            if drawn is None and len(problems) > found:
+                break  # an end is refused already: the values next to it would say the same again
+            at = f"{where} (drawn value {value})" if drawn is None else f"{where}.{drawn}"
+            for bad_key, message in _config_problems({**base, key: value}, task, builtin, key.startswith("model.")):
                 if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
-                    problems.append((f"{where}.{label}", message if bad_key == key else f"{bad_key}: {message}"))
+                    problems.append((at, message if bad_key == key else f"{bad_key}: {message}"))
             if key == "batch_size" and (message := _batch_size_problem(value, task)):
-                problems.append((f"{where}.{label}", message))
+                problems.append((at, message))
+        if len(problems) == found:
+            alone.append(key)
+    problems += _pair_problems(spec, alone, base, base_problems, task, builtin)
 
     curriculum = spec.fixed.get("curriculum")  # not a mapping: refused with the fixed values' problems
     schedules = {curriculum.get("schedule", "none") if isinstance(curriculum, dict) else "none"}
@@ -296,13 +304,74 @@ def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:
                              else param.low if end == 0 else param.high for key, param in spec.space.items()})
 
 
-def _config_problems(values: dict[str, Any], task: Task, builtin: bool) -> list[tuple[str, str]]:
+def _config_problems(values: dict[str, Any], task: Task, builtin: bool, model: bool = True) -> list[tuple[str, str]]:
+    """What the trainer refuses in `values`; `model=False`: not the model's values (a key that is not `model.*`
+    changes nothing the model builder reads, and building a large model on the meta device takes tens of ms)."""
     try:
         config = TrainingConfig.from_dict(values)
     except ConfigError as exc:  # fast_fail.* values come from the pruner, whose own check reports them
         return [(key, _suggest(key, message)) for key, message in exc.problems if not key.startswith("fast_fail")]
+    if not model:
+        return []
     check = task.build_problems if builtin else task.model_problems
     return [(key, _suggest(key, message)) for key, message in check(config.model)]
+
+
+def _candidates(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str | None, Any]]:
+    """The values of a searched key the trainer is asked about before any trial runs: every categorical choice; a
+    range's ends and, where it draws steps (an int range, a float range with `step`), the values next to them
+    (labelled None), so that a rule of divisibility (`d_model` by `n_heads`, a batch by the ranks) is met by every
+    draw, not only by the ends."""
+    if isinstance(param, CategoricalParam):
+        return [(f"choices[{i}]", choice) for i, choice in enumerate(param.choices)]
+    ends: list[tuple[str | None, Any]] = [("low", param.low), ("high", param.high)]
+    if param.step is None or (param.log and isinstance(param, FloatParam)):
+        return ends
+    if param.log:  # an int range on the log scale draws every integer in it
+        inner: list[Any] = [param.low + 1, param.high - 1]
+    else:  # the grid's second point and its last but one, counted as Optuna counts them (exactly, for floats)
+        low, step = Decimal(str(param.low)), Decimal(str(param.step))
+        last = int((Decimal(str(param.high)) - low) // step)
+        kind = int if isinstance(param, IntParam) else float
+        inner = [kind(low + step), kind(low + step * (last - 1))]
+    seen = {param.low, param.high}
+    for value in inner:
+        if param.low < value < param.high and value not in seen:
+            seen.add(value)
+            ends.append((None, value))  # no key of the file names it
+    return ends
+
+
+def _extremes(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str, Any]]:
+    """A searched key's smallest and largest values, the ones a rule between two keys (`warmup_steps` at most
+    `max_steps`) is met or broken by first; none for choices that are not all numbers."""
+    if not isinstance(param, CategoricalParam):
+        return [("low", param.low), ("high", param.high)]
+    numbers = [(i, c) for i, c in enumerate(param.choices) if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    if len(numbers) != len(param.choices) or len(numbers) < 2:
+        return []
+    low, high = min(numbers, key=lambda n: n[1]), max(numbers, key=lambda n: n[1])
+    return [(f"choices[{low[0]}]", low[1]), (f"choices[{high[0]}]", high[1])]
+
+
+def _pair_problems(spec: StudySpec, keys: list[str], base: dict[str, Any], base_problems: list[tuple[str, str]],
+                   task: Task, builtin: bool) -> list[tuple[str, str]]:
+    """Two searched keys whose values the trainer takes one by one but not together (`warmup_steps` up to 50 with
+    `max_steps` from 20; `model.d_model` and `model.n_heads` both searched): their extremes are tried in pairs, and
+    the first pair refused is named. Only the trainer's own checks when neither key is a model key."""
+    problems: list[tuple[str, str]] = []
+    for i, first in enumerate(keys):
+        for second in keys[i + 1:]:
+            model = first.startswith("model.") and second.startswith("model.")
+            pair = next(((a_label, a, b_label, b, found[0]) for a_label, a in _extremes(spec.space[first])
+                         for b_label, b in _extremes(spec.space[second])
+                         if (found := [p for p in _config_problems({**base, first: a, second: b}, task, builtin, model)
+                                       if p not in base_problems])), None)
+            if pair is not None:
+                a_label, a, b_label, _, (bad_key, message) = pair
+                problems.append((f"space.{second}.{b_label}", f"with {first} {a} (space.{first}.{a_label}), "
+                                                              f"{bad_key}: {message}"))
+    return problems
 
 
 def _suggest(key: str, message: str) -> str:

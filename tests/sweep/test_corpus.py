@@ -278,6 +278,19 @@ RANGES = [
         "type": "int", "low": 8, "high": 100_000}), "space.batch_size.high", "training set size of task 'digits'"),
     bad_file("ranges", "batch-choice-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
         "type": "categorical", "choices": [8, 5000]}), "space.batch_size.choices[1]", "(1438), got 5000"),
+    # A range whose ends the trainer takes but whose other draws it refuses: every trial that drew one failed.
+    bad_file("ranges", "searched-width-not-divisible-between-the-ends", changed(
+        task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
+        fixed__model={"n_heads": 4, "n_layers": 1}, space={"model.d_model": {"type": "int", "low": 64, "high": 68}}),
+        "space.model.d_model (drawn value 65)", "must be divisible by model.n_heads, but got d_model=65"),
+    bad_file("ranges", "two-searched-keys-refused-together", changed(space={
+        "max_steps": {"type": "categorical", "choices": [1, 6]}, "warmup_steps": {"type": "int", "low": 0, "high": 5}},
+        fixed__max_steps=..., fixed__eval_every_steps=1), "space.warmup_steps.high",
+        "with max_steps 1 (space.max_steps.choices[0]), warmup_steps: expected at most max_steps (1), got 5"),
+    bad_file("combinations", "devices_per_trial-with-a-batch-range-of-odd-values",
+             changed(resources={"devices_per_trial": 2}, fixed__batch_size=...,
+                     space__batch_size={"type": "int", "low": 16, "high": 18}), "resources",
+             "the batch_size range [16, 18] draws values that are not multiples of 2"),
     bad_file("ranges", "searched-task-arg-unknown", changed(**{"space__task_args.val_fractoin": {
         "type": "float", "low": 0.1, "high": 0.3}}), "space.task_args.val_fractoin",
              "task 'digits' takes no argument 'val_fractoin' (did you mean 'val_fraction'?); expected one of:"),
