@@ -124,11 +124,12 @@ _BOUNDS: dict[tuple[type, str], tuple[float, bool]] = {
     (optuna.pruners.HyperbandPruner, "max_resource"): (1, False),
     (optuna.pruners.HyperbandPruner, "reduction_factor"): (2, False),
     (optuna.pruners.HyperbandPruner, "bootstrap_count"): (0, False),
-    (optuna.samplers.CmaEsSampler, "popsize"): (1, False),
+    (optuna.samplers.CmaEsSampler, "popsize"): (2, False),  # 1 fails an assertion of cmaes' rank-one update
     (optuna.samplers.CmaEsSampler, "sigma0"): (0, True),
     (optuna.samplers.CmaEsSampler, "n_startup_trials"): (0, False),
     (optuna.samplers.TPESampler, "n_startup_trials"): (0, False),
     (optuna.samplers.TPESampler, "n_ei_candidates"): (1, False),
+    (optuna.samplers.TPESampler, "prior_weight"): (0, False),
     (optuna.samplers.GPSampler, "n_startup_trials"): (0, False),
 }
 

@@ -55,6 +55,9 @@ class ConfigError(ValueError):
         super().__init__("; ".join(f"{key}: {message}" for key, message in problems))
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32; beyond it the learning rate cannot be a tensor's
+
+
 def _range(low: float | None = None, high: float | None = None, *, low_open: bool = False,
            high_open: bool = False) -> Check:
     def check(value: Any) -> str | None:
@@ -103,7 +106,8 @@ class TrainingConfig:
 
     # Optimisation.
     optimizer: Literal["adam", "adamw", "sgd", "lion"] = _f("adamw")
-    learning_rate: float = _f(1e-3, _range(0, low_open=True), "peak learning rate")
+    learning_rate: float = _f(1e-3, _range(0, FLOAT32_MAX, low_open=True),
+                              "peak learning rate (at most float32's largest: the optimizers hold it as a tensor)")
     weight_decay: float = _f(0.0, _range(0),
                              "decoupled for adamw/lion; applied to matrices only, never to biases/norms")
     momentum: float = _f(0.9, _range(0, 1, high_open=True), "sgd only")

@@ -910,8 +910,13 @@ REVIEWED = [
              "pruner.reduction_factor", "must be >= 2, got 1"),
     bad_file("reviewed", "wrapped-hyperband-bootstrap", changed(pruner={"type": "fastfail", "then": {
         "type": "hyperband", "bootstrap_count": -1}}), "pruner.then.bootstrap_count", "must be >= 0, got -1"),
-    bad_file("reviewed", "cmaes-popsize-0", changed(sampler={"type": "cmaes", "popsize": 0}), "sampler.popsize",
-             "CmaEsSampler's popsize must be >= 1, got 0"),
+    bad_file("reviewed", "cmaes-popsize-1", changed(sampler={"type": "cmaes", "popsize": 1}), "sampler.popsize",
+             "CmaEsSampler's popsize must be >= 2, got 1"),
+    bad_file("reviewed", "tpe-negative-prior-weight", changed(sampler={"type": "tpe", "prior_weight": -1}),
+             "sampler.prior_weight", "TPESampler's prior_weight must be >= 0, got -1"),
+    bad_file("reviewed", "learning-rate-beyond-float32", changed(space__learning_rate={
+        "type": "float", "low": 1e30, "high": 1e300, "log": True}), "space.learning_rate.high",
+        "expected a value in (0, 3.4028234663852886e+38], got 1e+300"),
     bad_file("reviewed", "store-that-cannot-be-made", changed(checkpoints={"store": "/proc/sweep-corpus"}),
              "checkpoints.store", "cannot create"),  # as root: the folder /proc/sweep-corpus; else: folders in /proc
     bad_file("reviewed", "store-with-a-long-name", changed(checkpoints={"store": f"a/{LONG}/b"}), "checkpoints.store",
