@@ -478,6 +478,17 @@ def submit(
                            spec.resources.devices_per_trial)
     if problem is not None:
         raise _fail(problem, 2)
+    from sweep.urls import url_secrets
+
+    tracking_uri = spec.tracking.mlflow.tracking_uri
+    if tracking_uri is not None and url_secrets(tracking_uri):
+        # The workers' command line (and, for --k8s, the study file in a ConfigMap) would carry it: Slurm keeps the
+        # batch script, and anyone who may read the job or the ConfigMap would see it.
+        how = "sweep submit --slurm passes MLFLOW_TRACKING_PASSWORD in its owner-only file" if slurm else "a Secret"
+        raise _fail(f"{study_file}: tracking.mlflow.tracking_uri: holds a password, which the "
+                    f"{'batch script' if slurm else 'manifest'} would carry in plain text; remove it from the URI and "
+                    f"give the workers MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD in their environment "
+                    f"instead ({how})", 2)
     spec_path = study_file.resolve()
     if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
         raise _fail(problem, 2)

@@ -42,14 +42,16 @@ WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its
 LAUNCHED_ENV = "SWEEP_LAUNCHED_AT"
 STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
 STORAGE_FILE_ENV = "SWEEP_STORAGE_URL_FILE"  # or the path of an owner-only file holding it (`write_storage_file`)
-# Variables that hold a database password by convention (libpq's): they travel in the file, never in a job's record.
-SECRET_ENV_NAMES = ("PGPASSWORD", STORAGE_ENV)
+# Variables that hold a password by convention (libpq's, MLflow's): they travel in the file, never in a job's record.
+SECRET_ENV_NAMES = ("PGPASSWORD", STORAGE_ENV, "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
 def write_storage_file(path: Path, url: str) -> None:
     """Write `url` for workers started elsewhere into `path`, readable and writable by its owner only (0600, like
-    ~/.pgpass), with libpq's `PGPASSWORD` when it is set: the workers' environment will not carry it."""
-    secrets = {"url": url, "env": {name: os.environ[name] for name in ("PGPASSWORD",) if name in os.environ}}
+    ~/.pgpass), with libpq's `PGPASSWORD` and MLflow's password and token when they are set: the workers'
+    environment will not carry them."""
+    secrets = {"url": url, "env": {name: os.environ[name] for name in SECRET_ENV_NAMES
+                                   if name != STORAGE_ENV and name in os.environ}}
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(descriptor, 0o600)  # an existing file keeps its mode through O_CREAT; this one must not

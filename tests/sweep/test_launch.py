@@ -271,3 +271,31 @@ def test_local_workers_get_devices_per_trial_gpus_each() -> None:
     assert device_groups([], 5, 2) == []  # no GPU: any number of workers, on the CPU
     with pytest.raises(ValueError, match="needs 2 GPUs per worker, but 1 are visible"):
         device_groups(["0"], 1, 2)
+
+
+@pytest.mark.parametrize("how", [("--slurm", "--dry-run"), ("--k8s", "--image", "img")])
+@pytest.mark.parametrize("where", ["file", "set"])
+def test_a_tracking_uri_with_a_password_is_refused_by_submit(tmp_path: Path, how: tuple[str, ...], where: str) -> None:
+    # The workers' command line (--set) and, for --k8s, the study file in a ConfigMap carried MLflow's password in
+    # plain text: the batch script Slurm keeps, the manifest anyone who reads the Job sees.
+    uri = "http://carol:TRKPW@127.0.0.1:5000"
+    document = changed(tracking={"mlflow": {"tracking_uri": uri}}) if where == "file" else changed()
+    path = write_study(tmp_path, document)
+    extra = ("--set", f"tracking.mlflow.tracking_uri={uri}") if where == "set" else ()
+    done = sweep_cli("submit", path, *how, *extra, "-o", tmp_path / "job.yaml", cwd=tmp_path) if how[0] == "--k8s" \
+        else sweep_cli("submit", path, *how, *extra, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "tracking.mlflow.tracking_uri: holds a password" in done.stderr and "MLFLOW_TRACKING_PASSWORD" in done.stderr
+    assert "TRKPW" not in done.stdout + done.stderr and not (tmp_path / "job.yaml").exists()
+
+
+def test_mlflow_s_password_travels_in_the_owner_only_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sweep.launch.slurm import _clean_environment
+
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "from-mlflow")
+    assert "MLFLOW_TRACKING_PASSWORD" not in _clean_environment("sqlite:///x.db")  # not in Slurm's records
+    write_storage_file(tmp_path / "storage.json", "sqlite:///x.db")
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    monkeypatch.setenv(STORAGE_FILE_ENV, str(tmp_path / "storage.json"))
+    assert storage_from_environment() == "sqlite:///x.db"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "from-mlflow"  # the worker has it again
