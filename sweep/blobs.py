@@ -231,15 +231,17 @@ class CheckpointStore:
         return f"{self.scheme}://{self.bucket}/{key}"
 
 
-def claim_problem(location: str | Path, study: str, owner: str | None, *, claim: bool = True) -> str | None:
+def claim_problem(location: str | Path, study: str, owner: str | None, *, claim: bool = True,
+                  new: bool = False) -> str | None:
     """Why the study's folder of a local store belongs to another study of the same name (another database: two
     PostgreSQL databases, or a database recreated, pointed at one default `sweep-checkpoints/` folder), or None.
     The folder's owner file holds the id its study's database keeps (`owner`, made when the study was created);
     with `claim`, a folder without one is claimed for this study (created atomically: one of two workers racing
     wins, the other reads the winner's id). Sharing a folder, their blobs would overwrite each other's (the same
     names) and each study's `sweep check --repair` would delete the other's as orphans. A study created before
-    owner ids existed (`owner` None) and object stores are not checked."""
-    if owner is None or is_object_url(str(location)):
+    owner ids existed (`owner` None) and object stores are not checked. `new`: the study is not created yet, so a
+    folder with any owner is another study's (checked before creating it, so that nothing is left half-made)."""
+    if (owner is None and not new) or is_object_url(str(location)):
         return None
     folder = Path(location).expanduser().resolve() / study
     marker = folder / OWNER_FILE

@@ -229,10 +229,11 @@ def run(
             storage = storage_from_environment()
         except (OSError, ValueError) as exc:
             raise _fail(f"cannot read the storage URL its launcher left: {exc}", 2) from None
-    spec, url = _run_spec(_study_file_argument(study_file), storage, study_name, n_trials, timeout, workers, set_ or [])
+    source = _study_file_argument(study_file)
+    spec, url = _run_spec(source, storage, study_name, n_trials, timeout, workers, set_ or [])
     workers = min(workers, spec.n_trials)  # a worker beyond the budget would find no trial to train
     prefix = "" if worker is None else f"[worker {worker}] "
-    study = _open_for_run(spec, url, prefix)
+    study = _open_for_run(spec, url, prefix, source)
     with _run_outcomes(study, prefix):
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
@@ -312,8 +313,11 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     return spec, url
 
 
-def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
-    """Create or resume the study behind the storage boundary, whose outage lines go to stderr."""
+def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
+    """Create or resume the study behind the storage boundary, whose outage lines go to stderr. A checkpoint folder
+    another study of this name writes in is refused before any trial runs, and before a new study is created."""
+    from sweep.outcomes import OWNER_ATTR
+    from sweep.registry import default_store
     from sweep.study import StudyMismatchError, open_study, worker_storage
     from sweep.workers import prepare_process
 
@@ -321,17 +325,26 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
     prepare_process(spec)
     _quiet_optuna()
     notify = lambda line: err.print(f"{prefix}{line}", markup=False)
+    location = spec.checkpoints.store or default_store(url)
+    database = sqlite_path(url)
+    if spec.checkpoints.enabled and database is not None and not database.exists() and (
+            problem := _store_claim_problem(spec.name, None, location, url, claim=False)):
+        raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)  # before the file is made
     try:
-        study = open_study(spec, worker_storage(spec, url, notify=notify))
+        storage = worker_storage(spec, url, notify=notify)
+        if spec.checkpoints.enabled and not _study_exists(storage, spec.name) and (
+                problem := _store_claim_problem(spec.name, None, location, url, claim=False)):
+            raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+        study = open_study(spec, storage)
     except StudyMismatchError as exc:
         raise _fail(str(exc), 2) from None
+    except typer.Exit:
+        raise
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         raise _storage_failure(url, exc) from None
-    if spec.checkpoints.enabled:  # a folder another study of this name writes in: refused before any trial runs
-        from sweep.registry import default_store
-
-        if problem := _store_claim_problem(study, spec.checkpoints.store or default_store(url), url, claim=True):
-            raise _fail(f"{prefix}checkpoints.store: {problem}", 2)
+    if spec.checkpoints.enabled and (problem := _store_claim_problem(
+            study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
+        raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
     if not prefix:  # the launching process, not one of its workers
         from sweep.outcomes import budget_counts
 
@@ -346,18 +359,27 @@ def _open_for_run(spec: Any, url: str, prefix: str) -> Any:
     return study
 
 
-def _store_claim_problem(study: Any, location: str | Path, url: str, *, claim: bool) -> str | None:
-    """Whether the study's folder of the store belongs to another study of its name (`sweep.blobs.claim_problem`).
-    Not the default folder of a SQLite file, named after it: no other database's study writes there, and one whose
-    file was deleted to start over (`rm study.db`) left only what nothing reads any more."""
+def _study_exists(storage: Any, name: str) -> bool:
+    try:
+        storage.get_study_id_from_name(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _store_claim_problem(name: str, owner: str | None, location: str | Path, url: str, *,
+                         claim: bool) -> str | None:
+    """Whether the study's folder of the store belongs to another study of its name (`sweep.blobs.claim_problem`);
+    `owner` None: a study not created yet, which any owner's folder is another's. Not the default folder of a SQLite
+    file, named after it: no other database's study writes there, and one whose file was deleted to start over
+    (`rm study.db`) left only what nothing reads any more."""
     from sweep.blobs import claim_problem
-    from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
     from sweep.urls import sqlite_path
 
     if sqlite_path(url) is not None and Path(location).resolve() == Path(default_store(url)).resolve():
         return None
-    return claim_problem(location, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=claim)
+    return claim_problem(location, name, owner, claim=claim, new=owner is None)
 
 
 @contextlib.contextmanager
@@ -533,7 +555,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     made = _submit_paths(url, spec, folder)
     try:
         slurm.check_tools()
-        study = _open_for_run(spec, url, "")  # created once, here: no array task creates another
+        study = _open_for_run(spec, url, "", spec_path)  # created once, here: no array task creates another
         job_id = slurm.submit(script, url, folder, workdir=workdir)
     except slurm.SlurmError as exc:
         # Nothing was submitted: what this call made for it goes again (a new SQLite study, its store, the job's
@@ -883,6 +905,7 @@ def check(
     """Registry and disk agree? Lists every checkpoint row whose blob is missing or fails its hash, every file in the
     store that no row names, and every dashboard artifact that points nowhere; exit 1 while any --repair can fix is
     left."""
+    from sweep.outcomes import OWNER_ATTR
     from sweep.reconcile import check_study, store_location
     from sweep.registry import Registry, default_store
 
@@ -895,7 +918,8 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
-    if claimed := _store_claim_problem(study, location, url, claim=False):
+    if claimed := _store_claim_problem(study.study_name, study.user_attrs.get(OWNER_ATTR), location, url,
+                                       claim=False):
         raise _fail(f"{claimed}; nothing checked or repaired", 2)  # its files are the other study's, not orphans
     report = check_study(Registry(url), location, study, repair=repair, delete_orphans=trusted)
     for problem in report.problems:

@@ -658,10 +658,16 @@ def test_a_checkpoint_folder_another_database_s_study_of_that_name_owns_is_refus
     second = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}")
     assert second.returncode == 2
     line = second.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: checkpoints.store: the checkpoint folder {folder.resolve()} belongs to another "
-                           "study named 'tiny'"), line
+    assert line.startswith(f"error: {path}: checkpoints.store: the checkpoint folder {folder.resolve()} belongs to "
+                           "another study named 'tiny'"), line
     assert {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs  # untouched
-    assert not optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'b.db'}").trials
+    assert not (tmp_path / "b.db").exists()  # refused before anything was made: no study half-created
+    # A study of that name that b.db holds already (its checkpoints elsewhere) is refused the shared folder too.
+    own = write_study(tmp_path, document | {"checkpoints": {"store": "own", "artifacts": False}}, "own.yaml")
+    assert sweep_cli("run", own, "--storage", f"sqlite:///{tmp_path / 'b.db'}").returncode == 0
+    second = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}")
+    assert second.returncode == 2 and "belongs to another study named 'tiny'" in second.stderr, second.stderr
+    assert len(optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'b.db'}").trials) == 1
     refused = sweep_cli("check", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--repair")
     assert refused.returncode == 2 and "nothing checked or repaired" in refused.stderr
     assert {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs
