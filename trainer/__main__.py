@@ -83,22 +83,21 @@ def _load_json(text: str) -> Any:
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
+    """`--set key=value`: each value read as YAML, by the rules a config file's values are read by (`1e3` a whole
+    number, `1_000` a string, `1e-400` refused), as `sweep run --set` reads them. Raises `YamlFileError` (source:
+    the command line) for a value that is not one."""
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"expected key=value, got {item!r}")
-        out[key] = json.loads(raw) if raw[:1] in "[{\"" or raw in ("true", "false", "null") else _number(raw)
+        out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if raw else None
     return out
 
 
-def _number(raw: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw
+def _given_by(key: str, overrides: Mapping[str, Any]) -> str | None:
+    """The `--set` key a problem's key lies under, if one gave it."""
+    return next((given for given in overrides if key == given or key.startswith(f"{given}.")), None)
 
 
 def _check_model(config: TrainingConfig) -> None:
@@ -144,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("several configs need --batched")
     try:  # a problem of the command line, not of a file
         overrides = _parse_set(args.set)
+    except YamlFileError as exc:  # a ValueError too
+        for key, message in exc.problems:
+            print(f"{key}: {message}" if key else f"--set: {message}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"--set: {exc}", file=sys.stderr)
         return 2
@@ -160,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             configs.append(config)
         except (ConfigError, YamlFileError) as exc:
             for key, message in exc.problems:
-                print(f"{path}: {key}: {message}" if key else f"{path}: {message}", file=sys.stderr)
+                given = _given_by(key, overrides) if isinstance(exc, ConfigError) else None
+                print(f"--set {key}: {message}" if given is not None else f"{path}: {key}: {message}" if key
+                      else f"{path}: {message}", file=sys.stderr)
             return 2
         except (OSError, ValueError) as exc:
             print(f"{path}: {exc}", file=sys.stderr)

@@ -151,6 +151,28 @@ def test_a_set_without_a_key_is_one_line_naming_the_option(tmp_path: Path, item:
     assert capsys.readouterr().err.splitlines() == [f"--set: expected key=value, got {item!r}"]
 
 
+@pytest.mark.parametrize(("item", "line"), [
+    ("max_steps=1_000", "--set max_steps: expected an integer, got '1_000'"),  # YAML 1.2: a string
+    ("learning_rate=1e-400", "--set learning_rate: invalid YAML: line 1, column 1: 1e-400 is too small for a 64-bit"),
+    ("max_steps=0", "--set max_steps: expected a value in [1, inf], got 0"),
+])
+def test_a_set_value_is_read_as_a_file_s_value_and_its_problem_names_the_option(
+        tmp_path: Path, item: str, line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Python's rules read `1_000` as 1000 and `1e-400` as 0.0, and the problem blamed the config file.
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\n")
+    assert main([str(config), "--set", item]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
+def test_a_set_whole_number_in_exponent_form_is_an_integer(tmp_path: Path) -> None:
+    from trainer.__main__ import _parse_set
+
+    assert _parse_set(["max_steps=1e1", "model.hidden=[8, 16]", "scheduler=none"]) == {
+        "max_steps": 10, "model.hidden": [8, 16], "scheduler": "none"}
+
+
 @pytest.mark.parametrize(("text", "line"), [
     ("model: {hidden: 0}\n", "model.hidden: task 'digits' cannot build its model: model.hidden must be >= 1"),
     ("model: {activation: foo}\n", "model.activation: task 'digits' cannot build its model: model.activation must be "
