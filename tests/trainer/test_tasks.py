@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,6 +145,20 @@ def test_metrics_the_task_declares_but_its_evaluation_leaves_out_are_named() -> 
             run(config, task)
 
 
+@pytest.mark.parametrize(("names", "why"), [(("loss",), "'loss' is the trainer's own"),
+                                             (("acc", "acc"), "a name appears twice")])
+def test_a_metric_name_that_would_replace_another_is_refused(names: tuple[str, ...], why: str) -> None:
+    # A task metric named `loss` became `val_loss` and silently replaced the task's loss: the study, its pruner and
+    # fast-fail judged the user's number as if it were the loss.
+    from trainer.tasks import Task
+
+    digits = load_task("digits")
+    with pytest.raises(ValueError, match=rf"^task 'clash': eval_metric_names {re.escape(str(names))}: {why}"):
+        Task(name="clash", train=digits.train, val=digits.val, build_model=digits.build_model,
+             model_defaults=digits.model_defaults, eval_metric_names=names,
+             eval_metrics=lambda out, y: {name: (out.argmax(-1) == y).float().sum() for name in names})
+
+
 def test_task_arguments_are_checked_against_the_functions_annotations(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # `val_fraction: x` failed inside the task with "'<' not supported between 'float' and 'str'"; an argument is
@@ -178,3 +194,28 @@ def test_the_loss_gets_low_precision_outputs_in_float32_and_float64_or_complex_o
         assert as_fp32(torch.ones(2, dtype=dtype)).dtype == expected, dtype
     precise = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
     assert as_fp32(precise).item() == 1.0 + 1e-12
+
+
+def test_a_task_drawing_its_data_from_the_global_generators_gets_the_same_data_each_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A factory that draws from numpy's (or torch's, or Python's) global generator unseeded built other data each
+    # time: a worker builds its task more than once, and `sweep reproduce` failed for every trial ("differs first at
+    # step 20"). The generators are seeded while it runs, and what the caller drew from them is left as it was.
+    (tmp_path / "globalrng.py").write_text(
+        "import random\nimport numpy as np\nimport torch\nfrom trainer.tasks import Task, load_task\n"
+        "def noisy():\n"
+        "    x = torch.tensor(np.random.normal(size=(40, 64)), dtype=torch.float32) + torch.randn(40, 64)\n"
+        "    x += random.random()\n"
+        "    digits = load_task('digits')\n"
+        "    y = torch.randint(0, 10, (40,))\n"
+        "    return Task(name='noisy', train=(x, y), val=(x, y), build_model=digits.build_model,\n"
+        "                model_defaults=digits.model_defaults)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    np.random.seed(7)
+    torch.manual_seed(7)
+    expected = (np.random.random(), torch.rand(1).item())
+    np.random.seed(7)
+    torch.manual_seed(7)
+    first, second = load_task("globalrng:noisy"), load_task("globalrng:noisy")
+    assert torch.equal(first.train[0], second.train[0]) and torch.equal(first.train[1], second.train[1])
+    assert (np.random.random(), torch.rand(1).item()) == expected  # the caller's draws go on as before

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import numpy as np
+import torch
 
 from trainer.config import coerce
 from trainer.imports import import_callable
@@ -28,6 +33,24 @@ def resolve_task_factory(name: str) -> Callable[..., Task]:
     return import_callable(name, "task", BUILTIN_TASKS, TaskError)
 
 
+@contextlib.contextmanager
+def _seeded() -> Iterator[None]:
+    """Python's, numpy's and torch's global generators seeded with 0 while a task factory runs, and put back after:
+    a factory that draws its data from them unseeded (`np.random.normal(...)`) makes the same data each time it is
+    called, in every process (a worker builds its task more than once, `sweep reproduce` again), and nothing else
+    sees its draws."""
+    python, legacy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(0)
+        np.random.seed(0)
+        torch.random.default_generator.manual_seed(0)  # not CUDA's: fork_rng puts back only the CPU's
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(legacy)
+
+
 def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     factory = resolve_task_factory(name)
     args = dict(args or {})
@@ -44,7 +67,8 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
             raise TaskError(f"task {name!r}: task_args.{key}: {message}")
         args[key] = coerced
     try:
-        task = factory(**args)
+        with _seeded():
+            task = factory(**args)
     except TypeError as exc:  # an unknown task_args key
         raise TaskError(f"task {name!r}: {exc}") from exc
     except TaskError:

@@ -89,6 +89,12 @@ class Task:
     _scores: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        names = list(self.eval_metric_names)
+        if "loss" in names or len(set(names)) != len(names):
+            raise ValueError(f"task {self.name!r}: eval_metric_names {tuple(names)}: "
+                             + ("'loss' is the trainer's own (val_loss: the task's loss over the validation set), "
+                                "and its value would replace it; name the metric otherwise" if "loss" in names
+                                else "a name appears twice; each metric once"))
         for part in ("train", "val"):
             value = getattr(self, part)
             if not (isinstance(value, (tuple, list)) and len(value) == 2):
