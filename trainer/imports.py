@@ -6,7 +6,22 @@ import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["import_callable"]
+__all__ = ["import_callable", "no_function"]
+
+# This package's own top-level names: a user's module of one of these names (a `trainer.py` beside the study) is
+# hidden by them, since the import finds the installed package first.
+_OURS = ("trainer", "sweep")
+
+
+def no_function(module: Any, module_name: str, attr: str) -> str:
+    """Why `module_name:attr` names no function, saying which file the import found: when that is this package's own
+    module, the user's module of the same name is hidden by it."""
+    where = getattr(module, "__file__", None)
+    found = f"module {module_name!r}" + (f" ({where})" if where else "") + f" has no function {attr!r}"
+    if module_name.split(".")[0] in _OURS:
+        return (f"{found}: {module_name.split('.')[0]!r} is this package's own, and the import finds it before a "
+                "module of yours of that name; rename yours (my_trainer.py, say)")
+    return found
 
 
 def import_callable(path: str, what: str, builtin: Iterable[str],
@@ -28,5 +43,5 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
                     f"{detail}") from exc
     function = getattr(module, attr, None)
     if not callable(function):
-        raise error(f"{what} {path!r}: module {module_name!r} has no function {attr!r}")
+        raise error(f"{what} {path!r}: {no_function(module, module_name, attr)}")
     return function

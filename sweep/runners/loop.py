@@ -83,6 +83,7 @@ from sweep.outcomes import (
 )
 from sweep.signals import FORWARD, Preempted
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
+from trainer.imports import no_function
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
 from trainer.seeding import reproducibility_record, seed_everything
@@ -130,7 +131,7 @@ def load_loop(name: str) -> Callable[..., Any]:
                         "path or next to the study file") from None
     found = getattr(module, function, None)
     if not callable(found):
-        raise LoopError(f"module {module_name!r} has no function {function!r}")
+        raise LoopError(no_function(module, module_name, function))
     if inspect.isgeneratorfunction(found) or inspect.iscoroutinefunction(found) or inspect.isasyncgenfunction(found):
         kind = "an async function" if inspect.iscoroutinefunction(found) else "a generator"
         raise LoopError(f"{name} is {kind}: calling it runs none of its body; expected a plain function "

@@ -377,7 +377,10 @@ def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_an
     ({"task": ..., "loop": "no colon"}, "loop: expected package.module:function, got 'no colon'"),
     ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import 'nowhere_module' (ModuleNotFoundError"),
     ({"task": ..., "loop": "exits_at_import:main"}, "loop: cannot import 'exits_at_import' (SystemExit: 0)"),
-    ({"task": ..., "loop": "direct:absent"}, "loop: module 'direct' has no function 'absent'"),
+    ({"task": ..., "loop": "direct:absent"}, "direct.py) has no function 'absent'"),
+    # A `trainer.py` of the user's beside the study is hidden by this package's own `trainer`: the line says so.
+    ({"task": ..., "loop": "trainer:main"}, "has no function 'main': 'trainer' is this package's own, and the "
+                                            "import finds it before a module of yours of that name; rename yours"),
     ({"task": ..., "loop": "direct:one"}, "loop: direct:one must take two arguments, (config, run)"),
     ({"task": ..., "loop": "direct:gen"}, "loop: direct:gen is a generator: calling it runs none of its body"),
     ({"task": ..., "loop": "direct:co"}, "loop: direct:co is an async function: calling it runs none of its body"),
