@@ -778,6 +778,9 @@ def best(
     from sweep.confirm import is_warm
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
+    if output is not None and output.suffix.lower() == ".json":
+        raise _fail(f"-o: {output}: sweep best writes YAML, and python -m trainer reads a .json file as JSON; name "
+                    f"it {output.with_suffix('.yaml').name}", 2)
     study = _open(target, storage, study_name, "best", output=output)
     try:
         config = results.best_config(study)
