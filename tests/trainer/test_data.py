@@ -110,6 +110,10 @@ def test_the_arrays_task_names_the_bad_argument(digit_files: dict[str, str], tmp
     np.save(tmp_path / "floats.npy", np.zeros(1400, dtype=np.float32))
     with pytest.raises(ValueError, match="integer class indices"):
         load_task("arrays", {**digit_files, "train_y": str(tmp_path / "floats.npy"), "classes": 10})
+    # Labels beyond `classes` failed every trial at its first batch ("IndexError: Target 9 is out of bounds").
+    with pytest.raises(ValueError, match=r"task_args\.train_y holds class indices from 0 to 9, but task_args\.classes "
+                                         r"is 5: expected indices in \[0, 4\]"):
+        load_task("arrays", {**digit_files, "classes": 5})
 
 
 @pytest.mark.parametrize(("values", "key"), [({"data_loader": "gpu"}, "data_loader"),

@@ -68,6 +68,11 @@ def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> 
         if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dim() != 1:
             raise ValueError(f"task_args.{split}_y must be a 1-D array of integer class indices, but got "
                              f"{targets.dtype} of shape {tuple(targets.shape)}")
+        if len(targets) and (int(targets.min()) < 0 or int(targets.max()) >= classes):
+            # One pass over memory-mapped labels: cheap beside the training that would fail at the first such batch.
+            raise ValueError(f"task_args.{split}_y holds class indices from {int(targets.min())} to "
+                             f"{int(targets.max())}, but task_args.classes is {classes}: expected indices in "
+                             f"[0, {classes - 1}]")
     if x.shape[1:] != vx.shape[1:]:
         raise ValueError(f"train_x and val_x samples differ in shape: {tuple(x.shape[1:])} and {tuple(vx.shape[1:])}")
     n_in = math.prod(x.shape[1:])
