@@ -27,6 +27,7 @@ import math
 import os
 import posixpath
 import re
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -135,6 +136,11 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
                         problems.append((key, f"{path} is a file; TensorBoard needs a folder there"))
                     elif not os.access(path, os.W_OK | os.X_OK):
                         problems.append((key, f"cannot create folders in {path}: permission denied"))
+                    elif path != folder:
+                        try:  # what no check foresees (under /proc): a folder made there, and taken away again
+                            os.rmdir(tempfile.mkdtemp(prefix=".sweep-probe-", dir=path))
+                        except OSError as exc:
+                            problems.append((key, f"cannot create folders in {path}: {exc.strerror or exc}"))
                     break
     if spec.tracking.mlflow.enabled:
         uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)

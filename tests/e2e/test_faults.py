@@ -948,7 +948,8 @@ def test_a_worker_without_the_gpu_the_study_asks_for_costs_no_budget_and_stops_s
     done = sweep_cli("run", write_study(tmp_path, document))
     assert done.returncode == 1, done.stderr
     assert "3 trials in a row were stopped by the same fault of the machine" in done.stderr, done.stderr
-    assert f"device '{device}' was asked for, but torch sees no" in done.stderr and "set device: auto" in done.stderr, done.stderr
+    assert f"device '{device}' was asked for, but torch sees no" in done.stderr, done.stderr
+    assert "set device: auto" in done.stderr, done.stderr
     trials = load_trials(f"sqlite:///{tmp_path / 'nogpu.db'}", "nogpu")
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert len(failed) == 3 and all(t.user_attrs["outcome"] == "infrastructure" for t in failed), summary(trials)

@@ -919,6 +919,9 @@ REVIEWED = [
         "expected a value in (0, 3.4028234663852886e+38], got 1e+300"),
     bad_file("reviewed", "store-that-cannot-be-made", changed(checkpoints={"store": "/proc/sweep-corpus"}),
              "checkpoints.store", "cannot create"),  # as root: the folder /proc/sweep-corpus; else: folders in /proc
+    bad_file("reviewed", "tensorboard-folder-that-cannot-be-made",
+             changed(tracking={"tensorboard": {"dir": "/proc/sweep-corpus"}}), "tracking.tensorboard.dir",
+             "cannot create folders in /proc"),  # every trial warned that its tracking was dropped
     bad_file("reviewed", "store-with-a-long-name", changed(checkpoints={"store": f"a/{LONG}/b"}), "checkpoints.store",
              "a part of the path is 300 bytes long, and file systems allow 255"),
     bad_args("reviewed", "storage-with-a-long-name", ("run", STUDY, "--storage", f"sqlite:///{LONG}.db"),

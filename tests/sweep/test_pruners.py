@@ -339,7 +339,7 @@ def test_a_warm_trial_takes_no_rung_from_cold_trials_in_successive_halving(rungs
     # A warm trial reports from the first step it trained itself (75, past a handoff at 50). Successive halving
     # wrote that value into every rung below 75, where cold trials hold their step-25 values, and then pruned at
     # its first rung a cold trial that ends best. Successive halving does not judge warm trials; fast-fail does.
-    config = {"max_steps": 100, "eval_every_steps": 25}  # the last step is not judged: a trial that gets there completes
+    config = {"max_steps": 100, "eval_every_steps": 25}  # the last step is not judged: a trial there completes
     study = optuna.create_study(pruner=FastFailPruner(then=rungs()) if wrapped else rungs(), study_name="curve")
 
     def run(curve: list[tuple[int, float]], warm: bool = False) -> str:
