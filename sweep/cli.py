@@ -333,7 +333,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     try:
         storage = worker_storage(spec, url, notify=notify)
         if spec.checkpoints.enabled and not _study_exists(storage, spec.name) and (
-                problem := _store_claim_problem(spec.name, None, location, url, claim=False)):
+                problem := _store_claim_problem(spec.name, None, location, url, claim=False)) and (
+                not _study_exists(storage, spec.name)):  # not a worker that created it meanwhile and claimed it
             raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
         study = open_study(spec, storage)
     except StudyMismatchError as exc:
@@ -503,14 +504,17 @@ def submit(
     from sweep.urls import url_secrets
 
     tracking_uri = spec.tracking.mlflow.tracking_uri
-    if tracking_uri is not None and url_secrets(tracking_uri):
-        # The workers' command line (and, for --k8s, the study file in a ConfigMap) would carry it: Slurm keeps the
-        # batch script, and anyone who may read the job or the ConfigMap would see it.
-        how = "sweep submit --slurm passes MLFLOW_TRACKING_PASSWORD in its owner-only file" if slurm else "a Secret"
-        raise _fail(f"{study_file}: tracking.mlflow.tracking_uri: holds a password, which the "
-                    f"{'batch script' if slurm else 'manifest'} would carry in plain text; remove it from the URI and "
-                    f"give the workers MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD in their environment "
-                    f"instead ({how})", 2)
+    given = any(item.partition("=")[0].strip().startswith("tracking") for item in set_ or [])
+    if tracking_uri is not None and url_secrets(tracking_uri) and (k8s or given):
+        # --set values go on the workers' command line in the batch script, which Slurm keeps; --k8s puts the study
+        # file in a ConfigMap. Whoever may read the job or the ConfigMap would see it. (A --slurm study file is
+        # named by its path: the script does not carry its contents.)
+        where = "the batch script (its --set values)" if slurm else "the manifest's ConfigMap"
+        fix = ("keep it in the study file, which the batch script names by its path" if slurm else
+               "keep the password out of the URI: an HTTP(S) server takes MLFLOW_TRACKING_USERNAME and "
+               "MLFLOW_TRACKING_PASSWORD from the pods' environment (a Secret)")
+        raise _fail(f"{study_file}: tracking.mlflow.tracking_uri: holds a password, which {where} would carry in "
+                    f"plain text; {fix}", 2)
     spec_path = study_file.resolve()
     if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
         raise _fail(problem, 2)

@@ -260,8 +260,8 @@ def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePat
         if isinstance(error, DeviceUnavailable):
             # `device: cuda` on a machine whose torch sees no GPU (no driver, a CPU-only torch, a node whose GPU
             # fell off the bus): the same config trains on a machine that has one, so the trial is retried there.
-            return Fault(str(error), "no CUDA device", "run the worker on a machine where torch sees a GPU, or set "
-                         "device: auto")
+            return Fault(str(error), "device unavailable", "run the worker on a machine where torch sees that "
+                         "device, or set device: auto")
         error = error.__cause__ or error.__context__
     return None
 

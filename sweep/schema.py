@@ -531,8 +531,8 @@ class StudySpec(_Model):
                              "(a cohort packs many trials onto one device, a data-parallel trial spreads one over "
                              "several): use one of them")
         searched = (info.data.get("space") or {}).get("batch_size")
-        if isinstance(searched, IntParam) and (searched.low % n or searched.step % n or (
-                searched.log and searched.low < searched.high)):
+        if isinstance(searched, IntParam) and (searched.low % n or (searched.low < searched.high and (
+                searched.step % n or searched.log))):
             raise ValueError(f"devices_per_trial: {n} splits each global batch evenly between the ranks: the "
                              f"batch_size range [{searched.low}, {searched.high}] draws values that are not multiples "
                              f"of {n}; use a low that is one and step: {n} (not log: true)")

@@ -106,6 +106,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
     alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones
+    drawable = {key: extremes[0][1] for key, param in spec.space.items()
+                if key.startswith("model.") and (extremes := _extremes(param))}
     for key, param in spec.space.items():
         where = f"space.{key}"
         if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model") or key.startswith("fast_fail."):
@@ -151,7 +153,11 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             if drawn is None and len(problems) > found:
                 break  # an end is refused already: the values next to it would say the same again
             at = f"{where} (drawn value {value})" if drawn is None else f"{where}.{drawn}"
-            for bad_key, message in _config_problems({**base, key: value}, task, builtin, key.startswith("model.")):
+            # A value between the ends is tried with the other searched model keys at values they draw (their
+            # first extreme), not at the task's defaults, which the study may never use (4 heads where it searches
+            # 1 or 2): their combinations are `_pair_problems`'.
+            values = {**base, **(drawable if drawn is None else {}), key: value}
+            for bad_key, message in _config_problems(values, task, builtin, key.startswith("model.")):
                 if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
                     problems.append((at, message if bad_key == key else f"{bad_key}: {message}"))
             if key == "batch_size" and (message := _batch_size_problem(value, task)):

@@ -67,6 +67,14 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
             label_for_dashboard(study, spec.stored())
             return study
     stored = _stored_spec(study)
+    if stored is None and _unlabelled(study, spec):
+        # Created, and its creator gone before it wrote the definition (killed, Ctrl-C, the storage lost in those
+        # milliseconds): nothing in it to protect, and every rerun would be refused. Taken as this file's.
+        if OWNER_ATTR not in study.user_attrs:
+            study.set_user_attr(OWNER_ATTR, uuid.uuid4().hex)
+        study.set_user_attr(SPEC_ATTR, spec.stored())
+        label_for_dashboard(study, spec.stored())
+        return study
     if stored is None:
         raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
                                  "with --study-name")
@@ -156,6 +164,15 @@ def _same_values(spec: StudySpec, stored_fixed: Any) -> bool:
         return stored.config_for({}).to_dict() == spec.config_for({}).to_dict()
     except Exception:  # noqa: BLE001 - values the trainer refuses cannot be the same as valid ones
         return False
+
+
+def _unlabelled(study: optuna.Study, spec: StudySpec) -> bool:
+    """An empty study with the file's direction and no definition: no trial, no attr but the owner id sweep writes
+    first, nothing of Optuna's. What a `sweep run` killed between creating a study and writing its definition
+    leaves (an empty study of plain Optuna's looks the same, and holds nothing either)."""
+    return (not study.get_trials(deepcopy=False) and set(study.user_attrs) <= {OWNER_ATTR}
+            and not study._storage.get_study_system_attrs(study._study_id)  # noqa: SLF001 - no public reader
+            and not study._is_multi_objective() and study.direction.name.lower() == spec.direction)  # noqa: SLF001
 
 
 def _stored_spec(study: optuna.Study, patience_s: float = 5.0) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import ConfigError, TrainingConfig
+from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig
 from trainer.loop import NullReporter, TrainResult, train
 from trainer.precision import DeviceUnavailable, out_of_memory, resolve_device
 from trainer.tasks import TaskError
@@ -83,15 +83,17 @@ def _load_json(text: str) -> Any:
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
-    """`--set key=value`: each value read as YAML, by the rules a config file's values are read by (`1e3` a whole
-    number, `1_000` a string, `1e-400` refused), as `sweep run --set` reads them. Raises `YamlFileError` (source:
-    the command line) for a value that is not one."""
+    """`--set key=value`: a number, a list or mapping in brackets, a quoted string, true, false or null is read as
+    YAML, by the rules a config file's values are read by (`1e3` a whole number, `1e-400` refused); any other word
+    is the string it spells (`mixed_precision=off`, `data=*.npy`), as a shell user means it. Raises
+    `YamlFileError` (source: the command line) for a value that is not one."""
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"expected key=value, got {item!r}")
-        out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if raw else None
+        parsed = raw[:1] in "[{\"'" or raw in ("true", "false", "null", "~") or NUMBER_TEXT.fullmatch(raw.strip())
+        out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if parsed else raw
     return out
 
 

@@ -18,9 +18,9 @@ def no_function(module: Any, module_name: str, attr: str) -> str:
     module, the user's module of the same name is hidden by it."""
     where = getattr(module, "__file__", None)
     found = f"module {module_name!r}" + (f" ({where})" if where else "") + f" has no function {attr!r}"
-    if module_name.split(".")[0] in _OURS:
-        return (f"{found}: {module_name.split('.')[0]!r} is this package's own, and the import finds it before a "
-                "module of yours of that name; rename yours (my_trainer.py, say)")
+    if module_name in _OURS:
+        return (f"{found}: {module_name!r} is this package's own, and the import finds it before a module of yours "
+                "of that name; rename yours (my_trainer.py, say)")
     return found
 
 

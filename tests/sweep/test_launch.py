@@ -273,8 +273,8 @@ def test_local_workers_get_devices_per_trial_gpus_each() -> None:
         device_groups(["0"], 1, 2)
 
 
-@pytest.mark.parametrize("how", [("--slurm", "--dry-run"), ("--k8s", "--image", "img")])
-@pytest.mark.parametrize("where", ["file", "set"])
+@pytest.mark.parametrize(("how", "where"), [(("--slurm", "--dry-run"), "set"), (("--k8s", "--image", "img"), "set"),
+                                            (("--k8s", "--image", "img"), "file")])
 def test_a_tracking_uri_with_a_password_is_refused_by_submit(tmp_path: Path, how: tuple[str, ...], where: str) -> None:
     # The workers' command line (--set) and, for --k8s, the study file in a ConfigMap carried MLflow's password in
     # plain text: the batch script Slurm keeps, the manifest anyone who reads the Job sees.
@@ -285,8 +285,16 @@ def test_a_tracking_uri_with_a_password_is_refused_by_submit(tmp_path: Path, how
     done = sweep_cli("submit", path, *how, *extra, "-o", tmp_path / "job.yaml", cwd=tmp_path) if how[0] == "--k8s" \
         else sweep_cli("submit", path, *how, *extra, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
-    assert "tracking.mlflow.tracking_uri: holds a password" in done.stderr and "MLFLOW_TRACKING_PASSWORD" in done.stderr
+    assert "tracking.mlflow.tracking_uri: holds a password" in done.stderr, done.stderr
     assert "TRKPW" not in done.stdout + done.stderr and not (tmp_path / "job.yaml").exists()
+
+
+def test_a_tracking_uri_with_a_password_in_the_study_file_is_no_part_of_the_batch_script(tmp_path: Path) -> None:
+    uri = "postgresql://carol:TRKPW@127.0.0.1:5432/mlflow"  # the script names the file; it holds no copy of it
+    path = write_study(tmp_path, changed(tracking={"mlflow": {"tracking_uri": uri}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "TRKPW" not in done.stdout + done.stderr
 
 
 def test_mlflow_s_password_travels_in_the_owner_only_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,6 +155,22 @@ def test_a_searched_batch_size_whose_choices_split_evenly_is_taken_with_several_
     assert spec.resources.devices_per_trial == 3
 
 
+@pytest.mark.parametrize("document", [
+    # Every width it draws (even numbers) divides by each head count it searches (1, 2), though not by the
+    # task's default of 4 heads, which the study never uses.
+    changed(task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, space={
+        "model.n_heads": {"type": "categorical", "choices": [1, 2]},
+        "model.d_model": {"type": "int", "low": 64, "high": 128, "step": 2}}),
+    # A range pinned to one value (--set space.batch_size.high=64) draws a multiple of the ranks only.
+    changed(resources={"devices_per_trial": 2}, fixed__batch_size=...,
+            space__batch_size={"type": "int", "low": 64, "high": 64}),
+    changed(space__learning_rate={"type": "float", "low": 0.01, "high": 0.1, "step": 0.01},
+            space__warmup_steps={"type": "int", "low": 0, "high": 10, "log": False}),
+])
+def test_studies_whose_every_draw_trains_are_taken(tmp_path: Path, document: dict) -> None:
+    load_spec(write_study(tmp_path, document))  # the checks of draws between the ends refuse none of these
+
+
 def test_a_float_range_over_a_task_argument_annotated_int_is_refused_before_any_trial(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`task_args.n_val: {type: float, low: 100, high: 300}` for `def picky(n_val: int = 300)`: its ends are whole

@@ -12,6 +12,7 @@ from typing import Any
 import optuna
 import pytest
 
+from sweep.outcomes import OWNER_ATTR
 from sweep.spec import SPEC_ATTR, load_spec
 from sweep.storage import mask_url, sqlite_path
 from sweep.study import StudyMismatchError, open_study
@@ -59,9 +60,24 @@ def test_a_study_another_worker_has_just_created_is_joined_not_refused(tmp_path:
     finally:
         writer.join()
     assert joined.study_name == "tiny" and joined.user_attrs[SPEC_ATTR] == spec.stored()
-    other = optuna.create_study(study_name="not-ours", storage=url)  # never given a definition: refused
+    other = optuna.create_study(study_name="not-ours", storage=url)  # never given a definition, and a trial: refused
+    other.enqueue_trial({})
     with pytest.raises(StudyMismatchError, match="not created by sweep"):
         open_study(spec.model_copy(update={"name": other.study_name}), url)
+
+
+def test_a_study_whose_creator_died_before_writing_its_definition_is_taken_on_the_rerun(tmp_path: Path) -> None:
+    # `sweep run` killed between create_study and the write of the study's definition (milliseconds apart) left an
+    # empty study that every rerun refused as "not created by sweep". Nothing in it to protect: the rerun takes it.
+    spec, _ = load_spec(write_study(tmp_path, TINY_STUDY))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    optuna.create_study(study_name="tiny", storage=url)  # what the killed run left
+    taken = open_study(spec, url)
+    assert taken.user_attrs[SPEC_ATTR] == spec.stored() and taken.user_attrs[OWNER_ATTR]
+    assert open_study(spec, url).user_attrs[OWNER_ATTR] == taken.user_attrs[OWNER_ATTR]  # and resumed as its own
+    maximize = optuna.create_study(study_name="up", storage=url, direction="maximize")  # not what the file says
+    with pytest.raises(StudyMismatchError, match="not created by sweep"):
+        open_study(spec.model_copy(update={"name": maximize.study_name}), url)
 
 
 def test_fixed_values_written_differently_but_equal_resume_the_study(tmp_path: Path) -> None:

@@ -169,8 +169,10 @@ def test_a_set_value_is_read_as_a_file_s_value_and_its_problem_names_the_option(
 def test_a_set_whole_number_in_exponent_form_is_an_integer(tmp_path: Path) -> None:
     from trainer.__main__ import _parse_set
 
-    assert _parse_set(["max_steps=1e1", "model.hidden=[8, 16]", "scheduler=none"]) == {
-        "max_steps": 10, "model.hidden": [8, 16], "scheduler": "none"}
+    assert _parse_set(["max_steps=1e1", "model.hidden=[8, 16]", "scheduler=none", "mixed_precision=off",
+                       "task_args.path=*.npy", "nesterov=true"]) == {
+        "max_steps": 10, "model.hidden": [8, 16], "scheduler": "none", "mixed_precision": "off",
+        "task_args.path": "*.npy", "nesterov": True}  # a word is the string it spells, as the shell user means
 
 
 @pytest.mark.parametrize(("text", "line"), [
