@@ -244,7 +244,12 @@ def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
     pause, warned, cant_replace = 0.001, False, False
     seen, since = None, time.monotonic()  # the holder's stamp last seen, and since when
     while True:
-        handle = open(lock_file, "a+")  # returned open: `ask_lock` closes it
+        try:
+            handle = open(lock_file, "a+")  # returned open: `ask_lock` closes it
+        except OSError as exc:  # the database's folder made read-only, or taken away: the storage's refusal
+            setattr(exc, _REFUSED, (f"the storage refused: cannot open the study's lock file {lock_file} "
+                                    f"({exc.strerror or exc})", "storage refused: lock file"))
+            raise
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
