@@ -14,7 +14,7 @@ import pytest
 
 from sweep.outcomes import OWNER_ATTR
 from sweep.spec import SPEC_ATTR, load_spec
-from sweep.storage import mask_url, sqlite_path
+from sweep.storage import ask_lock, mask_url, sqlite_path, storage_refusal
 from sweep.study import StudyMismatchError, open_study
 from tests.conftest import TINY_STUDY, write_study
 
@@ -597,3 +597,14 @@ def test_a_postgresql_server_that_never_answers_fails_the_connection_instead_of_
     assert not thread.is_alive(), "still waiting for a server that never answers"
     assert len(outcome) == 1 and isinstance(outcome[0], OperationalError), outcome
     assert "timeout" in str(outcome[0]).lower()
+
+
+def test_a_lock_file_that_cannot_be_opened_mid_run_is_the_storage_s_refusal(tmp_path: Path) -> None:
+    # The database's folder made read-only (or removed) while a study runs: the worker's next ask could not open the
+    # lock file, and its OSError came out of `sweep run` as a traceback. It is the storage's refusal: one line.
+    (tmp_path / "s.db.lock").mkdir()  # a lock file no one can open, as in a read-only folder
+    with pytest.raises(OSError) as info, ask_lock(f"sqlite:///{tmp_path / 's.db'}", "s"):
+        pass
+    refusal = storage_refusal(info.value)
+    assert refusal is not None and refusal[0].startswith("the storage refused: cannot open the study's lock file "
+                                                         f"{tmp_path / 's.db.lock'} (Is a directory)"), refusal
