@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 from sweep.cohort import shape_keys
 from sweep.outcomes import budget_counts
 from sweep.reproduce import reproduce_trial
+from sweep.schema import StudyFileError, validate_document
 from sweep.spec import parse_spec
 from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 from trainer.tasks import load_task
@@ -373,12 +374,15 @@ def test_bruteforce_in_cohorts_trains_every_grid_point_once(tmp_path: Path) -> N
 def test_a_key_whose_neighbour_value_is_refused_is_not_taken_for_a_shape_key(tmp_path: Path) -> None:
     # `max_steps: 1` under the first member's `warmup_steps: 6` is no config at all; that refusal was counted as a
     # change of shapes, and max_steps (which may differ per member) was fixed for the whole cohort: all 12 trials of
-    # a study searching [1, 7, 33] trained 7 steps.
+    # a study searching [1, 7, 33] trained 7 steps. (`sweep run` now refuses this file, whose extremes do not go
+    # together; read without that check, it stands for a study whose refused pairs no pair of extremes shows.)
     document = copy.deepcopy(TINY_STUDY) | {"fixed": {"eval_every_steps": 1, "batch_size": 32}, "space": {
         "max_steps": {"type": "categorical", "choices": [1, 7, 33]},
         "warmup_steps": {"type": "int", "low": 0, "high": 6},
         "model.hidden": {"type": "categorical", "choices": [16, 32]}}}
-    spec = parse_spec(document, tmp_path / "study.yaml")
+    with pytest.raises(StudyFileError, match="with max_steps 1"):
+        parse_spec(document, tmp_path / "study.yaml")
+    spec = validate_document(document, tmp_path / "study.yaml")
     params = {"max_steps": 7, "warmup_steps": 6, "model.hidden": 16}
     config = spec.config_for(params)
     task = load_task(config.task, config.task_args)
@@ -386,7 +390,7 @@ def test_a_key_whose_neighbour_value_is_refused_is_not_taken_for_a_shape_key(tmp
     assert shape_keys(spec, {**params, "warmup_steps": 0}, config, task) == ["model.hidden"]
     # Every other value of max_steps refused beside warmup_steps 20: nothing says it changes shapes.
     document["space"]["warmup_steps"] = {"type": "int", "low": 0, "high": 40}
-    spec = parse_spec(document, tmp_path / "study.yaml")
+    spec = validate_document(document, tmp_path / "study.yaml")
     params = {"max_steps": 33, "warmup_steps": 20, "model.hidden": 16}
     assert shape_keys(spec, params, spec.config_for(params), task) == ["model.hidden"]
 
