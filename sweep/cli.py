@@ -504,8 +504,9 @@ def submit(
     from sweep.urls import url_secrets
 
     tracking_uri = spec.tracking.mlflow.tracking_uri
-    on_command_line = any(item.partition("=")[0].strip().startswith("tracking") for item in set_ or [])
-    if tracking_uri is not None and url_secrets(tracking_uri) and (k8s or on_command_line):
+    secrets = url_secrets(tracking_uri) if tracking_uri is not None else []
+    on_command_line = any(secret in item for item in set_ or [] for secret in secrets if secret)
+    if secrets and (k8s or on_command_line):
         # --set values go on the workers' command line in the batch script, which Slurm keeps; --k8s puts the study
         # file in a ConfigMap. Whoever may read the job or the ConfigMap would see it. (A --slurm study file is
         # named by its path: the script does not carry its contents.)

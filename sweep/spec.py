@@ -107,7 +107,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
     alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones
     drawable = {key: extremes[0][1] for key, param in spec.space.items()
-                if key.startswith("model.") and (extremes := _extremes(param))}
+                if key.startswith("model.") and key.removeprefix("model.") in task.model_defaults
+                and (extremes := _extremes(param))}
     for key, param in spec.space.items():
         where = f"space.{key}"
         if not TrainingConfig.is_key(key) or key in ("task", "task_args", "model") or key.startswith("fast_fail."):
@@ -348,7 +349,7 @@ def _candidates(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[s
     return ends
 
 
-def _extremes(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str, Any]]:
+def _extremes(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str | None, Any]]:
     """A searched key's smallest and largest values, the ones a rule between two keys (`warmup_steps` at most
     `max_steps`) is met or broken by first; none for choices that are not all numbers."""
     if not isinstance(param, CategoricalParam):
@@ -369,14 +370,18 @@ def _pair_problems(spec: StudySpec, keys: list[str], base: dict[str, Any], base_
     for i, first in enumerate(keys):
         for second in keys[i + 1:]:
             model = first.startswith("model.") and second.startswith("model.")
-            pair = next(((a_label, a, b_label, b, found[0]) for a_label, a in _extremes(spec.space[first])
-                         for b_label, b in _extremes(spec.space[second])
+            # Two model keys meet in a rule of divisibility (heads and width), which the values between the ends
+            # break as often as the ends: each is tried at every value `_candidates` tries it at alone.
+            values = _candidates if model else _extremes
+            pair = next(((a_label, a, b_label, b, found[0]) for a_label, a in values(spec.space[first])
+                         for b_label, b in values(spec.space[second])
                          if (found := [p for p in _config_problems({**base, first: a, second: b}, task, builtin, model)
                                        if p not in base_problems])), None)
             if pair is not None:
-                a_label, a, b_label, _, (bad_key, message) = pair
-                problems.append((f"space.{second}.{b_label}", f"with {first} {a} (space.{first}.{a_label}), "
-                                                              f"{bad_key}: {message}"))
+                a_label, a, b_label, b, (bad_key, message) = pair
+                at = f"space.{second} (drawn value {b})" if b_label is None else f"space.{second}.{b_label}"
+                with_first = f"{first} {a}" + ("" if a_label is None else f" (space.{first}.{a_label})")
+                problems.append((at, f"with {with_first}, {bad_key}: {message}"))
     return problems
 
 

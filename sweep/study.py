@@ -69,12 +69,13 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
     stored = _stored_spec(study)
     if stored is None and _unlabelled(study, spec):
         # Created, and its creator gone before it wrote the definition (killed, Ctrl-C, the storage lost in those
-        # milliseconds): nothing in it to protect, and every rerun would be refused. Taken as this file's.
-        if OWNER_ATTR not in study.user_attrs:
-            study.set_user_attr(OWNER_ATTR, uuid.uuid4().hex)
+        # milliseconds): nothing in it to protect, and every rerun would be refused. Taken as this file's. No owner
+        # id is written: two workers taking it at once would write two, and one of them would then be refused its
+        # checkpoint folder for good; a study without one is not checked for it (as one made before owner ids).
         study.set_user_attr(SPEC_ATTR, spec.stored())
         label_for_dashboard(study, spec.stored())
-        return study
+        stored = spec.stored()
+    stored = stored if stored is not None else study.user_attrs.get(SPEC_ATTR)  # another worker took it meanwhile
     if stored is None:
         raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
                                  "with --study-name")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["import_callable", "no_function"]
@@ -18,10 +20,21 @@ def no_function(module: Any, module_name: str, attr: str) -> str:
     module, the user's module of the same name is hidden by it."""
     where = getattr(module, "__file__", None)
     found = f"module {module_name!r}" + (f" ({where})" if where else "") + f" has no function {attr!r}"
-    if module_name in _OURS:
-        return (f"{found}: {module_name!r} is this package's own, and the import finds it before a module of yours "
-                "of that name; rename yours (my_trainer.py, say)")
+    top = module_name.split(".")[0]
+    if top in _OURS and (module_name == top or _another(top)):
+        return (f"{found}: {top!r} is this package's own, and the import finds it before a module of yours of "
+                f"that name; rename yours (my_{top}, say)")
     return found
+
+
+def _another(top: str) -> bool:
+    """Whether a folder on the import path other than this package's holds a module or package named `top`."""
+    ours = Path(__file__).resolve().parent.parent
+    for entry in sys.path:
+        folder = Path(entry or ".").resolve()
+        if folder != ours and ((folder / top).is_dir() or (folder / f"{top}.py").is_file()):
+            return True
+    return False
 
 
 def import_callable(path: str, what: str, builtin: Iterable[str],

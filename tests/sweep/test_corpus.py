@@ -283,6 +283,11 @@ RANGES = [
         task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
         fixed__model={"n_heads": 4, "n_layers": 1}, space={"model.d_model": {"type": "int", "low": 64, "high": 68}}),
         "space.model.d_model (drawn value 65)", "must be divisible by model.n_heads, but got d_model=65"),
+    bad_file("ranges", "two-searched-model-keys-refused-together-between-their-ends", changed(
+        task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
+        fixed__model={"n_layers": 1}, space={"model.n_heads": {"type": "int", "low": 1, "high": 4},
+                                             "model.d_model": {"type": "categorical", "choices": [96, 128]}}),
+        "space.model.d_model.choices[1]", "with model.n_heads 3, model.n_heads: task 'charlm' cannot build its model"),
     bad_file("ranges", "two-searched-keys-refused-together", changed(space={
         "max_steps": {"type": "categorical", "choices": [1, 6]}, "warmup_steps": {"type": "int", "low": 0, "high": 5}},
         fixed__max_steps=..., fixed__eval_every_steps=1), "space.warmup_steps.high",

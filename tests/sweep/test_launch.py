@@ -292,9 +292,10 @@ def test_a_tracking_uri_with_a_password_is_refused_by_submit(tmp_path: Path, how
 def test_a_tracking_uri_with_a_password_in_the_study_file_is_no_part_of_the_batch_script(tmp_path: Path) -> None:
     uri = "postgresql://carol:TRKPW@127.0.0.1:5432/mlflow"  # the script names the file; it holds no copy of it
     path = write_study(tmp_path, changed(tracking={"mlflow": {"tracking_uri": uri}}))
-    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "TRKPW" not in done.stdout + done.stderr
+    for other in ((), ("--set", "tracking.mlflow.experiment=x")):  # another key given on the command line
+        done = sweep_cli("submit", path, "--slurm", "--dry-run", *other, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert "TRKPW" not in done.stdout + done.stderr
 
 
 def test_mlflow_s_password_travels_in_the_owner_only_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
