@@ -45,7 +45,7 @@ def test_unknown_key_names_the_key_and_the_allowed_ones() -> None:
     [
         ({"optimizer": "rmsprop"}, "optimizer", "'adam', 'adamw', 'sgd', 'lion'"),
         ({"scheduler": "exp"}, "scheduler", "'cosine'"),
-        ({"learning_rate": 0}, "learning_rate", "(0, inf]"),
+        ({"learning_rate": 0}, "learning_rate", "(0, 3.4028234663852886e+38]"),
         ({"learning_rate": "fast"}, "learning_rate", "expected a number"),
         ({"max_steps": 10.5}, "max_steps", "expected an integer"),
         ({"batch_size": True}, "batch_size", "expected an integer"),
