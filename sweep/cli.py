@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -326,16 +326,19 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     _quiet_optuna()
     notify = lambda line: err.print(f"{prefix}{line}", markup=False)
     location = spec.checkpoints.store or default_store(url)
-    database = sqlite_path(url)
-    if spec.checkpoints.enabled and database is not None and not database.exists() and (
-            problem := _store_claim_problem(spec.name, None, location, url, claim=False)):
-        raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)  # before the file is made
+
+    def refuse_a_folder_another_owns(exists: Callable[[], bool]) -> None:
+        """A study about to be created owns no folder yet: one with an owner is another's. Asked again before
+        refusing: a worker that created the study meanwhile has claimed the folder for it."""
+        if spec.checkpoints.enabled and not exists() and (problem := _store_claim_problem(
+                spec.name, None, location, url, claim=False)) and not exists():
+            raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+
+    if (database := sqlite_path(url)) is not None:
+        refuse_a_folder_another_owns(database.exists)  # before the SQLite file is made
     try:
         storage = worker_storage(spec, url, notify=notify)
-        if spec.checkpoints.enabled and not _study_exists(storage, spec.name) and (
-                problem := _store_claim_problem(spec.name, None, location, url, claim=False)) and (
-                not _study_exists(storage, spec.name)):  # not a worker that created it meanwhile and claimed it
-            raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+        refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
         study = open_study(spec, storage)
     except StudyMismatchError as exc:
         raise _fail(str(exc), 2) from None

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
@@ -928,6 +929,20 @@ def long_name_problem(path: str | Path) -> str | None:
         if len(os.fsencode(part)) > NAME_MAX:
             return (f"{short_repr(str(path))}: a part of the path is {len(os.fsencode(part))} bytes long, and file "
                     f"systems allow {NAME_MAX}")
+    return None
+
+
+def folder_creation_problem(path: Path, *, probe: bool = True) -> str | None:
+    """Why no folder can be made in the existing folder `path`, or None: no write or search permission, or (with
+    `probe`) what no check foresees (under /proc), found by making a folder of a name of its own there and taking it
+    away again."""
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"cannot create folders in {path}: permission denied"
+    if probe:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".sweep-probe-", dir=path))
+        except OSError as exc:
+            return f"cannot create folders in {path}: {exc.strerror or exc}"
     return None
 
 

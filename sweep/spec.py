@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import shutil
-import tempfile
 import typing
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
@@ -29,6 +27,7 @@ from sweep.schema import (
     StudyFileError,
     StudySpec,
     did_you_mean,
+    folder_creation_problem,
     long_name_problem,
     read_spec,
     short_repr,
@@ -153,7 +152,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         for drawn, value in _candidates(param):
             if drawn is None and len(problems) > found:
                 break  # an end is refused already: the values next to it would say the same again
-            at = f"{where} (drawn value {value})" if drawn is None else f"{where}.{drawn}"
+            at = _at(where, drawn, value)
             # A value between the ends is tried with the other searched model keys at values they draw (their
             # first extreme), not at the task's defaults, which the study may never use (4 heads where it searches
             # 1 or 2): their combinations are `_pair_problems`'.
@@ -349,6 +348,12 @@ def _candidates(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[s
     return ends
 
 
+def _at(where: str, label: str | None, value: Any) -> str:
+    """Where a searched value is named: by its key in the file (`space.x.low`), or as a drawn value between the ends,
+    which no key names."""
+    return f"{where} (drawn value {value})" if label is None else f"{where}.{label}"
+
+
 def _extremes(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str | None, Any]]:
     """A searched key's smallest and largest values, the ones a rule between two keys (`warmup_steps` at most
     `max_steps`) is met or broken by first; none for choices that are not all numbers."""
@@ -379,9 +384,8 @@ def _pair_problems(spec: StudySpec, keys: list[str], base: dict[str, Any], base_
                                        if p not in base_problems])), None)
             if pair is not None:
                 a_label, a, b_label, b, (bad_key, message) = pair
-                at = f"space.{second} (drawn value {b})" if b_label is None else f"space.{second}.{b_label}"
                 with_first = f"{first} {a}" + ("" if a_label is None else f" (space.{first}.{a_label})")
-                problems.append((at, f"with {with_first}, {bad_key}: {message}"))
+                problems.append((_at(f"space.{second}", b_label, b), f"with {with_first}, {bad_key}: {message}"))
     return problems
 
 
@@ -413,15 +417,8 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
         if path.exists():
             if not path.is_dir():
                 return [(which, f"{path} is a file; the checkpoints need a folder there")]
-            if not os.access(path, os.W_OK | os.X_OK):
-                return [(which, f"cannot create folders in {path}: permission denied")]
-            if path == folder / spec.name:
-                return []
-            try:  # what no check foresees (under /proc): a folder of a name of its own, made and taken away again
-                os.rmdir(tempfile.mkdtemp(prefix=".sweep-probe-", dir=path))
-            except OSError as exc:
-                return [(which, f"cannot create folders in {path}: {exc.strerror or exc}")]
-            return []
+            problem = folder_creation_problem(path, probe=path != folder / spec.name)
+            return [] if problem is None else [(which, problem)]
     return []
 
 

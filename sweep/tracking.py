@@ -27,7 +27,6 @@ import math
 import os
 import posixpath
 import re
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -120,7 +119,7 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     store a file SQLite can use (not a folder, nor another kind of file); otherwise every trial would warn that its
     tracking was dropped, or wait on MLflow's retries. Other MLflow tracking URIs are MLflow's to judge (plugins add
     kinds of their own)."""
-    from sweep.schema import long_name_problem, sqlite_file_problem
+    from sweep.schema import folder_creation_problem, long_name_problem, sqlite_file_problem
 
     problems = []
     tensorboard = spec.tracking.tensorboard
@@ -134,13 +133,8 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
                 if path.exists():
                     if not path.is_dir():
                         problems.append((key, f"{path} is a file; TensorBoard needs a folder there"))
-                    elif not os.access(path, os.W_OK | os.X_OK):
-                        problems.append((key, f"cannot create folders in {path}: permission denied"))
-                    elif path != folder:
-                        try:  # what no check foresees (under /proc): a folder made there, and taken away again
-                            os.rmdir(tempfile.mkdtemp(prefix=".sweep-probe-", dir=path))
-                        except OSError as exc:
-                            problems.append((key, f"cannot create folders in {path}: {exc.strerror or exc}"))
+                    elif problem := folder_creation_problem(path, probe=path != folder):
+                        problems.append((key, problem))
                     break
     if spec.tracking.mlflow.enabled:
         uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)
