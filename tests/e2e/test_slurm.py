@@ -138,11 +138,14 @@ def preempted(trial: FrozenTrial) -> bool:
     return trial.user_attrs.get("outcome") == "preempted"
 
 
+STEPS = 2000
+
+
 def test_a_requeued_task_and_a_warned_task_continue_the_study_and_resume_their_trials(
         tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
     url, name = url_with_password(postgres_url), "slurm_preempt"
-    # Trials long enough to be caught in the middle, with a checkpoint every 50 steps.
-    path = study_file(tmp_path, name, 2, checkpoint_every=50, max_steps=600, eval_every_steps=50,
+    # Trials long enough to be caught in the middle on a loaded machine, with a checkpoint every 50 steps.
+    path = study_file(tmp_path, name, 2, checkpoint_every=50, max_steps=STEPS, eval_every_steps=50,
                       log_every_steps=50)
     log = Timeline("2 workers, 2 trials; one task requeued (scontrol requeue), one warned (scancel --signal USR1)")
     job = submit(slurm_cluster, path, url, "--workers", "2")
@@ -177,7 +180,11 @@ def test_a_requeued_task_and_a_warned_task_continue_the_study_and_resume_their_t
     wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
     log("every array task finished")
 
-    assert {(r["JobState"], r["Restarts"]) for r in tasks(slurm_cluster, job).values()} == {("COMPLETED", "1")}
+    logs = "".join(f"--- {p.name}\n{p.read_text()}" for p in sorted((tmp_path / f"{name}.slurm").glob(f"{job}_*.log")))
+    found = tasks(slurm_cluster, job)
+    assert {(r["JobState"], r["Restarts"]) for r in found.values()} == {("COMPLETED", "1")}, (
+        f"{[(k, r['JobState'], r['ExitCode'], r.get('Reason')) for k, r in found.items()]}\n{logs}"
+        f"{slurm_cluster.log_tail(chars=6000)}")
     trials = load(url, name).get_trials()
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     stopped = [t for t in trials if preempted(t)]
@@ -187,10 +194,9 @@ def test_a_requeued_task_and_a_warned_task_continue_the_study_and_resume_their_t
         assert retry.params == trial.params
         resumed = retry.user_attrs["resumed_from"]
         assert resumed["trial"] == trial.number and resumed["step"] >= 100
-        assert sorted(retry.intermediate_values)[-1] == 600
+        assert sorted(retry.intermediate_values)[-1] == STEPS
         log(f"trial {trial.number} preempted at step {max(trial.intermediate_values)}; retry {retry.number} "
             f"resumed from step {resumed['step']} and completed")
-    logs = "".join(p.read_text() for p in (tmp_path / f"{name}.slurm").glob(f"{job}_*.log"))
     assert logs.count("preempted (SIGTERM)") == 2 and PASSWORD not in logs
 
 
