@@ -100,7 +100,9 @@ class SlurmCluster:
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
             "AuthType=auth/munge",
-            f"AuthInfo=socket={self.munge_socket}",
+            # A requeued job starts again only once its old credential has expired (slurmd refuses to launch a job
+            # id it has revoked: "already killed", the job then FAILED); 20 s instead of 120 s keeps the tests short.
+            f"AuthInfo=socket={self.munge_socket},cred_expire=20",
             "CredType=cred/munge",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",

@@ -147,7 +147,7 @@ def test_a_requeued_task_and_a_warned_task_continue_the_study_and_resume_their_t
     # Trials long enough to be caught in the middle on a loaded machine, with a checkpoint every 50 steps.
     path = study_file(tmp_path, name, 2, checkpoint_every=50, max_steps=STEPS, eval_every_steps=50,
                       log_every_steps=50)
-    log = Timeline("2 workers, 2 trials; one task requeued (scontrol requeue), one warned (scancel --signal USR1)")
+    log = Timeline("2 workers, 2 trials; one task requeued (scontrol requeuehold), one warned (scancel --signal USR1)")
     job = submit(slurm_cluster, path, url, "--workers", "2")
     log(f"submitted job array {job}")
 
@@ -161,22 +161,29 @@ def test_a_requeued_task_and_a_warned_task_continue_the_study_and_resume_their_t
     wait_for(both_past_a_checkpoint, "2 running trials past step 100",
              lambda: [(t.number, t.state, sorted(t.intermediate_values)) for t in load(url, name).get_trials()])
     log("both trials past step 100")
-    slurm_cluster.run("scontrol", "requeue", f"{job}_0")  # as preemption with PreemptMode=REQUEUE: SIGTERM now
+    # As preemption with PreemptMode=REQUEUE (SIGTERM now), held in the queue so that the test sees it there.
+    slurm_cluster.run("scontrol", "requeuehold", f"{job}_0")
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", f"{job}_1")  # the --signal warning before a time limit
     log("requeued task 0, sent task 1 the warning signal")
 
-    def both_requeued() -> bool:
+    def both_requeued_and_held() -> bool:
+        """Task 1 requeues itself; it is held once seen queued (Slurm starts a requeued job only when its old
+        credential has expired, tests/slurm.py: 20 s to do this)."""
         found = tasks(slurm_cluster, job)
-        return len(found) == 2 and all(r["JobState"] == "PENDING" and r["Restarts"] == "1" for r in found.values())
+        for task, record in found.items():
+            if record["JobState"] == "PENDING" and record["Restarts"] == "1" and record["Priority"] != "0":
+                slurm_cluster.run("scontrol", "hold", f"{job}_{task}")
+        return len(found) == 2 and all(r["JobState"] == "PENDING" and r["Restarts"] == "1" and r["Priority"] == "0"
+                                       for r in found.values())
 
-    wait_for(both_requeued, "2 requeued tasks", lambda: states(slurm_cluster, job))
-    log("both tasks back in the queue (Restarts=1)")
+    wait_for(both_requeued_and_held, "2 requeued tasks", lambda: states(slurm_cluster, job))
+    log("both tasks back in the queue (Restarts=1), held")
     trials = load(url, name).get_trials()
     assert sum(preempted(t) for t in trials) == 2, [(t.number, t.state, t.user_attrs) for t in trials]
     status = slurm_status(slurm_cluster, path, url)
     assert "requeued 2" in status
-    for task in ("0", "1"):  # Slurm holds a requeued job for a while (BeginTime); the test does not wait it out
-        slurm_cluster.run("scontrol", "update", f"JobId={job}_{task}", "StartTime=now")
+    for task in ("0", "1"):
+        slurm_cluster.run("scontrol", "release", f"{job}_{task}")
     wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
     log("every array task finished")
 
