@@ -355,11 +355,22 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
         used = budget_counts(study.get_trials(deepcopy=False))[0]
         err.print(f"study {spec.name!r} in {mask_url(url)}: {used}/{spec.n_trials} trials done", markup=False)
         if spec.warm_start.enabled and spec.warm_start.from_studies:  # a typo there would silently give no donors
+            from sweep.registry import Registry
+            from sweep.warmstart import donorless_studies
+
             names = {s.study_name for s in study._storage.get_all_studies()}  # noqa: SLF001
             for name in spec.warm_start.from_studies:
                 if name not in names:
                     err.print(f"warning: warm_start.from_studies: no study {name!r} in {mask_url(url)}, so it gives "
                               f"no donors (its studies: {', '.join(sorted(names))})", markup=False)
+            found = [name for name in spec.warm_start.from_studies if name in names]
+            registry = Registry(url)
+            try:
+                for name, why in donorless_studies(registry, spec, found).items():
+                    err.print(f"warning: warm_start.from_studies: study {name!r} gives no donors so far: {why}",
+                              markup=False)
+            finally:
+                registry.engine.dispose()
     return study
 
 

@@ -352,6 +352,15 @@ class Registry:
                                                                      checkpoints.c.pinned == 0)
                                            .returning(checkpoints.c.id)).scalars())
 
+    def earliest_donor_step(self, study: str) -> int | None:
+        """The earliest step among the study's checkpoints that `donor_candidates` can return (a finished trial's,
+        scored), or None when it has none."""
+        query = select(func.min(checkpoints.c.step)).where(
+            checkpoints.c.study == study, checkpoints.c.final == 1, checkpoints.c.value.is_not(None))
+        with self.engine.connect() as connection:
+            step = connection.execute(query).scalar()
+        return None if step is None else int(step)
+
     def for_study(self, study: str) -> list[CheckpointRecord]:
         """Every checkpoint row of the study, pinned or not, in trial, step and id order (`sweep check`)."""
         query = (select(checkpoints).where(checkpoints.c.study == study)

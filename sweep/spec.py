@@ -289,7 +289,12 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if spec.warm_start.confirm >= spec.n_trials:
         return [("warm_start.confirm", f"expected fewer than n_trials ({spec.n_trials}): the confirmations are the "
                  f"last trials of the budget, after the search, but got {spec.warm_start.confirm}")]
-    if spec.loop is None and spec.command is None:  # the built-in trainer hands over at an evaluation step
+    if spec.loop is not None or spec.command is not None:
+        if "handoff" in spec.warm_start.model_fields_set:  # it would do nothing
+            return [("warm_start.handoff", f"a {'loop' if spec.loop is not None else 'command'} study's warm trial "
+                     "starts from its donor's newest save (run.load()), whatever its step; handoff is the built-in "
+                     "trainer's: remove it")]
+    else:  # the built-in trainer hands over at an evaluation step
         for end in (0, -1):
             try:
                 config = TrainingConfig.from_dict(_example_config(spec, end))
@@ -301,6 +306,21 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
                          "keep a checkpoint to hand over and warm start would never happen; expected a handoff of at "
                          f"least {config.eval_every_steps / config.max_steps:.3g}, or evaluations more often")]
     return []
+
+
+def latest_handoff_step(spec: StudySpec) -> int | None:
+    """The latest step a warm trial of this study can take its donor's state at: the handoff step at whichever end of
+    the searched ranges gives the later one; None for a `loop` or `command` study (a donor's newest save, any step)."""
+    if spec.loop is not None or spec.command is not None:
+        return None
+    steps = []
+    for end in (0, -1):
+        try:
+            config = TrainingConfig.from_dict(_example_config(spec, end))
+        except ConfigError:
+            continue
+        steps.append(spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps))
+    return max(steps, default=None)
 
 
 def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from sweep.schema import Param, StudySpec
     from trainer import Task, TrainingConfig
 
-__all__ = ["Donor", "categorical_key", "coordinate", "coordinates", "distance", "find_donor", "must_match", "shape_key",
-           "warm_start_from"]
+__all__ = ["Donor", "categorical_key", "coordinate", "coordinates", "distance", "donorless_studies", "find_donor",
+           "must_match", "shape_key", "warm_start_from"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,25 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
 
 
 PAGE = 64
+
+
+def donorless_studies(registry: Registry, spec: StudySpec, names: Sequence[str]) -> dict[str, str]:
+    """Which of `names` (other studies of this storage) can give this study no donor, each with why: a study keeps
+    a checkpoint at its handoff step only when it runs with warm start on; without it, only its trials' latest and
+    best checkpoints, which come after this study's handoff step."""
+    from sweep.spec import latest_handoff_step
+
+    latest = latest_handoff_step(spec)
+    why = {}
+    for name in names:
+        earliest = registry.earliest_donor_step(name)
+        if earliest is None:
+            why[name] = "it has no checkpoint of a finished trial"
+        elif latest is not None and earliest > latest:
+            why[name] = (f"its earliest checkpoint is at step {earliest}, after this study's handoff (step {latest} "
+                         "at the latest), and a study keeps a checkpoint at its handoff step only when it runs with "
+                         "warm_start on: run it with warm_start (at the same handoff and max_steps) to make it a donor")
+    return why
 
 
 def categorical_key(space: Mapping[str, Param], params: Mapping[str, Any]) -> str:

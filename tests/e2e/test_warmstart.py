@@ -278,3 +278,34 @@ def test_a_preempted_trial_is_a_donor_again_once_its_retry_completes(tmp_path: P
     assert preempted.user_attrs["fail_reason"].startswith("preempted") and retry.user_attrs["retry_of"] == 0
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from"]["step"] > 500
     assert fresh.user_attrs["warm_start_from"]["trial"] == 0 and fresh.user_attrs["warm_start_from"]["step"] == 500
+
+
+def test_a_from_studies_study_run_without_warm_start_is_named_in_a_warning_and_one_run_with_it_donates(
+        tmp_path: Path) -> None:
+    # A study run without warm_start keeps only its trials' latest and best checkpoints, all after this study's
+    # handoff step: it silently gave no donors.
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    def run(name: str, n_trials: int, **warm_start: object) -> str:
+        document = copy.deepcopy(TINY_STUDY) | {"name": name, "n_trials": n_trials, "storage": storage,
+                                                **({"warm_start": warm_start} if warm_start else {})}
+        document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 10}
+        done = sweep_cli("run", write_study(tmp_path, document, f"{name}.yaml"))
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    def first_donor(name: str) -> object:
+        return optuna.load_study(study_name=name, storage=storage).trials[0].user_attrs.get("warm_start_from")
+
+    run("plain", 2)
+    stderr = run("after-plain", 1, max_distance=1.0, from_studies=["plain"])
+    assert ("warning: warm_start.from_studies: study 'plain' gives no donors so far: its earliest checkpoint is at "
+            "step 40, after this study's handoff (step 20 at the latest)") in stderr
+    assert "run it with warm_start" in stderr
+    assert first_donor("after-plain") is None
+
+    run("donor", 2, max_distance=1.0)
+    stderr = run("after-donor", 1, max_distance=1.0, from_studies=["donor"])
+    assert "gives no donors" not in stderr
+    donor = first_donor("after-donor")
+    assert isinstance(donor, dict) and donor["study"] == "donor" and donor["step"] == 20

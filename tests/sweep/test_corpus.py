@@ -790,6 +790,11 @@ LOOP_MAX_STEPS = [
     bad_file("loop max_steps", "bool", changed(**LOOP, fixed__max_steps=True), "fixed.max_steps", "got True"),
     bad_file("loop max_steps", "float-range", changed(**LOOP, fixed__max_steps=..., space__max_steps={
         "type": "float", "low": 10, "high": 20}), "space.max_steps.type", "max_steps takes integers"),
+    # A loop's warm trial starts from its donor's newest save: a handoff there did nothing.
+    bad_file("loop max_steps", "loop-handoff", changed(**LOOP, warm_start={"handoff": 0.3}), "warm_start.handoff",
+             "a loop study's warm trial starts from its donor's newest save (run.load()), whatever its step"),
+    bad_file("loop max_steps", "command-handoff", changed(**COMMAND, warm_start={"handoff": 0.3}),
+             "warm_start.handoff", "a command study's warm trial starts from its donor's newest save"),
 ]
 
 # Samplers that cannot search the space, as Optuna documents them: refused before a trial fails for it.
