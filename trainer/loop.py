@@ -295,6 +295,10 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
             if stopped:
                 return _finish(result, local, started, "stopped")
         status = _train_steps(run, loop, first_step, reporter, result, checkpointer)
+    except RuntimeError as exc:
+        if (explained := task.explained(exc, run.model)) is None:
+            raise
+        raise explained from exc
     finally:
         run.batches.close()  # a loader's workers stop here, not when the garbage collector gets to them
     return _finish(result, local, started, status)

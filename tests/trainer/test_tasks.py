@@ -219,3 +219,34 @@ def test_a_task_drawing_its_data_from_the_global_generators_gets_the_same_data_e
     first, second = load_task("globalrng:noisy"), load_task("globalrng:noisy")
     assert torch.equal(first.train[0], second.train[0]) and torch.equal(first.train[1], second.train[1])
     assert (np.random.random(), torch.rand(1).item()) == expected  # the caller's draws go on as before
+
+
+class _CastsItself(torch.nn.Module):
+    """A model that takes float64 inputs on purpose: nothing to explain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float())
+
+
+@pytest.mark.parametrize("builder", [lambda cfg: torch.nn.Sequential(torch.nn.Linear(4, 3)),
+                                     lambda cfg: torch.nn.Sequential(torch.nn.LazyLinear(3))], ids=["linear", "lazy"])
+def test_inputs_of_another_dtype_than_the_model_are_refused_naming_the_task_both_dtypes_and_the_fix(builder) -> None:
+    # numpy's float64 data with a float32 model failed every trial with "mat1 and mat2 must have the same dtype",
+    # which names neither the task nor the fix.
+    from trainer import Task
+
+    x = torch.from_numpy(np.random.default_rng(0).normal(size=(64, 4)))  # float64
+    y = torch.arange(64) % 3
+    task = Task(name="np64", train=(x, y), val=(x, y), build_model=builder)
+    config = TrainingConfig(max_steps=2, eval_every_steps=1, batch_size=8, device="cpu")
+    with pytest.raises(TaskError, match=r"^task 'np64': its inputs are torch.float64 but its model's parameters are "
+                                        r"torch.float32: make them the same .* \(e.g. inputs.float\(\)\) \(.*dtype"):
+        train(config, task)
+    fixed = Task(name="np64", train=(x.float(), y), val=(x.float(), y), build_model=builder)
+    assert train(config, fixed).status == "completed"
+    casting = Task(name="np64", train=(x, y), val=(x, y), build_model=lambda cfg: _CastsItself())
+    assert train(config, casting).status == "completed"  # a model that casts its inputs itself is left alone

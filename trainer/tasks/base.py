@@ -197,12 +197,30 @@ class Task:
                      f"size overflows{f' with {key}={model[key]!r}' if key else ''}; expected a model far smaller")]
         return []
 
+    def explained(self, error: RuntimeError, model: nn.Module) -> TaskError | None:
+        """PyTorch's refusal of inputs whose floating dtype is not the model's (numpy's float64 data and a float32
+        model: "mat1 and mat2 must have the same dtype", which names neither) as a `TaskError` naming the task, both
+        dtypes and the fix; None when they are the same (another error)."""
+        inputs = self.train[0]
+        params = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        if not inputs.is_floating_point() or params is None or params == inputs.dtype:
+            return None
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return TaskError(f"task {self.name!r}: its inputs are {inputs.dtype} but its model's parameters are "
+                         f"{params}: make them the same in the task's factory (e.g. inputs.float()) ({said})")
+
     def build(self, model: Mapping[str, Any], device: torch.device | str | None = None) -> nn.Module:
         """The model for the config's `model` mapping, moved to `device` (None: where the builder put it, the meta
         device under `torch.device("meta")`), its lazy modules (`nn.LazyLinear`, ...) given their shapes by
         `materialize`: every caller (the loops, the batched engine, warm start's shape key) sees the same tensors."""
         built = self.build_model(self.model_config(model))
-        return materialize(built.to(device) if device is not None else built, self.train[0])
+        built = built.to(device) if device is not None else built
+        try:
+            return materialize(built, self.train[0])
+        except RuntimeError as exc:
+            if (explained := self.explained(exc, built)) is None:
+                raise
+            raise explained from exc
 
     def model_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """The defaults updated with `model`, with a `ConfigError` for anything the builder does not accept."""
