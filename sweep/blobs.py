@@ -329,7 +329,8 @@ def local_copy(uri: str) -> Iterator[Path]:
 
 def delete_blob(uri: str) -> None:
     if not is_object_url(uri):
-        Path(uri).unlink(missing_ok=True)
+        if not Path(uri).is_dir():  # a folder at a blob's path is not sweep's to remove
+            Path(uri).unlink(missing_ok=True)
         return
     _, _, key = _split(uri)
     with contextlib.suppress(optuna.artifacts.exceptions.ArtifactNotFound):

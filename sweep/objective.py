@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -450,7 +451,14 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
     if trial.user_attrs.get("retry_of") is None:
         return None
     trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
-    found = checkpoints.resume_point(lineage(trials, trial.number)[1:], keep_steps)
+    # Only checkpoints trained with this trial's params: a lineage whose params were lost (a queued retry killed before
+    # it wrote them) must not hand its state to other ones.
+    ancestors = lineage(trials, trial.number)[1:]
+    for number in ancestors:
+        if trials[number].params and trials[number].params != trial.params:
+            warnings.warn(f"trial {trial.number} does not resume from trial {number}'s checkpoints: they were trained "
+                          f"with other params ({trials[number].params}, this trial {trial.params})", stacklevel=2)
+    found = checkpoints.resume_point([n for n in ancestors if trials[n].params == trial.params], keep_steps)
     if found is None:
         return None
     source = trials[found.trial]

@@ -18,6 +18,7 @@ import contextlib
 import enum
 import json
 import os
+import stat
 import time
 import warnings
 from collections import Counter
@@ -301,12 +302,16 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
 
 
 def _digest(uri: str) -> tuple[int, str] | None:
-    """The blob's size and SHA-256, or None when it is not there (downloaded first from an object store)."""
+    """The blob's size and SHA-256, or None when it is not there (downloaded first from an object store); a folder
+    at its path is no blob either."""
     with local_copy(uri) as path:
         try:
-            size = path.stat().st_size
+            found = path.stat()
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(found.st_mode):
+            return None
+        size = found.st_size
         try:
             return size, sha256_of(path)
         except FileNotFoundError:  # deleted between the stat and the read

@@ -498,7 +498,11 @@ class Worker:
             return  # queued already (`_requeue_orphans`): this worker stalled between the trial's end and now
         depth = trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1 if infrastructure else 0
         carried = {ATTR_CONFIRMS: trial.user_attrs[ATTR_CONFIRMS]} if ATTR_CONFIRMS in trial.user_attrs else {}
-        self.study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
+        # A queued trial (a retry, a confirmation) killed after `ask` took it and before its params were written holds
+        # them only where the queue put them: without those, its retry would draw new ones and resume its lineage's
+        # checkpoints, trained with the old.
+        params = {**trial.system_attrs.get("fixed_params", {}), **trial.params}
+        self.study.enqueue_trial(params, user_attrs={ATTR_RETRY_OF: trial.number, ATTR_RETRY_REASON: reason,
                                                            ATTR_RETRY_DEPTH: depth, **carried})
         if infrastructure and not counted:
             return

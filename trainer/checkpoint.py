@@ -298,8 +298,8 @@ def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: s
                     ) -> TrainState:
     """Read a checkpoint as data only. With `sha256`, a file that does not match is refused before it is parsed."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} " + ("is not a file" if path.exists() else "does not exist"))
     if sha256 is not None and sha256_of(path) != sha256:
         raise CheckpointError(f"checkpoint {path} does not match its recorded hash: refusing to load it")
     try:

@@ -96,3 +96,62 @@ def test_a_sampler_that_raises_for_one_trial_fails_that_trial_alone(tmp_path: Pa
     found = trials(path, "tiny")
     assert [t.state for t in found] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert found[1].user_attrs["fail_reason"] == "RuntimeError: my sampler broke on trial 1"
+
+
+def searched_study(folder: Path, name: str) -> Path:
+    """`one_config_study` with the learning rate searched (so a retry's params are its own to keep), and heartbeats
+    that declare a silent trial lost within seconds."""
+    document = yaml.safe_load(one_config_study(folder, name).read_text())
+    document["fixed"].pop("learning_rate")
+    document["space"] = {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}}
+    document |= {"heartbeat_interval": 1, "heartbeat_grace_period": 2}
+    return write_study(folder, document)
+
+
+def taken_and_killed(path: Path, name: str, number: int) -> None:
+    """What a worker killed right after `ask` took a queued trial, before it wrote its params, leaves: the trial
+    RUNNING with no params and no heartbeat, its params only in the queue's `fixed_params`."""
+    storage = optuna.storages.RDBStorage(f"sqlite:///{path.parent / (name + '.db')}")
+    trial = next(t for t in trials(path, name) if t.number == number)
+    assert trial.state == TrialState.WAITING and not trial.params
+    assert storage.set_trial_state_values(trial._trial_id, TrialState.RUNNING)
+    storage.engine.dispose()
+
+
+def test_a_queued_retry_killed_before_it_wrote_its_params_is_retried_with_its_lineage_s_params(
+        tmp_path: Path) -> None:
+    # Its retry was queued with no params: it drew new ones and resumed the lineage's checkpoints, trained with the
+    # old (a wrong value, which `sweep reproduce` refused; with a searched width, a state that did not load).
+    path = searched_study(tmp_path / "lost", "lost")
+    done = sweep_cli("run", path, "--timeout", "2")
+    assert done.returncode == 0, done.stderr
+    [cut, queued] = trials(path, "lost")
+    stopped_at = max(cut.intermediate_values)
+    taken_and_killed(path, "lost", queued.number)
+
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    lost, retry = trials(path, "lost")[1:]
+    assert lost.user_attrs["outcome"] == "lost" and retry.user_attrs["retry_of"] == lost.number
+    assert retry.params == cut.params
+    assert retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from"] == {"trial": cut.number, "step": stopped_at}
+
+
+def test_a_retry_whose_params_are_not_its_lineage_s_trains_from_scratch_saying_why(tmp_path: Path) -> None:
+    # The last guard: checkpoints trained with other params never hand their state to a trial.
+    path = searched_study(tmp_path / "other", "other")
+    assert sweep_cli("run", path, "--timeout", "2").returncode == 0
+    [cut, queued] = trials(path, "other")
+    storage = optuna.storages.RDBStorage(f"sqlite:///{path.parent / 'other.db'}")
+    other = {"learning_rate": cut.params["learning_rate"] / 2}
+    storage.set_trial_system_attr(queued._trial_id, "fixed_params", other)
+    storage.engine.dispose()
+
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    retry = trials(path, "other")[1]
+    assert retry.params == other and "resumed_from" not in retry.user_attrs
+    assert min(retry.intermediate_values) == 0  # trained from step 0
+    assert f"trial {retry.number} does not resume from trial {cut.number}'s checkpoints: they were trained with " \
+           "other params" in done.stderr

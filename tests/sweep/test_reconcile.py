@@ -170,6 +170,24 @@ def registry(storage_url: str) -> Registry:
     return Registry(storage_url)
 
 
+def test_a_folder_in_place_of_a_blob_is_a_missing_blob_left_where_it_is(ran: Ran) -> None:
+    # `sweep check` ended in a traceback (IsADirectoryError), and a retry resuming from it failed as its config's fault.
+    from sweep.blobs import load_blob
+    from trainer.checkpoint import CheckpointError
+
+    folder = CheckpointStore(ran.store, ran.study.study_name).folder
+    record = ran.rows(0)[0]
+    (folder / record.uri).unlink()
+    (folder / record.uri).mkdir()
+    with pytest.raises(CheckpointError, match="is not a file"):
+        load_blob(str(folder / record.uri), record.sha256)
+    report = check_study(ran.registry, ran.store, ran.study)
+    assert (MISSING, str(record.id)) in {(p.kind, str(p.checkpoint_id)) for p in report.problems}
+    check_study(ran.registry, ran.store, ran.study, repair=True)
+    assert record.id not in {r.id for r in ran.rows(0)}
+    assert (folder / record.uri).is_dir()  # not sweep's to remove
+
+
 def test_quick_check_removes_only_rows_in_use_whose_blob_is_missing(registry: Registry, tmp_path: Path) -> None:
     name = f"quick-{uuid.uuid4().hex[:8]}"
     store = CheckpointStore(tmp_path / "blobs", name)
