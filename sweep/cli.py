@@ -35,6 +35,7 @@ from typer.core import TyperGroup
 
 from sweep.schema import (
     StudyFileError,
+    folder_problem,
     long_name_problem,
     name_problem,
     read_spec,
@@ -492,6 +493,13 @@ def submit(
 
     if slurm == k8s:
         raise _fail("give one of --slurm (submit a job array) or --k8s (write a Job manifest)", 2)
+    others = ({"--image": image, "--output": output} if slurm else
+              {"--dry-run": dry_run or None, "--partition": partition, "--time": time_limit, "--account": account,
+               "--qos": qos, "--mem": mem, "--cpus-per-task": cpus_per_task, "--warning-s": warning_s,
+               "--sbatch": sbatch})
+    if unused := [name for name, value in others.items() if value is not None]:
+        this, other = ("--slurm", "--k8s") if slurm else ("--k8s", "--slurm")
+        raise _fail(f"{', '.join(unused)}: {other}'s, not {this}'s (see sweep submit --help)", 2)
     if nodes is not None:
         if workers is not None or not slurm or gpus_per_task is None:
             raise _fail("--nodes: give it with --slurm and --gpus-per-task (G workers on each of N nodes), instead "
@@ -563,6 +571,9 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     from sweep.urls import sqlite_path
 
     folder, workdir = slurm.job_folder(spec, spec_path, options), Path.cwd()
+    if problem := folder_problem(folder, "the job's script, storage file and logs need"):
+        key = "launch.slurm.log_dir" if options.log_dir else f"launch.slurm.log_dir (default: {folder.name} next to it)"
+        raise _fail(f"{spec_path}: {key}: {problem}", 2)
     script = slurm.batch_script(spec, spec_path, options, folder=folder, workdir=workdir, timeout=timeout,
                                 overrides=overrides)
     if (path := sqlite_path(url)) is not None:
@@ -576,13 +587,14 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
         slurm.check_tools()
         study = _open_for_run(spec, url, "", spec_path)  # created once, here: no array task creates another
         job_id = slurm.submit(script, url, folder, workdir=workdir)
-    except slurm.SlurmError as exc:
+    except (slurm.SlurmError, OSError) as exc:
         # Nothing was submitted: what this call made for it goes again (a new SQLite study, its store, the job's
         # folder), so a corrected submit starts as this one did. What existed before stays.
         for path, how in made:
             with contextlib.suppress(OSError):
                 shutil.rmtree(path) if how == "tree" else path.rmdir() if how == "empty" else path.unlink()
-        raise _fail(str(exc), 1) from None
+        raise _fail(str(exc) if isinstance(exc, slurm.SlurmError) else f"cannot write the job's files in {folder}: "
+                    f"{exc.strerror or exc}", 1) from None
     slurm.record_job(study, job_id, options, folder)
     err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "
               f"`sweep status {spec_path.name}` shows them", markup=False)

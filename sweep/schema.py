@@ -946,6 +946,19 @@ def folder_creation_problem(path: Path, *, probe: bool = True) -> str | None:
     return None
 
 
+def folder_problem(folder: Path, needs: str) -> str | None:
+    """Why `folder` cannot be made or used, or None: a name over 255 bytes, a part of its path a file (`needs` says
+    what needs a folder there: "the checkpoints need"), or no folder can be made in the nearest one that exists."""
+    if problem := long_name_problem(folder):
+        return problem
+    for path in (folder, *folder.resolve().parents):
+        if path.exists():
+            if not path.is_dir():
+                return f"{path} is a file; {needs} a folder there"
+            return folder_creation_problem(path, probe=path != folder)
+    return None
+
+
 def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     """For a SQLite URL: what is wrong with its file before anything creates it, or None. The folder must exist;
     the path must not be a folder, nor a file that is not a SQLite database (it would not be written into), nor

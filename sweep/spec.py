@@ -27,7 +27,7 @@ from sweep.schema import (
     StudyFileError,
     StudySpec,
     did_you_mean,
-    folder_creation_problem,
+    folder_problem,
     long_name_problem,
     read_spec,
     short_repr,
@@ -428,18 +428,12 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
         return [("checkpoints.store", problem)] if (problem := _object_store_client_problem(store)) else []
     folder = Path(store).expanduser() if store is not None else default_store(storage_url)
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
-    if problem := long_name_problem(folder / spec.name):
-        return [(which, problem)]
     artifacts = folder / "_artifacts"  # every study's dashboard copies (`sweep.blobs.artifact_store_at`)
-    if (artifacts.exists() or artifacts.is_symlink()) and not artifacts.is_dir():
+    if (artifacts.exists() or artifacts.is_symlink()) and not artifacts.is_dir() \
+            and long_name_problem(folder / spec.name) is None:
         return [(which, f"{artifacts} is a file; the dashboard's checkpoint copies need a folder there")]
-    for path in (folder / spec.name, folder, *folder.resolve().parents):
-        if path.exists():
-            if not path.is_dir():
-                return [(which, f"{path} is a file; the checkpoints need a folder there")]
-            problem = folder_creation_problem(path, probe=path != folder / spec.name)
-            return [] if problem is None else [(which, problem)]
-    return []
+    problem = folder_problem(folder / spec.name, "the checkpoints need")
+    return [] if problem is None else [(which, problem)]
 
 
 _OBJECT_STORE_CLIENTS = {"s3": ("boto3", "boto3", "'sweep[s3]'"),

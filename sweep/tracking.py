@@ -119,23 +119,14 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     store a file SQLite can use (not a folder, nor another kind of file); otherwise every trial would warn that its
     tracking was dropped, or wait on MLflow's retries. Other MLflow tracking URIs are MLflow's to judge (plugins add
     kinds of their own)."""
-    from sweep.schema import folder_creation_problem, long_name_problem, sqlite_file_problem
+    from sweep.schema import folder_problem, sqlite_file_problem
 
     problems = []
     tensorboard = spec.tracking.tensorboard
     if tensorboard.enabled:
         key = "tracking.tensorboard.dir" if tensorboard.dir is not None else "tracking.tensorboard"
-        folder = tensorboard_root(spec.tracking, storage_url) / spec.name
-        if problem := long_name_problem(folder):
+        if problem := folder_problem(tensorboard_root(spec.tracking, storage_url) / spec.name, "TensorBoard needs"):
             problems.append((key, problem))
-        else:
-            for path in (folder, *folder.absolute().parents):
-                if path.exists():
-                    if not path.is_dir():
-                        problems.append((key, f"{path} is a file; TensorBoard needs a folder there"))
-                    elif problem := folder_creation_problem(path, probe=path != folder):
-                        problems.append((key, problem))
-                    break
     if spec.tracking.mlflow.enabled:
         uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)
         if problem := sqlite_file_problem(uri, study=False):  # an existing store holds MLflow's tables

@@ -90,6 +90,10 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(), ["--warning-s", "9" * 23], "command line: --warning-s: Input should be less than or equal to 65535"),
     (changed(launch={"slurm": {"warning_s": 70000}}), [], "launch.slurm.warning_s: Input should be less than or "
                                                           "equal to 65535"),
+    # A file where the job's folder goes: a traceback, and the study's database left behind.
+    (changed(launch={"slurm": {"log_dir": "study.yaml"}}), [], "launch.slurm.log_dir: "),
+    (changed(launch={"slurm": {"log_dir": "study.yaml/logs"}}), [], "study.yaml is a file; the job's script, "
+                                                                     "storage file and logs need a folder there"),
 ])
 def test_bad_launch_options_exit_2_with_one_line_and_nothing_created(tmp_path: Path, document: dict[str, Any],
                                                                      args: list[str], expected: str) -> None:
@@ -100,6 +104,17 @@ def test_bad_launch_options_exit_2_with_one_line_and_nothing_created(tmp_path: P
     assert expected in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert created(tmp_path) == before
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--slurm", "--dry-run", "--image", "img:1"], "--image: --k8s's, not --slurm's"),
+    (["--k8s", "--image", "img:1", "--partition", "gpu", "--mem", "4G"], "--partition, --mem: --slurm's, not --k8s's"),
+    (["--k8s", "--image", "img:1", "--dry-run"], "--dry-run: --slurm's, not --k8s's"),
+])
+def test_an_option_of_the_other_launcher_is_refused_naming_it(tmp_path: Path, flags: list[str], expected: str) -> None:
+    # It was ignored without a word.
+    done = sweep_cli("submit", write_study(tmp_path, changed()), *flags, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip() == f"error: {expected} (see sweep submit --help)", done.stderr
 
 
 @pytest.mark.parametrize("flags", [[], ["--slurm", "--k8s"]])
