@@ -257,19 +257,30 @@ def _conflict_problems(spec: StudySpec, fixed_keys: set[str], key: str) -> list[
                              "remove one of them") for where, inner, outer in pairs]
 
 
+_STEP_KEYS = {"max_steps": (1, "expected a positive integer (the number of steps a trial trains)"),
+              "eval_every_steps": (1, "expected a positive integer (the steps between evaluations)"),
+              "warmup_steps": (0, "expected a whole number >= 0 (the learning rate's warmup, in steps)")}
+
+
 def _max_steps_problems(spec: StudySpec) -> list[tuple[str, str]]:
-    """A `loop` or `command` study's `max_steps` is the user's, but sweep reads it too (the pruners' and fast-fail
-    rules' budget, the last step of a trial): when given, a positive integer."""
-    values = [("fixed.max_steps", value) for key, value in flatten(spec.fixed).items() if key == "max_steps"]
-    param = spec.space.get("max_steps")
-    if isinstance(param, FloatParam):
-        return [("space.max_steps.type", "max_steps takes integers; use type: int")]
-    if isinstance(param, CategoricalParam):
-        values += [(f"space.max_steps.choices[{i}]", choice) for i, choice in enumerate(param.choices)]
-    elif param is not None:
-        values.append(("space.max_steps.low", param.low))
-    return [(where, f"expected a positive integer (the number of steps a trial trains), got {short_repr(value)}")
-            for where, value in values if isinstance(value, bool) or not isinstance(value, int) or value < 1]
+    """A `loop` or `command` study's `max_steps`, `eval_every_steps` and `warmup_steps` are the user's, but sweep
+    reads them too (the pruners' and fast-fail rules' budget, evaluation interval and warmup, the last step of a
+    trial): when given, whole numbers. (`max_steps` of any study: the built-in trainer checks the other two.)"""
+    keys = _STEP_KEYS if spec.loop is not None or spec.command is not None else {"max_steps": _STEP_KEYS["max_steps"]}
+    problems = []
+    for name, (least, expected) in keys.items():
+        values = [(f"fixed.{name}", value) for key, value in flatten(spec.fixed).items() if key == name]
+        param = spec.space.get(name)
+        if isinstance(param, FloatParam):
+            problems.append((f"space.{name}.type", f"{name} takes integers; use type: int"))
+            continue
+        if isinstance(param, CategoricalParam):
+            values += [(f"space.{name}.choices[{i}]", choice) for i, choice in enumerate(param.choices)]
+        elif param is not None:
+            values.append((f"space.{name}.low", param.low))
+        problems += [(where, f"{expected}, got {short_repr(value)}") for where, value in values
+                     if isinstance(value, bool) or not isinstance(value, int) or value < least]
+    return problems
 
 
 def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
@@ -429,8 +440,8 @@ def store_problems(spec: StudySpec, storage_url: str) -> list[tuple[str, str]]:
     folder = Path(store).expanduser() if store is not None else default_store(storage_url)
     which = "checkpoints.store" if store is not None else "checkpoints.store (default: next to the SQLite file)"
     artifacts = folder / "_artifacts"  # every study's dashboard copies (`sweep.blobs.artifact_store_at`)
-    if (artifacts.exists() or artifacts.is_symlink()) and not artifacts.is_dir() \
-            and long_name_problem(folder / spec.name) is None:
+    if long_name_problem(folder / spec.name) is None and (artifacts.exists() or artifacts.is_symlink()) \
+            and not artifacts.is_dir():
         return [(which, f"{artifacts} is a file; the dashboard's checkpoint copies need a folder there")]
     problem = folder_problem(folder / spec.name, "the checkpoints need")
     return [] if problem is None else [(which, problem)]

@@ -790,6 +790,18 @@ LOOP_MAX_STEPS = [
     bad_file("loop max_steps", "bool", changed(**LOOP, fixed__max_steps=True), "fixed.max_steps", "got True"),
     bad_file("loop max_steps", "float-range", changed(**LOOP, fixed__max_steps=..., space__max_steps={
         "type": "float", "low": 10, "high": 20}), "space.max_steps.type", "max_steps takes integers"),
+    # The pruners read these two as well: a word failed every trial in sweep's own code, 0 and -5 went unnoticed.
+    bad_file("loop max_steps", "eval-every-word", changed(**LOOP, fixed__eval_every_steps="x"),
+             "fixed.eval_every_steps", "expected a positive integer (the steps between evaluations), got 'x'"),
+    bad_file("loop max_steps", "eval-every-zero", changed(**COMMAND, fixed__eval_every_steps=0),
+             "fixed.eval_every_steps", "got 0"),
+    bad_file("loop max_steps", "warmup-word", changed(**LOOP, fixed__warmup_steps="abc"), "fixed.warmup_steps",
+             "expected a whole number >= 0 (the learning rate's warmup, in steps), got 'abc'"),
+    bad_file("loop max_steps", "warmup-negative", changed(**LOOP, fixed__warmup_steps=-5), "fixed.warmup_steps",
+             "got -5"),
+    bad_file("loop max_steps", "eval-every-float-range", changed(
+        **LOOP, fixed__eval_every_steps=..., space__eval_every_steps={"type": "float", "low": 1, "high": 5}),
+        "space.eval_every_steps.type", "eval_every_steps takes integers"),
     # A loop's warm trial starts from its donor's newest save: a handoff there did nothing.
     bad_file("loop max_steps", "loop-handoff", changed(**LOOP, warm_start={"handoff": 0.3}), "warm_start.handoff",
              "a loop study's warm trial starts from its donor's newest save (run.load()), whatever its step"),
