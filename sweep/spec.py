@@ -200,9 +200,16 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if spec.command is not None:
         from sweep.runners.command import CommandError, command_line
 
-        try:  # each placeholder's format spec is tried on both ends of its range (the first and the last choice)
-            argv = command_line(spec.command, _example_config(spec, 0))
-            command_line(spec.command, _example_config(spec, -1))
+        # Each placeholder's format spec is tried on both ends of its range and on every choice ('auto' among
+        # numbers takes no `.3f`).
+        low = _example_values(spec, 0)
+        configs = [spec.user_config(low), _example_config(spec, -1)] + [
+            spec.user_config({**low, key: choice}) for key, param in spec.space.items()
+            if isinstance(param, CategoricalParam) for choice in param.choices[1:-1]]
+        try:
+            argv = command_line(spec.command, configs[0])
+            for config in configs[1:]:
+                command_line(spec.command, config)
         except CommandError as exc:
             problems.append(("command", str(exc)))
         else:
@@ -337,8 +344,13 @@ def latest_handoff_step(spec: StudySpec) -> int | None:
 def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:
     """A user's config with every searched key at the low end of its range or its first choice (`end` 0), or at the
     high end or its last choice (-1)."""
-    return spec.user_config({key: param.choices[end] if isinstance(param, CategoricalParam)
-                             else param.low if end == 0 else param.high for key, param in spec.space.items()})
+    return spec.user_config(_example_values(spec, end))
+
+
+def _example_values(spec: StudySpec, end: int) -> dict[str, Any]:
+    """`_example_config`'s searched values."""
+    return {key: param.choices[end] if isinstance(param, CategoricalParam) else param.low if end == 0 else param.high
+            for key, param in spec.space.items()}
 
 
 def _config_problems(values: dict[str, Any], task: Task, builtin: bool, model: bool = True) -> list[tuple[str, str]]:

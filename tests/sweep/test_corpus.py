@@ -740,7 +740,7 @@ DID_YOU_MEAN = [
 ]
 
 # A user's command: each `{key}` is a Python replacement field (format spec and conversion included), checked when
-# the file is read on both ends of every searched range (the first and last choice), never passed on literally.
+# the file is read on both ends of every searched range and on every choice, never passed on literally.
 COMMAND = {"task": ..., "command": "echo --lr {learning_rate}"}
 COMMANDS = [
     bad_file("commands", "unclosed-brace", changed(**COMMAND | {"command": "echo --lr {learning_rate"}), "command",
@@ -758,6 +758,11 @@ COMMANDS = [
     bad_file("commands", "spec-refused-by-the-last-choice", changed(**COMMAND | {
         "command": "echo {optimizer:>5d}", "space": {"optimizer": {"type": "categorical", "choices": [1, "sgd"]}}}),
              "command", "{optimizer:>5d}: expected a Python format spec"),
+    # A middle choice was never tried: every trial that drew it failed.
+    bad_file("commands", "spec-refused-by-a-middle-choice", changed(**COMMAND | {
+        "command": "echo {learning_rate:.3f}", "space": {"learning_rate": {"type": "categorical",
+                                                                           "choices": [0.01, "auto", 0.1]}}}),
+             "command", "{learning_rate:.3f}: expected a Python format spec"),
 ]
 
 # Keys that hold one another (`a` and `a.b`): a trial's config can hold only one of them, and the other was silently
