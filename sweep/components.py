@@ -314,6 +314,12 @@ def build_pruner(component: Component, where: str = "pruner") -> optuna.pruners.
             except ValueError:
                 raise StudyFileError("", [(f"{where}.{key}", "expected a pruner name or {type: ...}, got "
                                                             f"{short_repr(inner)}")]) from None
+            if inner_component.type == "fastfail":  # the trainer takes its settings from the outermost pruner only
+                fix = ("give it once, with all its settings" if component.type == "fastfail" else
+                       f"put it at the top: pruner: {{type: fastfail, then: {{type: {component.type}, ...}}}}")
+                raise StudyFileError("", [(f"{where}.{key}", "fastfail must be the outermost pruner (its settings "
+                                           "drive the trainer's own checks, which a wrapped one never reaches); "
+                                           + fix)])
             args[parameter] = build_pruner(inner_component, f"{where}.{key}")
         renamed = {parameter: key} if parameter != key else {}
         return _instantiate(where, PRUNERS, component.type, args, renamed=renamed)

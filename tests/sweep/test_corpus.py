@@ -702,6 +702,13 @@ COMPONENTS = [
              "pruner", "PercentilePruner"),
     bad_file("components", "patient-float", changed(pruner={"type": "patient", "patience": 1.5}),
              "pruner.patience", "takes an integer"),
+    # Accepted, and its settings never reached the trainer (its loss guard off, no step-0 evaluation).
+    bad_file("components", "fastfail-wrapped", changed(pruner={"type": "patient", "patience": 0, "wrapped": {
+        "type": "fastfail", "patience_steps": 5}}), "pruner.wrapped", "fastfail must be the outermost pruner (its "
+             "settings drive the trainer's own checks, which a wrapped one never reaches); put it at the top: "
+             "pruner: {type: fastfail, then: {type: patient, ...}}"),
+    bad_file("components", "fastfail-then-fastfail", changed(pruner={"type": "fastfail", "then": "fastfail"}),
+             "pruner.then", "fastfail must be the outermost pruner"),
     bad_file("components", "wrapped-arg", changed(pruner={"type": "fastfail", "then": {
         "type": "median", "n_startup_trials": "abc"}}), "pruner.then.n_startup_trials", "takes an integer"),
     bad_file("components", "wrapped-not-a-pruner", changed(pruner={"type": "fastfail", "then": 5}), "pruner.then",
