@@ -291,7 +291,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     try:
         spec, spec_path = load_spec(study_file, overrides)
     except StudyFileError as exc:
-        raise _fail([*problems, *exc.lines()], 2) from None
+        raise _fail([*problems, *exc.lines([item.split("=", 1)[0].strip() for item in set_])], 2) from None
     if problems:
         raise _fail(problems, 2)
     try:

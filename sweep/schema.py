@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 from urllib.parse import urlparse
@@ -61,9 +61,16 @@ class StudyFileError(Exception):
         self.problems = list(problems)
         super().__init__("\n".join(self.lines()))
 
-    def lines(self) -> list[str]:
-        return [f"{self.source}: {key}: {message}" if key else f"{self.source}: {message}"
-                for key, message in self.problems]
+    def lines(self, overridden: Collection[str] = ()) -> list[str]:
+        """One line per problem. `overridden`: the keys `--set` gave, whose values (and those inside them) are the
+        command line's, not the file's: their lines start `command line: --set KEY:`, as for a `--set` that does not
+        parse."""
+        def where(key: str) -> str:
+            if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden):
+                return f"command line: --set {key}"
+            return f"{self.source}: {key}" if key else self.source
+
+        return [f"{where(key)}: {message}" for key, message in self.problems]
 
 
 class _Model(BaseModel):
