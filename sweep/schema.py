@@ -943,6 +943,8 @@ def folder_creation_problem(path: Path, *, probe: bool = True) -> str | None:
     """Why no folder can be made in the existing folder `path`, or None: no write or search permission, or (with
     `probe`) what no check foresees (under /proc), found by making a folder of a name of its own there and taking it
     away again."""
+    if _read_only_filesystem(path):
+        return f"cannot create folders in {path}: it lies on a read-only filesystem"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"cannot create folders in {path}: permission denied"
     if probe:
@@ -982,6 +984,9 @@ def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     if path.exists() and not path.is_file():  # a named pipe or a device: opening it would wait, or never end
         return f"{path} is not a regular file (a named pipe or a device?); expected a SQLite file"
     if not path.parent.is_dir():
+        above = next((p for p in path.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            return f"{above} is a file, not a folder; give a SQLite file in a folder"
         return f"the folder {path.parent} does not exist; create it first, or give a SQLite file in an existing one"
     for suffix in ("-wal", "-shm", "-journal", ".lock"):  # SQLite's files beside it, and sweep's ask lock
         companion = path.with_name(path.name + suffix)
@@ -1038,6 +1043,9 @@ def sqlite_write_problem(url: str) -> str | None:
     path = sqlite_path(url)
     if path is None:
         return None
+    if path.parent.is_dir() and _read_only_filesystem(path if path.exists() else path.parent):
+        return f"cannot write {path}: it lies on a read-only filesystem, and the study's trials are written there; " \
+               "give a SQLite file on a writable one, or copy it there"
     if path.is_file() and not os.access(path, os.R_OK | os.W_OK):
         return f"cannot write {path}: the file is read-only (permission denied), and the study's trials are written " \
                "there; make it writable (chmod u+w), or copy it"
@@ -1045,6 +1053,13 @@ def sqlite_write_problem(url: str) -> str | None:
         return f"cannot write {path}: its folder {path.parent} is not writable, and SQLite creates the file and its " \
                "-wal and -shm files there"
     return None
+
+
+def _read_only_filesystem(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows): the access checks decide
+        return False
 
 
 def sqlite_study_problem(url: str) -> str | None:

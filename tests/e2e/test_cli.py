@@ -710,3 +710,28 @@ def test_a_sqlite_error_that_is_no_damage_is_not_called_damage() -> None:
         assert _storage_error(error) == (None, 0)
     line, code = _storage_error(sqlite3.DatabaseError("database disk image is malformed"))
     assert code == 2 and line is not None and line.endswith("is the file damaged?")
+
+
+def test_a_database_on_a_read_only_filesystem_is_refused_naming_the_filesystem(tmp_path: Path) -> None:
+    """A read-only mount (a finished job's data, a snapshot) was called "permission denied", with chmod as the fix."""
+    import shutil
+
+    write_study(tmp_path, {**TINY_STUDY, "n_trials": 1})
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    view = tmp_path / "view"
+    view.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "--bind", "-o", "ro", str(tmp_path), str(view)],
+                                                       capture_output=True).returncode != 0:
+        pytest.skip("no read-only bind mount here (it needs root)")
+    try:
+        before = (view / "tiny.db").read_bytes()
+        done = sweep_cli("run", "study.yaml", "--n-trials", "2", cwd=view)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: study.yaml: storage: cannot write {view / 'tiny.db'}: it lies on a read-only filesystem, and the "
+            "study's trials are written there; give a SQLite file on a writable one, or copy it there",
+            "error: study.yaml: checkpoints.store (default: next to the SQLite file): cannot create folders in "
+            f"{view / 'tiny.checkpoints' / 'tiny'}: it lies on a read-only filesystem"]
+        assert (view / "tiny.db").read_bytes() == before
+    finally:
+        subprocess.run(["umount", "--lazy", str(view)], check=True)

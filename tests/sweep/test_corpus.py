@@ -528,6 +528,9 @@ PATHS = [
              "blobs/tiny is a file", setup=lambda folder: (_folder("blobs")(folder), _file("blobs/tiny")(folder))),
     bad_file("paths", "sqlite-folder-missing", changed(storage="sqlite:///missing/tiny.db"), "storage",
              "missing does not exist"),
+    # A file where the folder goes was called a folder that does not exist.
+    bad_file("paths", "sqlite-folder-is-a-file", changed(storage="sqlite:///study.yaml/tiny.db"),
+             ("storage", "checkpoints.store*"), "study.yaml is a file, not a folder; give a SQLite file in a folder"),
     # A folder where SQLite's companion files, sweep's ask lock or the dashboard's copies go was a traceback (the
     # lock, the copies) or a wait and a half-made database (-wal, -shm), each after the study was created; another
     # program's SQLite database got Optuna's tables written into it; tracking's default places in the way warned on
