@@ -327,18 +327,18 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
 
 def latest_handoff_step(spec: StudySpec) -> int | None:
-    """The latest step a warm trial of this study can take its donor's state at: the handoff step at whichever end of
-    the searched ranges gives the later one; None for a `loop` or `command` study (a donor's newest save, any step)."""
+    """No step a warm trial of this study takes its donor's state at is later than this: `handoff` x the largest
+    `max_steps` (the handoff is the evaluation step at or below that fraction of a trial's budget). None for a `loop`
+    or `command` study (a donor's newest save, any step)."""
     if spec.loop is not None or spec.command is not None:
         return None
-    steps = []
+    budgets = []
     for end in (0, -1):
         try:
-            config = TrainingConfig.from_dict(_example_config(spec, end))
+            budgets.append(TrainingConfig.from_dict(_example_config(spec, end)).max_steps)
         except ConfigError:
             continue
-        steps.append(spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps))
-    return max(steps, default=None)
+    return int(spec.warm_start.handoff * max(budgets)) if budgets else None
 
 
 def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:
