@@ -232,6 +232,17 @@ class _CastsItself(torch.nn.Module):
         return self.linear(x.float())
 
 
+class _Float64(torch.nn.Module):
+    """A float64 model by design, which casts its float32 inputs itself."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, 3).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.double()).float()
+
+
 @pytest.mark.parametrize("builder", [lambda cfg: torch.nn.Sequential(torch.nn.Linear(4, 3)),
                                      lambda cfg: torch.nn.Sequential(torch.nn.LazyLinear(3))], ids=["linear", "lazy"])
 def test_inputs_of_another_dtype_than_the_model_are_refused_naming_the_task_both_dtypes_and_the_fix(builder) -> None:
@@ -250,3 +261,7 @@ def test_inputs_of_another_dtype_than_the_model_are_refused_naming_the_task_both
     assert train(config, fixed).status == "completed"
     casting = Task(name="np64", train=(x, y), val=(x, y), build_model=lambda cfg: _CastsItself())
     assert train(config, casting).status == "completed"  # a model that casts its inputs itself is left alone
+    # Another error of a model whose dtype differs from its inputs' is PyTorch's own, not a dtype hint.
+    wrong_width = Task(name="np64", train=(x.float(), y), val=(x.float(), y), build_model=lambda cfg: _Float64(5))
+    with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied"):
+        train(config, wrong_width)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,11 @@ def accuracy_sum(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
     """Per-sample accuracy summed over the batch (the mean over positions for sequences)."""
     correct = (logits.argmax(-1) == targets).float()
     return {"accuracy": correct.reshape(correct.shape[0], -1).mean(1).sum()}
+
+
+# How PyTorch refuses tensors of two dtypes: "mat1 and mat2 must have the same dtype, but got Double and Float",
+# "expected scalar type Float but found Double", "Input type (double) and bias type (float) should be the same".
+_DTYPE_MISMATCH = re.compile(r"same dtype|scalar type \w+ but found|Input type \(\w+\) and \w+ type \(\w+\)")
 
 
 class TaskError(ValueError):
@@ -201,11 +207,13 @@ class Task:
         """PyTorch's refusal of inputs whose floating dtype is not the model's (numpy's float64 data and a float32
         model: "mat1 and mat2 must have the same dtype", which names neither) as a `TaskError` naming the task, both
         dtypes and the fix; None when they are the same (another error)."""
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if type(error) is not RuntimeError or not _DTYPE_MISMATCH.search(said):  # PyTorch's own words, nothing else
+            return None
         inputs = self.train[0]
         params = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         if not inputs.is_floating_point() or params is None or params == inputs.dtype:
             return None
-        said = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return TaskError(f"task {self.name!r}: its inputs are {inputs.dtype} but its model's parameters are "
                          f"{params}: make them the same in the task's factory (e.g. inputs.float()) ({said})")
 
