@@ -288,27 +288,32 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     options_ok = not problems
     overrides = [*set_, *(_name_override(study_name) if options_ok else []),
                  *([f"n_trials={n_trials}"] if n_trials is not None and options_ok else [])]
+    given = [item.split("=", 1)[0].strip() for item in set_]  # a problem of theirs is the command line's
+
+    def lines(found: list[tuple[str, str]]) -> list[str]:  # as the user gave them, named where they come from
+        return StudyFileError(study_file, found).lines(given)
+
     try:
         spec, spec_path = load_spec(study_file, overrides)
-    except StudyFileError as exc:
-        raise _fail([*problems, *exc.lines([item.split("=", 1)[0].strip() for item in set_])], 2) from None
+    except StudyFileError as exc:  # the file's, or the command line's (a --set that does not parse)
+        raise _fail([*problems, *exc.lines(given)], 2) from None
     if problems:
         raise _fail(problems, 2)
     try:
         url = resolve_storage_url(spec, spec_path, storage)
     except StudyFileError as exc:  # named as the user gave it, like the file's other problems
-        raise _fail(StudyFileError(study_file, exc.problems).lines(), 2) from None
+        raise _fail(lines(exc.problems), 2) from None
     from sweep.registry import resolve_store
     from sweep.tracking import destination_problems, resolve_tracking
 
     # Before anything is created: a SQLite file that cannot be one, a checkpoint folder that cannot be made.
-    where = "--storage" if storage is not None else f"{study_file}: storage"
-    problems = [f"{where}: {problem}" for problem in [sqlite_file_problem(url) or sqlite_write_problem(url)] if problem]
+    problem = sqlite_file_problem(url) or sqlite_write_problem(url)
+    problems = ([] if problem is None else [f"--storage: {problem}"] if storage is not None
+                else lines([("storage", problem)]))
     if problems and not (sqlite_path(url) or Path("x")).name:  # `.` or `/`: nothing can be named after it
         raise _fail(problems, 2)
     spec = resolve_tracking(resolve_store(spec, spec_path, url), spec_path, url)
-    problems += [f"{study_file}: {key}: {message}" for key, message in store_problems(spec, url)]
-    problems += [f"{study_file}: {key}: {message}" for key, message in destination_problems(spec, url)]
+    problems += lines(store_problems(spec, url) + destination_problems(spec, url))
     if problems:
         raise _fail(problems, 2)
     return spec, url
@@ -364,7 +369,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
                 if name not in names:
                     err.print(f"warning: warm_start.from_studies: no study {name!r} in {mask_url(url)}, so it gives "
                               f"no donors (its studies: {', '.join(sorted(names))})", markup=False)
-            found = [name for name in spec.warm_start.from_studies if name in names]
+            found = [name for name in spec.warm_start.from_studies if name in names and name != spec.name]
             registry = Registry(url)
             try:
                 for name, why in donorless_studies(registry, spec, found).items():

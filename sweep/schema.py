@@ -68,7 +68,8 @@ class StudyFileError(Exception):
         def where(key: str) -> str:
             if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden):
                 return f"command line: --set {key}"
-            return f"{self.source}: {key}" if key else self.source
+            inside = [k for k in overridden if key and k.startswith((f"{key}.", f"{key}["))]  # a range and its low
+            return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key)}: {message}" for key, message in self.problems]
 

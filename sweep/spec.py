@@ -270,10 +270,13 @@ _STEP_KEYS = {"max_steps": (1, "expected a positive integer (the number of steps
 
 
 def _max_steps_problems(spec: StudySpec) -> list[tuple[str, str]]:
-    """A `loop` or `command` study's `max_steps`, `eval_every_steps` and `warmup_steps` are the user's, but sweep
-    reads them too (the pruners' and fast-fail rules' budget, evaluation interval and warmup, the last step of a
-    trial): when given, whole numbers. (`max_steps` of any study: the built-in trainer checks the other two.)"""
-    keys = _STEP_KEYS if spec.loop is not None or spec.command is not None else {"max_steps": _STEP_KEYS["max_steps"]}
+    """A `loop` or `command` study's `max_steps` is the user's, but sweep reads it too (the pruners' and fast-fail
+    rules' budget, the last step of a trial): when given, a positive integer. `eval_every_steps` and `warmup_steps`
+    too where a pruner reads them (fastfail, leaders): whole numbers (`20.0` is one). The built-in trainer checks
+    the other two itself."""
+    keys = dict(_STEP_KEYS)
+    if (spec.loop is None and spec.command is None) or not _pruners(spec.pruner) & {"fastfail", "leaders"}:
+        keys = {"max_steps": _STEP_KEYS["max_steps"]}
     problems = []
     for name, (least, expected) in keys.items():
         values = [(f"fixed.{name}", value) for key, value in flatten(spec.fixed).items() if key == name]
@@ -285,9 +288,21 @@ def _max_steps_problems(spec: StudySpec) -> list[tuple[str, str]]:
             values += [(f"space.{name}.choices[{i}]", choice) for i, choice in enumerate(param.choices)]
         elif param is not None:
             values.append((f"space.{name}.low", param.low))
+        whole = (int,) if name == "max_steps" else (int, float)
         problems += [(where, f"{expected}, got {short_repr(value)}") for where, value in values
-                     if isinstance(value, bool) or not isinstance(value, int) or value < least]
+                     if isinstance(value, bool) or not isinstance(value, whole) or value < least
+                     or (isinstance(value, float) and not value.is_integer())]
     return problems
+
+
+def _pruners(component: Any) -> set[str]:
+    """The pruner's type and those it wraps (`then:`, `wrapped:`), as far as the file spells them out."""
+    if isinstance(component, str):
+        return {component}
+    kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
+    args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
+    inner = [args.get(key) for key in ("then", "wrapped") if args.get(key) is not None]
+    return ({kind} if isinstance(kind, str) else set()).union(*(_pruners(c) for c in inner))
 
 
 def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
@@ -332,12 +347,16 @@ def latest_handoff_step(spec: StudySpec) -> int | None:
     or `command` study (a donor's newest save, any step)."""
     if spec.loop is not None or spec.command is not None:
         return None
-    budgets = []
-    for end in (0, -1):
+    param = spec.space.get("max_steps")
+    if isinstance(param, CategoricalParam):
+        budgets = [c for c in param.choices if isinstance(c, int) and not isinstance(c, bool)]
+    elif param is not None:
+        budgets = [int(param.high)]
+    else:
         try:
-            budgets.append(TrainingConfig.from_dict(_example_config(spec, end)).max_steps)
+            budgets = [TrainingConfig.from_dict(_example_config(spec, 0)).max_steps]
         except ConfigError:
-            continue
+            budgets = []
     return int(spec.warm_start.handoff * max(budgets)) if budgets else None
 
 

@@ -671,6 +671,10 @@ CLI = [
              "got None"),
     bad_args("cli values", "set-inside-a-key", ("run", STUDY, "--set", "fixed={mixed_precision: off}"),
              "command line: --set fixed.mixed_precision: ", "YAML reads an unquoted off as false"),
+    bad_args("cli values", "set-storage-folder-missing", ("run", STUDY, "--set", "storage=sqlite:///missing/x.db"),
+             "command line: --set storage: ", "missing does not exist"),
+    bad_args("cli values", "set-inside-a-range", ("run", STUDY, "--set", "space.learning_rate.low=0.5"),
+             f"{STUDY}: space.learning_rate (with --set space.learning_rate.low): ", "expected low <= high"),
     bad_args("cli values", "set-into-a-string", ("run", STUDY, "--set", "name.x=1"),
              "command line: --set name.x: ", "name is 'tiny', not a mapping"),
     bad_args("cli values", "set-tag", ("run", STUDY, "--set", "description=!!python/object:os.system ls"),
@@ -808,17 +812,22 @@ LOOP_MAX_STEPS = [
     bad_file("loop max_steps", "bool", changed(**LOOP, fixed__max_steps=True), "fixed.max_steps", "got True"),
     bad_file("loop max_steps", "float-range", changed(**LOOP, fixed__max_steps=..., space__max_steps={
         "type": "float", "low": 10, "high": 20}), "space.max_steps.type", "max_steps takes integers"),
-    # The pruners read these two as well: a word failed every trial in sweep's own code, 0 and -5 went unnoticed.
-    bad_file("loop max_steps", "eval-every-word", changed(**LOOP, fixed__eval_every_steps="x"),
+    # The fastfail and leaders pruners read these two as well: a word failed every trial in sweep's own code, 0 and -5
+    # went unnoticed.
+    bad_file("loop max_steps", "eval-every-word", changed(**LOOP, pruner="fastfail", fixed__eval_every_steps="x"),
              "fixed.eval_every_steps", "expected a positive integer (the steps between evaluations), got 'x'"),
-    bad_file("loop max_steps", "eval-every-zero", changed(**COMMAND, fixed__eval_every_steps=0),
+    bad_file("loop max_steps", "eval-every-zero", changed(**COMMAND, pruner="fastfail", fixed__eval_every_steps=0),
              "fixed.eval_every_steps", "got 0"),
-    bad_file("loop max_steps", "warmup-word", changed(**LOOP, fixed__warmup_steps="abc"), "fixed.warmup_steps",
+    bad_file("loop max_steps", "warmup-word", changed(**LOOP, pruner={"type": "fastfail", "then": "leaders"},
+                                                      fixed__warmup_steps="abc"), "fixed.warmup_steps",
              "expected a whole number >= 0 (the learning rate's warmup, in steps), got 'abc'"),
-    bad_file("loop max_steps", "warmup-negative", changed(**LOOP, fixed__warmup_steps=-5), "fixed.warmup_steps",
-             "got -5"),
+    bad_file("loop max_steps", "warmup-negative", changed(**LOOP, pruner="fastfail", fixed__warmup_steps=-5.0),
+             "fixed.warmup_steps", "got -5.0"),
+    bad_file("loop max_steps", "warmup-fraction", changed(**LOOP, pruner="leaders", fixed__warmup_steps=0.5),
+             "fixed.warmup_steps", "got 0.5"),
     bad_file("loop max_steps", "eval-every-float-range", changed(
-        **LOOP, fixed__eval_every_steps=..., space__eval_every_steps={"type": "float", "low": 1, "high": 5}),
+        **LOOP, pruner="fastfail", fixed__eval_every_steps=...,
+        space__eval_every_steps={"type": "float", "low": 1, "high": 5}),
         "space.eval_every_steps.type", "eval_every_steps takes integers"),
     # A loop's warm trial starts from its donor's newest save: a handoff there did nothing.
     bad_file("loop max_steps", "loop-handoff", changed(**LOOP, warm_start={"handoff": 0.3}), "warm_start.handoff",
@@ -1142,6 +1151,13 @@ ACCEPTED = [
     pytest.param(TINY_YAML + "  weight_decay: {type: float, low: 0.0, high: 0.1, step: 1.0e-27}\n",
                  id="float-step-of-1e27-steps"),
     pytest.param(TINY_YAML.replace("batch_size: 32", "batch_size: 1438"), id="batch-of-the-whole-training-set"),
+    # A loop's keys are its own; where a pruner reads them, a whole number written as a float is one.
+    pytest.param(TINY_YAML.replace("task: digits", "loop: operator:add").replace("pruner: none", "pruner: fastfail")
+                 .replace("eval_every_steps: 10", "eval_every_steps: 10.0\n  warmup_steps: 20.0"),
+                 id="loop-whole-floats-the-pruner-reads"),
+    pytest.param(TINY_YAML.replace("task: digits", "loop: operator:add").replace("pruner: none", "pruner: median")
+                 .replace("eval_every_steps: 10", "eval_every_steps: 10\n  warmup_steps: 0.1"),
+                 id="loop-fraction-no-pruner-reads"),
 ]
 
 

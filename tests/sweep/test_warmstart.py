@@ -263,3 +263,23 @@ def test_a_registry_from_an_earlier_version_is_upgraded_in_place(tmp_path: Path)
     columns = {ix["name"]: ix["column_names"] for ix in inspect(create_engine(url)).get_indexes("sweep_checkpoints")}
     assert "cat_key" in columns["ix_sweep_checkpoints_donors"]
     Registry(url)  # a second worker finds it upgraded
+
+
+@pytest.mark.parametrize(("space", "latest"), [
+    ({}, 20),  # fixed max_steps 40, handoff 0.5
+    ({"max_steps": {"type": "categorical", "choices": [200, 800, 400]}}, 400),  # the largest choice, not the last
+    ({"max_steps": {"type": "int", "low": 600, "high": 1000},
+      "eval_every_steps": {"type": "int", "low": 240, "high": 260}}, 500),  # 250 hands off at 500; the ends less
+])
+def test_the_latest_handoff_step_bounds_every_trial_s(space: dict[str, Any], latest: int) -> None:
+    # from_studies' warning of a study that gives no donors compared against the two ends of the ranges only, and
+    # warned of a study that did donate (to a trial of the middle choice).
+    from sweep.spec import latest_handoff_step
+    from tests.conftest import TINY_STUDY
+
+    document = copy.deepcopy(TINY_STUDY) | {"warm_start": {"max_distance": 0.5}}
+    document["fixed"] = {**document["fixed"], "max_steps": 40}
+    for key in space:
+        document["fixed"].pop(key, None)
+    document["space"] = {**document["space"], **space}
+    assert latest_handoff_step(parse_spec(document, "study.yaml")) >= latest
