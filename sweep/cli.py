@@ -362,6 +362,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
         err.print(f"study {spec.name!r} in {mask_url(url)}: {used}/{spec.n_trials} trials done", markup=False)
         if spec.warm_start.enabled and spec.warm_start.from_studies:  # a typo there would silently give no donors
             from sweep.registry import Registry
+            from sweep.spec import latest_handoff_step
             from sweep.warmstart import donorless_studies
 
             names = {s.study_name for s in study._storage.get_all_studies()}  # noqa: SLF001
@@ -372,7 +373,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
             found = [name for name in spec.warm_start.from_studies if name in names and name != spec.name]
             registry = Registry(url)
             try:
-                for name, why in donorless_studies(registry, spec, found).items():
+                for name, why in donorless_studies(registry, latest_handoff_step(spec), found).items():
                     err.print(f"warning: warm_start.from_studies: study {name!r} gives no donors so far: {why}",
                               markup=False)
             finally:

@@ -168,13 +168,11 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
 PAGE = 64
 
 
-def donorless_studies(registry: Registry, spec: StudySpec, names: Sequence[str]) -> dict[str, str]:
+def donorless_studies(registry: Registry, latest: int | None, names: Sequence[str]) -> dict[str, str]:
     """Which of `names` (other studies of this storage) can give this study no donor, each with why: a study keeps
     a checkpoint at its handoff step only when it runs with warm start on; without it, only its trials' latest and
-    best checkpoints, which come after this study's handoff step."""
-    from sweep.spec import latest_handoff_step
-
-    latest = latest_handoff_step(spec)
+    best checkpoints, which come after this study's handoff step. `latest`: `sweep.spec.latest_handoff_step` (None:
+    any step)."""
     why = {}
     for name in names:
         earliest = registry.earliest_donor_step(name)
