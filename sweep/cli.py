@@ -235,7 +235,7 @@ def run(
     workers = min(workers, spec.n_trials)  # a worker beyond the budget would find no trial to train
     prefix = "" if worker is None else f"[worker {worker}] "
     study = _open_for_run(spec, url, prefix, source)
-    with _run_outcomes(study, prefix):
+    with _run_outcomes(study, prefix, workers):
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), time.time()
@@ -405,13 +405,14 @@ def _store_claim_problem(name: str, owner: str | None, location: str | Path, url
 
 
 @contextlib.contextmanager
-def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
+def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
     """Ctrl-C and SIGTERM as requests the worker honours at a clean point, and how a run that ends early exits:
     130 interrupted, 143 preempted, 1 a broken study, a repeated fault of the machine or a storage gone too long."""
-    from sweep.signals import Preempted, graceful_signals, stop_requested
+    from sweep.signals import Preempted, graceful_signals, is_unmarked, mark_unmarked, stop_requested
     from sweep.storage import StorageUnavailable, storage_refusal
     from sweep.worker import InfrastructureError, StudyBrokenError
 
+    launcher = workers > 1 and not prefix  # its workers print what became of their trials
     try:
         with graceful_signals():
             try:
@@ -420,15 +421,18 @@ def _run_outcomes(study: Any, prefix: str) -> Iterator[None]:
                 stop = stop_requested()
                 if stop is None:
                     raise
-                raise stop() from None  # told to stop while the storage was away: it exits as the signal says
-    except KeyboardInterrupt:
-        err.print(f"{prefix}interrupted: running trials are marked and queued again; rerun the same command to "
-                  "continue.", markup=False)
-        raise typer.Exit(130) from None
-    except Preempted:
-        err.print(f"{prefix}preempted (SIGTERM): running trials are marked and queued again; they resume from their "
-                  "last checkpoint when the same command runs again.", markup=False)
-        raise typer.Exit(143) from None
+                raise mark_unmarked(stop()) from None  # told to stop while the storage was away: exits as told
+    except (KeyboardInterrupt, Preempted) as exc:
+        code, what = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
+        if launcher:
+            fate = "each worker's lines above say what became of its running trials"
+        elif is_unmarked(exc):
+            fate = ("running trials could not be marked (the storage is unreachable): the next run finds them lost "
+                    "and retries them from their last checkpoint")
+        else:
+            fate = "running trials are marked and queued again; they resume from their last checkpoint"
+        err.print(f"{prefix}{what}: {fate}; rerun the same command to continue.", markup=False)
+        raise typer.Exit(code) from None
     except (StudyBrokenError, InfrastructureError, StorageUnavailable) as exc:
         if not isinstance(exc, StorageUnavailable):
             _print_status(study)

@@ -21,12 +21,25 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["FORWARD", "Preempted", "graceful_signals", "raise_pending", "record_forwarded", "stop_requested"]
+__all__ = ["FORWARD", "Preempted", "graceful_signals", "is_unmarked", "mark_unmarked", "raise_pending",
+           "record_forwarded", "stop_requested"]
 
 
 class Preempted(BaseException):
     """SIGTERM: the machine is being taken away (a spot instance, a cluster's preemption). Like Ctrl-C, the running
     trial is marked and queued again; the retry resumes from its last checkpoint."""
+
+
+def mark_unmarked(stop: BaseException) -> BaseException:
+    """`stop` (KeyboardInterrupt, `Preempted`) honoured while the storage was unreachable: the running trials were
+    left as they were, not marked and queued (the next run finds them lost). Returns `stop`."""
+    stop.unmarked = True  # type: ignore[attr-defined]
+    return stop
+
+
+def is_unmarked(stop: BaseException) -> bool:
+    """Whether `stop` left its running trials unmarked (`mark_unmarked`)."""
+    return getattr(stop, "unmarked", False) is True
 
 
 _pending: type[BaseException] | None = None  # the stop asked for, not raised yet

@@ -58,7 +58,7 @@ from sweep.outcomes import (
 from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
-from sweep.signals import Preempted, raise_pending
+from sweep.signals import Preempted, mark_unmarked, raise_pending
 from sweep.storage import (
     Boundary,
     PatientStorage,
@@ -157,7 +157,7 @@ def unmarked_if_away(what: str, stop: BaseException) -> Iterator[None]:
             raise
         warnings.warn(f"{what} could not be marked ({exc}); the next run finds them lost and retries them",
                       stacklevel=1)
-        raise stop from None
+        raise mark_unmarked(stop) from None
 
 class Worker:
     """Runs trials of one study until its budget is used (by this worker and any others), `timeout` seconds pass,

@@ -801,11 +801,52 @@ def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_ret
         assert code == 143, tail(log)
         assert time.monotonic() - started < 60  # not its storage_patience of 300 s
         assert "trial 0 could not be marked" in tail(log) and "not waiting for it" in tail(log)
+        last = tail(log).strip().splitlines()[-1]
+        assert "could not be marked" in last and "queued again" not in last, last  # the exit line says so too
         server.start()
         assert sweep_run(path, "--storage", server.url, log=log, env=env) == 0, tail(log)
         lost, retry = load_trials(server.url, "away")
         assert lost.state == TrialState.FAIL and lost.user_attrs["outcome"] == "lost", lost.user_attrs
         assert retry.state == TrialState.COMPLETE and retry.user_attrs["retry_of"] == 0
+
+
+def test_sigterm_to_a_cohort_while_postgresql_is_down_says_its_trials_were_left_for_the_next_run(
+        tmp_path: Path) -> None:
+    """The same for a cohort: its members cannot be marked while the storage is away, and the exit line must not
+    claim they were queued again (it did); the next run finds both lost and retries each from its own checkpoint."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    document = copy.deepcopy(TINY_STUDY) | {
+        "name": "awaycohort", "n_trials": 2, "execution": {"cohort": 2}, "storage_patience": 300,
+        "heartbeat_interval": 1, "heartbeat_grace_period": 3, "checkpoints": {"every_steps": 50}}
+    document["fixed"] |= {"max_steps": 5000, "eval_every_steps": 50, "log_every_steps": 50}
+    path = write_study(tmp_path, document)
+    log = tmp_path / "worker.log"
+    with PostgresServer() as server:
+        worker = start_sweep("run", path, "--storage", server.url, log=log)
+        try:
+            until_its_first_report(server, "awaycohort", worker)
+            server.stop("fast")
+            worker.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            code = finish(worker, log, timeout=120)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        assert code == 143, tail(log)
+        assert time.monotonic() - started < 60  # not its storage_patience of 300 s
+        last = tail(log).strip().splitlines()[-1]
+        assert "could not be marked" in last and "queued again" not in last, last
+        server.start()
+        trials = load_trials(server.url, "awaycohort")
+        assert [t.state for t in trials] == [TrialState.RUNNING] * 2  # left as they were, for the next run
+        assert sweep_run(path, "--storage", server.url, log=log) == 0, tail(log)
+        trials = load_trials(server.url, "awaycohort")
+        lost = [t for t in trials if t.user_attrs.get("outcome") == "lost"]
+        retries = [t for t in trials if "retry_of" in t.user_attrs]
+        assert sorted(t.number for t in lost) == [0, 1], summary(trials)
+        assert sorted(t.user_attrs["retry_of"] for t in retries) == [0, 1], summary(trials)
+        assert all(t.state == TrialState.COMPLETE for t in retries), summary(trials)
 
 
 # The same, saving its state at each step (what a retry resumes from).
