@@ -38,6 +38,7 @@ from sweep.schema import (
     folder_problem,
     long_name_problem,
     name_problem,
+    override_key,
     read_spec,
     resolve_storage_url,
     sqlite_file_problem,
@@ -79,8 +80,8 @@ class _Commands(TyperGroup):
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
 # Piped output (a file, CI, `less`) has no width: let tables be as wide as they need rather than 80 columns.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 240)
+err = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
 
 StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
                                                    "postgresql+psycopg://...); overrides the study file's.")]
@@ -288,7 +289,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     options_ok = not problems
     overrides = [*set_, *(_name_override(study_name) if options_ok else []),
                  *([f"n_trials={n_trials}"] if n_trials is not None and options_ok else [])]
-    given = [item.split("=", 1)[0].strip() for item in set_]  # a problem of theirs is the command line's
+    given = [override_key(item) for item in set_]  # a problem of theirs is the command line's
 
     def lines(found: list[tuple[str, str]]) -> list[str]:  # as the user gave them, named where they come from
         return StudyFileError(study_file, found).lines(given)
@@ -1012,6 +1013,7 @@ def dashboard(
     _warn_if_exposed(host, "read and edit the study")
     from sweep.outcomes import SPEC_ATTR
     from sweep.reconcile import store_location
+    from sweep.storage import optuna_url
     from sweep.study import label_for_dashboard
 
     if isinstance(stored := study.user_attrs.get(SPEC_ATTR), dict):
@@ -1021,7 +1023,7 @@ def dashboard(
                                          or store_location(study, url))
     err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
     try:
-        optuna_dashboard.run_server(url, host=host, port=port, artifact_store=artifacts)
+        optuna_dashboard.run_server(optuna_url(url), host=host, port=port, artifact_store=artifacts)
     except OSError as exc:  # taken between the check and the server's bind
         raise _fail(f"--host/--port: cannot serve on {host}:{port}: {exc.strerror or exc}", 1) from None
 

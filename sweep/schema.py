@@ -69,6 +69,9 @@ class StudyFileError(Exception):
             if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden):
                 return f"command line: --set {key}"
             inside = [k for k in overridden if key and k.startswith((f"{key}.", f"{key}["))]  # a range and its low
+            # A searched key's fields are read together: `--set space.lr.type=int` makes the file's `low` wrong.
+            inside += [k for k in overridden if k.startswith("space.") and (entry := k.rpartition(".")[0]) != "space"
+                       and key.startswith(f"{entry}.") and k not in inside]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key)}: {message}" for key, message in self.problems]
@@ -680,6 +683,11 @@ _COMPONENT_DEFAULTS: dict[str, dict[str, Any]] = {"sampler": {"type": "tpe"},
                                                   "pruner": {"type": "fastfail", "then": "median"}}
 
 
+def override_key(item: str) -> str:
+    """The key path of a `--set key.path=value` item, without spaces around its parts."""
+    return ".".join(part.strip() for part in item.partition("=")[0].split("."))
+
+
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`), as strictly as a file."""
     problems = []
@@ -697,6 +705,7 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
         if any(not part.strip() for part in key.split(".")):
             problems.append((f"--set {key}", "expected a dotted key path like fixed.max_steps, with no empty part"))
             continue
+        key = override_key(item)  # `--set 'n_trials =3'`: spaces around a key's parts are the shell's, not the key's
         try:
             value = load_yaml(raw, "command line", f"--set {key}") if raw else None
         except StudyFileError as exc:
@@ -924,6 +933,8 @@ def _sqlite_url_problem(url: str, parsed: Any) -> str | None:
     if database in ("", ":memory:"):
         return (f"an in-memory SQLite database vanishes when the process ends, and the study with it; {expected}, "
                 f"got {short_repr(mask_url(url))}")
+    if database.endswith("/"):  # a folder's path: a file would be made with the folder's name, where none is
+        return f"{expected}, not a folder's path (it ends in '/'), got {short_repr(mask_url(url))}"
     return None
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "make_storage",
     "mask_url",
     "never_lost",
+    "optuna_url",
     "sqlite_path",
 ]
 
@@ -136,6 +137,13 @@ def engine_options(url: str) -> dict[str, Any]:
     return options
 
 
+def optuna_url(url: str) -> str:
+    """`url` as Optuna's RDBStorage must be given it to open `url` itself: it fills a `{SCHEMA_VERSION}` template by
+    `str.format`, so a brace in a password or a path (`x{1}/study.db`) would raise, name a part of the password in
+    the error, or open another file."""
+    return url.replace("{", "{{").replace("}", "}}")
+
+
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  stale_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
                  ) -> optuna.storages.RDBStorage:
@@ -148,7 +156,7 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
         _use_wal(url)
     for attempt in range(5):
         try:
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+            storage = optuna.storages.RDBStorage(optuna_url(url), engine_kwargs=engine_kwargs,
                                                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                                                  heartbeat_stale_trial_callback=stale_trial_callback)
             break
@@ -417,7 +425,7 @@ _SQLITE_TRANSIENT = ("locked", "busy", "disk", "full", "unable to open", "i/o")
 # The driver's words for an option of the URL that no server will ever take (`?sslmode=bogus`, `?port=abc`, an unknown
 # option): final, and the user's input, not the storage's state.
 _BAD_OPTION = re.compile(r"invalid [a-z_]+ value|invalid connection option|invalid integer value|invalid port number"
-                         r"|invalid uri query parameter|invalid value for parameter"
+                         r"|invalid uri query parameter|invalid value for parameter|bad value for [a-z_]+"
                          r"|unrecognized configuration parameter|missing \"=\" after", re.IGNORECASE)
 
 

@@ -276,14 +276,32 @@ def test_a_resumed_study_draws_new_configs_and_a_fresh_one_keeps_its_seed(tmp_pa
     assert resumed[2] not in resumed[:2] and resumed[3] not in resumed[:2]  # not the first run's draws again
 
 
+@pytest.mark.parametrize("password", ["secretpw", "Ab{secretpw}Cd"])
 @pytest.mark.parametrize("command", ["status", "trials", "best", "report"])
-def test_read_commands_on_an_unreachable_storage_give_one_line_without_the_password(command: str) -> None:
-    url = "postgresql+psycopg://sweeper:secretpw@127.0.0.1:1/nothing"  # loopback, a port nothing listens on
+def test_read_commands_on_an_unreachable_storage_give_one_line_without_the_password(command: str,
+                                                                                    password: str) -> None:
+    """A brace in the password: Optuna fills a template in the URL by str.format, which raised KeyError('secretpw'),
+    printed as `error: secretpw`."""
+    url = f"postgresql+psycopg://sweeper:{password}@127.0.0.1:1/nothing"  # loopback, a port nothing listens on
     done = sweep_cli(command, "--storage", url, "--study-name", "any")
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and "secretpw" not in done.stdout + done.stderr
     [line] = [line for line in done.stderr.splitlines() if line.strip()]
     assert line.startswith("error: cannot open storage postgresql+psycopg://sweeper:***@127.0.0.1:1/nothing: ")
+
+
+def test_a_study_in_a_folder_whose_name_holds_braces_runs_and_reads(tmp_path: Path) -> None:
+    """Optuna's URL template (`str.format`) made `x{depth}/` fail every command (KeyError: 'depth'), after leaving an
+    empty database there."""
+    folder = tmp_path / "x{depth}"
+    folder.mkdir()
+    study = write_study(folder, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    done = sweep_cli("run", study)
+    assert done.returncode == 0, done.stderr
+    done = sweep_cli("trials", folder / "tiny.db", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert [row["state"] for row in json.loads(done.stdout)] == ["complete"]
+    assert {"study.yaml", "tiny.checkpoints", "tiny.db", "tiny.db.lock"} <= {p.name for p in folder.iterdir()}
 
 
 def test_every_command_finds_a_study_run_under_another_name_from_its_study_file(tiny_study: Path) -> None:
