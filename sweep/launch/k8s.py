@@ -11,6 +11,7 @@ the Job starts a new pod for the index, which continues the study. Exit code 2 (
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,14 @@ def _name(spec: StudySpec) -> str:
     return f"sweep-{name or 'study'}"
 
 
+def config_map_key(file_name: str) -> str:
+    """The study file's name as a ConfigMap key (and its file's name in the pods), which Kubernetes takes only of
+    `[-._a-zA-Z0-9]`: `my study.yaml` is `my-study.yaml`. The workers are given the study's name (`--study-name`),
+    so the file's does not matter to them."""
+    key = re.sub(r"[^-._a-zA-Z0-9]", "-", file_name)
+    return "study.yaml" if key.strip(".") == "" else key
+
+
 def job_manifest(spec: StudySpec, spec_path: Path, options: K8sSpec, *, timeout: float | None = None,
                  overrides: Sequence[str] = ()) -> str:
     """The ConfigMap and the Job as one YAML stream."""
@@ -55,7 +64,8 @@ def job_manifest(spec: StudySpec, spec_path: Path, options: K8sSpec, *, timeout:
     meta: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "sweep", "sweep/study": name}}
     if options.namespace:
         meta["namespace"] = options.namespace
-    study_file = f"{STUDY_MOUNT}/{spec_path.name}"
+    key = config_map_key(spec_path.name)
+    study_file = f"{STUDY_MOUNT}/{key}"
     workers = options.gpus_per_worker // spec.resources.devices_per_trial  # one per trial's GPUs (gpus_problem)
     command = ["python", "-m", "sweep.cli", "run",
                *worker_args(Path(study_file), spec, timeout=timeout, overrides=overrides),
@@ -83,7 +93,7 @@ def job_manifest(spec: StudySpec, spec_path: Path, options: K8sSpec, *, timeout:
     # The study file without its `storage:` (which may hold a password): the workers' URL is the Secret's.
     document = {key: value for key, value in read_document(spec_path).items() if key != "storage"}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-                  "data": {spec_path.name: yaml.safe_dump(document, sort_keys=False)}}
+                  "data": {key: yaml.safe_dump(document, sort_keys=False)}}
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -68,6 +68,23 @@ def job_folder(spec: StudySpec, spec_path: Path, options: SlurmSpec) -> Path:
     return folder if folder.is_absolute() else (spec_path.parent / folder).resolve()
 
 
+_SBATCH_SPECIAL = re.compile(r"[\s\"'\\#]")
+
+
+def sbatch_quoted(option: str) -> str:
+    """One `#SBATCH` option as sbatch reads it back: sbatch splits a directive at whitespace, ends it at `#`, and
+    takes quotes and backslashes as a shell would, so a value holding any of them (a log folder with a space, a
+    `--comment=two words`) goes in double quotes. The option's name, and the `=` or space after it, stay as given."""
+    found = re.fullmatch(r"(--?[A-Za-z][A-Za-z0-9\-]*)([= ]?)(.*)", option, re.DOTALL)
+    assert found is not None, option  # the schema's `_SBATCH_LINE`, and sweep's own options
+    name, sep, value = found.groups()
+    quoted = len(value) >= 2 and value[0] == value[-1] in "\"'" and value[0] not in value[1:-1]
+    if quoted or not _SBATCH_SPECIAL.search(value):  # quoted by the user already, or nothing to quote
+        return option
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{name}{sep or "="}"{escaped}"'
+
+
 def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder: Path, workdir: Path,
                  timeout: float | None = None, overrides: Sequence[str] = (), python: str = sys.executable) -> str:
     """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
@@ -91,7 +108,7 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
         f"# Workers of study {spec.name!r}: {options.workers} array tasks, {each}; every worker is the ordinary",
         "# `sweep run` loop on the study's storage.",
         f"# Written by `sweep submit {spec_path.name} --slurm`; logs in {folder}/.",
-        *(f"#SBATCH {option}" for option in sbatch),
+        *(f"#SBATCH {sbatch_quoted(option)}" for option in sbatch),
         "",
         "# The storage URL may hold a password: it is in this owner-only file, never in the script or the job's",
         "# environment (Slurm keeps both in its records).",

@@ -249,6 +249,24 @@ def test_a_worker_that_cannot_start_is_shown_in_status_with_its_log(
     assert "cannot read the storage URL its launcher left" in status  # the log's last lines, here
 
 
+def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as_given(
+        tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    """sbatch splits an `#SBATCH` line at whitespace and ends it at `#`: unquoted, a study folder with a space made
+    sbatch refuse the job ("Invalid directive found in batch script: ace"), and a checked --sbatch value of two
+    words did the same."""
+    folder = tmp_path / "sp ace"
+    folder.mkdir()
+    url, name = url_with_password(postgres_url), "slurm_spaces"
+    path = study_file(folder, name, 1)
+    job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold", "--sbatch=--comment=two words #1")
+    try:
+        shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
+        assert "Comment=two words #1" in shown, shown
+        assert f"StdOut={folder / f'{name}.slurm'}/" in shown, shown  # the folder with its space
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
+
+
 def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
     """sbatch refuses the job (a partition the cluster does not have): exit 1 with sbatch's reason, and what the
     submit made for it goes again (the new SQLite study, its checkpoint folder, the job's folder with its storage

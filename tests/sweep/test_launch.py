@@ -217,6 +217,20 @@ def test_k8s_manifest_is_an_indexed_job_the_kubernetes_models_accept(tmp_path: P
     assert "storage" not in study and study["name"] == "tiny"
 
 
+def test_k8s_config_map_key_is_one_kubernetes_takes_whatever_the_study_file_is_called(tmp_path: Path) -> None:
+    """`my study.yaml` was the ConfigMap's key, which the API server refuses (keys are `[-._a-zA-Z0-9]+`)."""
+    path = write_study(tmp_path, changed(storage=URL), name="my study (v2).yaml")
+    out = tmp_path / "job.yaml"
+    done = sweep_cli("submit", path, "--k8s", "-o", out, "--image", "reg/sweep:1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    config_map, job = yaml.safe_load_all(out.read_text())
+    [key] = config_map["data"]
+    assert re.fullmatch(r"[-._a-zA-Z0-9]+", key) and key == "my-study--v2-.yaml"
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"][4] == f"/etc/sweep/{key}"
+    assert container["command"][5:7] == ["--study-name", "tiny"]  # the study's name is not the file's
+
+
 def test_k8s_needs_an_image(tmp_path: Path) -> None:
     path = write_study(tmp_path, changed())
     done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job.yaml", cwd=tmp_path)
