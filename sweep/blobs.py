@@ -232,7 +232,7 @@ class CheckpointStore:
 
 
 def claim_problem(location: str | Path, study: str, owner: str | None, *, claim: bool = True,
-                  new: bool = False) -> str | None:
+                  new: bool = False, kind: str = "checkpoints") -> str | None:
     """Why the study's folder of a local store belongs to another study of the same name (another database: two
     PostgreSQL databases, or a database recreated, pointed at one default `sweep-checkpoints/` folder), or None.
     The folder's owner file holds the id its study's database keeps (`owner`, made when the study was created);
@@ -240,7 +240,9 @@ def claim_problem(location: str | Path, study: str, owner: str | None, *, claim:
     wins, the other reads the winner's id). Sharing a folder, their blobs would overwrite each other's (the same
     names) and each study's `sweep check --repair` would delete the other's as orphans. A study created before
     owner ids existed (`owner` None) and object stores are not checked. `new`: the study is not created yet, so a
-    folder with any owner is another study's (checked before creating it, so that nothing is left half-made)."""
+    folder with any owner is another study's (checked before creating it, so that nothing is left half-made).
+    `kind`: "checkpoints", or "tensorboard" for the study's folder of TensorBoard runs, claimed the same way
+    (TensorBoard shows every run in it as the study's)."""
     if (owner is None and not new) or is_object_url(str(location)):
         return None
     folder = Path(location).expanduser().resolve() / study
@@ -265,6 +267,11 @@ def claim_problem(location: str | Path, study: str, owner: str | None, *, claim:
             return None  # unreadable or not ours to judge: no claim either way
         if found == owner:
             return None
+        if kind == "tensorboard":
+            return (f"the TensorBoard folder {folder} holds the runs of another study named {study!r} (in another "
+                    f"database, or one deleted and created again): TensorBoard would show their curves as this "
+                    f"study's. Set tracking.tensorboard.dir to a folder of this study's own, or, if that study is "
+                    f"gone, remove the folder")
         return (f"the checkpoint folder {folder} belongs to another study named {study!r} (in another database, or "
                 f"one deleted and created again): sharing it, each would overwrite and delete the other's "
                 f"checkpoints. Set checkpoints.store to a folder of this study's own, or, if that study is gone, "

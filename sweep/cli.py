@@ -323,9 +323,11 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
 def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     """Create or resume the study behind the storage boundary, whose outage lines go to stderr. A checkpoint folder
     another study of this name writes in is refused before any trial runs, and before a new study is created."""
+    from sweep.blobs import claim_problem
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
     from sweep.study import StudyMismatchError, open_study, worker_storage
+    from sweep.tracking import tensorboard_root
     from sweep.workers import prepare_process
 
     _OPENED[:] = [url]
@@ -334,12 +336,18 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     notify = lambda line: err.print(f"{prefix}{line}", markup=False)
     location = spec.checkpoints.store or default_store(url)
 
+    tensorboard = tensorboard_root(spec.tracking, url) if spec.tracking.tensorboard.enabled else None
+    tensorboard_key = f"tracking.tensorboard{'.dir' if spec.tracking.tensorboard.dir is not None else ''}"
+
     def refuse_a_folder_another_owns(exists: Callable[[], bool]) -> None:
         """A study about to be created owns no folder yet: one with an owner is another's. Asked again before
         refusing: a worker that created the study meanwhile has claimed the folder for it."""
         if spec.checkpoints.enabled and not exists() and (problem := _store_claim_problem(
                 spec.name, None, location, url, claim=False)) and not exists():
             raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+        if tensorboard is not None and not exists() and (problem := claim_problem(
+                tensorboard, spec.name, None, claim=False, new=True, kind="tensorboard")) and not exists():
+            raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
 
     if (database := sqlite_path(url)) is not None:
         refuse_a_folder_another_owns(database.exists)  # before the SQLite file is made
@@ -356,6 +364,9 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     if spec.checkpoints.enabled and (problem := _store_claim_problem(
             study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
         raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+    if tensorboard is not None and (problem := claim_problem(
+            tensorboard, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=True, kind="tensorboard")):
+        raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
     if not prefix:  # the launching process, not one of its workers
         from sweep.outcomes import budget_counts
 

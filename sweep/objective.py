@@ -41,6 +41,7 @@ from sweep.outcomes import (
     ATTR_TRAIN_CURVE,
     ATTR_WALL,
     ATTR_WARM_START,
+    OWNER_ATTR,
     Outcome,
     TimedOut,
     TrialResult,
@@ -213,7 +214,8 @@ def trial_trackers(spec: StudySpec, storage_url: str | None, trial: optuna.Trial
                    config: Mapping[str, Any], prior: Sequence[tuple[int, float]]) -> list[Guarded]:
     """The trial's trackers (none with tracking off), for any runner: the built-in trainer, a loop, a command. A
     retry's run starts with its lineage's evaluations (`prior`): one curve, as in Optuna."""
-    trackers = open_trackers(spec, storage_url, trial.study.study_name, trial.number, params, config)
+    owner = trial.study.user_attrs.get(OWNER_ATTR) if spec.tracking.mlflow.enabled else None
+    trackers = open_trackers(spec, storage_url, trial.study.study_name, trial.number, params, config, owner)
     for step, value in prior:
         for tracker in trackers:
             tracker.report(step, {spec.metric: value})

@@ -176,8 +176,9 @@ class TensorBoardTracker:
 # a trial should not wait that long on its tracking. Set these yourself to choose otherwise.
 MLFLOW_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-TAG_STUDY, TAG_ROLE, TAG_TRIAL = "sweep.study", "sweep.role", "sweep.trial"
-_STUDY_RUNS: dict[tuple[str, str, str], tuple[str, str]] = {}  # (uri, experiment, study) -> (experiment id, run id)
+TAG_STUDY, TAG_ROLE, TAG_TRIAL, TAG_OWNER = "sweep.study", "sweep.role", "sweep.trial", "sweep.owner"
+# (uri, experiment, study, owner) -> (experiment id, run id)
+_STUDY_RUNS: dict[tuple[str, str, str, str | None], tuple[str, str]] = {}
 
 
 def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name: str) -> tuple[str, str, str | None]:
@@ -216,17 +217,43 @@ def _store_turn(uri: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, study: str) -> tuple[str, str]:
-    """The experiment and the study's parent run, found (by its tags) or made; cached per process."""
-    key = (uri, experiment, study)
+def _build_store(uri: str) -> None:
+    """A new SQLite MLflow store is made in a file beside it and renamed into place once MLflow's migrations have
+    run: they are not atomic, and a worker killed in them (seconds, on a busy machine) left a half-migrated store
+    that every later trial's tracking failed on ("table _alembic_tmp_datasets already exists"). Called under the
+    store's lock (`_store_turn`); what a killed build left beside it is removed."""
+    from mlflow import MlflowClient
+
+    path = sqlite_path(uri)
+    if path is None or path.exists():
+        return
+    for stale in path.parent.glob(f".{path.name}.*.building"):
+        stale.unlink(missing_ok=True)
+    building = path.with_name(f".{path.name}.{os.getpid()}.building")
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{building}")  # makes the store's tables, at its creation
+        os.replace(building, path)
+    finally:
+        building.unlink(missing_ok=True)
+
+
+def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, study: str,
+               owner: str | None) -> tuple[str, str]:
+    """The experiment and the study's parent run, found (by its tags) or made; cached per process. `owner`: the id
+    the study's database keeps (made at its creation): a study of the same name in another database, or one deleted
+    and created again, has a parent run of its own, so that its trials' runs do not join the other's."""
+    key = (uri, experiment, study, owner)
     if key not in _STUDY_RUNS:
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(
             experiment, artifact_location=artifacts)
+        mine = f" and tags.`{TAG_OWNER}` = '{owner}'" if owner is not None else ""
         runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_STUDY}` = '{study}' and "
-                                  f"tags.`{TAG_ROLE}` = 'study'", max_results=1, order_by=["attributes.start_time"])
-        run_id = runs[0].info.run_id if runs else client.create_run(
-            experiment_id, run_name=study, tags={TAG_STUDY: study, TAG_ROLE: "study"}).info.run_id
+                                  f"tags.`{TAG_ROLE}` = 'study'{mine}", max_results=1,
+                                  order_by=["attributes.start_time"])
+        tags = {TAG_STUDY: study, TAG_ROLE: "study", **({TAG_OWNER: owner} if owner is not None else {})}
+        run_id = runs[0].info.run_id if runs else client.create_run(experiment_id, run_name=study,
+                                                                    tags=tags).info.run_id
         _STUDY_RUNS[key] = (experiment_id, run_id)
     return _STUDY_RUNS[key]
 
@@ -238,7 +265,7 @@ class MLflowTracker:
     artifacts."""
 
     def __init__(self, tracking: TrackingSpec, storage_url: str | None, study: str, trial_number: int,
-                 params: Mapping[str, Any], config: Mapping[str, Any], metric: str) -> None:
+                 params: Mapping[str, Any], config: Mapping[str, Any], metric: str, owner: str | None = None) -> None:
         from mlflow import MlflowClient
 
         uri, experiment, artifacts = mlflow_location(tracking, storage_url, study)
@@ -248,8 +275,9 @@ class MLflowTracker:
         self.metric, self.config, self.trial_number = metric, dict(config), trial_number
         self.pending: list[Any] = []
         with _store_turn(uri):  # a new store's tables are made by the client, at its creation
+            _build_store(uri)
             self.client = MlflowClient(tracking_uri=uri)
-            experiment_id, self.parent = _study_run(self.client, uri, experiment, artifacts, study)
+            experiment_id, self.parent = _study_run(self.client, uri, experiment, artifacts, study, owner)
         parent = self.parent
         self.run_id = self.client.create_run(experiment_id, run_name=trial_run_name(trial_number), tags={
             "mlflow.parentRunId": parent, TAG_STUDY: study, TAG_ROLE: "trial", TAG_TRIAL: str(trial_number)},
@@ -397,9 +425,10 @@ class Guarded:
 
 
 def open_trackers(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int,
-                  params: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> list[Guarded]:
+                  params: Mapping[str, Any], config: Mapping[str, Any] | None = None,
+                  owner: str | None = None) -> list[Guarded]:
     """The trial's trackers, one per backend the study turns on; none (an empty list) when tracking is off.
-    `config`: the trial's resolved TrainingConfig (an MLflow artifact)."""
+    `config`: the trial's resolved TrainingConfig (an MLflow artifact); `owner`: the study's id (`_study_run`)."""
     trackers = []
     if spec.tracking.tensorboard.enabled:
         folder = tensorboard_root(spec.tracking, storage_url) / study_name / trial_run_name(trial_number)
@@ -407,5 +436,5 @@ def open_trackers(spec: StudySpec, storage_url: str | None, study_name: str, tri
                                 lambda: TensorBoardTracker(folder, params, spec.metric)))
     if spec.tracking.mlflow.enabled:
         trackers.append(Guarded("mlflow", trial_number, lambda: MLflowTracker(
-            spec.tracking, storage_url, study_name, trial_number, params, config or {}, spec.metric)))
+            spec.tracking, storage_url, study_name, trial_number, params, config or {}, spec.metric, owner)))
     return trackers

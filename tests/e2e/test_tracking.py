@@ -187,6 +187,68 @@ def test_mlflow_holds_a_run_per_trial_under_the_study_s_run_with_every_step(tmp_
         assert json.loads((artifacts / "reproducibility.json").read_text()) == trial.user_attrs["reproducibility"]
 
 
+def test_a_study_deleted_and_created_again_never_mixes_with_the_old_one_s_runs(tmp_path: Path) -> None:
+    """`rm tiny.db` to start over: the new study's trials took the old one's TensorBoard folders (two curves at
+    every step of `trial-00000`, and the old params in its hparams view) and nested their MLflow runs under the old
+    study's run. Now TensorBoard's folder is claimed like a checkpoint folder (refused, one line, nothing created),
+    and MLflow gives the new study a run of its own."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    from mlflow import MlflowClient
+
+    tracked_study(tmp_path, {"mlflow": True, "tensorboard": True}, n_trials=1)
+    for leftover in ("tiny.db", "tiny.db-wal", "tiny.db-shm", "tiny.db.lock"):
+        (tmp_path / leftover).unlink(missing_ok=True)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = sweep_cli("run", tmp_path / "study.yaml", "--set", "seed=7")
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {tmp_path / 'study.yaml'}: tracking.tensorboard: the TensorBoard folder ") and \
+        "holds the runs of another study named 'tiny'" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no database made
+    trials, _ = tracked_study(tmp_path, {"mlflow": True}, n_trials=1, seed=7)  # MLflow alone: its own study run
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    experiment = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([experiment.experiment_id])
+    studies = [r for r in runs if r.data.tags.get("sweep.role") == "study"]
+    assert len(studies) == 2 and len({r.data.tags["sweep.owner"] for r in studies}) == 2
+    new = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    [mine] = [r for r in studies if r.data.tags["sweep.owner"] == new.user_attrs["sweep.owner"]]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == mine.info.run_id]
+    assert [r.data.params for r in children] == [{k: str(v) for k, v in trials[0].params.items()}]
+
+
+def test_a_worker_killed_while_it_makes_the_mlflow_store_leaves_none_half_made(tmp_path: Path) -> None:
+    """MLflow's migrations of a new SQLite store are not atomic: a worker killed in them left a half-migrated store
+    on which every later trial's tracking failed ("table _alembic_tmp_datasets already exists"). The store is made
+    beside its place and renamed into it: killed while it is made, there is no store yet, and the next run makes
+    one and tracks every trial."""
+    pytest.importorskip("mlflow")
+    store = tmp_path / "tiny.mlflow.db"
+    build = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from sweep.tracking import _build_store; "
+             f"_build_store({f'sqlite:///{store}'!r})")
+    process = subprocess.Popen([sys.executable, "-c", build])
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".tiny.mlflow.db.*.building")):
+            assert process.poll() is None and time.monotonic() < deadline, "the store was never being made"
+            time.sleep(0.005)
+        time.sleep(0.05)  # into MLflow's migrations (a second or more here)
+        process.kill()
+    finally:
+        process.wait()
+    assert not store.exists() or process.returncode == 0  # killed in them: no store; else it was made whole
+    trials, stderr = tracked_study(tmp_path, {"mlflow": True}, n_trials=2)
+    assert "tracking dropped" not in stderr, stderr
+    assert not list(tmp_path.glob(".tiny.mlflow.db.*"))  # the killed one's file went
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert sorted(r.info.run_name for r in runs if r.data.tags.get("sweep.role") == "trial") == [
+        f"trial-{t.number:05d}" for t in trials]
+
+
 def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per_trial(tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
     with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there

@@ -558,6 +558,21 @@ def test_the_default_loss_says_what_to_do_with_a_model_that_returns_a_tuple(digi
         train(tiny(task="tuple", model={}), task)
 
 
+def test_the_default_loss_says_what_to_do_with_float_targets(digits: Task) -> None:
+    """A regression task without loss= failed every trial with PyTorch's "expected target dtype to be Long or Byte,
+    but got Float", which does not say the loss is a default one."""
+    x = digits.train[0]
+    task = Task(name="regression", train=(x, x.sum(1)), val=(digits.val[0], digits.val[0].sum(1)),
+                model_defaults={"hidden": 8}, build_model=lambda cfg: nn.Sequential(
+                    nn.Linear(x.shape[1], cfg["hidden"]), nn.ReLU(), nn.Linear(cfg["hidden"], 1)))
+    config = tiny(task="regression", model={"hidden": 8})
+    for run in (lambda: train(config, task), lambda: train_batched([config, tiny(task="regression", seed=1,
+                                                                                 model={"hidden": 8})], task)):
+        with pytest.raises(TypeError, match=r"default loss \(cross entropy\) takes class indices, and the targets are "
+                                            r"torch.float32: .*give the Task a loss="):
+            run()
+
+
 def test_signature_separates_shapes_and_optimizers_not_hyperparameters(digits: Task) -> None:
     key = batch_signature(tiny(), digits)
     assert batch_signature(tiny(learning_rate=1.0, seed=4, model={"hidden": 16, "dropout": 0.5}), digits) == key

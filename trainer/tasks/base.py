@@ -52,6 +52,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"the model returned a {type(logits).__name__}, and the default loss (cross entropy) takes one "
                         "tensor of logits: return a tensor from forward, or give the Task a loss= that takes what "
                         "the model returns")
+    if targets.is_floating_point():  # a regression task's targets (PyTorch said "expected target dtype to be Long")
+        raise TypeError(f"the default loss (cross entropy) takes class indices, and the targets are {targets.dtype}: "
+                        "for a regression task give the Task a loss= such as torch.nn.functional.mse_loss (as "
+                        "loss=lambda out, y: mse_loss(out.squeeze(-1), y) for one output per sample)")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
