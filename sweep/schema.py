@@ -146,6 +146,11 @@ def _plain_choice(value: Any) -> Any:
     choice is one line (a union of types would report one per type)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {value}")
+    if isinstance(value, (list, dict)):  # layer sizes, say: the model must take a name for them
+        raise ValueError(f"expected one plain value (a number, a string, true/false or null: Optuna keeps one per "
+                         f"parameter), got {short_repr(value)}; to search among lists, give each a name (choices: "
+                         f"['64', '128x128']), take a name in model_defaults too, and turn it into the list in "
+                         f"build_model")
     if value is not None and not isinstance(value, (bool, int, float, str)):
         raise ValueError(f"expected a number, a string, true/false or null, got {short_repr(value)}")
     return value

@@ -134,7 +134,14 @@ TYPES = [
              "space.optimizer.choices", "valid list"),
     bad_file("types", "choices-mapping-item", changed(space={"optimizer": {"type": "categorical",
                                                                             "choices": [{"a": 1}]}}),
-             "space.optimizer.choices[0]", "expected a number, a string, true/false or null, got {'a': 1}"),
+             "space.optimizer.choices[0]", "expected one plain value (a number, a string, true/false or null: "
+             "Optuna keeps one per parameter), got {'a': 1}"),
+    # A list of layer sizes: the message says how to search lists, where it said to give a plain value, which the
+    # model's list default then refused ("expected a list, got '8'").
+    bad_file("types", "choices-list-items", changed(space={"model.hidden": {"type": "categorical",
+                                                                             "choices": [[8], [16, 16]]}}),
+             (f"{HIDDEN}.choices[0]", f"{HIDDEN}.choices[1]"), "to search among lists, give each a name (choices: "
+             "['64', '128x128']), take a name in model_defaults too, and turn it into the list in build_model"),
     bad_file("types", "checkpoints-number", changed(checkpoints=5), "checkpoints", "valid dictionary"),
     bad_file("types", "on_best-quoted", changed(checkpoints={"on_best": "yes"}), "checkpoints.on_best",
              "valid boolean"),
