@@ -631,12 +631,36 @@ def _write_k8s(spec: Any, spec_path: Path, options: Any, output: Path | None, *,
         raise _fail("--image: required with --k8s (or launch.k8s.image in the study file): an image with sweep "
                     "installed", 2)
     text = k8s.job_manifest(spec, spec_path, options, timeout=timeout, overrides=overrides)
+    if local := _pod_local_destinations(read_spec(spec_path, overrides)[0]):  # as written: not resolved here
+        err.print(f"warning: in a pod, {', '.join(local)} would be written in the pod's own working folder (the study "
+                  "file's folder there is read-only) and lost with the pod: give an object store (s3://, gs://), a "
+                  "server, or a path on a volume every pod mounts", markup=False)
     if output is None:
         sys.stdout.write(text)
         return
     _write_output(output, text)
     err.print(f"wrote {output}: `kubectl apply -f {output}` after creating the Secret {options.secret!r} "
               "(see the README)", markup=False)
+
+
+def _pod_local_destinations(spec: Any) -> list[str]:
+    """What a study writes to a relative path (its defaults included), which in a Kubernetes pod is the pod's own
+    disk: the checkpoint store, TensorBoard's folder, a SQLite MLflow store."""
+    from sweep.urls import sqlite_path
+
+    def relative(path: str | None) -> bool:
+        return path is None or ("://" not in path and not Path(path).expanduser().is_absolute())
+
+    local = []
+    if spec.checkpoints.enabled and relative(spec.checkpoints.store):
+        local.append("checkpoints.store")
+    if spec.tracking.tensorboard.enabled and relative(spec.tracking.tensorboard.dir):
+        local.append("tracking.tensorboard.dir")
+    uri = spec.tracking.mlflow.tracking_uri
+    if spec.tracking.mlflow.enabled and (uri is None or ((path := sqlite_path(uri)) is not None
+                                                         and not path.is_absolute())):
+        local.append("tracking.mlflow.tracking_uri")
+    return local
 
 
 def _open(target: str, storage: str | None, study_name: str | None, command: str = "COMMAND", *,

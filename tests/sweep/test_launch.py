@@ -231,6 +231,23 @@ def test_k8s_config_map_key_is_one_kubernetes_takes_whatever_the_study_file_is_c
     assert container["command"][5:7] == ["--study-name", "tiny"]  # the study's name is not the file's
 
 
+def test_k8s_warns_of_what_a_pod_would_write_to_its_own_disk(tmp_path: Path) -> None:
+    """In a pod the study file's folder (the ConfigMap) is read-only, so default and relative destinations go to the
+    pod's working folder and are lost with it; the submit said nothing of it."""
+    local = changed(storage=URL, tracking={"tensorboard": True, "mlflow": True})
+    path = write_study(tmp_path, local)
+    done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job.yaml", "--image", "reg/sweep:1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert ("warning: in a pod, checkpoints.store, tracking.tensorboard.dir, tracking.mlflow.tracking_uri would be "
+            "written in the pod's own working folder") in done.stderr
+    shared = changed(storage=URL, checkpoints={"store": "s3://bucket/sweep"},
+                     tracking={"tensorboard": {"dir": "/mnt/shared/tb"},
+                               "mlflow": {"tracking_uri": "http://mlflow.internal:5000"}})
+    path = write_study(tmp_path, shared)
+    done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job2.yaml", "--image", "reg/sweep:1", cwd=tmp_path)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+
+
 def test_k8s_needs_an_image(tmp_path: Path) -> None:
     path = write_study(tmp_path, changed())
     done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job.yaml", cwd=tmp_path)
