@@ -732,6 +732,8 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
             if isinstance(node.get(part), str) and ((depth == 0 and part in _COMPONENT_DEFAULTS)
                                                     or (depth > 0 and part in ("then", "wrapped"))):
                 node[part] = {"type": node[part]}  # `pruner: median` is `pruner: {type: median}`
+            if depth == 1 and parents[0] == "tracking" and isinstance(node.get(part), bool):
+                node[part] = {"enabled": node[part]}  # `tensorboard: true` is `tensorboard: {enabled: true}`
             if part in node and not isinstance(node[part], dict):
                 problems.append((f"--set {key}", f"{'.'.join(parents[:depth + 1])} is "
                                  f"{short_repr(node[part])}, not a mapping: it has no key {parts[depth + 1]!r}"))

@@ -1192,6 +1192,18 @@ def test_valid_inputs_near_the_edges_are_accepted(tmp_path: Path, text: str) -> 
     assert spec.name.startswith("tiny") and spec.n_trials == 3
 
 
+def test_set_reaches_inside_a_tracking_backend_turned_on_by_its_shorthand(tmp_path: Path) -> None:
+    """`tracking: {tensorboard: true}` and `--set tracking.tensorboard.dir=...` was refused ("tracking.tensorboard is
+    True, not a mapping"), where `pruner: median` takes `--set pruner.n_startup_trials=...`."""
+    from sweep.spec import load_spec
+
+    path = tmp_path / STUDY
+    path.write_text(yaml_with("tracking: {tensorboard: true, mlflow: false}"))
+    spec, _ = load_spec(path, ["tracking.tensorboard.dir=/mnt/tb", "tracking.mlflow.experiment=e"])
+    assert spec.tracking.tensorboard.enabled and spec.tracking.tensorboard.dir == "/mnt/tb"
+    assert not spec.tracking.mlflow.enabled and spec.tracking.mlflow.experiment == "e"
+
+
 @pytest.mark.parametrize(("written", "read"), [("1e3", 1000), ("1.5e3", 1500), ("2E+2", 200), ("1.0e+3", 1000)])
 def test_a_whole_number_in_exponent_notation_is_an_integer(tmp_path: Path, written: str, read: int) -> None:
     """YAML 1.2 reads `1e3` as a number (PyYAML's YAML 1.1 as the string '1e3'), in the file and in `--set`."""
