@@ -584,6 +584,11 @@ def _submit_paths(url: str, spec: Any, folder: Path) -> list[tuple[Path, str]]:
     store = spec.checkpoints.store
     if store is not None and "://" not in store:
         made += [(Path(store) / spec.name, "tree"), (Path(store), "empty")]
+    if spec.tracking.tensorboard.enabled:  # claimed for the new study (its owner file): a corrected submit is another
+        from sweep.tracking import tensorboard_root
+
+        root = tensorboard_root(spec.tracking, url)
+        made += [(root / spec.name, "tree"), (root, "empty")]
     return [(path, how) for path, how in made if not path.exists() and not path.is_symlink()]
 
 

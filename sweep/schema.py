@@ -70,8 +70,8 @@ class StudyFileError(Exception):
                 return f"command line: --set {key}"
             inside = [k for k in overridden if key and k.startswith((f"{key}.", f"{key}["))]  # a range and its low
             # A searched key's fields are read together: `--set space.lr.type=int` makes the file's `low` wrong.
-            inside += [k for k in overridden if k.startswith("space.") and (entry := k.rpartition(".")[0]) != "space"
-                       and key.startswith(f"{entry}.") and k not in inside]
+            inside += [k for k in overridden if k.startswith("space.") and k.rpartition(".")[2] in PARAM_FIELDS
+                       and key.startswith(f"{k.rpartition('.')[0]}.") and k not in inside]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key)}: {message}" for key, message in self.problems]

@@ -227,14 +227,15 @@ def _build_store(uri: str) -> None:
     path = sqlite_path(uri)
     if path is None or path.exists():
         return
-    for stale in path.parent.glob(f".{path.name}.*.building"):
+    for stale in path.parent.glob(f".{path.name}.*.building*"):  # with SQLite's -journal, -wal, -shm
         stale.unlink(missing_ok=True)
     building = path.with_name(f".{path.name}.{os.getpid()}.building")
     try:
         MlflowClient(tracking_uri=f"sqlite:///{building}")  # makes the store's tables, at its creation
         os.replace(building, path)
     finally:
-        building.unlink(missing_ok=True)
+        for left in (building, *(building.with_name(building.name + s) for s in ("-journal", "-wal", "-shm"))):
+            left.unlink(missing_ok=True)
 
 
 def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, study: str,
@@ -247,12 +248,15 @@ def _study_run(client: Any, uri: str, experiment: str, artifacts: str | None, st
         found = client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(
             experiment, artifact_location=artifacts)
-        mine = f" and tags.`{TAG_OWNER}` = '{owner}'" if owner is not None else ""
         runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_STUDY}` = '{study}' and "
-                                  f"tags.`{TAG_ROLE}` = 'study'{mine}", max_results=1,
-                                  order_by=["attributes.start_time"])
+                                  f"tags.`{TAG_ROLE}` = 'study'", max_results=1000, order_by=["attributes.start_time"])
+        mine = [r for r in runs if owner is None or r.data.tags.get(TAG_OWNER) == owner]
+        if not mine and owner is not None:  # a study run made before owner tags: this study's, resumed
+            mine = [r for r in runs if TAG_OWNER not in r.data.tags][:1]
+            for run in mine:
+                client.set_tag(run.info.run_id, TAG_OWNER, owner)
         tags = {TAG_STUDY: study, TAG_ROLE: "study", **({TAG_OWNER: owner} if owner is not None else {})}
-        run_id = runs[0].info.run_id if runs else client.create_run(experiment_id, run_name=study,
+        run_id = mine[0].info.run_id if mine else client.create_run(experiment_id, run_name=study,
                                                                     tags=tags).info.run_id
         _STUDY_RUNS[key] = (experiment_id, run_id)
     return _STUDY_RUNS[key]

@@ -68,21 +68,22 @@ def job_folder(spec: StudySpec, spec_path: Path, options: SlurmSpec) -> Path:
     return folder if folder.is_absolute() else (spec_path.parent / folder).resolve()
 
 
-_SBATCH_SPECIAL = re.compile(r"[\s\"'\\#]")
+_SBATCH_SPECIAL = re.compile(r"[\s\\#]")
 
 
 def sbatch_quoted(option: str) -> str:
-    """One `#SBATCH` option as sbatch reads it back: sbatch splits a directive at whitespace, ends it at `#`, and
-    takes quotes and backslashes as a shell would, so a value holding any of them (a log folder with a space, a
-    `--comment=two words`) goes in double quotes. The option's name, and the `=` or space after it, stay as given."""
+    """One `#SBATCH` option as sbatch reads it back: sbatch splits a directive at whitespace and ends it at `#`, so
+    a value holding either (a log folder with a space, a `--comment=two words`), or a backslash, goes in double
+    quotes. A value the user quoted themselves (any quote in it) is theirs, as written; a trailing comment of a
+    pasted directive (`--time=10   # ten minutes`) stays a comment, and the spaces after the option's name go."""
     found = re.fullmatch(r"(--?[A-Za-z][A-Za-z0-9\-]*)([= ]?)(.*)", option, re.DOTALL)
     assert found is not None, option  # the schema's `_SBATCH_LINE`, and sweep's own options
     name, sep, value = found.groups()
-    quoted = len(value) >= 2 and value[0] == value[-1] in "\"'" and value[0] not in value[1:-1]
-    if quoted or not _SBATCH_SPECIAL.search(value):  # quoted by the user already, or nothing to quote
-        return option
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    return f'{name}{sep or "="}"{escaped}"'
+    value, comment = re.fullmatch(r"(.*?)((?:^|\s+)#.*)?", value.strip(), re.DOTALL).groups()  # type: ignore[union-attr]
+    if "\"" in value or "'" in value or not _SBATCH_SPECIAL.search(value):
+        return f"{name}{sep}{value}{comment or ''}" if value else name
+    escaped = value.replace("\\", "\\\\")
+    return f'{name}{sep or "="}"{escaped}"{comment or ""}'
 
 
 def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder: Path, workdir: Path,

@@ -253,15 +253,17 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
         tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
     """sbatch splits an `#SBATCH` line at whitespace and ends it at `#`: unquoted, a study folder with a space made
     sbatch refuse the job ("Invalid directive found in batch script: ace"), and a checked --sbatch value of two
-    words did the same."""
+    words did the same. A pasted directive's own comment stays one, and two spaces after an option's name go."""
     folder = tmp_path / "sp ace"
     folder.mkdir()
     url, name = url_with_password(postgres_url), "slurm_spaces"
     path = study_file(folder, name, 1)
-    job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold", "--sbatch=--comment=two words #1")
+    job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold", "--sbatch=--comment=two words, issue#1",
+                 "--sbatch=#SBATCH --time=10   # ten minutes", "--sbatch=--tmp  100")
     try:
         shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
-        assert "Comment=two words #1" in shown, shown
+        for field in ("Comment=two words, issue#1", "TimeLimit=00:10:00", "MinTmpDiskNode=100M"):
+            assert field in shown, shown
         assert f"StdOut={folder / f'{name}.slurm'}/" in shown, shown  # the folder with its space
     finally:
         slurm_cluster.run("scancel", job, check=False)
@@ -274,8 +276,14 @@ def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluste
     path = study_file(tmp_path, "slurm_refused", 2)
     (tmp_path / "keep").mkdir()
     before = sorted(p.name for p in tmp_path.iterdir())
-    done = sweep_cli("submit", path, "--slurm", "--partition", "nosuchpartition", cwd=tmp_path,
-                     env={"SLURM_CONF": str(slurm_cluster.conf)})
+    done = sweep_cli("submit", path, "--slurm", "--partition", "nosuchpartition", "--set", "tracking.tensorboard=true",
+                     cwd=tmp_path, env={"SLURM_CONF": str(slurm_cluster.conf)})
     assert done.returncode == 1, done.stderr
     assert "error: sbatch refused the job" in done.stderr and "artition" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # The corrected submit starts afresh: nothing of the refused one (TensorBoard's folder claimed for the study it
+    # made, say) stands in its way.
+    done = sweep_cli("submit", path, "--slurm", "--sbatch=--hold", "--set", "tracking.tensorboard=true", cwd=tmp_path,
+                     env={"SLURM_CONF": str(slurm_cluster.conf)})
+    assert done.returncode == 0, done.stderr
+    slurm_cluster.run("scancel", done.stdout.strip(), check=False)

@@ -218,6 +218,28 @@ def test_a_study_deleted_and_created_again_never_mixes_with_the_old_one_s_runs(t
     assert [r.data.params for r in children] == [{k: str(v) for k, v in trials[0].params.items()}]
 
 
+def test_a_study_run_made_before_owner_tags_is_the_resumed_study_s(tmp_path: Path) -> None:
+    """A study whose MLflow study run was made by a version without the `sweep.owner` tag, resumed: its trials go on
+    under that run (a second study run was made), which is tagged from then on."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    tracked_study(tmp_path, {"mlflow": True}, n_trials=1)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'tiny.mlflow.db'}")
+    experiment_id = client.get_experiment_by_name("tiny").experiment_id
+    [study_run] = [r for r in client.search_runs([experiment_id]) if r.data.tags.get("sweep.role") == "study"]
+    client.delete_tag(study_run.info.run_id, "sweep.owner")  # as an older version made it
+    from sweep import tracking
+
+    tracking._STUDY_RUNS.clear()  # the resume is another process, which has not found its study run yet
+    trials, _ = tracked_study(tmp_path, {"mlflow": True}, n_trials=2)
+    runs = client.search_runs([experiment_id])
+    [again] = [r for r in runs if r.data.tags.get("sweep.role") == "study"]
+    assert again.info.run_id == study_run.info.run_id and "sweep.owner" in again.data.tags
+    assert sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == again.info.run_id) == [
+        f"trial-{t.number:05d}" for t in trials]
+
+
 def test_a_worker_killed_while_it_makes_the_mlflow_store_leaves_none_half_made(tmp_path: Path) -> None:
     """MLflow's migrations of a new SQLite store are not atomic: a worker killed in them left a half-migrated store
     on which every later trial's tracking failed ("table _alembic_tmp_datasets already exists"). The store is made

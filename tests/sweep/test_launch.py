@@ -354,3 +354,16 @@ def test_mlflow_s_password_travels_in_the_owner_only_file(tmp_path: Path, monkey
     monkeypatch.setenv(STORAGE_FILE_ENV, str(tmp_path / "storage.json"))
     assert storage_from_environment() == "sqlite:///x.db"
     assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "from-mlflow"  # the worker has it again
+
+
+@pytest.mark.parametrize(("given", "written"), [
+    ("--gres=gpu:2", "--gres=gpu:2"), ("--array=0-3%2", "--array=0-3%2"), ("--constraint=a100|h100", None),
+    ("--output=/a b/%A_%a.log", '--output="/a b/%A_%a.log"'), ("--comment=issue#5", '--comment="issue#5"'),
+    ('--export=ALL,X="a b"', None),  # quoted by the user: theirs, as written (the job sees X=a b)
+    ("--comment=say 'hi'", None), ("--time=10   # ten minutes", None), ("--partition  debug", "--partition debug"),
+    ("--exclusive  # whole nodes", "--exclusive"),
+])
+def test_sbatch_values_are_quoted_only_where_sbatch_would_split_them(given: str, written: str | None) -> None:
+    from sweep.launch.slurm import sbatch_quoted
+
+    assert sbatch_quoted(given) == (given if written is None else written)
