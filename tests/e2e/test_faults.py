@@ -777,6 +777,27 @@ def until_its_first_report(server: PostgresServer, name: str, worker: subprocess
 
     wait_for("a first report", reporting, 120, interval=0.2, alive=worker)
 
+def sigterm_while_down(server: PostgresServer, path: Path, name: str, log: Path,
+                       env: dict[str, str] | None = None) -> None:
+    """Run the study until its first report, stop the server, then SIGTERM the worker: it must exit 143 at once
+    (not after its storage_patience of 300 s), its last line saying its trials could not be marked (it claimed
+    they were queued again)."""
+    worker = start_sweep("run", path, "--storage", server.url, log=log, env=env)
+    try:
+        until_its_first_report(server, name, worker)
+        server.stop("fast")
+        worker.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = finish(worker, log, timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == 143, tail(log)
+    assert time.monotonic() - started < 60
+    last = tail(log).strip().splitlines()[-1]
+    assert "could not be marked" in last and "queued again" not in last, last
+
+
 def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_retries_the_trial(
         tmp_path: Path) -> None:
     """A scheduler's grace period (Slurm's, a pod's) is far shorter than `storage_patience`: a worker told to stop
@@ -788,21 +809,8 @@ def test_sigterm_while_postgresql_is_down_exits_143_at_once_and_the_next_run_ret
                                          fixed={"max_steps": 30, "nap_s": 0.5})
     log = tmp_path / "worker.log"
     with PostgresServer() as server:
-        worker = start_sweep("run", path, "--storage", server.url, log=log, env=env)
-        try:
-            until_its_first_report(server, "away", worker)
-            server.stop("fast")
-            worker.send_signal(signal.SIGTERM)
-            started = time.monotonic()
-            code = finish(worker, log, timeout=120)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-        assert code == 143, tail(log)
-        assert time.monotonic() - started < 60  # not its storage_patience of 300 s
+        sigterm_while_down(server, path, "away", log, env)
         assert "trial 0 could not be marked" in tail(log) and "not waiting for it" in tail(log)
-        last = tail(log).strip().splitlines()[-1]
-        assert "could not be marked" in last and "queued again" not in last, last  # the exit line says so too
         server.start()
         assert sweep_run(path, "--storage", server.url, log=log, env=env) == 0, tail(log)
         lost, retry = load_trials(server.url, "away")
@@ -823,20 +831,7 @@ def test_sigterm_to_a_cohort_while_postgresql_is_down_says_its_trials_were_left_
     path = write_study(tmp_path, document)
     log = tmp_path / "worker.log"
     with PostgresServer() as server:
-        worker = start_sweep("run", path, "--storage", server.url, log=log)
-        try:
-            until_its_first_report(server, "awaycohort", worker)
-            server.stop("fast")
-            worker.send_signal(signal.SIGTERM)
-            started = time.monotonic()
-            code = finish(worker, log, timeout=120)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-        assert code == 143, tail(log)
-        assert time.monotonic() - started < 60  # not its storage_patience of 300 s
-        last = tail(log).strip().splitlines()[-1]
-        assert "could not be marked" in last and "queued again" not in last, last
+        sigterm_while_down(server, path, "awaycohort", log)
         server.start()
         trials = load_trials(server.url, "awaycohort")
         assert [t.state for t in trials] == [TrialState.RUNNING] * 2  # left as they were, for the next run
