@@ -218,6 +218,7 @@ def run(
     """Create or resume the study and run trials until its n_trials are used. Exits 1 when every trial it finished
     failed."""
     from sweep import results
+    from sweep.storage import release_idle_connections
     from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
 
     if cohort is not None:  # the same as --set execution.cohort=K, so the local workers get it too
@@ -240,6 +241,7 @@ def run(
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), time.time()
+            release_idle_connections()  # the workers need the server's connection slots; it reconnects after them
             try:
                 codes = run_local_workers(Path(study_file), spec, url, workers, timeout=timeout, overrides=set_ or [])
             except ValueError as exc:  # fewer GPUs than one trial needs

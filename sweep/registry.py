@@ -33,7 +33,6 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
-    create_engine,
     delete,
     func,
     insert,
@@ -46,7 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from sweep.storage import engine_options, sqlite_path
+from sweep.storage import open_engine, sqlite_path
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -158,7 +157,7 @@ def study_folder(spec_path: Path) -> Path:
 
 class Registry:
     def __init__(self, storage_url: str, engine: Engine | None = None) -> None:
-        self.engine = engine if engine is not None else create_engine(storage_url, **engine_options(storage_url))
+        self.engine = engine if engine is not None else open_engine(storage_url)
         for attempt in range(5):
             try:
                 metadata.create_all(self.engine, checkfirst=True)

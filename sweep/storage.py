@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,6 +122,47 @@ POSTGRESQL_CONNECT_ARGS = {"connect_timeout": 10, "keepalives": 1, "keepalives_i
                            "keepalives_count": 3, "tcp_user_timeout": 60_000}
 
 
+# Every engine sweep opens in this process (Optuna's, the checkpoint registry's, the lock's), so that a worker short of
+# server connection slots can give back the ones it holds idle (`release_idle_connections`).
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+# A worker holds at most this many connections to a server: Optuna's storage (the worker, and its heartbeat thread),
+# the checkpoint registry and the study's lock.
+CONNECTIONS_PER_WORKER = 4
+
+
+def open_engine(url: str, **kwargs: Any) -> Engine:
+    """`create_engine(url)` with sweep's options (`engine_options`), known to `release_idle_connections`."""
+    engine = create_engine(url, **kwargs, **engine_options(url))
+    _ENGINES.add(engine)
+    return engine
+
+
+def release_idle_connections() -> None:
+    """Close the connections this process's engines hold idle in their pools (those in use stay open, and are
+    closed when given back). A launcher waiting on its workers, and a worker waiting for a connection slot of a full
+    server, hold none: otherwise workers that each hold some of the slots wait for each other forever."""
+    for engine in list(_ENGINES):
+        engine.dispose()
+
+
+# The server's words for a connection refused because all its slots are taken (PostgreSQL's `max_connections`,
+# MySQL's `max_connections`): transient, but worth naming, since waiting alone may not end it.
+_NO_SLOT = ("too many clients already", "remaining connection slots are reserved", "too many connections")
+
+
+def no_connection_slot(exc: BaseException) -> bool:
+    return any(any(words in _driver_message(error).lower() for words in _NO_SLOT) for error in error_chain(exc))
+
+
+def _no_slot_hint(exc: BaseException) -> str:
+    if not no_connection_slot(exc):
+        return ""
+    return (f" (the server has no free connection slot: each sweep worker holds up to {CONNECTIONS_PER_WORKER} "
+            "connections, so N workers need up to "
+            f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
+
+
 def engine_options(url: str) -> dict[str, Any]:
     """`create_engine`'s options for sweep's connections to `url`: SQLite waits up to 60 s for a lock; a server's
     connections are checked before use (one that died with a restart is replaced) and, on PostgreSQL, bounded in
@@ -170,6 +212,7 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     if path is not None:
         _serialise_sqlite(storage.engine)
         storage.engine.dispose()  # reconnect with the listeners above
+    _ENGINES.add(storage.engine)
     return storage
 
 
@@ -401,7 +444,7 @@ _LOCK_ENGINES: dict[str, Engine] = {}
 
 def _lock_engine(url: str) -> Engine:
     if url not in _LOCK_ENGINES:
-        _LOCK_ENGINES[url] = create_engine(url, pool_size=1, **engine_options(url))
+        _LOCK_ENGINES[url] = open_engine(url, pool_size=1)
     return _LOCK_ENGINES[url]
 
 
@@ -570,6 +613,8 @@ class Boundary:
                 if not is_transient(exc):
                     _mark_refused(exc)
                     raise
+                if no_connection_slot(exc):  # hold no idle slot while waiting for one: another worker may need it
+                    release_idle_connections()
                 since = self._went_away(exc)
                 if getattr(self._local, "no_wait", False):
                     raise StorageAway(f"{self.label} is unreachable") from exc
@@ -581,7 +626,7 @@ class Boundary:
                 if waited >= patience:
                     what = f"storage_patience is {self.patience_s:g} s" if self.reached else "never reached yet"
                     raise StorageUnavailable(f"{self.label} has been unreachable for {waited:.0f} s ({what}): "
-                                             f"{error_line(exc)}") from exc
+                                             f"{error_line(exc)}{_no_slot_hint(exc)}") from exc
                 time.sleep(min(delay, max(0.0, patience - waited)))
                 delay = min(delay * 2, 10.0)
                 continue
@@ -598,7 +643,7 @@ class Boundary:
             if self.down_since is None:
                 self.down_since = time.monotonic()
                 patience = self._patience()
-                self.notify(f"{self.label} is unreachable ({error_line(exc)}); waiting up to "
+                self.notify(f"{self.label} is unreachable ({error_line(exc)}){_no_slot_hint(exc)}; waiting up to "
                             f"{patience:g} s for it to come back"
                             f"{'' if self.reached or patience == self.patience_s else ' (never reached yet)'}")
             return self.down_since

@@ -39,9 +39,10 @@ class PostgresServer:
     and comes back), "smart" (waits for sessions to end) or "immediate" (like a crash: recovery on start). `down_s`
     keeps it stopped that long in between, for an outage longer than a restart. `stop` and `start` do the halves."""
 
-    def __init__(self, database: str = "sweep", password: str | None = None) -> None:
+    def __init__(self, database: str = "sweep", password: str | None = None, max_connections: int = 200) -> None:
         """With `password`, the server asks for it (scram-sha-256) instead of trusting every local connection; `url`
-        then holds no password: give it the way a user would."""
+        then holds no password: give it the way a user would. `max_connections`: the server's connection slots (its
+        superuser, which `url` logs in as, may take every one of them)."""
         self.database = database
         self.folder = Path(tempfile.mkdtemp(prefix="sweep-pg-"))
         self.data, self.socket_dir, self.log = self.folder / "data", self.folder / "socket", self.folder / "log"
@@ -51,7 +52,8 @@ class PostgresServer:
         # does not crash under a test, only the server does), synchronous_commit on: a commit the server acknowledged
         # is in its WAL, so `restart("immediate")` (a crash of the server) loses none, as on a production server.
         self._options = (f"-c listen_addresses='' -c unix_socket_directories={self.socket_dir} -c fsync=off "
-                         "-c max_connections=200 -c synchronous_commit=on")
+                         f"-c max_connections={max_connections} -c superuser_reserved_connections=0 "
+                         "-c synchronous_commit=on")
         self.socket_dir.mkdir()
         if os.geteuid() == 0:
             user = pwd.getpwnam("postgres")

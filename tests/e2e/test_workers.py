@@ -63,6 +63,22 @@ def test_three_workers_share_a_postgresql_study(tmp_path: Path, postgres_url: st
     assert not (tmp_path / "tiny.db").exists()
 
 
+def test_workers_short_of_postgresql_connection_slots_take_turns_and_say_why(tmp_path: Path) -> None:
+    """Two workers need up to 8 connections and the server has 6 slots: a worker refused a slot gives back the ones it
+    holds idle (else each holds some and both wait for the other until their patience ends, with no trial trained),
+    and the launcher holds none while its workers run. The waiting one names the limit, then finds the budget spent."""
+    from tests.pg import PostgresServer
+
+    path = busy_study(tmp_path, 6)
+    document = yaml.safe_load(path.read_text()) | {"storage_patience": 240}
+    write_study(tmp_path, document)
+    with PostgresServer(max_connections=6) as server:
+        done = run_cli("run", path, "--workers", "2", "--storage", server.url, "--study-name", "slots")
+        assert done.returncode == 0, done.stderr
+        assert "no free connection slot" in done.stderr and "max_connections" in done.stderr, done.stderr
+        check_exact(optuna.load_study(study_name="slots", storage=server.url), 6)
+
+
 def test_separate_commands_as_on_separate_machines(tmp_path: Path, postgres_url: str) -> None:
     path = busy_study(tmp_path, 10)  # checkpoints in one shared folder, as on a shared file system
     # One model shape for every trial, so that any finished trial can donate: with model.hidden searched over 25
