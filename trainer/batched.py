@@ -610,21 +610,26 @@ class Cohort:
         self._worst[index] = -math.inf
         self.slots[index] = slot
         self._clip = None
-        if member.resume is not None:
-            self._restore(index, slot, member.resume)
-            slot.history = [e for e in member.resume.evals if e[0] <= member.resume.step]
-            if slot.done >= config.max_steps:  # checkpointed at its last step: nothing is left to train, as alone
-                self._finish(index, "completed")
-        elif member.warm_start is not None or fast_fail.enabled:
-            if member.warm_start is not None:
-                self._load_model(index, member.warm_start.state.model)
-                if member.warm_start.optimizer:
-                    slot.optimizer_steps = self._load_optimizer(index, member.warm_start.state.optimizer)
-                slot.done = result.steps = member.warm_start.state.step
-            stopped = self._evaluate_and_report([index], slot.done)[0]
-            self._arm(slot, result.metrics["val_loss"])
-            if stopped:
-                self._finish(index, "stopped")
+        try:
+            if member.resume is not None:
+                self._restore(index, slot, member.resume)
+                slot.history = [e for e in member.resume.evals if e[0] <= member.resume.step]
+                if slot.done >= config.max_steps:  # checkpointed at its last step: nothing is left to train, as alone
+                    self._finish(index, "completed")
+            elif member.warm_start is not None or fast_fail.enabled:
+                if member.warm_start is not None:
+                    self._load_model(index, member.warm_start.state.model)
+                    if member.warm_start.optimizer:
+                        slot.optimizer_steps = self._load_optimizer(index, member.warm_start.state.optimizer)
+                    slot.done = result.steps = member.warm_start.state.step
+                stopped = self._evaluate_and_report([index], slot.done)[0]
+                self._arm(slot, result.metrics["val_loss"])
+                if stopped:
+                    self._finish(index, "stopped")
+        except BaseException:  # a member that failed to start (its task's metrics raise at step 0) holds no slot
+            if self.slots[index] is slot:
+                self.slots[index] = None
+            raise
         return slot.id
 
     def remove(self, member_id: int) -> TrainResult:

@@ -458,6 +458,49 @@ def test_a_cohort_ended_by_one_exception_counts_once_towards_max_repeated_failur
     assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 3
 
 
+FIRST_EVAL_FAILS_TASK = '''
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+calls = [0]
+
+
+def accuracy(out, y):
+    calls[0] += 1
+    if calls[0] == 1:  # the first member's step-0 evaluation, as it joins the cohort
+        raise ValueError("my metric broke once")
+    return {"acc": (out.argmax(-1) == y).float().sum()}
+
+
+def task() -> Task:
+    x = torch.randn(96, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="once", train=(x[:64], y[:64]), val=(x[64:], y[64:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: nn.Sequential(nn.Linear(6, cfg["hidden"]), nn.Tanh(),
+                                                      nn.Linear(cfg["hidden"], 2)),
+                eval_metrics=accuracy, eval_metric_names=("acc",))
+'''
+
+
+def test_a_member_whose_first_evaluation_fails_gives_its_slot_back_and_the_study_goes_on(tmp_path: Path) -> None:
+    # With fast-fail on, a member is evaluated at step 0 as it joins. A failure there fails that trial alone: its
+    # slot goes to the next trial, and nothing trains on for it (no checkpoint of a failed trial, no traceback).
+    (tmp_path / "once_task.py").write_text(FIRST_EVAL_FAILS_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 6, "task": {"name": "once_task:task"},
+                                            "execution": {"cohort": 3}, "pruner": "fastfail",
+                                            "checkpoints": {"store": str(tmp_path / "ck"), "every_steps": 10}}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    done = sweep_cli("run", write_study(tmp_path, document), pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "trial 0: failed: ValueError: my metric broke once" in done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL] + [TrialState.COMPLETE] * 5, [t.state for t in trials]
+    assert {t.user_attrs["cohort"]["size"] for t in trials[1:4]} == {3}  # the first cohort trained three members
+    assert not list((tmp_path / "ck").rglob("trial00000-*")), sorted((tmp_path / "ck").rglob("*.pt"))
+
+
 OOM_TASK = '''
 import torch
 from torch import nn
