@@ -79,6 +79,7 @@ from trainer.seeding import reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, cross_entropy, load_task
 from trainer.tasks.arrays import class_cross_entropy
+from trainer.tasks.base import as_fp32
 
 __all__ = ["Cohort", "CohortMember", "MemberFailures", "available_memory", "batch_problem", "batch_signature",
            "max_cohort_size", "train_batched"]
@@ -287,10 +288,14 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
             out = vmap(_forward(template), randomness="error")(params, buffers, x[idx].to(device).unsqueeze(0))
         if not isinstance(out, torch.Tensor):
             return f"the model returns a {type(out).__name__}, and a cohort stacks models that return one tensor"
+        rng = _rng_states(device)
         try:
-            loss = task.checked_loss(out[0].float(), y[idx].to(device))
+            loss = task.checked_loss(as_fp32(out[0]), y[idx].to(device))
         except ValueError as exc:  # alone, the trial then fails with this message
             return str(exc)
+        if not all(torch.equal(a, b) for a, b in zip(rng, _rng_states(device))):
+            return ("the task's loss draws random numbers, and a cohort computes its members' losses one after "
+                    "another from one generator (each member would draw other numbers than alone)")
         loss.backward()
         template.eval()  # the evaluation's forward: every member on one shared batch, in eval mode
         with torch.no_grad():
@@ -397,6 +402,14 @@ def available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The global generators' states that a task's own code draws from on `device`."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
 def member_bytes(config: TrainingConfig, task: Task) -> int:
     """An estimate of one member's memory: parameters, gradients and optimizer state, the temporaries of the update
     (two more copies), and the activations one training step saves for backward (measured on one batch under the
@@ -421,7 +434,7 @@ def member_bytes(config: TrainingConfig, task: Task) -> int:
     with resolve_precision(config.mixed_precision, device).autocast(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(x[idx].to(device))
-        task.loss(out.float(), y[idx].to(device))
+        task.loss(as_fp32(out), y[idx].to(device))
     states = len(OPTIMIZER_STATES[config.optimizer])
     return param_bytes * (2 + states + 2) + 2 * saved[0] + 2 * out.numel() * out.element_size()
 
@@ -796,10 +809,10 @@ class Cohort:
             # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
             # gives each member the gradient of its own loss.
             if self.stacked_loss is not None:
-                losses, picked = self.stacked_loss(out.float(), y)
+                losses, picked = self.stacked_loss(as_fp32(out), y)
                 out_losses.append(picked)
             else:
-                losses = torch.stack([self.task.loss(out[k].float(), y[k]) for k in range(self.capacity)])
+                losses = torch.stack([self.task.loss(as_fp32(out[k]), y[k]) for k in range(self.capacity)])
                 out_losses.append(losses.detach())
             if accum > 1:
                 losses = losses / accum
@@ -938,7 +951,7 @@ class Cohort:
                     out = (self.chain(params, x, training=False, shared=True) if self.chain is not None
                            else self.eval_forward(params, buffers, x))
                 for j in range(len(indices)):
-                    loss_totals[j] += self.task.loss(out[j].float(), y) * len(x)
+                    loss_totals[j] += self.task.loss(as_fp32(out[j]), y) * len(x)
                     if self.task.eval_metrics is not None:
                         for name, value in self.task.eval_metrics(out[j], y).items():
                             totals[j][name] = totals[j][name] + value if name in totals[j] else value

@@ -307,6 +307,43 @@ def _first_output_loss(out: tuple[torch.Tensor, torch.Tensor], targets: torch.Te
     return F.cross_entropy(out[0], targets) + 0.01 * out[1]
 
 
+def _noisy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss with a random term of its own: alone it draws from the trial's generator."""
+    return F.cross_entropy(logits, targets) + 0.01 * torch.rand(())
+
+
+class _Spectrum(nn.Module):
+    """Float32 parameters, a complex output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, 16), nn.Linear(16, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(self.out(torch.tanh(self.inp(x))))
+
+
+def _magnitude_loss(spectrum: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(spectrum.abs()[:, :10], targets)
+
+
+def test_a_model_with_a_complex_output_gives_its_loss_the_complex_values_in_a_cohort_too(digits: Task) -> None:
+    # Alone, a complex output reaches the loss as it is (`as_fp32`); a cohort once cast it to its real part, and
+    # trained every member on another loss, with only PyTorch's warning.
+    task = Task(name="spectrum", train=digits.train, val=digits.val, build_model=lambda cfg: _Spectrum(),
+                loss=_magnitude_loss)
+    configs = [tiny(task="spectrum", model={}, seed=seed, learning_rate=lr) for seed, lr in ((0, 3e-3), (1, 1e-2))]
+    assert batch_problem(configs[0], task) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Casting complex values to real discards the imaginary part"
+        together = train_batched(configs, task)
+    for config, result in zip(configs, together, strict=True):
+        alone = train(config, task)
+        assert [e[0] for e in alone.evals] == [e[0] for e in result.evals]
+        for (_, a), (_, b) in zip(alone.evals, result.evals, strict=True):
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5, abs=1e-6)
+
+
 class _RunningMean(nn.Module):
     """Keeps a running mean of its inputs by replacing the buffer (not updating it in place)."""
 
@@ -362,7 +399,8 @@ class _WritesIntoInput(nn.Module):
                                            ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced"),
                                            ("tensor", "attribute scale holds a tensor"),
                                            ("counter", "forward changes module attribute calls"),
-                                           ("evaluation", "vmap cannot batch")])
+                                           ("evaluation", "vmap cannot batch"),
+                                           ("noisy_loss", "loss draws random numbers")])
 def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_ordinary_loop(
         digits: Task, kind: str, why: str) -> None:
     # A frozen layer stays frozen (the ordinary loop's optimizer takes only trainable parameters), a float64 model
@@ -374,10 +412,11 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
     build = {"frozen": _frozen_first_layer, "float64": lambda cfg: nn.Linear(64, 10).double(),
              "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean(),
              "tensor": lambda cfg: _Scaled(), "counter": lambda cfg: _Counting(),
-             "evaluation": lambda cfg: _WritesIntoInput()}[kind]
+             "evaluation": lambda cfg: _WritesIntoInput(),
+             "noisy_loss": lambda cfg: nn.Linear(64, 10)}[kind]
     data64 = kind == "float64"
     task = Task(name=kind, train=(x.double() if data64 else x, y), val=(vx.double() if data64 else vx, vy),
-                build_model=build, loss=_first_output_loss if kind == "tuple" else Task.loss)
+                build_model=build, loss={"tuple": _first_output_loss, "noisy_loss": _noisy_loss}.get(kind, Task.loss))
     config = tiny(task=kind, model={})
     assert why in (batch_problem(config, task) or "")
     messages: list[str] = []
