@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -199,6 +199,8 @@ def join_parent(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = 
     """In a child that `local_ranks` started: say so in rank 0's store (rank 0 waits for that, watching for children
     that die first), then join the group through it."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device_type == "cuda":  # a GPU it cannot have fails it before it says it started: rank 0 sees that at once
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
     store.set(f"{_STARTED}{rank}", "1")
@@ -324,7 +326,10 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
                 children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
                                                  stderr=subprocess.STDOUT, start_new_session=True))
         _wait_started(store, children, logs, timeout_s)
-        group = ProcessGroup.join(0, world, store=store, device_type=_device_type(config), timeout_s=timeout_s)
+        try:  # a child that died, exited or hung after it said it started: as in a collective below
+            group = ProcessGroup.join(0, world, store=store, device_type=_device_type(config), timeout_s=timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - raised again, as what it means
+            _raise_rank_failure(exc, children, logs, timeout_s)
         handle = LocalGroup(group, [child.pid for child in children])
         try:
             yield handle
@@ -332,17 +337,8 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             # seen to abort now and then) changes nothing of the run; its exit code is kept with its result. A child
             # that dies before it fails the run as any collective would.
             group.finish()
-        except BaseException as exc:
-            # Which children had ended before we end them: a rank's death closes its connections as it exits, so
-            # rank 0's failed collective may come a moment before the exit code does.
-            exited = [_exit_code(child, 2.0 if isinstance(exc, Exception) else 0.0) for child in children]
-            _end(children, grace_s=5.0)
-            failed = _first_failure(exited, logs)
-            if failed is None and collective_failed(exc):
-                failed = RankFailed(None, None, timeout_s=timeout_s)
-            if failed is not None and isinstance(exc, Exception):
-                raise failed from exc
-            raise
+        except BaseException as exc:  # noqa: BLE001 - raised again, as what it means
+            _raise_rank_failure(exc, children, logs, timeout_s)
         group = None
         _end(children, grace_s=timeout_s, terminate=False)
         handle.results = [_result(rank, log, child.returncode) for rank, (child, log)
@@ -352,6 +348,22 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             group.close()
         _end(children, grace_s=5.0)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _raise_rank_failure(exc: BaseException, children: list[subprocess.Popen[bytes]], logs: list[Path],
+                        timeout_s: float) -> NoReturn:
+    """Rank 0's `exc` (raised while the children run) as the `RankFailed` of the child that caused it, or of a hang
+    when a collective or the group's store timed out; else `exc` itself. The children are ended either way."""
+    # Which children had ended before we end them: a rank's death closes its connections as it exits, so rank 0's
+    # failed collective may come a moment before the exit code does.
+    exited = [_exit_code(child, 2.0 if isinstance(exc, Exception) else 0.0) for child in children]
+    _end(children, grace_s=5.0)
+    failed = _first_failure(exited, logs)
+    if failed is None and collective_failed(exc):
+        failed = RankFailed(None, None, timeout_s=timeout_s)
+    if failed is not None and isinstance(exc, Exception):
+        raise failed from exc
+    raise exc
 
 
 def _wait_started(store: dist.TCPStore, children: list[subprocess.Popen[bytes]], logs: list[Path],

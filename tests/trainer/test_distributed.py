@@ -226,6 +226,31 @@ def test_a_child_that_dies_before_joining_fails_the_run_at_once(tmp_path: Path,
     assert time.monotonic() - started < 300
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "message", "lost"), [
+    ("raise SystemExit(3)", r"^rank 1 exited with code 3$", False),
+    ("os.kill(os.getpid(), signal.SIGKILL)", r"^rank 1 was killed by SIGKILL$", True),
+    ("time.sleep(600)", r"^a rank did not answer within the collective timeout of 5 s \(hung\)$", True),
+])
+def test_a_child_that_fails_after_it_said_it_started_but_before_the_group_formed_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str, message: str, lost: bool) -> None:
+    # Between its check-in and the group (a GPU's set_device that fails, a process killed then): rank 0's join of
+    # the group times out in the store. That is the child's failure, named as in a collective, not a DistStoreError
+    # blamed on the trial's config.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, signal, time\n"
+        "if os.environ.get('RANK', '0') != '0':\n"
+        "    import torch.distributed as dist\n"
+        "    def init_process_group(*args, **kwargs):\n"
+        f"        {fault}\n"
+        "    dist.init_process_group = init_process_group\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RankFailed, match=message) as failed:
+        with local_ranks(config(), 2, timeout_s=5) as ranks:
+            train(config(), reporter=NullReporter(), ranks=ranks.group)
+    assert failed.value.lost is lost
+
+
 def test_rank_folders_of_a_worker_that_died_are_removed_at_the_next_start_and_a_live_ones_are_kept() -> None:
     # A worker SIGKILLed during a data-parallel trial left its rank folder behind (config, logs, a copy of the start
     # state) on every kill.
