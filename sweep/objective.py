@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import signal
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -42,6 +43,8 @@ from sweep.outcomes import (
     ATTR_WALL,
     ATTR_WARM_START,
     OWNER_ATTR,
+    RANK_FIX,
+    Fault,
     Outcome,
     TimedOut,
     TrialResult,
@@ -370,9 +373,12 @@ class TrainerTrial(TrialRun):
             prepared.reporter.flush()
             outcome = Outcome.INFRASTRUCTURE if exc.lost else Outcome.FAILED
             prefix = "infrastructure: " if exc.lost else ""
+            how = ("hung" if exc.returncode is None else "lost the group" if exc.signal is None
+                   else f"killed by {signal.Signals(exc.signal).name}")
             return TrialResult(outcome, None, {ATTR_FAIL: f"{prefix}{exc}", ATTR_RANKS: {
                 "world": world, "pids": self.trial.user_attrs.get(ATTR_RANKS, {}).get("pids", []),
-                "failed_rank": exc.rank, "output_tail": exc.tail[-2000:]}})
+                "failed_rank": exc.rank, "output_tail": exc.tail[-2000:]}},
+                fault=Fault(str(exc), f"a rank {how}", RANK_FIX) if exc.lost else None)
         trial_result = self.result_of(prepared, result)
         trial_result.attrs[ATTR_RANKS] = {"world": world, "pids": ranks.pids, "ranks": [
             {"rank": 0, "status": result.status, "steps": result.steps},

@@ -123,6 +123,7 @@ class TrialResult:
     outcome: Outcome
     value: float | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    fault: Fault | None = None  # INFRASTRUCTURE: the machine's fault, compared for repeats, and what fixes it
 
     @property
     def reason(self) -> str | None:
@@ -220,6 +221,8 @@ _UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, er
 
 
 FOLDER_FIX = "free space, remount or recreate the folder"
+RANK_FIX = ("find what kills or stalls the trial's rank processes (the out-of-memory killer, a GPU fault, a batch "
+            "system), or raise resources.collective_timeout_s if a rank is only slow")
 
 
 @dataclass(frozen=True)

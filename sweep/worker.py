@@ -384,9 +384,9 @@ class Worker:
         if refusal is not None:
             fault = Fault(*refusal, "grant the storage's role its rights, make the database writable again")
         if fault is not None:
-            self.fault = fault
             kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]} if refusal else {}
-            return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept})
+            return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept},
+                               fault=fault)
         reason = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
             reason = f"{reason.strip()} ({error_line(exc)})"  # the database's words, not a guess
@@ -408,6 +408,8 @@ class Worker:
             warnings.warn(f"trial {trial.number} was declared lost while this worker trained it (no heartbeat for "
                           f"{self.spec.heartbeat_grace_period} s); its retry trains it again", stacklevel=1)
             return None
+        if result.outcome == Outcome.INFRASTRUCTURE:
+            self.fault = result.fault
         if result.outcome.retried:
             with self._lock():  # against `_requeue_orphans` of a worker that found this one stalled past the grace
                 self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE,

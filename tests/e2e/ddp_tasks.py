@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 
 import torch
@@ -53,3 +54,17 @@ def broken_child() -> Task:
     if os.environ.get("RANK", "0") != "0":
         raise RuntimeError("this rank's data is missing")
     return digits()
+
+
+def killed_child(step: int = 3) -> Task:
+    """Digits, whose rank 1 kills itself (SIGKILL, as the out-of-memory killer would) at its `step`-th training batch."""
+    calls = [0]
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.requires_grad and _rank() == 1:
+            calls[0] += 1
+            if calls[0] == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return cross_entropy(out, y)
+
+    return dataclasses.replace(digits(), loss=loss)

@@ -117,6 +117,19 @@ def test_a_rank_that_fails_on_its_own_fails_the_trial_without_a_retry(tmp_path: 
         assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
 
 
+def test_a_rank_killed_in_every_trial_stops_the_worker_with_advice_about_ranks(tmp_path: Path) -> None:
+    # Three trials in a row lose a rank the same way: a fault of the machine, and the worker stops saying what to
+    # look at, not the full disk's advice.
+    path = ddp_study(tmp_path, n_trials=4, task={"name": "tests.e2e.ddp_tasks:killed_child"})
+    done = sweep_cli("run", path)
+    assert done.returncode == 1, done.stderr
+    assert ("3 trials in a row were stopped by the same fault of the machine, not of their configs: rank 1 was killed "
+            "by SIGKILL. Fix it (find what kills or stalls the trial's rank processes") in done.stderr, done.stderr
+    assert "free space" not in done.stderr
+    trials = load(tmp_path)
+    assert [t.user_attrs["outcome"] for t in trials if t.state.is_finished()] == ["infrastructure"] * 3
+
+
 def test_sigkill_of_rank_1_fails_the_trial_and_its_retry_resumes_on_two_ranks(tmp_path: Path) -> None:
     from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
 
