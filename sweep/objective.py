@@ -51,7 +51,7 @@ from sweep.outcomes import (
     lineage,
 )
 from sweep.pruners import FastFailPruner, judges_by_rungs
-from sweep.signals import raise_pending
+from sweep.signals import FORWARD, raise_pending, stop_requested
 from sweep.storage import PatientStorage, StorageAway
 from sweep.tracking import Guarded, open_trackers
 from sweep.warmstart import shape_key
@@ -363,7 +363,8 @@ class TrainerTrial(TrialRun):
                              warm_optimizer=start.warm is not None and start.warm.optimizer,
                              timeout_s=float(resources.collective_timeout_s),
                              withheld=(*SECRET_ENV_NAMES, STORAGE_FILE_ENV,
-                                       *filter(None, [self.spec.storage_password_env]))) as ranks:
+                                       *filter(None, [self.spec.storage_password_env])),
+                             end_on=(signal.SIGINT, signal.SIGTERM, *FORWARD.values())) as ranks:
                 with self.boundary.no_wait():  # as with one rank: the reports wait while the storage is away
                     with contextlib.suppress(StorageAway):  # the children wait in DDP's setup meanwhile: no waiting
                         self.trial.set_user_attr(ATTR_RANKS, {"world": world, "pids": ranks.pids})
@@ -371,6 +372,12 @@ class TrainerTrial(TrialRun):
                                    warm_start=start.warm, checkpointer=prepared.checkpointer, ranks=ranks.group)
         except RankFailed as exc:
             prepared.reporter.flush()
+            # Ctrl-C or SIGTERM ended the children (rank 0 may have been waiting in a collective, where no handler
+            # runs): the trial was interrupted or preempted, as with one device, not lost to a fault.
+            raise_pending()
+            stop = stop_requested()
+            if stop is not None:
+                raise stop() from None
             outcome = Outcome.INFRASTRUCTURE if exc.lost else Outcome.FAILED
             prefix = "infrastructure: " if exc.lost else ""
             how = ("hung" if exc.returncode is None else "lost the group" if exc.signal is None

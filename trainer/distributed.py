@@ -23,6 +23,7 @@ hanging them forever; gloo notices a closed connection at once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -32,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ from trainer.config import ConfigError, TrainingConfig
 from trainer.sync import allowed_sync
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LOST_EXIT", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "collective_failed",
+           "die_with_parent",
            "free_port", "from_environment",
            "join_parent", "local_ranks"]
 
@@ -218,6 +221,25 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+PARENT_ENV = "SWEEP_RANK_PARENT"  # rank 0's pid, in a child's environment (`die_with_parent`)
+
+
+def die_with_parent() -> None:
+    """In a child that `local_ranks` started: end with rank 0, even when it was SIGKILLed while this rank was stuck
+    in code of its own (a hang no collective notices, since none is running). Linux's parent-death signal; elsewhere
+    the group's collectives notice a dead rank 0."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # rank 0 died before the signal was armed
+        os._exit(LOST_EXIT)
+
+
 # A child's exit code when one of its collectives failed (a peer died, or did not answer within the timeout): the
 # group is lost, not the rank's own error; rank 0 retries the trial (`RankFailed.lost`). EX_TEMPFAIL, from sysexits.h.
 LOST_EXIT = 75
@@ -288,7 +310,8 @@ def _remove_stale_rank_folders() -> None:
 @contextlib.contextmanager
 def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None = None,
                 warm: TrainState | None = None, warm_optimizer: bool = False,
-                timeout_s: float = DEFAULT_TIMEOUT_S, withheld: Collection[str] = ()) -> Iterator[LocalGroup]:
+                timeout_s: float = DEFAULT_TIMEOUT_S, withheld: Collection[str] = (),
+                end_on: Collection[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[LocalGroup]:
     """Run this process as rank 0 of `world` and start ranks 1..world-1 as `python -m trainer.rank` children on this
     machine, with `config` and the run's start (`resume` or `warm`, handed over as a checkpoint file, read back with
     `weights_only`); they never see a driver. The children see this process's `sys.path` (a user's task module) and
@@ -297,7 +320,11 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
 
     On leaving, normally or not, the group is destroyed and the children are joined: after a clean end they finish
     on their own; otherwise (an exception, Ctrl-C) they are terminated, and killed a few seconds later. A child that
-    died first turns the exception of rank 0's failed collective into `RankFailed`."""
+    died first turns the exception of rank 0's failed collective into `RankFailed`.
+
+    A signal in `end_on` (Ctrl-C, SIGTERM) ends the children at once, even while rank 0 waits in a collective or
+    for the group to form, where Python runs no signal handler until the wait ends (a hung rank: the whole timeout):
+    the wait then fails now, and the handler runs."""
     _remove_stale_rank_folders()
     folder = Path(tempfile.mkdtemp(prefix=f"sweep-ranks-{os.getpid()}-"))
     children: list[subprocess.Popen[bytes]] = []
@@ -320,25 +347,28 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
         for rank in range(1, world):
             env = {**{name: value for name, value in os.environ.items() if name not in withheld},
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": ADDRESS,
-                   "MASTER_PORT": str(port), "PYTHONPATH": path, "SWEEP_RANK_TIMEOUT_S": str(timeout_s)}
+                   "MASTER_PORT": str(port), "PYTHONPATH": path, "SWEEP_RANK_TIMEOUT_S": str(timeout_s),
+                   PARENT_ENV: str(os.getpid())}
             logs.append(folder / f"rank{rank}.log")
             with open(logs[-1], "wb") as log:
                 children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
                                                  stderr=subprocess.STDOUT, start_new_session=True))
         _wait_started(store, children, logs, timeout_s)
-        try:  # a child that died, exited or hung after it said it started: as in a collective below
-            group = ProcessGroup.join(0, world, store=store, device_type=_device_type(config), timeout_s=timeout_s)
-        except BaseException as exc:  # noqa: BLE001 - raised again, as what it means
-            _raise_rank_failure(exc, children, logs, timeout_s)
-        handle = LocalGroup(group, [child.pid for child in children])
-        try:
-            yield handle
-            # Past this barrier every rank has finished training: how a child then exits (gloo's teardown has been
-            # seen to abort now and then) changes nothing of the run; its exit code is kept with its result. A child
-            # that dies before it fails the run as any collective would.
-            group.finish()
-        except BaseException as exc:  # noqa: BLE001 - raised again, as what it means
-            _raise_rank_failure(exc, children, logs, timeout_s)
+        with _ended_on(end_on, children):
+            try:  # a child that died, exited or hung after it said it started: as in a collective below
+                group = ProcessGroup.join(0, world, store=store, device_type=_device_type(config),
+                                          timeout_s=timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - raised again, as what it means
+                _raise_rank_failure(exc, children, logs, timeout_s)
+            handle = LocalGroup(group, [child.pid for child in children])
+            try:
+                yield handle
+                # Past this barrier every rank has finished training: how a child then exits (gloo's teardown has
+                # been seen to abort now and then) changes nothing of the run; its exit code is kept with its result.
+                # A child that dies before it fails the run as any collective would.
+                group.finish()
+            except BaseException as exc:  # noqa: BLE001 - raised again, as what it means
+                _raise_rank_failure(exc, children, logs, timeout_s)
         group = None
         _end(children, grace_s=timeout_s, terminate=False)
         handle.results = [_result(rank, log, child.returncode) for rank, (child, log)
@@ -348,6 +378,53 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
             group.close()
         _end(children, grace_s=5.0)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _ended_on(signals: Collection[int], children: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """While the block runs, a signal in `signals` that reaches this process sends the children SIGTERM at once,
+    from a thread that hears of it through Python's wakeup fd (the handlers stay as they are and run as before). Only
+    in the main thread, which alone may set the wakeup fd; one set before is passed every byte."""
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not possible here: the children are ended when the handler's exception comes
+        reader.close()
+        writer.close()
+        yield
+        return
+    wanted = {int(signum) for signum in signals}
+
+    def watch() -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:  # the block ended
+                return
+            if previous != -1:
+                with contextlib.suppress(OSError):
+                    os.write(previous, data)
+            if wanted.intersection(data):
+                for child in children:
+                    if child.returncode is None:
+                        with contextlib.suppress(OSError):
+                            child.terminate()
+
+    thread = threading.Thread(target=watch, daemon=True, name="rank-signals")
+    thread.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        writer.close()
+        thread.join(timeout=5.0)
+        reader.close()
 
 
 def _raise_rank_failure(exc: BaseException, children: list[subprocess.Popen[bytes]], logs: list[Path],

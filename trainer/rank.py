@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer.checkpoint import WarmStart, load_checkpoint
 from trainer.config import TrainingConfig
-from trainer.distributed import DEFAULT_TIMEOUT_S, LOST_EXIT, collective_failed, join_parent
+from trainer.distributed import DEFAULT_TIMEOUT_S, LOST_EXIT, collective_failed, die_with_parent, join_parent
 from trainer.loop import NullReporter, train
 from trainer.precision import resolve_device
 
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm", type=Path, help="start from this checkpoint's weights")
     parser.add_argument("--warm-optimizer", action="store_true", help="and from its optimizer state")
     args = parser.parse_args(argv)
+    die_with_parent()
     config = TrainingConfig.from_dict(json.loads(args.config.read_text()))
     resume = load_checkpoint(args.resume) if args.resume else None
     warm = WarmStart(load_checkpoint(args.warm), optimizer=args.warm_optimizer) if args.warm else None

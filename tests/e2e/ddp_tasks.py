@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,22 @@ def killed_child(step: int = 3) -> Task:
             calls[0] += 1
             if calls[0] == step:
                 os.kill(os.getpid(), signal.SIGKILL)
+        return cross_entropy(out, y)
+
+    return dataclasses.replace(digits(), loss=loss)
+
+
+def hung_child(marker: str, step: int = 25) -> Task:
+    """Digits, whose rank 1 stops answering at its `step`-th training batch (it sleeps, as a wedged GPU or a stuck
+    filesystem would leave it) after touching `marker`: rank 0 then waits in its next collective."""
+    calls = [0]
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.requires_grad and _rank() == 1:
+            calls[0] += 1
+            if calls[0] == step:
+                Path(marker).touch()
+                time.sleep(3600)
         return cross_entropy(out, y)
 
     return dataclasses.replace(digits(), loss=loss)

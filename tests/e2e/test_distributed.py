@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,56 @@ def test_a_signalled_worker_ends_its_ranks_and_the_trial_resumes_on_two_ranks(tm
     retry = load(tmp_path)[1]
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from"]["step"] >= 40
     assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2
+
+
+@pytest.mark.parametrize(("signum", "outcome"), [(signal.SIGTERM, "preempted"), (signal.SIGINT, "interrupted")])
+def test_a_signal_while_rank_0_waits_in_a_collective_for_a_hung_rank_is_honoured_at_once(
+        tmp_path: Path, signum: int, outcome: str) -> None:
+    # Rank 0 blocked in gloo runs no Python signal handler until the collective returns, after its timeout (15
+    # minutes here): a batch system's grace period would run out first. The signal ends the ranks at once instead.
+    from tests.e2e.test_faults import finish, start_sweep, wait_for
+
+    marker = tmp_path / "hung"
+    path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:hung_child",
+                                                 "args": {"marker": str(marker), "step": 25}},
+                     resources={"devices_per_trial": 2, "collective_timeout_s": 900},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20})
+    log = tmp_path / "run.log"
+    worker = start_sweep("run", path, log=log, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        wait_for("rank 1 to stop answering", marker.exists, 300, alive=worker)
+        (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+        time.sleep(2)  # rank 0 reaches its next collective and waits there
+        worker.send_signal(signum)
+        code = finish(worker, log, 300)  # well within the collective's 900 s
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert code == (143 if signum == signal.SIGTERM else 130), log.read_text()[-3000:]
+    assert not alive(child)
+    killed, queued = load(tmp_path)
+    assert killed.user_attrs["outcome"] == outcome, killed.user_attrs.get("fail_reason")
+    assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == 0
+
+
+def test_a_hung_rank_does_not_outlive_its_sigkilled_worker(tmp_path: Path) -> None:
+    # A rank stuck in code of its own runs no collective that would notice rank 0's death: the parent-death signal
+    # ends it with its worker.
+    from tests.e2e.test_faults import start_sweep, wait_for
+
+    marker = tmp_path / "hung"
+    path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:hung_child",
+                                                 "args": {"marker": str(marker), "step": 5}},
+                     resources={"devices_per_trial": 2, "collective_timeout_s": 900})
+    worker = start_sweep("run", path, log=tmp_path / "run.log",
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        wait_for("rank 1 to stop answering", marker.exists, 300, alive=worker)
+        (child,) = wait_for("rank 1's process", lambda: rank_children(worker.pid), 60, alive=worker)
+    finally:
+        worker.kill()
+        worker.wait()
+    wait_for("the hung rank to end with its worker", lambda: not alive(child), 60)
 
 
 def test_sweep_stop_lets_the_two_rank_trial_finish_and_starts_no_other(tmp_path: Path) -> None:

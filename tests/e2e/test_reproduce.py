@@ -42,3 +42,15 @@ def test_a_trial_whose_loss_diverged_reproduces_when_its_metric_is_another(tmp_p
     done = sweep_cli("reproduce", path, "0")
     assert done.returncode == 0, done.stderr
     assert "trial 0 reproduced: 2 reported values identical (bit for bit)" in done.stdout
+
+
+def test_a_tolerance_is_relative_as_stated() -> None:
+    from sweep.reproduce import agree
+
+    # Found by review: an absolute part as large as the tolerance passed a cohort member's 0.13039 against 0.13048
+    # (7e-4 relative) "within a relative 1e-4", and a GPU's val_loss of 0.05 against 0.0509 within 1e-3.
+    assert not agree(0.13039, 0.13048, 1e-4)
+    assert not agree(0.05, 0.0509, 1e-3)
+    assert agree(0.13039, 0.13039 * (1 + 5e-5), 1e-4) and agree(2.5, 2.5 * (1 - 9e-4), 1e-3)
+    assert agree(0.0, 1e-9, 1e-4)  # a value at about 0 is not failed on rounding alone
+    assert not agree(0.1, 0.1 + 1e-12, 0.0) and agree(float("nan"), float("nan"), 0.0)

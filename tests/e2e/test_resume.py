@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import TrialState
 
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
@@ -91,6 +92,31 @@ def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Pa
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 2
     with sqlite3.connect(db) as connection:  # the lost trial's checkpoints ended with it: donors, and collectable
         assert connection.execute("SELECT count(*) FROM sweep_checkpoints WHERE final = 0").fetchone() == (0,)
+
+
+def test_a_retry_resumed_under_another_pruner_reproduces_and_its_lost_trial_says_what_was_compared(
+        tmp_path: Path) -> None:
+    # The lineage ran with fast-fail (an evaluation at step 0); the study is resumed with median alone, which the
+    # README allows. The retry's curve starts with the lineage's step-0 value, which its own config does not make:
+    # reproduce compares what the replay reports, and finds the retry exact.
+    path = long_study(tmp_path, n_trials=1, heartbeat_interval=1, heartbeat_grace_period=3, pruner="fastfail")
+    db = tmp_path / "tiny.db"
+    signal_after_a_checkpoint(path, db, signal.SIGKILL)
+    time.sleep(3.5)  # the dead trial's heartbeat goes stale
+    document = yaml.safe_load(path.read_text()) | {"pruner": {"type": "median"}}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    dead, retry = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert retry.user_attrs["retry_of"] == 0 and 0 in retry.intermediate_values
+    assert retry.user_attrs["config"]["fast_fail"]["enabled"] is False
+    again = sweep_cli("reproduce", path, "1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"trial 1 reproduced: {len(retry.intermediate_values) - 1} reported values identical (bit for bit)" \
+        in again.stdout, again.stdout
+    lost = sweep_cli("reproduce", path, "0")
+    assert lost.returncode == 0, lost.stdout + lost.stderr
+    assert "trial 0 failed: only the values it reported before it ended were compared" in lost.stdout, lost.stdout
 
 
 def test_a_worker_paused_past_the_grace_period_goes_on_when_its_trial_was_declared_lost(tmp_path: Path) -> None:
