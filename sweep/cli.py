@@ -891,8 +891,10 @@ def best(
                 refuse_untrusted_code(config, _code_named_by(target), f"writing trial {chosen.number}'s config")
         except UntrustedCode as exc:
             raise _fail(str(exc), 2) from None
-        text = (f"# best trial of study {study.study_name!r}: {_code_path(config, target, output)}python -m trainer "
-                f"{output or 'best.yaml'}\n")
+        again = results.retraining(chosen, config)
+        config = again.config
+        text = (f"# best trial of study {study.study_name!r}: {_code_path(config, target, output)}{again.env}"
+                f"python -m trainer {output or 'best.yaml'}\n{again.comment}")
     if is_warm(chosen):  # a warm value: this config alone, trained cold, may not reach it
         lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
         err.print(f"warning: trial {chosen.number}'s value {chosen.value:.6g} is a warm start's: {lineage}",

@@ -26,7 +26,7 @@ from sweep.outcomes import (
     SPEC_ATTR,
     budget_counts,
 )
-from sweep.results import best_trial, state_counts, steps_trained, trials_per_hour
+from sweep.results import best_trial, retraining, state_counts, steps_trained, trials_per_hour
 from sweep.urls import mask_urls
 
 __all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
@@ -190,7 +190,10 @@ def render_report(study: optuna.Study) -> str:
     else:
         warnings = edge_warnings(spec.get("space", {}), best.params)
         warning_html = "".join(f"<p class='warning'>&#9888; {html.escape(w)}</p>" for w in warnings)
-        config = mask_urls(yaml.safe_dump(best.user_attrs.get(ATTR_CONFIG, best.params), sort_keys=False))
+        stored = best.user_attrs.get(ATTR_CONFIG, best.params)
+        builtin = spec.get("loop") is None and spec.get("command") is None
+        again_with = retraining(best, stored) if builtin and isinstance(stored, dict) else None
+        config = mask_urls(yaml.safe_dump(stored if again_with is None else again_with.config, sort_keys=False))
         lineage = lineage_label(best, trials)
         if is_warm(best):
             warning_html += f"<p class='warning'>&#9888; {html.escape(lineage)}</p>"
@@ -203,7 +206,10 @@ def render_report(study: optuna.Study) -> str:
             again = (f"Its config, as the command received it; <code>sweep reproduce STUDY {best.number}</code> runs "
                      "it again:")
         else:
-            again = "Its full config; <code>python -m trainer best.yaml</code> trains it again:"
+            env, notes = ("", "") if again_with is None else (again_with.env, again_with.comment)
+            notes = "".join(f"<br>{html.escape(line.removeprefix('# '))}" for line in notes.splitlines())
+            again = (f"Its full config; <code>{html.escape(env)}python -m trainer best.yaml</code> trains it "
+                     f"again:{notes}")
         sections.append(f"<h2>Best trial: #{best.number}, {html.escape(str(spec.get('metric', 'value')))} = "
                         f"{best.value:.6g}</h2>{warning_html}<p>{again}</p><pre>{html.escape(config)}</pre>")
 

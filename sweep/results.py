@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
@@ -15,6 +17,7 @@ from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_LOG,
+    ATTR_REPRO,
     ATTR_RETRY_OF,
     ATTR_SPEED,
     ATTR_STEPS,
@@ -165,6 +168,34 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             row["log"] = trial.user_attrs[ATTR_LOG]
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class Retraining:
+    """How `python -m trainer` trains a trial's config again to the value the study holds: `config` with fast-fail
+    off (the study judged the trial with its pruner; alone, fast-fail's own rules might stop it), under the torch
+    thread count it ran with (`env`: CPU kernels sum in another order on another count), and a comment saying so."""
+
+    config: dict[str, Any]
+    env: str
+    comment: str
+
+
+def retraining(trial: FrozenTrial, config: Mapping[str, Any]) -> Retraining:
+    again = copy.deepcopy(dict(config))
+    notes = []
+    fast_fail = again.get("fast_fail")
+    if isinstance(fast_fail, dict) and fast_fail.get("enabled"):
+        again["fast_fail"] = {**fast_fail, "enabled": False}
+        notes.append("fast_fail is off: the study judged this trial with its pruner, and alone fast-fail's own rules "
+                     "might stop it early")
+    threads = ((trial.user_attrs.get(ATTR_REPRO) or {}).get("threads") or {}).get("intra_op")
+    env = ""
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
+        env = f"OMP_NUM_THREADS={threads} "
+        notes.append(f"it trained with {threads} torch thread{'s' if threads > 1 else ''}: on a CPU another count "
+                     "sums in another order, and the last digits differ")
+    return Retraining(again, env, "".join(f"# {note}\n" for note in notes))
 
 
 def best_config(study: optuna.Study) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import copy
 import csv
 import io
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -72,6 +73,30 @@ def test_best_config_retrains_to_the_same_value(tiny_study: Path) -> None:
     assert trained.returncode == 0, trained.stderr
     # Bit for bit on CPU: the same config and seed reproduce the stored value exactly.
     assert json.loads(trained.stdout)["metrics"]["val_loss"] == study.best_value
+
+
+def test_best_config_of_a_pruned_study_run_by_workers_says_how_to_retrain_it_to_the_same_value(tmp_path: Path) -> None:
+    # Found by review: the workers ran on one torch thread each, `python -m trainer` on the machine's count (the last
+    # digits differed), and fast-fail's own rules, on in the exported config, may stop alone the trial the study's
+    # pruner let complete. The header names the thread count, and the config has fast-fail off.
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 4, "pruner": {"type": "fastfail", "then": "median"}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path, "--workers", "2").returncode == 0
+    done = sweep_cli("best", path, "-o", tmp_path / "best.yaml")
+    assert done.returncode == 0, done.stderr
+    study = load(tmp_path / "tiny.db")
+    threads = study.best_trial.user_attrs["reproducibility"]["threads"]["intra_op"]
+    text = (tmp_path / "best.yaml").read_text()
+    assert f": OMP_NUM_THREADS={threads} python -m trainer " in text.splitlines()[0], text
+    assert "# fast_fail is off: the study judged this trial with its pruner" in text
+    assert yaml.safe_load(text)["fast_fail"]["enabled"] is False
+    trained = subprocess.run([sys.executable, "-m", "trainer", str(tmp_path / "best.yaml")], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    assert trained.returncode == 0, trained.stderr
+    assert json.loads(trained.stdout)["metrics"]["val_loss"] == study.best_value
+    report = sweep_cli("report", path, "-o", tmp_path / "report.html")
+    assert report.returncode == 0, report.stderr
+    assert f"OMP_NUM_THREADS={threads} python -m trainer best.yaml" in (tmp_path / "report.html").read_text()
 
 
 def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
