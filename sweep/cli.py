@@ -1004,6 +1004,16 @@ def check(
     if target.endswith((".yaml", ".yml")):
         spec = _study_file_spec(target, url, study_name)
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
+        ran_with = store_location(study, url)
+        if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).resolve()
+                and Path(ran_with).is_dir()):
+            # Its rows name files in the store the study ran with (`--set checkpoints.store=...`, or a file edited
+            # since): judged against another, every one would look missing, and --repair would delete them all. A
+            # store moved (the one it ran with is gone) is checked where the file says.
+            raise _fail(f"{target}: checkpoints.store: {location} is not the store study {study.study_name!r} ran "
+                        f"with ({ran_with}, where its checkpoints' rows point); nothing checked or repaired. Check "
+                        "that one: sweep check with the database instead of the study file, or set checkpoints.store "
+                        "to it", 2)
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False

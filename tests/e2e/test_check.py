@@ -39,3 +39,28 @@ def test_check_finds_deleted_and_corrupt_blobs_and_repair_makes_registry_and_dis
     assert not Path(corrupt).exists()
     again = sweep_cli("check", path)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_check_of_a_study_file_naming_another_store_than_the_study_ran_with_repairs_nothing(tmp_path: Path) -> None:
+    # Found by review: a study run with `--set checkpoints.store=other`, then checked by its study file (whose store
+    # is the default): every row looked missing, and --repair deleted them all. Moved (the store it ran with is gone),
+    # the store the file names is the one checked.
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2})
+    assert sweep_cli("run", path, "--set", "checkpoints.store=other").returncode == 0
+    db = tmp_path / "tiny.db"
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0]
+    assert rows >= 2
+    refused = sweep_cli("check", path, "--repair")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"checkpoints.store: {tmp_path / 'tiny.checkpoints'} is not the store study 'tiny' ran with " \
+           f"({tmp_path / 'other'}" in refused.stderr, refused.stderr
+    with sqlite3.connect(db) as connection:
+        assert connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0] == rows
+    assert not (tmp_path / "tiny.checkpoints").exists()
+    assert sweep_cli("check", db).returncode == 0  # the database names the store it ran with
+
+    (tmp_path / "other").rename(tmp_path / "moved")  # moved, and the file edited to say where
+    write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"store": "moved"}})
+    moved = sweep_cli("check", path)
+    assert moved.returncode == 0, moved.stdout + moved.stderr
