@@ -1071,7 +1071,7 @@ class Cohort:
         return TrainState(step=slot.done, model=model, optimizer=optimizer.state_dict(),
                           scaler=self.precision.scaler.state_dict(), rng=self._member_rng(slot),
                           data=self._sampler_state(index, slot),
-                          loop=LoopState(loss_sum, slot.steps_since_log, slot.threshold),
+                          loop=LoopState(loss_sum, slot.steps_since_log, slot.threshold, torch.get_num_threads()),
                           config=config.to_dict(), metrics=dict(slot.result.metrics),
                           evals=[*slot.history, *slot.result.evals])
 

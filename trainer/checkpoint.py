@@ -64,15 +64,23 @@ class LoopState:
     loss_sum: float = 0.0  # the training loss summed since the last log step (read back from the device when saved)
     steps_since_log: int = 0  # the steps in that sum
     guard_threshold: float | None = None  # the fast-fail guard's explosion threshold, set by the step-0 evaluation
+    # torch's intra-op threads the run trained with (a CPU sums in another order on another count): a resume takes
+    # the same count, so that it continues bit for bit (`trainer.loop.train`). None: not recorded.
+    threads: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        values = asdict(self)
+        if self.threads is None:  # then the mapping is the one older checkpoints hold
+            del values["threads"]
+        return values
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> LoopState:
-        threshold = values.get("guard_threshold")
+        threshold, threads = values.get("guard_threshold"), values.get("threads")
         return cls(loss_sum=float(values.get("loss_sum", 0.0)), steps_since_log=int(values.get("steps_since_log", 0)),
-                   guard_threshold=None if threshold is None else float(threshold))
+                   guard_threshold=None if threshold is None else float(threshold),
+                   threads=threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1
+                   else None)
 
 
 @dataclass

@@ -12,6 +12,7 @@ The trainer knows nothing of Optuna: it talks to whoever drives it through a `Re
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -266,6 +267,29 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     """
     if resume is not None and warm_start is not None:
         raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
+    with _threads_of_run(resume):
+        return _train(config, task, reporter, resume, warm_start, checkpointer, ranks)
+
+
+@contextlib.contextmanager
+def _threads_of_run(resume: TrainState | None) -> Iterator[None]:
+    """A resumed run trains on the intra-op thread count its checkpoint was written with (a worker of `--workers N`
+    runs on fewer than one alone, and a CPU sums in another order on another count), unless this machine has fewer
+    cores; this process's count comes back afterwards."""
+    before = torch.get_num_threads()
+    wanted = None if resume is None else resume.loop.threads
+    if wanted is None or wanted == before or wanted > (os.cpu_count() or 1):
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(config: TrainingConfig, task: Task | None, reporter: Reporter | None, resume: TrainState | None,
+           warm_start: WarmStart | None, checkpointer: Checkpointer | None, ranks: Ranks | None) -> TrainResult:
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
     run = build_run(config, task, ranks)
@@ -412,7 +436,7 @@ class _LogInterval:
     def state(self, guard_threshold: float | None) -> LoopState:
         """What a checkpoint holds of the loop: reads the loss sum back from the device."""
         with allowed_sync():
-            return LoopState(self.loss_sum.item(), self.steps, guard_threshold)
+            return LoopState(self.loss_sum.item(), self.steps, guard_threshold, torch.get_num_threads())
 
 
 def _log_record(run: Run, interval: _LogInterval, step: int, lr: float,

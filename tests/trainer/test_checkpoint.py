@@ -122,13 +122,37 @@ def test_a_resume_between_log_steps_carries_the_running_loss(tmp_path: Path) -> 
         [(r["step"], r["train_loss"]) for r in full.logs if r["step"] > 20]
 
 
+def test_a_resume_trains_on_the_thread_count_its_checkpoint_was_written_with(tmp_path: Path) -> None:
+    # Found by review: a trial killed under `--workers 2` (one thread each on two cores) and resumed by a worker
+    # alone (two threads) continued on another count, where a CPU sums in another order: neither the uninterrupted
+    # run nor `sweep reproduce` gave its values. The resume takes the checkpoint's count, and gives this process's
+    # own back afterwards.
+    config = TrainingConfig.from_dict(CONFIG)
+    before = torch.get_num_threads()
+    other = 1 if before > 1 else 2
+    torch.set_num_threads(other)
+    try:
+        full = train(config, checkpointer=SaveAt(30, tmp_path / "step30.pt"))
+    finally:
+        torch.set_num_threads(before)
+    state = load_checkpoint(tmp_path / "step30.pt")
+    assert state.loop.threads == other
+    resumed = train(config, resume=state)
+    assert torch.get_num_threads() == before
+    assert resumed.reproducibility["threads"]["intra_op"] == other
+    assert [(r["step"], r["train_loss"], r["grad_norm"]) for r in resumed.logs] == \
+        [(r["step"], r["train_loss"], r["grad_norm"]) for r in full.logs if r["step"] > 30]
+    assert resumed.evals == [e for e in full.evals if e[0] > 30]
+
+
 def test_the_loop_state_is_stored_as_the_plain_mapping_older_checkpoints_hold(tmp_path: Path) -> None:
     path = tmp_path / "s.pt"
     train(TrainingConfig.from_dict({**CONFIG, "log_every_steps": 15}), checkpointer=SaveAt(20, path))
     payload = torch.load(path, weights_only=True)
     assert payload["format"] == 1
     assert payload["loop"] == load_checkpoint(path).loop.as_dict()
-    assert set(payload["loop"]) == {"loss_sum", "steps_since_log", "guard_threshold"}
+    assert set(payload["loop"]) == {"loss_sum", "steps_since_log", "guard_threshold", "threads"}
+    assert payload["loop"]["threads"] == torch.get_num_threads()
     # A mapping without some of the keys reads as a loop that had not run them: nothing summed, no threshold.
     payload["loop"] = {"steps_since_log": 3}
     assert TrainState.from_payload(payload).loop == LoopState(loss_sum=0.0, steps_since_log=3, guard_threshold=None)
