@@ -1206,9 +1206,12 @@ def reproduce(
         raise _fail(f"trial {trial} differs {where}: stored {stored!r}, reproduced {again!r}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
             f"{comparison.steps_compared} reported values identical")
-    partial = {"running": f"; trial {trial} is still running: only the values it has reported so far were compared",
-               "failed": f"; trial {trial} failed: only the values it reported before it ended were compared"}
-    out.print(f"trial {trial} reproduced: {what} ({how}){partial.get(comparison.unfinished or '', '')}")
+    partial = ("" if comparison.unfinished is None else
+               f"; trial {trial} is still running: only the values it has reported so far were compared"
+               if comparison.unfinished == "running" else
+               f"; trial {trial} ended {comparison.unfinished}: only the values it reported before it ended were "
+               "compared")
+    out.print(f"trial {trial} reproduced: {what} ({how}){partial}")
 
 
 def _name_override(study_name: str | None) -> list[str]:

@@ -58,7 +58,7 @@ from sweep.warmstart import shape_key
 from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV
 from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
-from trainer.distributed import RankFailed, local_ranks
+from trainer.distributed import RankFailed, local_ranks, signal_name
 from trainer.fast_fail_rules import FastFailConfig
 from trainer.loop import TrainingSeries
 
@@ -381,7 +381,7 @@ class TrainerTrial(TrialRun):
             outcome = Outcome.INFRASTRUCTURE if exc.lost else Outcome.FAILED
             prefix = "infrastructure: " if exc.lost else ""
             how = ("hung" if exc.returncode is None else "lost the group" if exc.signal is None
-                   else f"killed by {signal.Signals(exc.signal).name}")
+                   else f"killed by {signal_name(exc.signal)}")
             return TrialResult(outcome, None, {ATTR_FAIL: f"{prefix}{exc}", ATTR_RANKS: {
                 "world": world, "pids": self.trial.user_attrs.get(ATTR_RANKS, {}).get("pids", []),
                 "failed_rank": exc.rank, "output_tail": exc.tail[-2000:]}},

@@ -34,7 +34,15 @@ from optuna.trial import TrialState
 
 from sweep.blobs import BlobScope, load_blob
 from sweep.objective import metric_value, task_for
-from sweep.outcomes import ATTR_CONFIG, ATTR_REPRO, ATTR_RESUMED_FROM, ATTR_STEPS, ATTR_WARM_START, SPEC_ATTR
+from sweep.outcomes import (
+    ATTR_CONFIG,
+    ATTR_OUTCOME,
+    ATTR_REPRO,
+    ATTR_RESUMED_FROM,
+    ATTR_STEPS,
+    ATTR_WARM_START,
+    SPEC_ATTR,
+)
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.pacing import BUILTIN_SCHEDULES
@@ -102,7 +110,9 @@ class Comparison:
     first_difference: tuple[int, float, float] | None  # (step, stored, reproduced)
     largest_difference: float = 0.0  # relative, over the values compared (0.0: every one bit for bit)
     final_only: bool = False  # a loop or command that never reported: its final value was compared
-    unfinished: str | None = None  # "running" or "failed": the trial's reports so far were compared, not a whole run
+    # "running", or why a FAIL trial ended (its outcome: failed, interrupted, lost, ...): its reports so far were
+    # compared, not a whole run
+    unfinished: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -286,5 +296,6 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             break
         if value != again and math.isfinite(value) and math.isfinite(again):
             largest = max(largest, abs(value - again) / max(abs(value), abs(again)))
-    unfinished = {TrialState.RUNNING: "running", TrialState.FAIL: "failed"}.get(trial.state)
+    unfinished = ("running" if trial.state == TrialState.RUNNING else
+                  str(trial.user_attrs.get(ATTR_OUTCOME) or "failed") if trial.state == TrialState.FAIL else None)
     return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished)

@@ -139,11 +139,13 @@ def open_engine(url: str, **kwargs: Any) -> Engine:
 
 
 def release_idle_connections() -> None:
-    """Close the connections this process's engines hold idle in their pools (those in use stay open, and are
-    closed when given back). A launcher waiting on its workers, and a worker waiting for a connection slot of a full
-    server, hold none: otherwise workers that each hold some of the slots wait for each other forever."""
+    """Close the connections this process's engines hold idle in their pools. One in use stays open; given back, it
+    waits in the same pool, for the next call to close it (`Engine.dispose` would leave it to the garbage collector,
+    in a pool no longer the engine's). A launcher waiting on its workers, and a worker waiting for a connection slot
+    of a full server, hold no idle one: otherwise workers that each hold some of the slots wait for each other
+    forever."""
     for engine in list(_ENGINES):
-        engine.dispose()
+        engine.pool.dispose()
 
 
 # The server's words for a connection refused because all its slots are taken (PostgreSQL's `max_connections`,

@@ -50,9 +50,7 @@ from trainer.config import ConfigError, TrainingConfig
 from trainer.sync import allowed_sync
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LOST_EXIT", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "collective_failed",
-           "die_with_parent",
-           "free_port", "from_environment",
-           "join_parent", "local_ranks"]
+           "die_with_parent", "free_port", "from_environment", "join_parent", "local_ranks", "signal_name"]
 
 DEFAULT_TIMEOUT_S = 300.0  # how long a collective waits for a rank that neither answers nor closes its connection
 ADDRESS = "127.0.0.1"
@@ -262,12 +260,22 @@ class RankFailed(RuntimeError):
         if returncode is None:
             message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
         elif self.signal is not None:
-            message = f"rank {rank} was killed by {signal.Signals(self.signal).name}"
+            message = f"rank {rank} was killed by {signal_name(self.signal)}"
         elif returncode == LOST_EXIT:
             message = f"rank {rank} lost the group (a collective failed)" + (f": {last}" if last else "")
         else:
             message = f"rank {rank} exited with code {returncode}" + (f": {last}" if last else "")
         super().__init__(message)
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL, SIGRTMIN+3, or "signal 99" for a number this platform does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        if hasattr(signal, "SIGRTMIN") and signal.SIGRTMIN <= signum <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
+        return f"signal {signum}"
 
 
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)(: |$)")

@@ -58,7 +58,7 @@ def broken_child() -> Task:
 
 
 def killed_child(step: int = 3) -> Task:
-    """Digits, whose rank 1 kills itself (SIGKILL, as the out-of-memory killer would) at its `step`-th training batch."""
+    """Digits, whose rank 1 kills itself (SIGKILL, as the out-of-memory killer would) at its `step`-th batch."""
     calls = [0]
 
     def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -108,6 +108,7 @@ def test_a_retry_resumed_under_another_pruner_reproduces_and_its_lost_trial_says
     done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     dead, retry = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert dead.user_attrs["outcome"] == "lost"
     assert retry.user_attrs["retry_of"] == 0 and 0 in retry.intermediate_values
     assert retry.user_attrs["config"]["fast_fail"]["enabled"] is False
     again = sweep_cli("reproduce", path, "1")
@@ -116,7 +117,7 @@ def test_a_retry_resumed_under_another_pruner_reproduces_and_its_lost_trial_says
         in again.stdout, again.stdout
     lost = sweep_cli("reproduce", path, "0")
     assert lost.returncode == 0, lost.stdout + lost.stderr
-    assert "trial 0 failed: only the values it reported before it ended were compared" in lost.stdout, lost.stdout
+    assert "trial 0 ended lost: only the values it reported before it ended were compared" in lost.stdout, lost.stdout
 
 
 def test_a_worker_paused_past_the_grace_period_goes_on_when_its_trial_was_declared_lost(tmp_path: Path) -> None:

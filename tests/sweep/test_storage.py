@@ -609,3 +609,32 @@ def test_a_lock_file_that_cannot_be_opened_mid_run_is_the_storage_s_refusal(tmp_
     refusal = storage_refusal(info.value)
     assert refusal is not None and refusal[0].startswith("the storage refused: cannot open the study's lock file "
                                                          f"{tmp_path / 's.db.lock'} (Is a directory)"), refusal
+
+
+def test_releasing_idle_connections_closes_a_connection_in_use_once_it_is_given_back() -> None:
+    # A worker refused a slot of a full server releases its idle connections, on every attempt: one in use then (the
+    # study's lock held) must be closed by the next release once given back, not left open in a discarded pool until
+    # the garbage collector finds it (the lock's engine then held two sessions).
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    from sweep.storage import release_idle_connections
+    from tests.pg import PostgresServer
+
+    with PostgresServer() as server:
+        probe = create_engine(server.url, poolclass=NullPool)
+
+        def sessions() -> int:
+            with probe.connect() as connection:
+                return connection.execute(text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' "
+                    "AND pid <> pg_backend_pid()")).scalar_one()
+
+        with ask_lock(server.url, "s"):
+            assert sessions() == 1
+            release_idle_connections()
+        assert sessions() == 1  # given back: idle in its pool, as before
+        with ask_lock(server.url, "s"):
+            assert sessions() == 1  # the same connection, not a second one
+        release_idle_connections()
+        assert sessions() == 0

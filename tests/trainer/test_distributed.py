@@ -272,3 +272,11 @@ def test_rank_folders_of_a_worker_that_died_are_removed_at_the_next_start_and_a_
                 for child in folder.iterdir():
                     child.unlink()
                 folder.rmdir()
+
+
+def test_a_rank_killed_by_a_signal_without_a_name_is_still_a_lost_rank() -> None:
+    # Real-time signals have no name in Python's Signals: the message said ValueError instead of the rank's fate.
+    rt = signal.SIGRTMIN + 6
+    failed = RankFailed(1, -rt)
+    assert str(failed) == "rank 1 was killed by SIGRTMIN+6" and failed.lost
+    assert str(RankFailed(2, -int(signal.SIGKILL))) == "rank 2 was killed by SIGKILL"
