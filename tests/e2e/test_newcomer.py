@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def test_a_task_package_next_to_the_study_file_is_found_from_any_working_folder(
         # `sweep best -o` elsewhere: its header's command line runs there (the task is beside the study, not there).
         assert sweep_cli("best", project / "study.yaml", "-o", elsewhere / "best.yaml").returncode == 0
         header = (elsewhere / "best.yaml").read_text().splitlines()[0]
-        assert header.endswith(f"PYTHONPATH={project} python -m trainer {elsewhere / 'best.yaml'}"), header
+        assert re.search(rf"PYTHONPATH={re.escape(str(project))} OMP_NUM_THREADS=\d+ python -m trainer "
+                         rf"{re.escape(str(elsewhere / 'best.yaml'))}$", header), header
         trained = subprocess.run([sys.executable, "-m", "trainer", str(elsewhere / "best.yaml")], cwd=elsewhere,
                                  env={**os.environ, "PYTHONPATH": str(project)}, capture_output=True, text=True,
                                  timeout=300)
