@@ -71,6 +71,7 @@ from sweep.schema import short_repr
 from sweep.signals import Preempted, raise_pending
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
 from trainer.config import flatten
+from trainer.distributed import signal_name
 from trainer.seeding import command_record
 
 if TYPE_CHECKING:
@@ -197,17 +198,6 @@ def _tail(log: Path, lines: int = 5) -> str:
     return " | ".join(reversed(kept)).strip()[-800:] or "(no output)"
 
 
-def _signal_name(number: int) -> str:
-    """SIGKILL, SIGRTMIN+3 or "signal 99": a real-time signal has no name of its own in `signal.Signals`."""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        low, high = getattr(signal, "SIGRTMIN", None), getattr(signal, "SIGRTMAX", None)
-        if low is not None and high is not None and low <= number <= high:
-            return f"SIGRTMIN+{number - low}"
-        return f"signal {number}"
-
-
 class CommandTrial(TrialRun):
     """One trial of a user's command, from its params to its result."""
 
@@ -250,7 +240,7 @@ class CommandTrial(TrialRun):
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         if code != 0:
-            how = f"killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            how = f"killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {_tail(log)}"})
         value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
         if value is None:
