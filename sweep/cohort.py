@@ -61,7 +61,7 @@ from sweep.objective import Prepared, TrainerTrial
 from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
 from sweep.pruners import startup_trials
 from sweep.signals import Preempted, raise_pending
-from sweep.storage import PatientStorage, StorageUnavailable
+from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
 from trainer.precision import out_of_memory
@@ -251,10 +251,10 @@ class CohortLoop:
                                                 and time.monotonic() - worker.started >= worker.timeout)
             cohort = self.cohort
             if cohort is None or cohort.at_boundary():  # `sweep stop` is a storage read: not every step
-                self.stopping = self.stopping or self.timed_out or worker._stop_requested(started_wall)  # noqa: SLF001
+                away = self._check_stop(started_wall, training=cohort is not None and bool(cohort.active))
                 if self.timed_out and cohort is not None:
                     self._interrupt_all(beats, f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
-                elif not self.stopping:
+                elif not self.stopping and not away:
                     with self._shared_reads(), self._deferred():  # the new members' step-0 reports, one by one
                         self._fill(beats)
                 if self.cohort is not None and len(self.cohort.active) <= self.cohort.capacity // 2:
@@ -295,6 +295,29 @@ class CohortLoop:
             self._end_lost_members(beats)
             if self._collect(beats):
                 return worker._summary(exhausted=True)  # noqa: SLF001
+
+    def _check_stop(self, started_wall: float, *, training: bool) -> bool:
+        """Whether the run stops (`sweep stop`, `--timeout`), read at a boundary. While members are `training`, a
+        storage that is away is not waited for: True then (nothing asked, nothing told), and the members train on,
+        their reports and checkpoints' registrations held until it is back, as a lone trial's are."""
+        worker = self.worker
+        if self.stopping or self.timed_out:
+            self.stopping = True
+            return False
+        if not training:
+            self.stopping = worker._stop_requested(started_wall)  # noqa: SLF001
+            return False
+        try:
+            with worker.boundary.no_wait():  # the reports held so far are written first (`PatientStorage._call`)
+                self.stopping = worker._stop_requested(started_wall)  # noqa: SLF001
+        except StorageAway:
+            return True
+        return False
+
+    def _away(self) -> bool:
+        """Whether members still train while the storage is unreachable: members that left the cohort meanwhile
+        are told when it is back (at a boundary's read), and the others train on."""
+        return self.cohort is not None and bool(self.cohort.active) and not self.worker.boundary.available
 
     def _shared_reads(self) -> contextlib.AbstractContextManager[None]:
         """One read of the study's finished trials for every member's pruner in a step, or in a refill's step-0
@@ -517,7 +540,9 @@ class CohortLoop:
     def _collect(self, beats: Beats) -> bool:
         """Tell the study every member that left the cohort since the last look. True when the sampler has tried
         every point (the loop ends)."""
-        if self.cohort is None:
+        if self.cohort is None or self._away():
+            return False
+        if not any(m in self.cohort.results for m in self.members):  # nothing to tell: no flush of the held reports
             return False
         exhausted = False
         with self._deferred():  # each member's last attrs go with its outcome's, before its state

@@ -844,6 +844,47 @@ def test_sigterm_to_a_cohort_while_postgresql_is_down_says_its_trials_were_left_
         assert all(t.state == TrialState.COMPLETE for t in retries), summary(trials)
 
 
+def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_when_it_is_back(tmp_path: Path) -> None:
+    """A lone trial trains on through an outage, its reports held; a cohort stopped instead, waiting for the storage
+    at its next evaluation (its step's held reports were flushed by a read outside `no_wait`). Its members must train
+    on, their checkpoints written meanwhile, and every held report be stored once the server is back."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    document = copy.deepcopy(TINY_STUDY) | {
+        "name": "oncohort", "n_trials": 2, "execution": {"cohort": 2}, "storage_patience": 600,
+        "heartbeat_interval": 1, "heartbeat_grace_period": 3,
+        "checkpoints": {"every_steps": 50, "store": str(tmp_path / "checkpoints")}}
+    document["fixed"] |= {"max_steps": 1500, "eval_every_steps": 50, "log_every_steps": 50}
+    path = write_study(tmp_path, document)
+    folder = tmp_path / "checkpoints" / "oncohort"
+    log = tmp_path / "worker.log"
+
+    def newest() -> int:
+        steps = [int(m.group(1)) for p in folder.glob("trial*-step*.pt")
+                 if (m := re.search(r"step(\d+)\.pt$", p.name))]
+        return max(steps, default=0)
+
+    with PostgresServer() as server:
+        worker = start_sweep("run", path, "--storage", server.url, log=log)
+        try:
+            until_its_first_report(server, "oncohort", worker)
+            server.stop("fast")
+            at_stop = newest()
+            wait_for("checkpoints 200 steps past the outage's start", lambda: newest() >= at_stop + 200, 180,
+                     interval=0.2, alive=worker)
+            assert worker.poll() is None, tail(log)
+            server.start()
+            code = finish(worker, log, timeout=300)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        assert code == 0, tail(log)
+        trials = load_trials(server.url, "oncohort")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, summary(trials)
+    assert all(sorted(t.intermediate_values) == eval_steps(50, 50, 1500) for t in trials), summary(trials)
+    assert all("retry_of" not in t.user_attrs for t in trials), summary(trials)
+
+
 # The same, saving its state at each step (what a retry resumes from).
 SAVING_LOOP = """
 import time
