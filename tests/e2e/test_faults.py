@@ -847,14 +847,17 @@ def test_sigterm_to_a_cohort_while_postgresql_is_down_says_its_trials_were_left_
 def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_when_it_is_back(tmp_path: Path) -> None:
     """A lone trial trains on through an outage, its reports held; a cohort stopped instead, waiting for the storage
     at its next evaluation (its step's held reports were flushed by a read outside `no_wait`). Its members must train
-    on, their checkpoints written meanwhile, and every held report be stored once the server is back."""
+    on, their checkpoints written meanwhile, a member that finishes during the outage (600 steps) be told once the
+    server is back while the other (3000) trains on, and every held report be stored."""
     if not postgres_available():
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
     document = copy.deepcopy(TINY_STUDY) | {
-        "name": "oncohort", "n_trials": 2, "execution": {"cohort": 2}, "storage_patience": 600,
+        "name": "oncohort", "n_trials": 2, "seed": 4, "execution": {"cohort": 2}, "storage_patience": 600,
         "heartbeat_interval": 1, "heartbeat_grace_period": 3,
         "checkpoints": {"every_steps": 50, "store": str(tmp_path / "checkpoints")}}
-    document["fixed"] |= {"max_steps": 1500, "eval_every_steps": 50, "log_every_steps": 50}
+    document["fixed"] |= {"eval_every_steps": 50, "log_every_steps": 50}
+    del document["fixed"]["max_steps"]
+    document["space"] |= {"max_steps": {"type": "categorical", "choices": [600, 3000]}}
     path = write_study(tmp_path, document)
     folder = tmp_path / "checkpoints" / "oncohort"
     log = tmp_path / "worker.log"
@@ -867,10 +870,14 @@ def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_whe
     with PostgresServer() as server:
         worker = start_sweep("run", path, "--storage", server.url, log=log)
         try:
+            # Both members have joined (an outage that catches the refill asking a trial waits, as an ask does).
             until_its_first_report(server, "oncohort", worker)
+            wait_for("both members' first reports", lambda: sum(
+                bool(t.intermediate_values) for t in load_trials(server.url, "oncohort")) == 2, 120, interval=0.2,
+                alive=worker)
             server.stop("fast")
             at_stop = newest()
-            wait_for("checkpoints 200 steps past the outage's start", lambda: newest() >= at_stop + 200, 180,
+            wait_for("checkpoints 700 steps past the outage's start", lambda: newest() >= at_stop + 700, 180,
                      interval=0.2, alive=worker)
             assert worker.poll() is None, tail(log)
             server.start()
@@ -880,8 +887,13 @@ def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_whe
                 worker.kill()
         assert code == 0, tail(log)
         trials = load_trials(server.url, "oncohort")
+    short = min(trials, key=lambda t: t.params["max_steps"])
+    assert sorted(t.params["max_steps"] for t in trials) == [600, 3000], summary(trials)
+    output = tail(log, 100_000)  # the short one finished during the outage, and was told after it
+    assert output.index("is unreachable") < output.index(f"trial {short.number}: complete"), output
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, summary(trials)
-    assert all(sorted(t.intermediate_values) == eval_steps(50, 50, 1500) for t in trials), summary(trials)
+    assert all(sorted(t.intermediate_values) == eval_steps(50, 50, t.params["max_steps"]) for t in trials), \
+        summary(trials)
     assert all("retry_of" not in t.user_attrs for t in trials), summary(trials)
 
 
