@@ -97,12 +97,13 @@ class _ObjectStore:
             self.store.remove(artifact_id)
 
 
-def artifact_store_at(location: str) -> Any:
+def artifact_store_at(location: str, *, create: bool = True) -> Any:
     """Optuna's artifact store for a folder or an object-store URL (where trials' best checkpoints are uploaded for
-    the dashboard)."""
+    the dashboard). `create`: make the folder now (False for a look that writes nothing: its first write makes it)."""
     if is_object_url(location):
         return artifact_store_for(location)
-    Path(location).mkdir(parents=True, exist_ok=True)
+    if create:
+        Path(location).mkdir(parents=True, exist_ok=True)
     return _FolderArtifacts(location)
 
 

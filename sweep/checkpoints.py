@@ -258,6 +258,8 @@ class TrialCheckpointer:
         self.best: float | None = None
         self.pending: list[dict[str, Any]] = []  # registrations the storage could not take yet
         self.deferred = False  # a cohort's member: registered with the others after each step (`register_together`)
+        self.fresh = False  # a save since the last try to register (a cohort tries again only then)
+        self._beside: set[str] = set()  # the pending registrations already written beside their blobs
         self.clock = clock
         self.last_saved_at = clock()
 
@@ -291,6 +293,7 @@ class TrialCheckpointer:
                       shape_key=self.shape_key, uri=self.store.put(info.path), size=info.size, sha256=info.sha256,
                       coords=self.coords, cat_key=self.cat_key)
         self.pending.append(record)
+        self.fresh = True
         if self.deferred:
             return  # registered with the cohort's other members after the step (`register_together`)
         try:
@@ -308,6 +311,7 @@ class TrialCheckpointer:
     def _registered(self, records: list[CheckpointRecord], gone: list[int]) -> None:
         """The pending registrations were stored, and the trial's rows `gone` deleted: their files go too."""
         registered, self.pending = self.pending, []
+        self._beside.clear()
         if self.store.artifacts is None:
             for pending in registered:
                 _unregistered_path(self.store.local_path(str(pending["uri"]))).unlink(missing_ok=True)
@@ -321,8 +325,10 @@ class TrialCheckpointer:
     def _beside_blobs(self) -> None:
         """The storage is away: with a folder store, each pending registration is written beside its blob too."""
         if self.store.artifacts is None:
-            for pending in self.pending:
-                _write_unregistered(self.store.local_path(str(pending["uri"])), pending)
+            for pending in self.pending:  # each once: an outage's registrations would be written again at every save
+                if (uri := str(pending["uri"])) not in self._beside:
+                    _write_unregistered(self.store.local_path(uri), pending)
+                    self._beside.add(uri)
 
     def best_record(self) -> CheckpointRecord | None:
         """The trial's best checkpoint (its latest when none has a value), or None when it wrote none. Until
@@ -343,8 +349,10 @@ def register_together(checkpointers: Sequence[TrialCheckpointer]) -> None:
     transaction (`Registry.register_and_trim_many`), where each checkpoint was one. While the storage is away, each
     registration waits in its checkpointer (and beside its blob, with a folder store), as a lone trial's does."""
     waiting = [c for c in checkpointers if c.pending]
-    if not waiting:
+    if not any(c.fresh for c in waiting):  # what waits from an outage is tried again with the next save, not each step
         return
+    for checkpointer in waiting:
+        checkpointer.fresh = False
     try:
         results = waiting[0].registry.register_and_trim_many([(c.pending, c._doomed) for c in waiting])  # noqa: SLF001
     except StorageAway:

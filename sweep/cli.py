@@ -328,7 +328,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     from sweep.blobs import claim_problem
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
-    from sweep.study import StudyMismatchError, open_study, worker_storage
+    from sweep.study import StoreMismatchError, StudyMismatchError, open_study, worker_storage
     from sweep.tracking import tensorboard_root
     from sweep.workers import prepare_process
 
@@ -356,7 +356,9 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     try:
         storage = worker_storage(spec, url, notify=notify)
         refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
-        study = open_study(spec, storage)
+        study = open_study(spec, storage, url)
+    except StoreMismatchError as exc:
+        raise _fail(f"{prefix}{source}: checkpoints.store: {exc}", 2) from None
     except StudyMismatchError as exc:
         raise _fail(str(exc), 2) from None
     except typer.Exit:
@@ -999,6 +1001,7 @@ def check(
     from sweep.registry import Registry, default_store
 
     study, url = _open_with_url(target, storage, study_name, "check")
+    registry = Registry(url)
     # The store is the study file's when one is given. Named only by the database, a store other than the default
     # one beside it is not trusted to delete files in: whoever can write the database could point it anywhere.
     if target.endswith((".yaml", ".yml")):
@@ -1017,10 +1020,17 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
+        if "://" not in location and not Path(location).is_dir() and registry.for_study(study.study_name):
+            # Moved with its study (a folder copied elsewhere), or deleted: every row would look missing, and the
+            # fix offered, --repair, would delete them all.
+            raise _fail(f"{target}: the checkpoint store study {study.study_name!r} ran with, {location}, is not there "
+                        "(moved or deleted?); nothing checked or repaired. Check with the study file, whose "
+                        "checkpoints.store says where it is now (or, if its checkpoints are gone for good, --repair "
+                        "with the study file forgets them)", 2)
     if claimed := _store_claim_problem(study.study_name, study.user_attrs.get(OWNER_ATTR), location, url,
                                        claim=False):
         raise _fail(f"{claimed}; nothing checked or repaired", 2)  # its files are the other study's, not orphans
-    report = check_study(Registry(url), location, study, repair=repair, delete_orphans=trusted)
+    report = check_study(registry, location, study, repair=repair, delete_orphans=trusted)
     for problem in report.problems:
         status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"
         out.print(f"{problem.kind.value}: {problem.detail} [{status}]", markup=False)

@@ -363,7 +363,7 @@ def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], scope: 
     if isinstance(named, str) and named != location:
         report.notes.append(f"the study records its checkpoint artifacts in {named}; checked this checkpoint "
                             f"store's own, {location}")
-    store = artifact_store_at(location)
+    store = artifact_store_at(location, create=False)  # a check without --repair writes nothing
     for trial, attr in recorded:
         artifact_id = str(attr["artifact_id"])
         if _artifact_exists(store, artifact_id):

@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 import torch
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from sweep.blobs import BlobScope, load_blob
 from sweep.objective import metric_value, task_for
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_OUTCOME,
+    ATTR_RANKS,
     ATTR_REPRO,
     ATTR_RESUMED_FROM,
     ATTR_STEPS,
@@ -211,6 +212,28 @@ BATCHED_TOLERANCE = 1e-4  # relative: a cohort member replayed by the ordinary l
 DATA_PARALLEL_TOLERANCE = 1e-3
 
 
+def _lineage(study: optuna.Study, trial: FrozenTrial) -> list[FrozenTrial]:
+    """`trial` and the trials it resumed from (`resumed_from`), each once, newest first."""
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    found, current = [trial], trial
+    while isinstance(resumed := current.user_attrs.get(ATTR_RESUMED_FROM), dict):
+        previous = by_number.get(resumed.get("trial"))  # type: ignore[arg-type]
+        if previous is None or previous in found:
+            break
+        found.append(previous)
+        current = previous
+    return found
+
+
+def _ranks(trial: FrozenTrial) -> int:
+    """The ranks `trial` trained on: its reproducibility record's, or (a trial that ended before writing one:
+    interrupted, preempted, failed) what its ranks' record says."""
+    ranks = (trial.user_attrs.get(ATTR_REPRO) or {}).get("ranks")
+    if ranks is None:
+        ranks = (trial.user_attrs.get(ATTR_RANKS) or {}).get("world", 1)
+    return ranks if isinstance(ranks, int) else 1
+
+
 def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Collection[str] = (),
                     trust_code: bool = False, gpu_tolerance: float = 1e-3) -> Comparison:
     """Train trial `number` again and compare its reports. `store`: the study's checkpoint store (a warm-started
@@ -277,9 +300,12 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
                   warm_start=_parent(trial, BlobScope(store)))
         device, deterministic = resolve_device(config.device), config.deterministic
     tolerance = 0.0 if device.type == "cpu" or deterministic else gpu_tolerance
-    if (trial.user_attrs.get(ATTR_REPRO) or {}).get("batched"):  # trained in a cohort, replayed alone: the
-        tolerance = max(tolerance, BATCHED_TOLERANCE)  # stacked kernels may round differently (trainer.batched)
-    if (trial.user_attrs.get(ATTR_REPRO) or {}).get("ranks", 1) > 1:  # trained on several ranks, replayed on one
+    # The replay trains the whole run, also the steps its lineage trained before it resumed: each part's way of
+    # training counts (a 1-rank retry of a 2-rank trial replays two ranks' steps on one).
+    lineage = _lineage(study, trial)
+    if any((t.user_attrs.get(ATTR_REPRO) or {}).get("batched") for t in lineage):  # trained in a cohort, replayed
+        tolerance = max(tolerance, BATCHED_TOLERANCE)  # alone: stacked kernels may round differently
+    if any(_ranks(t) > 1 for t in lineage):  # trained on several ranks, replayed on one
         tolerance = max(tolerance, DATA_PARALLEL_TOLERANCE)
     # A retry's reports up to the step it resumed from were copied from its lineage, which may have run under
     # another pruner (a study resumed with fast-fail switched off: the lineage's step-0 evaluation, which this

@@ -18,6 +18,7 @@ from sweep.outcomes import (
     ATTR_CONFIRMS,
     ATTR_LOG,
     ATTR_REPRO,
+    ATTR_RESUMED_FROM,
     ATTR_RETRY_OF,
     ATTR_SPEED,
     ATTR_STEPS,
@@ -147,8 +148,20 @@ def trials_per_hour(trials: list[FrozenTrial]) -> float | None:
 
 
 def steps_trained(trials: list[FrozenTrial]) -> int:
-    """The optimizer steps the study ran itself: a warm-started trial counts only the steps after its handoff."""
-    return sum(int(t.user_attrs.get(ATTR_STEPS_TRAINED, t.user_attrs.get(ATTR_STEPS, 0)) or 0) for t in trials)
+    """The optimizer steps the study ran itself: a warm-started trial counts only the steps after its handoff, a
+    retry those after the step it resumed from."""
+    return sum(_steps_of(t) for t in trials)
+
+
+def _steps_of(trial: FrozenTrial) -> int:
+    """A trial's own steps: as it recorded them at its end, else (interrupted, preempted, lost, failed before it
+    recorded them, or running) up to its last evaluation, from where it started: its resume point or its handoff."""
+    recorded = trial.user_attrs.get(ATTR_STEPS_TRAINED, trial.user_attrs.get(ATTR_STEPS))
+    if recorded is not None or not trial.intermediate_values:
+        return int(recorded or 0)
+    starts = [(trial.user_attrs.get(key) or {}).get("step") for key in (ATTR_RESUMED_FROM, ATTR_WARM_START)]
+    start = max((s for s in starts if isinstance(s, int)), default=0)
+    return max(0, int(max(trial.intermediate_values)) - start)
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -20,6 +21,7 @@ import yaml
 
 from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
 from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
+from sweep.registry import default_store
 from sweep.schema import StudySpec, resolve_storage_url
 from sweep.storage import Boundary, PatientStorage, load_existing_study, make_storage, mask_url
 from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
@@ -35,6 +37,10 @@ class StudyMismatchError(Exception):
     """The storage already holds a study of that name whose definition differs from the file."""
 
 
+class StoreMismatchError(StudyMismatchError):
+    """The file's `checkpoints.store` is another folder than the one the study ran with, which still exists."""
+
+
 def worker_storage(spec: StudySpec, url: str, *, notify: Callable[[str], None] | None = None) -> PatientStorage:
     """The storage a worker uses: every call behind one `Boundary` that waits out an outage for the study's
     `storage_patience`, with the study's heartbeat settings."""
@@ -48,9 +54,13 @@ def worker_storage(spec: StudySpec, url: str, *, notify: Callable[[str], None] |
     return PatientStorage(backend, boundary)
 
 
-def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> optuna.Study:
+def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
+               storage_url: str | None = None) -> optuna.Study:
     """Create the study, or load it if it exists and has the same definition (task, fixed values, space, metric,
-    direction). Budget, timeout, sampler and pruner may change between runs."""
+    direction). Budget, timeout, sampler and pruner may change between runs; the checkpoint store only to a folder
+    the study's checkpoints were moved to (`StoreMismatchError`; `storage_url`, or `storage` given as one, says
+    where the default store is)."""
+    storage_url = storage if isinstance(storage, str) else storage_url
     storage = worker_storage(spec, storage) if isinstance(storage, str) else storage
     sampler, pruner = build_sampler(spec), build_pruner(spec.pruner)
     try:
@@ -89,9 +99,31 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage) -> o
         raise StudyMismatchError(
             f"study {spec.name!r} already exists with a different {', '.join(differences)} ({shown}); start a new "
             "study with --study-name NAME, or rerun with the original file")
-    study.set_user_attr(SPEC_ATTR, spec.stored())  # the latest budget, sampler and pruner
-    label_for_dashboard(study, spec.stored())
+    if storage_url is not None and (moved := _another_store(spec, stored, storage_url)) is not None:
+        raise StoreMismatchError(moved)
+    latest = spec.stored()  # the latest budget, sampler and pruner
+    if "fixed" in stored and latest["fixed"] != stored["fixed"]:
+        latest["fixed"] = stored["fixed"]  # the same values written otherwise: what later runs are compared with
+    study.set_user_attr(SPEC_ATTR, latest)
+    label_for_dashboard(study, latest)
     return study
+
+
+def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) -> str | None:
+    """Why the file's checkpoint store cannot be the study's: its checkpoints' rows name files, relative to the
+    store the study ran with, that the other folder does not hold. Opened there, the worker's quick check would
+    take every row for a missing file and delete it (warm-start donors and resume points too), and the study's
+    trials would start over. None when it is the same folder, or when that folder is gone (moved: the file says
+    where it went), or either is an object store."""
+    if not spec.checkpoints.enabled:
+        return None
+    before = str(((stored.get("checkpoints") or {}).get("store")) or default_store(storage_url))
+    now = str(spec.checkpoints.store or default_store(storage_url))
+    if "://" in before + now or Path(now).resolve() == Path(before).resolve() or not Path(before).is_dir():
+        return None
+    return (f"{now} is not the store study {spec.name!r} ran with ({before}, where its checkpoints' rows point; "
+            "opened with another, every one would be taken for a missing file and deleted). Set checkpoints.store to "
+            "it, or move its files to the new folder and remove the old one")
 
 
 def _changes(key: str, stored: Any, now: Any) -> list[str]:

@@ -64,3 +64,32 @@ def test_check_of_a_study_file_naming_another_store_than_the_study_ran_with_repa
     write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"store": "moved"}})
     moved = sweep_cli("check", path)
     assert moved.returncode == 0, moved.stdout + moved.stderr
+
+
+def test_a_study_folder_moved_is_checked_by_its_study_file_and_a_database_only_check_writes_nothing(
+        tmp_path: Path) -> None:
+    # Found by review: a study folder moved elsewhere, with a relative checkpoints.store (stored as the absolute path it
+    # ran with), checked by its database alone: every row was "missing", --repair deleted them all although the files
+    # lay in the moved folder, and the check itself made the old folder again (its artifact store's), after which the
+    # study file was refused too ("not the store the study ran with").
+    old = tmp_path / "A"
+    old.mkdir()
+    path = write_study(old, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"store": "ckpts"}})
+    assert sweep_cli("run", path).returncode == 0
+    with sqlite3.connect(old / "tiny.db") as connection:
+        rows = connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0]
+    assert rows >= 2
+    new = old.rename(tmp_path / "D")
+
+    for args in ([], ["--repair"]):
+        refused = sweep_cli("check", new / "tiny.db", *args)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert f"the checkpoint store study 'tiny' ran with, {old / 'ckpts'}, is not there" in refused.stderr, \
+            refused.stderr
+        assert not old.exists()  # nothing made where the study was
+    with sqlite3.connect(new / "tiny.db") as connection:
+        assert connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0] == rows
+
+    checked = sweep_cli("check", new / "study.yaml")  # the file's relative store: the moved folder
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert not old.exists()

@@ -168,6 +168,47 @@ def test_a_changed_definition_is_refused_on_resume(tiny_study: Path) -> None:
                    "--n-trials", "1").returncode == 0
 
 
+def test_a_value_accepted_as_the_same_is_not_blamed_on_a_later_change(tiny_study: Path) -> None:
+    # Found by review: `--set fixed.seed=0` (the default, so the same study) was stored as the study's definition, and
+    # the next change's refusal listed "fixed.seed: removed", which the user never wrote.
+    assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    assert sweep_cli("run", tiny_study, "--n-trials", "1", "--set", "fixed.seed=0").returncode == 0
+    done = sweep_cli("run", tiny_study, "--set", "fixed.max_steps=21")
+    assert done.returncode == 2, done.stderr
+    assert "(fixed.max_steps: stored 20, now 21)" in done.stderr and "seed" not in done.stderr, done.stderr
+
+
+def test_a_rerun_with_another_checkpoint_store_is_refused_and_deletes_no_checkpoint(tmp_path: Path) -> None:
+    # Found by review: a rerun whose checkpoints.store was another folder (`--set`, an edited file, the study file
+    # run from another folder on a server database) took every checkpoint row for a missing file and deleted it, in
+    # silence: interrupted trials then started over, and warm-started ones could no longer be reproduced. Moved (the
+    # folder it ran with is gone), the study goes on from where the file says.
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 2}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    db = tmp_path / "tiny.db"
+
+    def rows() -> list[tuple[int, str]]:
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            return connection.execute("SELECT id, uri FROM sweep_checkpoints ORDER BY id").fetchall()
+
+    before = rows()
+    assert before
+    refused = sweep_cli("run", path, "--n-trials", "3", "--set", "checkpoints.store=other")
+    assert refused.returncode == 2, refused.stderr
+    assert (f"{path}: checkpoints.store: {tmp_path / 'other'} is not the store study 'tiny' ran with "
+            f"({tmp_path / 'tiny.checkpoints'}") in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert rows() == before and len(load(db).get_trials()) == 2 and not (tmp_path / "other").exists()
+
+    (tmp_path / "tiny.checkpoints").rename(tmp_path / "moved")
+    write_study(tmp_path, document | {"checkpoints": {"store": "moved"}})
+    moved = sweep_cli("run", path, "--n-trials", "3")
+    assert moved.returncode == 0, moved.stderr
+    assert set(before) <= set(rows()) and len(load(db).get_trials()) == 3
+    assert sweep_cli("check", db).returncode == 0
+
+
 def test_storage_password_is_never_printed(tiny_study: Path) -> None:
     done = sweep_cli("run", tiny_study, "--storage", "postgresql+psycopg://alice:s3cr3t@127.0.0.1:1/sweep")
     assert done.returncode == 1

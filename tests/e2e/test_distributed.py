@@ -221,6 +221,35 @@ def test_a_signalled_worker_ends_its_ranks_and_the_trial_resumes_on_two_ranks(tm
     assert [(r["status"], r["steps"]) for r in retry.user_attrs["ranks"]["ranks"]] == [("completed", 200)] * 2
 
 
+def test_a_one_rank_retry_of_a_two_rank_trial_reproduces_within_the_data_parallel_tolerance(tmp_path: Path) -> None:
+    # Found by review: a 2-rank trial interrupted, its retry run on one rank (`--set resources.devices_per_trial=1`,
+    # which the README allows) resumed from the 2-rank checkpoint; `sweep reproduce` replays the whole run on one rank
+    # but judged it exactly (the retry's own attrs say one rank), and failed at the first step (relative 1e-7).
+    from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
+
+    path = ddp_study(tmp_path, n_trials=1, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.05}},
+                     checkpoints={"every_steps": 10},
+                     fixed={**TINY_STUDY["fixed"], "max_steps": 80, "eval_every_steps": 10, "log_every_steps": 10})
+    db, log = tmp_path / "ddp.db", tmp_path / "run.log"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    worker = start_sweep("run", path, log=log, env=env)
+    try:
+        wait_for("a checkpoint at step 20", lambda: any(step >= 20 for _, _, step, _ in checkpoint_rows(db)), 300,
+                 alive=worker)
+        worker.send_signal(signal.SIGINT)
+        assert finish(worker, log, 120) == 130, log.read_text()[-3000:]
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    done = sweep_cli("run", path, "--set", "resources.devices_per_trial=1")
+    assert done.returncode == 0, done.stderr
+    killed, retry = load(tmp_path)
+    assert killed.user_attrs["ranks"]["world"] == 2 and retry.user_attrs["resumed_from"]["step"] >= 20
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["reproducibility"].get("ranks", 1) == 1
+    replay = sweep_cli("reproduce", path, "1")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+
+
 @pytest.mark.parametrize(("signum", "outcome"), [(signal.SIGTERM, "preempted"), (signal.SIGINT, "interrupted")])
 def test_a_signal_while_rank_0_waits_in_a_collective_for_a_hung_rank_is_honoured_at_once(
         tmp_path: Path, signum: int, outcome: str) -> None:

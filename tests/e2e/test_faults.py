@@ -877,9 +877,14 @@ def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_whe
                 alive=worker)
             server.stop("fast")
             at_stop = newest()
+            # Each held registration is written beside its blob once (it was written again after every step, a
+            # cohort's pace falling five-fold through an outage as they piled up).
+            held = wait_for("a registration held beside its blob", lambda: {
+                p: p.stat().st_ino for p in folder.glob("*.unregistered.json")}, 120, interval=0.2, alive=worker)
             wait_for("checkpoints 700 steps past the outage's start", lambda: newest() >= at_stop + 700, 180,
                      interval=0.2, alive=worker)
             assert worker.poll() is None, tail(log)
+            assert {p: p.stat().st_ino for p in held} == held
             server.start()
             code = finish(worker, log, timeout=300)
         finally:

@@ -50,6 +50,9 @@ def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continue
     assert retry.state == TrialState.COMPLETE
     assert retry.user_attrs["resumed_from"] == {"trial": cut.number, "step": stopped_at}
     assert retry.user_attrs["steps_trained"] == MAX_STEPS - stopped_at
+    # The interrupted trial's steps count too (they counted 0: it ended before recording them; found by review).
+    status = sweep_cli("status", path)
+    assert f"{MAX_STEPS} steps trained" in status.stdout, status.stdout
 
     reference = one_config_study(tmp_path / "whole", "whole")
     assert sweep_cli("run", reference).returncode == 0
