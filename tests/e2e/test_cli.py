@@ -749,8 +749,9 @@ def test_a_checkpoint_folder_another_database_s_study_of_that_name_owns_is_refus
     # A study of that name that b.db holds already (its checkpoints elsewhere) is refused the shared folder too.
     own = write_study(tmp_path, document | {"checkpoints": {"store": "own", "artifacts": False}}, "own.yaml")
     assert sweep_cli("run", own, "--storage", f"sqlite:///{tmp_path / 'b.db'}").returncode == 0
-    second = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}")
-    assert second.returncode == 2 and "belongs to another study named 'tiny'" in second.stderr, second.stderr
+    second = sweep_cli("run", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}")  # and it ran with its own store
+    assert second.returncode == 2 and f"is not the store study 'tiny' ran with ({tmp_path / 'own'}" in second.stderr, \
+        second.stderr
     assert len(optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'b.db'}").trials) == 1
     refused = sweep_cli("check", path, "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--repair")
     assert refused.returncode == 2 and "nothing checked or repaired" in refused.stderr
