@@ -217,7 +217,19 @@ def run(
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used. Exits 1 when every trial it finished
     failed."""
+    from sweep.signals import graceful_signals
+
+    # From the first line: a Ctrl-C or SIGTERM while torch imports and the study opens is a request, honoured once the
+    # run begins (Python's own KeyboardInterrupt could land in a garbage-collection callback and be dropped, and the
+    # run then trained its whole budget).
+    with graceful_signals():
+        _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort)
+
+
+def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: float | None, study_name: str | None,
+         set_: list[str] | None, workers: int, cohort: str | None) -> None:
     from sweep import results
+    from sweep.signals import raise_pending
     from sweep.storage import release_idle_connections
     from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
 
@@ -238,6 +250,7 @@ def run(
     prefix = "" if worker is None else f"[worker {worker}] "
     study = _open_for_run(spec, url, prefix, source)
     with _run_outcomes(study, prefix, workers):
+        raise_pending()  # asked to stop while it started: no worker, no trial
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), time.time()
@@ -1009,7 +1022,7 @@ def check(
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
         ran_with = store_location(study, url)
         if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).resolve()
-                and Path(ran_with).is_dir()):
+                and (Path(ran_with).resolve() / study.study_name).is_dir()):
             # Its rows name files in the store the study ran with (`--set checkpoints.store=...`, or a file edited
             # since): judged against another, every one would look missing, and --repair would delete them all. A
             # store moved (the one it ran with is gone) is checked where the file says.
@@ -1020,7 +1033,8 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
-        if "://" not in location and not Path(location).is_dir() and registry.for_study(study.study_name):
+        if ("://" not in location and not (Path(location).resolve() / study.study_name).is_dir()
+                and registry.for_study(study.study_name)):
             # Moved with its study (a folder copied elsewhere), or deleted: every row would look missing, and the
             # fix offered, --repair, would delete them all.
             raise _fail(f"{target}: the checkpoint store study {study.study_name!r} ran with, {location}, is not there "
@@ -1194,6 +1208,7 @@ def reproduce(
     reported none: its final value); exit 0 when identical."""
     from sweep.reconcile import store_location
     from sweep.reproduce import reproduce_trial
+    from sweep.signals import Preempted, graceful_signals, raise_pending
 
     study, url = _open_with_url(target, storage, study_name)
     spec = _study_file_spec(target, url, study_name)
@@ -1204,10 +1219,16 @@ def reproduce(
         if folder not in sys.path:
             sys.path.append(folder)  # after the installed packages: a file there never shadows one of them
     store = (spec.checkpoints.store if spec is not None else None) or store_location(study, url)
-    try:
-        comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target), trust_code=trust_task)
+    try:  # Ctrl-C or SIGTERM: a request, honoured at the replay's next log or report step (`_Recorder`)
+        with graceful_signals():
+            comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target),
+                                         trust_code=trust_task)
+            raise_pending()
     except (KeyError, ValueError) as exc:
         raise _fail(str(exc.args[0]) if exc.args else str(exc), 2) from None
+    except (KeyboardInterrupt, Preempted) as exc:
+        what, code = ("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("preempted (SIGTERM)", 143)
+        raise _fail(f"{what}: trial {trial} was not reproduced (nothing was written)", code) from None
     how = "bit for bit" if comparison.largest_difference == 0 else (
         f"within a relative {comparison.tolerance:g}: at most {comparison.largest_difference:.2g}")
     if comparison.first_difference is not None:

@@ -201,7 +201,14 @@ class CohortLoop:
                         continue
                     result = worker._failure(exc)  # noqa: SLF001
                     stop: Exception | None = None
-                    for n, member_id in enumerate(list(self.members)):
+                    finished = {m: own for m in self.members if (own := self._finished(m)) is not None}
+                    failing = [m for m in self.members if m not in finished]
+                    for member_id, own in finished.items():  # told as it ended, before the cohort failed
+                        try:
+                            self._end(beats, member_id, own)
+                        except (InfrastructureError, StudyBrokenError) as fault:
+                            stop = stop or fault
+                    for n, member_id in enumerate(failing):
                         try:  # one exception, one failure towards max_repeated_failures (not one per member)
                             self._end(beats, member_id, result, streak=n == 0, counted=n == 0)
                         except (InfrastructureError, StudyBrokenError) as fault:  # the other members are told too
@@ -223,6 +230,7 @@ class CohortLoop:
             return False
         step = cohort.step_count if cohort is not None else 0
         smaller = (size + 1) // 2
+        finished = {m: own for m in self.members if (own := self._finished(m)) is not None}
         self.cohort = cohort = None  # its stacked tensors go before the next cohort is made
         self.building = 0
         self.size = smaller
@@ -240,7 +248,7 @@ class CohortLoop:
             beats.discard(trial)
             self.worker._end(trial, result, runner)  # noqa: SLF001
         for member_id in list(self.members):
-            self._end(beats, member_id, result, streak=False)
+            self._end(beats, member_id, finished.get(member_id, result), streak=False)
         return True
 
     def _loop(self, beats: Beats, started_wall: float) -> RunSummary:
@@ -584,8 +592,20 @@ class CohortLoop:
         """End every member now as interrupted or preempted: each is queued again and resumes from its newest
         checkpoint."""
         for member_id in list(self.members):
-            if self.cohort is not None and member_id not in self.cohort.results:
+            if (own := self._finished(member_id)) is not None:  # finished before (told late: the storage was away)
+                self._end(beats, member_id, own)
+                continue
+            if self.cohort is not None:
                 with contextlib.suppress(KeyError):
                     self.cohort.remove(member_id)
             self._end(beats, member_id, _interrupted(reason, outcome))
         self.cohort = None
+
+    def _finished(self, member_id: int) -> TrialResult | None:
+        """The result of a member that has left the cohort but is not told yet (`_collect` waits while the storage is
+        away): the cohort ending now, for whatever reason, must not change how it ended."""
+        cohort = self.cohort
+        if cohort is None or member_id not in cohort.results:
+            return None
+        member = self.members[member_id]
+        return member.runner.result_of(member.prepared, cohort.results[member_id])

@@ -141,10 +141,10 @@ def resolve_store(spec: StudySpec, spec_path: Path | None, storage_url: str) -> 
             return spec  # next to the SQLite file, wherever it is
         folder = study_folder(spec_path) / "sweep-checkpoints"
     else:
-        given = Path(store).expanduser()
-        if given.is_absolute():
+        given = Path(store).expanduser()  # `~/ckpts`: the home folder's, wherever it is named (not `./~/ckpts`)
+        folder = given if given.is_absolute() else study_folder(spec_path) / given
+        if str(folder) == store:
             return spec
-        folder = study_folder(spec_path) / given
     return spec.model_copy(update={"checkpoints": spec.checkpoints.model_copy(update={"store": str(folder)})})
 
 

@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     SPEC_ATTR,
 )
+from sweep.signals import raise_pending
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.pacing import BUILTIN_SCHEDULES
@@ -127,11 +129,19 @@ class _Recorder:
         self.series: list[tuple[int, float]] = []  # what a command's session reads (sweep.runners.command.Reports)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        pass
+        _stop_if_asked()
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        _stop_if_asked()
         self.values[step] = metric_value(metrics, self.metric)  # NaN with a non-finite val_loss, as the study stored
         return step >= self.stop_at
+
+
+def _stop_if_asked() -> None:
+    """Ctrl-C or SIGTERM during the replay (`sweep.signals`), raised here, a clean point of the training loop: the
+    main thread's only (a command's reports arrive on another)."""
+    if threading.current_thread() is threading.main_thread():
+        raise_pending()
 
 
 def agree(a: float, b: float, tolerance: float) -> bool:

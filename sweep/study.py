@@ -19,6 +19,7 @@ from typing import Any
 import optuna
 import yaml
 
+from sweep.blobs import is_object_url
 from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
 from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
 from sweep.registry import default_store
@@ -104,6 +105,8 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
     latest = spec.stored()  # the latest budget, sampler and pruner
     if "fixed" in stored and latest["fixed"] != stored["fixed"]:
         latest["fixed"] = stored["fixed"]  # the same values written otherwise: what later runs are compared with
+    if not spec.checkpoints.enabled and isinstance(stored.get("checkpoints"), dict):
+        latest["checkpoints"]["store"] = stored["checkpoints"].get("store")  # where the rows still point
     study.set_user_attr(SPEC_ATTR, latest)
     label_for_dashboard(study, latest)
     return study
@@ -119,11 +122,15 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
         return None
     before = str(((stored.get("checkpoints") or {}).get("store")) or default_store(storage_url))
     now = str(spec.checkpoints.store or default_store(storage_url))
-    if "://" in before + now or Path(now).resolve() == Path(before).resolve() or not Path(before).is_dir():
+    if is_object_url(before) or is_object_url(now):  # its rows are the object store's URLs: no move to tell
+        if before.rstrip("/") == now.rstrip("/"):
+            return None
+    elif (Path(now).expanduser().resolve() == Path(before).expanduser().resolve()
+          or not (Path(before).expanduser().resolve() / spec.name).is_dir()):  # the same, or the study's moved
         return None
     return (f"{now} is not the store study {spec.name!r} ran with ({before}, where its checkpoints' rows point; "
             "opened with another, every one would be taken for a missing file and deleted). Set checkpoints.store to "
-            "it, or move its files to the new folder and remove the old one")
+            f"it, or move its folder {spec.name!r} to the new store")
 
 
 def _changes(key: str, stored: Any, now: Any) -> list[str]:

@@ -251,6 +251,61 @@ def test_ctrl_c_marks_the_trial_and_the_next_run_continues(tmp_path: Path) -> No
     assert trials[1].params == first.params and trials[1].user_attrs["retry_of"] == 0
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (its SigCgt mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_a_sigterm_while_the_run_starts_is_honoured_before_any_trial_with_one_line(tmp_path: Path) -> None:
+    # Found by review: until the worker loop began (seconds of importing torch and opening the study), Python's own
+    # handling applied: a Ctrl-C could land in a garbage-collection callback and be dropped (the run then trained its
+    # whole budget and exited 0), and a SIGTERM ended it without a word, leaving a database without its study. The
+    # signal is a request from the command's first line: the handler is there before torch is loaded.
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2})
+    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _catches(process.pid, signal.SIGTERM):
+            assert process.poll() is None and time.monotonic() < deadline, "sweep run never caught SIGTERM"
+            time.sleep(0.005)
+        torch_loaded = "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert not torch_loaded  # caught from the start, not only once the run began
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1].startswith("preempted (SIGTERM): "), stderr
+    assert not [t for t in load(tmp_path / "tiny.db").get_trials() if t.state.is_finished()]
+    assert sweep_cli("run", path).returncode == 0
+
+
+def test_ctrl_c_during_reproduce_is_one_line(tmp_path: Path) -> None:
+    # Found by review: a Ctrl-C during `sweep reproduce` printed a 19-line traceback (or one from a finalizer).
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1}
+    document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 100, "log_every_steps": 100}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "reproduce", str(path), "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _catches(process.pid, signal.SIGTERM):  # its replay is starting: Ctrl-C is a request now
+            assert process.poll() is None and time.monotonic() < deadline, "sweep reproduce never caught SIGTERM"
+            time.sleep(0.005)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stdout + stderr
+    assert stderr.strip() == "error: interrupted: trial 0 was not reproduced (nothing was written)", stderr
+    assert "reproduced:" not in stdout
+
+
 def test_optuna_dashboard_reads_the_study(tiny_study: Path) -> None:
     optuna_dashboard = pytest.importorskip("optuna_dashboard")
     from wsgiref.util import setup_testing_defaults
@@ -820,3 +875,46 @@ def test_a_database_on_a_read_only_filesystem_is_refused_naming_the_filesystem(t
         assert (view / "tiny.db").read_bytes() == before
     finally:
         subprocess.run(["umount", "--lazy", str(view)], check=True)
+
+
+def test_one_study_moved_out_of_a_store_it_shares_with_another_goes_on_from_its_new_folder(tmp_path: Path) -> None:
+    # Found by review: two studies in one store folder, one study's folder moved to another store as the refusal
+    # said: the rerun was refused for good (the old store still held the other study), and a database-only
+    # `check --repair` deleted the moved study's rows. Each study's own folder in the store is what is looked at.
+    base = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "checkpoints": {"store": "ck"}}
+    a = write_study(tmp_path, base | {"name": "a"}, "a.yaml")
+    b = write_study(tmp_path, base | {"name": "b"}, "b.yaml")
+    assert sweep_cli("run", a, "--storage", f"sqlite:///{tmp_path / 'a.db'}").returncode == 0
+    assert sweep_cli("run", b, "--storage", f"sqlite:///{tmp_path / 'b.db'}").returncode == 0
+    (tmp_path / "ck2").mkdir()
+    (tmp_path / "ck" / "a").rename(tmp_path / "ck2" / "a")
+    refused = sweep_cli("check", tmp_path / "a.db", "--repair")  # the database alone names the old store
+    assert refused.returncode == 2 and "is not there (moved or deleted?)" in refused.stderr, refused.stderr
+    write_study(tmp_path, base | {"name": "a", "checkpoints": {"store": "ck2"}}, "a.yaml")
+    done = sweep_cli("run", a, "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--n-trials", "2")
+    assert done.returncode == 0, done.stderr
+    with contextlib.closing(sqlite3.connect(tmp_path / "a.db")) as connection:
+        assert {n for (n,) in connection.execute("SELECT trial_number FROM sweep_checkpoints")} == {0, 1}
+    # Its dashboard artifact stayed in the old store's `_artifacts/`: rebuilt in the new one from its sound blob.
+    repaired = sweep_cli("check", tmp_path / "a.db", "--repair")
+    assert repaired.returncode == 0 and "dangling_artifact" in repaired.stdout, repaired.stdout + repaired.stderr
+    with contextlib.closing(sqlite3.connect(tmp_path / "a.db")) as connection:
+        assert {n for (n,) in connection.execute("SELECT trial_number FROM sweep_checkpoints")} == {0, 1}
+    assert sweep_cli("check", tmp_path / "a.db").returncode == 0
+    assert sweep_cli("check", b, "--storage", f"sqlite:///{tmp_path / 'b.db'}").returncode == 0
+
+
+def test_a_store_under_the_home_folder_is_the_home_folder_s_from_any_working_folder(tmp_path: Path) -> None:
+    # Found by review: `store: ~/ck` wrote blobs to a folder literally named `~` in the working folder (the owner file
+    # went to the real home), so a rerun from another folder lost its checkpoints' rows without a word.
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    (work / "elsewhere").mkdir(parents=True)
+    path = write_study(work, copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "checkpoints": {"store": "~/ck"}})
+    assert sweep_cli("run", path, cwd=work, env={"HOME": str(home)}).returncode == 0
+    assert list((home / "ck" / "tiny").glob("*.pt"))
+    again = sweep_cli("run", path, "--n-trials", "2", cwd=work / "elsewhere", env={"HOME": str(home)})
+    assert again.returncode == 0, again.stderr
+    assert not list(tmp_path.rglob("~"))
+    with contextlib.closing(sqlite3.connect(work / "tiny.db")) as connection:
+        assert {n for (n,) in connection.execute("SELECT trial_number FROM sweep_checkpoints")} == {0, 1}

@@ -902,6 +902,57 @@ def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_whe
     assert all("retry_of" not in t.user_attrs for t in trials), summary(trials)
 
 
+def test_a_cohort_member_that_finished_in_an_outage_stays_complete_when_the_timeout_ends_the_cohort(
+        tmp_path: Path) -> None:
+    """A member that finishes while the storage is away is told when it is back; a `--timeout` that ends the cohort
+    before then must tell it as it ended (it was ended as interrupted, and queued again; found by review)."""
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    # Each step 0.05 s slower per member: the short member (150 steps) reports at step 50 and finishes seconds after
+    # the server stops, long before the timeout (from the worker's start), on any machine.
+    timeout = 60
+    document = copy.deepcopy(TINY_STUDY) | {
+        "name": "cutcohort", "n_trials": 2, "seed": 4, "execution": {"cohort": 2}, "storage_patience": 600,
+        "task": {"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.05}},
+        "heartbeat_interval": 1, "heartbeat_grace_period": 3,
+        "checkpoints": {"every_steps": 50, "store": str(tmp_path / "checkpoints")}}
+    document["fixed"] |= {"eval_every_steps": 50, "log_every_steps": 50}
+    del document["fixed"]["max_steps"]
+    document["space"] |= {"max_steps": {"type": "categorical", "choices": [150, 1_000_000]}}
+    path = write_study(tmp_path, document)
+    log = tmp_path / "worker.log"
+    with PostgresServer() as server:
+        worker = start_sweep("run", path, "--storage", server.url, "--timeout", timeout, log=log,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        try:
+            # The timeout counts from the worker's start, just after it says what the study holds (seen here later).
+            wait_for("the run's first line", lambda: "trials done" in tail(log), 120, interval=0.1, alive=worker)
+            started = time.monotonic()
+            until_its_first_report(server, "cutcohort", worker)
+            wait_for("both members' first reports", lambda: sum(
+                bool(t.intermediate_values) for t in load_trials(server.url, "cutcohort")) == 2, 120, interval=0.2,
+                alive=worker)
+            server.stop("fast")
+            wait_for("the short member's last checkpoint", lambda: list(
+                (tmp_path / "checkpoints" / "cutcohort").glob("trial00000-step00000150.pt")), 120, interval=0.2,
+                alive=worker)
+            assert time.monotonic() - started < timeout, "the short member finished after the timeout"
+            time.sleep(max(0.0, started + timeout + 5 - time.monotonic()))  # the cohort is ended, waiting to say so
+            server.start()
+            code = finish(worker, log, timeout=300)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        assert code == 0, tail(log)
+        trials = load_trials(server.url, "cutcohort")
+    short, long = trials[:2]
+    assert (short.params["max_steps"], long.params["max_steps"]) == (150, 1_000_000), summary(trials)
+    assert short.state == TrialState.COMPLETE and short.user_attrs["outcome"] == "complete", summary(trials)
+    assert sorted(short.intermediate_values) == eval_steps(50, 50, 150), summary(trials)
+    assert long.user_attrs["outcome"] == "interrupted" and "--timeout" in long.user_attrs["fail_reason"]
+    assert [t.user_attrs.get("retry_of") for t in trials[2:]] == [long.number], summary(trials)
+
+
 # The same, saving its state at each step (what a retry resumes from).
 SAVING_LOOP = """
 import time
