@@ -635,4 +635,6 @@ class Worker:
 
     def _summary(self, **flags: bool) -> RunSummary:
         used = budget_counts(self.study.get_trials(deepcopy=False))[0]
+        if used >= self.n_trials:  # the budget is spent: a timeout that came first left nothing to rerun
+            flags["timed_out"] = False
         return RunSummary(self.ran, used, self.n_trials, **flags)

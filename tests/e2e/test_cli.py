@@ -168,6 +168,14 @@ def test_a_changed_definition_is_refused_on_resume(tiny_study: Path) -> None:
                    "--n-trials", "1").returncode == 0
 
 
+def test_a_timeout_on_a_study_whose_budget_is_spent_does_not_ask_for_a_rerun(tiny_study: Path) -> None:
+    # Found by review: the timeout was checked before the budget, and the run said "stopped by the timeout with 3/3
+    # trials done; rerun to continue", where a rerun has nothing to do.
+    assert sweep_cli("run", tiny_study).returncode == 0
+    done = sweep_cli("run", tiny_study, "--timeout", "0.001")
+    assert done.returncode == 0 and "stopped by the timeout" not in done.stderr, done.stderr
+
+
 def test_a_value_accepted_as_the_same_is_not_blamed_on_a_later_change(tiny_study: Path) -> None:
     # Found by review: `--set fixed.seed=0` (the default, so the same study) was stored as the study's definition, and
     # the next change's refusal listed "fixed.seed: removed", which the user never wrote.
