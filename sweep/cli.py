@@ -217,13 +217,21 @@ def run(
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used. Exits 1 when every trial it finished
     failed."""
-    from sweep.signals import graceful_signals
+    from sweep.signals import Preempted, graceful_signals
 
     # From the first line: a Ctrl-C or SIGTERM while torch imports and the study opens is a request, honoured once the
     # run begins (Python's own KeyboardInterrupt could land in a garbage-collection callback and be dropped, and the
     # run then trained its whole budget).
     with graceful_signals():
-        _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort)
+        try:
+            _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort)
+        except (KeyboardInterrupt, Preempted) as exc:  # before the run began: asked twice, or while the storage was
+            # waited for (the run itself says what became of its trials, `_run_outcomes`)
+            code, what = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
+            worker = os.environ.get("SWEEP_WORKER")
+            err.print(f"{'' if worker is None else f'[worker {worker}] '}{what} before the run began; no trial was "
+                      "started: rerun the same command to continue.", markup=False)
+            raise typer.Exit(code) from None
 
 
 def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: float | None, study_name: str | None,
@@ -341,6 +349,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     from sweep.blobs import claim_problem
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
+    from sweep.signals import stop_requested
+    from sweep.storage import StorageUnavailable
     from sweep.study import StoreMismatchError, StudyMismatchError, open_study, worker_storage
     from sweep.tracking import tensorboard_root
     from sweep.workers import prepare_process
@@ -377,6 +387,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
+        if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
+            raise stop() from None  # told to stop while the storage was waited for: exits as told
         raise _storage_failure(url, exc) from None
     if spec.checkpoints.enabled and (problem := _store_claim_problem(
             study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
@@ -1021,8 +1033,8 @@ def check(
         spec = _study_file_spec(target, url, study_name)
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
         ran_with = store_location(study, url)
-        if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).resolve()
-                and (Path(ran_with).resolve() / study.study_name).is_dir()):
+        if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).expanduser().resolve()
+                and (Path(ran_with).expanduser().resolve() / study.study_name).is_dir()):
             # Its rows name files in the store the study ran with (`--set checkpoints.store=...`, or a file edited
             # since): judged against another, every one would look missing, and --repair would delete them all. A
             # store moved (the one it ran with is gone) is checked where the file says.
@@ -1033,7 +1045,7 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
-        if ("://" not in location and not (Path(location).resolve() / study.study_name).is_dir()
+        if ("://" not in location and not (Path(location).expanduser().resolve() / study.study_name).is_dir()
                 and registry.for_study(study.study_name)):
             # Moved with its study (a folder copied elsewhere), or deleted: every row would look missing, and the
             # fix offered, --repair, would delete them all.

@@ -593,7 +593,10 @@ class CohortLoop:
         checkpoint."""
         for member_id in list(self.members):
             if (own := self._finished(member_id)) is not None:  # finished before (told late: the storage was away)
-                self._end(beats, member_id, own)
+                # Told as it ended; not towards the failure streak, whose StudyBrokenError would leave the members
+                # after it untold (the run is stopping for another reason already).
+                with contextlib.suppress(InfrastructureError, StudyBrokenError):
+                    self._end(beats, member_id, own, streak=False)
                 continue
             if self.cohort is not None:
                 with contextlib.suppress(KeyError):
@@ -608,4 +611,7 @@ class CohortLoop:
         if cohort is None or member_id not in cohort.results:
             return None
         member = self.members[member_id]
-        return member.runner.result_of(member.prepared, cohort.results[member_id])
+        try:  # its held reports are written first: an error there must not hide the one ending the cohort
+            return member.runner.result_of(member.prepared, cohort.results[member_id])
+        except Exception:  # noqa: BLE001 - then it ends as the others do
+            return None

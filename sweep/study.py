@@ -122,15 +122,17 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
         return None
     before = str(((stored.get("checkpoints") or {}).get("store")) or default_store(storage_url))
     now = str(spec.checkpoints.store or default_store(storage_url))
-    if is_object_url(before) or is_object_url(now):  # its rows are the object store's URLs: no move to tell
+    if is_object_url(before):  # its rows are the object store's URLs: no move to tell
         if before.rstrip("/") == now.rstrip("/"):
             return None
-    elif (Path(now).expanduser().resolve() == Path(before).expanduser().resolve()
-          or not (Path(before).expanduser().resolve() / spec.name).is_dir()):  # the same, or the study's moved
+    elif not is_object_url(now) and Path(now).expanduser().resolve() == Path(before).expanduser().resolve():
         return None
+    elif not (Path(before).expanduser().resolve() / spec.name).is_dir():  # moved, or it never wrote one
+        return None
+    move = "" if is_object_url(before) or is_object_url(now) else f", or move its folder {spec.name!r} to the new store"
     return (f"{now} is not the store study {spec.name!r} ran with ({before}, where its checkpoints' rows point; "
             "opened with another, every one would be taken for a missing file and deleted). Set checkpoints.store to "
-            f"it, or move its folder {spec.name!r} to the new store")
+            f"it{move}")
 
 
 def _changes(key: str, stored: Any, now: Any) -> list[str]:

@@ -292,6 +292,28 @@ def test_a_sigterm_while_the_run_starts_is_honoured_before_any_trial_with_one_li
     assert sweep_cli("run", path).returncode == 0
 
 
+def test_a_sigterm_while_the_storage_is_waited_for_at_the_start_exits_143_not_as_a_storage_error(
+        tmp_path: Path) -> None:
+    # Found by review: a worker preempted while it waited for its storage at its start (Slurm, Kubernetes) exited 1,
+    # "cannot open storage ... told to stop", as if the storage were broken.
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage",
+                                "postgresql+psycopg://nobody@127.0.0.1:1/none"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _catches(process.pid, signal.SIGTERM):
+            assert process.poll() is None and time.monotonic() < deadline, "sweep run never caught SIGTERM"
+            time.sleep(0.005)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1] == ("preempted (SIGTERM) before the run began; no trial was started: rerun "
+                                               "the same command to continue."), stderr
+
+
 def test_ctrl_c_during_reproduce_is_one_line(tmp_path: Path) -> None:
     # Found by review: a Ctrl-C during `sweep reproduce` printed a 19-line traceback (or one from a finalizer).
     document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1}

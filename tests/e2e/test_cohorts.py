@@ -458,6 +458,23 @@ def test_a_cohort_ended_by_one_exception_counts_once_towards_max_repeated_failur
     assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 3
 
 
+def test_members_that_diverge_together_stop_the_study_with_every_other_member_told(tmp_path: Path) -> None:
+    # Found by review: six members diverging at one evaluation, max_repeated_failures 2: telling the third raised the
+    # streak's StudyBrokenError, and the members after it (already finished, not told yet) were told again, which
+    # raised the same error half-way: three trials stayed RUNNING, never told, their retries never queued.
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 6, "execution": {"cohort": 6},
+                                            "max_repeated_failures": 2}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "batch_size": 16, "learning_rate": 1e30,
+                         "model": {"hidden": 16}}
+    document["space"] = {"weight_decay": {"type": "float", "low": 1e-6, "high": 1e-1, "log": True}}
+    done = sweep_cli("run", write_study(tmp_path, document))
+    assert done.returncode == 1, done.stderr
+    assert "2 trials in a row failed the same way (diverged" in done.stderr, done.stderr
+    trials = load(tmp_path).get_trials()  # each told as it ended: diverged, never retried
+    assert [(t.state, t.user_attrs["fail_reason"]) for t in trials] == [
+        (TrialState.FAIL, "diverged: val_loss is nan at step 20")] * 6
+
+
 FIRST_EVAL_FAILS_TASK = '''
 import torch
 from torch import nn
