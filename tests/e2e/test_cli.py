@@ -267,19 +267,27 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _started_catching_sigterm(*args: str | Path) -> subprocess.Popen[str]:
+    """`sweep ARGS` in a process of its own, returned once it has a SIGTERM handler (sweep's: Python has none)."""
+    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", *map(str, args)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not _catches(process.pid, signal.SIGTERM):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"`sweep {' '.join(map(str, args))}` never caught SIGTERM: {process.communicate()}")
+        time.sleep(0.005)
+    return process
+
+
 def test_a_sigterm_while_the_run_starts_is_honoured_before_any_trial_with_one_line(tmp_path: Path) -> None:
     # Found by review: until the worker loop began (seconds of importing torch and opening the study), Python's own
     # handling applied: a Ctrl-C could land in a garbage-collection callback and be dropped (the run then trained its
     # whole budget and exited 0), and a SIGTERM ended it without a word, leaving a database without its study. The
     # signal is a request from the command's first line: the handler is there before torch is loaded.
     path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2})
-    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = _started_catching_sigterm("run", path)
     try:
-        deadline = time.monotonic() + 120
-        while not _catches(process.pid, signal.SIGTERM):
-            assert process.poll() is None and time.monotonic() < deadline, "sweep run never caught SIGTERM"
-            time.sleep(0.005)
         torch_loaded = "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
@@ -297,14 +305,8 @@ def test_a_sigterm_while_the_storage_is_waited_for_at_the_start_exits_143_not_as
     # Found by review: a worker preempted while it waited for its storage at its start (Slurm, Kubernetes) exited 1,
     # "cannot open storage ... told to stop", as if the storage were broken.
     path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
-    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage",
-                                "postgresql+psycopg://nobody@127.0.0.1:1/none"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = _started_catching_sigterm("run", path, "--storage", "postgresql+psycopg://nobody@127.0.0.1:1/none")
     try:
-        deadline = time.monotonic() + 120
-        while not _catches(process.pid, signal.SIGTERM):
-            assert process.poll() is None and time.monotonic() < deadline, "sweep run never caught SIGTERM"
-            time.sleep(0.005)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
     finally:
@@ -320,13 +322,8 @@ def test_ctrl_c_during_reproduce_is_one_line(tmp_path: Path) -> None:
     document["fixed"] = {**document["fixed"], "max_steps": 3000, "eval_every_steps": 100, "log_every_steps": 100}
     path = write_study(tmp_path, document)
     assert sweep_cli("run", path).returncode == 0
-    process = subprocess.Popen([sys.executable, "-m", "sweep.cli", "reproduce", str(path), "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = _started_catching_sigterm("reproduce", path, "0")  # its replay is starting: Ctrl-C is a request now
     try:
-        deadline = time.monotonic() + 120
-        while not _catches(process.pid, signal.SIGTERM):  # its replay is starting: Ctrl-C is a request now
-            assert process.poll() is None and time.monotonic() < deadline, "sweep reproduce never caught SIGTERM"
-            time.sleep(0.005)
         process.send_signal(signal.SIGINT)
         stdout, stderr = process.communicate(timeout=120)
     finally:

@@ -844,6 +844,27 @@ def test_sigterm_to_a_cohort_while_postgresql_is_down_says_its_trials_were_left_
         assert all(t.state == TrialState.COMPLETE for t in retries), summary(trials)
 
 
+def two_member_cohort(folder: Path, name: str, short: int, long: int, **extra: Any) -> Path:
+    """A study of two trials trained as one cohort, `short` and `long` steps (seed 4 draws them in that order),
+    evaluated and checkpointed every 50 steps into `folder / "checkpoints"`, waiting out a long outage."""
+    document = copy.deepcopy(TINY_STUDY) | {
+        "name": name, "n_trials": 2, "seed": 4, "execution": {"cohort": 2}, "storage_patience": 600,
+        "heartbeat_interval": 1, "heartbeat_grace_period": 3,
+        "checkpoints": {"every_steps": 50, "store": str(folder / "checkpoints")}, **extra}
+    document["fixed"] |= {"eval_every_steps": 50, "log_every_steps": 50}
+    del document["fixed"]["max_steps"]
+    document["space"] |= {"max_steps": {"type": "categorical", "choices": [short, long]}}
+    return write_study(folder, document)
+
+
+def until_both_members_report(server: PostgresServer, name: str, worker: subprocess.Popen[bytes]) -> None:
+    """Both members have joined the cohort (an outage that catches its refill asking for a trial waits, as an ask
+    does)."""
+    until_its_first_report(server, name, worker)
+    wait_for("both members' first reports", lambda: sum(
+        bool(t.intermediate_values) for t in load_trials(server.url, name)) == 2, 120, interval=0.2, alive=worker)
+
+
 def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_when_it_is_back(tmp_path: Path) -> None:
     """A lone trial trains on through an outage, its reports held; a cohort stopped instead, waiting for the storage
     at its next evaluation (its step's held reports were flushed by a read outside `no_wait`). Its members must train
@@ -851,14 +872,7 @@ def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_whe
     server is back while the other (3000) trains on, and every held report be stored."""
     if not postgres_available():
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    document = copy.deepcopy(TINY_STUDY) | {
-        "name": "oncohort", "n_trials": 2, "seed": 4, "execution": {"cohort": 2}, "storage_patience": 600,
-        "heartbeat_interval": 1, "heartbeat_grace_period": 3,
-        "checkpoints": {"every_steps": 50, "store": str(tmp_path / "checkpoints")}}
-    document["fixed"] |= {"eval_every_steps": 50, "log_every_steps": 50}
-    del document["fixed"]["max_steps"]
-    document["space"] |= {"max_steps": {"type": "categorical", "choices": [600, 3000]}}
-    path = write_study(tmp_path, document)
+    path = two_member_cohort(tmp_path, "oncohort", 600, 3000)
     folder = tmp_path / "checkpoints" / "oncohort"
     log = tmp_path / "worker.log"
 
@@ -870,11 +884,7 @@ def test_a_cohort_trains_on_while_postgresql_is_down_and_stores_every_report_whe
     with PostgresServer() as server:
         worker = start_sweep("run", path, "--storage", server.url, log=log)
         try:
-            # Both members have joined (an outage that catches the refill asking a trial waits, as an ask does).
-            until_its_first_report(server, "oncohort", worker)
-            wait_for("both members' first reports", lambda: sum(
-                bool(t.intermediate_values) for t in load_trials(server.url, "oncohort")) == 2, 120, interval=0.2,
-                alive=worker)
+            until_both_members_report(server, "oncohort", worker)
             server.stop("fast")
             at_stop = newest()
             # Each held registration is written beside its blob once (it was written again after every step, a
@@ -911,15 +921,8 @@ def test_a_cohort_member_that_finished_in_an_outage_stays_complete_when_the_time
     # Each step 0.05 s slower per member: the short member (150 steps) reports at step 50 and finishes seconds after
     # the server stops, long before the timeout (from the worker's start), on any machine.
     timeout = 60
-    document = copy.deepcopy(TINY_STUDY) | {
-        "name": "cutcohort", "n_trials": 2, "seed": 4, "execution": {"cohort": 2}, "storage_patience": 600,
-        "task": {"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.05}},
-        "heartbeat_interval": 1, "heartbeat_grace_period": 3,
-        "checkpoints": {"every_steps": 50, "store": str(tmp_path / "checkpoints")}}
-    document["fixed"] |= {"eval_every_steps": 50, "log_every_steps": 50}
-    del document["fixed"]["max_steps"]
-    document["space"] |= {"max_steps": {"type": "categorical", "choices": [150, 1_000_000]}}
-    path = write_study(tmp_path, document)
+    path = two_member_cohort(tmp_path, "cutcohort", 150, 1_000_000,
+                             task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.05}})
     log = tmp_path / "worker.log"
     with PostgresServer() as server:
         worker = start_sweep("run", path, "--storage", server.url, "--timeout", timeout, log=log,
@@ -928,10 +931,7 @@ def test_a_cohort_member_that_finished_in_an_outage_stays_complete_when_the_time
             # The timeout counts from the worker's start, just after it says what the study holds (seen here later).
             wait_for("the run's first line", lambda: "trials done" in tail(log), 120, interval=0.1, alive=worker)
             started = time.monotonic()
-            until_its_first_report(server, "cutcohort", worker)
-            wait_for("both members' first reports", lambda: sum(
-                bool(t.intermediate_values) for t in load_trials(server.url, "cutcohort")) == 2, 120, interval=0.2,
-                alive=worker)
+            until_both_members_report(server, "cutcohort", worker)
             server.stop("fast")
             wait_for("the short member's last checkpoint", lambda: list(
                 (tmp_path / "checkpoints" / "cutcohort").glob("trial00000-step00000150.pt")), 120, interval=0.2,
