@@ -217,25 +217,31 @@ def run(
 ) -> None:
     """Create or resume the study and run trials until its n_trials are used. Exits 1 when every trial it finished
     failed."""
-    from sweep.signals import Preempted, graceful_signals
+    from sweep.signals import Preempted, graceful_signals, stop_requested
+    from sweep.storage import StorageUnavailable
 
     # From the first line: a Ctrl-C or SIGTERM while torch imports and the study opens is a request, honoured once the
     # run begins (Python's own KeyboardInterrupt could land in a garbage-collection callback and be dropped, and the
     # run then trained its whole budget).
+    began: list[bool] = []  # the run itself began (`_run_outcomes` says what became of its trials)
     with graceful_signals():
         try:
-            _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort)
-        except (KeyboardInterrupt, Preempted) as exc:  # before the run began: asked twice, or while the storage was
-            # waited for (the run itself says what became of its trials, `_run_outcomes`)
-            code, what = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
+            _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort, began)
+        except (KeyboardInterrupt, Preempted, StorageUnavailable) as exc:  # asked twice, or while the storage was
+            # waited for, outside the run itself (while it starts, or as it reports its end)
+            stop = exc if not isinstance(exc, StorageUnavailable) else (kind() if (kind := stop_requested()) else None)
+            if stop is None:
+                raise
+            code, what = (130, "interrupted") if isinstance(stop, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
             worker = os.environ.get("SWEEP_WORKER")
-            err.print(f"{'' if worker is None else f'[worker {worker}] '}{what} before the run began; no trial was "
-                      "started: rerun the same command to continue.", markup=False)
+            when = "" if began else " before the run began; no trial was started"
+            err.print(f"{'' if worker is None else f'[worker {worker}] '}{what}{when}: rerun the same command to "
+                      "continue.", markup=False)
             raise typer.Exit(code) from None
 
 
 def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: float | None, study_name: str | None,
-         set_: list[str] | None, workers: int, cohort: str | None) -> None:
+         set_: list[str] | None, workers: int, cohort: str | None, began: list[bool]) -> None:
     from sweep import results
     from sweep.signals import raise_pending
     from sweep.storage import release_idle_connections
@@ -259,6 +265,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     study = _open_for_run(spec, url, prefix, source)
     with _run_outcomes(study, prefix, workers):
         raise_pending()  # asked to stop while it started: no worker, no trial
+        began.append(True)
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), time.time()
@@ -1033,8 +1040,10 @@ def check(
         spec = _study_file_spec(target, url, study_name)
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
         ran_with = store_location(study, url)
-        if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).expanduser().resolve()
-                and (Path(ran_with).expanduser().resolve() / study.study_name).is_dir()):
+        # The stored store as its blobs were written: a `~` there, stored before it meant the home folder, was a
+        # folder named `~` in the working folder.
+        if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).resolve()
+                and (Path(ran_with).resolve() / study.study_name).is_dir()):
             # Its rows name files in the store the study ran with (`--set checkpoints.store=...`, or a file edited
             # since): judged against another, every one would look missing, and --repair would delete them all. A
             # store moved (the one it ran with is gone) is checked where the file says.
@@ -1045,7 +1054,7 @@ def check(
     else:
         location = store_location(study, url)
         trusted = Path(location).resolve() == Path(default_store(url)).resolve() if "://" not in location else False
-        if ("://" not in location and not (Path(location).expanduser().resolve() / study.study_name).is_dir()
+        if ("://" not in location and not (Path(location).resolve() / study.study_name).is_dir()
                 and registry.for_study(study.study_name)):
             # Moved with its study (a folder copied elsewhere), or deleted: every row would look missing, and the
             # fix offered, --repair, would delete them all.

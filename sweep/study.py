@@ -116,8 +116,9 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
     """Why the file's checkpoint store cannot be the study's: its checkpoints' rows name files, relative to the
     store the study ran with, that the other folder does not hold. Opened there, the worker's quick check would
     take every row for a missing file and delete it (warm-start donors and resume points too), and the study's
-    trials would start over. None when it is the same folder, or when that folder is gone (moved: the file says
-    where it went), or either is an object store."""
+    trials would start over. None when it is the same folder, or when the study's folder in it is gone (moved: the
+    file says where it went). An object store the study ran with is another whenever its URL differs (its rows hold
+    its URLs)."""
     if not spec.checkpoints.enabled:
         return None
     before = str(((stored.get("checkpoints") or {}).get("store")) or default_store(storage_url))
@@ -125,9 +126,11 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
     if is_object_url(before):  # its rows are the object store's URLs: no move to tell
         if before.rstrip("/") == now.rstrip("/"):
             return None
-    elif not is_object_url(now) and Path(now).expanduser().resolve() == Path(before).expanduser().resolve():
+    # The stored store as its blobs were written: a `~` there, stored before it meant the home folder, was a folder
+    # named `~` in the working folder.
+    elif not is_object_url(now) and Path(now).expanduser().resolve() == Path(before).resolve():
         return None
-    elif not (Path(before).expanduser().resolve() / spec.name).is_dir():  # moved, or it never wrote one
+    elif not (Path(before).resolve() / spec.name).is_dir():  # moved, or it never wrote one
         return None
     move = "" if is_object_url(before) or is_object_url(now) else f", or move its folder {spec.name!r} to the new store"
     return (f"{now} is not the store study {spec.name!r} ran with ({before}, where its checkpoints' rows point; "
