@@ -232,7 +232,7 @@ def run(
             stop = exc if not isinstance(exc, StorageUnavailable) else (kind() if (kind := stop_requested()) else None)
             if stop is None:
                 raise
-            code, what = (130, "interrupted") if isinstance(stop, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
+            code, what = _stopped(stop)
             worker = os.environ.get("SWEEP_WORKER")
             when = "" if began else " before the run began; no trial was started"
             err.print(f"{'' if worker is None else f'[worker {worker}] '}{what}{when}: rerun the same command to "
@@ -452,6 +452,11 @@ def _store_claim_problem(name: str, owner: str | None, location: str | Path, url
     return claim_problem(location, name, owner, claim=claim, new=owner is None)
 
 
+def _stopped(stop: BaseException) -> tuple[int, str]:
+    """The exit code and the word for a stop asked by a signal: Ctrl-C (KeyboardInterrupt) or SIGTERM (`Preempted`)."""
+    return (130, "interrupted") if isinstance(stop, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
+
+
 @contextlib.contextmanager
 def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
     """Ctrl-C and SIGTERM as requests the worker honours at a clean point, and how a run that ends early exits:
@@ -471,7 +476,7 @@ def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
                     raise
                 raise mark_unmarked(stop()) from None  # told to stop while the storage was away: exits as told
     except (KeyboardInterrupt, Preempted) as exc:
-        code, what = (130, "interrupted") if isinstance(exc, KeyboardInterrupt) else (143, "preempted (SIGTERM)")
+        code, what = _stopped(exc)
         if launcher:
             fate = "each worker's lines above say what became of its running trials"
         elif is_unmarked(exc):
@@ -1248,7 +1253,7 @@ def reproduce(
     except (KeyError, ValueError) as exc:
         raise _fail(str(exc.args[0]) if exc.args else str(exc), 2) from None
     except (KeyboardInterrupt, Preempted) as exc:
-        what, code = ("interrupted", 130) if isinstance(exc, KeyboardInterrupt) else ("preempted (SIGTERM)", 143)
+        code, what = _stopped(exc)
         raise _fail(f"{what}: trial {trial} was not reproduced (nothing was written)", code) from None
     how = "bit for bit" if comparison.largest_difference == 0 else (
         f"within a relative {comparison.tolerance:g}: at most {comparison.largest_difference:.2g}")

@@ -312,11 +312,8 @@ class CohortLoop:
         if self.stopping or self.timed_out:
             self.stopping = True
             return False
-        if not training:
-            self.stopping = worker._stop_requested(started_wall)  # noqa: SLF001
-            return False
-        try:
-            with worker.boundary.no_wait():  # the reports held so far are written first (`PatientStorage._call`)
+        try:  # the reports held so far are written first (`PatientStorage._call`)
+            with worker.boundary.no_wait() if training else contextlib.nullcontext():
                 self.stopping = worker._stop_requested(started_wall)  # noqa: SLF001
         except StorageAway:
             return True
