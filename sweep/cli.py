@@ -1257,10 +1257,14 @@ def reproduce(
         raise _fail(f"{what}: trial {trial} was not reproduced (nothing was written)", code) from None
     how = "bit for bit" if comparison.largest_difference == 0 else (
         f"within a relative {comparison.tolerance:g}: at most {comparison.largest_difference:.2g}")
+    raised = "" if comparison.raised is None else f"; the replay raised {comparison.raised}"
     if comparison.first_difference is not None:
         step, stored, again = comparison.first_difference
         where = "in its final value (it reported none)" if comparison.final_only else f"first at step {step}"
-        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, reproduced {again!r}", 1)
+        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, reproduced {again!r}{raised}", 1)
+    if raised and comparison.unfinished is None:  # every value as stored, but the trial ended well and this did not
+        raise _fail(f"trial {trial} differs in how it ended: its {comparison.steps_compared} reported values are "
+                    f"identical, but it finished and its replay raised {comparison.raised}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
             f"{comparison.steps_compared} reported values identical")
     partial = ("" if comparison.unfinished is None else
@@ -1268,7 +1272,7 @@ def reproduce(
                if comparison.unfinished == "running" else
                f"; trial {trial} ended {comparison.unfinished}: only the values it reported before it ended were "
                "compared")
-    out.print(f"trial {trial} reproduced: {what} ({how}){partial}")
+    out.print(f"trial {trial} reproduced: {what} ({how}){partial}{raised}", markup=False, soft_wrap=True)
 
 
 def _name_override(study_name: str | None) -> list[str]:

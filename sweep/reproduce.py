@@ -116,6 +116,7 @@ class Comparison:
     # "running", or why a FAIL trial ended (its outcome: failed, interrupted, lost, ...): its reports so far were
     # compared, not a whole run
     unfinished: str | None = None
+    raised: str | None = None  # the replay's own error ("MyError: ..."), raised after its first report
 
     @property
     def identical(self) -> bool:
@@ -189,8 +190,33 @@ def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: 
     run = Run(dict(config), recorder, recorder.metric, seed=seed, device=device,
               initial=None if parent is None else parent.state, start=None if parent is None else "warm")
     seed_everything(seed)
-    returned = call_loop(function, dict(config), run)
+    returned = call_loop(function, dict(config), run)  # its own error, a failed trial's too, is the caller's
     return bool(config.get("deterministic", False)), loop_value(returned, run)
+
+
+def _error_line(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+@dataclass
+class _Replay:
+    raised: str | None = None
+
+
+@contextlib.contextmanager
+def _replay(number: int, recorder: _Recorder) -> Iterator[_Replay]:
+    """The user's code replayed: an error it raises (a failed trial's own, `sys.exit`) ends the replay, and the
+    values reported before it are compared, as a command's that exits non-zero; before its first report it is the
+    whole answer, one line. Ctrl-C and SIGTERM are not caught."""
+    replay = _Replay()
+    try:
+        yield replay
+    except Exception as exc:  # noqa: BLE001 - whatever the user's code raises, as its trial took it
+        replay.raised = _error_line(exc)
+        if not recorder.values:
+            raise ValueError(f"trial {number}'s replay raised {replay.raised} before its first report") from None
 
 
 @contextlib.contextmanager
@@ -269,6 +295,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     last = int(trial.user_attrs.get(ATTR_STEPS) or 0)
     stored = {last: float(trial.value)} if final_only else dict(sorted(trial.intermediate_values.items()))  # type: ignore[arg-type]
     recorder = _Recorder(math.inf if final_only else max(stored), metric)
+    raised: str | None = None  # a loop's or the trainer's own error, after its first report
     if command is not None:
         if not trust_code and command not in trusted:
             raise _untrusted(number, f"run the command {command!r}")
@@ -296,18 +323,21 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     elif loop is not None:
         if not trust_code and loop not in trusted:
             raise _untrusted(number, f"import and run the loop {loop!r}")
-        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
-            deterministic, value = _rerun_loop(loop, stored_config, recorder, _parent(trial, BlobScope(store)))
-        if final_only and value is not None:
-            recorder.values[last] = value
+        parent = _parent(trial, BlobScope(store))
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder) as replay:
+            deterministic, value = _rerun_loop(loop, stored_config, recorder, parent)
+            if final_only and value is not None:
+                recorder.values[last] = value
+        raised = replay.raised
         device = resolve_device(str(stored_config.get("device", "auto")))
     else:
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
             refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
         config = TrainingConfig.from_dict(stored_config)
-        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):
-            train(config, task_for(config.task, config.task_args), recorder,
-                  warm_start=_parent(trial, BlobScope(store)))
+        parent = _parent(trial, BlobScope(store))
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder) as replay:
+            train(config, task_for(config.task, config.task_args), recorder, warm_start=parent)
+        raised = replay.raised
         device, deterministic = resolve_device(config.device), config.deterministic
     tolerance = 0.0 if device.type == "cpu" or deterministic else gpu_tolerance
     # The replay trains the whole run, also the steps its lineage trained before it resumed: each part's way of
@@ -334,4 +364,4 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             largest = max(largest, abs(value - again) / max(abs(value), abs(again)))
     unfinished = ("running" if trial.state == TrialState.RUNNING else
                   str(trial.user_attrs.get(ATTR_OUTCOME) or "failed") if trial.state == TrialState.FAIL else None)
-    return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished)
+    return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, raised)

@@ -170,6 +170,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"number": trial.number, "state": trial.state.name.lower(), "value": trial.value}
         row.update({f"params.{k}": v for k, v in trial.params.items()})
         row["steps"] = trial.user_attrs.get(ATTR_STEPS)
+        if row["steps"] is None and trial.intermediate_values:  # not ended by itself: as far as its reports go
+            row["steps"] = int(max(trial.intermediate_values))
         row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
         row["warm_start_from"] = donor_label(trial, study.study_name)
         row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -240,7 +241,7 @@ class CommandTrial(TrialRun):
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         if code != 0:
-            how = f"killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {_tail(log)}"})
         value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
         if value is None:
@@ -329,6 +330,7 @@ class _Session:
         self.deadline, self.grace = deadline, grace
         self.buffer = b""
         self.metrics: dict[str, float] = {}  # the latest report's
+        self.steps: set[int] = set()  # the steps this command reported
         self.stop_sent: float | None = None
         self.ending: BaseException | None = None  # Ctrl-C, SIGTERM to the worker or --timeout: raised once it exits
         self.open = True
@@ -396,7 +398,14 @@ class _Session:
             if self.reporter.metric not in metrics:
                 raise ValueError(f"client.report at step {message['step']}: the study's metric "
                                  f"{self.reporter.metric!r} is not among {sorted(metrics)}")
-            stop = self.reporter.report(whole_step(message["step"]), metrics)
+            step = whole_step(message["step"])
+            if step in self.steps:  # the study keeps a step's first value, as a loop's `run.report` says
+                warnings.warn(f"client.report: step {step} was reported already; its first value is kept",
+                              stacklevel=1)
+                self._reply(b"go")
+                return
+            self.steps.add(step)
+            stop = self.reporter.report(step, metrics)
             self.metrics = metrics
             if stop:
                 self.stop_sent = time.monotonic()

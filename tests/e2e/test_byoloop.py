@@ -133,6 +133,58 @@ def test_a_user_loop_trains_reports_checkpoints_and_reproduces(tmp_path: Path) -
     assert "python -m trainer" not in page
 
 
+def test_reproduce_compares_what_a_loop_reported_before_its_own_error_and_names_the_error(tmp_path: Path) -> None:
+    # A loop trial that failed by raising (its own exception, sys.exit) is compared on what it reported, as a
+    # command's that exited non-zero; the replay's error was a traceback out of `sweep reproduce`. This loop, as
+    # many do, never reads what `run.report` answers.
+    (tmp_path / "raising.py").write_text(
+        "class MyError(Exception):\n"
+        "    pass\n\n\n"
+        "def main(config, run):\n"
+        "    for step in (1, 2, 3):\n"
+        "        if step == 3 and config['end'] == 'raise':\n"
+        "            raise MyError(f'custom failure at step {step}')\n"
+        "        if step == 3:\n"
+        "            raise SystemExit(3)\n"
+        "        run.report(step, val_loss=config['x'] + 1.0 / step)\n")
+    path = write_study(tmp_path, {"name": "raising", "n_trials": 2, "loop": "raising:main", "pruner": "none",
+                                  "sampler": {"type": "bruteforce"}, "fixed": {"x": 0.5},
+                                  "space": {"end": {"type": "categorical", "choices": ["raise", "exit"]}}})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 1  # every trial of the run failed
+    failed = trials_of(path, "raising")
+    assert sorted(t.params["end"] for t in failed) == ["exit", "raise"]
+    assert all(t.state.name == "FAIL" and sorted(t.intermediate_values) == [1, 2] for t in failed)
+    for trial in failed:
+        again = sweep_cli("reproduce", path, str(trial.number), pythonpath=tmp_path)
+        assert again.returncode == 0, again.stdout + again.stderr
+        error = ("MyError: custom failure at step 3" if trial.params["end"] == "raise" else
+                 "LoopExit: the loop called sys.exit(3)")
+        assert again.stdout.strip() == (
+            f"trial {trial.number} reproduced: 2 reported values identical (bit for bit); trial {trial.number} ended "
+            f"failed: only the values it reported before it ended were compared; the replay raised {error}")
+        assert "Traceback" not in again.stderr
+
+    # A loop that now raises where the trial went on: the first step it no longer reports differs, and the line
+    # says why; one that raises after its last report differs in how it ended.
+    (tmp_path / "done").mkdir()
+    done = loop_study(tmp_path / "done", n_trials=1)
+    assert sweep_cli("run", done, pythonpath=tmp_path / "done").returncode == 0
+    assert [t.state.name for t in trials_of(done)] == ["COMPLETE"]
+    source = tmp_path / "done" / "myproj" / "train.py"
+    source.write_text(source.read_text().replace('config.get("crash_at") == step', "step == 15"))
+    broken = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
+    assert broken.returncode == 1 and broken.stderr.count("\n") == 1, broken.stdout + broken.stderr
+    assert broken.stderr.startswith("error: trial 0 differs first at step 15: stored ")
+    assert broken.stderr.rstrip().endswith(", reproduced nan; the replay raised RuntimeError: boom at step 15")
+    source.write_text(source.read_text().replace("step == 15", "step == 25").replace(
+        "        if stop:\n", "        if step == 20:\n            raise SystemExit(3)\n        if stop:\n"))
+    ended = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
+    assert ended.returncode == 1, ended.stdout + ended.stderr
+    assert ended.stderr.strip() == (
+        "error: trial 0 differs in how it ended: its 4 reported values are identical, but it finished and its replay "
+        "raised LoopExit: the loop called sys.exit(3)")
+
+
 def test_reproduce_refuses_a_loop_only_the_database_names(tmp_path: Path) -> None:
     path = loop_study(tmp_path, n_trials=1)
     assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0

@@ -220,9 +220,13 @@ def test_a_step_a_script_reports_twice_keeps_its_first_value(tmp_path: Path) -> 
               "    client.report(step, val_loss=float(step))\n")
     path = command_study(tmp_path, script, "train.py", pruner="none",
                          space={"x": {"type": "float", "low": 0, "high": 1}})
-    assert sweep_cli("run", path, cwd=tmp_path).returncode == 0
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
     [trial] = trials_of(path)
     assert trial.intermediate_values == {1: 11.0, 2: 12.0} and trial.value == 12.0
+    for step in (1, 2):  # said, as a loop's `run.report` says it
+        assert f"warning: client.report: step {step} was reported already; its first value is kept" in done.stderr
+
 
 def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> None:
     path = command_study(tmp_path, NAN_SCRIPT, "train.py", pruner="fastfail")
@@ -457,7 +461,7 @@ def test_a_command_killed_by_a_signal_fails_naming_it_with_its_log(tmp_path: Pat
     path = command_study(tmp_path, script, "train.py", pruner="none")
     assert sweep_cli("run", path, cwd=tmp_path).returncode == 1
     (trial,) = trials_of(path)
-    assert trial.user_attrs["fail_reason"] == f"the command killed by {named}: about to go"
+    assert trial.user_attrs["fail_reason"] == f"the command was killed by {named}: about to go"
 
 
 def test_the_last_json_line_is_found_from_the_end_of_a_long_log_across_its_blocks(tmp_path: Path) -> None:

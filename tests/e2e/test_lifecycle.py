@@ -4,6 +4,7 @@ retry that continues its lineage (one continuous curve, bit for bit the uninterr
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import optuna
@@ -53,6 +54,8 @@ def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continue
     # The interrupted trial's steps count too (they counted 0: it ended before recording them; found by review).
     status = sweep_cli("status", path)
     assert f"{MAX_STEPS} steps trained" in status.stdout, status.stdout
+    listed = json.loads(sweep_cli("trials", path, "--format", "json").stdout)  # as far as it came, not blank
+    assert [row["steps"] for row in listed] == [stopped_at, MAX_STEPS]
 
     reference = one_config_study(tmp_path / "whole", "whole")
     assert sweep_cli("run", reference).returncode == 0
