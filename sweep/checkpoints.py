@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optuna
+from optuna.trial import TrialState
 
 from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_blob, local_copy
-from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, Outcome, lineage
+from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, ATTR_RETRY_OF, Outcome, lineage
 from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
 from sweep.storage import StorageAway, error_line, sqlite_path
@@ -156,6 +157,9 @@ class CheckpointService:
             with _cleanup(trial.number, "registering its checkpoints"):
                 checkpointer.flush()  # what it saved while the storage was away: its retry may resume from it
         if outcome.retried:
+            if checkpointer is not None:
+                with _cleanup(trial.number, "releasing its checkpoints"):
+                    self._released_by_retry(trial)
             return
         if checkpointer is not None:
             if outcome != Outcome.FAILED:
@@ -170,6 +174,20 @@ class CheckpointService:
                 for number in lineage(trials, trial.number)[1:]:
                     self.registry.finish_trial(self.study_name, number, donor=True)
             self.apply_retention(trial.study)
+
+    def _released_by_retry(self, trial: optuna.Trial) -> None:
+        """A trial declared lost while its worker trained on (a paused machine) may have registered checkpoints
+        after a retry of its lineage ended well and released the lineage's rows: these came too late for that, and
+        would stay a running trial's for good, never collected. They are released now as that retry released the
+        rest."""
+        trials = {t.number: t for t in trial.study.get_trials(deepcopy=False)}
+        for frozen in trials.values():
+            ended_well = frozen.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            if ended_well and frozen.user_attrs.get(ATTR_RETRY_OF) is not None \
+                    and trial.number in lineage(trials, frozen.number)[1:]:
+                self.registry.finish_trial(self.study_name, trial.number, donor=True)
+                self.apply_retention(trial.study)
+                return
 
     def _upload_best(self, trial: optuna.Trial, checkpointer: TrialCheckpointer, outcome: Outcome) -> None:
         best = checkpointer.best_record()

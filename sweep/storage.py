@@ -28,6 +28,7 @@ import datetime
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -188,12 +189,26 @@ def optuna_url(url: str) -> str:
     return url.replace("{", "{{").replace("}", "}}")
 
 
+class _NoFallbackNotice(logging.Filter):
+    """Optuna's RDB storage says so when a read by trial ids fails and it tries a plainer query ("Caught an error
+    from sqlalchemy: ... Falling back to a slower alternative"): a multi-line SQL dump that, in a worker, comes from a
+    dropped connection, which `PatientStorage` already reports in one line and waits out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Caught an error from sqlalchemy")
+
+
+_RDB_LOGGER = logging.getLogger("optuna.storages._rdb.storage")
+
+
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  stale_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
                  ) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage, made safe for several worker processes (see the module docstring). With a heartbeat,
     a RUNNING trial whose worker has not beaten for `grace_period` seconds is failed by `fail_stale_trials` and handed
     to `stale_trial_callback`."""
+    if not any(isinstance(f, _NoFallbackNotice) for f in _RDB_LOGGER.filters):
+        _RDB_LOGGER.addFilter(_NoFallbackNotice())
     path = sqlite_path(url)
     engine_kwargs = engine_options(url)
     if path is not None and path.parent.exists():

@@ -150,6 +150,41 @@ def test_a_worker_paused_past_the_grace_period_goes_on_when_its_trial_was_declar
     report = sweep_cli("report", path, "--output", str(tmp_path / "report.html"))
     assert report.returncode == 0, report.stderr
     assert "0 of 3 trials (0%) diverged or failed" in (tmp_path / "report.html").read_text()  # its retry stands in
+    # What the paused worker saved after it came back is released like the rest of its lineage: no row is left as a
+    # running trial's, which retention would never collect.
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute("SELECT trial_number, step, final FROM sweep_checkpoints").fetchall()
+    assert rows and not [row for row in rows if row[2] == 0], rows
+
+
+def test_a_paused_cohort_s_checkpoints_after_its_members_were_declared_lost_are_released(tmp_path: Path) -> None:
+    # Found by fault injection: a cohort worker paused until the members' retries had finished (elsewhere) saved and
+    # registered one more stretch's checkpoints when it came back, before it learnt its reports were refused. Those
+    # rows stayed as a running trial's (final=0) for good: retention never collected them.
+    path = long_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=2)
+    db = tmp_path / "tiny.db"
+    paused = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--cohort", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (checkpointed_steps(db, 0) and checkpointed_steps(db, 1)):
+            time.sleep(0.2)
+        pause_outside_a_write(paused, db)
+        time.sleep(3.5)  # past the grace period
+        other = sweep_cli("run", path)  # fails both members as lost and trains their retries to the end
+        paused.send_signal(signal.SIGCONT)
+        _, stderr = paused.communicate(timeout=240)
+    finally:
+        paused.kill()
+    assert other.returncode == 0, other.stderr
+    assert paused.returncode == 0, stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert [t.state for t in trials[:2]] == [TrialState.FAIL] * 2
+    assert sorted(t.user_attrs.get("retry_of") for t in trials[2:]) == [0, 1]
+    assert [t.state for t in trials[2:]] == [TrialState.COMPLETE] * 2
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute("SELECT trial_number, step, final FROM sweep_checkpoints").fetchall()
+    assert rows and not [row for row in rows if row[2] == 0], rows
 
 
 def test_a_preempted_worker_queues_its_trial_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:

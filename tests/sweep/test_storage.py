@@ -638,3 +638,20 @@ def test_releasing_idle_connections_closes_a_connection_in_use_once_it_is_given_
             assert sessions() == 1  # the same connection, not a second one
         release_idle_connections()
         assert sessions() == 0
+
+
+def test_optunas_fallback_notice_is_left_to_the_outage_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Optuna's RDB storage logs a multi-line SQL dump when a read by trial ids fails ("Caught an error from
+    sqlalchemy: ... Falling back to a slower alternative."); in a worker that is a dropped connection (found with
+    pg_terminate_backend), which the storage wrapper says in one line. Its other warnings still reach the user."""
+    import logging
+
+    from sweep.storage import make_storage
+
+    make_storage(f"sqlite:///{tmp_path / 'quiet.db'}")
+    logger = logging.getLogger("optuna.storages._rdb.storage")
+    logger.warning("Caught an error from sqlalchemy: (psycopg2.OperationalError) terminating connection due to "
+                   "administrator command\n[SQL: SELECT trials.trial_id ...]. Falling back to a slower alternative.")
+    logger.warning("an Optuna warning of another kind")
+    printed = capfd.readouterr().err
+    assert "Caught an error from sqlalchemy" not in printed and "an Optuna warning of another kind" in printed
