@@ -396,7 +396,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
             raise stop() from None  # told to stop while the storage was waited for: exits as told
-        raise _storage_failure(url, exc) from None
+        # A URL the study file gave (not `--storage`, not the default): a bad option in it is the file's key.
+        raise _storage_failure(url, exc, f"{source}: storage: " if spec.storage == url else "") from None
     if spec.checkpoints.enabled and (problem := _store_claim_problem(
             study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
         raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
@@ -805,13 +806,13 @@ def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
     return None
 
 
-def _storage_failure(url: str, exc: Exception) -> typer.Exit:
+def _storage_failure(url: str, exc: Exception, where: str = "") -> typer.Exit:
     """A storage that cannot be opened (unreachable, refused, damaged): one line, its password masked. An option of
-    the URL that the driver calls invalid is bad input (exit 2)."""
+    the URL that the driver calls invalid is bad input (exit 2); `where`: the file and key that gave the URL."""
     from sweep.storage import bad_url_option
 
     if (option := bad_url_option(exc)) is not None:
-        return _fail(f"storage URL {mask_url(url)}: {redact(option, url)}; fix the option in the URL", 2)
+        return _fail(f"{where}storage URL {mask_url(url)}: {redact(option, url)}; fix the option in the URL", 2)
     first = redact(str(exc), url).strip().splitlines()
     return _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: {first[0] if first else ''}", 1)
 
@@ -1033,9 +1034,10 @@ def check(
     """Registry and disk agree? Lists every checkpoint row whose blob is missing or fails its hash, every file in the
     store that no row names, and every dashboard artifact that points nowhere; exit 1 while any --repair can fix is
     left."""
-    from sweep.outcomes import OWNER_ATTR
+    from sweep.outcomes import OWNER_ATTR, ObjectStoreError
     from sweep.reconcile import check_study, store_location
     from sweep.registry import Registry, default_store
+    from sweep.study import is_another_store
 
     study, url = _open_with_url(target, storage, study_name, "check")
     registry = Registry(url)
@@ -1044,11 +1046,7 @@ def check(
     if target.endswith((".yaml", ".yml")):
         spec = _study_file_spec(target, url, study_name)
         location, trusted = str(spec.checkpoints.store or default_store(url)), True
-        ran_with = store_location(study, url)
-        # The stored store as its blobs were written: a `~` there, stored before it meant the home folder, was a
-        # folder named `~` in the working folder.
-        if ("://" not in location + ran_with and Path(location).resolve() != Path(ran_with).resolve()
-                and (Path(ran_with).resolve() / study.study_name).is_dir()):
+        if is_another_store(study.study_name, ran_with := store_location(study, url), location):
             # Its rows name files in the store the study ran with (`--set checkpoints.store=...`, or a file edited
             # since): judged against another, every one would look missing, and --repair would delete them all. A
             # store moved (the one it ran with is gone) is checked where the file says.
@@ -1070,7 +1068,10 @@ def check(
     if claimed := _store_claim_problem(study.study_name, study.user_attrs.get(OWNER_ATTR), location, url,
                                        claim=False):
         raise _fail(f"{claimed}; nothing checked or repaired", 2)  # its files are the other study's, not orphans
-    report = check_study(registry, location, study, repair=repair, delete_orphans=trusted)
+    try:
+        report = check_study(registry, location, study, repair=repair, delete_orphans=trusted)
+    except ObjectStoreError as exc:  # its client's credentials, endpoint or bucket: one line, nothing judged
+        raise _fail(f"checkpoint store {location}: {exc}; nothing checked or repaired", 1) from None
     for problem in report.problems:
         status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"
         out.print(f"{problem.kind.value}: {problem.detail} [{status}]", markup=False)

@@ -167,9 +167,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += _pair_problems(spec, alone, base, base_problems, task, builtin)
 
     curriculum = spec.fixed.get("curriculum")  # not a mapping: refused with the fixed values' problems
-    schedules = {curriculum.get("schedule", "none") if isinstance(curriculum, dict) else "none"}
+    schedule = curriculum.get("schedule", "none") if isinstance(curriculum, dict) else "none"
+    schedules = {schedule if isinstance(schedule, str) else "none"}  # not a name: refused with the fixed values'
     if "curriculum.schedule" in spec.space and isinstance(spec.space["curriculum.schedule"], CategoricalParam):
-        schedules |= set(spec.space["curriculum.schedule"].choices)
+        schedules |= {c for c in spec.space["curriculum.schedule"].choices if isinstance(c, str)}
     if schedules - {"none"} and task.difficulty is None:
         problems.append(("curriculum.schedule", f"task {task.name!r} gives no per-sample difficulty, so it cannot "
                                                 "follow a curriculum; use schedule none or a task with difficulty"))

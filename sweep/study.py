@@ -112,6 +112,19 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
     return study
 
 
+def is_another_store(name: str, before: str, now: str) -> bool:
+    """Whether the store `now` names is not the one study `name` ran with (`before`), while that one still holds the
+    study's folder: opened or checked there, its rows would all look missing. An object store is another whenever
+    its URL differs (its rows hold its URLs)."""
+    if is_object_url(before):  # its rows are the object store's URLs: no move to tell
+        return before.rstrip("/") != now.rstrip("/")
+    # The stored store as its blobs were written: a `~` there, stored before it meant the home folder, was a folder
+    # named `~` in the working folder.
+    if not is_object_url(now) and Path(now).expanduser().resolve() == Path(before).resolve():
+        return False
+    return (Path(before).resolve() / name).is_dir()  # else moved, or it never wrote one
+
+
 def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) -> str | None:
     """Why the file's checkpoint store cannot be the study's: its checkpoints' rows name files, relative to the
     store the study ran with, that the other folder does not hold. Opened there, the worker's quick check would
@@ -123,14 +136,7 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
         return None
     before = str(((stored.get("checkpoints") or {}).get("store")) or default_store(storage_url))
     now = str(spec.checkpoints.store or default_store(storage_url))
-    if is_object_url(before):  # its rows are the object store's URLs: no move to tell
-        if before.rstrip("/") == now.rstrip("/"):
-            return None
-    # The stored store as its blobs were written: a `~` there, stored before it meant the home folder, was a folder
-    # named `~` in the working folder.
-    elif not is_object_url(now) and Path(now).expanduser().resolve() == Path(before).resolve():
-        return None
-    elif not (Path(before).resolve() / spec.name).is_dir():  # moved, or it never wrote one
+    if not is_another_store(spec.name, before, now):
         return None
     move = "" if is_object_url(before) or is_object_url(now) else f", or move its folder {spec.name!r} to the new store"
     return (f"{now} is not the store study {spec.name!r} ran with ({before}, where its checkpoints' rows point; "

@@ -370,6 +370,9 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         return isinstance(value, bool), value, f"expected true/false, got {value!r}"
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -2**63 <= value < 2**63:  # torch holds integers in 64 bits: a step count, a divisor, a seed
+                shown = repr(value) if abs(value) < 10**30 else magnitude(value)
+                return False, value, f"expected an integer that fits in 64 bits, got {shown}"
             return True, value, ""
         return False, value, f"expected an integer, got {value!r}"
     if tp is float:

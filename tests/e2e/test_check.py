@@ -59,11 +59,32 @@ def test_check_of_a_study_file_naming_another_store_than_the_study_ran_with_repa
         assert connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0] == rows
     assert not (tmp_path / "tiny.checkpoints").exists()
     assert sweep_cli("check", db).returncode == 0  # the database names the store it ran with
+    # A file that names an object store, while the folder the study ran with is there: refused in one line too (was
+    # a traceback from the object store's client, which found no credentials).
+    write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"store": "s3://bucket/prefix"}})
+    for args in ((), ("--repair",)):
+        elsewhere = sweep_cli("check", path, *args)
+        assert elsewhere.returncode == 2 and elsewhere.stdout == "", elsewhere.stdout + elsewhere.stderr
+        assert elsewhere.stderr.startswith(f"error: {path}: checkpoints.store: s3://bucket/prefix is not the store")
+        assert elsewhere.stderr.count("\n") == 1, elsewhere.stderr
+        with sqlite3.connect(db) as connection:
+            assert connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0] == rows
 
     (tmp_path / "other").rename(tmp_path / "moved")  # moved, and the file edited to say where
     write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"store": "moved"}})
     moved = sweep_cli("check", path)
     assert moved.returncode == 0, moved.stdout + moved.stderr
+    # Moved to an object store this machine has no credentials for: one line from its client, nothing judged.
+    write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"store": "s3://bucket/prefix"}})
+    no_credentials = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_PROFILE": None,
+                      "AWS_EC2_METADATA_DISABLED": "true",  # never ask a cloud's metadata address: loopback only
+                      "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    unreachable = sweep_cli("check", path, "--repair", env=no_credentials)
+    assert unreachable.returncode == 1 and unreachable.stderr.count("\n") == 1, unreachable.stderr
+    assert unreachable.stderr.startswith("error: checkpoint store s3://bucket/prefix: ")
+    assert unreachable.stderr.rstrip().endswith("; nothing checked or repaired")
+    with sqlite3.connect(db) as connection:
+        assert connection.execute("SELECT count(*) FROM sweep_checkpoints").fetchone()[0] == rows
 
 
 def test_a_study_folder_moved_is_checked_by_its_study_file_and_a_database_only_check_writes_nothing(

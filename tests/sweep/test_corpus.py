@@ -1010,6 +1010,16 @@ REVIEWED = [
     bad_file("reviewed", "searched-task-arg-out-of-range", changed(space={
         **TINY_STUDY["space"], "task_args.val_fraction": {"type": "float", "low": 0.5, "high": 2.0}}),
              "space.task_args.val_fraction.high", "task_args.val_fraction must be in (0, 1), but got val_fraction=2.0"),
+    bad_file("reviewed", "schedule-as-a-list", changed(fixed__curriculum={"schedule": ["linear"]}),
+             "fixed.curriculum.schedule", "expected a string, got ['linear']"),
+    bad_file("reviewed", "schedule-as-a-mapping", changed(fixed__curriculum={"schedule": {"name": "linear"}}),
+             "fixed.curriculum.schedule", "expected a string, got {'name': 'linear'}"),
+    bad_file("reviewed", "accumulation-past-64-bits", changed(fixed__gradient_accumulation_steps=10**20),
+             "fixed.gradient_accumulation_steps", "an integer that fits in 64 bits, got 100000000000000000000"),
+    bad_file("reviewed", "storage-url-option-no-driver-takes", changed(
+        storage="postgresql+psycopg://sweeper:secretpw@127.0.0.1:1/nothing?sslmode=bogus"),
+             "storage", 'storage URL postgresql+psycopg://sweeper:***@127.0.0.1:1/nothing?sslmode=bogus: invalid '
+                        'sslmode value: "bogus"; fix the option in the URL'),
     bad_file("reviewed", "depth-of-a-million", changed(fixed__model={"depth": 1_000_000}),
              "fixed.model.depth", "model.depth must be at most 1000"),
     bad_file("reviewed", "collective-timeout-of-1e308", changed(resources={"devices_per_trial": 2,
