@@ -262,7 +262,10 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     spec, url = _run_spec(source, storage, study_name, n_trials, timeout, workers, set_ or [])
     workers = min(workers, spec.n_trials)  # a worker beyond the budget would find no trial to train
     prefix = "" if worker is None else f"[worker {worker}] "
-    study = _open_for_run(spec, url, prefix, source)
+    # Where a URL with a bad option came from: the file's key, or the `--set` that replaced it (`--storage`: itself).
+    overridden = any(item.partition("=")[0].strip() == "storage" for item in set_ or [])
+    url_from = "" if storage or spec.storage != url else "--set storage: " if overridden else f"{source}: storage: "
+    study = _open_for_run(spec, url, prefix, source, url_from)
     with _run_outcomes(study, prefix, workers):
         raise_pending()  # asked to stop while it started: no worker, no trial
         began.append(True)
@@ -350,7 +353,7 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
     return spec, url
 
 
-def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
+def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str = "") -> Any:
     """Create or resume the study behind the storage boundary, whose outage lines go to stderr. A checkpoint folder
     another study of this name writes in is refused before any trial runs, and before a new study is created."""
     from sweep.blobs import claim_problem
@@ -396,8 +399,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path) -> Any:
     except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
         if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
             raise stop() from None  # told to stop while the storage was waited for: exits as told
-        # A URL the study file gave (not `--storage`, not the default): a bad option in it is the file's key.
-        raise _storage_failure(url, exc, f"{source}: storage: " if spec.storage == url else "") from None
+        raise _storage_failure(url, exc, url_from) from None
     if spec.checkpoints.enabled and (problem := _store_claim_problem(
             study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
         raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
@@ -1263,9 +1265,6 @@ def reproduce(
         step, stored, again = comparison.first_difference
         where = "in its final value (it reported none)" if comparison.final_only else f"first at step {step}"
         raise _fail(f"trial {trial} differs {where}: stored {stored!r}, reproduced {again!r}{raised}", 1)
-    if raised and comparison.unfinished is None:  # every value as stored, but the trial ended well and this did not
-        raise _fail(f"trial {trial} differs in how it ended: its {comparison.steps_compared} reported values are "
-                    f"identical, but it finished and its replay raised {comparison.raised}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
             f"{comparison.steps_compared} reported values identical")
     partial = ("" if comparison.unfinished is None else

@@ -128,21 +128,28 @@ class _Recorder:
         self.stop_at, self.metric = stop_at, metric
         self.values: dict[int, float] = {}
         self.series: list[tuple[int, float]] = []  # what a command's session reads (sweep.runners.command.Reports)
+        self.stopped = False  # told the replay to stop (its last stored step): what it raises after that is its end
+        self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM raised into it, even if its code caught it
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        _stop_if_asked()
+        self._stop_if_asked()
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
-        _stop_if_asked()
+        self._stop_if_asked()
         self.values[step] = metric_value(metrics, self.metric)  # NaN with a non-finite val_loss, as the study stored
+        self.stopped = self.stopped or step >= self.stop_at
         return step >= self.stop_at
 
-
-def _stop_if_asked() -> None:
-    """Ctrl-C or SIGTERM during the replay (`sweep.signals`), raised here, a clean point of the training loop: the
-    main thread's only (a command's reports arrive on another)."""
-    if threading.current_thread() is threading.main_thread():
-        raise_pending()
+    def _stop_if_asked(self) -> None:
+        """Ctrl-C or SIGTERM during the replay (`sweep.signals`), raised here, a clean point of the training loop:
+        the main thread's only (a command's reports arrive on another). Noted too: a loop that catches it and
+        raises its own error is still interrupted."""
+        if threading.current_thread() is threading.main_thread():
+            try:
+                raise_pending()
+            except BaseException as exc:
+                self.interrupted = self.interrupted or exc
+                raise
 
 
 def agree(a: float, b: float, tolerance: float) -> bool:
@@ -177,7 +184,7 @@ def _parent(trial: optuna.trial.FrozenTrial, scope: BlobScope) -> WarmStart | No
     return WarmStart(state, optimizer=lineage.get("inherit") == "weights+optimizer")
 
 
-def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: WarmStart | None,
+def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: WarmStart | None, number: int,
                 ) -> tuple[bool, float | None]:
     """A loop trial again, from its stored config (and its donor's state, if it was warm-started), reporting to
     `recorder`. Returns whether it asked for deterministic algorithms (the config's `deterministic`) and its value
@@ -187,7 +194,7 @@ def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: 
     function = load_loop(name)
     seed = loop_seed(config)
     device = resolve_device(str(config.get("device", "auto")))
-    run = Run(dict(config), recorder, recorder.metric, seed=seed, device=device,
+    run = Run(dict(config), recorder, recorder.metric, seed=seed, device=device, trial=number,
               initial=None if parent is None else parent.state, start=None if parent is None else "warm")
     seed_everything(seed)
     returned = call_loop(function, dict(config), run)  # its own error, a failed trial's too, is the caller's
@@ -209,14 +216,21 @@ class _Replay:
 def _replay(number: int, recorder: _Recorder) -> Iterator[_Replay]:
     """The user's code replayed: an error it raises (a failed trial's own, `sys.exit`) ends the replay, and the
     values reported before it are compared, as a command's that exits non-zero; before its first report it is the
-    whole answer, one line. Ctrl-C and SIGTERM are not caught."""
+    whole answer, one line. Raised once the replay was told to stop (its last stored step), it is how the code
+    stops, as for a pruned trial. Ctrl-C and SIGTERM stop the replay, also when the code caught them."""
     replay = _Replay()
     try:
         yield replay
     except Exception as exc:  # noqa: BLE001 - whatever the user's code raises, as its trial took it
+        if recorder.interrupted is not None:  # a Ctrl-C its code caught and raised as its own error
+            raise type(recorder.interrupted)() from None
+        if recorder.stopped:  # told to stop, as a pruned trial is: how it stops is its own (TrialPruned, say)
+            return
         replay.raised = _error_line(exc)
         if not recorder.values:
             raise ValueError(f"trial {number}'s replay raised {replay.raised} before its first report") from None
+    if recorder.interrupted is not None:  # caught by its code, which went on or returned
+        raise type(recorder.interrupted)()
 
 
 @contextlib.contextmanager
@@ -325,7 +339,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             raise _untrusted(number, f"import and run the loop {loop!r}")
         parent = _parent(trial, BlobScope(store))
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder) as replay:
-            deterministic, value = _rerun_loop(loop, stored_config, recorder, parent)
+            deterministic, value = _rerun_loop(loop, stored_config, recorder, parent, number)
             if final_only and value is not None:
                 recorder.values[last] = value
         raised = replay.raised

@@ -267,10 +267,10 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
-def _started_catching_sigterm(*args: str | Path) -> subprocess.Popen[str]:
+def _started_catching_sigterm(*args: str | Path, cwd: Path | None = None) -> subprocess.Popen[str]:
     """`sweep ARGS` in a process of its own, returned once it has a SIGTERM handler (sweep's: Python has none)."""
     process = subprocess.Popen([sys.executable, "-m", "sweep.cli", *map(str, args)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, cwd=cwd)
     deadline = time.monotonic() + 120
     while not _catches(process.pid, signal.SIGTERM):
         if process.poll() is not None or time.monotonic() > deadline:
