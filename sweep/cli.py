@@ -201,6 +201,20 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     err.print(f"{prefix}warning: {message}", markup=False)
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` in os.environ for the block, and as it was afterwards."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 @app.command()
 def run(
     study_file: Annotated[str, typer.Argument(metavar="STUDY_FILE", help="The study file (YAML).")],
@@ -219,12 +233,14 @@ def run(
     failed."""
     from sweep.signals import Preempted, graceful_signals, stop_requested
     from sweep.storage import StorageUnavailable
+    from sweep.workers import LAUNCHED_ENV
 
     # From the first line: a Ctrl-C or SIGTERM while torch imports and the study opens is a request, honoured once the
     # run begins (Python's own KeyboardInterrupt could land in a garbage-collection callback and be dropped, and the
-    # run then trained its whole budget).
+    # run then trained its whole budget). So is a `sweep stop` given from now on (torch importing, the study opening,
+    # a launcher's workers starting): the workers count from this moment, a launched one from its launcher's.
     began: list[bool] = []  # the run itself began (`_run_outcomes` says what became of its trials)
-    with graceful_signals():
+    with _environment(LAUNCHED_ENV, os.environ.get(LAUNCHED_ENV) or repr(time.time())), graceful_signals():
         try:
             _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort, began)
         except (KeyboardInterrupt, Preempted, StorageUnavailable) as exc:  # asked twice, or while the storage was
@@ -245,7 +261,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     from sweep import results
     from sweep.signals import raise_pending
     from sweep.storage import release_idle_connections
-    from sweep.workers import WORKER_ENV, run_local_workers, storage_from_environment
+    from sweep.workers import LAUNCHED_ENV, WORKER_ENV, run_local_workers, storage_from_environment
 
     if cohort is not None:  # the same as --set execution.cohort=K, so the local workers get it too
         if cohort != "auto" and not (cohort.isascii() and cohort.isdigit() and int(cohort) >= 1):
@@ -271,7 +287,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
         began.append(True)
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
-            before, started = results.trial_states(study), time.time()
+            before, started = results.trial_states(study), float(os.environ[LAUNCHED_ENV])  # a stop since counts
             release_idle_connections()  # the workers need the server's connection slots; it reconnects after them
             try:
                 codes = run_local_workers(Path(study_file), spec, url, workers, timeout=timeout, overrides=set_ or [])

@@ -134,7 +134,7 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     # data-parallel trial's ranks are processes too (they inherit the count), so each of them is given a share.
     threads = str(max(1, (os.cpu_count() or 1) // (n_workers * devices_per_worker)))
     processes = []
-    launched = repr(time.time())
+    launched = os.environ.get(LAUNCHED_ENV) or repr(time.time())  # `sweep run`'s own start: a stop since then counts
     for index in range(n_workers):
         worker_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, **(env or {}),
                       WORKER_ENV: str(index), LAUNCHED_ENV: launched}

@@ -197,6 +197,24 @@ def test_sweep_stop_lets_workers_finish_their_trial_and_exit(tmp_path: Path) -> 
     assert resumed.returncode == 0 and "stopped" not in resumed.stderr
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sweep_stop_given_while_a_run_starts_stops_it(tmp_path: Path, workers: str) -> None:
+    # Found by review: a worker counted stops from when it began its loop (after torch's import and the study's
+    # opening; a launcher's workers from when it started them), so a `sweep stop` given in a run's first seconds was
+    # older than that, ignored, and the run trained its whole budget.
+    from tests.e2e.test_cli import _started_catching_sigterm
+
+    path = busy_study(tmp_path, 1, max_steps=300, eval_every_steps=100, log_every_steps=100)
+    assert sweep_cli("run", path).returncode == 0  # the study exists: `sweep stop` has somewhere to write
+    runner = _started_catching_sigterm("run", path, "--n-trials", "4", "--workers", workers)  # it has started
+    stopped = sweep_cli("stop", path)
+    assert stopped.returncode == 0, stopped.stderr
+    _, stderr = runner.communicate(timeout=300)
+    assert runner.returncode == 0 and "stopped by `sweep stop`" in stderr, stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert len(trials) == 1, [t.state for t in trials]  # no trial started after the stop
+
+
 
 @pytest.mark.parametrize("where", ["relative", "server default"])
 def test_the_checkpoint_store_is_found_from_the_study_file_not_the_working_folder(
