@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -44,6 +45,26 @@ def pause_outside_a_write(process: subprocess.Popen[str], db: Path) -> None:
             process.send_signal(signal.SIGCONT)
             time.sleep(0.1)
     pytest.fail("the worker held the database's write lock at every try")
+
+
+def paused_while_another_worker_runs(path: Path, db: Path, trials: list[int], *args: str) -> tuple[Any, int, str]:
+    """Run the study in a worker of its own (`sweep run PATH ARGS`), pause it once `trials` have a checkpoint, for
+    longer than the grace period, while another `sweep run` of it runs to its end; then let it go on. Returns the
+    other run's result, and the paused worker's exit code and stderr."""
+    paused = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(checkpointed_steps(db, n) for n in trials):
+            time.sleep(0.2)
+        pause_outside_a_write(paused, db)
+        time.sleep(3.5)  # past the grace period
+        other = sweep_cli("run", path)
+        paused.send_signal(signal.SIGCONT)
+        _, stderr = paused.communicate(timeout=240)
+    finally:
+        paused.kill()
+    return other, paused.returncode, stderr
 
 
 def long_study(folder: Path, **keys) -> Path:
@@ -125,21 +146,9 @@ def test_a_worker_paused_past_the_grace_period_goes_on_when_its_trial_was_declar
     # worker comes back and reports its trial, Optuna refuses to update a finished trial. That must not kill it.
     path = long_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=2)
     db = tmp_path / "tiny.db"
-    paused = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not checkpointed_steps(db, 0):
-            time.sleep(0.2)
-        pause_outside_a_write(paused, db)
-        time.sleep(3.5)  # past the grace period
-        other = sweep_cli("run", path)  # fails trial 0 as lost, trains its retry and trial 1 or its own
-        paused.send_signal(signal.SIGCONT)
-        _, stderr = paused.communicate(timeout=240)
-    finally:
-        paused.kill()
-    assert other.returncode == 0, other.stderr
-    assert paused.returncode == 0, stderr
+    other, code, stderr = paused_while_another_worker_runs(path, db, [0])  # it fails trial 0 as lost, trains its
+    assert other.returncode == 0, other.stderr  # retry and trial 1 or its own
+    assert code == 0, stderr
     assert "trial 0 was declared lost while this worker trained it" in stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
     [retry] = [t for t in trials if t.user_attrs.get("retry_of") == 0]
@@ -163,21 +172,9 @@ def test_a_paused_cohort_s_checkpoints_after_its_members_were_declared_lost_are_
     # rows stayed as a running trial's (final=0) for good: retention never collected them.
     path = long_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=2)
     db = tmp_path / "tiny.db"
-    paused = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--cohort", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (checkpointed_steps(db, 0) and checkpointed_steps(db, 1)):
-            time.sleep(0.2)
-        pause_outside_a_write(paused, db)
-        time.sleep(3.5)  # past the grace period
-        other = sweep_cli("run", path)  # fails both members as lost and trains their retries to the end
-        paused.send_signal(signal.SIGCONT)
-        _, stderr = paused.communicate(timeout=240)
-    finally:
-        paused.kill()
-    assert other.returncode == 0, other.stderr
-    assert paused.returncode == 0, stderr
+    other, code, stderr = paused_while_another_worker_runs(path, db, [0, 1], "--cohort", "2")  # it fails both
+    assert other.returncode == 0, other.stderr  # members as lost and trains their retries to the end
+    assert code == 0, stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
     assert [t.state for t in trials[:2]] == [TrialState.FAIL] * 2
     assert sorted(t.user_attrs.get("retry_of") for t in trials[2:]) == [0, 1]
