@@ -130,6 +130,7 @@ class _Recorder:
         self.series: list[tuple[int, float]] = []  # what a command's session reads (sweep.runners.command.Reports)
         self.stopped = False  # told the replay to stop (its last stored step): what it raises after that is its end
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM raised into it, even if its code caught it
+        self.raised: str | None = None  # the replay's own error ("MyError: ..."), raised after its first report
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._stop_if_asked()
@@ -207,28 +208,22 @@ def _error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-@dataclass
-class _Replay:
-    raised: str | None = None
-
-
 @contextlib.contextmanager
-def _replay(number: int, recorder: _Recorder) -> Iterator[_Replay]:
+def _replay(number: int, recorder: _Recorder) -> Iterator[None]:
     """The user's code replayed: an error it raises (a failed trial's own, `sys.exit`) ends the replay, and the
     values reported before it are compared, as a command's that exits non-zero; before its first report it is the
     whole answer, one line. Raised once the replay was told to stop (its last stored step), it is how the code
     stops, as for a pruned trial. Ctrl-C and SIGTERM stop the replay, also when the code caught them."""
-    replay = _Replay()
     try:
-        yield replay
+        yield
     except Exception as exc:  # noqa: BLE001 - whatever the user's code raises, as its trial took it
         if recorder.interrupted is not None:  # a Ctrl-C its code caught and raised as its own error
             raise type(recorder.interrupted)() from None
         if recorder.stopped:  # told to stop, as a pruned trial is: how it stops is its own (TrialPruned, say)
             return
-        replay.raised = _error_line(exc)
+        recorder.raised = _error_line(exc)
         if not recorder.values:
-            raise ValueError(f"trial {number}'s replay raised {replay.raised} before its first report") from None
+            raise ValueError(f"trial {number}'s replay raised {recorder.raised} before its first report") from None
     if recorder.interrupted is not None:  # caught by its code, which went on or returned
         raise type(recorder.interrupted)()
 
@@ -309,7 +304,6 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     last = int(trial.user_attrs.get(ATTR_STEPS) or 0)
     stored = {last: float(trial.value)} if final_only else dict(sorted(trial.intermediate_values.items()))  # type: ignore[arg-type]
     recorder = _Recorder(math.inf if final_only else max(stored), metric)
-    raised: str | None = None  # a loop's or the trainer's own error, after its first report
     if command is not None:
         if not trust_code and command not in trusted:
             raise _untrusted(number, f"run the command {command!r}")
@@ -338,20 +332,18 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         if not trust_code and loop not in trusted:
             raise _untrusted(number, f"import and run the loop {loop!r}")
         parent = _parent(trial, BlobScope(store))
-        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder) as replay:
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
             deterministic, value = _rerun_loop(loop, stored_config, recorder, parent, number)
             if final_only and value is not None:
                 recorder.values[last] = value
-        raised = replay.raised
         device = resolve_device(str(stored_config.get("device", "auto")))
     else:
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
             refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
         config = TrainingConfig.from_dict(stored_config)
         parent = _parent(trial, BlobScope(store))
-        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder) as replay:
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
             train(config, task_for(config.task, config.task_args), recorder, warm_start=parent)
-        raised = replay.raised
         device, deterministic = resolve_device(config.device), config.deterministic
     tolerance = 0.0 if device.type == "cpu" or deterministic else gpu_tolerance
     # The replay trains the whole run, also the steps its lineage trained before it resumed: each part's way of
@@ -378,4 +370,4 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             largest = max(largest, abs(value - again) / max(abs(value), abs(again)))
     unfinished = ("running" if trial.state == TrialState.RUNNING else
                   str(trial.user_attrs.get(ATTR_OUTCOME) or "failed") if trial.state == TrialState.FAIL else None)
-    return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, raised)
+    return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, recorder.raised)
