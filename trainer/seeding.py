@@ -20,10 +20,26 @@ import numpy as np
 import torch
 
 __all__ = ["THREAD_ENV", "apply_threads", "command_record", "deterministic_cublas", "git_commit",
-           "reproducibility_record", "seed_everything", "seed_worker", "thread_record"]
+           "reproducibility_record", "seed_everything", "seed_worker", "settle_vector_math", "thread_record"]
 
 # The variables that set the thread counts of a process that imports torch (read once, when torch loads).
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def settle_vector_math() -> None:
+    """Make MKL's vector math (VML: torch's CPU sqrt, exp, log, tanh, ... on float tensors) ready on this thread,
+    before any op calls it from several threads at once.
+
+    torch splits such an op on a tensor of more than 2,048 elements between its intra-op threads, each calling VML.
+    When a process's first VML call is such a split, VML sets itself up on two threads at once, and one thread's
+    half is then now and then computed less accurately (seen with torch 2.13 on two threads: the first `sqrt` of
+    4,096 elements wrong by up to 1e-4 relative on one half in 13 processes of 60; AdamW's first step then moved
+    the first layer's weights a little differently, and a CPU run no longer matched its rerun bit for bit). One
+    call on one thread first sets VML up for every function and dtype (`tests/trainer/test_seeding.py`). Called
+    when this module is imported: every path that trains imports it before its first step.
+    """
+    for dtype in (torch.float32, torch.float64):
+        torch.exp(torch.zeros(16, dtype=dtype))  # 16 elements: one chunk, on this thread
 
 
 def seed_everything(seed: int, *, deterministic: bool = False) -> None:
@@ -168,3 +184,6 @@ def apply_threads(record: Mapping[str, Any]) -> None:
         raise RuntimeError(f"cannot run with the recorded {inter_op} inter-op threads: this process already uses "
                            f"{torch.get_num_interop_threads()}, and torch fixes that count once inter-op work has "
                            "started or it has been set; rerun in a fresh process") from exc
+
+
+settle_vector_math()
