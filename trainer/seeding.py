@@ -32,8 +32,8 @@ def settle_vector_math() -> None:
 
     torch splits such an op on a tensor of more than 2,048 elements between its intra-op threads, each calling VML.
     When a process's first VML call is such a split, VML sets itself up on two threads at once, and one thread's
-    half is then now and then computed less accurately (seen with torch 2.13 on two threads: the first `sqrt` of
-    4,096 elements wrong by up to 1e-4 relative on one half in 13 processes of 60; AdamW's first step then moved
+    half is then now and then computed less accurately (seen with torch 2.13 on two threads: the first `log` of
+    4,096 elements wrong by up to 1e-4 relative on one half in 13 processes of 60; AdamW's first `sqrt` then moved
     the first layer's weights a little differently, and a CPU run no longer matched its rerun bit for bit). One
     call on one thread first sets VML up for every function and dtype (`tests/trainer/test_seeding.py`). Called
     when this module is imported: every path that trains imports it before its first step.
