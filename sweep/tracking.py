@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sweep.outcomes import SPEC_ATTR
 from sweep.schema import TrackingSpec
 from sweep.storage import sqlite_path
-from sweep.urls import mask_urls
+from sweep.urls import mask_urls, redact
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -117,8 +117,10 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     """Where tracking writes, once resolved (`resolve_tracking`), checked before anything is created: TensorBoard's
     folder for the study must be one that can be made (no part of it a file, nor over 255 bytes), and MLflow's SQLite
     store a file SQLite can use (not a folder, nor another kind of file); otherwise every trial would warn that its
-    tracking was dropped, or wait on MLflow's retries. Other MLflow tracking URIs are MLflow's to judge (plugins add
-    kinds of their own)."""
+    tracking was dropped, or wait on MLflow's retries. Any other MLflow tracking URI is MLflow's to judge (plugins add
+    kinds of their own): its store is opened as a trial would open it (`mlflow_uri_problem`), which for a server
+    makes a client without calling it, so a server that is down now is still the trials' warning, not a refusal (a
+    database store would connect: it is left to the trials too)."""
     from sweep.schema import folder_problem, sqlite_file_problem
 
     problems = []
@@ -129,10 +131,33 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
             problems.append((key, problem))
     if spec.tracking.mlflow.enabled:
         uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)
+        key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
         if problem := sqlite_file_problem(uri, study=False):  # an existing store holds MLflow's tables
-            key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
             problems.append((key, f"MLflow's store: {problem}"))
+        elif uri.split(":", 1)[0].split("+")[0] not in _DATABASES and (problem := mlflow_uri_problem(uri)):
+            problems.append((key, problem))
     return problems
+
+
+# MLflow's database stores: connected to and migrated when made, so a database that is down now would be refused.
+_DATABASES = {"sqlite", "postgresql", "postgres", "mysql", "mssql"}
+
+
+def mlflow_uri_problem(uri: str) -> str | None:
+    """Why MLflow cannot track to `uri` (a scheme no installed store serves, a file store MLflow 3 refuses), found by
+    making the store a trial's client would make; None when it can. Nothing is contacted: a server's store is a
+    client of it. The message is MLflow's first line, with the URI's secrets masked."""
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri)._tracking_client.store  # noqa: B018, SLF001 - made on first use: made here
+    except Exception as exc:  # noqa: BLE001 - whatever MLflow raises for a URI it cannot serve
+        lines = str(exc).strip().splitlines()
+        said = lines[0] if lines else type(exc).__name__
+        if len(said) > 300:  # its whole sentences that fit (MLflow's file-store refusal runs to five)
+            said = said[:300].rsplit(". ", 1)[0].rstrip(".") + "."
+        return redact(f"MLflow cannot track there: {said}", uri)
+    return None
 
 
 class TensorBoardTracker:

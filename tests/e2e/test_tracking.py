@@ -290,6 +290,21 @@ def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per
     assert "s3cret" not in json.dumps(stored)
 
 
+def test_a_tracking_uri_mlflow_cannot_serve_is_refused_before_anything_is_created(tmp_path: Path) -> None:
+    # It used to run every trial with one warning each ("mlflow tracking dropped for this trial"): a URI no MLflow
+    # store serves is a mistake in the study file, refused as a TensorBoard folder that cannot be made is.
+    pytest.importorskip("mlflow")
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {
+        "tracking": {"mlflow": {"tracking_uri": "nosuchstore://me:s3cret@127.0.0.1/x"}}})
+    done = sweep_cli("run", path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: {path}: tracking.mlflow.tracking_uri: MLflow cannot track there: "), lines
+    assert "nosuchstore://me:***@127.0.0.1/x" in lines[0] and "s3cret" not in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
 @pytest.mark.parametrize(("tracking", "key", "extra"), [({"tensorboard": True}, "tracking.tensorboard", "tensorboard"),
                                                         ({"mlflow": True}, "tracking.mlflow", "mlflow")])
 def test_a_backend_that_is_not_installed_is_refused_before_anything_is_created(
