@@ -376,7 +376,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
     from sweep.signals import stop_requested
-    from sweep.storage import StorageUnavailable
+    from sweep.storage import StorageUnavailable, ask_lock
     from sweep.study import StoreMismatchError, StudyMismatchError, open_study, worker_storage
     from sweep.tracking import tensorboard_root
     from sweep.workers import prepare_process
@@ -402,26 +402,32 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
 
     if (database := sqlite_path(url)) is not None:
         refuse_a_folder_another_owns(database.exists)  # before the SQLite file is made
-    try:
-        storage = worker_storage(spec, url, notify=notify)
-        refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
-        study = open_study(spec, storage, url)
-    except StoreMismatchError as exc:
-        raise _fail(f"{prefix}{source}: checkpoints.store: {exc}", 2) from None
-    except StudyMismatchError as exc:
-        raise _fail(str(exc), 2) from None
-    except typer.Exit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
-        if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
-            raise stop() from None  # told to stop while the storage was waited for: exits as told
-        raise _storage_failure(url, exc, url_from) from None
-    if spec.checkpoints.enabled and (problem := _store_claim_problem(
-            study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
-        raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
-    if tensorboard is not None and (problem := claim_problem(
-            tensorboard, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=True, kind="tensorboard")):
-        raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
+    # The study is compared with the file and its folders claimed in one turn of the study's lock: two workers
+    # opening a new study at once from two folders (two machines' checkouts on one PostgreSQL server) each found no
+    # folder of the other's yet, both ran, each with its own checkpoint store, and a later run from one took the
+    # other's checkpoint rows for missing files and deleted them. In turn, the second finds the first's folder.
+    with contextlib.ExitStack() as turn:
+        try:
+            storage = worker_storage(spec, url, notify=notify)
+            turn.enter_context(ask_lock(url, spec.name, storage.boundary, stale_after=spec.heartbeat_grace_period))
+            refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
+            study = open_study(spec, storage, url)
+        except StoreMismatchError as exc:
+            raise _fail(f"{prefix}{source}: checkpoints.store: {exc}", 2) from None
+        except StudyMismatchError as exc:
+            raise _fail(str(exc), 2) from None
+        except typer.Exit:
+            raise
+        except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
+            if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
+                raise stop() from None  # told to stop while the storage was waited for: exits as told
+            raise _storage_failure(url, exc, url_from) from None
+        if spec.checkpoints.enabled and (problem := _store_claim_problem(
+                study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
+            raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+        if tensorboard is not None and (problem := claim_problem(
+                tensorboard, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=True, kind="tensorboard")):
+            raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
     if not prefix:  # the launching process, not one of its workers
         from sweep.outcomes import budget_counts
 

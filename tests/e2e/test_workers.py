@@ -98,6 +98,33 @@ def test_separate_commands_as_on_separate_machines(tmp_path: Path, postgres_url:
     assert all((tmp_path / "checkpoints" / "machines" / parent["uri"]).exists() for parent in warm)
 
 
+def test_a_new_study_started_at_once_from_two_folders_runs_with_one_checkpoint_store(tmp_path: Path,
+                                                                                       postgres_url: str) -> None:
+    # Found by review: two machines' checkouts (two folders) starting a new study on one PostgreSQL server at the same
+    # moment each found no checkpoint folder of the other's yet, and both ran, each with its own default store: a
+    # later run from one folder took the other's checkpoint rows for missing files and deleted them. Each start
+    # now compares and claims in one turn of the study's lock, so the second is refused (seen 6 times in 6 before).
+    for attempt in range(3):
+        name = f"twofolders{attempt}"
+        folders = [tmp_path / f"{name}-{side}" for side in "ab"]
+        starts = []
+        for folder in folders:
+            folder.mkdir()
+            path = write_study(folder, copy.deepcopy(TINY_STUDY) | {"name": name, "n_trials": 2})
+            starts.append([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", postgres_url])
+        processes = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=folder) for args, folder in zip(starts, folders, strict=True)]
+        errors = [p.communicate(timeout=300)[1] for p in processes]
+        codes = [p.returncode for p in processes]
+        assert sorted(codes) == [0, 2], errors
+        refused = codes.index(2)
+        lines = errors[refused].strip().splitlines()
+        assert len(lines) == 1 and "checkpoints.store:" in lines[0] and "is not the store study" in lines[0], errors
+        assert not (folders[refused] / "sweep-checkpoints").exists()
+        study = optuna.load_study(study_name=name, storage=postgres_url)
+        assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE] * 2
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
