@@ -439,7 +439,8 @@ class MLflowSpec(_Model):
     """One MLflow run per trial, nested under one run for the study (see sweep.tracking)."""
 
     enabled: StrictBool = True
-    tracking_uri: StrictStr | None = None  # default: sqlite:///NAME.mlflow.db next to the SQLite file
+    # default: sqlite:///NAME.mlflow.db next to the SQLite file
+    tracking_uri: Annotated[StrictStr, Field(min_length=1)] | None = None
     experiment: Annotated[StrictStr, Field(min_length=1)] | None = None  # default: the study's name
 
     @model_validator(mode="before")
@@ -464,7 +465,7 @@ class StudySpec(_Model):
     storage_password_env: StrictStr | None = None  # the environment variable that holds the storage password
     direction: Literal["minimize", "maximize"] = "minimize"
     metric: StrictStr = "val_loss"
-    n_trials: StrictInt = Field(ge=1)
+    n_trials: StrictInt = Field(ge=1, le=2**63 - 1)  # a count the storage holds in 64 bits
     timeout: Number | None = Field(None, gt=0)
     seed: StrictInt = Field(0, ge=0, le=SEED_MAX)
     sampler: Component = Field(default_factory=lambda: Component.model_validate("tpe"))

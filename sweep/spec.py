@@ -107,6 +107,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones
     drawable = {key: extremes[0][1] for key, param in spec.space.items()
                 if key.startswith("model.") and key.removeprefix("model.") in task.model_defaults
+                and (isinstance(param, CategoricalParam) or _no_numbers(key, task) is None)  # else refused by type
                 and (extremes := _extremes(param))}
     for key, param in spec.space.items():
         where = f"space.{key}"
@@ -147,6 +148,9 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                     problems.append((f"{where}.{label}", str(exc)))
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))
+            continue
+        if not isinstance(param, CategoricalParam) and (takes := _no_numbers(key, task)) is not None:
+            problems.append((f"{where}.type", f"{key} takes {takes[0]}, not a range of {param.type}s; use {takes[1]}"))
             continue
         found = len(problems)
         for drawn, value in _candidates(param):
@@ -505,15 +509,45 @@ def _expected_type(key: str, task: Task) -> type | None:
     if head == "model":
         default = task.model_defaults.get(rest)
         return type(default) if default is not None else None
+    options = typing.get_args(hint := _hint(key)) or (hint,)
+    return int if int in options else None
+
+
+def _hint(key: str) -> Any:
+    """The type a TrainingConfig key is annotated with, through its nested config dataclasses (curriculum.stages);
+    None for a key it does not name."""
+    head, _, rest = key.partition(".")
     owner: Any = TrainingConfig
-    while True:  # walk nested config dataclasses: curriculum.stages
+    while True:
         hint = typing.get_type_hints(owner).get(head)
         if rest and isinstance(hint, type) and dataclasses.is_dataclass(hint):
             owner, (head, _, rest) = hint, rest.partition(".")
             continue
-        break
-    options = typing.get_args(hint) or (hint,)
-    return int if int in options else None
+        return hint
+
+
+def _no_numbers(key: str, task: Task) -> tuple[str, str] | None:
+    """What a key takes when that is no number (a name among some, true or false) and how to search it, said for a
+    range searched on it; None when it takes numbers, or its type is not known."""
+    if key.startswith("model."):
+        default = task.model_defaults.get(key.removeprefix("model."))
+        hint: Any = type(default) if default is not None else None
+    else:
+        hint = _hint(key)
+    if hint is None:
+        return None
+    if typing.get_origin(hint) is typing.Literal:
+        values = typing.get_args(hint)
+        if any(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            return None
+        shown = ", ".join(repr(v) for v in values)
+        return f"one of {shown}", f"type: categorical, choices: [{shown}]"
+    options = set(typing.get_args(hint) or (hint,)) - {type(None)}
+    if options == {bool}:
+        return "true or false", "type: categorical, choices: [true, false]"
+    if options == {str}:
+        return "a name", "type: categorical, with the names as choices"
+    return None
 
 
 def _task_arg_type(task_name: str, arg: str) -> type | None:

@@ -121,7 +121,7 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     kinds of their own): its store is opened as a trial would open it (`mlflow_uri_problem`), which for a server
     makes a client without calling it, so a server that is down now is still the trials' warning, not a refusal (a
     database store would connect: it is left to the trials too)."""
-    from sweep.schema import folder_problem, sqlite_file_problem
+    from sweep.schema import folder_problem, sqlite_file_problem, storage_url_problem
 
     problems = []
     tensorboard = spec.tracking.tensorboard
@@ -132,9 +132,12 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     if spec.tracking.mlflow.enabled:
         uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)
         key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
+        scheme = uri.split(":", 1)[0].split("+")[0].lower()
         if problem := sqlite_file_problem(uri, study=False):  # an existing store holds MLflow's tables
             problems.append((key, f"MLflow's store: {problem}"))
-        elif uri.split(":", 1)[0].split("+")[0] not in _DATABASES and (problem := mlflow_uri_problem(uri)):
+        elif scheme == "sqlite" and sqlite_path(uri) is None:  # its file is made beside the study's (`_build_store`)
+            problems.append((key, f"MLflow's store: {storage_url_problem(uri) or 'expected sqlite:///FILE.db'}"))
+        elif scheme not in _DATABASES and (problem := mlflow_uri_problem(uri)):
             problems.append((key, problem))
     return problems
 

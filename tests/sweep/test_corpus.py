@@ -1041,6 +1041,24 @@ REVIEWED = [
              "valid integer"),
     bad_file("reviewed", "yaml-1.1-sexagesimal", yaml_with(replace=("max_steps: 20", "max_steps: 1:30")),
              "fixed.max_steps", "expected an integer"),
+    # A range searched on a key that takes names or true/false: one line on its type, where each end was refused
+    # with a line of its own that named neither the type nor the fix.
+    bad_file("reviewed", "names-key-as-int-range", changed(space__optimizer={"type": "int", "low": 1, "high": 3}),
+             "space.optimizer.type", "optimizer takes one of 'adam', 'adamw', 'sgd', 'lion', not a range of ints; "
+                                     "use type: categorical, choices: ['adam', 'adamw', 'sgd', 'lion']"),
+    bad_file("reviewed", "bool-key-as-int-range", changed(space__nesterov={"type": "int", "low": 0, "high": 1}),
+             "space.nesterov.type", "nesterov takes true or false, not a range of ints; use type: categorical, "
+                                    "choices: [true, false]"),
+    bad_file("reviewed", "model-name-key-as-float-range", changed(**{"space__model.activation": {
+        "type": "float", "low": 0, "high": 1}}), "space.model.activation.type",
+        "model.activation takes a name, not a range of floats"),
+    # An MLflow store MLflow cannot open: every trial's tracking was dropped, with a warning each, and the run exited 0.
+    bad_file("reviewed", "mlflow-sqlite-two-slashes", changed(tracking={"mlflow": {"tracking_uri": "sqlite://rel"}}),
+             "tracking.mlflow.tracking_uri", "MLflow's store: expected sqlite:///FILE.db (three slashes"),
+    bad_file("reviewed", "mlflow-empty-uri", changed(tracking={"mlflow": {"tracking_uri": ""}}),
+             "tracking.mlflow.tracking_uri", "at least 1 character, got ''"),
+    bad_file("reviewed", "budget-beyond-64-bits", changed(n_trials=10**23), "n_trials",
+             "less than or equal to 9223372036854775807, got 100000000000000000000000"),
 ]
 
 CORPUS = [*TYPES, *RANGES, *ENCODINGS, *SIZES, *NESTING, *ALIASES, *TAGS, *DUPLICATES, *NAMES, *PATHS, *URLS, *CLI,
