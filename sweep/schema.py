@@ -911,6 +911,8 @@ def storage_url_problem(url: str) -> str | None:
                 "postgresql+psycopg://USER@HOST/DB")
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_url_problem(url, parsed)
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:  # else found only once its host is looked up
+        return f"expected a port from 1 to 65535, got {parsed.port} in {short_repr(mask_url(url))}"
     try:
         dialect.import_dbapi()
     except ImportError as exc:

@@ -1057,6 +1057,13 @@ REVIEWED = [
              "tracking.mlflow.tracking_uri", "MLflow's store: expected sqlite:///FILE.db (three slashes"),
     bad_file("reviewed", "mlflow-empty-uri", changed(tracking={"mlflow": {"tracking_uri": ""}}),
              "tracking.mlflow.tracking_uri", "at least 1 character, got ''"),
+    bad_file("reviewed", "task-argument-typo", changed(task={"name": "digits", "args": {"val_fractoin": 0.2}}),
+             "task", "task 'digits': task_args.val_fractoin: not an argument of the task (did you mean "
+                     "'val_fraction'?); expected one of: val_fraction, split_seed"),
+    bad_args("reviewed", "postgres-port-out-of-range", ("run", STUDY, "--storage",
+                                                        "postgresql+psycopg://me:hunter2@nowhere.invalid:99999/db"),
+             "--storage: ", "expected a port from 1 to 65535, got 99999 in "
+                            "'postgresql+psycopg://me:***@nowhere.invalid:99999/db'"),
     bad_file("reviewed", "budget-beyond-64-bits", changed(n_trials=10**23), "n_trials",
              "less than or equal to 9223372036854775807, got 100000000000000000000000"),
 ]

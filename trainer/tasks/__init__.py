@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import random
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -51,6 +53,24 @@ def _seeded() -> Iterator[None]:
             np.random.set_state(legacy)
 
 
+def _unknown_argument(factory: Callable[..., Any], args: Mapping[str, Any]) -> str | None:
+    """`"KEY: ..."` for the first of `args` that the task's function takes no argument of (with the closest name
+    and those it takes), or None (it takes them all, or **kwargs, or it has no signature to read)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    names = [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                       inspect.Parameter.KEYWORD_ONLY)]
+    for key in sorted(set(args) - set(names)):
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{key}: not an argument of the task{hint}; expected one of: {', '.join(names) or '(none)'}"
+    return None
+
+
 def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     factory = resolve_task_factory(name)
     args = dict(args or {})
@@ -66,10 +86,12 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
         if not ok:
             raise TaskError(f"task {name!r}: task_args.{key}: {message}")
         args[key] = coerced
+    if (unknown := _unknown_argument(factory, args)) is not None:
+        raise TaskError(f"task {name!r}: task_args.{unknown}")
     try:
         with _seeded():
             task = factory(**args)
-    except TypeError as exc:  # an unknown task_args key
+    except TypeError as exc:  # an argument its signature did not tell of
         raise TaskError(f"task {name!r}: {exc}") from exc
     except TaskError:
         raise
