@@ -81,6 +81,10 @@ class CheckpointService:
     # -----------------------------------------------------------------------------------------------------------------
     # Starting a trial.
 
+    def holds_any(self, trial_number: int) -> bool:
+        """Whether the registry holds a checkpoint of this trial."""
+        return bool(self.registry.for_trial(self.study_name, trial_number))
+
     def resume_point(self, lineage: Sequence[int], keep_steps: Sequence[int] = ()) -> Resume | None:
         """The newest checkpoint of the lineage (the trial being retried, the trial that one retried, ...) that loads
         and matches its hash. One that fails is removed (row and file) with a warning, and the next newest is

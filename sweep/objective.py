@@ -469,8 +469,8 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
     # Only checkpoints trained with this trial's params: a lineage whose params were lost (a queued retry killed before
     # it wrote them) must not hand its state to other ones.
     ancestors = lineage(trials, trial.number)[1:]
-    for number in ancestors:
-        if trials[number].params and trials[number].params != trial.params:
+    for number in ancestors:  # said only where there is something not to resume from (one lost as it was asked: none)
+        if trials[number].params and trials[number].params != trial.params and checkpoints.holds_any(number):
             warnings.warn(f"trial {trial.number} does not resume from trial {number}'s checkpoints: they were trained "
                           f"with other params ({trials[number].params}, this trial {trial.params})", stacklevel=2)
     found = checkpoints.resume_point([n for n in ancestors if trials[n].params == trial.params], keep_steps)

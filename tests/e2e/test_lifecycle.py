@@ -144,6 +144,29 @@ def test_a_queued_retry_killed_before_it_wrote_its_params_is_retried_with_its_li
     assert retry.user_attrs["resumed_from"] == {"trial": cut.number, "step": stopped_at}
 
 
+def test_a_trial_lost_while_it_was_asked_is_retried_without_a_word_about_checkpoints_it_never_had(
+        tmp_path: Path) -> None:
+    # Found by fault injection: a worker stopped in an outage while it wrote a new trial's params left the trial with
+    # one of two; its retry kept that one, drew the other, and warned that it did not resume from the lost trial's
+    # checkpoints "trained with other params", where there were none.
+    path = searched_study(tmp_path / "asked", "asked")
+    document = yaml.safe_load(path.read_text())
+    document["space"]["weight_decay"] = {"type": "float", "low": 1e-4, "high": 1e-1, "log": True}
+    document["fixed"]["max_steps"] = 20
+    write_study(path.parent, document)
+    assert sweep_cli("run", path).returncode == 0
+    study = optuna.load_study(study_name="asked", storage=f"sqlite:///{path.parent / 'asked.db'}")
+    half = study.ask()  # RUNNING, no heartbeat, one param of two: as a worker stopped between them leaves it
+    learning_rate = half.suggest_float("learning_rate", 1e-3, 1e-1, log=True)
+
+    done = sweep_cli("run", path, "--n-trials", "2")
+    assert done.returncode == 0, done.stderr
+    retry = trials(path, "asked")[-1]
+    assert retry.user_attrs["retry_of"] == half.number and retry.state == TrialState.COMPLETE
+    assert retry.params["learning_rate"] == learning_rate and "weight_decay" in retry.params
+    assert "does not resume" not in done.stderr, done.stderr
+
+
 def test_a_retry_whose_params_are_not_its_lineage_s_trains_from_scratch_saying_why(tmp_path: Path) -> None:
     # The last guard: checkpoints trained with other params never hand their state to a trial.
     path = searched_study(tmp_path / "other", "other")
