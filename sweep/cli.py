@@ -402,14 +402,18 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
 
     if (database := sqlite_path(url)) is not None:
         refuse_a_folder_another_owns(database.exists)  # before the SQLite file is made
-    # The study is compared with the file and its folders claimed in one turn of the study's lock: two workers
-    # opening a new study at once from two folders (two machines' checkouts on one PostgreSQL server) each found no
-    # folder of the other's yet, both ran, each with its own checkpoint store, and a later run from one took the
-    # other's checkpoint rows for missing files and deleted them. In turn, the second finds the first's folder.
+    # On a server database the study is compared with the file and its folders claimed in one turn of the study's
+    # lock: two workers opening a new study at once from two folders (two machines' checkouts on one PostgreSQL
+    # server) each found no folder of the other's yet, both ran, each with its own checkpoint store, and a later run
+    # from one took the other's checkpoint rows for missing files and deleted them. In turn, the second finds the
+    # first's folder. (A SQLite file's default store is beside it, whichever folder a run starts in; its lock file
+    # would be left beside a study this run then refuses.)
     with contextlib.ExitStack() as turn:
         try:
             storage = worker_storage(spec, url, notify=notify)
-            turn.enter_context(ask_lock(url, spec.name, storage.boundary, stale_after=spec.heartbeat_grace_period))
+            if database is None:
+                turn.enter_context(ask_lock(url, spec.name, storage.boundary,
+                                            stale_after=spec.heartbeat_grace_period))
             refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
             study = open_study(spec, storage, url)
         except StoreMismatchError as exc:

@@ -230,6 +230,7 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += _heartbeat_problems(spec)
     problems += _warm_start_problems(spec)
     problems += component_problems(spec)
+    problems += tracking_problems(spec)  # a loop's and a command's reports are tracked too
     return problems
 
 

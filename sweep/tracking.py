@@ -27,16 +27,18 @@ import math
 import os
 import posixpath
 import re
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 from sweep.outcomes import SPEC_ATTR
-from sweep.schema import TrackingSpec
+from sweep.schema import TrackingSpec, short_repr
 from sweep.storage import sqlite_path
-from sweep.urls import mask_urls, redact
+from sweep.urls import mask_url, mask_urls, redact
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -121,7 +123,7 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     kinds of their own): its store is opened as a trial would open it (`mlflow_uri_problem`), which for a server
     makes a client without calling it, so a server that is down now is still the trials' warning, not a refusal (a
     database store would connect: it is left to the trials too)."""
-    from sweep.schema import folder_problem, sqlite_file_problem, storage_url_problem
+    from sweep.schema import folder_problem, sqlite_file_problem
 
     problems = []
     tensorboard = spec.tracking.tensorboard
@@ -132,12 +134,15 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
     if spec.tracking.mlflow.enabled:
         uri, _, _ = mlflow_location(spec.tracking, storage_url, spec.name)
         key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
-        scheme = uri.split(":", 1)[0].split("+")[0].lower()
+        scheme, _, rest = uri.partition(":")
+        scheme = scheme.split("+")[0].lower()  # sqlite+pysqlite:///FILE.db is SQLite's too
         if problem := sqlite_file_problem(uri, study=False):  # an existing store holds MLflow's tables
             problems.append((key, f"MLflow's store: {problem}"))
-        elif scheme == "sqlite" and sqlite_path(uri) is None:  # its file is made beside the study's (`_build_store`)
-            problems.append((key, f"MLflow's store: {storage_url_problem(uri) or 'expected sqlite:///FILE.db'}"))
-        elif scheme not in _DATABASES and (problem := mlflow_uri_problem(uri)):
+        elif scheme == "sqlite" and sqlite_path(f"sqlite:{rest}") is None:
+            problems.append((key, "MLflow's SQLite store is sqlite:///FILE.db (three slashes, then the file's path; "
+                                  f"four for an absolute path), got {short_repr(mask_url(uri))}"))
+        elif (scheme not in _DATABASES and importlib.util.find_spec("mlflow") is not None
+              and (problem := mlflow_uri_problem(uri))):  # not installed: `tracking_problems` says so
             problems.append((key, problem))
     return problems
 
@@ -146,20 +151,27 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
 _DATABASES = {"sqlite", "postgresql", "postgres", "mysql", "mssql"}
 
 
+# Tracking URIs MLflow takes as a store's name, not as a path (as its store registry does).
+_NAMED_STORES = {"databricks", "databricks-uc", "uc"}
+
+
 def mlflow_uri_problem(uri: str) -> str | None:
     """Why MLflow cannot track to `uri` (a scheme no installed store serves, a file store MLflow 3 refuses), found by
     making the store a trial's client would make; None when it can. Nothing is contacted: a server's store is a
-    client of it. The message is MLflow's first line, with the URI's secrets masked."""
+    client of it. A file store (a path, `file:`) is made in a temporary folder instead, since making it makes its
+    folder: whether MLflow takes file stores at all is what is judged, not that path (a trial finds out about it).
+    The message is MLflow's first line, with the URI's secrets masked."""
     from mlflow import MlflowClient
 
-    try:
-        MlflowClient(tracking_uri=uri)._tracking_client.store  # noqa: B018, SLF001 - made on first use: made here
-    except Exception as exc:  # noqa: BLE001 - whatever MLflow raises for a URI it cannot serve
-        lines = str(exc).strip().splitlines()
-        said = lines[0] if lines else type(exc).__name__
-        if len(said) > 300:  # its whole sentences that fit (MLflow's file-store refusal runs to five)
-            said = said[:300].rsplit(". ", 1)[0].rstrip(".") + "."
-        return redact(f"MLflow cannot track there: {said}", uri)
+    with tempfile.TemporaryDirectory() as scratch:
+        file_store = urlsplit(uri).scheme in ("", "file") and uri not in _NAMED_STORES
+        made = Path(scratch, "mlruns").as_uri() if file_store else uri
+        try:
+            MlflowClient(tracking_uri=made)._tracking_client.store  # noqa: B018, SLF001 - made on first use: made here
+        except Exception as exc:  # noqa: BLE001 - whatever MLflow raises for a URI it cannot serve
+            lines = str(exc).strip().splitlines()
+            said = (lines[0] if lines else type(exc).__name__)[:1000]
+            return redact(f"MLflow cannot track there: {said}", uri)
     return None
 
 

@@ -305,12 +305,46 @@ def test_a_tracking_uri_mlflow_cannot_serve_is_refused_before_anything_is_create
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
 
 
-@pytest.mark.parametrize(("tracking", "key", "extra"), [({"tensorboard": True}, "tracking.tensorboard", "tensorboard"),
-                                                        ({"mlflow": True}, "tracking.mlflow", "mlflow")])
+@pytest.mark.parametrize(("uri", "allow_file_store", "refused"), [
+    ("sqlite+pysqlite:///m.mlflow.db", False, False), ("http://me:s3cret@127.0.0.1:1", False, False),
+    ("databricks", False, False), ("file:./mlruns", True, False), ("./mlruns", True, False),
+    ("./mlruns", False, True), ("sqlite://m.mlflow.db", False, True)])
+def test_the_mlflow_uri_check_takes_what_mlflow_serves_and_creates_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, uri: str, allow_file_store: bool, refused: bool) -> None:
+    # Found by review: `sqlite+pysqlite:///` was refused as a SQLite URL without three slashes, and checking a file
+    # store that MLflow was allowed to use made its folder even where the run was then refused.
+    pytest.importorskip("mlflow")
+    from sweep.spec import parse_spec
+    from sweep.tracking import destination_problems
+
+    monkeypatch.chdir(tmp_path)
+    if allow_file_store:
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    else:
+        monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    spec = parse_spec(copy.deepcopy(TINY_STUDY) | {"tracking": {"mlflow": {"tracking_uri": uri}}},
+                      tmp_path / "study.yaml")
+    problems = destination_problems(spec, f"sqlite:///{tmp_path / 'tiny.db'}")
+    assert [key for key, _ in problems] == (["tracking.mlflow.tracking_uri"] if refused else []), problems
+    assert "s3cret" not in repr(problems)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("form", ["task", "command"])
+@pytest.mark.parametrize(("tracking", "key", "extra"), [
+    ({"tensorboard": True}, "tracking.tensorboard", "tensorboard"),
+    ({"mlflow": True}, "tracking.mlflow", "mlflow"),
+    ({"mlflow": {"tracking_uri": "http://127.0.0.1:1"}}, "tracking.mlflow", "mlflow")])
 def test_a_backend_that_is_not_installed_is_refused_before_anything_is_created(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tracking: dict[str, Any], key: str, extra: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tracking: dict[str, Any], key: str, extra: str,
+        form: str) -> None:
+    # A command's (or a loop's) study went on, each trial warning that its tracking was dropped; with a server's URI
+    # the check of the URI raised ModuleNotFoundError.
     monkeypatch.setitem(sys.modules, extra, None)  # what importing it finds where it is not installed
-    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"tracking": tracking})
+    document = copy.deepcopy(TINY_STUDY) if form == "task" else {
+        "name": "mine", "n_trials": 1, "command": f"{sys.executable} -c pass {{x}}",
+        "space": {"x": {"type": "float", "low": 0, "high": 1}}}
+    path = write_study(tmp_path, document | {"tracking": tracking})
     done = sweep_cli("run", path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [

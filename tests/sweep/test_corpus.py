@@ -1054,7 +1054,8 @@ REVIEWED = [
         "model.activation takes a name, not a range of floats"),
     # An MLflow store MLflow cannot open: every trial's tracking was dropped, with a warning each, and the run exited 0.
     bad_file("reviewed", "mlflow-sqlite-two-slashes", changed(tracking={"mlflow": {"tracking_uri": "sqlite://rel"}}),
-             "tracking.mlflow.tracking_uri", "MLflow's store: expected sqlite:///FILE.db (three slashes"),
+             "tracking.mlflow.tracking_uri", "MLflow's SQLite store is sqlite:///FILE.db (three slashes, then the "
+                                             "file's path; four for an absolute path), got 'sqlite://rel'"),
     bad_file("reviewed", "mlflow-empty-uri", changed(tracking={"mlflow": {"tracking_uri": ""}}),
              "tracking.mlflow.tracking_uri", "at least 1 character, got ''"),
     bad_file("reviewed", "task-argument-typo", changed(task={"name": "digits", "args": {"val_fractoin": 0.2}}),
