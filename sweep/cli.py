@@ -46,7 +46,7 @@ from sweep.schema import (
     sqlite_write_problem,
     storage_url_problem,
 )
-from sweep.urls import mask_url, redact, sqlite_path
+from sweep.urls import mask_url, mask_urls, redact, sqlite_path
 
 # click's exception classes, wherever this typer takes click from (its own vendored copy, or click itself).
 _CLICK_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -92,8 +92,10 @@ TrustOpt = Annotated[bool, typer.Option("--trust-task", help="Import the task (a
 
 
 def _fail(lines: list[str] | str, code: int) -> typer.Exit:
+    """Print each line as an error (any URL in it masked: a storage URL given where a study file, a study name or a
+    target was expected is echoed back) and return the exit to raise."""
     for line in [lines] if isinstance(lines, str) else lines:
-        err.print(f"error: {line}", markup=False)
+        err.print(f"error: {mask_urls(line)}", markup=False)
     return typer.Exit(code)
 
 
@@ -773,8 +775,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
     not be the study file nor the study's database."""
     problems = _option_problems(storage=storage, study_name=study_name)
     if not target and storage is None:
-        err.print(f"Usage: sweep {command} [OPTIONS] TARGET", markup=False)
-        problems.insert(0, "missing TARGET: a study file, a SQLite .db file, or --storage URL [--study-name NAME]")
+        problems.insert(0, "missing TARGET: a study file, a SQLite .db file, or --storage URL [--study-name NAME] "
+                           f"(usage: sweep {command} [OPTIONS] TARGET)")
     if problems:
         raise _fail(problems, 2)
     path = Path(target) if target else None
@@ -1154,7 +1156,9 @@ def dashboard(
     spec = _study_file_spec(target, url, study_name)
     artifacts = dashboard_artifact_store(study, (spec.checkpoints.store if spec is not None else None)
                                          or store_location(study, url))
-    err.print(f"optuna-dashboard on http://{host}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
+    port = port or _free_port(host)  # 0: any free one, named in the line below (the server's own says 0)
+    shown = f"[{host}]" if ":" in host else host
+    err.print(f"optuna-dashboard on http://{shown}:{port}/dashboard for {mask_url(url)} (Ctrl-C to stop)")
     try:
         optuna_dashboard.run_server(optuna_url(url), host=host, port=port, artifact_store=artifacts)
     except OSError as exc:  # taken between the check and the server's bind
@@ -1223,6 +1227,16 @@ def _bind_problem(host: str, port: int) -> str | None:
                        "default)"
             return f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}"
     return None
+
+
+def _free_port(host: str) -> int:
+    """A port free on `host` now, as the system picks one for a bind to port 0."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.bind(address)
+        return int(probe.getsockname()[1])
 
 
 def _warn_if_exposed(host: str, what: str) -> None:

@@ -1030,13 +1030,19 @@ OPTUNA_TABLES = {"studies", "trials", "version_info"}  # what makes a SQLite fil
 
 
 def _sqlite_tables(path: Path, timeout: float = 5.0) -> set[str]:
-    """The tables of the SQLite database at `path`, read read-only (Optuna's storage would create its own tables in
-    any file it opens); raises `sqlite3.Error` when it cannot be read."""
+    """The tables of the SQLite database at `path`, by a plain read (Optuna's storage would create its own tables in
+    any file it opens); raises `sqlite3.Error` when it cannot be read. Opened for writing where it can be, though
+    nothing is written: a study's database is in WAL mode, and a read-only connection, which cannot remove the -wal
+    and -shm files it makes, left them beside the file of a command that then refused to run. Opened read-only
+    where it cannot (a read-only file)."""
     import sqlite3
 
-    with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
-                                            timeout=timeout)) as connection:
-        return {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    def tables(mode: str) -> set[str]:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode={mode}", uri=True,
+                                                timeout=timeout)) as connection:
+            return {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    return tables("ro" if path.is_file() and not os.access(path, os.W_OK) else "rw")
 
 
 def _foreign_tables_problem(path: Path) -> str | None:

@@ -21,6 +21,8 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)(.*)", re.S)
 _PAIR = re.compile(r"(?P<lead>^|[?&;\s])(?P<key>[^=&?;#\s]+)=(?P<value>'(?:[^'\\]|\\.)*'|[^&;#\s]*)")
 _SECRET_WORDS = ("pass", "pwd", "secret", "token", "credential")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]*")
+# A URL given where a path was expected, its `//` collapsed to `/` as a path's are: `postgresql:/me:pw@host/db`.
+_COLLAPSED = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*:/(?!/)[^\s'\"<>/:@]*:)[^\s'\"<>]*(?=@)")
 
 
 def _is_secret_key(key: str) -> bool:
@@ -58,8 +60,10 @@ def _mask_pair(match: re.Match[str]) -> str:
 
 def mask_urls(text: str) -> str:
     """Free text (a stored failure reason, a driver's message) with every URL in it masked (`mask_url`), and every
-    `password=...` pair outside them too, when the URL it came from is not known."""
-    return _PAIR.sub(_mask_pair, _URL_IN_TEXT.sub(lambda match: mask_url(match[0]), text))
+    `password=...` pair outside them too, when the URL it came from is not known; also a URL that was taken for a
+    path (`postgresql:/me:pw@host/db`)."""
+    text = _URL_IN_TEXT.sub(lambda match: mask_url(match[0]), text)
+    return _PAIR.sub(_mask_pair, _COLLAPSED.sub(lambda match: match["head"] + MASK, text))
 
 
 def url_secrets(url: str) -> list[str]:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 
 from tests.conftest import CLI_ENV, TINY_STUDY, sweep_cli, write_study
@@ -293,3 +294,21 @@ def test_the_storage_password_comes_from_the_variable_the_study_file_names(tmp_p
         status = subprocess.run([sys.executable, "-m", "sweep.cli", "status", str(path)], capture_output=True,
                                 text=True, timeout=300, env={**env, **CLI_ENV, "SWEEP_TEST_DB_PASSWORD": password})
         assert status.returncode == 0 and "4/4" in status.stdout, status.stdout + status.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ("status", "{url}"), ("trials", "{url}"), ("check", "{url}"), ("reproduce", "{url}", "0"), ("run", "{url}"),
+    ("status", "tiny.db", "--study-name", "{url}"), ("run", "study.yaml", "--study-name", "{url}"),
+    ("status", "{url}", "--storage", "sqlite:///tiny.db")])
+def test_a_storage_url_given_where_a_file_or_a_name_was_expected_is_echoed_masked(tmp_path: Path,
+                                                                                  args: tuple[str, ...]) -> None:
+    # Found by a fuzz of the commands' arguments: the one line that refused it showed the password, as a study file
+    # ('postgresql+psycopg:/me:s3cretpw@...', its `//` collapsed as a path's), a target or a study name.
+    write_study(tmp_path, copy.deepcopy(TINY_STUDY))
+    optuna.create_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    url = "postgresql+psycopg://me:s3cretpw@127.0.0.1:1/db"
+    done = sweep_cli(*(a.format(url=url) for a in args), cwd=tmp_path)
+    assert done.returncode in (1, 2), done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "s3cretpw" not in done.stderr + done.stdout, done.stderr
+    assert "me:***@127.0.0.1" in lines[0], lines

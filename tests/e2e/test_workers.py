@@ -7,6 +7,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -402,6 +403,24 @@ def test_the_dashboard_reading_a_live_sqlite_study_does_not_disturb_it(tmp_path:
     assert workers.returncode == 0, stderr
     assert reads >= 5 and "locked" not in stderr
     check_exact(optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}"), 14)
+
+
+def test_dashboard_on_port_0_names_the_port_it_serves_on(tmp_path: Path) -> None:
+    # Found by a fuzz of the commands' arguments: `--port 0` printed http://127.0.0.1:0/dashboard.
+    pytest.importorskip("optuna_dashboard")
+    optuna.create_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    server = subprocess.Popen([sys.executable, "-m", "sweep.cli", "dashboard", str(tmp_path / "tiny.db"), "--port",
+                               "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        line = server.stderr.readline()
+        found = re.search(r"on http://127\.0\.0\.1:(\d+)/dashboard ", line)
+        assert found is not None and int(found[1]) > 0, line
+        [summary] = json.loads(http_get(int(found[1]), "/api/studies", server))["study_summaries"]
+        assert summary["study_name"] == "tiny"
+    finally:
+        server.terminate()
+        server.communicate(timeout=60)
 
 
 def test_dashboard_serves_the_study_on_loopback(tmp_path: Path) -> None:
