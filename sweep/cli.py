@@ -759,6 +759,8 @@ def _option_problems(*, storage: str | None = None, study_name: str | None = Non
         problems.append(f"--study-name: {problem}")
     if n_trials is not None and n_trials < 1:
         problems.append(f"--n-trials: expected at least 1 trial, got {n_trials}")
+    elif n_trials is not None and n_trials >= 2**63:  # else blamed on the study file's n_trials, which it replaces
+        problems.append(f"--n-trials: expected a count that fits in 64 bits (at most {2**63 - 1}), got {n_trials}")
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         problems.append(f"--timeout: expected a number of seconds > 0, got {timeout:g}")
     if workers < 1:

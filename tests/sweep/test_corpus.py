@@ -1077,6 +1077,8 @@ REVIEWED = [
                                                         "postgresql+psycopg://me:hunter2@nowhere.invalid:99999/db"),
              "--storage: ", "expected a port from 1 to 65535, got 99999 in "
                             "'postgresql+psycopg://me:***@nowhere.invalid:99999/db'"),
+    bad_args("reviewed", "budget-flag-beyond-64-bits", ("run", STUDY, "--n-trials", str(2**63)), "--n-trials: ",
+             f"expected a count that fits in 64 bits (at most {2**63 - 1}), got {2**63}"),
     bad_file("reviewed", "budget-beyond-64-bits", changed(n_trials=10**23), "n_trials",
              "less than or equal to 9223372036854775807, got 100000000000000000000000"),
 ]
