@@ -9,7 +9,6 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import shutil
 import typing
 from collections.abc import Mapping, Sequence
@@ -36,7 +35,7 @@ from sweep.schema import (
 from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
-from trainer.tasks import BUILTIN_TASKS, Task, TaskError, load_task, resolve_task_factory
+from trainer.tasks import BUILTIN_TASKS, Task, TaskError, argument_names, load_task, resolve_task_factory
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec",
            "store_problems", "trainer_problems"]
@@ -244,15 +243,8 @@ def _batch_size_problem(value: Any, task: Task) -> str | None:
 
 def _task_arg_problem(name: str, argument: str) -> str | None:
     """A searched `task_args.X` that the task's function does not take (fixed ones are checked by calling it)."""
-    try:
-        parameters = inspect.signature(resolve_task_factory(name)).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: the first trial finds out
-        return None
-    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
-        return None
-    names = [parameter.name for parameter in parameters
-             if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    if argument in names:
+    names = argument_names(resolve_task_factory(name))  # None: any, or no signature to read (a trial finds out)
+    if names is None or argument in names:
         return None
     return (f"task {name!r} takes no argument {argument!r}{did_you_mean(argument, names)}; expected one of: "
             + (", ".join(names) or "(none)"))
@@ -506,18 +498,20 @@ def _object_store_client_problem(store: str) -> str | None:
 
 def _expected_type(key: str, task: Task) -> type | None:
     """int when the key takes integers (so a float range for it is refused before any trial), else None."""
+    hint = _hint(key, task)
+    if key.startswith("model."):
+        return hint
+    options = typing.get_args(hint) or (hint,)
+    return int if int in options else None
+
+
+def _hint(key: str, task: Task) -> Any:
+    """The type a key takes: a model key's default's, else what TrainingConfig annotates it with, through its nested
+    config dataclasses (curriculum.stages); None for a key it does not name (or a model key defaulting to None)."""
     head, _, rest = key.partition(".")
     if head == "model":
         default = task.model_defaults.get(rest)
         return type(default) if default is not None else None
-    options = typing.get_args(hint := _hint(key)) or (hint,)
-    return int if int in options else None
-
-
-def _hint(key: str) -> Any:
-    """The type a TrainingConfig key is annotated with, through its nested config dataclasses (curriculum.stages);
-    None for a key it does not name."""
-    head, _, rest = key.partition(".")
     owner: Any = TrainingConfig
     while True:
         hint = typing.get_type_hints(owner).get(head)
@@ -530,11 +524,7 @@ def _hint(key: str) -> Any:
 def _no_numbers(key: str, task: Task) -> tuple[str, str] | None:
     """What a key takes when that is no number (a name among some, true or false) and how to search it, said for a
     range searched on it; None when it takes numbers, or its type is not known."""
-    if key.startswith("model."):
-        default = task.model_defaults.get(key.removeprefix("model."))
-        hint: Any = type(default) if default is not None else None
-    else:
-        hint = _hint(key)
+    hint = _hint(key, task)
     if hint is None:
         return None
     if typing.get_origin(hint) is typing.Literal:

@@ -21,7 +21,7 @@ from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
 from trainer.tasks.digits import digits
 
-__all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "cross_entropy", "load_task",
+__all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "argument_names", "cross_entropy", "load_task",
            "resolve_task_factory"]
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs,
@@ -53,17 +53,25 @@ def _seeded() -> Iterator[None]:
             np.random.set_state(legacy)
 
 
-def _unknown_argument(factory: Callable[..., Any], args: Mapping[str, Any]) -> str | None:
-    """`"KEY: ..."` for the first of `args` that the task's function takes no argument of (with the closest name
-    and those it takes), or None (it takes them all, or **kwargs, or it has no signature to read)."""
+def argument_names(factory: Callable[..., Any]) -> list[str] | None:
+    """The keyword arguments a task's function takes, in order; None when it takes any (**kwargs) or has no
+    signature to read."""
     try:
         parameters = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
-    names = [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                       inspect.Parameter.KEYWORD_ONLY)]
+    return [p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                      inspect.Parameter.KEYWORD_ONLY)]
+
+
+def _unknown_argument(factory: Callable[..., Any], args: Mapping[str, Any]) -> str | None:
+    """`"KEY: ..."` for the first of `args` that the task's function takes no argument of (with the closest name
+    and those it takes), or None (it takes them all, or **kwargs, or it has no signature to read)."""
+    names = argument_names(factory)
+    if names is None:
+        return None
     for key in sorted(set(args) - set(names)):
         close = difflib.get_close_matches(key, names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
