@@ -269,7 +269,8 @@ def test_three_workers_ride_out_five_postgresql_restarts(tmp_path: Path) -> None
     from sqlalchemy.pool import NullPool
 
     rng, seed = fault_rng()
-    n_trials, max_steps, every = 24, 300, 50
+    # Long enough for five restarts on an idle machine too (24 trials once ended after four, exit 0, all sound).
+    n_trials, max_steps, every = 36, 300, 50
     document = {
         "name": "restarts", "n_trials": n_trials, "seed": 0, "sampler": {"type": "random"}, "pruner": "none",
         "task": "digits", "heartbeat_interval": 1, "heartbeat_grace_period": 5,
