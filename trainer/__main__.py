@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -245,4 +246,9 @@ def _strict_json(value: Any) -> Any:
     return value
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # a torchrun rank, its group finished (`exit_process`)
+        from trainer.distributed import exit_process
+
+        exit_process(code)
+    sys.exit(code)

@@ -13,13 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import traceback
 from pathlib import Path
 
 from trainer.checkpoint import WarmStart, load_checkpoint
 from trainer.config import TrainingConfig
-from trainer.distributed import DEFAULT_TIMEOUT_S, LOST_EXIT, collective_failed, die_with_parent, join_parent
+from trainer.distributed import (
+    DEFAULT_TIMEOUT_S,
+    LOST_EXIT,
+    collective_failed,
+    die_with_parent,
+    exit_process,
+    join_parent,
+)
 from trainer.loop import NullReporter, train
 from trainer.precision import resolve_device
 
@@ -54,4 +60,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # the result is on stdout: past the interpreter's shutdown, where gloo may abort
