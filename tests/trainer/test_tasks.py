@@ -265,3 +265,40 @@ def test_inputs_of_another_dtype_than_the_model_are_refused_naming_the_task_both
     wrong_width = Task(name="np64", train=(x.float(), y), val=(x.float(), y), build_model=lambda cfg: _Float64(5))
     with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied"):
         train(config, wrong_width)
+
+
+def _int_task(dtype: torch.dtype) -> object:
+    from trainer import Task
+
+    x = torch.from_numpy(np.random.default_rng(1).normal(size=(96, 4)).astype(np.float32))
+    y = (x[:, 0] > 0).to(dtype)
+    return Task(name="ints", train=(x[:64], y[:64]), val=(x[64:], y[64:]), model_defaults={"hidden": 8},
+                build_model=lambda cfg: torch.nn.Sequential(torch.nn.Linear(4, cfg["hidden"]), torch.nn.ReLU(),
+                                                            torch.nn.Linear(cfg["hidden"], 2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.bool])
+def test_class_targets_of_any_integer_dtype_train_as_int64_ones_do_alone_and_batched(dtype: torch.dtype) -> None:
+    # A user's task with int32 labels (numpy's default on some platforms) failed every trial with PyTorch's
+    # "expected target dtype to be Long or Byte, but got Int"; in a cohort it was taken for a model vmap cannot batch.
+    configs = [TrainingConfig(max_steps=12, eval_every_steps=4, batch_size=16, learning_rate=lr, device="cpu")
+               for lr in (0.01, 0.05)]
+    reference = [train(config, _int_task(torch.int64)) for config in configs]
+    alone = [train(config, _int_task(dtype)) for config in configs]
+    assert [r.evals for r in alone] == [r.evals for r in reference]
+    stacked = train_batched(configs, task=_int_task(dtype))
+    assert [r.evals for r in stacked] == [r.evals for r in reference]
+
+
+def test_accuracy_leaves_out_targets_the_loss_ignores_and_is_unchanged_where_there_are_none() -> None:
+    from trainer.tasks import accuracy_sum
+
+    targets = torch.tensor([[1, 2, 0, -100, -100], [3, 3, 3, 3, 3], [-100] * 5])
+    logits = torch.nn.functional.one_hot(targets.clamp(min=0), 4).float()  # right wherever a target counts
+    logits[1, 0] = torch.tensor([1.0, 0, 0, 0])  # one wrong of five in the unpadded sample
+    # Padded positions are not wrong answers (they were: 3 of 5 for a perfect model); a sample with no target
+    # counted adds 0; an unpadded sample's value is the plain mean, as before.
+    expected = torch.stack([torch.tensor(1.0), torch.tensor([0.0, 1, 1, 1, 1]).mean(), torch.tensor(0.0)]).sum()
+    assert torch.equal(accuracy_sum(logits, targets)["accuracy"], expected)
+    plain = torch.tensor([[0, 1], [1, 1]])
+    assert accuracy_sum(torch.nn.functional.one_hot(plain, 2).float(), plain)["accuracy"].item() == 2.0

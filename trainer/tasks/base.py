@@ -56,13 +56,23 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"the default loss (cross entropy) takes class indices, and the targets are {targets.dtype}: "
                         "for a regression task give the Task a loss= such as torch.nn.functional.mse_loss (as "
                         "loss=lambda out, y: mse_loss(out.squeeze(-1), y) for one output per sample)")
+    if targets.dtype not in (torch.int64, torch.uint8):  # int32, int16, bool: what numpy and files often hold
+        targets = targets.long()  # (PyTorch said "expected target dtype to be Long or Byte, but got Int")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+IGNORE_INDEX = -100  # cross entropy's `ignore_index`: a target left out of the loss (padding), and of the accuracy
+
+
 def accuracy_sum(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-sample accuracy summed over the batch (the mean over positions for sequences)."""
+    """Per-sample accuracy summed over the batch (the evaluation divides by the number of samples). For sequences,
+    a sample's accuracy is the mean over its positions whose target is not `IGNORE_INDEX` (-100, which the default
+    loss leaves out too: padding); a sample whose every target is -100 counts as 0."""
     correct = (logits.argmax(-1) == targets).float()
-    return {"accuracy": correct.reshape(correct.shape[0], -1).mean(1).sum()}
+    correct, kept = correct.reshape(correct.shape[0], -1), (targets != IGNORE_INDEX).reshape(correct.shape[0], -1)
+    counted = (correct * kept).sum(1) / kept.sum(1).clamp(min=1)
+    # Where no target is ignored, the plain mean, to the bit as it always was (no read-back to choose: a select).
+    return {"accuracy": torch.where(kept.all(1), correct.mean(1), counted).sum()}
 
 
 # How PyTorch refuses tensors of two dtypes: "mat1 and mat2 must have the same dtype, but got Double and Float",
