@@ -280,6 +280,28 @@ def claim_problem(location: str | Path, study: str, owner: str | None, *, claim:
     return None
 
 
+def own_folder(location: str | Path, study: str, owner: str) -> None:
+    """Mark the study's folder of a local store as `owner`'s, replacing another owner's mark (atomically: a reader
+    sees the old mark or the new one). For a SQLite file's default folder (`NAME.checkpoints/`), which is that
+    file's whoever marked it before (a study of the file deleted to start over, or another database's study that
+    pointed `checkpoints.store` there): marked, another database's study that points its store there is refused
+    by `claim_problem` as for any other claimed folder. A folder that cannot be written is left as it is."""
+    folder = Path(location).expanduser().resolve() / study
+    marker = folder / OWNER_FILE
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads(marker.read_text(encoding="utf-8")).get("owner") == owner:
+            return
+    with contextlib.suppress(OSError):  # an unwritable store is told by the run's own checks
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".sweep-owner-", delete=False) as handle:
+            json.dump({"study": study, "owner": owner}, handle)
+        try:
+            os.replace(handle.name, marker)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(handle.name)
+
+
 class RetainedArtifacts:
     """An artifact store as the dashboard sees it: a trial's checkpoint artifact that the study's retention removed
     (`checkpoints.keep_top_trials`) downloads as a one-line note saying so, where the dashboard would answer a

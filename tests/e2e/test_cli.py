@@ -845,6 +845,32 @@ def test_a_checkpoint_folder_another_database_s_study_of_that_name_owns_is_refus
     assert checked.returncode == 0 and "orphan_file 0" in checked.stderr, checked.stdout + checked.stderr
 
 
+def test_a_sqlite_file_s_default_checkpoint_folder_is_refused_to_another_database_s_study(tmp_path: Path) -> None:
+    # The default folder beside a SQLite file (tiny.checkpoints/) was never marked as its study's: a study of that
+    # name in another database, its checkpoints.store pointed there, ran, wrote blobs of the same names, and its
+    # `sweep check --repair` deleted the first study's checkpoints as orphans.
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    assert sweep_cli("run", path).returncode == 0
+    folder = tmp_path / "tiny.checkpoints" / "tiny"
+    blobs = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
+    assert blobs
+    other = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 1, "storage": "sqlite:///other.db", "checkpoints": {"store": "tiny.checkpoints"}}, "other.yaml")
+    refused = sweep_cli("run", other)
+    assert refused.returncode == 2, refused.stderr
+    assert f"checkpoints.store: the checkpoint folder {folder.resolve()} belongs to another study named 'tiny'" \
+        in refused.stderr.strip().splitlines()[-1], refused.stderr
+    assert not (tmp_path / "other.db").exists()
+    repair = sweep_cli("check", other, "--repair")  # no such study in other.db: nothing to repair, nothing deleted
+    assert repair.returncode != 0 and {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs
+    # Its own file's study goes on with it; a file deleted to start over takes its default folder back.
+    assert sweep_cli("run", path, "--n-trials", "2").returncode == 0
+    (tmp_path / "tiny.db").unlink()
+    again = sweep_cli("run", path)
+    assert again.returncode == 0, again.stderr
+    assert sweep_cli("run", other).returncode == 2
+
+
 def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(tmp_path: Path) -> None:
     """Damage that the opening check does not read (it reads the schema) came out of every command as a 120-line
     traceback ending in Optuna's "invalid data in the commit"."""
