@@ -302,6 +302,22 @@ def save_checkpoints(jobs: Sequence[tuple[Path, Callable[[], TrainState]]], *, m
     return results + ([unmade] if unmade is not None else [])
 
 
+def _why(error: Exception) -> str:
+    """What `torch.load` refused, in one line. For a pickle that reaches for code, torch says it in paragraphs: that
+    weights_only refused the file, advice to load it without (not advice to take about a file another worker
+    wrote), then the global it refused; that last line is kept. Otherwise the first sentence."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        found = [line.removeprefix("WeightsUnpickler error: ") for line in lines[1:]
+                 if line.startswith("WeightsUnpickler error:")]
+        found = found or [line for line in lines[1:] if not line.startswith(("(", "Check the documentation"))]
+        said = "weights_only refused it" + (f": {found[0]}" if found else "")
+    else:
+        said = lines[0].split(". ", 1)[0] if lines else ""
+    said = said.split(" Please use ", 1)[0]
+    return said[:300] or type(error).__name__
+
+
 def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: str | torch.device = "cpu",
                     ) -> TrainState:
     """Read a checkpoint as data only. With `sha256`, a file that does not match is refused before it is parsed."""
@@ -313,7 +329,7 @@ def load_checkpoint(path: str | Path, sha256: str | None = None, map_location: s
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # truncated zip, pickle errors, disallowed globals: all untrustworthy
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {_why(exc)})") from exc
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint {path} holds {type(payload).__name__}, not a training state")
     return TrainState.from_payload(payload)

@@ -94,12 +94,16 @@ def test_corrupt_truncated_and_code_carrying_checkpoints_are_refused(tmp_path: P
         load_checkpoint(tmp_path / "flipped.pt", sha256=good)
 
     (tmp_path / "short.pt").write_bytes(path.read_bytes()[: len(data) // 3])
-    with pytest.raises(CheckpointError, match="unreadable"):
+    with pytest.raises(CheckpointError, match="unreadable") as short:
         load_checkpoint(tmp_path / "short.pt")
+    assert "\n" not in str(short.value)  # one line, as the warning that falls back to an older checkpoint prints it
 
     torch.save({"format": 1, "step": 1, "payload": subprocess.Popen}, tmp_path / "code.pt")  # a pickled class
-    with pytest.raises(CheckpointError, match="unreadable"):
+    with pytest.raises(CheckpointError, match="unreadable") as code:
         load_checkpoint(tmp_path / "code.pt")  # weights_only: never unpickled
+    # One line naming what was refused (torch's several paragraphs advise loading it without weights_only).
+    said = str(code.value)
+    assert "\n" not in said and "GLOBAL" in said and "Popen" in said and "weights_only=False" not in said, said
 
 
 def test_checkpoints_hold_the_whole_training_state(tmp_path: Path) -> None:
