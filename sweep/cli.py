@@ -47,6 +47,7 @@ from sweep.schema import (
     storage_url_problem,
 )
 from sweep.urls import mask_url, mask_urls, redact, sqlite_path
+from trainer.yaml_file import short_repr
 
 # click's exception classes, wherever this typer takes click from (its own vendored copy, or click itself).
 _CLICK_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -675,6 +676,11 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     from sweep.urls import sqlite_path
 
     folder, workdir = slurm.job_folder(spec, spec_path, options), Path.cwd()
+    for what, place in (("the study file's path", spec_path.resolve()), ("the working folder", workdir),
+                       ("the job's folder (launch.slurm.log_dir)", folder)):
+        if any(ord(c) < 32 or ord(c) == 127 for c in str(place)):  # a newline would end a line of the script
+            raise _fail(f"{short_repr(str(spec_path))}: {what} {short_repr(str(place))} holds a control character, "
+                        "which the batch script cannot hold safely; expected a printable path", 2)
     if problem := folder_problem(folder, "the job's script, storage file and logs need"):
         key = "launch.slurm.log_dir" if options.log_dir else f"launch.slurm.log_dir (default: {folder.name} next to it)"
         raise _fail(f"{spec_path}: {key}: {problem}", 2)

@@ -260,7 +260,7 @@ class CheckpointPolicy(_Model):
     keep_top_k: StrictInt = Field(1, ge=1)  # per trial: the latest, plus the k best by the metric
     keep_top_trials: StrictInt | None = Field(None, ge=1)  # per study: only the k best finished trials keep some
     artifacts: StrictBool = True  # upload each finished trial's best checkpoint as an Optuna artifact (dashboard)
-    store: StrictStr | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
+    store: Printable | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
 
     @field_validator("store", mode="after")
     @classmethod
@@ -354,6 +354,19 @@ def _sbatch_line(value: str) -> str:
     return line
 
 
+def _printable(value: str) -> str:
+    """A path or URL with no control character: NUL made every command that resolved it a traceback ("embedded
+    null byte"), a newline made a folder no listing shows as named, and a newline in `launch.slurm.log_dir` ended a
+    line of the batch script, so that what followed it ran as a command."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        shown = mask_url(value) if "://" in value else value  # a storage URL's password is never shown
+        raise ValueError(f"expected a path without control characters (a newline, a tab, NUL), got {short_repr(shown)}")
+    return value
+
+
+Printable = Annotated[StrictStr, AfterValidator(_printable)]
+
+
 class SlurmSpec(_Model):
     """`launch.slurm`: how `sweep submit --slurm` asks Slurm for the workers (see sweep.launch.slurm)."""
 
@@ -367,7 +380,7 @@ class SlurmSpec(_Model):
     cpus_per_task: StrictInt | None = Field(None, ge=1, le=1_000_000)
     gpus_per_task: StrictInt = Field(0, ge=0, le=1024)  # G GPUs per array task, one worker pinned to each
     warning_s: StrictInt = Field(120, ge=1, le=65535)  # Slurm's warning this many s before the time limit (at most)
-    log_dir: StrictStr | None = None  # default NAME.slurm next to the study file; on a path every node sees
+    log_dir: Printable | None = None  # default NAME.slurm next to the study file; on a path every node sees
     sbatch: list[Annotated[StrictStr, AfterValidator(_sbatch_line)]] = []  # extra `#SBATCH` options, one each
 
 
@@ -427,7 +440,7 @@ class TensorBoardSpec(_Model):
 
     enabled: StrictBool = True
     # Default: NAME.tensorboard/ next to the SQLite file (sweep-tensorboard/ for a server).
-    dir: Annotated[StrictStr, Field(min_length=1)] | None = None
+    dir: Annotated[StrictStr, Field(min_length=1), AfterValidator(_printable)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -440,7 +453,7 @@ class MLflowSpec(_Model):
 
     enabled: StrictBool = True
     # default: sqlite:///NAME.mlflow.db next to the SQLite file
-    tracking_uri: Annotated[StrictStr, Field(min_length=1)] | None = None
+    tracking_uri: Annotated[StrictStr, Field(min_length=1), AfterValidator(_printable)] | None = None
     experiment: Annotated[StrictStr, Field(min_length=1)] | None = None  # default: the study's name
 
     @model_validator(mode="before")
@@ -461,7 +474,7 @@ class StudySpec(_Model):
 
     name: StrictStr
     description: StrictStr = ""
-    storage: StrictStr | None = None
+    storage: Printable | None = None
     storage_password_env: StrictStr | None = None  # the environment variable that holds the storage password
     direction: Literal["minimize", "maximize"] = "minimize"
     metric: StrictStr = "val_loss"

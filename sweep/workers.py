@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sweep.signals import FORWARD, raise_pending
+from trainer.yaml_file import YamlFileError, read_text
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -67,8 +68,12 @@ def storage_from_environment() -> str | None:
     path = os.environ.get(STORAGE_FILE_ENV)
     if url is not None or not path:
         return url
+    try:  # a regular file of bounded size: a FIFO there hung the worker past SIGTERM, /dev/zero filled its memory
+        text = read_text(Path(path), what="storage file")
+    except YamlFileError as exc:
+        raise ValueError(f"{path}: {exc.problems[0][1]}") from None
     try:
-        secrets = json.loads(Path(path).read_text())
+        secrets = json.loads(text)
         url, extra = secrets["url"], secrets.get("env", {})
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a storage file written by sweep submit ({type(exc).__name__})") from None

@@ -90,6 +90,9 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
                  timeout: float | None = None, overrides: Sequence[str] = (), python: str = sys.executable) -> str:
     """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
     any secret."""
+    for path in (folder, workdir, spec_path):  # the CLI refuses them first, in one line
+        if any(ord(c) < 32 or ord(c) == 127 for c in str(path)):
+            raise ValueError(f"a batch script cannot hold the path {str(path)!r} (a control character)")
     gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
     workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (sweep.workers.gpus_problem)
     run = [python, "-m", "sweep.cli", "run", *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),

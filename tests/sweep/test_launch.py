@@ -8,6 +8,7 @@ import re
 import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,19 @@ def test_the_study_files_launch_section_is_used_and_the_command_line_wins(tmp_pa
     assert "#SBATCH --partition=gpu" in lines and "#SBATCH --partition=cpu" not in lines
     assert {"#SBATCH --time=30", "#SBATCH --array=0-4", "#SBATCH --exclusive",
             f"#SBATCH --output={tmp_path}/logs/%A_%a.log"} <= set(lines)
+
+
+def test_a_study_folder_with_a_newline_in_its_path_gets_no_batch_script(tmp_path: Path) -> None:
+    # The folder's path goes into the script's comment and --output lines: a newline in it ended the line, and what
+    # followed ran as a command (and, not a comment, made sbatch ignore every #SBATCH line after it).
+    folder = tmp_path / "runs\ntouch pwned #"
+    folder.mkdir()
+    path = write_study(folder, changed(storage=URL, checkpoints={"store": str(tmp_path / "store")}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds a control character, which the batch script cannot hold safely" in lines[0], \
+        lines
 
 
 def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
@@ -162,6 +176,23 @@ def test_a_worker_whose_storage_file_is_missing_exits_2_naming_it(tmp_path: Path
     assert done.returncode == 2
     assert "cannot read the storage URL its launcher left" in done.stderr and str(missing) in done.stderr
     assert not (tmp_path / "tiny.db").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_worker_whose_storage_file_is_no_regular_file_exits_2_at_once(tmp_path: Path, kind: str) -> None:
+    # A named pipe there hung the worker for good (past SIGTERM and Ctrl-C); /dev/zero filled its memory.
+    path = write_study(tmp_path, changed())
+    odd = Path("/dev/zero")
+    if kind == "fifo":
+        odd = tmp_path / "storage.json"
+        os.mkfifo(odd)
+    env = {**os.environ, "SWEEP_WORKER": "0", STORAGE_FILE_ENV: str(odd)}  # a process of its own: it may hang
+    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot read the storage URL its launcher left: {odd}: " in lines[0], lines
+    assert "not a regular file" in lines[0] and not (tmp_path / "tiny.db").exists()
 
 
 def test_every_sweep_submit_the_readme_shows_prints_its_script(tmp_path: Path) -> None:

@@ -61,6 +61,19 @@ BAD_FILES = [
     pytest.param(changed(direction="down"), "direction", "'minimize' or 'maximize'", id="bad-direction"),
     pytest.param(changed(heartbeat_interval=30, heartbeat_grace_period=40), "heartbeat_grace_period",
                  "at least twice heartbeat_interval (60 s)", id="grace-shorter-than-two-beats"),
+    # A path or URL with a control character: NUL was a traceback ("embedded null byte") from every command, a
+    # newline a folder no listing shows as named, or, in launch.slurm.log_dir, a command in the batch script.
+    pytest.param(changed(checkpoints={"store": "a\0b"}), "checkpoints.store", "without control characters",
+                 id="nul-in-store"),
+    pytest.param(changed(checkpoints={"store": "a\nb"}), "checkpoints.store", "got 'a\\nb'", id="newline-in-store"),
+    pytest.param(changed(storage="postgresql://u:hunter2@localhost/a\0b"), "storage",
+                 "got 'postgresql://u:***@localhost/a\\x00b'", id="nul-in-storage-password-masked"),
+    pytest.param(changed(tracking={"tensorboard": {"dir": "t\0b"}}), "tracking.tensorboard.dir",
+                 "without control characters", id="nul-in-tensorboard-dir"),
+    pytest.param(changed(tracking={"mlflow": {"tracking_uri": "sqlite:///m\0.db"}}), "tracking.mlflow.tracking_uri",
+                 "without control characters", id="nul-in-mlflow-uri"),
+    pytest.param(changed(launch={"slurm": {"log_dir": "logs\ntouch /tmp/owned #"}}), "launch.slurm.log_dir",
+                 "without control characters", id="newline-in-slurm-log-dir"),
 ]
 
 
@@ -81,6 +94,7 @@ def test_bad_study_file_is_refused_in_process(tmp_path: Path, document: dict, ke
         pytest.param(changed(space__learning_rate={"type": "float", "low": 0.1, "high": 0.01}), "space.learning_rate",
                      id="low-above-high"),
         pytest.param(changed(task=...), "task", id="missing-task"),
+        pytest.param(changed(checkpoints={"store": "a\0b"}), "checkpoints.store", id="nul-in-store"),
         pytest.param("name: [unclosed\n", "", id="invalid-yaml"),
         pytest.param("- a list\n", "", id="not-a-mapping"),
     ],
