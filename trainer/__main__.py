@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configs = []
     for path in args.config:
-        folder = str(path.resolve().parent)  # importable, as a script's folder is (and a study file's for sweep run)
-        if folder not in sys.path:
-            sys.path.append(folder)
         try:
-            values = _load(path)
+            values = _load(path)  # first: a path that cannot be read (a symlink loop, say) is one line from it
+            folder = str(path.resolve().parent)  # importable, as a script's folder is (a study file's for sweep run)
+            if folder not in sys.path:
+                sys.path.append(folder)
             values.update(overrides)
             config = TrainingConfig.from_dict(values)
             _check_model(config)

@@ -147,7 +147,8 @@ class TrainingConfig:
         "auto", doc="device: the training set is moved to the device once and batched there; dataloader: worker "
                     "processes gather batches on the host (memory-mapped data larger than RAM too); auto: device "
                     "unless, on CUDA, the training set needs more than half the free device memory")
-    loader_workers: int = _f(2, _range(0), "dataloader: worker processes gathering batches (0: the main process)")
+    loader_workers: int = _f(2, _range(0, 512), "dataloader: worker processes gathering batches (0: the main "
+                                                "process; at most 512, each a process of its own)")
     pin_memory: bool = _f(True, doc="dataloader on CUDA: pin host batches, so the copy to the device does not block")
     prefetch_factor: int = _f(2, _range(1), "dataloader: batches each worker prepares ahead")
     compile: bool = _f(False, doc="torch.compile the model; checkpoints hold the plain module's weights, loadable "
@@ -157,7 +158,8 @@ class TrainingConfig:
                        "and backward as CUDA graphs (on CUDA: for small static models, bound by kernel launches)")
 
     # Reproducibility and placement.
-    seed: int = _f(0, _range(0, 2**63 - 1))
+    seed: int = _f(0, _range(0, 2**32 - 1), "torch's and numpy's generators take 32 bits of it: 2**32 would "
+                                          "train as 0 does")
     deterministic: bool = _f(False,
                              doc="torch.use_deterministic_algorithms and no TF32 matmuls; slower, and exact on GPU")
     device: str = _f("auto", _device, "auto: cuda if available, else cpu")

@@ -290,6 +290,8 @@ def test_only_code_the_study_file_names_is_trusted() -> None:
     (0o077, "027", 0o027),
     (0o022, "rw-r--r--", 0o077),  # not octal: ignored with a warning
     (0o022, "1777", 0o077),
+    (0o022, "777", 0o077),  # the owner's own rights taken (an unreadable database): ignored with a warning
+    (0o022, "200", 0o077),
 ])
 def test_sweep_creates_files_owner_only_unless_sweep_umask_says_otherwise(
         user_umask: int, setting: str | None, expected: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
@@ -309,7 +311,9 @@ def test_sweep_creates_files_owner_only_unless_sweep_umask_says_otherwise(
     assert now == expected
     assert (tmp_path / "file").stat().st_mode & 0o777 == 0o666 & ~expected
     assert (tmp_path / "folder").stat().st_mode & 0o777 == 0o777 & ~expected
-    assert ("is not an octal umask" in capsys.readouterr().err) == (setting in ("rw-r--r--", "1777"))
+    err = capsys.readouterr().err
+    assert ("is not an octal umask" in err) == (setting in ("rw-r--r--", "1777"))
+    assert ("takes from the owner their own rights" in err) == (setting in ("777", "200"))
 
 
 def test_check_repair_uploads_artifacts_only_where_the_store_keeps_them(registry: Registry, tmp_path: Path) -> None:

@@ -59,6 +59,8 @@ def test_unknown_key_names_the_key_and_the_allowed_ones() -> None:
         ({"nesterov": True, "optimizer": "adam"}, "nesterov", "optimizer 'sgd'"),
         ({"compile_mode": "reduce-overhead"}, "compile_mode", "needs compile: true"),
         ({"compile": True, "compile_mode": "graphs"}, "compile_mode", "'reduce-overhead'"),
+        ({"seed": 2**32}, "seed", "[0, 4294967295]"),  # 2**32 trained as seed 0: 32-bit generators
+        ({"loader_workers": 100_000}, "loader_workers", "[0, 512]"),  # forked until killed
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(values: dict, key: str, fragment: str) -> None:

@@ -104,7 +104,9 @@ LAUGHS = "l0: &l0 [lol]\n" + "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"]
     ("task: digits\x00\n", "line 1: a NUL byte"),
     ("task: [digits\n", "invalid YAML"),
     (None, "cannot read the config file: it is a named pipe, not a regular file"),
-], ids=["duplicate-key", "alias-bomb", "python-tag", "two-documents", "nul-byte", "not-yaml", "named-pipe"])
+    ("loop", "cannot read the config file: Too many levels of symbolic links"),  # was a RuntimeError traceback
+], ids=["duplicate-key", "alias-bomb", "python-tag", "two-documents", "nul-byte", "not-yaml", "named-pipe",
+        "symlink-loop"])
 def test_a_config_file_is_read_by_the_rules_of_a_study_file(tmp_path: Path, text: str | None, fragment: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """The same safe reading as `sweep`'s study files (trainer.yaml_file): one line naming the file and the key,
@@ -112,6 +114,9 @@ def test_a_config_file_is_read_by_the_rules_of_a_study_file(tmp_path: Path, text
     config = tmp_path / "c.yaml"
     if text is None:
         os.mkfifo(config)
+    elif text == "loop":
+        config.symlink_to(tmp_path / "d.yaml")
+        (tmp_path / "d.yaml").symlink_to(config)
     else:
         config.write_text(text)
     assert main([str(config)]) == 2
