@@ -707,6 +707,26 @@ def override_key(item: str) -> str:
     return ".".join(part.strip() for part in item.partition("=")[0].split("."))
 
 
+def _make_room(fixed: dict[Any, Any], path: list[str]) -> None:
+    """Before `--set fixed.<path>=...`: the file's `fixed` may spell a key dotted (`model.hidden: 32`, which the README
+    allows), where the override's path is nested. A dotted key at or under the path goes (the override replaces it:
+    it was refused as "both set model.hidden"); one above it (`curriculum.stages` when the path goes on inside it)
+    is nested first, so the override lands inside its value."""
+    for key in [k for k in fixed if isinstance(k, str) and "." in k]:
+        split = [part.strip() for part in key.split(".")]
+        if split[:len(path)] == path:
+            del fixed[key]
+        elif path[:len(split)] == split:
+            node = fixed
+            for part in split[:-1]:
+                if not isinstance(node.setdefault(part, {}), dict):
+                    break  # the file sets it both ways: its own problem, told as it is
+                node = node[part]
+            else:
+                if split[-1] not in node:
+                    node[split[-1]] = fixed.pop(key)
+
+
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`), as strictly as a file."""
     problems = []
@@ -739,6 +759,8 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
             # parameter's field (`space.model.hidden.low=4`), or all of it (`space.model.hidden={type: ...}`).
             field = parts[-1] if len(parts) > 2 and parts[-1] in PARAM_FIELDS else None
             parts = ["space", ".".join(parts[1:-1] if field else parts[1:]), *([field] if field else [])]
+        if parts[0] == "fixed" and len(parts) > 1 and isinstance(document.get("fixed"), dict):
+            _make_room(document["fixed"], parts[1:])
         *parents, leaf = parts
         if parents and parents[0] in _COMPONENT_DEFAULTS and parents[0] not in document:
             document[parents[0]] = copy.deepcopy(_COMPONENT_DEFAULTS[parents[0]])  # into the default, not instead

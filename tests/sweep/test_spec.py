@@ -138,6 +138,21 @@ def test_overrides_and_defaults(tmp_path: Path) -> None:
     assert config.max_steps == 20 and config.model == {"depth": 2} and config.task == "digits"
 
 
+@pytest.mark.parametrize(("override", "model"), [
+    ("fixed.model.hidden=64", {"hidden": 64, "depth": 2}),
+    ("fixed.model={hidden: 48}", {"hidden": 48}),  # the whole mapping, as for a nested key
+    ("fixed.model.activation=gelu", {"hidden": 32, "depth": 2, "activation": "gelu"}),
+])
+def test_an_override_replaces_a_fixed_key_the_file_spells_dotted(tmp_path: Path, override: str, model: dict) -> None:
+    # `fixed: {model.hidden: 32}` (a dotted key, which the README allows) and `--set fixed.model.hidden=64` were
+    # refused as "fixed.model.hidden and fixed.model both set model.hidden".
+    document = changed()
+    del document["space"]["model.hidden"]
+    document["fixed"] = {**document["fixed"], "model.hidden": 32, "model.depth": 2}
+    spec, _ = load_spec(write_study(tmp_path, document), [override])
+    assert spec.fixed["model"] == model and not any("." in key for key in spec.fixed)
+
+
 def test_overrides_reach_dotted_space_keys(tmp_path: Path) -> None:
     path = write_study(tmp_path, TINY_STUDY)  # searches model.hidden over 8..32
     spec, _ = load_spec(path, ["space.model.hidden.low=4", "space.model.depth={type: int, low: 1, high: 3}"])
