@@ -865,6 +865,9 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         message = f"Input should be a valid dictionary (a mapping of keys), got {short_repr(error['input'])}"
     elif error["type"] == "missing":
         message = "required key is missing"
+    elif (error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+          and isinstance(error.get("input"), float) and not math.isfinite(error["input"])):
+        message = f"expected a finite number, got {error['input']!r}"  # not "greater than 0, got nan"
     elif "input" in error and error["type"] not in ("value_error",) and not isinstance(error["input"], dict):
         message = f"{message}, got {short_repr(error['input'])}"
     return _dotted(loc), message

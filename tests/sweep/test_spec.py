@@ -74,6 +74,8 @@ BAD_FILES = [
                  "without control characters", id="nul-in-mlflow-uri"),
     pytest.param(changed(launch={"slurm": {"log_dir": "logs\ntouch /tmp/owned #"}}), "launch.slurm.log_dir",
                  "without control characters", id="newline-in-slurm-log-dir"),
+    pytest.param(changed(storage_patience=float("nan")), "storage_patience", "expected a finite number, got nan",
+                 id="nan-for-a-bound"),  # was "Input should be greater than 0, got nan"
 ]
 
 
