@@ -318,7 +318,14 @@ def _matching(pattern: re.Pattern[str], expected: str) -> AfterValidator:
 
 
 SlurmName = Annotated[StrictStr, _matching(_SLURM_NAME, "a Slurm name (letters, digits, '_', '-', '.')")]
-SlurmTime = Annotated[StrictStr, _matching(_SLURM_TIME, "a Slurm time such as 90, 4:00:00 or 2-12:00:00")]
+def _minutes_text(value: Any) -> Any:
+    """`time: 90` is 90 minutes, as sbatch reads `--time=90`. (A memory size stays text: `mem: 16` would be 16 MB to
+    Slurm, hardly what was meant; its unit is asked for.)"""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+SlurmTime = Annotated[StrictStr, BeforeValidator(_minutes_text),
+                      _matching(_SLURM_TIME, "a Slurm time such as 90, 4:00:00 or 2-12:00:00")]
 SlurmMem = Annotated[StrictStr, _matching(_SLURM_MEM, "a Slurm memory size such as 16G or 4000M")]
 
 # Kubernetes' own names (RFC 1123), checked here so that nothing else reaches the manifest: a namespace is a DNS

@@ -78,6 +78,17 @@ def test_a_study_folder_with_a_newline_in_its_path_gets_no_batch_script(tmp_path
         lines
 
 
+def test_a_slurm_time_given_as_a_whole_number_is_sbatch_s_minutes(tmp_path: Path) -> None:
+    # `time: 60` was refused as "Input should be a valid string", while the message for a bad time suggests "90".
+    path = write_study(tmp_path, changed(launch={"slurm": {"time": 60}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --time=60" in done.stdout.splitlines()
+    refused = sweep_cli("submit", write_study(tmp_path, changed(launch={"slurm": {"time": True}}), "b.yaml"),
+                        "--slurm", "--dry-run", cwd=tmp_path)
+    assert refused.returncode == 2 and "launch.slurm.time" in refused.stderr  # a boolean is no number of minutes
+
+
 def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     done = sweep_cli("submit", write_study(tmp_path, changed()), "--slurm", "--dry-run", cwd=tmp_path)
     assert done.returncode == 0
