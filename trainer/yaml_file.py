@@ -311,7 +311,15 @@ def _yaml_error(exc: yaml.YAMLError, text: str) -> str:
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     context = getattr(exc, "context", None)
-    return f"invalid YAML: {where}{problem}" + (f" ({context})" if context and "while" not in context else "")
+    hint = ""
+    if mark is not None and "cannot start any token" in problem:
+        at = text.splitlines()[mark.line][mark.column:mark.column + 1] if mark.line < len(text.splitlines()) else ""
+        hint = "; a tab: YAML indents with spaces only" if at == "\t" else ""
+    elif (("mapping values are not allowed" in problem or "could not find expected ':'" in problem)
+          and any(len(line.partition(":")[0]) > 1024 for line in text.splitlines())):
+        hint = "; a key longer than 1024 characters is not one YAML reads"
+    return (f"invalid YAML: {where}{problem}" + (f" ({context})" if context and "while" not in context else "")
+            + hint)
 
 
 def load_yaml(text: str, source: str | Path, prefix: str = "", what: str = "study file") -> Any:

@@ -116,6 +116,10 @@ FLOAT = {"type": "float", "low": 1e-3, "high": 1e-1}
 
 TYPES = [
     bad_file("types", "n_trials-true", changed(n_trials=True), "n_trials", "valid integer, got True"),
+    bad_file("types", "tab-indent", yaml_with("tracking:", "\ttensorboard: true"), "",
+             "cannot start any token; a tab: YAML indents with spaces only"),
+    bad_file("types", "key-past-1024-characters", yaml_with("k" * 1100 + ": 1"), "",
+             "a key longer than 1024 characters is not one YAML reads"),
     bad_file("types", "n_trials-false", changed(n_trials=False), "n_trials", "valid integer, got False"),
     bad_file("types", "n_trials-quoted", changed(n_trials="3"), "n_trials", "valid integer, got '3'"),
     bad_file("types", "n_trials-float", changed(n_trials=3.5), "n_trials", "valid integer, got 3.5"),
