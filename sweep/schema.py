@@ -262,6 +262,12 @@ class CheckpointPolicy(_Model):
     artifacts: StrictBool = True  # upload each finished trial's best checkpoint as an Optuna artifact (dashboard)
     store: Printable | None = None  # a folder every worker can read; default: NAME.checkpoints next to the SQLite file
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        """`checkpoints: false` (or YAML's `off`, `no`): trials write none; `true`: the defaults."""
+        return ({} if value else {"on_best": False}) if isinstance(value, bool) else value
+
     @field_validator("store", mode="after")
     @classmethod
     def _store_url(cls, value: str | None) -> str | None:

@@ -155,6 +155,13 @@ def test_an_override_replaces_a_fixed_key_the_file_spells_dotted(tmp_path: Path,
     assert spec.fixed["model"] == model and not any("." in key for key in spec.fixed)
 
 
+def test_checkpoints_false_turns_them_off_and_true_keeps_the_defaults(tmp_path: Path) -> None:
+    # `checkpoints: off` was "Input should be a valid dictionary ..., got False".
+    off, _ = load_spec(write_study(tmp_path, changed(checkpoints=False)))
+    on, _ = load_spec(write_study(tmp_path, changed(checkpoints=True), "on.yaml"))
+    assert not off.checkpoints.enabled and on.checkpoints == load_spec(write_study(tmp_path, changed()))[0].checkpoints
+
+
 def test_overrides_reach_dotted_space_keys(tmp_path: Path) -> None:
     path = write_study(tmp_path, TINY_STUDY)  # searches model.hidden over 8..32
     spec, _ = load_spec(path, ["space.model.hidden.low=4", "space.model.depth={type: int, low: 1, high: 3}"])
