@@ -30,6 +30,7 @@ from sweep.outcomes import (
     ATTR_CONFIRMS,
     ATTR_FAIL,
     ATTR_LINEAGE,
+    ATTR_LOSS_CURVE,
     ATTR_METRICS,
     ATTR_PRUNE,
     ATTR_RANKS,
@@ -128,6 +129,11 @@ class TrialReporter:
         # The overfitting rule's training values (empty when it is off, and for a user's loop, which has no fast_fail).
         self.training = TrainingSeries(_fast_fail_of(self.config), self.metric)
         self.training_unsent = False
+        # The val_loss curve for fast-fail's NaN/Inf and explosion rules, where the study's metric is another.
+        watches = (isinstance(pruner, FastFailPruner) and pruner.config.enabled
+                   and pruner.config.loss_explosion_factor is not None and spec.metric != "val_loss")
+        self.losses: list[tuple[int, float]] | None = [] if watches and self.judged else None
+        self.losses_unsent = False
         self.trackers = list(trackers)  # TensorBoard, MLflow (sweep.tracking): empty with tracking off
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -154,6 +160,9 @@ class TrialReporter:
         self.unsent.append((step, value))
         if self.training.pair(step) is not None:
             self.training_unsent = True
+        if self.losses is not None and "val_loss" in metrics:
+            self.losses.append((step, float(metrics["val_loss"])))
+            self.losses_unsent = True
         started = time.perf_counter()
         try:
             with self.boundary.no_wait():
@@ -188,6 +197,9 @@ class TrialReporter:
         if self.training_unsent:  # before the values: the pruner reads both when asked
             self.trial.set_user_attr(ATTR_TRAIN_CURVE, [list(pair) for pair in self.training.series])
             self.training_unsent = False
+        if self.losses_unsent and self.losses is not None:
+            self.trial.set_user_attr(ATTR_LOSS_CURVE, [list(pair) for pair in self.losses])
+            self.losses_unsent = False
         while self.unsent:
             step, value = self.unsent[0]
             self.trial.report(value, step)
@@ -201,7 +213,8 @@ class TrialReporter:
         if isinstance(pruner, FastFailPruner):
             # The reports in step order, as `prune` reads them from the trial (a loop may report out of order).
             verdict = pruner.verdict(sorted(self.series), self.config, self.maximize, self.trial.study,
-                                     train_series=self.training.series, warm=ATTR_WARM_START in self.trial.user_attrs)
+                                     train_series=self.training.series, warm=ATTR_WARM_START in self.trial.user_attrs,
+                                     loss_series=self.losses or ())
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
             else:

@@ -77,6 +77,9 @@ ATTR_WITHDRAWN = "withdrawn"
 # [[step, value], ...]: the training counterpart of the metric at each evaluation, for fast-fail's overfitting rule
 # (written only while that rule is on)
 ATTR_TRAIN_CURVE = "train_curve"
+# A trial's val_loss at its evaluations, where the study's metric is another (val_accuracy): fast-fail's NaN/Inf and
+# explosion rules read it (`FastFailPruner.prune`), as they read the metric itself where that is the loss.
+ATTR_LOSS_CURVE = "loss_curve"
 
 SPEC_ATTR = "sweep.spec"  # study user attr: the study file as validated
 OWNER_ATTR = "sweep.owner"  # study user attr: a random id made at creation, which its checkpoint folder records

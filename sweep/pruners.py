@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from sweep.outcomes import ATTR_TRAIN_CURVE, ATTR_WARM_START
+from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
 
@@ -125,16 +126,25 @@ class FastFailPruner(optuna.pruners.BasePruner):
 
     def verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
                 study: optuna.Study | None = None, train_series: Sequence[tuple[int, float]] = (), *,
-                warm: bool = False) -> Verdict | None:
+                warm: bool = False, loss_series: Sequence[tuple[int, float]] = ()) -> Verdict | None:
         """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict;
         `train_series`: the training counterpart's values at those steps (the overfitting rule).
         Without `study`, the reference of the study this pruner judged last (in `prune`) is used, if any.
 
         `warm`: the trial started from a donor's checkpoint, so its lineage has left its initial value whatever its
-        own first report says: plateau and stuck do not apply (its own reports start after the handoff)."""
+        own first report says: plateau and stuck do not apply (its own reports start after the handoff).
+
+        `loss_series`: the trial's val_loss at its evaluations where the study's metric is another (`ATTR_LOSS_CURVE`):
+        when the metric's own values give no verdict, a NaN/Inf or exploding loss does (`rule` nan, inf or explode,
+        `of: val_loss`). A diverged trial's accuracy sits near chance, which no rule on the accuracy reads as
+        divergence, and it ran its whole budget."""
         found = self._verdict(series, config, maximize, study, train_series)
         if warm and found is not None and found.rule in ("plateau", "stuck"):
             return None
+        if found is None and loss_series:
+            loss = self._verdict(sorted(loss_series), config, False, study, ())
+            if loss is not None and loss.rule in ("nan", "inf", "explode"):
+                return dataclasses.replace(loss, detail={**(loss.detail or {}), "of": "val_loss"})
         return found
 
     def _verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
@@ -173,8 +183,9 @@ class FastFailPruner(optuna.pruners.BasePruner):
             return False
         maximize = study.direction == StudyDirection.MAXIMIZE
         train = [(int(s), float(v)) for s, v in trial.user_attrs.get(ATTR_TRAIN_CURVE, ())]
+        loss = [(int(s), float(v)) for s, v in trial.user_attrs.get(ATTR_LOSS_CURVE, ())]
         if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study, train,
-                        warm=ATTR_WARM_START in trial.user_attrs) is not None:
+                        warm=ATTR_WARM_START in trial.user_attrs, loss_series=loss) is not None:
             return True
         if self.then is None or series[-1][0] == 0:
             return False

@@ -175,8 +175,9 @@ class Verdict:
     def message(self) -> str:
         if self.rule in ("nan", "inf"):
             return f"{self.rule} at step {self.step}"
-        if self.rule == "explode":
-            return (f"exploded at step {self.step}: {self.value:.4g} > {self.detail['factor']:g} x initial "
+        if self.rule == "explode":  # `of`: the curve it read, where that is not the study's metric (val_loss)
+            of = f"{self.detail['of']} " if "of" in self.detail else ""
+            return (f"{of}exploded at step {self.step}: {self.value:.4g} > {self.detail['factor']:g} x initial "
                     f"{self.detail['initial']:.4g}")
         if self.rule == "stuck":
             return (f"stuck at step {self.step}: best {self.detail['best']:.4g} still near initial "

@@ -50,6 +50,28 @@ def test_a_diverging_learning_rate_is_pruned_within_one_check_interval(tmp_path:
 
 
 
+def test_a_diverged_trial_is_pruned_as_exploded_when_the_study_maximises_accuracy(tmp_path: Path) -> None:
+    # Maximising val_accuracy, a learning rate that blew the loss up (val_loss 11.6 from 2.3) ran its whole budget at
+    # chance accuracy: the explosion rule reads a loss, and the accuracy is none. Fast-fail reads the trial's
+    # val_loss curve too (`loss_curve`), for its NaN/Inf and explosion rules; the learner is left alone.
+    document = copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 2, "direction": "maximize", "metric": "val_accuracy", "pruner": "fastfail",
+        "sampler": {"type": "bruteforce"},
+        "space": {"learning_rate": {"type": "categorical", "choices": [1000.0, 0.1]}}}
+    document["fixed"] = {"optimizer": "sgd", "scheduler": "none", "max_steps": 200, "eval_every_steps": 20,
+                         "log_every_steps": 10, "batch_size": 64}
+    done = sweep(write_study(tmp_path, document))
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    by_lr = {t.params["learning_rate"]: t for t in trials}
+    diverged, learner = by_lr[1000.0], by_lr[0.1]
+    assert diverged.state == TrialState.PRUNED, diverged.user_attrs.get("metrics")
+    reason = diverged.user_attrs["prune_reason"]
+    assert reason["rule"] == "explode" and reason["of"] == "val_loss" and reason["step"] < 20, reason
+    assert f"pruned: val_loss exploded at step {reason['step']}" in done.stderr
+    assert learner.state == TrialState.COMPLETE and learner.value > 0.5
+
+
 @pytest.mark.parametrize("pruner", ["fastfail", "none"])
 def test_a_model_gone_nan_is_stopped_whatever_the_metric(tmp_path: Path, pruner: str) -> None:
     """Maximising val_accuracy: a model whose weights went NaN still has an accuracy (the argmax picks a class), and
