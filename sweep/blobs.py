@@ -247,59 +247,89 @@ def claim_problem(location: str | Path, study: str, owner: str | None, *, claim:
     if (owner is None and not new) or is_object_url(str(location)):
         return None
     folder = Path(location).expanduser().resolve() / study
-    marker = folder / OWNER_FILE
     for _ in range(2):
         try:
-            found = json.loads(marker.read_text(encoding="utf-8")).get("owner")
-        except FileNotFoundError:
-            if not claim:
-                return None
-            with contextlib.suppress(OSError):  # an unwritable store is told by the run's own checks
-                folder.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".sweep-owner-", delete=False) as handle:
-                    json.dump({"study": study, "owner": owner}, handle)
-                try:
-                    os.link(handle.name, marker)  # fails if another worker claimed it first: then read theirs
-                finally:
-                    os.unlink(handle.name)
-                return None
-            continue
+            found = _mark(folder)
         except (OSError, ValueError, AttributeError):
             return None  # unreadable or not ours to judge: no claim either way
-        if found == owner:
+        if found is None:
+            if not claim:
+                return None
+            if _write_mark(folder, {"study": study, "owner": owner}, replace=False):
+                return None
+            continue  # another worker claimed it first: read theirs
+        if found.get("owner") == owner:
             return None
-        if kind == "tensorboard":
-            return (f"the TensorBoard folder {folder} holds the runs of another study named {study!r} (in another "
-                    f"database, or one deleted and created again): TensorBoard would show their curves as this "
-                    f"study's. Set tracking.tensorboard.dir to a folder of this study's own, or, if that study is "
-                    f"gone, remove the folder")
-        return (f"the checkpoint folder {folder} belongs to another study named {study!r} (in another database, or "
-                f"one deleted and created again): sharing it, each would overwrite and delete the other's "
-                f"checkpoints. Set checkpoints.store to a folder of this study's own, or, if that study is gone, "
-                f"remove the folder")
+        return _taken(folder, study, kind)
     return None
 
 
-def own_folder(location: str | Path, study: str, owner: str) -> None:
-    """Mark the study's folder of a local store as `owner`'s, replacing another owner's mark (atomically: a reader
-    sees the old mark or the new one). For a SQLite file's default folder (`NAME.checkpoints/`), which is that
-    file's whoever marked it before (a study of the file deleted to start over, or another database's study that
-    pointed `checkpoints.store` there): marked, another database's study that points its store there is refused
-    by `claim_problem` as for any other claimed folder. A folder that cannot be written is left as it is."""
+def default_folder_problem(location: str | Path, study: str, owner: str | None, database: str, *,
+                           claim: bool) -> str | None:
+    """`claim_problem` for a SQLite file's default folder (`NAME.checkpoints/`), whose mark also names the file
+    (`database`, its resolved path). The folder is that file's: a mark of another study of the file (one deleted to
+    start over, `rm study.db`) is taken over with `claim`, never refused; a mark of another database's study (one
+    that pointed `checkpoints.store` here) is refused, here and in `sweep check`, whichever ran first (the file's
+    own study was not refused there, took the folder, and its `check --repair` deleted the other's blobs as
+    orphans). `owner` None: the study is not created yet."""
     folder = Path(location).expanduser().resolve() / study
-    marker = folder / OWNER_FILE
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        if json.loads(marker.read_text(encoding="utf-8")).get("owner") == owner:
-            return
-    with contextlib.suppress(OSError):  # an unwritable store is told by the run's own checks
+    try:
+        found = _mark(folder)
+    except (OSError, ValueError, AttributeError):
+        return None
+    if found is not None and found.get("owner") == owner:
+        return None
+    if found is not None and found.get("database") != database:
+        return _taken(folder, study, "checkpoints")
+    if claim and owner is not None:
+        _write_mark(folder, {"study": study, "owner": owner, "database": database}, replace=True)
+    return None
+
+
+def _mark(folder: Path) -> dict[str, Any] | None:
+    """The folder's owner file, or None where it has none. Raises OSError or ValueError where it cannot be read."""
+    try:
+        found = json.loads((folder / OWNER_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    if not isinstance(found, dict):
+        raise ValueError("not an owner file")
+    return found
+
+
+def _write_mark(folder: Path, mark: dict[str, Any], *, replace: bool) -> bool:
+    """Write the folder's owner file atomically: `replace`, over any; else only where there is none (False: another
+    worker's came first). A folder that cannot be written is left as it is (True: the run's own checks tell it)."""
+    handle = None
+    try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=folder, prefix=".sweep-owner-", delete=False) as handle:
-            json.dump({"study": study, "owner": owner}, handle)
-        try:
-            os.replace(handle.name, marker)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
+            json.dump(mark, handle)
+        if replace:
+            os.replace(handle.name, folder / OWNER_FILE)
+        else:
+            os.link(handle.name, folder / OWNER_FILE)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    finally:
+        if handle is not None:
+            with contextlib.suppress(OSError):
                 os.unlink(handle.name)
+    return True
+
+
+def _taken(folder: Path, study: str, kind: str) -> str:
+    if kind == "tensorboard":
+        return (f"the TensorBoard folder {folder} holds the runs of another study named {study!r} (in another "
+                f"database, or one deleted and created again): TensorBoard would show their curves as this "
+                f"study's. Set tracking.tensorboard.dir to a folder of this study's own, or, if that study is "
+                f"gone, remove the folder")
+    return (f"the checkpoint folder {folder} belongs to another study named {study!r} (in another database, or "
+            f"one deleted and created again): sharing it, each would overwrite and delete the other's "
+            f"checkpoints. Set checkpoints.store to a folder of this study's own, or, if that study is gone, "
+            f"remove the folder")
 
 
 class RetainedArtifacts:

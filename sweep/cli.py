@@ -473,19 +473,15 @@ def _store_claim_problem(name: str, owner: str | None, location: str | Path, url
                          claim: bool) -> str | None:
     """Whether the study's folder of the store belongs to another study of its name (`sweep.blobs.claim_problem`);
     `owner` None: a study not created yet, which any owner's folder is another's. The default folder of a SQLite
-    file, named after it, is that file's studies' whoever marked it before (one whose file was deleted to start
-    over, `rm study.db`, left only what nothing reads any more): never refused there, and with `claim` marked as
-    this study's (`own_folder`), so that another database's study pointing its `checkpoints.store` there is refused
-    (it was not: it claimed the folder, wrote blobs of the same names, and its `sweep check --repair` deleted this
-    study's checkpoints as orphans)."""
-    from sweep.blobs import claim_problem, own_folder
+    file, named after it, is that file's (`default_folder_problem`): taken over from a study of the same file deleted
+    to start over (`rm study.db`), refused to another database's study that pointed its `checkpoints.store` there,
+    whichever of them ran first."""
+    from sweep.blobs import claim_problem, default_folder_problem
     from sweep.registry import default_store
     from sweep.urls import sqlite_path
 
-    if sqlite_path(url) is not None and Path(location).resolve() == Path(default_store(url)).resolve():
-        if claim and owner is not None:
-            own_folder(location, name, owner)
-        return None
+    if (database := sqlite_path(url)) is not None and Path(location).resolve() == Path(default_store(url)).resolve():
+        return default_folder_problem(location, name, owner, str(Path(database).resolve()), claim=claim)
     return claim_problem(location, name, owner, claim=claim, new=owner is None)
 
 

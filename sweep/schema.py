@@ -37,7 +37,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sweep.urls import mask_url, sqlite_path
+from sweep.urls import mask_url, mask_urls, sqlite_path
 from trainer import yaml_file
 from trainer.config import FastFailConfig, TrainingConfig, flatten, magnitude, nest, number_from_text
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
@@ -372,8 +372,9 @@ def _printable(value: str) -> str:
     null byte"), a newline made a folder no listing shows as named, and a newline in `launch.slurm.log_dir` ended a
     line of the batch script, so that what followed it ran as a command."""
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        shown = mask_url(value) if "://" in value else value  # a storage URL's password is never shown
-        raise ValueError(f"expected a path without control characters (a newline, a tab, NUL), got {short_repr(shown)}")
+        shown = mask_urls(value)  # a storage URL's password is never shown (`scheme:/user:pw@` too)
+        raise ValueError(f"expected a path or URL without control characters (a newline, a tab, NUL), got "
+                         f"{short_repr(shown)}")
     return value
 
 
@@ -783,6 +784,8 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
                 node[part] = {"type": node[part]}  # `pruner: median` is `pruner: {type: median}`
             if depth == 1 and parents[0] == "tracking" and isinstance(node.get(part), bool):
                 node[part] = {"enabled": node[part]}  # `tensorboard: true` is `tensorboard: {enabled: true}`
+            if depth == 0 and part == "checkpoints" and isinstance(node.get(part), bool):
+                node[part] = {} if node[part] else {"on_best": False}  # as `CheckpointPolicy._shorthand` reads it
             if part in node and not isinstance(node[part], dict):
                 problems.append((f"--set {key}", f"{'.'.join(parents[:depth + 1])} is "
                                  f"{short_repr(node[part])}, not a mapping: it has no key {parts[depth + 1]!r}"))

@@ -247,7 +247,7 @@ def _strict_json(value: Any) -> Any:
 
 if __name__ == "__main__":
     code = main()
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # a torchrun rank, its group finished (`exit_process`)
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):  # a torchrun rank, its group finished
         from trainer.distributed import exit_process
 
         exit_process(code)

@@ -316,7 +316,7 @@ def _yaml_error(exc: yaml.YAMLError, text: str) -> str:
         at = text.splitlines()[mark.line][mark.column:mark.column + 1] if mark.line < len(text.splitlines()) else ""
         hint = "; a tab: YAML indents with spaces only" if at == "\t" else ""
     elif (("mapping values are not allowed" in problem or "could not find expected ':'" in problem)
-          and any(len(line.partition(":")[0]) > 1024 for line in text.splitlines())):
+          and mark is not None and mark.column > 1024):  # PyYAML's limit on a simple key, on the error's own line
         hint = "; a key longer than 1024 characters is not one YAML reads"
     return (f"invalid YAML: {where}{problem}" + (f" ({context})" if context and "while" not in context else "")
             + hint)

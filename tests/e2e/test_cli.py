@@ -871,6 +871,24 @@ def test_a_sqlite_file_s_default_checkpoint_folder_is_refused_to_another_databas
     assert sweep_cli("run", other).returncode == 2
 
 
+def test_a_sqlite_file_s_study_is_refused_its_default_folder_where_another_database_s_study_ran_first(
+        tmp_path: Path) -> None:
+    # The other order: another database's study wrote into tiny.checkpoints/ first. The file's own study took the
+    # folder over without a word, and its `check --repair` would have deleted the other's blobs as orphans.
+    other = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 1, "storage": "sqlite:///other.db", "checkpoints": {"store": "tiny.checkpoints"}}, "other.yaml")
+    assert sweep_cli("run", other).returncode == 0
+    folder = tmp_path / "tiny.checkpoints" / "tiny"
+    blobs = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
+    assert blobs
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    refused = sweep_cli("run", path)
+    assert refused.returncode == 2 and "belongs to another study named 'tiny'" in refused.stderr, refused.stderr
+    assert not (tmp_path / "tiny.db").exists()
+    assert {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs
+    assert sweep_cli("run", other, "--n-trials", "2").returncode == 0  # the folder stays the other study's
+
+
 def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(tmp_path: Path) -> None:
     """Damage that the opening check does not read (it reads the schema) came out of every command as a 120-line
     traceback ending in Optuna's "invalid data in the commit"."""

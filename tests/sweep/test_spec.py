@@ -68,6 +68,8 @@ BAD_FILES = [
     pytest.param(changed(checkpoints={"store": "a\nb"}), "checkpoints.store", "got 'a\\nb'", id="newline-in-store"),
     pytest.param(changed(storage="postgresql://u:hunter2@localhost/a\0b"), "storage",
                  "got 'postgresql://u:***@localhost/a\\x00b'", id="nul-in-storage-password-masked"),
+    pytest.param(changed(storage="postgresql:/u:hunter2@localhost/a\nb"), "storage",  # one slash: still masked
+                 "got 'postgresql:/u:***@localhost/a\\nb'", id="newline-in-collapsed-storage-url-masked"),
     pytest.param(changed(tracking={"tensorboard": {"dir": "t\0b"}}), "tracking.tensorboard.dir",
                  "without control characters", id="nul-in-tensorboard-dir"),
     pytest.param(changed(tracking={"mlflow": {"tracking_uri": "sqlite:///m\0.db"}}), "tracking.mlflow.tracking_uri",
@@ -160,6 +162,19 @@ def test_checkpoints_false_turns_them_off_and_true_keeps_the_defaults(tmp_path: 
     off, _ = load_spec(write_study(tmp_path, changed(checkpoints=False)))
     on, _ = load_spec(write_study(tmp_path, changed(checkpoints=True), "on.yaml"))
     assert not off.checkpoints.enabled and on.checkpoints == load_spec(write_study(tmp_path, changed()))[0].checkpoints
+    # A --set reaches inside either, as it does inside `tensorboard: true`.
+    back, _ = load_spec(write_study(tmp_path, changed(checkpoints=False), "back.yaml"), ["checkpoints.every_steps=10"])
+    assert back.checkpoints.every_steps == 10 and not back.checkpoints.on_best and back.checkpoints.enabled
+    stored, _ = load_spec(write_study(tmp_path, changed(checkpoints=True), "s.yaml"), ["checkpoints.store=elsewhere"])
+    assert stored.checkpoints.store == "elsewhere" and stored.checkpoints.on_best
+
+
+def test_the_long_key_hint_is_given_for_the_line_yaml_stopped_at_only(tmp_path: Path) -> None:
+    path = write_study(tmp_path, f"description: {'d' * 1100}\nmetric: a: b\n")
+    with pytest.raises(StudyFileError) as info:
+        load_spec(path)
+    [(_, message)] = info.value.problems
+    assert "line 2" in message and "1024" not in message, message
 
 
 def test_overrides_reach_dotted_space_keys(tmp_path: Path) -> None:

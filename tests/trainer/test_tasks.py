@@ -302,3 +302,6 @@ def test_accuracy_leaves_out_targets_the_loss_ignores_and_is_unchanged_where_the
     assert torch.equal(accuracy_sum(logits, targets)["accuracy"], expected)
     plain = torch.tensor([[0, 1], [1, 1]])
     assert accuracy_sum(torch.nn.functional.one_hot(plain, 2).float(), plain)["accuracy"].item() == 2.0
+    # uint8 labels hold no -100: their class 156 (which -100 wraps to) counts like any other.
+    bytes_ = torch.tensor([3, 156, 199, 156], dtype=torch.uint8)
+    assert accuracy_sum(torch.nn.functional.one_hot(bytes_.long(), 200).float(), bytes_)["accuracy"].item() == 4.0

@@ -69,7 +69,9 @@ def accuracy_sum(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
     a sample's accuracy is the mean over its positions whose target is not `IGNORE_INDEX` (-100, which the default
     loss leaves out too: padding); a sample whose every target is -100 counts as 0."""
     correct = (logits.argmax(-1) == targets).float()
-    correct, kept = correct.reshape(correct.shape[0], -1), (targets != IGNORE_INDEX).reshape(correct.shape[0], -1)
+    # Only a signed dtype holds -100 (uint8's 156 compares equal to it, and is a class like any other).
+    kept = targets != IGNORE_INDEX if targets.is_signed() else torch.ones_like(targets, dtype=torch.bool)
+    correct, kept = correct.reshape(correct.shape[0], -1), kept.reshape(correct.shape[0], -1)
     counted = (correct * kept).sum(1) / kept.sum(1).clamp(min=1)
     # Where no target is ignored, the plain mean, to the bit as it always was (no read-back to choose: a select).
     return {"accuracy": torch.where(kept.all(1), correct.mean(1), counted).sum()}
