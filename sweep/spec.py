@@ -185,6 +185,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                f"counterpart; the trainer logs {', '.join(TRAINING_METRICS)}, so it "
                                                f"needs metric val_loss, got {spec.metric!r}"))
     problems += component_problems(spec)
+    problems += [problem for problem in _rung_problems(spec) if problem[0] not in {key for key, _ in problems}]
     problems += tracking_problems(spec)
     return _unique(problems)
 
@@ -343,6 +344,13 @@ def latest_handoff_step(spec: StudySpec) -> int | None:
     """No step a warm trial of this study takes its donor's state at is later than this: `handoff` x the largest
     `max_steps` (the handoff is the evaluation step at or below that fraction of a trial's budget). None for a `loop`
     or `command` study (a donor's newest save, any step)."""
+    budget = largest_budget(spec)
+    return None if budget is None else int(spec.warm_start.handoff * budget)
+
+
+def largest_budget(spec: StudySpec) -> int | None:
+    """The largest `max_steps` a trial of this built-in-trainer study can have; None for a `loop` or `command` study
+    (the budget is the user's) or where none is known."""
     if spec.loop is not None or spec.command is not None:
         return None
     param = spec.space.get("max_steps")
@@ -355,7 +363,28 @@ def latest_handoff_step(spec: StudySpec) -> int | None:
             budgets = [TrainingConfig.from_dict(_example_config(spec, 0)).max_steps]
         except ConfigError:
             budgets = []
-    return int(spec.warm_start.handoff * max(budgets)) if budgets else None
+    return max(budgets) if budgets else None
+
+
+def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """Successive halving's or Hyperband's `min_resource` above every trial's `max_steps` (which Hyperband's
+    `max_resource: auto` becomes): no trial reaches the first rung, so the pruner never prunes, without a word."""
+    budget = largest_budget(spec)
+    problems: list[tuple[str, str]] = []
+    component: Any = spec.pruner
+    where = "pruner"
+    while component is not None and budget is not None:
+        kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
+        args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
+        low = args.get("min_resource")
+        if kind in ("hyperband", "successive_halving") and isinstance(low, int) and not isinstance(low, bool) \
+                and low > budget:
+            problems.append((f"{where}.min_resource", f"{low} is above every trial's max_steps ({budget}): no trial "
+                                                      f"would reach the first rung, and nothing would be pruned; "
+                                                      f"expected at most {budget}"))
+        key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
+        component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
+    return problems
 
 
 def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:

@@ -78,6 +78,11 @@ BAD_FILES = [
                  "without control characters", id="newline-in-slurm-log-dir"),
     pytest.param(changed(storage_patience=float("nan")), "storage_patience", "expected a finite number, got nan",
                  id="nan-for-a-bound"),  # was "Input should be greater than 0, got nan"
+    # A first rung no trial reaches (max_steps 20): accepted, and the pruner never pruned.
+    pytest.param(changed(pruner={"type": "hyperband", "min_resource": 30}), "pruner.min_resource",
+                 "above every trial's max_steps (20)", id="hyperband-rung-beyond-the-budget"),
+    pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "successive_halving", "min_resource": 21}}),
+                 "pruner.then.min_resource", "nothing would be pruned", id="wrapped-halving-rung-beyond-the-budget"),
 ]
 
 
