@@ -215,9 +215,11 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
         _use_wal(url)
     for attempt in range(5):
         try:
-            storage = optuna.storages.RDBStorage(optuna_url(url), engine_kwargs=engine_kwargs,
-                                                 heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                                                 heartbeat_stale_trial_callback=stale_trial_callback)
+            with warnings.catch_warnings():  # Optuna marks the heartbeat experimental; it is this storage's design
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(optuna_url(url), engine_kwargs=engine_kwargs,
+                                                     heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                                                     heartbeat_stale_trial_callback=stale_trial_callback)
             break
         except DBAPIError as exc:
             # Two processes opening a new database at once (workers on several machines, a dashboard) both create

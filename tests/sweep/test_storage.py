@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from sweep.outcomes import OWNER_ATTR
 from sweep.spec import SPEC_ATTR, load_spec
-from sweep.storage import ask_lock, mask_url, sqlite_path, storage_refusal
+from sweep.storage import ask_lock, make_storage, mask_url, sqlite_path, storage_refusal
 from sweep.study import StudyMismatchError, open_study
 from tests.conftest import TINY_STUDY, write_study
 
@@ -41,6 +42,14 @@ def test_wal_is_on_so_readers_never_block_writers(tmp_path: Path) -> None:
     make_storage(f"sqlite:///{tmp_path / 'w.db'}")
     with sqlite3.connect(tmp_path / "w.db") as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_opening_a_storage_with_a_heartbeat_warns_nothing(tmp_path: Path) -> None:
+    # Optuna marks heartbeat_interval experimental and warned on every open: five times in a benchmark's output.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_interval=10, grace_period=30)
+    assert [str(w.message) for w in caught if issubclass(w.category, optuna.exceptions.ExperimentalWarning)] == []
 
 
 def test_mask_url_hides_the_password() -> None:
