@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -37,8 +37,9 @@ class FastFailPruner(optuna.pruners.BasePruner):
       or pruned) trials reported. A trial that has left its initial value is never pruned by fast-fail for going
       slowly, sitting on an intermediate plateau, being noisy or converging: that is `then`'s call, against the other
       trials. Until a trial has finished, "near" means "improved by less than `near_initial_pct`% of the initial
-      value" (the way to zero); while no finished trial has improved on this one's start, "improved by less than
-      `learned_pct`% of it", as when the trainer runs alone.
+      value" (the way to zero). A trial whose best is as good as the best value the finished trials reported is
+      never near its start (one that starts there and sits there would end among them), so while no finished trial
+      has ended better than a trial's start, plateau and stuck leave it to `then`.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
       its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
     - `overfit` (off unless `overfit_gap` is set): validation worse than training by more than `overfit_gap` for
@@ -140,8 +141,10 @@ class FastFailPruner(optuna.pruners.BasePruner):
         divergence, and it ran its whole budget."""
         found = self._verdict(series, config, maximize, study, train_series)
         if warm and found is not None and found.rule in ("plateau", "stuck"):
-            return None
-        if found is None and loss_series:
+            found = None
+        # A loss that diverged says more than a metric that stopped moving (a diverged trial's accuracy sits still),
+        # and a warm trial's loss is judged even where its metric's plateau is not.
+        if (found is None or found.rule in ("plateau", "stuck")) and loss_series:
             loss = self._verdict(sorted(loss_series), config, False, study, ())
             if loss is not None and loss.rule in ("nan", "inf", "explode"):
                 return dataclasses.replace(loss, detail={**(loss.detail or {}), "of": "val_loss"})
@@ -228,16 +231,26 @@ def judges_by_rungs(pruner: optuna.pruners.BasePruner | None) -> bool:
 
 
 class _StudyView:
-    """The study as the wrapped pruner sees it: its best trial without the step-0 evaluation too (Wilcoxon's
-    safety compares the mean of the best trial's values with the judged trial's, and the untrained model's value
-    in one of them only made the best trial look worse). Everything else is the study's own. Other trials' values
-    reach a pruner only at the judged trial's steps, which never include 0."""
+    """The study as the wrapped pruner sees it: every trial without the step-0 evaluation, as the judged trial is,
+    so that the wrapped pruner judges as it does with fast-fail off (no step 0 anywhere). Its best trial too
+    (Wilcoxon's safety compares the mean of the best trial's values with the judged trial's, and the untrained
+    model's value in one of them only made the best trial look worse), and the trials `get_trials` gives (the leaders
+    and forecast pruners read whole curves: the leaders' untrained value, kept, set a bar at the early steps that a
+    trial with the leaders' own curve missed, and it was pruned). Optuna's median and percentile pruners read other
+    trials through `_get_trials`, at the judged trial's steps only, which never include 0."""
 
     def __init__(self, study: optuna.Study) -> None:
         self._study = study
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._study, name)
+
+    def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+        return [_without_reference(t) for t in self._study.get_trials(deepcopy=deepcopy, states=states)]
+
+    @property
+    def trials(self) -> list[FrozenTrial]:
+        return self.get_trials()
 
     @property
     def best_trial(self) -> FrozenTrial:

@@ -118,6 +118,25 @@ def test_leaders_compose_with_fast_fail_and_are_registered() -> None:
     pruner = build_pruner(Component.model_validate({"type": "fastfail", "then": {"type": "leaders", "n_leaders": 3}}))
     assert isinstance(pruner, FastFailPruner) and isinstance(pruner, LeadersPruner) and pruner.n_leaders == 3
     assert pruned_step(pruner, two_phase(1.2, 450, final=0.03), history=STUDY) is None
-    assert pruned_step(pruner, STUCK, history=STUDY) == 30
+    # Wrapped, it judges as it does alone on the same curves without the step-0 evaluation (which only fast-fail's
+    # trials have): the leaders' way is measured from their first trained step, so the allowance is a little smaller.
+    alone = build_pruner(Component.model_validate({"type": "leaders", "n_leaders": 3}))
+    assert pruned_step(pruner, STUCK, history=STUDY) == pruned_step(alone, STUCK[1:], history=[c[1:] for c in STUDY])
+    assert pruned_step(pruner, STUCK, history=STUDY) == 20
     with pytest.raises(StudyFileError, match="margin_pct"):
         build_pruner(Component.model_validate({"type": "leaders", "margin_pct": 100}))
+
+
+def test_wrapped_in_fast_fail_a_trial_with_the_leaders_own_spiking_curve_is_kept() -> None:
+    # The trainer's step-0 evaluation (made for fast-fail) is left out of the judged trial; it must be left out of
+    # the leaders' curves too. Kept, the leaders' untrained 2.3 set a bar at steps 10 and 20 that their own early
+    # spike to 3.0 (a learning-rate warmup's) missed, and a sixth trial with the leaders' exact curve was pruned.
+    spiking = [(0, 2.3), *((s, 3.0 if s <= 20 else 2.3 - 1.8 * (s - 20) / 80) for s in range(10, 101, 10))]
+    config = {"max_steps": 100, "eval_every_steps": 10}
+    wrapped = build_pruner(Component.model_validate({"type": "fastfail", "then": {"type": "leaders"}}))
+    assert pruned_step(wrapped, spiking, history=[spiking] * 5, config=config) is None
+    alone = build_pruner(Component.model_validate({"type": "leaders"}))
+    assert pruned_step(alone, spiking[1:], history=[spiking[1:]] * 5, config=config) is None
+    # The view still prunes what the leaders alone prune: the same trial stuck at its spike.
+    stuck = [*spiking[:3], *((s, 3.0) for s in range(30, 101, 10))]
+    assert pruned_step(wrapped, stuck, history=[spiking] * 5, config=config) == 30

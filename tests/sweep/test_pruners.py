@@ -363,3 +363,37 @@ def test_a_warm_trial_takes_no_rung_from_cold_trials_in_successive_halving(rungs
     assert run([(25, 0.64), (50, 0.36), (75, 0.25), (100, 0.22)]) == "complete"  # cold, ends best
     if wrapped:  # fast-fail still judges a warm trial: a NaN is stopped
         assert run([(75, NAN), (100, 0.3)], warm=True) == "pruned at 75"
+
+
+def test_a_warm_trial_whose_accuracy_sits_still_is_pruned_when_its_loss_explodes(tmp_path: Path) -> None:
+    # Plateau and stuck do not apply to a warm trial, but a val_loss that explodes does: the warm trial's stuck
+    # verdict on its accuracy returned before its loss curve was read, and it ran its whole budget.
+    from sweep.outcomes import ATTR_LOSS_CURVE
+
+    study = optuna.create_study(direction="maximize", pruner=FastFailPruner(), storage=f"sqlite:///{tmp_path}/s.db")
+    learner = study.ask()
+    learner.set_user_attr("config", CONFIG)
+    for step in range(0, 1001, 10):
+        learner.report(0.1 + 0.8 * step / 1000, step)
+    study.tell(learner, 0.9)
+    pruned = {}
+    for warm in (False, True):
+        trial = study.ask()
+        trial.set_user_attr("config", CONFIG)
+        if warm:
+            trial.set_user_attr(ATTR_WARM_START, {"trial": learner.number, "step": 500})
+        losses = []
+        for step in range(510, 1000, 10):
+            losses.append([step, 0.5 if step < 800 else 50.0])
+            trial.set_user_attr(ATTR_LOSS_CURVE, losses)
+            trial.report(0.12, step)
+            if trial.should_prune():
+                pruned[warm] = step
+                break
+        study.tell(trial, state=TrialState.PRUNED)
+    assert pruned[True] == 800
+    # The cold one is stopped sooner (stuck at its start); at the explosion its reason names the loss.
+    verdict = study.pruner.verdict([(s, 0.12) for s in range(510, 810, 10)], CONFIG, True, study,
+                                   loss_series=[(s, 0.5 if s < 800 else 50.0) for s in range(510, 810, 10)])
+    assert pruned[False] < 800 and verdict is not None and verdict.rule == "explode"
+    assert verdict.detail is not None and verdict.detail["of"] == "val_loss"
