@@ -191,7 +191,10 @@ class TrialReporter:
         return storage.shared_finished_reads() if isinstance(storage, PatientStorage) else contextlib.nullcontext()
 
     def _last(self, step: int) -> bool:
-        return self.max_steps is not None and step >= self.max_steps
+        # The final evaluation, which ends the trial whatever is decided: not judged. Only that step: a loop whose
+        # reports run past `max_steps` (a global batch step where max_steps counts epochs) was never judged again,
+        # a NaN ran on and `--timeout` was not answered.
+        return self.max_steps is not None and step == self.max_steps
 
     def flush(self) -> None:
         if self.training_unsent:  # before the values: the pruner reads both when asked

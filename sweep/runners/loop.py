@@ -178,6 +178,10 @@ class Run:
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM that reached a report or a log
         self.first_step: int | None = None  # this run's first report
         self._steps: set[int] = set()  # the steps this run has reported
+        # One report at a time: a loop's threads may report (the reporter's queue of values for the storage is
+        # not theirs to share; two threads popped one value and raised IndexError into the loop).
+        self._reporting = threading.RLock()
+        self._past_budget_warned = False
 
     def seed_everything(self, *, deterministic: bool = False) -> None:
         seed_everything(self.seed, deterministic=deterministic)
@@ -202,17 +206,25 @@ class Run:
         if self.metric not in reported:
             raise LoopError(f"run.report at step {step}: the study's metric {self.metric!r} is not among "
                             f"{sorted(reported)}")
-        if step in self._steps:  # the study keeps a step's first value: the trial's value and the pruner's too
-            warnings.warn(f"run.report: step {step} was reported already; its first value is kept", stacklevel=2)
+        with self._reporting:
+            if step in self._steps:  # the study keeps a step's first value: the trial's value and the pruner's too
+                warnings.warn(f"run.report: step {step} was reported already; its first value is kept", stacklevel=2)
+                return self.stopped
+            self._steps.add(step)
+            budget = self.config.get("max_steps")
+            if (isinstance(budget, int) and not isinstance(budget, bool) and step > budget
+                    and not self._past_budget_warned):
+                self._past_budget_warned = True
+                warnings.warn(f"trial {self.trial}: run.report at step {step} is past max_steps={budget}: fast-fail's "
+                              f"rules scale with max_steps, so report the steps it counts (an epoch's number where "
+                              f"max_steps counts epochs)", stacklevel=2)
+            with self._noting_interruptions():
+                stop = bool(self._reporter.report(step, reported))
+            self.step, self.metrics = step, reported  # reported: an interruption raised above leaves it out
+            if self.first_step is None:
+                self.first_step = self.step
+            self.stopped = self.stopped or stop
             return self.stopped
-        self._steps.add(step)
-        with self._noting_interruptions():
-            stop = bool(self._reporter.report(step, reported))
-        self.step, self.metrics = step, reported  # reported: an interruption raised above leaves it out
-        if self.first_step is None:
-            self.first_step = self.step
-        self.stopped = stop
-        return self.stopped
 
     @contextlib.contextmanager
     def _noting_interruptions(self) -> Iterator[None]:

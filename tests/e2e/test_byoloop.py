@@ -600,3 +600,48 @@ def test_a_loop_that_wraps_the_stop_in_its_own_exception_is_pruned_not_failed(tm
     assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
     (trial,) = trials_of(path, "wrapping")
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2]
+
+
+def test_reports_past_max_steps_are_still_judged_and_warned_of(tmp_path: Path) -> None:
+    # max_steps counts epochs, the loop reports its global batch step (epoch x 100): every report was at or past
+    # max_steps, so none was judged, and a NaN at the second ran the trial to its end.
+    (tmp_path / "pastmax.py").write_text(
+        "def main(config, run):\n"
+        "    for epoch in range(1, config['max_steps'] + 1):\n"
+        "        if run.report(epoch * 100, val_loss=float('nan') if epoch >= 2 else 1.0 + config['x']):\n"
+        "            return\n")
+    path = write_study(tmp_path, {"name": "pastmax", "n_trials": 1, "loop": "pastmax:main", "pruner": "fastfail",
+                                  "fixed": {"max_steps": 20}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "run.report at step 100 is past max_steps=20" in done.stderr
+    [trial] = trials_of(path, "pastmax")
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [100, 200]
+    assert trial.user_attrs["prune_reason"]["rule"] == "nan"
+
+
+def test_threads_of_a_loop_may_report_at_once(tmp_path: Path) -> None:
+    # The reporter's queue of values for the storage was shared unlocked: two threads popped one value and raised
+    # IndexError('pop from empty list') into the loop's threads.
+    (tmp_path / "threaded.py").write_text(
+        "import threading\n"
+        "def main(config, run):\n"
+        "    errors = []\n"
+        "    def work(k):\n"
+        "        try:\n"
+        "            for i in range(25):\n"
+        "                run.report(1 + 4 * i + k, val_loss=1.0 / (1 + 4 * i + k) + config['x'])\n"
+        "        except Exception as exc:\n"
+        "            errors.append(repr(exc))\n"
+        "    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]\n"
+        "    for t in threads: t.start()\n"
+        "    for t in threads: t.join()\n"
+        "    if errors:\n"
+        "        raise RuntimeError(errors[0])\n")
+    path = write_study(tmp_path, {"name": "threaded", "n_trials": 3, "loop": "threaded:main", "pruner": "none",
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = trials_of(path, "threaded")
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3, [t.user_attrs.get("fail_reason") for t in trials]
+    assert all(sorted(t.intermediate_values) == list(range(1, 101)) for t in trials)
