@@ -285,6 +285,10 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     overridden = any(item.partition("=")[0].strip() == "storage" for item in set_ or [])
     url_from = "" if storage or spec.storage != url else "--set storage: " if overridden else f"{source}: storage: "
     study = _open_for_run(spec, url, prefix, source, url_from)
+    from sweep.launch.slurm import submitted_at
+
+    if (submitted := submitted_at(study)) is not None:  # a task of the study's Slurm job: a stop since its submission
+        os.environ[LAUNCHED_ENV] = repr(min(float(os.environ[LAUNCHED_ENV]), submitted))  # counts, requeued or not
     with _run_outcomes(study, prefix, workers):
         raise_pending()  # asked to stop while it started: no worker, no trial
         began.append(True)
@@ -674,9 +678,8 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     folder, workdir = slurm.job_folder(spec, spec_path, options), Path.cwd()
     for what, place in (("the study file's path", spec_path.resolve()), ("the working folder", workdir),
                        ("the job's folder (launch.slurm.log_dir)", folder)):
-        if any(ord(c) < 32 or ord(c) == 127 for c in str(place)):  # a newline would end a line of the script
-            raise _fail(f"{short_repr(str(spec_path))}: {what} {short_repr(str(place))} holds a control character, "
-                        "which the batch script cannot hold safely; expected a printable path", 2)
+        if (problem := slurm.path_problem(place, logs=place == folder)) is not None:
+            raise _fail(f"{short_repr(str(spec_path))}: {what} {short_repr(str(place))} {problem}", 2)
     if problem := folder_problem(folder, "the job's script, storage file and logs need"):
         key = "launch.slurm.log_dir" if options.log_dir else f"launch.slurm.log_dir (default: {folder.name} next to it)"
         raise _fail(f"{spec_path}: {key}: {problem}", 2)
@@ -692,6 +695,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     try:
         slurm.check_tools()
         study = _open_for_run(spec, url, "", spec_path)  # created once, here: no array task creates another
+        asked = time.time()  # a `sweep stop` from now on stops this job's tasks, however often they are requeued
         job_id = slurm.submit(script, url, folder, workdir=workdir)
     except (slurm.SlurmError, OSError) as exc:
         # Nothing was submitted: what this call made for it goes again (a new SQLite study, its store, the job's
@@ -701,7 +705,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
                 shutil.rmtree(path) if how == "tree" else path.rmdir() if how == "empty" else path.unlink()
         raise _fail(str(exc) if isinstance(exc, slurm.SlurmError) else f"cannot write the job's files in {folder}: "
                     f"{exc.strerror or exc}", 1) from None
-    slurm.record_job(study, job_id, options, folder)
+    slurm.record_job(study, job_id, options, folder, asked)
     err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "
               f"`sweep status {spec_path.name}` shows them", markup=False)
     sys.stdout.write(f"{job_id}\n")

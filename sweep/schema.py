@@ -360,11 +360,56 @@ K8sSecretName = Annotated[StrictStr, AfterValidator(_k8s_subdomain),
                                     "digit)")]
 
 
+# sbatch options the batch script sets itself, and what each is for: given again in `launch.slurm.sbatch`, the later
+# line would win in silence, and `sweep status` and `sweep stop` would count other tasks, read other logs, or lose
+# preemption. Long names also match their abbreviations (sbatch takes any unambiguous prefix); short ones by letter.
+_SWEEPS_SBATCH = {
+    "array": "the array is one task per worker: launch.slurm.workers (--workers)",
+    "output": "the logs go where `sweep status` reads them: launch.slurm.log_dir",
+    "error": "errors go in each task's one log, whose end `sweep status` shows: launch.slurm.log_dir",
+    "open-mode": "a requeued task appends to its log",
+    "requeue": "preempted tasks are requeued to continue the study",
+    "no-requeue": "preempted tasks are requeued to continue the study",
+    "signal": "the warning before the time limit: launch.slurm.warning_s (--warning-s)",
+    "export": "the workers need the submitting shell's environment (PATH, the virtual environment)",
+    "time": "launch.slurm.time (--time), which is checked against warning_s",
+    "gpus": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
+    "gpus-per-task": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
+    "gpus-per-node": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
+}
+_SWEEPS_SHORT = {"a": "array", "o": "output", "e": "error", "t": "time", "G": "gpus"}
+
+
 def _sbatch_line(value: str) -> str:
     line = value.strip().removeprefix("#SBATCH").strip()
     if not _SBATCH_LINE.fullmatch(line):
         raise ValueError(f"expected one sbatch option such as --constraint=a100, got {short_repr(value)}")
+    name = re.split(r"[= ]", line, maxsplit=1)[0]
+    if name.startswith("--"):
+        given = name[2:]
+        owned = given if given in _SWEEPS_SBATCH else next(
+            (own for own in _SWEEPS_SBATCH if len(given) >= 2 and own.startswith(given)), None)
+        if given == "gres" and re.match(r"--gres[= ]\s*gpu", line):
+            owned = "gpus"
+    else:
+        owned = _SWEEPS_SHORT.get(name[1:2])
+    if owned is not None:
+        shown = name if name == f"--{owned}" else f"{name} (--{owned})"
+        raise ValueError(f"expected an option the batch script does not set itself, got {shown}, which sweep sets: "
+                         f"{_SWEEPS_SBATCH[owned]}")
     return line
+
+
+def slurm_seconds(value: str) -> int:
+    """A Slurm time (`90`, `90:30`, `4:00:00`, `2-12`, `2-12:30`, `2-12:30:15`, as `_SLURM_TIME` checks it) in
+    seconds; 0 is no limit."""
+    days, _, clock = value.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    if days:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:  # minutes, minutes:seconds, hours:minutes:seconds
+        hours, minutes, seconds = ([0] * (3 - len(parts)) + parts) if len(parts) == 3 else (0, *(parts + [0])[:2])
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def _printable(value: str) -> str:
@@ -393,9 +438,22 @@ class SlurmSpec(_Model):
     mem: SlurmMem | None = None
     cpus_per_task: StrictInt | None = Field(None, ge=1, le=1_000_000)
     gpus_per_task: StrictInt = Field(0, ge=0, le=1024)  # G GPUs per array task, one worker pinned to each
-    warning_s: StrictInt = Field(120, ge=1, le=65535)  # Slurm's warning this many s before the time limit (at most)
+    # Slurm's warning this many s before the time limit (at most); checked against `time` also when not given
+    warning_s: StrictInt = Field(120, ge=1, le=65535, validate_default=True)
     log_dir: Printable | None = None  # default NAME.slurm next to the study file; on a path every node sees
     sbatch: list[Annotated[StrictStr, AfterValidator(_sbatch_line)]] = []  # extra `#SBATCH` options, one each
+
+    @field_validator("warning_s", mode="after")
+    @classmethod
+    def _warned_in_time(cls, value: int, info: ValidationInfo) -> int:
+        """A time limit no longer than the warning would have Slurm warn each task as it starts: it would requeue
+        itself over and over and train nothing."""
+        limit = info.data.get("time")
+        if limit is not None and 0 < (seconds := slurm_seconds(limit)) <= value:
+            raise ValueError(f"expected fewer seconds than the time limit launch.slurm.time {limit} ({seconds} s), "
+                             f"got {value}: each task would be warned as it starts and requeue itself, training "
+                             "nothing; give a longer time, or a smaller warning_s")
+        return value
 
 
 class K8sSpec(_Model):
@@ -820,11 +878,19 @@ def with_options(model: _ModelT, given: Mapping[str, Any]) -> _ModelT:
     try:
         type(model).model_validate(given)  # the options alone first: their problems are the command line's
     except ValidationError as exc:
-        problems = [_pydantic_problem(error) for error in exc.errors() if error["type"] != "missing"]
+        # (a problem of a key that was not given is the study file's defaults against the options: checked below)
+        problems = [_pydantic_problem(error) for error in exc.errors()
+                    if error["type"] != "missing" and (not error["loc"] or error["loc"][0] in given)]
         problems = [("--" + key.split(".")[0].split("[")[0].replace("_", "-"), message) for key, message in problems]
         if problems:
             raise StudyFileError("command line", problems) from None
-    return type(model).model_validate({**model.model_dump(), **given})
+    try:
+        return type(model).model_validate({**model.model_dump(), **given})
+    except ValidationError as exc:  # the options against the study file's (--time against its warning_s)
+        problems = [_pydantic_problem(error) for error in exc.errors()]
+        raise StudyFileError("command line", [(f"--{key.replace('_', '-')}" if key in given else
+                                               f"{key} (the study file's, or its default)", message)
+                                              for key, message in problems]) from None
 
 
 def validate_document(document: Mapping[str, Any], source: str | Path) -> StudySpec:

@@ -26,15 +26,16 @@ that hold a password by convention (`PGPASSWORD`) are left out of sbatch's envir
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
     from sweep.schema import SlurmSpec, StudySpec
 
 __all__ = ["SCRIPT_FILE", "STORAGE_FILE", "SlurmError", "SlurmTask", "batch_script", "cancel_queued", "check_tools",
-           "job_folder", "log_tail", "record_job", "study_tasks", "submit", "summary", "task_count"]
+           "job_folder", "log_tail", "output_pattern", "path_problem", "record_job", "sbatch_directive", "study_tasks",
+           "submit", "submitted_at", "summary", "task_count"]
 
 STORAGE_FILE = "storage.json"  # in the job folder, 0600: the storage URL (see the module's docstring)
 SCRIPT_FILE = "submit.sbatch"
@@ -86,24 +88,52 @@ def sbatch_quoted(option: str) -> str:
     return f'{name}{sep or "="}"{escaped}"{comment or ""}'
 
 
+def sbatch_directive(name: str, value: str) -> str:
+    """One of sweep's own `#SBATCH` options, `--name=value`, whatever `value` holds: always in double quotes, with
+    `"` and `\\` escaped (sbatch 22.05 reads a backslash as escaping the next character, in quotes too), so that a
+    path with a quote, a space or a `#` reaches sbatch as it is. (`sbatch_quoted` leaves a user's own quotes alone.)"""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'{name}="{escaped}"'
+
+
+def output_pattern(folder: Path) -> str:
+    """`--output`'s value for one log per array task in `folder`: sbatch reads `%` as a replacement symbol in the
+    whole path (a folder `runs-%x` would become `runs-sweep-NAME`), so the folder's own are doubled. A backslash
+    would turn every replacement off (the logs would all be one file named `%A_%a.log`): `path_problem` refuses it."""
+    return f"{str(folder).replace('%', '%%')}/{LOG_PATTERN}"
+
+
+def path_problem(path: Path, *, logs: bool = False) -> str | None:
+    """Why a batch script cannot name `path` (the job's folder, with `logs`; the working folder, the study file),
+    or None."""
+    text = str(path)
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):  # a newline would end a line of the script
+        return "holds a control character, which the batch script cannot hold safely; expected a printable path"
+    if logs and "\\" in text:
+        return ("holds a backslash, which turns off sbatch's %A/%a in the log's path (every task would write one "
+                "file); expected a path without one")
+    return None
+
+
 def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder: Path, workdir: Path,
                  timeout: float | None = None, overrides: Sequence[str] = (), python: str = sys.executable) -> str:
     """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
     any secret."""
     for path in (folder, workdir, spec_path):  # the CLI refuses them first, in one line
-        if any(ord(c) < 32 or ord(c) == 127 for c in str(path)):
-            raise ValueError(f"a batch script cannot hold the path {str(path)!r} (a control character)")
+        if (problem := path_problem(path, logs=path == folder)) is not None:
+            raise ValueError(f"a batch script cannot hold the path {str(path)!r}: it {problem}")
     gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
     workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (sweep.workers.gpus_problem)
     run = [python, "-m", "sweep.cli", "run", *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
            *(["--workers", str(workers)] if workers > 1 else [])]
-    sbatch = [f"--job-name=sweep-{spec.name}", f"--array=0-{options.workers - 1}",
-              f"--output={folder / LOG_PATTERN}", "--open-mode=append", "--requeue",
-              f"--signal=B:USR1@{options.warning_s}",
-              *(f"--{key.replace('_', '-')}={value}" for key in ("partition", "time", "account", "qos", "mem",
-                                                                  "cpus_per_task")
-                if (value := getattr(options, key)) is not None),
-              *([f"--gres=gpu:{gpus}"] if gpus else []), *options.sbatch]
+    # sweep's own options (the values are checked by the schema; the log folder is any path), then the user's.
+    own = [f"--job-name=sweep-{spec.name}", f"--array=0-{options.workers - 1}",
+           sbatch_directive("--output", output_pattern(folder)), "--open-mode=append", "--requeue",
+           f"--signal=B:USR1@{options.warning_s}",
+           *(f"--{key.replace('_', '-')}={value}" for key in ("partition", "time", "account", "qos", "mem",
+                                                               "cpus_per_task")
+             if (value := getattr(options, key)) is not None),
+           *([f"--gres=gpu:{gpus}"] if gpus else [])]
     each = ("one worker" if not gpus else "1 GPU and its worker" if gpus == 1 else
             f"{gpus} GPUs, a worker on each" if per_trial == 1 else
             f"{gpus} GPUs, a worker on each {per_trial} (its trials data-parallel on them)")
@@ -112,7 +142,8 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
         f"# Workers of study {spec.name!r}: {options.workers} array tasks, {each}; every worker is the ordinary",
         "# `sweep run` loop on the study's storage.",
         f"# Written by `sweep submit {spec_path.name} --slurm`; logs in {folder}/.",
-        *(f"#SBATCH {sbatch_quoted(option)}" for option in sbatch),
+        *(f"#SBATCH {option}" for option in own),
+        *(f"#SBATCH {sbatch_quoted(option)}" for option in options.sbatch),
         "",
         "# The storage URL may hold a password: it is in this owner-only file, never in the script or the job's",
         "# environment (Slurm keeps both in its records).",
@@ -175,11 +206,26 @@ def submit(script: str, url: str, folder: Path, *, workdir: Path) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def record_job(study: optuna.Study, job_id: str, options: SlurmSpec, folder: Path) -> None:
-    """Remember the job array on the study, for `sweep status` and `sweep stop` on any machine."""
+def record_job(study: optuna.Study, job_id: str, options: SlurmSpec, folder: Path, submitted_at: float) -> None:
+    """Remember the job array on the study, for `sweep status` and `sweep stop` on any machine; `submitted_at` (a
+    time.time() taken before sbatch was called) is when its tasks count a `sweep stop` from (`submitted_at`)."""
     jobs = list(study.user_attrs.get(SLURM_JOBS_ATTR, []))
-    jobs.append({"job_id": job_id, "tasks": options.workers, "log_dir": str(folder), "submitted_at": time.time()})
+    jobs.append({"job_id": job_id, "tasks": options.workers, "log_dir": str(folder), "submitted_at": submitted_at})
     study.set_user_attr(SLURM_JOBS_ATTR, jobs)
+
+
+def submitted_at(study: optuna.Study, environ: Mapping[str, str] = os.environ) -> float | None:
+    """When the Slurm job array this process is a task of was submitted, if it is one of the study's: a `sweep stop`
+    since then stops its tasks, also one that starts again later (requeued after its time-limit warning, preempted by
+    Slurm, `scontrol requeue`), not only the tasks running at the time of the stop. None outside a job of the study
+    (or while `sweep submit` has yet to record it)."""
+    job = environ.get("SLURM_ARRAY_JOB_ID")
+    if not job:
+        return None
+    times = [float(record["submitted_at"]) for record in study.user_attrs.get(SLURM_JOBS_ATTR, [])
+             if isinstance(record, dict) and str(record.get("job_id")) == job
+             and isinstance(record.get("submitted_at"), (int, float))]
+    return min(times, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,11 +261,54 @@ _PAIR = re.compile(r"(\w[\w/:]*)=(\S*)")
 
 
 def _job_records(job_id: str) -> list[dict[str, str]]:
+    """The job's array tasks as `scontrol show job` gives them; once the controller has forgotten the job (MinJobAge
+    after its end, 300 s by default), as accounting (`sacct`) remembers them, where the cluster keeps it."""
     done = subprocess.run([_tool("scontrol"), "show", "job", "--oneliner", job_id], capture_output=True, text=True,
                           timeout=60)
-    if done.returncode != 0:
-        return []  # "Invalid job id": finished and purged (MinJobAge), or submitted to another cluster
-    return [dict(_PAIR.findall(line)) for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode == 0:
+        return [dict(_PAIR.findall(line)) for line in done.stdout.splitlines() if line.strip()]
+    # "Invalid job id": finished and purged, or submitted to another cluster
+    return _accounted_records(job_id)
+
+
+def _accounted_records(job_id: str) -> list[dict[str, str]]:
+    """The job's array tasks from Slurm's accounting, in `scontrol`'s field names; [] without sacct or accounting."""
+    sacct = shutil.which("sacct")
+    if sacct is None:
+        return []
+    try:
+        done = subprocess.run([sacct, "--jobs", job_id, "--array", "--allocations", "--noheader", "--parsable2",
+                               "--format=JobID,State,ExitCode"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return parse_sacct(job_id, done.stdout) if done.returncode == 0 else []
+
+
+def parse_sacct(job_id: str, text: str) -> list[dict[str, str]]:
+    """`sacct --parsable2 --format=JobID,State,ExitCode` lines of job array `job_id` (`123_4|FAILED|1:0`, `123_[5-7]
+    |CANCELLED by 0|0:0`) as `scontrol`'s records; Slurm's accounting keeps no requeue count, so `Restarts` is 0."""
+    records = []
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) < 3 or not fields[0].startswith(f"{job_id}_"):
+            continue
+        task = fields[0][len(job_id) + 1:].strip("[]")
+        if not re.fullmatch(r"[\d,\-%]+", task):
+            continue
+        records.append({"ArrayTaskId": task, "JobState": (fields[1].split() or ["UNKNOWN"])[0],
+                        "ExitCode": fields[2], "Restarts": "0", "Reason": "None"})
+    return records
+
+
+def _logged_tasks(job_id: str, folder: Path) -> dict[int, Path]:
+    """The logs of job `job_id`'s array tasks left in `folder`, by task id."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for path in folder.glob(f"{glob.escape(job_id)}_*.log"):
+            task = path.name[len(job_id) + 1:-len(".log")]
+            if task.isdigit():
+                found[int(task)] = path
+    return found
 
 
 def study_tasks(study: optuna.Study) -> list[SlurmTask]:
@@ -229,9 +318,13 @@ def study_tasks(study: optuna.Study) -> list[SlurmTask]:
     for job in study.user_attrs.get(SLURM_JOBS_ATTR, []):
         job_id, folder = str(job["job_id"]), Path(job["log_dir"])
         records = _job_records(job_id)
-        if not records:
-            tasks.append(SlurmTask(job_id, f"0-{int(job['tasks']) - 1}", "UNKNOWN", 0, "", "no longer known to "
-                                   "Slurm (finished long ago?)", None))
+        if not records:  # forgotten: each task that started left its log (what became of it is there)
+            logged = _logged_tasks(job_id, folder)
+            forgotten = "no longer known to Slurm (finished long ago?)"
+            tasks += [SlurmTask(job_id, str(task), "UNKNOWN", 0, "", forgotten, log)
+                      for task, log in sorted(logged.items())]
+            if rest := _ranges(sorted(set(range(int(job["tasks"]))) - set(logged))):
+                tasks.append(SlurmTask(job_id, rest, "UNKNOWN", 0, "", f"{forgotten}; no log", None))
             continue
         seen = {int(r["ArrayTaskId"]) for r in records if r.get("ArrayTaskId", "").isdigit()
                 and r["ArrayTaskId"] != _NO_VAL}

@@ -259,10 +259,10 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
     url, name = url_with_password(postgres_url), "slurm_spaces"
     path = study_file(folder, name, 1)
     job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold", "--sbatch=--comment=two words, issue#1",
-                 "--sbatch=#SBATCH --time=10   # ten minutes", "--sbatch=--tmp  100")
+                 "--sbatch=#SBATCH --nice=10   # lower priority", "--sbatch=--tmp  100")
     try:
         shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
-        for field in ("Comment=two words, issue#1", "TimeLimit=00:10:00", "MinTmpDiskNode=100M"):
+        for field in ("Comment=two words, issue#1", "Nice=10 ", "MinTmpDiskNode=100M"):
             assert field in shown, shown
         assert f"StdOut={folder / f'{name}.slurm'}/" in shown, shown  # the folder with its space
     finally:
@@ -287,3 +287,80 @@ def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluste
                      env={"SLURM_CONF": str(slurm_cluster.conf)})
     assert done.returncode == 0, done.stderr
     slurm_cluster.run("scancel", done.stdout.strip(), check=False)
+
+
+def test_a_stop_outlasts_a_requeue_after_it(tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    """`sweep stop`, then the running task's time-limit warning: its worker checkpoints the trial and the task requeues
+    itself. Started again, it trained on (a worker honoured only the stops given after its own start); now it counts
+    the stop from its job's submission and exits at once, leaving the preempted trial for a later `sweep run`."""
+    url, name = url_with_password(postgres_url), "slurm_stop_requeue"
+    path = study_file(tmp_path, name, 3, checkpoint_every=50, max_steps=STEPS, eval_every_steps=50,
+                      log_every_steps=50)
+    log = Timeline("1 worker; sweep stop while its trial runs, then the time-limit warning (requeue)")
+    job = submit(slurm_cluster, path, url, "--workers", "1")
+
+    def running_past_a_checkpoint() -> bool:
+        try:
+            return any(t.state == TrialState.RUNNING and max(t.intermediate_values, default=0) >= 100
+                       for t in load(url, name).get_trials())
+        except KeyError:
+            return False
+
+    wait_for(running_past_a_checkpoint, "a running trial past step 100", lambda: states(slurm_cluster, job))
+    done = sweep_cli("stop", path, "--storage", url, env={"SLURM_CONF": str(slurm_cluster.conf)})
+    assert done.returncode == 0, done.stderr
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", f"{job}_0")
+    log("sweep stop, then the warning signal")
+    wait_for(lambda: tasks(slurm_cluster, job).get("0", {}).get("Restarts") == "1", "requeued task",
+             lambda: states(slurm_cluster, job))
+    log("the task requeued itself")
+    wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
+    log(f"job over: {states(slurm_cluster, job)}")
+    [record] = tasks(slurm_cluster, job).values()
+    text = (tmp_path / f"{name}.slurm" / f"{job}_0.log").read_text()
+    assert (record["JobState"], record["Restarts"], record["ExitCode"]) == ("COMPLETED", "1", "0:0"), text
+    trials = load(url, name).get_trials()
+    # The preempted trial and its retry, queued for the next run: nothing trained after the stop.
+    assert [(t.state, preempted(t), t.user_attrs.get("retry_of")) for t in trials] == [
+        (TrialState.FAIL, True, None), (TrialState.WAITING, False, 0)], [(t.number, t.state) for t in trials]
+    assert text.count("preempted (SIGTERM)") == 1, text
+
+
+def test_a_log_folder_with_quotes_a_percent_and_a_hash_gets_every_task_s_log(
+        tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
+    """sweep's own `--output` went into the script as written when the path held a quote: sbatch's quoting cut it,
+    and the task failed with no log anywhere; a `%x` in the path was sbatch's job name."""
+    folder = tmp_path / "it's \"%x\" #1"
+    folder.mkdir()
+    url, name = url_with_password(postgres_url), "slurm_quotes"
+    path = study_file(folder, name, 2)
+    job = submit(slurm_cluster, path, url, "--workers", "2")
+    wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
+    logs = sorted(p.name for p in (folder / f"{name}.slurm").iterdir() if p.suffix == ".log")
+    assert logs == [f"{job}_0.log", f"{job}_1.log"], (logs, slurm_cluster.log_tail(chars=3000))
+    assert {r["JobState"] for r in tasks(slurm_cluster, job).values()} == {"COMPLETED"}
+    assert sum(t.state == TrialState.COMPLETE for t in load(url, name).get_trials()) == 2
+    assert "Slurm workers: done 2" in slurm_status(slurm_cluster, path, url)
+
+
+def test_status_of_a_job_slurm_has_forgotten_names_each_task_s_log(
+        tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+    """Once Slurm forgets a finished job (MinJobAge, 300 s by default) and no accounting remembers it, `sweep status`
+    showed one row "no longer known" and no log, though each task's log is in the job's folder."""
+    from sweep.outcomes import SLURM_JOBS_ATTR
+
+    path, url = study_file(tmp_path, "forgotten", 1), f"sqlite:///{tmp_path / 'forgotten.db'}"
+    done = sweep_cli("run", path, "--storage", url, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / "forgotten.slurm"
+    folder.mkdir()
+    job = "987654321"  # never a job of this cluster: `scontrol show job` says "Invalid job id", as for a purged one
+    for task in (0, 2):
+        (folder / f"{job}_{task}.log").write_text(f"task {task}\n")
+    load(url, "forgotten").set_user_attr(SLURM_JOBS_ATTR, [{"job_id": job, "tasks": 3, "log_dir": str(folder),
+                                                            "submitted_at": 0.0}])
+    status = slurm_status(slurm_cluster, path, url)
+    compact = re.sub(r"[\s│]", "", status)  # a long path is folded over lines of the table
+    for task in (0, 2):
+        assert f"{job}_{task}unknown0{folder / f'{job}_{task}.log'}" in compact, status
+    assert f"{job}_1unknown" in compact and "nolog" in compact, status

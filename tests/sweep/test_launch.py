@@ -46,7 +46,7 @@ def test_dry_run_prints_a_plain_script_naming_every_option_and_creates_nothing(t
     directives = [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH")]
     for flag, (_, line) in OPTIONS.items():
         assert line in directives, flag
-    assert {"--requeue", "--open-mode=append", f"--output={tmp_path}/tiny.slurm/%A_%a.log"} <= set(directives)
+    assert {"--requeue", "--open-mode=append", f'--output="{tmp_path}/tiny.slurm/%A_%a.log"'} <= set(directives)
     assert PASSWORD not in script and "db.example" not in script  # the URL is in the storage file, not here
     assert f"export {STORAGE_FILE_ENV}={tmp_path}/tiny.slurm/storage.json" in script
     # The worker: the ordinary `sweep run` of this study, with its name and budget, two workers for two GPUs.
@@ -62,7 +62,7 @@ def test_the_study_files_launch_section_is_used_and_the_command_line_wins(tmp_pa
     lines = done.stdout.splitlines()
     assert "#SBATCH --partition=gpu" in lines and "#SBATCH --partition=cpu" not in lines
     assert {"#SBATCH --time=30", "#SBATCH --array=0-4", "#SBATCH --exclusive",
-            f"#SBATCH --output={tmp_path}/logs/%A_%a.log"} <= set(lines)
+            f'#SBATCH --output="{tmp_path}/logs/%A_%a.log"'} <= set(lines)
 
 
 def test_a_study_folder_with_a_newline_in_its_path_gets_no_batch_script(tmp_path: Path) -> None:
@@ -115,6 +115,35 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(), ["--warning-s", "9" * 23], "command line: --warning-s: Input should be less than or equal to 65535"),
     (changed(launch={"slurm": {"warning_s": 70000}}), [], "launch.slurm.warning_s: Input should be less than or "
                                                           "equal to 65535"),
+    # An option the batch script sets itself, given again: the later line won in silence, and `sweep status` and
+    # `sweep stop` counted other tasks, read other logs, or the tasks were no longer requeued.
+    (changed(launch={"slurm": {"sbatch": ["--array=0-9"]}}), [], "launch.slurm.sbatch[0]: expected an option the "
+                                                                 "batch script does not set itself, got --array, "),
+    (changed(), ["--sbatch", "-o /tmp/x.log"], "command line: --sbatch: expected an option the batch script does not "
+                                               "set itself, got -o (--output), which sweep sets"),
+    (changed(), ["--sbatch", "--out=x"], "got --out (--output), which sweep sets"),  # sbatch takes abbreviations
+    (changed(), ["--sbatch", "--no-requeue"], "got --no-requeue, which sweep sets"),
+    (changed(), ["--sbatch", "--export=NONE"], "got --export, which sweep sets"),
+    (changed(), ["--sbatch", "--signal=B:USR2@60"], "got --signal, which sweep sets: the warning before the time "
+                                                    "limit: launch.slurm.warning_s (--warning-s)"),
+    (changed(), ["--sbatch", "#SBATCH -t 10"], "got -t (--time), which sweep sets: launch.slurm.time (--time)"),
+    (changed(), ["--sbatch", "--gres=gpu:2"], "got --gres (--gpus), which sweep sets"),
+    # A time limit no longer than the warning: each task was warned as it started and requeued itself forever.
+    (changed(launch={"slurm": {"time": 1}}), [], "launch.slurm.warning_s: expected fewer seconds than the time limit "
+                                                 "launch.slurm.time 1 (60 s), got 120"),
+    (changed(), ["--time", "2"], "command line: warning_s (the study file's, or its default): expected fewer "
+                                 "seconds than the time limit launch.slurm.time 2 (120 s), got 120"),
+    (changed(launch={"slurm": {"warning_s": 30}}), ["--time", "0:20"], "command line: warning_s (the study file's, "
+                                                                       "or its default): expected fewer seconds "
+                                                                       "than the time limit launch.slurm.time 0:20 "
+                                                                       "(20 s), got 30"),
+    (changed(launch={"slurm": {"time": "0:40", "warning_s": 10}}), ["--warning-s", "40"], "command line: "
+                                                                                          "--warning-s: expected fewer "
+                                                                         "seconds than the time limit"),
+    (changed(launch={"slurm": {"time": "1-00"}}), ["--warning-s", "86400"], "command line: --warning-s: Input "
+                                                                            "should be less than or equal to 65535"),
+    # A log folder whose backslash would turn off sbatch's %A/%a: every task would append to one file.
+    (changed(launch={"slurm": {"log_dir": "lo\\gs"}}), [], "holds a backslash, which turns off sbatch's %A/%a"),
     # A file where the job's folder goes: a traceback, and the study's database left behind.
     (changed(launch={"slurm": {"log_dir": "study.yaml"}}), [], "launch.slurm.log_dir: "),
     (changed(launch={"slurm": {"log_dir": "study.yaml/logs"}}), [], "study.yaml is a file; the job's script, "
@@ -409,3 +438,40 @@ def test_sbatch_values_are_quoted_only_where_sbatch_would_split_them(given: str,
     from sweep.launch.slurm import sbatch_quoted
 
     assert sbatch_quoted(given) == (given if written is None else written)
+
+
+@pytest.mark.parametrize("limit", ["0", "3", "2:01", "1-0", "0-0:2:30"])
+def test_a_time_limit_longer_than_the_warning_or_none_is_taken(tmp_path: Path, limit: str) -> None:
+    path = write_study(tmp_path, changed(launch={"slurm": {"time": limit, "warning_s": 120}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"#SBATCH --time={limit}\n" in done.stdout
+    # The study file's warning and the command line's time are judged together, not against the defaults.
+    path = write_study(tmp_path, changed(launch={"slurm": {"warning_s": 10}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", "--time", "0:20", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_log_folder_with_quotes_percent_and_hash_is_one_quoted_output_directive(tmp_path: Path) -> None:
+    """A folder holding a quote went into the script as written (sbatch's own quote handling then cut the path, and
+    the tasks failed with no log); a `%x` in it was expanded by sbatch into the job's name."""
+    path = write_study(tmp_path, changed(launch={"slurm": {"log_dir": "it's \"%x\" #1"}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [output] = [line for line in done.stdout.splitlines() if line.startswith("#SBATCH --output=")]
+    assert output == f'#SBATCH --output="{tmp_path}/it\'s \\"%%x\\" #1/%A_%a.log"'
+    assert subprocess.run(["bash", "-n"], input=done.stdout, text=True).returncode == 0
+
+
+def test_sacct_lines_become_the_tasks_of_a_job_slurm_has_forgotten() -> None:
+    """`sweep status` asks accounting once the controller has forgotten a job (MinJobAge): a failed task is still
+    shown failed. (No accounting daemon runs here; these are sacct's own lines for such a job.)"""
+    from sweep.launch.slurm import SlurmTask, parse_sacct
+
+    text = ("77_0|COMPLETED|0:0\n77_1|FAILED|1:0\n77_1.batch|FAILED|1:0\n77_[2-4]|CANCELLED by 0|0:0\n"
+            "770_1|FAILED|2:0\n77_5|TIMEOUT|0:15\n")
+    records = parse_sacct("77", text)
+    assert [(r["ArrayTaskId"], r["JobState"], r["ExitCode"]) for r in records] == [
+        ("0", "COMPLETED", "0:0"), ("1", "FAILED", "1:0"), ("2-4", "CANCELLED", "0:0"), ("5", "TIMEOUT", "0:15")]
+    labels = [SlurmTask("77", r["ArrayTaskId"], r["JobState"], 0, r["ExitCode"], "", None).label for r in records]
+    assert labels == ["done", "failed", "cancelled", "failed"]
