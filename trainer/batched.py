@@ -953,7 +953,7 @@ class Cohort:
                 for j in range(len(indices)):
                     loss_totals[j] += self.task.loss(as_fp32(out[j]), y) * len(x)
                     if self.task.eval_metrics is not None:
-                        for name, value in self.task.eval_metrics(out[j], y).items():
+                        for name, value in self.task.checked_metrics(out[j], y).items():
                             totals[j][name] = totals[j][name] + value if name in totals[j] else value
         finally:
             self.template.train()

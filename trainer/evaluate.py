@@ -34,7 +34,7 @@ def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tenso
             out = model(x)
         loss_total += task.checked_loss(as_fp32(out), y) * len(x)
         if task.eval_metrics is not None:
-            for name, value in task.eval_metrics(out, y).items():
+            for name, value in task.checked_metrics(out, y).items():
                 totals[name] = totals[name] + value if name in totals else value
     model.train(was_training)
     task.check_metrics(totals)

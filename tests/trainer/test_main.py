@@ -297,3 +297,39 @@ def test_a_task_loss_that_is_not_one_number_is_one_line(tmp_path: Path, capsys: 
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{config}: task 'rows': its loss returned a tensor of shape ("), \
         lines
+
+
+@pytest.mark.parametrize(("metrics", "expected"), [
+    ("(out.argmax(-1) == y).sum()", "its eval_metrics returned a Tensor; expected a mapping of each metric's name"),
+    ("{'accuracy': out.argmax(-1) == y}", "its eval_metrics returned a tensor of shape ("),
+    ("{'accuracy': 'high'}", "its eval_metrics returned a str for 'accuracy'; expected a name and one number"),
+])
+def test_eval_metrics_that_are_not_sums_by_name_are_one_line_naming_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: str, expected: str) -> None:
+    """A tensor where a mapping was expected failed with "AttributeError: 'Tensor' object has no attribute 'items'",
+    without naming eval_metrics; a per-sample tensor failed in a stack."""
+    module = f"badmetric{len(metrics)}"  # one module per case: an imported module stays imported
+    (tmp_path / f"{module}.py").write_text(
+        "from torch import nn\nfrom trainer.tasks import Task\nfrom trainer.tasks.digits import digits\n\n"
+        "def task():\n"
+        "    d = digits()\n"
+        "    return Task(name='bm', train=d.train, val=d.val, build_model=lambda cfg: nn.Linear(64, 10),\n"
+        f"                eval_metrics=lambda out, y: {metrics}, eval_metric_names=('accuracy',))\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"task: {module}:task\nmax_steps: 4\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{config}: task 'bm': {expected}"), lines
+
+
+def test_eval_metrics_may_give_python_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "pymetric.py").write_text(
+        "from torch import nn\nfrom trainer.tasks import Task\nfrom trainer.tasks.digits import digits\n\n"
+        "def task():\n"
+        "    d = digits()\n"
+        "    return Task(name='pm', train=d.train, val=d.val, build_model=lambda cfg: nn.Linear(64, 10),\n"
+        "                eval_metrics=lambda out, y: {'seen': len(y)}, eval_metric_names=('seen',))\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("task: pymetric:task\nmax_steps: 4\n")
+    assert main([str(config)]) == 0, capsys.readouterr().err
+    assert "val_seen" in capsys.readouterr().out

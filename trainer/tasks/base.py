@@ -148,6 +148,28 @@ class Task:
                             "mean over the batch: reduction='mean')")
         return loss
 
+    def checked_metrics(self, out: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`eval_metrics(out, y)`, refused (`TaskError`, naming `eval_metrics`) unless it is a mapping of names to one
+        number each (a 0-d tensor, or a Python number): a bare tensor or a per-sample tensor failed deep in the
+        evaluation without naming it. Shapes are known on the host: no sync."""
+        assert self.eval_metrics is not None
+        returned = self.eval_metrics(out, y)
+        if not isinstance(returned, Mapping):
+            raise TaskError(f"task {self.name!r}: its eval_metrics returned a {type(returned).__name__}; expected a "
+                            "mapping of each metric's name to its sum over the batch, such as {'accuracy': "
+                            "(out.argmax(-1) == y).sum()}")
+        metrics = {}
+        for name, value in returned.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = torch.tensor(float(value), device=out.device)
+            if not isinstance(name, str) or not isinstance(value, torch.Tensor) or value.dim() != 0:
+                got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else
+                       f"a {type(value).__name__}")
+                raise TaskError(f"task {self.name!r}: its eval_metrics returned {got} for {name!r}; expected a name "
+                                "and one number, the metric's sum over the batch (a 0-d tensor)")
+            metrics[name] = value
+        return metrics
+
     def check_metrics(self, returned: Iterable[str]) -> None:
         """Refuse an evaluation whose `eval_metrics` left out a metric `eval_metric_names` declares (a study may
         have chosen it), naming both."""
