@@ -1317,7 +1317,8 @@ def reproduce(
     if comparison.first_difference is not None:
         step, stored, again = comparison.first_difference
         where = "in its final value (it reported none)" if comparison.final_only else f"first at step {step}"
-        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, reproduced {again!r}{raised}", 1)
+        replayed = "not reported by the replay" if again is None else f"reproduced {again!r}"
+        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, {replayed}{raised}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
             f"{comparison.steps_compared} reported values identical")
     partial = ("" if comparison.unfinished is None else

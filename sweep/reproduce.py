@@ -110,7 +110,7 @@ class Comparison:
     trial: int
     steps_compared: int
     tolerance: float  # 0.0: bit for bit
-    first_difference: tuple[int, float, float] | None  # (step, stored, reproduced)
+    first_difference: tuple[int, float, float | None] | None  # (step, stored, reproduced; None: not reported)
     largest_difference: float = 0.0  # relative, over the values compared (0.0: every one bit for bit)
     final_only: bool = False  # a loop or command that never reported: its final value was compared
     # "running", or why a FAIL trial ended (its outcome: failed, interrupted, lost, ...): its reports so far were
@@ -124,8 +124,12 @@ class Comparison:
 
 
 class _Recorder:
-    def __init__(self, stop_at: float, metric: str) -> None:
-        self.stop_at, self.metric = stop_at, metric
+    """What the replay reports. It is told to stop once it has reported the stored last step and every stored step
+    it trains itself (`needed`: a loop may report out of order, 3 then 1 and 2), or a step beyond the last; with
+    `last` None (a final value only), never."""
+
+    def __init__(self, last: int | None, needed: Collection[int], metric: str) -> None:
+        self.last, self.needed, self.metric = last, frozenset(needed), metric
         self.values: dict[int, float] = {}
         self.series: list[tuple[int, float]] = []  # what a command's session reads (sweep.runners.command.Reports)
         self.stopped = False  # told the replay to stop (its last stored step): what it raises after that is its end
@@ -138,8 +142,10 @@ class _Recorder:
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         self._stop_if_asked()
         self.values[step] = metric_value(metrics, self.metric)  # NaN with a non-finite val_loss, as the study stored
-        self.stopped = self.stopped or step >= self.stop_at
-        return step >= self.stop_at
+        done = self.last is not None and (step > self.last or (
+            max(self.values) >= self.last and self.needed <= self.values.keys()))
+        self.stopped = self.stopped or done
+        return done
 
     def _stop_if_asked(self) -> None:
         """Ctrl-C or SIGTERM during the replay (`sweep.signals`), raised here, a clean point of the training loop:
@@ -303,7 +309,11 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
                          "so there is nothing to compare")
     last = int(trial.user_attrs.get(ATTR_STEPS) or 0)
     stored = {last: float(trial.value)} if final_only else dict(sorted(trial.intermediate_values.items()))  # type: ignore[arg-type]
-    recorder = _Recorder(math.inf if final_only else max(stored), metric)
+    # A retry's reports up to the step it resumed from were copied from its lineage, which may have run under
+    # another pruner (a study resumed with fast-fail switched off: the lineage's step-0 evaluation, which this
+    # config does not make). Such a step is compared only where the replay reports it.
+    inherited = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step", -1)
+    recorder = _Recorder(None if final_only else max(stored), [step for step in stored if step > inherited], metric)
     if command is not None:
         if not trust_code and command not in trusted:
             raise _untrusted(number, f"run the command {command!r}")
@@ -353,16 +363,16 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         tolerance = max(tolerance, BATCHED_TOLERANCE)  # alone: stacked kernels may round differently
     if any(_ranks(t) > 1 for t in lineage):  # trained on several ranks, replayed on one
         tolerance = max(tolerance, DATA_PARALLEL_TOLERANCE)
-    # A retry's reports up to the step it resumed from were copied from its lineage, which may have run under
-    # another pruner (a study resumed with fast-fail switched off: the lineage's step-0 evaluation, which this
-    # config does not make). Such a step is compared only where the replay reports it.
-    inherited = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step", -1)
-    difference, largest, compared = None, 0.0, 0
+    difference: tuple[int, float, float | None] | None = None
+    largest, compared = 0.0, 0
     for step, value in stored.items():
         if step <= inherited and step not in recorder.values:
             continue
         compared += 1
-        again = recorder.values.get(step, math.nan)
+        again = recorder.values.get(step)
+        if again is None:  # the replay ended without reporting this step
+            difference = (step, value, None)
+            break
         if not agree(value, again, tolerance):
             difference = (step, value, again)
             break

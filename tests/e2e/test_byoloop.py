@@ -174,7 +174,8 @@ def test_reproduce_compares_what_a_loop_reported_before_its_own_error_and_names_
     broken = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
     assert broken.returncode == 1 and broken.stderr.count("\n") == 1, broken.stdout + broken.stderr
     assert broken.stderr.startswith("error: trial 0 differs first at step 15: stored ")
-    assert broken.stderr.rstrip().endswith(", reproduced nan; the replay raised RuntimeError: boom at step 15")
+    assert broken.stderr.rstrip().endswith(", not reported by the replay; the replay raised RuntimeError: boom at "
+                                           "step 15")
     source.write_text(source.read_text().replace("step == 15", "step == 25").replace(
         "        if stop:\n", "        if step == 20:\n            raise SystemExit(3)\n        if stop:\n"))
     ended = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
@@ -455,6 +456,25 @@ def test_a_step_reported_twice_keeps_its_first_value_for_the_pruner_the_value_an
     assert trial.value == trial.intermediate_values[20] == trial.params["x"] + 1.0 / 20 + 1.0
     again = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_a_loop_that_reports_out_of_order_reproduces(tmp_path: Path) -> None:
+    """The replay was told to stop at the stored last step, which this loop reports first: steps 1 and 2 were never
+    reported again, and `sweep reproduce` said "reproduced nan". It now stops once every stored step is seen."""
+    (tmp_path / "shuffled.py").write_text(
+        "def main(config, run):\n"
+        "    for step in (3, 1, 2):\n"
+        "        if run.report(step, val_loss=config['x'] + 1.0 / step):\n"
+        "            return\n")
+    path = write_study(tmp_path, {"name": "shuffled", "n_trials": 1, "loop": "shuffled:main", "pruner": "none",
+                                  "fixed": {"max_steps": 3}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [trial] = trials_of(path, "shuffled")
+    assert sorted(trial.intermediate_values) == [1, 2, 3]
+    again = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.strip() == "trial 0 reproduced: 3 reported values identical (bit for bit)"
 
 @pytest.mark.parametrize(("edit", "expected"), [
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
