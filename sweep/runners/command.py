@@ -234,7 +234,7 @@ class CommandTrial(TrialRun):
             finally:
                 _end_group(process, spec.stop_grace_period)  # whatever happened here: none of it outlives the trial
         reporter.flush()
-        steps = reporter.series[-1][0] if reporter.series else 0
+        steps = max((step for step, _ in reporter.series), default=0)  # the highest: it may report out of order
         attrs: dict[str, Any] = {ATTR_STEPS: steps, ATTR_WALL: round(time.perf_counter() - started, 3),
                                  ATTR_REPORT_MS: reporter.report_ms, ATTR_METRICS: session.metrics,
                                  ATTR_REPRO: command_record(argv, loop_seed(config) if "seed" in config else None)}

@@ -173,6 +173,7 @@ class Run:
         self.start_step = initial.step if initial is not None else 0
         self._reporter, self._initial, self._saver = reporter, initial, saver
         self.step = self.start_step  # the latest reported step
+        self.highest = self.start_step  # the highest reported step (a loop may report out of order): its length
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM that reached a report or a log
@@ -221,6 +222,7 @@ class Run:
             with self._noting_interruptions():
                 stop = bool(self._reporter.report(step, reported))
             self.step, self.metrics = step, reported  # reported: an interruption raised above leaves it out
+            self.highest = max(self.highest, step)
             if self.first_step is None:
                 self.first_step = self.step
             self.stopped = self.stopped or stop
@@ -353,13 +355,13 @@ class LoopTrial(TrialRun):
         if reporter.timed_out:  # it was told to stop for --timeout, and has saved what it chose to
             raise TimedOut()
         attrs: dict[str, Any] = {ATTR_REPRO: {**reproducibility_record(seed, device), "loop": spec.loop},
-                                 ATTR_METRICS: run.metrics, ATTR_STEPS: run.step,
+                                 ATTR_METRICS: run.metrics, ATTR_STEPS: run.highest,
                                  ATTR_STEPS_TRAINED: steps_trained(run, start),
                                  ATTR_WALL: round(time.perf_counter() - started, 3), ATTR_REPORT_MS: reporter.report_ms,
                                  ATTR_SPEED: reporter.speed}
         parent = trial.user_attrs.get(ATTR_WARM_START)
         if start.warm is not None and isinstance(parent, dict):  # now it is known where the loop took it from
-            attrs[ATTR_LINEAGE] = warm_lineage(parent, run.step, attrs[ATTR_STEPS_TRAINED])
+            attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, attrs[ATTR_STEPS_TRAINED])
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         value = loop_value(returned, run)
@@ -418,8 +420,8 @@ def steps_trained(run: Run, start: Start) -> int:
     if run.first_step is None:
         return 0
     if start.resume is not None or (start.warm is not None and run.first_step > start.step):
-        return max(0, run.step - start.step)
-    return run.step
+        return max(0, run.highest - start.step)
+    return run.highest
 
 
 def loop_seed(config: Mapping[str, Any]) -> int:

@@ -472,6 +472,7 @@ def test_a_loop_that_reports_out_of_order_reproduces(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     [trial] = trials_of(path, "shuffled")
     assert sorted(trial.intermediate_values) == [1, 2, 3]
+    assert trial.user_attrs["steps"] == 3  # the highest step it reported, not the last (2)
     again = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.strip() == "trial 0 reproduced: 3 reported values identical (bit for bit)"
