@@ -941,6 +941,7 @@ class Cohort:
         inputs, targets = self.val
         n = len(inputs)
         loss_totals = [torch.zeros((), device=self.device) for _ in indices]
+        weight_total: torch.Tensor | int = 0  # what the batches' losses count for (`Task.loss_weight`)
         totals: list[dict[str, torch.Tensor]] = [{} for _ in indices]
         self.template.eval()
         try:
@@ -950,16 +951,18 @@ class Cohort:
                 with self.precision.autocast():
                     out = (self.chain(params, x, training=False, shared=True) if self.chain is not None
                            else self.eval_forward(params, buffers, x))
+                weight = self.task.loss_weight(y)
+                weight_total = weight_total + weight
                 for j in range(len(indices)):
-                    loss_totals[j] += self.task.loss(as_fp32(out[j]), y) * len(x)
+                    loss_totals[j] += self.task.weighted(self.task.loss(as_fp32(out[j]), y), weight)
                     if self.task.eval_metrics is not None:
                         for name, value in self.task.checked_metrics(out[j], y).items():
                             totals[j][name] = totals[j][name] + value if name in totals[j] else value
         finally:
             self.template.train()
         self.task.check_metrics(totals[0])
-        rows = torch.stack([torch.stack([loss_totals[j], *(v.float() for v in totals[j].values())])
-                            for j in range(len(indices))]).div(n)
+        rows = torch.stack([torch.stack([loss_totals[j] / weight_total, *(v.float() / n for v in totals[j].values())])
+                            for j in range(len(indices))])
         with allowed_sync():
             values = rows.tolist()
         names = ["loss", *totals[0]]

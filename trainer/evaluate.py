@@ -27,17 +27,20 @@ def evaluate(model: nn.Module, task: Task, data: tuple[torch.Tensor, torch.Tenso
     inputs, targets = data
     n = len(inputs)
     loss_total = torch.zeros((), device=inputs.device)
+    weight_total: torch.Tensor | int = 0  # what the batches' losses count for (`Task.loss_weight`)
     totals: dict[str, torch.Tensor] = {}
     for start in range(0, n, batch_size):
         x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
         with precision.autocast():
             out = model(x)
-        loss_total += task.checked_loss(as_fp32(out), y) * len(x)
+        weight = task.loss_weight(y)
+        loss_total += task.weighted(task.checked_loss(as_fp32(out), y), weight)
+        weight_total = weight_total + weight
         if task.eval_metrics is not None:
             for name, value in task.checked_metrics(out, y).items():
                 totals[name] = totals[name] + value if name in totals else value
     model.train(was_training)
     task.check_metrics(totals)
     with allowed_sync():  # the evaluation's one read-back
-        values = torch.stack([loss_total, *(v.float() for v in totals.values())]).div(n).tolist()
+        values = torch.stack([loss_total / weight_total, *(v.float() / n for v in totals.values())]).tolist()
     return {f"val_{name}": value for name, value in zip(["loss", *totals], values)}

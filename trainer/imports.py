@@ -47,8 +47,12 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        ours = missing is not None and (module_name == missing or module_name.startswith(f"{missing}."))
         hint = ("; a module of your own must be importable: put it next to the study file (or the config file), "
-                "or install it, or add its folder to PYTHONPATH") if isinstance(exc, ModuleNotFoundError) else ""
+                "or install it, or add its folder to PYTHONPATH") if ours else (
+                f"; the module was found, and {missing!r}, which it imports, was not: install it in this "
+                "environment") if missing is not None else ""
         raise error(f"cannot import {what} module {module_name!r}: {exc}{hint}") from exc
     except (Exception, SystemExit) as exc:  # the module's own code failed as it ran (SyntaxError, a raise, exit())
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)

@@ -10,7 +10,7 @@ import torch
 
 from trainer import ConfigError, TrainingConfig, load_task, train
 from trainer.batched import train_batched
-from trainer.tasks import TaskError
+from trainer.tasks import Task, TaskError
 
 
 def test_digits_is_the_real_data_set_with_a_fixed_split() -> None:
@@ -305,3 +305,99 @@ def test_accuracy_leaves_out_targets_the_loss_ignores_and_is_unchanged_where_the
     # uint8 labels hold no -100: their class 156 (which -100 wraps to) counts like any other.
     bytes_ = torch.tensor([3, 156, 199, 156], dtype=torch.uint8)
     assert accuracy_sum(torch.nn.functional.one_hot(bytes_.long(), 200).float(), bytes_)["accuracy"].item() == 4.0
+
+
+def test_accuracy_takes_targets_of_one_column_and_refuses_a_shape_that_cannot_match() -> None:
+    # [N, 1] targets (a data frame's `df[["label"]]`) were compared with every prediction of the batch, [N, N]: a
+    # study's val_accuracy was the class prior, with no error, while the loss (which flattens them) trained well.
+    from trainer.tasks import accuracy_sum
+
+    targets = torch.tensor([0, 1, 2, 2, 1])
+    logits = torch.nn.functional.one_hot(torch.tensor([0, 1, 2, 0, 0]), 3).float()
+    assert accuracy_sum(logits, targets[:, None])["accuracy"].item() == 3.0
+    assert accuracy_sum(logits, targets)["accuracy"].item() == 3.0
+    with pytest.raises(TaskError, match=r"^accuracy: the targets' shape \(5, 2\) does not match the model's "
+                                        r"predictions \(5,\) \(its output \(5, 3\) less the class dimension\)$"):
+        accuracy_sum(logits, torch.zeros(5, 2, dtype=torch.long))
+
+
+def _tagging_task(loss: object = None) -> Task:
+    """Token tagging: 12 sequences of 6 tokens, padded with -100 at the end; the last 4 validation rows all padding."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(1, 9, (24, 6), generator=generator)
+    y = (x % 3).clone()
+    lengths = torch.randint(1, 7, (24,), generator=generator)
+    y[torch.arange(6)[None, :] >= lengths[:, None]] = -100
+    y[20:] = -100
+    if loss is not None:  # PyTorch's own cross entropy takes classes on dimension 1: one token per sample
+        x, y = x[:, 0], y[:, 0]
+    extra = {} if loss is None else {"loss": loss}
+    return Task(name="tagging", train=(x[:12], y[:12]), val=(x[12:], y[12:]), model_defaults={"width": 8},
+                build_model=lambda cfg: torch.nn.Sequential(torch.nn.Embedding(9, cfg["width"]),
+                                                            torch.nn.Linear(cfg["width"], 3)), **extra)
+
+
+@pytest.mark.parametrize("loss", [None, torch.nn.CrossEntropyLoss(), torch.nn.functional.cross_entropy])
+def test_val_loss_is_the_mean_over_kept_targets_whatever_the_batch_size_and_padding_is_never_nan(loss: object) -> None:
+    # Each batch's mean was weighted by its samples: val_loss changed with eval_batch_size on padded sequences, and a
+    # batch of padding only (its mean NaN) made val_loss NaN, which fast-fail pruned in every trial at step 0.
+    from trainer.evaluate import evaluate
+    from trainer.precision import resolve_precision
+
+    task = _tagging_task(loss)
+    torch.manual_seed(0)
+    model = task.build({})
+    inputs, targets = task.val
+    expected = torch.nn.functional.cross_entropy(model(inputs).reshape(-1, 3), targets.reshape(-1)).item()
+    assert 0 < int((targets != -100).sum()) < targets.numel()
+    precision = resolve_precision("off", torch.device("cpu"))
+    for size in (1, 4, 5, 12):
+        value = evaluate(model, task, task.val, size, precision)["val_loss"]
+        assert value == pytest.approx(expected, rel=1e-6), size
+
+
+def test_a_padded_task_trains_alone_and_batched_to_the_same_finite_values() -> None:
+    configs = [TrainingConfig(max_steps=8, eval_every_steps=4, batch_size=4, eval_batch_size=4, learning_rate=lr,
+                              device="cpu") for lr in (0.01, 0.1)]
+    alone = [train(config, _tagging_task()) for config in configs]
+    assert all(np.isfinite(metrics["val_loss"]) for r in alone for _, metrics in r.evals)
+    assert [r.evals for r in train_batched(configs, task=_tagging_task())] == [r.evals for r in alone]
+
+
+def test_a_builder_that_returns_no_module_is_refused_naming_the_task() -> None:
+    task = Task(name="fn", train=(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)),
+                val=(torch.zeros(4, 2), torch.zeros(4, dtype=torch.long)), build_model=lambda cfg: (lambda x: x))
+    with pytest.raises(TaskError, match=r"^task 'fn': its build_model returned a function; expected a "
+                                        r"torch.nn.Module"):
+        task.build({})
+
+
+def test_eval_metrics_may_give_python_numbers_for_a_model_whose_output_is_a_dict() -> None:
+    class TwoHeads(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"cls": self.body(x)}
+
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 2
+    task = Task(name="heads", train=(x, y), val=(x, y), build_model=lambda cfg: TwoHeads(),
+                loss=lambda out, t: torch.nn.functional.cross_entropy(out["cls"], t),
+                eval_metrics=lambda out, t: {"hits": float((out["cls"].argmax(-1) == t).sum())},
+                eval_metric_names=("hits",))
+    result = train(TrainingConfig(max_steps=2, eval_every_steps=2, batch_size=8, device="cpu"), task)
+    assert 0.0 <= result.evals[-1][1]["val_hits"] <= 1.0
+
+
+def test_a_task_module_whose_own_import_fails_names_what_to_install(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # It said to put the task module next to the study file, which it was: the missing one is its dependency.
+    (tmp_path / "needs_dep.py").write_text("import not_a_package_xyz\n\ndef task():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match=r"cannot import task module 'needs_dep': No module named 'not_a_package_xyz'; "
+                                        r"the module was found, and 'not_a_package_xyz', which it imports, was not: "
+                                        r"install it in this environment$"):
+        load_task("needs_dep:task")
+    with pytest.raises(TaskError, match=r"a module of your own must be importable"):
+        load_task("absent_module_xyz:task")

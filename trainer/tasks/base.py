@@ -68,7 +68,14 @@ def accuracy_sum(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch
     """Per-sample accuracy summed over the batch (the evaluation divides by the number of samples). For sequences,
     a sample's accuracy is the mean over its positions whose target is not `IGNORE_INDEX` (-100, which the default
     loss leaves out too: padding); a sample whose every target is -100 counts as 0."""
-    correct = (logits.argmax(-1) == targets).float()
+    predicted = logits.argmax(-1)
+    if targets.shape != predicted.shape:  # [N, 1] against [N] compared every target with every prediction
+        if targets.numel() != predicted.numel():
+            raise TaskError(f"accuracy: the targets' shape {tuple(targets.shape)} does not match the model's "
+                            f"predictions {tuple(predicted.shape)} (its output {tuple(logits.shape)} less the class "
+                            "dimension)")
+        targets = targets.reshape(predicted.shape)
+    correct = (predicted == targets).float()
     # Only a signed dtype holds -100 (uint8's 156 compares equal to it, and is a class like any other).
     kept = targets != IGNORE_INDEX if targets.is_signed() else torch.ones_like(targets, dtype=torch.bool)
     correct, kept = correct.reshape(correct.shape[0], -1), kept.reshape(correct.shape[0], -1)
@@ -148,6 +155,31 @@ class Task:
                             "mean over the batch: reduction='mean')")
         return loss
 
+    def loss_weight(self, targets: torch.Tensor) -> torch.Tensor | int:
+        """What one validation batch's loss counts for in `val_loss`: its number of samples; for cross entropy (the
+        default loss, `F.cross_entropy`, or an unweighted `nn.CrossEntropyLoss` taking the mean) on signed integer
+        targets, its number of targets that are not ignored (padding, -100). `val_loss` is then the mean over every
+        kept target whatever the batch size (a batch's mean weighted by its samples was not), and a batch of
+        padding only, whose mean is NaN, counts for nothing (fast-fail pruned every trial at step 0 for it). On the
+        device: no sync."""
+        loss = self.loss
+        if loss is cross_entropy or loss is F.cross_entropy:
+            ignore: int | None = IGNORE_INDEX
+        elif isinstance(loss, nn.CrossEntropyLoss) and loss.reduction == "mean" and loss.weight is None:
+            ignore = loss.ignore_index
+        else:
+            ignore = None
+        if ignore is None or targets.is_floating_point() or not targets.is_signed():
+            return len(targets)
+        return (targets != ignore).sum()
+
+    @staticmethod
+    def weighted(loss: torch.Tensor, weight: torch.Tensor | int) -> torch.Tensor:
+        """`loss * weight`, 0 where the weight is 0 (the NaN mean of a batch with nothing kept)."""
+        if isinstance(weight, int):
+            return loss * weight
+        return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
+
     def checked_metrics(self, out: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """`eval_metrics(out, y)`, refused (`TaskError`, naming `eval_metrics`) unless it is a mapping of names to one
         number each (a 0-d tensor, or a Python number): a bare tensor or a per-sample tensor failed deep in the
@@ -161,7 +193,7 @@ class Task:
         metrics = {}
         for name, value in returned.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = torch.tensor(float(value), device=out.device)
+                value = torch.tensor(float(value), device=y.device)  # (`out` may be a dict or a tuple)
             if not isinstance(name, str) or not isinstance(value, torch.Tensor) or value.dim() != 0:
                 got = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else
                        f"a {type(value).__name__}")
@@ -260,6 +292,9 @@ class Task:
         device under `torch.device("meta")`), its lazy modules (`nn.LazyLinear`, ...) given their shapes by
         `materialize`: every caller (the loops, the batched engine, warm start's shape key) sees the same tensors."""
         built = self.build_model(self.model_config(model))
+        if not isinstance(built, nn.Module):
+            raise TaskError(f"task {self.name!r}: its build_model returned a {type(built).__name__}; expected a "
+                            "torch.nn.Module (the model for the config's model mapping)")
         built = built.to(device) if device is not None else built
         try:
             return materialize(built, self.train[0])
