@@ -79,7 +79,7 @@ from trainer.seeding import reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, cross_entropy, load_task
 from trainer.tasks.arrays import class_cross_entropy
-from trainer.tasks.base import as_fp32
+from trainer.tasks.base import as_fp32, out_of_classes
 
 __all__ = ["Cohort", "CohortMember", "MemberFailures", "available_memory", "batch_problem", "batch_signature",
            "max_cohort_size", "train_batched"]
@@ -809,7 +809,12 @@ class Cohort:
             # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
             # gives each member the gradient of its own loss.
             if self.stacked_loss is not None:
-                losses, picked = self.stacked_loss(as_fp32(out), y)
+                try:
+                    losses, picked = self.stacked_loss(as_fp32(out), y)
+                except RuntimeError as exc:
+                    if (explained := out_of_classes(exc, self.task.name, out.shape[-1])) is not None:
+                        raise explained from exc
+                    raise
                 out_losses.append(picked)
             else:
                 losses = torch.stack([self.task.loss(as_fp32(out[k]), y[k]) for k in range(self.capacity)])

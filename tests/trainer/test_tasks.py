@@ -401,3 +401,22 @@ def test_a_task_module_whose_own_import_fails_names_what_to_install(tmp_path: Pa
         load_task("needs_dep:task")
     with pytest.raises(TaskError, match=r"a module of your own must be importable"):
         load_task("absent_module_xyz:task")
+
+
+def test_a_target_beyond_the_model_s_classes_is_one_line_naming_the_task_alone_and_batched() -> None:
+    # Alone it was PyTorch's "Target 2 is out of bounds."; in a cohort a gather's "index 2 is out of bounds for
+    # dimension 2 with size 2": neither named the task or said what to change.
+    def labelled(bad_at: int) -> Task:
+        x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 2
+        y[bad_at] = 2
+        return Task(name="two", train=(x, y), val=(x[:8], y[:8] % 2), model_defaults={"hidden": 8},
+                    build_model=lambda cfg: torch.nn.Sequential(torch.nn.Linear(4, cfg["hidden"]), torch.nn.ReLU(),
+                                                                torch.nn.Linear(cfg["hidden"], 2)))
+
+    expected = (r"^task 'two': a target is class 2, and the model gives 2 classes \(0 to 1\): give the model one "
+                r"output per class the targets hold")
+    configs = [TrainingConfig(max_steps=40, batch_size=16, learning_rate=lr, device="cpu") for lr in (0.01, 0.02)]
+    with pytest.raises(TaskError, match=expected):
+        train(configs[0], labelled(50))
+    with pytest.raises(TaskError, match=expected):
+        train_batched(configs, task=labelled(50))

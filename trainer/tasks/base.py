@@ -15,7 +15,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from trainer.config import ConfigError, coerce
 
-__all__ = ["Task", "TaskError", "accuracy_sum", "as_fp32", "cross_entropy", "materialize"]
+__all__ = ["Task", "TaskError", "accuracy_sum", "as_fp32", "cross_entropy", "materialize", "out_of_classes"]
 
 
 def as_fp32(out: Any) -> Any:
@@ -93,6 +93,23 @@ class TaskError(ValueError):
     """A task that cannot be found, built or used as it is (its loss not one number); the message names the task."""
 
 
+# How PyTorch refuses a class index the logits do not have: cross entropy's ("Target 2 is out of bounds.") and a
+# gather's, as a cohort's stacked cross entropy takes it ("index 2 is out of bounds for dimension 2 with size 2").
+_OUT_OF_CLASSES = re.compile(r"Target (-?\d+) is out of bounds|index (-?\d+) is out of bounds for dimension")
+
+
+def out_of_classes(exc: BaseException, task: str, classes: int) -> TaskError | None:
+    """PyTorch's refusal of a target beyond the model's classes as one line naming the task, or None for any other
+    error. (On a GPU the kernel's assertion ends the process instead: nothing to explain there.)"""
+    found = _OUT_OF_CLASSES.search(str(exc))
+    if found is None:
+        return None
+    target = found.group(1) or found.group(2)
+    return TaskError(f"task {task!r}: a target is class {target}, and the model gives {classes} classes (0 to "
+                     f"{classes - 1}): give the model one output per class the targets hold (-100 is padding, left "
+                     "out)")
+
+
 @dataclass
 class Task:
     """A training problem.
@@ -147,7 +164,13 @@ class Task:
         """`loss(out, y)`, refused (`TaskError`) unless it is one number: a loss with `reduction="none"` returns one
         per row, which PyTorch's backward refuses without naming the loss. Its shape is known on the host: no
         sync."""
-        loss = self.loss(out, y)
+        try:
+            loss = self.loss(out, y)
+        except (IndexError, RuntimeError) as exc:
+            if isinstance(out, torch.Tensor) and out.dim() > 0 and (
+                    explained := out_of_classes(exc, self.name, out.shape[-1])) is not None:
+                raise explained from exc
+            raise
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
                 f"a {type(loss).__name__}"
