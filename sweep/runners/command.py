@@ -26,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import selectors
 import shlex
 import signal
@@ -149,20 +150,40 @@ def _filled(word: str, values: Mapping[str, Any]) -> str:
     return "".join(text)
 
 
+_BREAK = re.compile(rb"\r\n|\r|\n")
+LONGEST_LINE = 1 << 20  # bytes of a line kept from its end: a JSON line or an error's last words are far shorter
+
+
 def _lines_backwards(log: Path, block: int = 1 << 16) -> Iterator[str]:
     """The log's lines (as `str.splitlines` splits them: a progress bar's carriage return too), last first, read
-    block by block from its end: a log of gigabytes is never held whole. Raises OSError when it cannot be read."""
+    block by block from its end: a log of gigabytes is never held whole. A line longer than `LONGEST_LINE` is given
+    as its last `LONGEST_LINE` bytes, and the rest of it is passed over unread: the start of a line was carried
+    from block to block and copied again with each, so that a progress bar written without a newline for hours (a
+    log of 430 MB) held the worker for minutes after its command had exited, deaf to SIGTERM. Raises OSError when
+    it cannot be read."""
     with open(log, "rb") as file:
         end = file.seek(0, os.SEEK_END)
         rest = b""  # the start of a line that may begin in the block before
+        skipping = False  # inside a line too long to keep, whose end was given: until the break before it
         while end > 0:
             start = max(0, end - block)
             file.seek(start)
-            parts = (file.read(end - start) + rest).split(b"\n")
+            parts = _BREAK.split(file.read(end - start) + rest)
             end = start
-            rest = parts.pop(0) if end > 0 else b""
+            head = parts.pop(0) if end > 0 else b""
+            if end == 0 and not parts:  # the file's first line, with no break before it
+                parts, head = [head], b""
+            if skipping:
+                if not parts:  # no break in this block: still inside the long line
+                    continue
+                parts.pop()  # the long line's start, after the last break
+                skipping = False
             for part in reversed(parts):
                 yield from reversed(part.decode("utf-8", "replace").splitlines() or [""])
+            rest = head
+            if len(rest) > LONGEST_LINE:
+                yield from reversed(rest[-LONGEST_LINE:].decode("utf-8", "replace").splitlines() or [""])
+                rest, skipping = b"", True
 
 
 def last_json_value(log: Path, metric: str) -> float | None:

@@ -485,6 +485,24 @@ def test_the_last_json_line_is_found_from_the_end_of_a_long_log_across_its_block
     assert _tail(tmp_path / "empty.log") == "(no output)"
 
 
+def test_a_line_longer_than_any_kept_is_given_by_its_end_and_the_rest_of_it_is_not_read(tmp_path: Path) -> None:
+    # A progress bar written for hours without a newline was one line: its start was carried from block to block
+    # and copied again with each (quadratic: a 430 MB log held the worker for minutes after the command exited, deaf
+    # to SIGTERM). Carriage returns now end lines as they read, and a line too long is kept by its end.
+    from sweep.runners.command import LONGEST_LINE, _lines_backwards, _tail, last_json_value
+
+    log = tmp_path / "trial.log"
+    with log.open("wb") as out:
+        out.write(b"started\n" + b"#" * (3 * LONGEST_LINE + 12345) + b"end of bar\n" + b"Traceback: boom\n")
+    lines = list(_lines_backwards(log))
+    assert lines == ["", "Traceback: boom", "#" * (LONGEST_LINE - len("end of bar")) + "end of bar", "started"]
+    assert _tail(log, 2).endswith("end of bar | Traceback: boom")
+    with log.open("wb") as out:
+        out.write(b'{"val_loss": 0.25}\n' + "".join(f"\r{i:>8}/100000 loss=0.1" for i in range(100_000)).encode())
+    assert last_json_value(log, "val_loss") == 0.25
+    assert _tail(log, 1) == "99999/100000 loss=0.1"
+
+
 def test_a_process_a_launcher_started_without_the_report_channel_is_told_how_to_pass_it_on(tmp_path: Path) -> None:
     # A launcher's child (subprocess closes inherited descriptors by default) crashed on "Bad file descriptor".
     script = ("import subprocess, sys\n"
