@@ -238,6 +238,41 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
     return f"sqlite:///{store.resolve()}", experiment, artifacts.resolve().as_uri()
 
 
+# Database tracking URIs (`postgresql://`, `mysql+pymysql://`, ...): MLflow's client retries one it cannot reach in a
+# loop of its own (`create_sqlalchemy_engine_with_retry`, about 100 s; MLFLOW_HTTP_REQUEST_* bound only HTTP), in
+# every trial. One bounded connection first drops the trial's tracking at once instead.
+_DATABASE_SCHEMES = ("postgresql", "postgres", "mysql", "mariadb", "mssql", "oracle")
+DATABASE_CONNECT_TIMEOUT_S = 10
+
+
+class TrackingDatabaseUnreachable(ConnectionError):
+    """The tracking URI's database did not take a connection."""
+
+
+def _check_database(uri: str) -> None:
+    """Raise TrackingDatabaseUnreachable unless a database tracking URI takes one connection within
+    `DATABASE_CONNECT_TIMEOUT_S` (any other URI: nothing to check)."""
+    scheme = uri.partition(":")[0].partition("+")[0].lower()
+    if scheme not in _DATABASE_SCHEMES:
+        return
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    timeout = {"connect_timeout": DATABASE_CONNECT_TIMEOUT_S} if scheme in ("postgresql", "postgres", "mysql",
+                                                                           "mariadb") else {}
+    try:
+        engine = sqlalchemy.create_engine(uri, poolclass=NullPool, connect_args=timeout)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except Exception as exc:  # whatever the driver raises, in one line
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TrackingDatabaseUnreachable(f"the tracking database did not take a connection ({first}); MLflow "
+                                          "would have retried it for about 100 s") from exc
+
+
 @contextlib.contextmanager
 def _store_turn(uri: str) -> Iterator[None]:
     """Workers of one machine take turns at a SQLite MLflow store's first use and at finding or making the study's
@@ -316,6 +351,7 @@ class MLflowTracker:
         if uri.startswith(("http://", "https://")):
             for name, value in MLFLOW_RETRY_DEFAULTS.items():
                 os.environ.setdefault(name, value)
+        _check_database(uri)
         self.metric, self.config, self.trial_number = metric, dict(config), trial_number
         self.pending: list[Any] = []
         with _store_turn(uri):  # a new store's tables are made by the client, at its creation

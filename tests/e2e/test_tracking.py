@@ -290,6 +290,22 @@ def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per
     assert "s3cret" not in json.dumps(stored)
 
 
+def test_an_mlflow_database_that_takes_no_connection_drops_each_trial_s_tracking_at_once(tmp_path: Path) -> None:
+    # MLflow's client retried a database tracking URI it could not reach for about 100 s in every trial (its own
+    # loop, which MLFLOW_HTTP_REQUEST_* does not bound); one bounded connection is tried first now.
+    pytest.importorskip("mlflow")
+    with socket.socket() as closed:  # a port that was free a moment ago: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    trials, stderr = tracked_study(tmp_path, {"mlflow": {
+        "tracking_uri": f"postgresql+psycopg://me:s3cret@127.0.0.1:{port}/runs"}})
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    warned = re.findall(r"trial (\d+): mlflow tracking dropped for this trial \(start failed: "
+                        r"TrackingDatabaseUnreachable: the tracking database did not take a connection", stderr)
+    assert sorted(map(int, warned)) == [0, 1, 2], stderr
+    assert "s3cret" not in stderr
+
+
 def test_a_tracking_uri_mlflow_cannot_serve_is_refused_before_anything_is_created(tmp_path: Path) -> None:
     # It used to run every trial with one warning each ("mlflow tracking dropped for this trial"): a URI no MLflow
     # store serves is a mistake in the study file, refused as a TensorBoard folder that cannot be made is.
