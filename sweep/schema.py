@@ -376,8 +376,11 @@ _SWEEPS_SBATCH = {
     "gpus": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
     "gpus-per-task": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
     "gpus-per-node": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
+    "gres": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task, and gpu_type for a "
+            "GPU type (--gres=gpu:TYPE:G)",
 }
 _SWEEPS_SHORT = {"a": "array", "o": "output", "e": "error", "t": "time", "G": "gpus"}
+_SHORT_FLAGS = set("HhOQsvVWk")  # sbatch's short options without an argument: `-Ho x` is `-H -o x`
 
 
 def _sbatch_line(value: str) -> str:
@@ -385,14 +388,18 @@ def _sbatch_line(value: str) -> str:
     if not _SBATCH_LINE.fullmatch(line):
         raise ValueError(f"expected one sbatch option such as --constraint=a100, got {short_repr(value)}")
     name = re.split(r"[= ]", line, maxsplit=1)[0]
+    owned: str | None = None
     if name.startswith("--"):
         given = name[2:]
         owned = given if given in _SWEEPS_SBATCH else next(
             (own for own in _SWEEPS_SBATCH if len(given) >= 2 and own.startswith(given)), None)
-        if given == "gres" and re.match(r"--gres[= ]\s*gpu", line):
-            owned = "gpus"
-    else:
-        owned = _SWEEPS_SHORT.get(name[1:2])
+        if owned == "gres" and not re.search(r"(^|,)\s*gpu\b", line[len(name):].lstrip("= ")):
+            owned = None  # other generic resources (--gres=nvme:1) are the user's
+    else:  # a cluster of short options: flags without an argument, then at most one that takes the rest
+        for letter in name[1:]:
+            owned = _SWEEPS_SHORT.get(letter)
+            if owned is not None or letter not in _SHORT_FLAGS:
+                break
     if owned is not None:
         shown = name if name == f"--{owned}" else f"{name} (--{owned})"
         raise ValueError(f"expected an option the batch script does not set itself, got {shown}, which sweep sets: "
@@ -438,6 +445,7 @@ class SlurmSpec(_Model):
     mem: SlurmMem | None = None
     cpus_per_task: StrictInt | None = Field(None, ge=1, le=1_000_000)
     gpus_per_task: StrictInt = Field(0, ge=0, le=1024)  # G GPUs per array task, one worker pinned to each
+    gpu_type: SlurmName | None = None  # with gpus_per_task: `--gres=gpu:TYPE:G` (a100, h100: the cluster's names)
     # Slurm's warning this many s before the time limit (at most); checked against `time` also when not given
     warning_s: StrictInt = Field(120, ge=1, le=65535, validate_default=True)
     log_dir: Printable | None = None  # default NAME.slurm next to the study file; on a path every node sees

@@ -243,6 +243,10 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
 # every trial. One bounded connection first drops the trial's tracking at once instead.
 _DATABASE_SCHEMES = ("postgresql", "postgres", "mysql", "mariadb", "mssql", "oracle")
 DATABASE_CONNECT_TIMEOUT_S = 10
+# Each driver's name for its connect timeout (seconds), as SQLAlchemy passes `connect_args` on.
+_TIMEOUT_KEYWORDS = {"psycopg2": "connect_timeout", "psycopg": "connect_timeout", "pymysql": "connect_timeout",
+                     "mysqldb": "connect_timeout", "mysqlconnector": "connection_timeout",
+                     "mariadbconnector": "connect_timeout", "pg8000": "timeout"}
 
 
 class TrackingDatabaseUnreachable(ConnectionError):
@@ -252,16 +256,22 @@ class TrackingDatabaseUnreachable(ConnectionError):
 def _check_database(uri: str) -> None:
     """Raise TrackingDatabaseUnreachable unless a database tracking URI takes one connection within
     `DATABASE_CONNECT_TIMEOUT_S` (any other URI: nothing to check)."""
-    scheme = uri.partition(":")[0].partition("+")[0].lower()
+    scheme, _, driver = uri.partition(":")[0].lower().partition("+")
     if scheme not in _DATABASE_SCHEMES:
         return
     import sqlalchemy
     from sqlalchemy.pool import NullPool
 
-    timeout = {"connect_timeout": DATABASE_CONNECT_TIMEOUT_S} if scheme in ("postgresql", "postgres", "mysql",
-                                                                           "mariadb") else {}
+    driver = driver or {"postgresql": "psycopg2", "postgres": "psycopg2", "mysql": "mysqldb",
+                        "mariadb": "mysqldb"}.get(scheme, "")
+    keyword = _TIMEOUT_KEYWORDS.get(driver)
+    if keyword is None:  # a driver whose connect timeout is not known here (async ones too): MLflow's to try
+        return
     try:
-        engine = sqlalchemy.create_engine(uri, poolclass=NullPool, connect_args=timeout)
+        engine = sqlalchemy.create_engine(uri, poolclass=NullPool, connect_args={keyword: DATABASE_CONNECT_TIMEOUT_S})
+    except (ImportError, sqlalchemy.exc.ArgumentError):  # the driver is missing or the URL odd: MLflow says so
+        return
+    try:
         try:
             with engine.connect():
                 pass

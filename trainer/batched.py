@@ -812,7 +812,7 @@ class Cohort:
                 try:
                     losses, picked = self.stacked_loss(as_fp32(out), y)
                 except RuntimeError as exc:
-                    if (explained := out_of_classes(exc, self.task.name, out.shape[-1])) is not None:
+                    if (explained := out_of_classes(exc, self.task.name, out.shape[-1], gathered=True)) is not None:
                         raise explained from exc
                     raise
                 out_losses.append(picked)

@@ -133,7 +133,7 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
            *(f"--{key.replace('_', '-')}={value}" for key in ("partition", "time", "account", "qos", "mem",
                                                                "cpus_per_task")
              if (value := getattr(options, key)) is not None),
-           *([f"--gres=gpu:{gpus}"] if gpus else [])]
+           *([f"--gres=gpu:{options.gpu_type + ':' if options.gpu_type else ''}{gpus}"] if gpus else [])]
     each = ("one worker" if not gpus else "1 GPU and its worker" if gpus == 1 else
             f"{gpus} GPUs, a worker on each" if per_trial == 1 else
             f"{gpus} GPUs, a worker on each {per_trial} (its trials data-parallel on them)")

@@ -167,6 +167,9 @@ def _lines_backwards(log: Path, block: int = 1 << 16) -> Iterator[str]:
         skipping = False  # inside a line too long to keep, whose end was given: until the break before it
         while end > 0:
             start = max(0, end - block)
+            if start > 0:  # a "\r\n" across the blocks' boundary stays whole, in this block: one break, not two
+                file.seek(start - 1)
+                start -= file.read(2) == b"\r\n"
             file.seek(start)
             parts = _BREAK.split(file.read(end - start) + rest)
             end = start

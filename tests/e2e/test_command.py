@@ -503,6 +503,28 @@ def test_a_line_longer_than_any_kept_is_given_by_its_end_and_the_rest_of_it_is_n
     assert _tail(log, 1) == "99999/100000 loss=0.1"
 
 
+def test_lines_read_backwards_in_blocks_of_any_size_are_the_log_s_lines(tmp_path: Path) -> None:
+    # A "\r\n" whose "\r" ended one block and "\n" began the next was two breaks: a blank line in a failed
+    # command's reason, and one real line lost from its end.
+    import random
+
+    from sweep.runners.command import _lines_backwards
+
+    rng = random.Random(0)
+    log = tmp_path / "trial.log"
+    for case in range(400):
+        data = bytes(rng.choice(b"ab\r\n") for _ in range(rng.randrange(0, 40)))
+        log.write_bytes(data)
+        expected = list(reversed(data.decode().splitlines()))
+        for block in (1, 2, 3, 5, 64):
+            got = [line for line in _lines_backwards(log, block=block)]
+            # A final break gives one empty last line, as `bytes.split` does; nothing else may differ.
+            if data.endswith((b"\r", b"\n")):
+                assert got[0] == "", (case, data, block, got)
+                got = got[1:]
+            assert got == expected, (case, data, block, got)
+
+
 def test_a_process_a_launcher_started_without_the_report_channel_is_told_how_to_pass_it_on(tmp_path: Path) -> None:
     # A launcher's child (subprocess closes inherited descriptors by default) crashed on "Bad file descriptor".
     script = ("import subprocess, sys\n"

@@ -127,7 +127,11 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(), ["--sbatch", "--signal=B:USR2@60"], "got --signal, which sweep sets: the warning before the time "
                                                     "limit: launch.slurm.warning_s (--warning-s)"),
     (changed(), ["--sbatch", "#SBATCH -t 10"], "got -t (--time), which sweep sets: launch.slurm.time (--time)"),
-    (changed(), ["--sbatch", "--gres=gpu:2"], "got --gres (--gpus), which sweep sets"),
+    (changed(), ["--sbatch", "--gres=gpu:2"], "got --gres, which sweep sets: launch.slurm.gpus_per_task"),
+    (changed(), ["--sbatch", "--gres=tmpfs:1,gpu:a100:2"], "got --gres, which sweep sets"),
+    # Short flags without an argument, then one sweep sets: sbatch reads `-Ho x` as `-H -o x`.
+    (changed(), ["--sbatch", "-Ho x.log"], "got -Ho (--output), which sweep sets"),
+    (changed(), ["--sbatch", "-vQe x.log"], "got -vQe (--error), which sweep sets"),
     # A time limit no longer than the warning: each task was warned as it started and requeued itself forever.
     (changed(launch={"slurm": {"time": 1}}), [], "launch.slurm.warning_s: expected fewer seconds than the time limit "
                                                  "launch.slurm.time 1 (60 s), got 120"),
@@ -475,3 +479,19 @@ def test_sacct_lines_become_the_tasks_of_a_job_slurm_has_forgotten() -> None:
         ("0", "COMPLETED", "0:0"), ("1", "FAILED", "1:0"), ("2-4", "CANCELLED", "0:0"), ("5", "TIMEOUT", "0:15")]
     labels = [SlurmTask("77", r["ArrayTaskId"], r["JobState"], 0, r["ExitCode"], "", None).label for r in records]
     assert labels == ["done", "failed", "cancelled", "failed"]
+
+
+@pytest.mark.parametrize("option", ["--gres=nvme:1", "-p debug", "-Hv", "--exclusive", "--exclude=node1",
+                                    "--mem-per-cpu=2G", "--time-min=10", "-J name", "--nice=5"])
+def test_sbatch_options_that_sweep_does_not_set_are_taken(tmp_path: Path, option: str) -> None:
+    path = write_study(tmp_path, changed())
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", "--sbatch", option, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"#SBATCH {option}\n" in done.stdout
+
+
+def test_a_gpu_type_is_asked_for_with_the_task_s_gpus(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(launch={"slurm": {"gpu_type": "a100", "gpus_per_task": 2}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --gres=gpu:a100:2\n" in done.stdout and " --workers 2 &" in done.stdout

@@ -420,3 +420,11 @@ def test_a_target_beyond_the_model_s_classes_is_one_line_naming_the_task_alone_a
         train(configs[0], labelled(50))
     with pytest.raises(TaskError, match=expected):
         train_batched(configs, task=labelled(50))
+
+
+def test_an_index_error_in_a_user_s_own_loss_is_not_taken_for_a_target_beyond_the_classes() -> None:
+    x, y = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.randn(16, 1)
+    task = Task(name="reg", train=(x, y), val=(x, y), build_model=lambda cfg: torch.nn.Linear(4, 2),
+                loss=lambda out, t: torch.nn.functional.mse_loss(out[:, 0], t[:, 1]))
+    with pytest.raises(IndexError, match="index 1 is out of bounds for dimension 1 with size 1"):
+        train(TrainingConfig(max_steps=2, batch_size=8, device="cpu"), task)

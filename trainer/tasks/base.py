@@ -95,16 +95,18 @@ class TaskError(ValueError):
 
 # How PyTorch refuses a class index the logits do not have: cross entropy's ("Target 2 is out of bounds.") and a
 # gather's, as a cohort's stacked cross entropy takes it ("index 2 is out of bounds for dimension 2 with size 2").
-_OUT_OF_CLASSES = re.compile(r"Target (-?\d+) is out of bounds|index (-?\d+) is out of bounds for dimension")
+_OUT_OF_CLASSES = re.compile(r"Target (-?\d+) is out of bounds")
+_GATHER_OUT_OF_BOUNDS = re.compile(r"index (-?\d+) is out of bounds for dimension")
 
 
-def out_of_classes(exc: BaseException, task: str, classes: int) -> TaskError | None:
+def out_of_classes(exc: BaseException, task: str, classes: int, *, gathered: bool = False) -> TaskError | None:
     """PyTorch's refusal of a target beyond the model's classes as one line naming the task, or None for any other
-    error. (On a GPU the kernel's assertion ends the process instead: nothing to explain there.)"""
-    found = _OUT_OF_CLASSES.search(str(exc))
+    error. `gathered`: the error of a gather of the targets' log-probabilities (a cohort's stacked cross entropy),
+    whose words any indexing error also has. (On a GPU the kernel's assertion ends the process instead.)"""
+    found = (_GATHER_OUT_OF_BOUNDS if gathered else _OUT_OF_CLASSES).search(str(exc))
     if found is None:
         return None
-    target = found.group(1) or found.group(2)
+    target = found.group(1)
     return TaskError(f"task {task!r}: a target is class {target}, and the model gives {classes} classes (0 to "
                      f"{classes - 1}): give the model one output per class the targets hold (-100 is padding, left "
                      "out)")
