@@ -304,6 +304,12 @@ RANGES = [
         task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
         fixed__model={"n_heads": 4, "n_layers": 1}, space={"model.d_model": {"type": "int", "low": 64, "high": 68}}),
         "space.model.d_model (drawn value 65)", "must be divisible by model.n_heads, but got d_model=65"),
+    # No attention head: a ZeroDivisionError out of the model's check (found by mutating the ready study files).
+    bad_file("ranges", "no-attention-head", changed(
+        task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
+        fixed__model={"n_heads": 0, "n_layers": 1},
+        space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}}), "fixed.model.n_heads",
+        "task 'charlm' cannot build its model: model.n_heads must be at least 1, but got n_heads=0"),
     bad_file("ranges", "two-searched-model-keys-refused-together-between-their-ends", changed(
         task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
         fixed__model={"n_layers": 1}, space={"model.n_heads": {"type": "int", "low": 1, "high": 4},

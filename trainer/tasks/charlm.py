@@ -65,6 +65,8 @@ class CharTransformer(nn.Module):
     def __init__(self, context: int, d_model: int, n_layers: int, n_heads: int, mlp_ratio: int,
                  dropout: float) -> None:
         super().__init__()
+        if n_heads < 1:
+            raise ValueError(f"model.n_heads must be at least 1, but got {n_heads=}")
         if d_model % n_heads:
             raise ValueError(f"model.d_model must be divisible by model.n_heads, but got {d_model=}, {n_heads=}")
         if not 1 <= n_layers <= MAX_LAYERS:  # each block is modules: a million of them take minutes to build
