@@ -312,8 +312,11 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
                 raise _fail(failed, 1)
             return
         summary, counts = _run_here(study, spec, url, timeout, prefix, live=worker is None)
-    if worker is not None:
-        return  # the parent prints the summary once, and decides the exit code
+    if worker is not None:  # the parent prints the summary once, and decides the exit code
+        if summary.stopped:  # a Slurm task has no parent to say it: its log does
+            err.print(f"{prefix}stopped by `sweep stop`; the study resumes with the next `sweep run` or `sweep "
+                      "submit`.", markup=False)
+        return
     _print_status(study)
     for flag, message in (("stopped", "stopped by `sweep stop`; rerun the same command to continue."),
                           ("exhausted", "the sampler has tried every point of the search space; stopped with "
