@@ -158,12 +158,21 @@ def no_connection_slot(exc: BaseException) -> bool:
     return any(any(words in _driver_message(error).lower() for words in _NO_SLOT) for error in error_chain(exc))
 
 
-def _no_slot_hint(exc: BaseException) -> str:
-    if not no_connection_slot(exc):
-        return ""
-    return (f" (the server has no free connection slot: each sweep worker holds up to {CONNECTIONS_PER_WORKER} "
-            "connections, so N workers need up to "
-            f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
+# The database's words for a write refused because its disk is full (SQLite's, the OS's, PostgreSQL's "could not
+# extend file"): transient, since freeing space ends it, but waiting alone does not, so the line says what to do.
+_DISK_FULL = ("database or disk is full", "no space left on device", "could not extend file", "disk full")
+
+
+def _outage_hint(exc: BaseException) -> str:
+    """What the outage line adds for an outage that waiting alone may not end: no free connection slot, a full
+    disk."""
+    if no_connection_slot(exc):
+        return (f" (the server has no free connection slot: each sweep worker holds up to {CONNECTIONS_PER_WORKER} "
+                "connections, so N workers need up to "
+                f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
+    if any(any(words in _driver_message(error).lower() for words in _DISK_FULL) for error in error_chain(exc)):
+        return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
+    return ""
 
 
 def engine_options(url: str) -> dict[str, Any]:
@@ -645,7 +654,7 @@ class Boundary:
                 if waited >= patience:
                     what = f"storage_patience is {self.patience_s:g} s" if self.reached else "never reached yet"
                     raise StorageUnavailable(f"{self.label} has been unreachable for {waited:.0f} s ({what}): "
-                                             f"{error_line(exc)}{_no_slot_hint(exc)}") from exc
+                                             f"{error_line(exc)}{_outage_hint(exc)}") from exc
                 time.sleep(min(delay, max(0.0, patience - waited)))
                 delay = min(delay * 2, 10.0)
                 continue
@@ -662,7 +671,7 @@ class Boundary:
             if self.down_since is None:
                 self.down_since = time.monotonic()
                 patience = self._patience()
-                self.notify(f"{self.label} is unreachable ({error_line(exc)}){_no_slot_hint(exc)}; waiting up to "
+                self.notify(f"{self.label} is unreachable ({error_line(exc)}){_outage_hint(exc)}; waiting up to "
                             f"{patience:g} s for it to come back"
                             f"{'' if self.reached or patience == self.patience_s else ' (never reached yet)'}")
             return self.down_since

@@ -664,3 +664,32 @@ def test_optunas_fallback_notice_is_left_to_the_outage_line(tmp_path: Path, capf
     logger.warning("an Optuna warning of another kind")
     printed = capfd.readouterr().err
     assert "Caught an error from sqlalchemy" not in printed and "an Optuna warning of another kind" in printed
+
+
+def test_a_full_disk_is_waited_out_with_a_line_that_says_to_free_space(tmp_path: Path) -> None:
+    """SQLite's own "database or disk is full" (a real file whose page limit is reached): the worker waits, and its
+    line says what ends the wait, since waiting alone does not; the write lands once there is room."""
+    import sqlite3
+
+    from sweep.storage import Boundary
+
+    connection = sqlite3.connect(tmp_path / "full.db")
+    connection.execute("CREATE TABLE t (b BLOB)")
+    connection.commit()
+    pages = connection.execute("PRAGMA page_count").fetchone()[0]
+    connection.execute(f"PRAGMA max_page_count = {pages + 1}")
+    lines: list[str] = []
+
+    def notify(line: str) -> None:
+        lines.append(line)
+        connection.execute("PRAGMA max_page_count = 1000000")  # the operator frees space
+
+    def write() -> int:
+        connection.execute("INSERT INTO t VALUES (?)", (b"x" * 200_000,))
+        connection.commit()
+        return 1
+
+    assert Boundary(patience_s=60, notify=notify, reached=True).call(write) == 1
+    assert connection.execute("SELECT count(*) FROM t").fetchone()[0] == 1
+    assert "database or disk is full" in lines[0] and "its disk is full: free space there" in lines[0], lines
+    assert "is back" in lines[-1], lines
