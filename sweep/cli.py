@@ -855,12 +855,20 @@ def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
 def _storage_failure(url: str, exc: Exception, where: str = "") -> typer.Exit:
     """A storage that cannot be opened (unreachable, refused, damaged): one line, its password masked. An option of
     the URL that the driver calls invalid is bad input (exit 2); `where`: the file and key that gave the URL."""
-    from sweep.storage import bad_url_option
+    from optuna.exceptions import StorageInternalError
+
+    from sweep.storage import bad_url_option, error_line, refusal_line
 
     if (option := bad_url_option(exc)) is not None:
         return _fail(f"{where}storage URL {mask_url(url)}: {redact(option, url)}; fix the option in the URL", 2)
-    first = redact(str(exc), url).strip().splitlines()
-    return _fail(f"cannot open storage {mask_url(url)}: {type(exc).__name__}: {first[0] if first else ''}", 1)
+    if (refused := refusal_line(exc)) is not None:  # the role's rights or the database's state: the driver's words
+        detail = refused
+    elif isinstance(exc, StorageInternalError) and exc.__cause__ is not None:  # Optuna's "invalid data" wrapper
+        detail = error_line(exc)
+    else:
+        first = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {first[0] if first else ''}"
+    return _fail(f"cannot open storage {mask_url(url)}: {redact(detail, url)}", 1)
 
 
 Target = Annotated[str, typer.Argument(help="A study file, a SQLite .db file, or a study name with --storage.")]

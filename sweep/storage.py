@@ -562,6 +562,14 @@ def _refusal(exc: BaseException) -> tuple[str, str] | None:
     return None
 
 
+def refusal_line(exc: BaseException) -> str | None:
+    """The line saying how the database refused `exc` or an error it was raised from (the role's rights, a table or
+    the database gone, a read-only file: "the storage refused: InsufficientPrivilege: ..."), raised through a
+    `Boundary` or not. None for any other error."""
+    refused = _refusal(exc)
+    return None if refused is None else refused[0]
+
+
 def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
     """`(reason, kind)` when `exc`, or an error it was raised from, is a call to the study's storage refused by the
     database's state or the role's rights, which waiting does not change: a role without the right to write a

@@ -1077,6 +1077,18 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
         assert again.returncode == 0, again.stderr
         trials = load_trials(url, "refused")
         assert sum(t.state == TrialState.COMPLETE for t in trials) == 5, summary(trials)
+        # A role that may not read Optuna's own tables: the storage cannot be opened, and the line says why in the
+        # database's words, not as Optuna's wrapper puts it ("invalid data in the commit, e.g. exceeding max length").
+        with admin.begin() as connection:
+            connection.execute(text("REVOKE SELECT ON version_info FROM sweeper"))
+        for command in (("status", "refused"), ("run", path)):
+            opened = sweep_cli(*command, "--storage", url)
+            assert opened.returncode == 1, opened.stderr
+            line = opened.stderr.strip().splitlines()[-1]
+            assert line.startswith("error: cannot open storage postgresql"), opened.stderr
+            assert "the storage refused: InsufficientPrivilege: permission denied for table version_info" in line, \
+                opened.stderr
+            assert "invalid data" not in opened.stderr and "Traceback" not in opened.stderr, opened.stderr
         admin.dispose()
 
 
