@@ -387,7 +387,7 @@ class CohortLoop:
                     self._drop(trial)
                     beats.discard(trial)
                     frozen = worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
-                    if frozen is not None and worker.finished(frozen):
+                    if frozen is not None and worker.finished(frozen, running=self._in_flight()):
                         self.spent = True  # the sampler has tried every point
                     continue
                 if not admitted:  # the study goes on one trial at a time: the others asked with it are queued
@@ -540,7 +540,7 @@ class CohortLoop:
             beats.discard(trial)
         frozen = worker._end(trial, result, runner)  # noqa: SLF001
         if frozen is not None:
-            worker.finished(frozen)
+            worker.finished(frozen, running=self._in_flight())
 
     def _collect(self, beats: Beats) -> bool:
         """Tell the study every member that left the cohort since the last look. True when the sampler has tried
@@ -583,7 +583,11 @@ class CohortLoop:
         member = self.members.pop(member_id)
         beats.discard(member.trial)
         frozen = self.worker._end(member.trial, result, member.runner, counted=counted)  # noqa: SLF001
-        return frozen is not None and self.worker.finished(frozen, streak=streak)
+        return frozen is not None and self.worker.finished(frozen, streak=streak, running=self._in_flight())
+
+    def _in_flight(self) -> set[int]:
+        """The numbers of the members' trials: still training, none has failed (`Worker.finished`)."""
+        return {member.trial.number for member in self.members.values()}
 
     def _interrupt_all(self, beats: Beats, reason: str, outcome: Outcome) -> None:
         """End every member now as interrupted or preempted: each is queued again and resumes from its newest

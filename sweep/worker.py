@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +175,9 @@ class Worker:
         self.storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
         self.checkpoints = CheckpointService(storage_url, spec, study, boundary) if storage_url else None
         self.ran = 0
-        self.streak: tuple[int, str | None] = (0, None)  # trials in a row that failed the same way, and how
+        # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
+        # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
+        self.ended_ways: dict[int, str | None] = {}
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
         self.beats: Beats | None = None  # the trials this worker beats for now (`beating`): never judged lost by it
@@ -223,14 +225,15 @@ class Worker:
             if frozen is not None and self.finished(frozen):
                 return self._summary(exhausted=True)
 
-    def finished(self, frozen: FrozenTrial, *, streak: bool = True) -> bool:
+    def finished(self, frozen: FrozenTrial, *, streak: bool = True, running: Collection[int] = ()) -> bool:
         """Count a trial this worker ended; True when the sampler has tried every point (the loop ends). `streak`:
         whether its failure counts towards `max_repeated_failures` (a cohort's members ended by one exception are
-        one failure of the code or data, not K: only the first of them counts)."""
+        one failure of the code or data, not K: only the first of them counts). `running`: the numbers of the
+        trials still in flight on this worker (a cohort's other members)."""
         self.ran += 1
         self.events.trial_finished(frozen)
         if streak:
-            self._check_streak(frozen)
+            self._check_streak(frozen, running)
         return self.sampler_stopped
 
     def _ask_next(self, fixed: dict[str, Any] | None = None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
@@ -521,12 +524,26 @@ class Worker:
         else:
             self.infra = (0, None)
 
-    def _check_streak(self, frozen: FrozenTrial) -> None:
-        signature = failure_signature(frozen)
-        count = self.streak[0] + 1 if signature is not None and signature == self.streak[1] else int(
-            signature is not None)
-        self.streak = (count, signature)
-        if self.spec.max_repeated_failures and count >= self.spec.max_repeated_failures:
+    def _check_streak(self, frozen: FrozenTrial, running: Collection[int] = ()) -> None:
+        """Stop the study when the last `max_repeated_failures` trials this worker asked all failed the same way.
+        "In a row" is in the order the trials were asked, not the order they ended: in a cohort the members that
+        train on end after the ones that fail at once, so a config that fails at its start (one value of a searched
+        key) would otherwise make a row of failures that one trial at a time never sees. A trial asked earlier that
+        is still training has not failed, so it ends the row; a trial that ended any other way ends it too."""
+        if not self.spec.max_repeated_failures:
+            return
+        self.ended_ways[frozen.number] = failure_signature(frozen)
+        in_flight = set(running)
+        count, signature = 0, None
+        newest = max(self.ended_ways)
+        for number in sorted({*self.ended_ways, *(n for n in in_flight if n < newest)}, reverse=True):
+            way = None if number in in_flight else self.ended_ways[number]
+            if way is None or (signature is not None and way != signature):
+                if number not in in_flight:  # every later row stops here too: what lies below it is never read
+                    self.ended_ways = {n: w for n, w in self.ended_ways.items() if n >= number}
+                break
+            count, signature = count + 1, way
+        if count >= self.spec.max_repeated_failures:
             raise StudyBrokenError(
                 f"{count} trials in a row failed the same way ({signature}); the code or the data is likely "
                 f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
