@@ -83,8 +83,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
     for key in spec.warm_start.match:  # the task's model keys and arguments, as for a searched key
         name = key.split(".")[1] if key.count(".") >= 1 else ""
-        if key.startswith("model.") and name not in task.model_defaults:
-            known = [f"model.{k}" for k in sorted(task.model_defaults)]
+        if key.startswith("model.") and not task.model_default(key.removeprefix("model."))[0]:
+            known = [f"model.{k}" for k in task.model_keys()]
             problems.append(("warm_start.match", f"unknown key {key!r} for task {task.name!r}"
                              f"{did_you_mean(key, known)}; expected one of: {', '.join(known)}"))
         elif key.startswith("task_args.") and (message := _task_arg_problem(spec.task.name, name)):
@@ -105,7 +105,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
     alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones
     drawable = {key: extremes[0][1] for key, param in spec.space.items()
-                if key.startswith("model.") and key.removeprefix("model.") in task.model_defaults
+                if key.startswith("model.") and task.model_default(key.removeprefix("model."))[0]
                 and (isinstance(param, CategoricalParam) or _no_numbers(key, task) is None)  # else refused by type
                 and (extremes := _extremes(param))}
     for key, param in spec.space.items():
@@ -114,7 +114,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             searchable = [k for k in TrainingConfig.keys() if k not in ("task", "task_args", "fast_fail", "model")
                           and TrainingConfig.is_key(k)]
             problems.append((where, "not a searchable TrainingConfig key"
-                                    + did_you_mean(key, [*searchable, *(f"model.{k}" for k in task.model_defaults)])
+                                    + did_you_mean(key, [*searchable, *(f"model.{k}" for k in task.model_keys())])
                                     + "; expected one of: " + ", ".join(searchable) + ", model.<key>, task_args.<key>"))
             continue
         if key in fixed_keys:
@@ -124,8 +124,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         if conflicts:
             problems += conflicts
             continue
-        if key.startswith("model.") and key.removeprefix("model.") not in task.model_defaults:
-            known = [f"model.{k}" for k in sorted(task.model_defaults)]
+        if key.startswith("model.") and not task.model_default(key.removeprefix("model."))[0]:
+            known = [f"model.{k}" for k in task.model_keys()]
             problems.append((where, f"unknown key for task {task.name!r}{did_you_mean(key, known)}; expected one of: "
                                     + ", ".join(known)))
             continue
@@ -539,7 +539,7 @@ def _hint(key: str, task: Task) -> Any:
     config dataclasses (curriculum.stages); None for a key it does not name (or a model key defaulting to None)."""
     head, _, rest = key.partition(".")
     if head == "model":
-        default = task.model_defaults.get(rest)
+        default = task.model_default(rest)[1]
         return type(default) if default is not None else None
     owner: Any = TrainingConfig
     while True:

@@ -69,3 +69,55 @@ def test_a_task_module_that_cannot_be_found_says_where_to_put_it(tmp_path: Path)
     assert done.returncode == 2
     assert "next to the study file" in done.stderr and "nowhere_to_be_found" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+NESTED_TASK = '''
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+
+def task() -> Task:
+    def build(cfg):  # every key of each nested default is read: a sibling default dropped would raise KeyError
+        enc, head = cfg["enc"], cfg["head"]
+        act = nn.ReLU() if enc["act"] == "relu" else nn.Tanh()
+        return nn.Sequential(nn.Linear(6, enc["width"]), act, nn.Dropout(head["drop"]), nn.Linear(enc["width"], 2))
+    x = torch.randn(96, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="nested", train=(x[:64], y[:64]), val=(x[64:], y[64:]), build_model=build,
+                model_defaults={"enc": {"width": 16, "act": "relu"}, "head": {"drop": 0.0}})
+'''
+
+
+def test_a_nested_model_default_is_fixed_and_searched_key_by_key(tmp_path: Path) -> None:
+    # Found by review: fixing `model.enc.width` replaced the whole `enc` default, so every trial failed with
+    # KeyError: 'act' after the study file was accepted, and `model.enc.width` could not be searched at all. A
+    # default that is a mapping now names its keys as the defaults do: each is fixed or searched on its own, the
+    # others keep their defaults, and a key it does not name is refused on its line before any trial runs.
+    (tmp_path / "nested_task.py").write_text(NESTED_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "nested", "n_trials": 3, "task": {"name": "nested_task:task"}}
+    document["fixed"] = {**document["fixed"], "model.enc.width": 8}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"],
+                         "model.enc.act": {"type": "categorical", "choices": ["relu", "tanh"]},
+                         "model.head.drop": {"type": "float", "low": 0.0, "high": 0.3}}
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump(document))
+    done = sweep_cli("run", study, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("complete value=") == 3, done.stderr
+    best = sweep_cli("best", study, pythonpath=tmp_path)
+    model = yaml.safe_load(best.stdout)["model"]
+    assert model["enc"]["width"] == 8 and model["enc"]["act"] in ("relu", "tanh") and "drop" in model["head"], model
+
+    document["space"]["model.enc.widht"] = document["space"].pop("model.enc.act")
+    study.write_text(yaml.safe_dump(document))
+    refused = sweep_cli("run", study, pythonpath=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "space.model.enc.widht: unknown key for task 'nested'" in line and "model.enc.width" in line, line
+    document["space"].pop("model.enc.widht")
+    document["fixed"]["model.enc.depth"] = 2
+    study.write_text(yaml.safe_dump(document))
+    refused = sweep_cli("run", study, pythonpath=tmp_path)
+    assert refused.returncode == 2 and "model.enc.depth: unknown key for task 'nested'" in refused.stderr, \
+        refused.stderr

@@ -119,6 +119,8 @@ class Task:
     `train` and `val` are `(inputs, targets)` tensors with the sample on dimension 0; the trainer moves them to the
     device once and batches them there. `build_model` receives `model_defaults` updated with the config's `model`
     mapping: the defaults name every key the builder accepts, so a typo in a study file is refused before training.
+    A default that is a non-empty mapping names the keys it accepts the same way, and is updated key by key
+    (`model.enc.width` changes `width` and keeps `enc`'s other defaults); an empty one takes any mapping as given.
     `eval_metrics` returns sums over a batch; the evaluation divides by the number of samples and prefixes `val_`.
     `difficulty` scores each training sample for curricula (higher is harder; only the order matters), as a tensor or
     array, or as a function that computes them: it is called once, and only when a curriculum is on.
@@ -261,18 +263,51 @@ class Task:
         return self._scores
 
     def model_problems(self, model: Mapping[str, Any]) -> list[tuple[str, str]]:
-        """Unknown keys and values of the wrong type in a `model` mapping, as `(dotted key, message)` pairs."""
+        """Unknown keys and values of the wrong type in a `model` mapping, as `(dotted key, message)` pairs; inside
+        a default that is a non-empty mapping too."""
+        return self._mapping_problems(model, self.model_defaults, "")
+
+    def _mapping_problems(self, given: Mapping[str, Any], defaults: Mapping[str, Any],
+                          prefix: str) -> list[tuple[str, str]]:
         problems = []
-        for key, value in model.items():
-            if key not in self.model_defaults:
-                allowed = ", ".join(sorted(self.model_defaults)) or "none"
-                problems.append((f"model.{key}", f"unknown key for task {self.name!r}; expected one of: {allowed}"))
+        for key, value in given.items():
+            if key not in defaults:
+                allowed = ", ".join(f"{prefix}{k}" for k in sorted(defaults)) or "none"
+                problems.append((f"model.{prefix}{key}", f"unknown key for task {self.name!r}; expected one of: "
+                                                         f"{allowed}"))
                 continue
-            default = self.model_defaults[key]
+            default = defaults[key]
+            if _keyed(default) and isinstance(value, Mapping):
+                problems += self._mapping_problems(value, default, f"{prefix}{key}.")
+                continue
             ok, _, message = _model_value(value, default)
             if not ok:
-                problems.append((f"model.{key}", message))
+                problems.append((f"model.{prefix}{key}", message))
         return problems
+
+    def model_default(self, key: str) -> tuple[bool, Any]:
+        """`(known, default)` for a model key as a study names it without `model.` (`hidden`, `enc.width` inside a
+        mapping default); a key inside a default that is an empty mapping is known, with no default (None)."""
+        node: Any = self.model_defaults
+        for part in key.split("."):
+            if isinstance(node, Mapping) and not node and node is not self.model_defaults:
+                return True, None  # a free-form mapping: whatever it holds
+            if not isinstance(node, Mapping) or part not in node:
+                return False, None
+            node = node[part]
+        return True, node
+
+    def model_keys(self) -> list[str]:
+        """Every model key a study may name, dotted, without `model.`: the defaults' keys, and the keys inside
+        those of them that are non-empty mappings."""
+        def keys(defaults: Mapping[str, Any], prefix: str) -> list[str]:
+            out = []
+            for key, value in defaults.items():
+                out.append(f"{prefix}{key}")
+                if _keyed(value):
+                    out += keys(value, f"{prefix}{key}.")
+            return out
+        return sorted(keys(self.model_defaults, ""))
 
     def build_problems(self, model: Mapping[str, Any]) -> list[tuple[str, str]]:
         """What the model builder itself refuses in `model` (a dropout of 1.5, say), found by building the model on
@@ -333,10 +368,26 @@ class Task:
         problems = self.model_problems(model)
         if problems:
             raise ConfigError(problems)
-        merged = dict(self.model_defaults)
-        for key, value in model.items():
-            merged[key] = _model_value(value, self.model_defaults[key])[1]
-        return merged
+        return _merged(self.model_defaults, model)
+
+
+def _keyed(default: Any) -> bool:
+    """Whether a model default names the keys it takes (a non-empty mapping), rather than being one value."""
+    return isinstance(default, Mapping) and bool(default)
+
+
+def _merged(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """`defaults` updated with `given`, key by key inside the defaults that are non-empty mappings (each a copy:
+    a builder that changes its config changes no default)."""
+    merged: dict[str, Any] = {}
+    for key, default in defaults.items():
+        if key not in given:
+            merged[key] = _merged(default, {}) if _keyed(default) else default
+        elif _keyed(default) and isinstance(given[key], Mapping):
+            merged[key] = _merged(default, given[key])
+        else:
+            merged[key] = _model_value(given[key], default)[1]
+    return merged
 
 
 _CHECKED_TYPES = (bool, int, float, str, list, tuple, dict)
