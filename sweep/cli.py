@@ -47,7 +47,7 @@ from sweep.schema import (
     storage_url_problem,
 )
 from sweep.urls import mask_url, mask_urls, redact, sqlite_path
-from trainer.yaml_file import short_repr
+from trainer.yaml_file import printable, short_repr
 
 # click's exception classes, wherever this typer takes click from (its own vendored copy, or click itself).
 _CLICK_ERROR: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
@@ -96,7 +96,7 @@ def _fail(lines: list[str] | str, code: int) -> typer.Exit:
     """Print each line as an error (any URL in it masked: a storage URL given where a study file, a study name or a
     target was expected is echoed back) and return the exit to raise."""
     for line in [lines] if isinstance(lines, str) else lines:
-        err.print(f"error: {mask_urls(line)}", markup=False)
+        err.print(f"error: {printable(mask_urls(line))}", markup=False)
     return typer.Exit(code)
 
 

@@ -39,7 +39,7 @@ from pydantic_core import PydanticCustomError
 
 from sweep.urls import mask_url, mask_urls, sqlite_path
 from trainer import yaml_file
-from trainer.config import FastFailConfig, TrainingConfig, flatten, magnitude, nest, number_from_text
+from trainer.config import FastFailConfig, TrainingConfig, clash, flatten, magnitude, nest, number_from_text
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
@@ -667,24 +667,8 @@ class StudySpec(_Model):
         """The fixed values nested (`model.hidden: 8` is `model: {hidden: 8}`), refused when two of them set the same
         value (`model: {hidden: 8}` and `model.hidden: 16`) or one sits inside another (`a: 1` and `a.b: 2`): one of
         them would silently be dropped."""
-        given: dict[str, str] = {}  # every value's dotted key: the key of the file that sets it
-        for key, item in value.items():
-            for dotted, leaf in flatten({key: item}).items():
-                if leaf == {}:  # an empty mapping sets nothing
-                    continue
-                parts = dotted.split(".")
-                clashes = [other for other in (dotted, *(".".join(parts[:i]) for i in range(1, len(parts))))
-                           if other in given]
-                clashes += [other for other in given if other.startswith(f"{dotted}.")]
-                if clashes:
-                    other = clashes[0]
-                    keys = f"fixed.{given[other]} and fixed.{key}"
-                    if other == dotted:
-                        raise ValueError(f"{keys} both set {dotted}; keep one of them")
-                    inner, outer = sorted((other, dotted), key=len, reverse=True)
-                    raise ValueError(f"{inner} is inside {outer} ({keys}), and a config cannot hold both; keep one "
-                                     "of them")
-                given[dotted] = key
+        if (problem := clash(value, "fixed.")) is not None:
+            raise ValueError(problem)
         return nest(value)
 
     # ---------------------------------------------------------------------------------------------------------------

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig
+from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest
 from trainer.loop import NullReporter, TrainResult, train
 from trainer.precision import DeviceUnavailable, out_of_memory, resolve_device
 from trainer.tasks import TaskError
-from trainer.yaml_file import YamlFileError, load_yaml, read_text
+from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, short_repr
 
 
 class PrintReporter:
@@ -75,12 +75,27 @@ def _load_json(text: str) -> Any:
             seen[key] = value
         return seen
 
+    def whole(digits: str) -> int:
+        if len(digits.lstrip("-")) > _MAX_DIGITS:  # Python's own limit, whose message names neither line nor fix
+            raise _TooLong(f"invalid JSON: a whole number of {len(digits.lstrip('-'))} digits; expected a number of "
+                           f"at most {_MAX_DIGITS} digits")
+        return int(digits)
+
     try:
-        return json.loads(text, object_pairs_hook=unique)
+        return json.loads(text, object_pairs_hook=unique, parse_int=whole)
     except RecursionError:
         raise ValueError("invalid JSON: nested too deeply; expected a mapping of TrainingConfig keys") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except _TooLong as exc:
+        raise ValueError(str(exc)) from None
+
+
+_MAX_DIGITS = 4300  # sys.get_int_max_str_digits()'s default
+
+
+class _TooLong(ValueError):
+    """A JSON integer longer than Python converts."""
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
@@ -93,14 +108,52 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"expected key=value, got {item!r}")
+        if any(not part.strip() for part in key.split(".")):
+            raise ValueError(f"expected a dotted key path with no empty part (model.hidden=64), got {key!r}")
         parsed = raw[:1] in "[{\"'" or raw in ("true", "false", "null", "~") or NUMBER_TEXT.fullmatch(raw.strip())
         out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if parsed else raw
     return out
 
 
 def _given_by(key: str, overrides: Mapping[str, Any]) -> str | None:
-    """The `--set` key a problem's key lies under, if one gave it."""
-    return next((given for given in overrides if key == given or key.startswith(f"{given}.")), None)
+    """The `--set` key a problem's key lies under or above, if one gave it (`--set foo.bar=1` makes `foo`
+    unknown)."""
+    return next((given for given in overrides
+                 if key == given or key.startswith(f"{given}.") or given.startswith(f"{key}.")), None)
+
+
+def _overridden(values: Mapping[str, Any], overrides: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """The config file's values (checked for keys that set one value twice) with each `--set` key set in them, as
+    a nested mapping; a `--set` key inside a value of the file that is not a mapping is refused."""
+    if (problem := clash(values)) is not None:
+        raise ValueError(problem)
+    nested = nest(values)
+    for key, value in overrides.items():
+        node, parts = nested, key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                outer = ".".join(parts[:depth + 1])
+                raise ConfigError([(key, f"{outer} is {short_repr(child)} in {path}, not a mapping")])
+            node = child
+        existing = node.get(parts[-1])
+        node[parts[-1]] = {**existing, **nest(value)} if isinstance(value, Mapping) and isinstance(
+            existing, dict) else value
+    return nested
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line, as every other error here."""
+
+    def error(self, message: str) -> Any:
+        print(printable(f"{self.prog}: {message} (see --help)"), file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _config_path(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a config file (YAML or JSON), got {text!r}")
+    return Path(text)
 
 
 def _check_model(config: TrainingConfig) -> None:
@@ -137,8 +190,9 @@ def _train_one(config: TrainingConfig) -> TrainResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", type=Path, nargs="+", help="TrainingConfig as YAML or JSON (several with --batched)")
+    parser = _Parser(prog="python -m trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", type=_config_path, nargs="+",
+                        help="TrainingConfig as YAML or JSON (several with --batched)")
     parser.add_argument("--batched", action="store_true", help="train the configs together as stacked cohorts")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a (dotted) key")
     args = parser.parse_args(argv)
@@ -148,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides = _parse_set(args.set)
     except YamlFileError as exc:  # a ValueError too
         for key, message in exc.problems:
-            print(f"{key}: {message}" if key else f"--set: {message}", file=sys.stderr)
+            print(printable(f"{key}: {message}" if key else f"--set: {message}"), file=sys.stderr)
         return 2
     except ValueError as exc:
-        print(f"--set: {exc}", file=sys.stderr)
+        print(printable(f"--set: {exc}"), file=sys.stderr)
         return 2
     configs = []
     for path in args.config:
@@ -160,18 +214,22 @@ def main(argv: list[str] | None = None) -> int:
             folder = str(path.resolve().parent)  # importable, as a script's folder is (a study file's for sweep run)
             if folder not in sys.path:
                 sys.path.append(folder)
-            values.update(overrides)
-            config = TrainingConfig.from_dict(values)
+            config = TrainingConfig.from_dict(_overridden(values, overrides, path))
             _check_model(config)
             configs.append(config)
         except (ConfigError, YamlFileError) as exc:
             for key, message in exc.problems:
                 given = _given_by(key, overrides) if isinstance(exc, ConfigError) else None
-                print(f"--set {key}: {message}" if given is not None else f"{path}: {key}: {message}" if key
-                      else f"{path}: {message}", file=sys.stderr)
+                if given is None:
+                    line = f"{path}: {key}: {message}" if key else f"{path}: {message}"
+                elif key == given or key.startswith(f"{given}."):
+                    line = f"--set {key}: {message}"
+                else:  # the problem's key holds the one --set gave (`--set foo.bar=1`: `foo` is unknown)
+                    line = f"--set {given}: {key}: {message}"
+                print(printable(line), file=sys.stderr)
             return 2
         except (OSError, ValueError) as exc:
-            print(f"{path}: {exc}", file=sys.stderr)
+            print(printable(f"{path}: {exc}"), file=sys.stderr)
             return 2
     try:
         if args.batched:
@@ -181,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results = [_train_one(configs[0])]
     except (ConfigError, TaskError) as exc:
-        print(f"{_culprit(args.config, configs, _task_fails)}: {exc}", file=sys.stderr)
+        print(printable(f"{_culprit(args.config, configs, _task_fails)}: {exc}"), file=sys.stderr)
         return 2
     except DeviceUnavailable as exc:  # the config's `device`, not a fault of the run: use auto or cpu here
         print(f"{_culprit(args.config, configs, _device_fails)}: device: {exc}; set device: auto (or cpu) to train "

@@ -241,6 +241,30 @@ def nest(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def clash(values: Mapping[str, Any], prefix: str = "") -> str | None:
+    """Two keys of `values` (nested or dotted, as a file gives them) that set the same value (`model: {hidden: 8}`
+    and `model.hidden: 16`), or one of which sits inside the other (`model: 3` and `model.hidden: 16`): nesting them
+    would silently drop one. The message naming both (each with `prefix`, `fixed.` for a study file's), or None."""
+    given: dict[str, str] = {}  # every value's dotted key: the key of `values` that sets it
+    for key, item in values.items():
+        for dotted, leaf in flatten({key: item}).items():
+            if leaf == {}:  # an empty mapping sets nothing
+                continue
+            parts = dotted.split(".")
+            clashes = [other for other in (dotted, *(".".join(parts[:i]) for i in range(1, len(parts))))
+                       if other in given]
+            clashes += [other for other in given if other.startswith(f"{dotted}.")]
+            if clashes:
+                other = clashes[0]
+                keys = f"{prefix}{given[other]} and {prefix}{key}"
+                if other == dotted:
+                    return f"{keys} both set {dotted}; keep one of them"
+                inner, outer = sorted((other, dotted), key=len, reverse=True)
+                return f"{inner} is inside {outer} ({keys}), and a config cannot hold both; keep one of them"
+            given[dotted] = key
+    return None
+
+
 def flatten(values: Mapping[str, Any], prefix: str = "", free: tuple[str, ...] = ()) -> dict[str, Any]:
     """The inverse of `nest`: nested mappings become dotted keys."""
     out: dict[str, Any] = {}

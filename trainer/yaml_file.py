@@ -104,6 +104,16 @@ def short_repr(value: Any) -> str:
     return _SHORT.repr(value)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(line: str) -> str:
+    """`line` with each control character written as its escape (`\x1b`): an error line quotes keys, paths and
+    names from a file, and a key holding a terminal's escape sequence must not retitle or clear the terminal that
+    prints it."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], line)
+
+
 _NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                 (stat.S_ISSOCK, "a socket"))
 

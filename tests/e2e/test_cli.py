@@ -992,3 +992,15 @@ def test_a_store_under_the_home_folder_is_the_home_folder_s_from_any_working_fol
     assert not list(tmp_path.rglob("~"))
     with contextlib.closing(sqlite3.connect(work / "tiny.db")) as connection:
         assert {n for (n,) in connection.execute("SELECT trial_number FROM sweep_checkpoints")} == {0, 1}
+
+
+def test_a_key_holding_a_terminal_escape_sequence_is_printed_escaped(tmp_path: Path) -> None:
+    # Found by review: values were quoted with their escapes, keys printed raw: a study file could retitle or clear
+    # the terminal of whoever ran it. Every error line is printed with its control characters escaped.
+    study = tmp_path / "study.yaml"
+    study.write_text('name: t\nn_trials: 1\ntask: digits\n"\\e]0;pwned\\a": 1\n')
+    done = sweep_cli("run", study)
+    assert done.returncode == 2, done.stderr
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr, repr(done.stderr)
+    assert "study.yaml: \\x1b]0;pwned\\x07: unknown key" in done.stderr, done.stderr
+    assert not (tmp_path / "t.db").exists()

@@ -207,7 +207,9 @@ def test_a_model_value_the_builder_refuses_is_one_line_before_training(
     ('{"task": "digits", "max_steps": 4, "max_steps": 7}', "duplicate key 'max_steps'; each key may appear once"),
     ('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}", "invalid JSON: nested too deeply"),
     ('{"max_steps": 4,}', "invalid JSON: line 1, column 17"),
-], ids=["duplicate-key", "deep", "trailing-comma"])
+    ('{"task": "digits", "model": {"hidden": ' + "1" * 5000 + "}}",
+     "invalid JSON: a whole number of 5000 digits; expected a number of at most 4300 digits"),
+], ids=["duplicate-key", "deep", "trailing-comma", "long-integer"])
 def test_a_json_config_is_read_as_strictly_as_yaml(tmp_path: Path, text: str, fragment: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "c.json"
@@ -333,3 +335,53 @@ def test_eval_metrics_may_give_python_numbers(tmp_path: Path, capsys: pytest.Cap
     config.write_text("task: pymetric:task\nmax_steps: 4\n")
     assert main([str(config)]) == 0, capsys.readouterr().err
     assert "val_seen" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("text", "sets", "line"), [
+    # One value set twice in the file, or a key inside a value that is no mapping: one of them was silently dropped
+    # (`model: 3` thrown away, the run trained), where a study file's `fixed:` refuses both.
+    ("model: {hidden: 8}\nmodel.hidden: 4\n", [], "{config}: model and model.hidden both set model.hidden; keep one"),
+    ("model: 3\nmodel.hidden: 4\n", [], "{config}: model.hidden is inside model (model and model.hidden), and a "
+                                        "config cannot hold both"),
+    # A --set inside a value of the file that is no mapping: the file's value was replaced and the run trained.
+    ("model: 3\n", ["model.hidden=4"], "--set model.hidden: model is 3 in {config}, not a mapping"),
+    # A problem a --set key caused, on a key above it: it was blamed on the config file.
+    ("", ["foo.bar=1"], "--set foo.bar: foo: unknown key"),
+    ("", ["max_steps.x=3"], "--set max_steps.x: max_steps is 4 in {config}, not a mapping"),
+    ("", ["seed.x=3"], "--set seed.x: seed: expected an integer, got {{'x': 3}}"),
+    ("", [".max_steps=3"], "--set: expected a dotted key path with no empty part (model.hidden=64), got '.max_steps'"),
+    ("", ["max_steps.=3"], "--set: expected a dotted key path with no empty part (model.hidden=64), got 'max_steps.'"),
+    # A key holding a terminal's escape sequence: printed raw, it retitled the terminal.
+    ('"\\e]0;pwned\\a": 1\n', [], "{config}: \\x1b]0;pwned\\x07: unknown key"),
+], ids=["set-twice", "inside-a-number", "set-inside-a-number", "set-below-unknown", "set-inside-a-number-of-the-file",
+        "set-below-a-number", "empty-first-part", "empty-last-part", "escape-in-key"])
+def test_a_config_s_keys_are_checked_as_a_study_file_s_and_each_problem_names_its_source(
+        tmp_path: Path, text: str, sets: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\n" + text)
+    assert main([str(config), *(arg for item in sets for arg in ("--set", item))]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line.format(config=config)), lines
+    assert "\x1b" not in lines[0] and "\x07" not in lines[0]
+
+
+def test_a_set_inside_a_mapping_of_the_file_overrides_that_key_alone(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 2\neval_every_steps: 2\nmodel: {hidden: 8, depth: 2}\n")
+    assert main([str(config), "--set", "model.hidden=4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["status"] == "completed"
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    ([""], "python -m trainer: argument config: expected a config file (YAML or JSON), got '' (see --help)"),
+    ([], "python -m trainer: the following arguments are required: config (see --help)"),
+    (["a.yaml", "b.yaml"], "python -m trainer: several configs need --batched (see --help)"),
+])
+def test_a_usage_error_is_one_line(args: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # `""` was read as the folder `.` ("cannot read the config file: Is a directory"); usage errors were 3 lines.
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [line]
