@@ -221,12 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             for key, message in exc.problems:
                 given = _given_by(key, overrides) if isinstance(exc, ConfigError) else None
                 if given is None:
-                    line = f"{path}: {key}: {message}" if key else f"{path}: {message}"
+                    shown = f"{path}: {key}: {message}" if key else f"{path}: {message}"
                 elif key == given or key.startswith(f"{given}."):
-                    line = f"--set {key}: {message}"
+                    shown = f"--set {key}: {message}"
                 else:  # the problem's key holds the one --set gave (`--set foo.bar=1`: `foo` is unknown)
-                    line = f"--set {given}: {key}: {message}"
-                print(printable(line), file=sys.stderr)
+                    shown = f"--set {given}: {key}: {message}"
+                print(printable(shown), file=sys.stderr)
             return 2
         except (OSError, ValueError) as exc:
             print(printable(f"{path}: {exc}"), file=sys.stderr)
