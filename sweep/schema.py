@@ -167,12 +167,13 @@ class CategoricalParam(_Model):
     def _distinct(self) -> CategoricalParam:
         """Optuna stores a choice as the index of the first choice equal to it, and to Python `0 == false` and
         `1 == 1.0`: a trial that trained with `false` would be stored, shown and sampled as `0`."""
+        first: dict[Choice, int] = {}  # plain values hash alike where they compare equal (0, 0.0 and false)
         for j, choice in enumerate(self.choices):
-            for i in range(j):
-                if self.choices[i] == choice:
-                    same = "is listed twice" if type(self.choices[i]) is type(choice) else (
-                        f"equals choices[{i}] ({short_repr(self.choices[i])}) to Optuna, which would store it as that")
-                    raise ValueError(f"choices[{j}]: {short_repr(choice)} {same}; expected distinct choices")
+            i = first.setdefault(choice, j)
+            if i != j:
+                same = "is listed twice" if type(self.choices[i]) is type(choice) else (
+                    f"equals choices[{i}] ({short_repr(self.choices[i])}) to Optuna, which would store it as that")
+                raise ValueError(f"choices[{j}]: {short_repr(choice)} {same}; expected distinct choices")
         return self
 
     def suggest(self, trial: Any, name: str) -> Any:
