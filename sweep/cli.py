@@ -1299,11 +1299,16 @@ def reproduce(
 ) -> None:
     """Train one trial again from the storage alone and compare every reported value (a loop's or command's that
     reported none: its final value); exit 0 when identical."""
+    from sweep import results
     from sweep.reconcile import store_location
     from sweep.reproduce import reproduce_trial
     from sweep.signals import Preempted, graceful_signals, raise_pending
 
     study, url = _open_with_url(target, storage, study_name)
+    try:
+        results.require_sweep_study(study, "train its trials again")
+    except results.ForeignStudyError as exc:
+        raise _fail(str(exc), 2) from None
     spec = _study_file_spec(target, url, study_name)
     if trust_task and spec is None and Path(target).is_file():
         # A study file makes its folder importable (`sweep run`); its database, beside it by default, does the same

@@ -97,7 +97,12 @@ def focus_range(trials: list[FrozenTrial], maximize: bool) -> tuple[float, float
 
 
 def _intermediate_values_by_state(study: optuna.Study) -> Any:
-    fig = optuna.visualization.plot_intermediate_values(study)
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a study with no reports: its plot says so, not a log line
+    try:
+        fig = optuna.visualization.plot_intermediate_values(study)
+    finally:
+        optuna.logging.set_verbosity(level)
     states = {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
     for trace in fig.data:
         match = re.search(r"(\d+)", trace.name or "")

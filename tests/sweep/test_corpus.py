@@ -954,6 +954,8 @@ FOREIGN = [
              "cannot write its best trial's TrainingConfig", document=None, setup=_foreign_study),
     bad_args("foreign study", "stop", ("stop", "theirs.db"), "study 'theirs' was not created by sweep",
              "cannot ask its workers to stop", document=None, setup=_foreign_study),
+    bad_args("foreign study", "reproduce", ("reproduce", "theirs.db", "0"), "study 'theirs' was not created by sweep",
+             "cannot train its trials again", document=None, setup=_foreign_study),
 ]
 
 # `-o FILE` (best, report, submit --k8s): never the study's own files, and one line for a path that cannot be a file.
@@ -1192,11 +1194,11 @@ def _foreign_state(folder: Path) -> tuple[dict[str, Any], list[tuple[int, str, f
     return study.user_attrs, [(t.number, t.state.name, t.value) for t in study.get_trials()]
 
 
-@pytest.mark.parametrize("command", ["stop", "best"])
-def test_a_study_sweep_did_not_create_is_refused_and_left_as_it_was(tmp_path: Path, command: str) -> None:
+@pytest.mark.parametrize("command", [("stop",), ("best",), ("reproduce", "0")])
+def test_a_study_sweep_did_not_create_is_refused_and_left_as_it_was(tmp_path: Path, command: tuple[str, ...]) -> None:
     _foreign_study(tmp_path)
     before = _foreign_state(tmp_path)
-    done = sweep_cli(command, "theirs.db", cwd=tmp_path)
+    done = sweep_cli(command[0], "theirs.db", *command[1:], cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: study 'theirs' was not created by sweep") and done.stderr.count("\n") == 1
     assert _foreign_state(tmp_path) == before
@@ -1210,6 +1212,15 @@ def test_status_of_a_study_sweep_did_not_create_says_its_budget_is_unknown(tmp_p
     assert done.returncode == 0, done.stderr
     assert "4 trials; no budget (study not created by sweep)" in done.stdout
     assert "None" not in done.stdout
+
+
+def test_a_report_of_a_study_sweep_did_not_create_prints_only_where_it_wrote(tmp_path: Path) -> None:
+    """Its trials reported no intermediate values: Optuna's plot logged "You need to set up the pruning feature" to
+    stderr, a line that asks nothing of the user; the report's plot says so itself."""
+    _foreign_study(tmp_path)
+    done = sweep_cli("report", "theirs.db", "-o", "r.html", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "wrote r.html" and (tmp_path / "r.html").is_file(), done.stderr
 
 
 def test_postgres_without_its_driver_names_the_extra(tmp_path: Path) -> None:
