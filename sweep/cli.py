@@ -1094,7 +1094,7 @@ def check(
     from sweep.study import is_another_store
 
     study, url = _open_with_url(target, storage, study_name, "check")
-    registry = Registry(url)
+    registry = Registry(url, create=repair)  # a check alone writes nothing, not even the registry's table
     # The store is the study file's when one is given. Named only by the database, a store other than the default
     # one beside it is not trusted to delete files in: whoever can write the database could point it anywhere.
     if target.endswith((".yaml", ".yml")):
@@ -1129,6 +1129,9 @@ def check(
     for problem in report.problems:
         status = "repaired" if problem.repaired else "cannot be repaired" if not problem.repairable else "found"
         out.print(f"{problem.kind.value}: {problem.detail} [{status}]", markup=False)
+    if registry.absent:
+        report.notes.append("the database holds no checkpoint registry (no sweep_checkpoints table); `sweep check "
+                            "--repair` creates it")
     for note in report.notes:
         err.print(f"note: {note}", markup=False)
     counts = ", ".join(f"{kind.value} {n}" for kind, n in report.counts().items())
@@ -1394,9 +1397,33 @@ def main() -> None:
     except Exception as exc:
         line, code = _storage_error(exc)
         if line is None:
+            line, code = _unreadable(exc)
+        if line is None:
             raise
-        err.print(f"error: {line}", markup=False)
+        err.print(f"error: {printable(line)}", markup=False)
         raise SystemExit(code) from None
+
+
+# The commands that only read a study: an error they let out comes from what the database holds (a study edited by
+# hand or by another tool: an attr of the wrong type, a row Optuna itself cannot read), and is one line.
+_READS = frozenset({"status", "trials", "best", "report", "check", "reproduce"})
+
+
+def _unreadable(exc: BaseException) -> tuple[str | None, int]:
+    """An error a reading command let out, as one line (where it was raised, and how to see the traceback); `(None,
+    0)` for any other command's, or with SWEEP_TRACEBACK set."""
+    import traceback
+
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    if command not in _READS or os.environ.get("SWEEP_TRACEBACK"):
+        return None, 0
+    url = _OPENED[0] if _OPENED else None
+    where = "the study" if url is None else f"the study in {mask_url(url)}"
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ is not None else None
+    at = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame is not None else ""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return (f"sweep {command}: cannot read {where}: {type(exc).__name__}: {mask_urls(first)}{at}; was the database "
+            "edited by hand or by another tool? (SWEEP_TRACEBACK=1 shows the traceback)", 1)
 
 
 _OPENED: list[str] = []  # the storage URL the command opened, for an error it lets out (`_storage_error`)

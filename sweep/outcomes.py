@@ -141,10 +141,14 @@ def count_key(trial: FrozenTrial) -> str:
     return outcome.value if outcome is not None and outcome.retried else trial.state.name.lower()
 
 
+_OUTCOME_VALUES = frozenset(outcome.value for outcome in Outcome)
+
+
 def outcome_of(trial: FrozenTrial) -> Outcome | None:
-    """The outcome of a finished trial, also for trials stored before the `outcome` attr existed."""
+    """The outcome of a finished trial, also for trials stored before the `outcome` attr existed (or whose attr
+    names none: a database edited by hand; then read from its state, as for those)."""
     stored = trial.user_attrs.get(ATTR_OUTCOME)
-    if stored is not None:
+    if isinstance(stored, str) and stored in _OUTCOME_VALUES:
         return Outcome(stored)
     if trial.state == TrialState.COMPLETE:
         return Outcome.COMPLETE
@@ -168,7 +172,10 @@ def budget_counts(trials: Iterable[FrozenTrial]) -> tuple[int, int]:
     it), which counts in its place. A withdrawn trial (`ATTR_WITHDRAWN`: asked beyond the budget in a server restart,
     never trained) counts nowhere."""
     trials = list(trials)
-    retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
+    # Only a later trial retries an earlier one: a `retry_of` naming itself or a later trial (a database edited by
+    # hand) would let two failures each excuse the other, and the budget be spent twice.
+    retried = {origin for t in trials if isinstance(origin := t.user_attrs.get(ATTR_RETRY_OF), int)
+               and not isinstance(origin, bool) and origin < t.number}
     used = running = 0
     for t in trials:
         if ATTR_WITHDRAWN in t.user_attrs:

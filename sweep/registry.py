@@ -156,8 +156,14 @@ def study_folder(spec_path: Path) -> Path:
 
 
 class Registry:
-    def __init__(self, storage_url: str, engine: Engine | None = None) -> None:
+    def __init__(self, storage_url: str, engine: Engine | None = None, *, create: bool = True) -> None:
+        """`create` False: for a command that only reads (`sweep check` without `--repair`): a database without the
+        table (its rows are then none) or with an older one is left as it is."""
         self.engine = engine if engine is not None else open_engine(storage_url)
+        self.absent = False
+        if not create:
+            self.absent = not inspect(self.engine).has_table(checkpoints.name)
+            return
         for attempt in range(5):
             try:
                 metadata.create_all(self.engine, checkfirst=True)
@@ -362,6 +368,8 @@ class Registry:
 
     def for_study(self, study: str) -> list[CheckpointRecord]:
         """Every checkpoint row of the study, pinned or not, in trial, step and id order (`sweep check`)."""
+        if self.absent:
+            return []
         query = (select(checkpoints).where(checkpoints.c.study == study)
                  .order_by(checkpoints.c.trial_number, checkpoints.c.step, checkpoints.c.id))
         with self.engine.connect() as connection:

@@ -212,15 +212,16 @@ _RDB_LOGGER = logging.getLogger("optuna.storages._rdb.storage")
 
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  stale_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                 ) -> optuna.storages.RDBStorage:
+                 wal: bool = True) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage, made safe for several worker processes (see the module docstring). With a heartbeat,
     a RUNNING trial whose worker has not beaten for `grace_period` seconds is failed by `fail_stale_trials` and handed
-    to `stale_trial_callback`."""
+    to `stale_trial_callback`. `wal` False: a SQLite file is read in whatever journal mode it has (a command that
+    reads a study must not change the file: one that sweep made is in write-ahead logging already)."""
     if not any(isinstance(f, _NoFallbackNotice) for f in _RDB_LOGGER.filters):
         _RDB_LOGGER.addFilter(_NoFallbackNotice())
     path = sqlite_path(url)
     engine_kwargs = engine_options(url)
-    if path is not None and path.parent.exists():
+    if wal and path is not None and path.parent.exists():
         _use_wal(url)
     for attempt in range(5):
         try:
@@ -1160,8 +1161,8 @@ class AmbiguousStudy(KeyError):
 
 def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
     """A study for reading (status, trials, report): by name, or the only one in the storage. Raises KeyError
-    naming the studies there when there is no such study."""
-    storage = make_storage(storage_url)
+    naming the studies there when there is no such study. The file is read in the journal mode it has."""
+    storage = make_storage(storage_url, wal=False)
     if name is None:
         names = optuna.get_all_study_names(storage)
         if len(names) != 1:

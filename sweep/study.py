@@ -27,6 +27,7 @@ from sweep.schema import StudySpec, resolve_storage_url
 from sweep.storage import Boundary, PatientStorage, load_existing_study, make_storage, mask_url
 from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
 from trainer.config import nest
+from trainer.yaml_file import short_repr
 
 __all__ = ["PRUNERS", "SAMPLERS", "Events", "InfrastructureError", "Preempted", "RunSummary", "StudyBrokenError",
            "StudyMismatchError", "budget_used", "definition_note",
@@ -90,6 +91,10 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
     if stored is None:
         raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
                                  "with --study-name")
+    if not isinstance(stored, dict):
+        raise StudyMismatchError(f"study {spec.name!r} holds a damaged definition (its user attr {SPEC_ATTR!r} is "
+                                 f"{short_repr(stored)}, not a mapping: edited by hand or by another tool?); nothing "
+                                 "was run. Restore the database, or choose another name with --study-name")
     before = {key: stored.get(key) for key in spec.identity()}
     differences = [key for key, value in spec.identity().items()
                    if before[key] != value and not (key == "fixed" and _same_values(spec, before[key]))]

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.yaml_file import short_repr
+
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWriteError", "LoopState", "TrainState", "WarmStart",
            "capture_rng", "load_checkpoint", "restore_rng", "save_checkpoint", "save_checkpoints", "sha256_of",
            "user_checkpoint"]
@@ -116,9 +118,28 @@ class TrainState:
     def from_payload(cls, payload: dict[str, Any]) -> TrainState:
         if payload.get("format") != FORMAT:
             raise CheckpointError(f"unknown checkpoint format {payload.get('format')!r}, expected {FORMAT}")
+        # What the trainer reads without a check of its own: a file that matches its hash but holds something else
+        # (written by another tool, or edited) is refused here, as an unreadable one is, and an older one is tried.
+        missing = [key for key in _PAYLOAD_KEYS if key not in payload]
+        if missing:
+            raise CheckpointError(f"not a training state: {', '.join(map(repr, missing))} missing")
+        step = payload["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"not a training state: its step is {short_repr(step)}, expected a whole number")
+        for key in ("model", "optimizer", "rng", "data", "config", "metrics", "loop"):
+            if not isinstance(payload[key], dict):
+                raise CheckpointError(f"not a training state: its {key!r} is {type(payload[key]).__name__}, expected "
+                                      "a mapping")
+        try:
+            loop = LoopState.from_dict(payload["loop"])
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"not a training state: its 'loop' is unreadable ({exc})") from None
         return cls(**{k: payload[k] for k in ("step", "model", "optimizer", "scaler", "rng", "data", "config",
-                                              "metrics")}, loop=LoopState.from_dict(payload["loop"]),
+                                              "metrics")}, loop=loop,
                    user=payload.get("user") or {}, evals=_evals(payload.get("evals")))
+
+
+_PAYLOAD_KEYS = ("step", "model", "optimizer", "scaler", "rng", "data", "config", "metrics", "loop")
 
 
 def _evals(stored: Any) -> list[tuple[int, dict[str, float]]]:

@@ -1329,3 +1329,81 @@ def test_anchors_and_merge_keys_share_values(tmp_path: Path) -> None:
 
     data = load_yaml("base: &base {low: 1, high: 2}\nlr:\n  <<: *base\n  high: 3\nsame: *base\n", "x.yaml")
     assert data == {"base": {"low": 1, "high": 2}, "lr": {"low": 1, "high": 3}, "same": {"low": 1, "high": 2}}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A study edited by hand or by another tool: the commands that read it write nothing, and what they cannot read is
+# one line (found by a review that edited a study's database with sqlite3).
+
+def test_reading_a_study_changes_no_byte_of_its_file(tmp_path: Path) -> None:
+    """Another tool's database in rollback-journal mode: `sweep status` switched it to write-ahead logging, and
+    `sweep check` created sweep's registry table in it."""
+    import hashlib
+    import sqlite3
+
+    _foreign_study(tmp_path)
+    database = tmp_path / "theirs.db"
+    before = hashlib.sha256(database.read_bytes()).hexdigest()
+    for command in (("status",), ("trials",), ("check",)):
+        done = sweep_cli(*command, "theirs.db", cwd=tmp_path)
+        assert done.returncode in (0, 1), done.stderr
+        assert hashlib.sha256(database.read_bytes()).hexdigest() == before, command
+    with contextlib.closing(sqlite3.connect(database)) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+        assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'sweep_checkpoints'").fetchall() == []
+    check = sweep_cli("check", "theirs.db", cwd=tmp_path)
+    assert "no checkpoint registry (no sweep_checkpoints table)" in check.stderr, check.stderr
+
+
+def _edited(folder: Path, *statements: str) -> Path:
+    """A finished sweep study whose database `statements` then edit; returns its study file."""
+    import sqlite3
+
+    path = write_study(folder, changed(n_trials=3), STUDY)
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    with contextlib.closing(sqlite3.connect(folder / "tiny.db")) as connection:
+        for statement in statements:
+            connection.execute(statement)
+        connection.commit()
+    return path
+
+
+def test_two_failures_whose_retry_of_names_each_other_are_not_each_other_s_retries(tmp_path: Path) -> None:
+    """Each excused the other from the budget, and a rerun trained two trials beyond it. Only a later trial
+    retries an earlier one: trial 2 is 1's retry, and counts in its place."""
+    path = _edited(tmp_path, "UPDATE trials SET state = 'FAIL' WHERE number IN (1, 2)",
+                   "INSERT INTO trial_user_attributes (trial_id, key, value_json) SELECT trial_id, 'retry_of', "
+                   "CASE number WHEN 1 THEN '2' ELSE '1' END FROM trials WHERE number IN (1, 2)")
+    done = sweep_cli("status", path)
+    assert "2/3 trials" in done.stdout, done.stdout
+    again = sweep_cli("run", path)
+    assert again.returncode == 0, again.stderr
+    assert len(optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").trials) == 4
+
+
+def test_an_outcome_no_version_of_sweep_writes_is_read_from_the_trial_s_state(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "UPDATE trials SET state = 'FAIL' WHERE number = 1",
+                   "UPDATE trial_user_attributes SET value_json = '\"exploded\"' WHERE key = 'outcome' AND trial_id = "
+                   "(SELECT trial_id FROM trials WHERE number = 1)")
+    for command in ("status", "trials", "run"):
+        done = sweep_cli(command, path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_stored_definition_that_is_not_a_mapping_is_one_line_from_every_command(tmp_path: Path) -> None:
+    """`sweep status`, `best`, `report`, `check` and `reproduce` let an AttributeError out as a traceback; `sweep
+    run` said the storage could not be opened."""
+    from tests.conftest import run_cli
+
+    path = _edited(tmp_path, "UPDATE study_user_attributes SET value_json = '\"hello\"' WHERE key = 'sweep.spec'")
+    done = sweep_cli("run", path)
+    assert done.returncode == 2, done.stderr
+    assert "holds a damaged definition (its user attr 'sweep.spec' is 'hello', not a mapping" in done.stderr, \
+        done.stderr
+    for command in (("status",), ("best",), ("report", "-o", "r.html"), ("check",), ("reproduce", "0")):
+        done = run_cli(command[0], tmp_path / "tiny.db", *command[1:], cwd=tmp_path)
+        assert done.returncode == 1, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: sweep {command[0]}: cannot read the study in "), lines
+        assert "edited by hand or by another tool" in lines[0], lines

@@ -106,6 +106,28 @@ def test_corrupt_truncated_and_code_carrying_checkpoints_are_refused(tmp_path: P
     assert "\n" not in said and "GLOBAL" in said and "Popen" in said and "weights_only=False" not in said, said
 
 
+@pytest.mark.parametrize(("payload", "why"), [
+    ({"format": 1, "step": 100, "model": {}},
+     "'optimizer', 'scaler', 'rng', 'data', 'config', 'metrics', 'loop' missing"),
+    ({"format": 1, "step": "100"}, "its step is '100', expected a whole number"),
+    ({"format": 1, "model": torch.zeros(2)}, "its 'model' is Tensor, expected a mapping"),
+    ({"format": 1, "loop": {"loss_sum": "x"}}, "its 'loop' is unreadable"),
+], ids=["keys-missing", "step", "model", "loop"])
+def test_a_file_that_matches_its_hash_but_holds_no_training_state_is_refused(tmp_path: Path, payload: dict,
+                                                                              why: str) -> None:
+    # Found by review: a registered file whose hash matched but which held something else raised KeyError in the
+    # trainer, so the trial failed (counted, as its config's fault) where an older checkpoint was sound; as a
+    # warm-start donor it failed every later trial. A CheckpointError makes resume and warm start try the next one.
+    path = tmp_path / "c.pt"
+    train(TrainingConfig.from_dict(CONFIG), checkpointer=SaveAt(10, path))
+    # The first payload alone; the others replace one part of a real checkpoint.
+    forged = payload if payload.get("model") == {} else {**torch.load(path, weights_only=True), **payload}
+    torch.save(forged, tmp_path / "forged.pt")
+    with pytest.raises(CheckpointError, match="not a training state") as refused:
+        load_checkpoint(tmp_path / "forged.pt", sha256=sha256_of(tmp_path / "forged.pt"))
+    assert why in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_checkpoints_hold_the_whole_training_state(tmp_path: Path) -> None:
     path = tmp_path / "s.pt"
     train(TrainingConfig.from_dict(CONFIG), load_task("digits"), checkpointer=SaveAt(20, path))
