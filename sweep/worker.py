@@ -532,21 +532,36 @@ class Worker:
         is still training has not failed, so it ends the row; a trial that ended any other way ends it too."""
         if not self.spec.max_repeated_failures:
             return
-        self.ended_ways[frozen.number] = failure_signature(frozen)
+        signature = self.ended_ways[frozen.number] = failure_signature(frozen)
         in_flight = set(running)
-        count, signature = 0, None
-        newest = max(self.ended_ways)
-        for number in sorted({*self.ended_ways, *(n for n in in_flight if n < newest)}, reverse=True):
-            way = None if number in in_flight else self.ended_ways[number]
-            if way is None or (signature is not None and way != signature):
-                if number not in in_flight:  # every later row stops here too: what lies below it is never read
-                    self.ended_ways = {n: w for n, w in self.ended_ways.items() if n >= number}
-                break
-            count, signature = count + 1, way
+        count = 0
+        if signature is not None:  # the row this trial's failure belongs to, both ways from it
+            order = sorted({*self.ended_ways, *in_flight})
+            at = order.index(frozen.number)
+            for side in (order[at::-1], order[at + 1:]):
+                for number in side:
+                    if number in in_flight or self.ended_ways[number] != signature:
+                        break
+                    count += 1
+        self._trim_ended_ways(min(in_flight, default=None))
         if count >= self.spec.max_repeated_failures:
             raise StudyBrokenError(
                 f"{count} trials in a row failed the same way ({signature}); the code or the data is likely "
                 f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
+
+    def _trim_ended_ways(self, lowest_in_flight: int | None) -> None:
+        """Forget the ends no row can reach again: every trial that ends from now on is one in flight or a new one,
+        numbered at or above the lowest in flight, and a row reaching down from there stops at the highest trial
+        below it that ended other than by failing, or whose failure differs from the one above it."""
+        below = sorted(n for n in self.ended_ways if lowest_in_flight is None or n < lowest_in_flight)
+        for upper, lower in zip(reversed(below), reversed([None, *below[:-1]])):
+            way = self.ended_ways[upper]
+            if way is None:
+                self.ended_ways = {n: w for n, w in self.ended_ways.items() if n > upper}
+                return
+            if lower is not None and self.ended_ways[lower] != way:
+                self.ended_ways = {n: w for n, w in self.ended_ways.items() if n > lower}
+                return
 
     # -----------------------------------------------------------------------------------------------------------------
     # Lost trials and heartbeats.

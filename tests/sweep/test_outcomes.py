@@ -215,3 +215,69 @@ def test_only_the_checkpoint_store_s_own_client_failures_are_the_machine_s_fault
         fault = infrastructure_fault(exc)
     assert fault is not None and fault.kind == "NoCredentialsError at the object store"
     assert fault.reason.startswith("the checkpoint store's client failed: s3://ckpts: NoCredentialsError")
+
+
+def _ended_in_a_cohort(limit: int, fail_every: bool, tmp_path: Path) -> tuple[int | None, int]:
+    """A real worker of a real study told, one by one, the ends of a cohort of three whose slots hold long trials (10
+    units, two slots, the second started 5 units after the first) and short ones (1 unit), each slot asking a new
+    trial as its trial ends, as `CohortLoop` tells `Worker.finished`. Every trial fails the same way, or (with
+    `fail_every` False) the long ones complete. Returns after how many ends the study was stopped as broken (None:
+    never, in 300) and the most ends the worker held at once."""
+    import heapq
+
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+    from sweep.worker import StudyBrokenError, Worker
+    from tests.conftest import TINY_STUDY, write_study
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "max_repeated_failures": limit}))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    study = open_study(spec, url)
+    worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary)
+    events: list[tuple[int, int, int]] = []
+    in_flight: set[int] = set()
+    asked = 0
+
+    def ask(now: int, length: int) -> None:
+        nonlocal asked
+        heapq.heappush(events, (now + length, asked, length))
+        in_flight.add(asked)
+        asked += 1
+
+    ask(0, 10)
+    ask(0, 1)
+    second, held = 5, 0
+    for ended in range(1, 301):
+        if second is not None and events[0][0] >= second:
+            ask(second, 10)
+            second = None
+        now, number, length = heapq.heappop(events)
+        in_flight.discard(number)
+        failed = fail_every or length == 1
+        attrs = {"outcome": "failed", "fail_reason": "RuntimeError: boom"} if failed else {"outcome": "complete"}
+        frozen = optuna.trial.create_trial(state=TrialState.FAIL if failed else TrialState.COMPLETE,
+                                           value=None if failed else 1.0, user_attrs=attrs)
+        frozen.number = number
+        try:
+            worker.finished(frozen, running=in_flight)
+        except StudyBrokenError:
+            return ended, held
+        held = max(held, len(worker.ended_ways))
+        ask(now, length)
+    return None, held
+
+
+@pytest.mark.parametrize("limit", [3, 6, 10])
+def test_a_cohort_whose_every_trial_fails_the_same_way_is_stopped_whatever_order_its_members_end_in(
+        tmp_path: Path, limit: int) -> None:
+    # Found by review: counted down from the newest trial, a row stopped at a member still training and was never
+    # counted again once that member failed too, so a cohort whose slow members kept an older trial in flight ran
+    # its whole budget (and the worker kept every end). The row is now the one holding the trial that just ended.
+    stopped, held = _ended_in_a_cohort(limit, True, tmp_path)
+    assert stopped is not None and stopped <= 2 * limit, stopped
+    assert held <= 2 * limit + 3, held
+
+
+def test_short_trials_that_fail_between_long_ones_that_complete_never_stop_the_study(tmp_path: Path) -> None:
+    stopped, held = _ended_in_a_cohort(6, False, tmp_path)
+    assert stopped is None and held < 20, (stopped, held)
