@@ -95,9 +95,11 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
         raise StudyMismatchError(f"study {spec.name!r} holds a damaged definition (its user attr {SPEC_ATTR!r} is "
                                  f"{short_repr(stored)}, not a mapping: edited by hand or by another tool?); nothing "
                                  "was run. Restore the database, or choose another name with --study-name")
-    before = {key: stored.get(key) for key in spec.identity()}
+    # A key missing there reads as "added" rather than "stored null" (where the file's value is not null either).
+    before = {key: stored.get(key, None if value is None else _ABSENT) for key, value in spec.identity().items()}
     differences = [key for key, value in spec.identity().items()
-                   if before[key] != value and not (key == "fixed" and _same_values(spec, before[key]))]
+                   if before[key] != value and not (key == "fixed" and before[key] is not _ABSENT
+                                                    and _same_values(spec, before[key]))]
     if differences:
         identity = spec.identity()
         changes = [change for key in differences for change in _changes(key, before[key], identity[key])]

@@ -1407,3 +1407,11 @@ def test_a_stored_definition_that_is_not_a_mapping_is_one_line_from_every_comman
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: sweep {command[0]}: cannot read the study in "), lines
         assert "edited by hand or by another tool" in lines[0], lines
+
+
+def test_a_key_missing_from_the_stored_definition_is_named_as_added_not_as_stored_null(tmp_path: Path) -> None:
+    path = _edited(tmp_path, "UPDATE study_user_attributes SET value_json = json_remove(value_json, '$.metric') "
+                             "WHERE key = 'sweep.spec'")
+    done = sweep_cli("run", path)
+    assert done.returncode == 2, done.stderr
+    assert "already exists with a different metric (metric: added)" in done.stderr, done.stderr
