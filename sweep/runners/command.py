@@ -63,12 +63,13 @@ from sweep.outcomes import (
     ATTR_REPORT_MS,
     ATTR_REPRO,
     ATTR_STEPS,
+    ATTR_STEPS_TRAINED,
     ATTR_WALL,
     Outcome,
     TimedOut,
     TrialResult,
 )
-from sweep.runners.loop import loop_seed, save_path, user_start
+from sweep.runners.loop import loop_seed, save_path, steps_trained, user_start
 from sweep.schema import short_repr
 from sweep.signals import Preempted, raise_pending
 from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart, save_checkpoint
@@ -259,7 +260,9 @@ class CommandTrial(TrialRun):
                 _end_group(process, spec.stop_grace_period)  # whatever happened here: none of it outlives the trial
         reporter.flush()
         steps = max((step for step, _ in reporter.series), default=0)  # the highest: it may report out of order
+        own = [step for step, _ in reporter.series[len(start.prior):]]  # after the lineage's, its own reports
         attrs: dict[str, Any] = {ATTR_STEPS: steps, ATTR_WALL: round(time.perf_counter() - started, 3),
+                                 ATTR_STEPS_TRAINED: steps_trained(min(own, default=None), steps, start),
                                  ATTR_REPORT_MS: reporter.report_ms, ATTR_METRICS: session.metrics,
                                  ATTR_REPRO: command_record(argv, loop_seed(config) if "seed" in config else None)}
         if reporter.prune_reason is not None:

@@ -356,7 +356,7 @@ class LoopTrial(TrialRun):
             raise TimedOut()
         attrs: dict[str, Any] = {ATTR_REPRO: {**reproducibility_record(seed, device), "loop": spec.loop},
                                  ATTR_METRICS: run.metrics, ATTR_STEPS: run.highest,
-                                 ATTR_STEPS_TRAINED: steps_trained(run, start),
+                                 ATTR_STEPS_TRAINED: steps_trained(run.first_step, run.highest, start),
                                  ATTR_WALL: round(time.perf_counter() - started, 3), ATTR_REPORT_MS: reporter.report_ms,
                                  ATTR_SPEED: reporter.speed}
         parent = trial.user_attrs.get(ATTR_WARM_START)
@@ -413,15 +413,15 @@ def user_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointServ
 ANY_STEP = 2**31 - 2  # a loop's donor hands over its newest save, whatever its step (the registry's step is an int32)
 
 
-def steps_trained(run: Run, start: Start) -> int:
-    """The steps this trial trained itself: after a resume, from the resumed step; after a warm start, from the
-    donor's step if the loop went on from there (its first report is past it), else all of them (it took the
-    donor's weights and counted its steps from the start)."""
-    if run.first_step is None:
+def steps_trained(first_step: int | None, highest: int, start: Start) -> int:
+    """The steps a loop or command trained itself, from the first and highest steps it reported: after a resume,
+    from the resumed step; after a warm start, from the donor's step if it went on from there (its first report is
+    past it), else all of them (it took the donor's weights and counted its steps from the start)."""
+    if first_step is None:
         return 0
-    if start.resume is not None or (start.warm is not None and run.first_step > start.step):
-        return max(0, run.highest - start.step)
-    return run.highest
+    if start.resume is not None or (start.warm is not None and first_step > start.step):
+        return max(0, highest - start.step)
+    return highest
 
 
 def loop_seed(config: Mapping[str, Any]) -> int:

@@ -357,6 +357,10 @@ def test_a_command_whose_worker_is_killed_is_retried_from_its_saved_state(tmp_pa
     assert lost.state.name == "FAIL" and lost.user_attrs["fail_reason"] == "worker lost: no heartbeat"
     assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 3}
     assert sorted(retry.intermediate_values) == [1, 2, 3, 4, 5, 6] and retry.value == 1.0 / 6
+    # Its own steps, 4 to 6: the compute counted the lost trial's 3 again (found by review: 490 for 400).
+    assert retry.user_attrs["steps_trained"] == 3 and retry.user_attrs["steps"] == 6
+    status = run_cli("status", path, cwd=tmp_path)
+    assert "6 steps trained" in status.stdout, status.stdout
     starts = [json.loads(line) for line in events.read_text().splitlines()]
     assert starts == [{"trial": 0, "start": None, "step": 0}, {"trial": 1, "start": "resume", "step": 3}]
     # The same weights as six unbroken steps from the same seed: state and RNG both came back.
