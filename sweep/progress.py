@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from sweep.outcomes import ATTR_FAIL, LOST_REASON, count_key
+from sweep.outcomes import ATTR_FAIL, LOST_REASON, Outcome, count_key, outcome_of
 
 __all__ = ["Events", "LiveProgress", "NoEvents", "describe_outcome"]
 
@@ -50,7 +50,12 @@ def describe_outcome(trial: FrozenTrial) -> str:
                 f"(value={_num(reason.get('value'))})")
     if trial.state == TrialState.FAIL:
         # Every failure sweep records carries its reason; only Optuna's stale-trial check fails one without it.
-        return f"failed: {attrs.get(ATTR_FAIL, LOST_REASON)}"
+        reason = str(attrs.get(ATTR_FAIL, LOST_REASON))
+        outcome = outcome_of(trial)
+        if outcome is None or outcome == Outcome.FAILED:
+            return f"failed: {reason}"
+        # Not the config's fault (interrupted, preempted, lost, the machine's): said so, as `outcome` says it.
+        return reason if reason.startswith(outcome.value) else f"{outcome.value}: {reason}"
     return trial.state.name.lower()
 
 
