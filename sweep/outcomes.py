@@ -45,6 +45,7 @@ __all__ = [
     "jsonable",
     "lineage",
     "outcome_of",
+    "retried_numbers",
 ]
 
 # Trial user attrs written by sweep: one name for each thing, shown as-is in optuna-dashboard.
@@ -164,6 +165,14 @@ def outcome_of(trial: FrozenTrial) -> Outcome | None:
     return Outcome.FAILED
 
 
+def retried_numbers(trials: Iterable[FrozenTrial]) -> set[int]:
+    """The numbers of the trials that a later trial retries (its `retry_of`). Only a later trial retries an earlier
+    one: a `retry_of` naming itself or a later trial (a database edited by hand) would let two failures each excuse
+    the other, and the budget be spent twice."""
+    return {origin for t in trials if isinstance(origin := t.user_attrs.get(ATTR_RETRY_OF), int)
+            and not isinstance(origin, bool) and origin < t.number}
+
+
 def budget_counts(trials: Iterable[FrozenTrial]) -> tuple[int, int]:
     """(trials that used up a unit of `n_trials`, trials running now).
 
@@ -172,10 +181,7 @@ def budget_counts(trials: Iterable[FrozenTrial]) -> tuple[int, int]:
     it), which counts in its place. A withdrawn trial (`ATTR_WITHDRAWN`: asked beyond the budget in a server restart,
     never trained) counts nowhere."""
     trials = list(trials)
-    # Only a later trial retries an earlier one: a `retry_of` naming itself or a later trial (a database edited by
-    # hand) would let two failures each excuse the other, and the budget be spent twice.
-    retried = {origin for t in trials if isinstance(origin := t.user_attrs.get(ATTR_RETRY_OF), int)
-               and not isinstance(origin, bool) and origin < t.number}
+    retried = retried_numbers(trials)
     used = running = 0
     for t in trials:
         if ATTR_WITHDRAWN in t.user_attrs:

@@ -20,11 +20,11 @@ from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
     ATTR_PRUNE,
-    ATTR_RETRY_OF,
     ATTR_WARM_START,
     LOST_REASON,
     SPEC_ATTR,
     budget_counts,
+    retried_numbers,
 )
 from sweep.results import best_trial, retraining, state_counts, steps_trained, trials_per_hour
 from sweep.urls import mask_urls
@@ -40,7 +40,7 @@ def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[st
     retried (its worker was lost or interrupted, or a storage error) is not: its retry stands for its config."""
     bad: list[FrozenTrial] = []
     reasons: Counter[str] = Counter()
-    retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
+    retried = retried_numbers(trials)
     for trial in trials:
         prune = trial.user_attrs.get(ATTR_PRUNE) or {}
         if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted") and trial.number not in retried:

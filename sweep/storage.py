@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -154,8 +154,13 @@ def release_idle_connections() -> None:
 _NO_SLOT = ("too many clients already", "remaining connection slots are reserved", "too many connections")
 
 
+def _driver_says(exc: BaseException, phrases: Iterable[str]) -> bool:
+    """Whether the database or its driver said one of `phrases` (lower case) in `exc` or an error it came from."""
+    return any(any(words in _driver_message(error).lower() for words in phrases) for error in error_chain(exc))
+
+
 def no_connection_slot(exc: BaseException) -> bool:
-    return any(any(words in _driver_message(error).lower() for words in _NO_SLOT) for error in error_chain(exc))
+    return _driver_says(exc, _NO_SLOT)
 
 
 # The database's words for a write refused because its disk is full (SQLite's, the OS's, PostgreSQL's "could not
@@ -170,7 +175,7 @@ def _outage_hint(exc: BaseException) -> str:
         return (f" (the server has no free connection slot: each sweep worker holds up to {CONNECTIONS_PER_WORKER} "
                 "connections, so N workers need up to "
                 f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
-    if any(any(words in _driver_message(error).lower() for words in _DISK_FULL) for error in error_chain(exc)):
+    if _driver_says(exc, _DISK_FULL):
         return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
     return ""
 

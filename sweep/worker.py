@@ -54,6 +54,7 @@ from sweep.outcomes import (
     infrastructure_fault,
     jsonable,
     outcome_of,
+    retried_numbers,
 )
 from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
@@ -451,7 +452,7 @@ class Worker:
         count the trial as used and its config would never finish. Only trials that ended more than a grace period
         ago: a live worker queues its retry at once. Returns (whether one was queued, how many younger ones wait:
         the budget counts them as running, not used, so a rerun right after the kill waits for them)."""
-        retried = {t.user_attrs.get(ATTR_RETRY_OF) for t in trials} - {None}
+        retried = retried_numbers(trials)
         now, queued, young = datetime.datetime.now(), False, 0
         for trial in trials:
             if trial.state != TrialState.FAIL or trial.number in retried or ATTR_WITHDRAWN in trial.user_attrs:

@@ -77,8 +77,8 @@ def _load_json(text: str) -> Any:
 
     def whole(digits: str) -> int:
         if len(digits.lstrip("-")) > _MAX_DIGITS:  # Python's own limit, whose message names neither line nor fix
-            raise _TooLong(f"invalid JSON: a whole number of {len(digits.lstrip('-'))} digits; expected a number of "
-                           f"at most {_MAX_DIGITS} digits")
+            raise ValueError(f"invalid JSON: a whole number of {len(digits.lstrip('-'))} digits; expected a number "
+                             f"of at most {_MAX_DIGITS} digits")
         return int(digits)
 
     try:
@@ -87,15 +87,9 @@ def _load_json(text: str) -> Any:
         raise ValueError("invalid JSON: nested too deeply; expected a mapping of TrainingConfig keys") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except _TooLong as exc:
-        raise ValueError(str(exc)) from None
 
 
 _MAX_DIGITS = 4300  # sys.get_int_max_str_digits()'s default
-
-
-class _TooLong(ValueError):
-    """A JSON integer longer than Python converts."""
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
