@@ -26,7 +26,7 @@ from sweep.outcomes import (
     budget_counts,
     retried_numbers,
 )
-from sweep.results import best_trial, retraining, state_counts, steps_trained, trials_per_hour
+from sweep.results import best_trial, confirm_count, retraining, state_counts, steps_trained, trials_per_hour
 from sweep.urls import mask_urls
 
 __all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
@@ -94,6 +94,32 @@ def focus_range(trials: list[FrozenTrial], maximize: bool) -> tuple[float, float
         return None
     margin = 0.08 * (high - low) if high > low else 0.05 * max(abs(low), 1e-12)
     return low - margin, high + margin
+
+
+def _history(study: optuna.Study, trials: list[FrozenTrial], confirm: int) -> Any:
+    """Optuna's optimisation history. With `warm_start.confirm` on, the study's best counts only trials trained cold
+    (`sweep.confirm.study_best`), so the best-so-far line does too: drawn from every complete trial, it would end on a
+    warm value that the report's best trial, `sweep status` and `sweep best` all pass over."""
+    fig = optuna.visualization.plot_optimization_history(study)
+    if confirm <= 0:
+        return fig
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    cold = {t.number: float(t.value) for t in trials  # type: ignore[arg-type]
+            if t.state == TrialState.COMPLETE and t.value is not None and not is_warm(t)}
+    for trace in fig.data:
+        if trace.name != "Best Value" or trace.x is None:
+            continue
+        best: float | None = None
+        line: list[float | None] = []
+        for number in trace.x:
+            value = cold.get(int(number))
+            if value is not None and not math.isnan(value) and (
+                    best is None or (value > best if maximize else value < best)):
+                best = value
+            line.append(best)
+        trace.y = line
+        trace.name = "Best Value (trained cold)"
+    return fig
 
 
 def _intermediate_values_by_state(study: optuna.Study) -> Any:
@@ -176,7 +202,7 @@ def render_report(study: optuna.Study) -> str:
         sections.append(f"<h2>{title}</h2>{_figure(fig, first)}")
         first = False
 
-    add_figure("Optimisation history", lambda: optuna.visualization.plot_optimization_history(study))
+    add_figure("Optimisation history", lambda: _history(study, trials, confirm_count(study)))
     add_figure("Intermediate values", lambda: _intermediate_values_by_state(study))
     add_figure("Parameter importances", lambda: optuna.visualization.plot_param_importances(study))
 

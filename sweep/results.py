@@ -32,9 +32,9 @@ from sweep.outcomes import (
 )
 from sweep.progress import describe_outcome
 
-__all__ = ["ForeignStudyError", "best_config", "best_trial", "failed_run", "finished_since", "lineage_label",
-           "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained", "stop_requested_since",
-           "study_status", "trial_rows", "trial_states", "trials_per_hour"]
+__all__ = ["ForeignStudyError", "best_config", "best_trial", "confirm_count", "failed_run", "finished_since",
+           "lineage_label", "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained",
+           "stop_requested_since", "study_status", "trial_rows", "trial_states", "trials_per_hour"]
 
 
 class ForeignStudyError(Exception):
@@ -91,9 +91,16 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     """The study's best trial as sweep reports it (`sweep.confirm.study_best`): with `warm_start.confirm` on, the best
     trial trained cold; otherwise the best complete trial, warm or not. None while no trial has completed."""
-    spec = study.user_attrs.get(SPEC_ATTR, {})
-    confirm = int((spec.get("warm_start") or {}).get("confirm") or 0) if isinstance(spec, dict) else 0
-    return study_best(study.get_trials(deepcopy=False), study.direction == StudyDirection.MAXIMIZE, confirm=confirm)
+    return study_best(study.get_trials(deepcopy=False), study.direction == StudyDirection.MAXIMIZE,
+                      confirm=confirm_count(study))
+
+
+def confirm_count(study: optuna.Study) -> int:
+    """The stored spec's `warm_start.confirm` (0 when off, or when what the storage holds is not a count)."""
+    spec = study.user_attrs.get(SPEC_ATTR)
+    warm_start = spec.get("warm_start") if isinstance(spec, dict) else None
+    confirm = warm_start.get("confirm") if isinstance(warm_start, dict) else None
+    return confirm if isinstance(confirm, int) and not isinstance(confirm, bool) and confirm > 0 else 0
 
 
 def study_status(study: optuna.Study) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
 from sweep.confirm import confirmation_of, confirmations_due, lineage_label, study_best
+from sweep.outcomes import SPEC_ATTR
 from sweep.pruners import FastFailPruner
 
 WARM = {"warm_start_from": {"study": "s", "trial": 0, "step": 50}, "steps": 100}
@@ -140,3 +141,29 @@ def test_a_confirmation_queued_twice_while_the_lock_was_lost_trains_once(tmp_pat
     states = {t.number: (t.state, t.user_attrs.get("withdrawn", "")) for t in study.get_trials()}
     assert states[second.number][0] == TrialState.FAIL and "as trial 0 was" in states[second.number][1]
     assert budget_counts(study.get_trials())[0] == 0  # a withdrawn trial spends no budget
+
+
+def test_the_reports_best_so_far_line_passes_over_warm_values_when_the_study_confirms(tmp_path: Path) -> None:
+    # With `warm_start.confirm` the report named the cold best while its history plot's best line ended on the warm
+    # value the study had passed over: two bests in one file.
+    import json
+    import re
+
+    from sweep.report import render_report
+
+    warm = {**WARM, "warm_start_from": {"trial": 0, "step": 50}}
+    rows = [(0.30, {}), (0.10, warm), (0.20, {}), (0.05, warm), (0.40, {"confirms": 3})]
+    _trials(tmp_path, rows)
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+
+    def best_line() -> tuple[str, list[float | None]]:
+        page = render_report(study)
+        found = re.search(r'"name":"(Best Value[^"]*)","x":\[[^\]]*\],"y":(\[[^\]]*\])', page)
+        assert found is not None
+        return found.group(1), json.loads(found.group(2))
+
+    assert best_line() == ("Best Value", [0.30, 0.10, 0.10, 0.05, 0.05])  # no confirm: every complete trial counts
+    study.set_user_attr(SPEC_ATTR, {"warm_start": {"confirm": 1}, "metric": "val_loss"})
+    assert best_line() == ("Best Value (trained cold)", [0.30, 0.30, 0.20, 0.20, 0.20])
+    assert "Best trial: #2" in render_report(study)  # the same best the line ends on
