@@ -186,11 +186,13 @@ def _a_stream(output: Path) -> bool:
 
 def _quiet_optuna() -> None:
     """Libraries' messages that ask nothing of the user stay out of the way: Optuna's per-trial info lines, Alembic's
-    migrations, and the "experimental" label of features sweep relies on (its artifacts, its pruners)."""
+    migrations (MLflow's store announces its own too), and the "experimental" label of features sweep relies on (its
+    artifacts, its pruners)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    for name in ("alembic", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.showwarning = _show_warning
 

@@ -79,7 +79,8 @@ def tensorboard_root(tracking: TrackingSpec, storage_url: str | None) -> Path:
 
 def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) -> StudySpec:
     """`spec` with its tracking folders independent of the working folder, as its checkpoint store is
-    (`sweep.registry.resolve_store`): a relative `tracking.tensorboard.dir` is relative to the study file, and with
+    (`sweep.registry.resolve_store`): a relative `tracking.tensorboard.dir` is relative to the study file, and so is
+    the file of a relative SQLite `tracking.mlflow.tracking_uri` (as the study's own SQLite storage is); with
     a server database the defaults (TensorBoard's folder, MLflow's SQLite store) go next to the study file. Workers
     and reruns started in other folders then write to the same runs."""
     if spec_path is None:
@@ -94,6 +95,10 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
         tensorboard = tensorboard.model_copy(update={"dir": str(folder / tensorboard.dir)})
     if mlflow.enabled and mlflow.tracking_uri is None and server:
         mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / 'sweep-mlflow.db'}"})
+    elif mlflow.enabled and mlflow.tracking_uri is not None and mlflow.tracking_uri.startswith("sqlite:///"):
+        path, mark, query = mlflow.tracking_uri.removeprefix("sqlite:///").partition("?")
+        if path and path != ":memory:" and not Path(path).expanduser().is_absolute():  # as the study's storage is
+            mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / path}{mark}{query}"})
     if tensorboard is spec.tracking.tensorboard and mlflow is spec.tracking.mlflow:
         return spec
     tracking = spec.tracking.model_copy(update={"tensorboard": tensorboard, "mlflow": mlflow})

@@ -187,6 +187,27 @@ def test_mlflow_holds_a_run_per_trial_under_the_study_s_run_with_every_step(tmp_
         assert json.loads((artifacts / "reproducibility.json").read_text()) == trial.user_attrs["reproducibility"]
 
 
+def test_a_relative_sqlite_mlflow_store_is_the_study_file_s_from_any_working_folder(tmp_path: Path) -> None:
+    # `tracking_uri: sqlite:///ml/track.db` was read from the working folder, where every other relative path of a
+    # study file (its storage, checkpoint store, TensorBoard folder) follows the file: started elsewhere, the run was
+    # refused for a missing folder, or its trials' runs went to another MLflow store.
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    (tmp_path / "study" / "ml").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "tracking": {"mlflow": {
+        "tracking_uri": "sqlite:///ml/track.db"}}}
+    done = sweep_cli("run", write_study(tmp_path / "study", document), cwd=tmp_path / "elsewhere")
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "elsewhere" / "ml").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'study' / 'ml' / 'track.db'}")
+    experiment = client.get_experiment_by_name("tiny")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["tiny", "trial-00000"]
+
+
 def test_a_study_deleted_and_created_again_never_mixes_with_the_old_one_s_runs(tmp_path: Path) -> None:
     """`rm tiny.db` to start over: the new study's trials took the old one's TensorBoard folders (two curves at
     every step of `trial-00000`, and the old params in its hparams view) and nested their MLflow runs under the old
