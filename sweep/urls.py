@@ -48,12 +48,34 @@ def mask_url(url: str) -> str:
         if end >= 0:
             user, colon, _ = rest[:end].partition(":")
             rest = (f"{user}:{MASK}" if colon else user) + rest[end:]
-        url = scheme + rest
+        url = scheme + _mask_query(rest)
     return _PAIR.sub(_mask_pair, url)
 
 
+def _query_pairs(rest: str) -> list[tuple[str, str]]:
+    """The `key=value` pairs of a URL's query string as SQLAlchemy reads them: split at `&` only, so a value runs to
+    the next `&` whatever it holds (`#`, `;`, a space: all the password's, passed to the driver as they stand)."""
+    _, mark, query = rest.partition("?")
+    return [(key, value) for key, sep, value in (pair.partition("=") for pair in query.split("&")) if sep] \
+        if mark else []
+
+
+def _masked_already(value: str) -> bool:
+    """A value masked before, as a URL in a sentence ends: `password=***: connection refused` keeps its colon."""
+    return re.fullmatch(rf"{re.escape(MASK)}[:.,;)\]]*", value) is not None
+
+
+def _mask_query(rest: str) -> str:
+    head, mark, query = rest.partition("?")
+    if not mark:
+        return rest
+    pairs = [(key, sep, MASK if sep and _is_secret_key(key) and not _masked_already(value) else value)
+             for key, sep, value in (pair.partition("=") for pair in query.split("&"))]
+    return head + mark + "&".join(key + sep + value for key, sep, value in pairs)
+
+
 def _mask_pair(match: re.Match[str]) -> str:
-    if not _is_secret_key(match["key"]):
+    if not _is_secret_key(match["key"]) or _masked_already(match["value"]):
         return match[0]
     return f"{match['lead']}{match['key']}={MASK}"
 
@@ -82,6 +104,7 @@ def url_secrets(url: str) -> list[str]:
     for pair in _PAIR.finditer(url):
         if _is_secret_key(pair["key"]):
             found.append(pair["value"].strip("'"))
+    found += [value for key, value in _query_pairs(rest) if _is_secret_key(key)]  # all of it, as the driver takes it
     secrets = {form for secret in found for form in (secret, unquote(secret), unquote_plus(secret)) if form}
     return sorted(secrets, key=len, reverse=True)
 

@@ -55,6 +55,13 @@ MASKED = [
     ("postgresql://host/db?sslpassword=keypw", "postgresql://host/db?sslpassword=***", "keypw"),
     ("postgresql+psycopg://postgres:pw1@/sweep?host=/tmp/pg&password=pw2",
      "postgresql+psycopg://postgres:***@/sweep?host=/tmp/pg&password=***", "pw2"),
+    # A query value runs to the next `&` (SQLAlchemy hands the driver all of it): `#`, `;` and a space are the
+    # password's, and so is the tail after them.
+    ("postgresql+psycopg://u@127.0.0.1/db?password=ab#S3crXYZ", "postgresql+psycopg://u@127.0.0.1/db?password=***",
+     "S3crXYZ"),
+    ("postgresql+psycopg://u@h/db?password=ab;S3crXYZ&sslmode=require",
+     "postgresql+psycopg://u@h/db?password=***&sslmode=require", "S3crXYZ"),
+    ("postgresql+psycopg://u@h/db?password=ab S3crXYZ", "postgresql+psycopg://u@h/db?password=***", "S3crXYZ"),
     # Both at once, and a libpq key=value string.
     ("postgresql://u:pw1@host/db?password=pw2", "postgresql://u:***@host/db?password=***", "pw1"),
     ("host=db.example dbname=sweeps password='a secret' user=u", "host=db.example dbname=sweeps password=*** user=u",
@@ -90,6 +97,9 @@ def test_mask_urls_masks_urls_and_pairs_inside_free_text() -> None:
     shown = mask_urls(reason)
     assert not any(secret in shown for secret in ("pw1", "pw2", "pw3"))
     assert "postgresql://u:***@h/db?password=***" in shown
+    # A URL masked already keeps the colon after it: "...password=***: connection refused", not "***connection".
+    line = "cannot open storage postgresql://u@h/db?password=***: OperationalError: refused"
+    assert mask_urls(line) == line and mask_urls(mask_urls(reason)) == shown
 
 
 # ---------------------------------------------------------------------------------------------------------------------
