@@ -1383,7 +1383,7 @@ def _code_named_by(target: str) -> set[str]:
 def _cell(value: object) -> str:
     if value is None:
         return ""
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
+    return f"{value:.6g}" if isinstance(value, float) else printable(str(value))  # a trial's text as stored
 
 
 def main() -> None:

@@ -194,7 +194,7 @@ class CohortLoop:
                 except (StudyBrokenError, InfrastructureError):
                     self._interrupt_all(beats, "interrupted: the worker stopped", Outcome.INTERRUPTED)
                     raise
-                except Exception as exc:  # a failing cohort must never take the study down
+                except BaseException as exc:  # a failing cohort must never take the study down (see Worker._run_one)
                     if not self.members:
                         raise  # no trial's doing: the worker's own fault, which trying again would repeat
                     if self._out_of_memory(beats, exc):
@@ -217,7 +217,7 @@ class CohortLoop:
                     if stop is not None:
                         raise stop from exc
 
-    def _out_of_memory(self, beats: Beats, exc: Exception,
+    def _out_of_memory(self, beats: Beats, exc: BaseException,
                        starting: tuple[optuna.Trial, TrainerTrial] | None = None) -> bool:
         """A cohort of more than one slot ran out of memory (in its step, while it was made, or while a member
         joined): the cohort's size did, not a member's config. Each member, and the trial `starting` if one was
@@ -377,7 +377,7 @@ class CohortLoop:
                     raise
                 except (StorageUnavailable, StudyBrokenError, InfrastructureError):
                     raise
-                except Exception as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
+                except BaseException as exc:  # noqa: BLE001 - the trial's config, start or slot failed: it alone fails
                     if self._out_of_memory(beats, exc, (trial, runner)):
                         # The others asked with it were drawn for the cohort that ran out: queued again, they join
                         # the smaller cohort made next.
@@ -534,7 +534,7 @@ class CohortLoop:
                 result = runner.train_prepared(prepared)
         except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable):
             raise
-        except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
+        except BaseException as exc:  # noqa: BLE001 - a failing trial must never take the study down
             result = worker._failure(exc)  # noqa: SLF001
         finally:
             beats.discard(trial)

@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.text import Text
 
 from sweep.outcomes import ATTR_FAIL, LOST_REASON, Outcome, count_key, outcome_of
+from trainer.yaml_file import printable
 
 __all__ = ["Events", "LiveProgress", "NoEvents", "describe_outcome"]
 
@@ -38,7 +39,12 @@ class NoEvents:
 
 
 def describe_outcome(trial: FrozenTrial) -> str:
-    """One line: the state and, for pruned and failed trials, why."""
+    """One line: the state and, for pruned and failed trials, why. The why is the trial's own text (a user's
+    exception, as stored): its control characters are printed escaped, so that it cannot clear the terminal."""
+    return printable(_outcome(trial))
+
+
+def _outcome(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
     if trial.state == TrialState.COMPLETE:
         return f"complete value={trial.value:.6g}"

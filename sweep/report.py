@@ -104,7 +104,7 @@ def _history(study: optuna.Study, trials: list[FrozenTrial], confirm: int) -> An
     if confirm <= 0:
         return fig
     maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    cold = {t.number: float(t.value) for t in trials  # type: ignore[arg-type]
+    cold = {t.number: float(t.value) for t in trials
             if t.state == TrialState.COMPLETE and t.value is not None and not is_warm(t)}
     for trace in fig.data:
         if trace.name != "Best Value" or trace.x is None:

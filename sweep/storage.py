@@ -511,8 +511,11 @@ def _driver_message(error: BaseException) -> str:
     statement and the parameters it adds (a trial's reason stored as a parameter may say "password" or "invalid lr
     value" and must not make a dropped connection look final)."""
     if isinstance(error, sqlalchemy.exc.StatementError) and error.orig is not None:
-        return str(error.orig)
-    return str(error)
+        error = error.orig
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - a user's exception class with a broken __str__, in a trial's chain: says nothing
+        return ""
 
 
 def bad_url_option(exc: BaseException) -> str | None:

@@ -160,6 +160,23 @@ def unmarked_if_away(what: str, stop: BaseException) -> Iterator[None]:
                       stacklevel=1)
         raise mark_unmarked(stop) from None
 
+MAX_REASON = 2000  # characters of a failure's reason kept on its trial (its traceback attr keeps the last 4000)
+
+
+class _Unreadable(Exception):
+    """An exception whose `str()` raises, in its place: its type's name and what its `str()` raised."""
+
+
+def readable(exc: BaseException) -> BaseException:
+    """`exc`, or a stand-in when its `str()` raises (a user's exception class whose `__str__` is broken): the reason
+    and every check of it (transient? the storage's refusal?) read it, and the study must not end there."""
+    try:
+        str(exc)
+    except Exception as broken:  # noqa: BLE001 - whatever it raises
+        return _Unreadable(f"(its message could not be read: its __str__ raised {type(broken).__name__})")
+    return exc
+
+
 class Worker:
     """Runs trials of one study until its budget is used (by this worker and any others), `timeout` seconds pass,
     or `sweep stop` asks to finish. A trial that raises ends as failed, or, when the fault is the machine's, is
@@ -373,11 +390,12 @@ class Worker:
             raise
         except StorageUnavailable:
             raise  # nothing can be stored: the worker exits, and the trial is found lost and retried later
-        except Exception as exc:  # noqa: BLE001 - a failing trial must never take the study down
-            result = self._failure(exc)
+        except BaseException as exc:  # noqa: BLE001 - a failing trial must never take the study down: nor does a user's
+            result = self._failure(exc)  # asyncio.CancelledError, GeneratorExit or sys.exit, which are no Exception
         return self._end(trial, result, runner)
 
-    def _failure(self, exc: Exception) -> TrialResult:
+    def _failure(self, raised: BaseException) -> TrialResult:
+        exc = readable(raised)
         folders = self.checkpoints.folders if self.checkpoints is not None else []
         fault = infrastructure_fault(exc, folders)
         if fault is None and is_transient(exc):
@@ -388,14 +406,14 @@ class Worker:
         if refusal is not None:
             fault = Fault(*refusal, "grant the storage's role its rights, make the database writable again")
         if fault is not None:
-            kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]} if refusal else {}
+            kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(raised))[-4000:]} if refusal else {}
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept},
                                fault=fault)
-        reason = f"{type(exc).__name__}: {exc}"
+        reason = f"{type(raised).__name__}: {exc}"
         if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
             reason = f"{reason.strip()} ({error_line(exc)})"  # the database's words, not a guess
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: reason,
-                                                  ATTR_TRACEBACK: "".join(traceback.format_exception(exc))[-4000:]})
+                                                  ATTR_TRACEBACK: "".join(traceback.format_exception(raised))[-4000:]})
 
     def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner, *,
              counted: bool = True) -> FrozenTrial | None:
@@ -422,6 +440,8 @@ class Worker:
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:
         attrs = {key: jsonable(value) for key, value in {**result.attrs, ATTR_OUTCOME: result.outcome.value}.items()}
+        if isinstance(reason := attrs.get(ATTR_FAIL), str) and len(reason) > MAX_REASON:  # a user's 10 MB message
+            attrs[ATTR_FAIL] = f"{reason[:MAX_REASON]}... ({len(reason) - MAX_REASON} more characters)"
         if isinstance(self.storage, PatientStorage):  # one transaction for all of them
             self.storage.set_trial_user_attrs(trial._trial_id, attrs)  # noqa: SLF001 - no public id of a running trial
         else:

@@ -368,6 +368,46 @@ def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_pa
 
 
 
+def test_what_no_exception_class_catches_fails_its_trial_and_its_text_is_kept_short_and_printed_escaped(
+        tmp_path: Path) -> None:
+    # asyncio's CancelledError, GeneratorExit and a bare BaseException are no Exception: they went past the worker,
+    # ended `sweep run` with a traceback and left the trial running (retried, and crashing the study again). So did an
+    # exception whose __str__ raises. A 10 MB message was stored whole and printed whole, and a message holding a
+    # terminal's escape sequence cleared the terminal of whoever ran `sweep run` or `sweep trials`.
+    (tmp_path / "odd.py").write_text(
+        "import asyncio\n"
+        "class BadStr(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('str broke')\n"
+        "def main(config, run):\n"
+        "    mode = config['mode']\n"
+        "    if mode == 'cancelled': raise asyncio.CancelledError()\n"
+        "    if mode == 'genexit': raise GeneratorExit()\n"
+        "    if mode == 'base': raise BaseException('bare')\n"
+        "    if mode == 'badstr': raise BadStr()\n"
+        "    if mode == 'huge': raise ValueError('y' * 1_000_000)\n"
+        "    if mode == 'escape': raise ValueError('\\x1b[2J\\x1b]0;pwned\\x07 cleared')\n"
+        "    return {'val_loss': 1.0}\n")
+    modes = ["cancelled", "genexit", "base", "badstr", "huge", "escape", "fine"]
+    path = write_study(tmp_path, {"name": "odd", "n_trials": len(modes), "loop": "odd:main", "sampler": "bruteforce",
+                                  "max_repeated_failures": 0, "pruner": "none",
+                                  "space": {"mode": {"type": "categorical", "choices": modes}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "\x1b" not in done.stderr and "\\x1b[2J" in done.stderr
+    assert len(done.stderr) < 50_000
+    trials = {t.params["mode"]: t for t in trials_of(path, "odd")}
+    assert {m: t.state.name for m, t in trials.items()} == {m: "COMPLETE" if m == "fine" else "FAIL" for m in modes}
+    reasons = {m: t.user_attrs["fail_reason"] for m, t in trials.items() if m != "fine"}
+    assert reasons["cancelled"].startswith("CancelledError") and reasons["genexit"].startswith("GeneratorExit")
+    assert reasons["base"] == "BaseException: bare"
+    assert reasons["badstr"] == "BadStr: (its message could not be read: its __str__ raised RuntimeError)"
+    assert len(reasons["huge"]) < 2100 and reasons["huge"].endswith("(998012 more characters)")
+    assert all(t.user_attrs["outcome"] == "failed" for m, t in trials.items() if m != "fine")
+    listed = sweep_cli("trials", path)
+    assert listed.returncode == 0 and "\x1b" not in listed.stdout and "\\x1b[2J" in listed.stdout
+
+
 def test_a_loop_that_returns_a_numpy_or_tensor_number_gives_the_trial_that_value(tmp_path: Path) -> None:
     # `main`'s return is the trial's value "when it is a number": a numpy float32 was ignored (the last report won).
     (tmp_path / "returns.py").write_text(
