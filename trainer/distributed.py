@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.checkpoint import TrainState, save_checkpoint
-from trainer.config import ConfigError, TrainingConfig
+from trainer.config import ConfigError, DeviceUnavailable, TrainingConfig
 from trainer.sync import allowed_sync
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LOST_EXIT", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "collective_failed",
@@ -345,6 +345,7 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
     A signal in `end_on` (Ctrl-C, SIGTERM) ends the children at once, even while rank 0 waits in a collective or
     for the group to form, where Python runs no signal handler until the wait ends (a hung rank: the whole timeout):
     the wait then fails now, and the handler runs."""
+    _check_devices(config, world)
     _remove_stale_rank_folders()
     folder = Path(tempfile.mkdtemp(prefix=f"sweep-ranks-{os.getpid()}-"))
     children: list[subprocess.Popen[bytes]] = []
@@ -476,6 +477,19 @@ def _wait_started(store: dist.TCPStore, children: list[subprocess.Popen[bytes]],
         if time.monotonic() > deadline:
             raise RankFailed(None, None, timeout_s=timeout_s)
         time.sleep(0.02)
+
+
+def _check_devices(config: TrainingConfig, world: int) -> None:
+    """Before any child starts: this machine has the devices `world` ranks train on (rank r on `cuda:r`), else
+    `DeviceUnavailable`, the machine's shortcoming, which a sweep retries on another worker. Found by a child, it
+    was that child's exit code 1, read as the config's failure."""
+    from trainer.precision import resolve_device
+
+    device = resolve_device(config.device)
+    count = torch.cuda.device_count() if device.type == "cuda" else world
+    if count < world:
+        raise DeviceUnavailable(f"device {config.device!r} on {world} ranks needs {world} CUDA devices (rank r "
+                                f"trains on cuda:r), but torch sees {count}")
 
 
 def _device_type(config: TrainingConfig) -> str:

@@ -1094,14 +1094,16 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
 
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
                     reason="needs a machine whose torch sees no GPU")
-@pytest.mark.parametrize(("device", "cohort"), [("cuda", 1), ("cuda", 2), ("mps", 1)])
+@pytest.mark.parametrize(("device", "cohort", "ranks"), [("cuda", 1, 1), ("cuda", 2, 1), ("mps", 1, 1), ("cuda", 1, 2)])
 def test_a_worker_without_the_gpu_the_study_asks_for_costs_no_budget_and_stops_saying_so(
-        tmp_path: Path, device: str, cohort: int) -> None:
+        tmp_path: Path, device: str, cohort: int, ranks: int) -> None:
     """`device: cuda` on a worker whose torch sees no GPU (a CPU-only torch, a node whose driver broke): each trial
     failed as its config's fault and was counted, so a cluster's one bad node spent the budget on configs that never
     trained. It is the machine's fault: the trials are retried (by a worker that has a GPU), not counted, and three
-    in a row stop the worker with the reason and the fix."""
-    document = copy.deepcopy(TINY_STUDY) | {"name": "nogpu", "n_trials": 5, "execution": {"cohort": cohort}}
+    in a row stop the worker with the reason and the fix. With two ranks a trial per device: rank 1 found it out,
+    and its exit code 1 was read as the config's failure."""
+    document = copy.deepcopy(TINY_STUDY) | {"name": "nogpu", "n_trials": 5, "execution": {"cohort": cohort},
+                                            "resources": {"devices_per_trial": ranks}}
     document["fixed"] = {**document["fixed"], "device": device}
     done = sweep_cli("run", write_study(tmp_path, document))
     assert done.returncode == 1, done.stderr
