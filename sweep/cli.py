@@ -624,8 +624,10 @@ def submit(
         raise _fail(exc.lines(), 2) from None
     from sweep.workers import gpus_problem
 
-    problem = gpus_problem(options.gpus_per_task if slurm else options.gpus_per_worker,
-                           spec.resources.devices_per_trial)
+    key = "gpus_per_task" if slurm else "gpus_per_worker"
+    where = ("--gpus-per-task" if gpus_per_task is not None  # else the study file's (or its --set)
+             else f"{study_file}: launch.{'slurm' if slurm else 'k8s'}.{key}")
+    problem = gpus_problem(getattr(options, key), spec.resources.devices_per_trial, where)
     if problem is not None:
         raise _fail(problem, 2)
     from sweep.urls import url_secrets

@@ -160,12 +160,12 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
         raise
 
 
-def gpus_problem(gpus: int, per_trial: int) -> str | None:
-    """What is wrong with `--gpus-per-task` G (a Slurm task's or a pod's GPUs) for `resources.devices_per_trial` N,
-    or None: a launcher runs G/N workers there, so G must be whole groups of a trial's devices (G = 0: one worker,
-    its ranks on the CPU)."""
+def gpus_problem(gpus: int, per_trial: int, where: str = "--gpus-per-task") -> str | None:
+    """What is wrong with G GPUs per Slurm task or pod (`where`: the option or the study file's key that gave it)
+    for `resources.devices_per_trial` N, or None: a launcher runs G/N workers there, so G must be whole groups of a
+    trial's devices (G = 0: one worker, its ranks on the CPU)."""
     if gpus % per_trial:
-        return (f"--gpus-per-task: expected a multiple of resources.devices_per_trial ({per_trial}): each worker "
+        return (f"{where}: expected a multiple of resources.devices_per_trial ({per_trial}): each worker "
                 f"trains its trials on {per_trial} GPUs, got {gpus}")
     return None
 

@@ -371,6 +371,13 @@ def test_a_task_s_and_a_pod_s_gpus_follow_devices_per_trial(tmp_path: Path) -> N
         assert refused.returncode == 2 and refused.stderr.startswith(
             "error: --gpus-per-task: expected a multiple of resources.devices_per_trial (2)"), refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
+    # From the study file, the file's key is named: --gpus-per-task was named where it had not been given.
+    for form, key in (("--slurm", "slurm.gpus_per_task"), ("--k8s", "k8s.gpus_per_worker")):
+        refused = sweep_cli("submit", path, form, "--dry-run" if form == "--slurm" else "--image=i:1",
+                            "--set", f"launch.{key}=3", *([] if form == "--slurm" else ["-o", tmp_path / "k.yaml"]),
+                            cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.startswith(
+            f"error: {path}: launch.{key}: expected a multiple of resources.devices_per_trial (2)"), refused.stderr
     cpu = sweep_cli("submit", path, "--slurm", "--dry-run", "--workers", "3", cwd=tmp_path)  # ranks on the CPU
     assert cpu.returncode == 0 and "--gres" not in cpu.stdout and "--workers 2" not in cpu.stdout, cpu.stderr
     pods = write_study(tmp_path, changed(storage=URL, resources={"devices_per_trial": 2}), name="pods.yaml")
