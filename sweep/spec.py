@@ -33,7 +33,7 @@ from sweep.schema import (
     validate_document,
 )
 from sweep.tracking import tracking_problems
-from trainer.config import ConfigError, TrainingConfig, flatten
+from trainer.config import ConfigError, TrainingConfig, coerce, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.tasks import BUILTIN_TASKS, Task, TaskError, argument_names, load_task, resolve_task_factory
 
@@ -165,6 +165,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                     problems.append((at, message if bad_key == key else f"{bad_key}: {message}"))
             if key == "batch_size" and (message := _batch_size_problem(value, task)):
                 problems.append((at, message))
+        if isinstance(param, CategoricalParam) and len(problems) == found:
+            problems += _same_once_read(where, param, _hint(key, task))
         if len(problems) == found:
             alone.append(key)
     problems += _pair_problems(spec, alone, base, base_problems, task, builtin)
@@ -410,6 +412,26 @@ def _config_problems(values: dict[str, Any], task: Task, builtin: bool, model: b
         return []
     check = task.build_problems if builtin else task.model_problems
     return [(key, _suggest(key, message)) for key, message in check(config.model)]
+
+
+def _same_once_read(where: str, param: CategoricalParam, hint: Any) -> list[tuple[str, str]]:
+    """Two choices that the key reads as one value (`[1, "1.0"]` for a float: a number written as text is taken):
+    Optuna keeps them apart, so the sampler would split its draws between them while every trial trains the same."""
+    if hint is None:
+        return []
+    first: dict[Any, int] = {}
+    for j, choice in enumerate(param.choices):
+        ok, read, _ = coerce(choice, hint)
+        if not ok:
+            continue
+        try:
+            i = first.setdefault(read, j)
+        except TypeError:  # a value no dict holds (a mapping default's)
+            continue
+        if i != j:
+            return [(f"{where}.choices[{j}]", f"{short_repr(choice)} is read as {short_repr(read)}, as choices[{i}] "
+                     f"({short_repr(param.choices[i])}) is; expected distinct choices")]
+    return []
 
 
 def _candidates(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str | None, Any]]:

@@ -352,6 +352,9 @@ RANGES = [
         "choices[1]: False equals choices[0] (0) to Optuna"),
     bad_file("ranges", "choices-one-and-one-point-zero", changed(**{"space__weight_decay": {
         "type": "categorical", "choices": [0.5, 1, 1.0]}}), "space.weight_decay", "choices[2]: 1.0 equals"),
+    bad_file("ranges", "choices-read-as-one-number", changed(**{"space__weight_decay": {
+        "type": "categorical", "choices": [0.5, 1, "1.0"]}}), "space.weight_decay.choices[2]",
+        "'1.0' is read as 1.0, as choices[1] (1) is; expected distinct choices"),
     bad_file("ranges", "choices-listed-twice", changed(**{"space__weight_decay": {
         "type": "categorical", "choices": [0.1, 0.2, 0.1]}}), "space.weight_decay", "choices[2]: 0.1 is listed twice"),
     bad_file("values", "argument-of-a-pruner-that-takes-none", changed(pruner={"type": "none", "x": 1}), "pruner.x",
