@@ -431,7 +431,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
         except StoreMismatchError as exc:
             raise _fail(f"{prefix}{source}: checkpoints.store: {exc}", 2) from None
         except StudyMismatchError as exc:
-            raise _fail(str(exc), 2) from None
+            raise _fail(f"{prefix}{source}: {exc}", 2) from None
         except typer.Exit:
             raise
         except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password

@@ -65,16 +65,19 @@ class StudyFileError(Exception):
         """One line per problem. `overridden`: the keys `--set` gave, whose values (and those inside them) are the
         command line's, not the file's: their lines start `command line: --set KEY:`, as for a `--set` that does not
         parse."""
-        def where(key: str) -> str:
+        def where(key: str, message: str) -> str:
             if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden):
                 return f"command line: --set {key}"
             inside = [k for k in overridden if key and k.startswith((f"{key}.", f"{key}["))]  # a range and its low
             # A searched key's fields are read together: `--set space.lr.type=int` makes the file's `low` wrong.
             inside += [k for k in overridden if k.startswith("space.") and k.rpartition(".")[2] in PARAM_FIELDS
                        and key.startswith(f"{k.rpartition('.')[0]}.") and k not in inside]
+            # A key the message names as the other half of the problem (`fixed.model.hidden` for a searched one).
+            inside += [k for k in overridden if k and k not in inside and not key.startswith("-")
+                       and re.search(rf"(?<![\w.]){re.escape(k)}(?![\w.])", message)]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
-        return [f"{where(key)}: {message}" for key, message in self.problems]
+        return [f"{where(key, message)}: {message}" for key, message in self.problems]
 
 
 class _Model(BaseModel):

@@ -118,7 +118,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                     + "; expected one of: " + ", ".join(searchable) + ", model.<key>, task_args.<key>"))
             continue
         if key in fixed_keys:
-            problems.append((where, "is both fixed and searched; remove it from one of them"))
+            problems.append((where, f"is both fixed (fixed.{key}) and searched; remove it from one of them"))
             continue
         conflicts = _conflict_problems(spec, fixed_keys, key)
         if conflicts:
@@ -226,7 +226,7 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     fixed_keys = set(flatten(spec.fixed))
     for key in spec.space:
         if key in fixed_keys:
-            problems.append((f"space.{key}", "is both fixed and searched; remove it from one of them"))
+            problems.append((f"space.{key}", f"is both fixed (fixed.{key}) and searched; remove it from one of them"))
         problems += _conflict_problems(spec, fixed_keys, key)
     problems += _max_steps_problems(spec)
     problems += _heartbeat_problems(spec)

@@ -163,6 +163,7 @@ def test_a_changed_definition_is_refused_on_resume(tiny_study: Path) -> None:
     done = sweep_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5")
     assert done.returncode == 2
     assert "already exists with a different space" in done.stderr and "--study-name" in done.stderr
+    assert done.stderr.startswith(f"error: {tiny_study}: study 'tiny' already exists"), done.stderr  # which file
     assert "(space.learning_rate.high: stored 0.1, now 0.5)" in done.stderr, done.stderr  # which key, both values
     assert sweep_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5", "--study-name", "wider",
                    "--n-trials", "1").returncode == 0

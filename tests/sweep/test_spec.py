@@ -31,7 +31,7 @@ BAD_FILES = [
                  "not a searchable TrainingConfig key", id="unknown-space-key"),
     pytest.param(changed(space__model__hidden=None, fixed__model={"hidden": 4},
                          space={"model.hidden": {"type": "int", "low": 8, "high": 32}}),
-                 "space.model.hidden", "both fixed and searched", id="fixed-and-searched"),
+                 "space.model.hidden", "both fixed (fixed.model.hidden) and searched", id="fixed-and-searched"),
     pytest.param(changed(space={"model.width": {"type": "int", "low": 8, "high": 32}}),
                  "space.model.width", "unknown key for task 'digits'", id="unknown-model-key"),
     pytest.param(changed(space={"warmup_steps": {"type": "float", "low": 0, "high": 5}}),
