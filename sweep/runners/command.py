@@ -370,14 +370,20 @@ class _Session:
             selector.register(self.connection, selectors.EVENT_READ)
             while True:
                 self._stop_if_asked()
-                if self.open and selector.select(_POLL_S):
-                    self._read()
-                elif not self.open:
-                    time.sleep(_POLL_S)
-                code = self.process.poll()
-                if code is not None:
-                    while self.open and selector.select(0):  # what it wrote just before exiting
+                try:
+                    if self.open and selector.select(_POLL_S):
                         self._read()
+                    elif not self.open:
+                        time.sleep(_POLL_S)
+                    code = self.process.poll()
+                    if code is not None:
+                        while self.open and selector.select(0):  # what it wrote just before exiting
+                            self._read()
+                except Exception:
+                    if self.ending is not None:  # a stop was asked first: a line it half wrote as it died says less
+                        raise self.ending from None
+                    raise
+                if code is not None:
                     if self.ending is not None:
                         raise self.ending
                     return code
@@ -398,7 +404,10 @@ class _Session:
             self.stop_sent = self.stop_sent or time.monotonic()
 
     def _read(self) -> None:
-        data = self.connection.recv(1 << 16)
+        try:
+            data = self.connection.recv(1 << 16)
+        except OSError:  # reset: it died before reading an answer (ended by a stop, or on its own): its end
+            data = b""
         if not data:
             self.open = False
             return

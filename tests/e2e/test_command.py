@@ -457,6 +457,46 @@ def test_a_command_stopped_by_sigterm_or_timeout_saves_from_its_handler_and_its_
     assert not list(Path(retry.user_attrs["log"]).parent.glob("*.start.pt"))
 
 
+# Reports a step every 20 ms and dies at once on SIGTERM (no handler), with a report in flight.
+DIES_ON_SIGTERM = '''
+import sys
+import time
+from pathlib import Path
+
+from sweep import client
+
+for step in range(1, 601):
+    time.sleep(0.02)
+    client.report(step, val_loss=1.0 / step)
+    if step == 3:
+        Path(sys.argv[1]).write_text("ready")
+'''
+
+
+@pytest.mark.parametrize(("sent", "code", "reason"), [(signal.SIGINT, 130, "interrupted"),
+                                                      (signal.SIGTERM, 143, "preempted")])
+def test_a_stop_that_lands_between_reports_ends_the_trial_as_stopped_not_as_a_lost_connection(
+        tmp_path: Path, sent: int, code: int, reason: str) -> None:
+    # The worker ends the command's group, which dies before it reads the answer to its last report: the next read of
+    # its socket raised ConnectionResetError, which left the wait before the stop was raised. The trial was filed as
+    # the machine's fault ("lost connection"), the stop was forgotten and `sweep run` went on to the next trials,
+    # exit 0.
+    ready = tmp_path / "ready"
+    path = command_study(tmp_path, DIES_ON_SIGTERM, f"train.py {ready}", pruner="none", n_trials=2)
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ready.exists() and worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.send_signal(sent)
+    _, stderr = worker.communicate(timeout=240)
+    assert worker.returncode == code, stderr
+    trial, *others = trials_of(path)
+    assert trial.user_attrs["outcome"] == reason and trial.user_attrs["fail_reason"].startswith(reason), \
+        trial.user_attrs
+    assert [t.state.name for t in others] == ["WAITING"]  # its retry, queued; no other trial started
+
+
 @pytest.mark.parametrize(("sent", "named"), [("signal.SIGRTMIN + 3", "SIGRTMIN+3"), ("signal.SIGKILL", "SIGKILL")])
 def test_a_command_killed_by_a_signal_fails_naming_it_with_its_log(tmp_path: Path, sent: str, named: str) -> None:
     # SIGKILL (the out-of-memory killer's) has no handler the guard running the command could reset: it failed with
