@@ -264,6 +264,7 @@ def run(
 def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: float | None, study_name: str | None,
          set_: list[str] | None, workers: int, cohort: str | None, began: list[bool]) -> None:
     from sweep import results
+    from sweep.outcomes import budget_counts
     from sweep.signals import raise_pending
     from sweep.storage import release_idle_connections
     from sweep.workers import LAUNCHED_ENV, WORKER_ENV, run_local_workers, storage_from_environment
@@ -291,8 +292,8 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
 
     if (submitted := submitted_at(study)) is not None:  # a task of the study's Slurm job: a stop since its submission
         os.environ[LAUNCHED_ENV] = repr(min(float(os.environ[LAUNCHED_ENV]), submitted))  # counts, requeued or not
+    raise_pending()  # asked to stop while it started: no worker, no trial (`run` says so)
     with _run_outcomes(study, prefix, workers):
-        raise_pending()  # asked to stop while it started: no worker, no trial
         began.append(True)
         if workers > 1:
             err.print(f"{workers} worker processes on this machine", markup=False)
@@ -308,7 +309,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
                 raise _fail(lost, 1)
             stopped = results.stop_requested_since(study, started)
             if stopped:
-                err.print("stopped by `sweep stop`; rerun the same command to continue.")
+                err.print(_stop_line(budget_counts(study.get_trials(deepcopy=False))[0], spec.n_trials))
             failed = None if stopped else results.failed_run(results.finished_since(study, before))
             if failed:
                 raise _fail(failed, 1)
@@ -320,7 +321,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
                       "submit`.", markup=False)
         return
     _print_status(study)
-    for flag, message in (("stopped", "stopped by `sweep stop`; rerun the same command to continue."),
+    for flag, message in (("stopped", _stop_line(summary.budget_used, summary.n_trials)),
                           ("exhausted", "the sampler has tried every point of the search space; stopped with "
                                         f"{summary.budget_used}/{summary.n_trials} trials done."),
                           ("timed_out", f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} "
@@ -330,6 +331,13 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     failed = None if summary.stopped else results.failed_run(counts)
     if failed:
         raise _fail(failed, 1)
+
+
+def _stop_line(used: int, n_trials: int) -> str:
+    """What a run that `sweep stop` ended says: a rerun continues, unless the budget is spent already."""
+    if used >= n_trials:
+        return f"stopped by `sweep stop` with the budget spent ({used}/{n_trials} trials done)."
+    return f"stopped by `sweep stop` with {used}/{n_trials} trials done; rerun the same command to continue."
 
 
 def _study_file_argument(study_file: str) -> Path:

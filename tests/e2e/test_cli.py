@@ -296,7 +296,9 @@ def test_a_sigterm_while_the_run_starts_is_honoured_before_any_trial_with_one_li
         process.kill()
     assert not torch_loaded  # caught from the start, not only once the run began
     assert process.returncode == 143, stderr
-    assert stderr.strip().splitlines()[-1].startswith("preempted (SIGTERM): "), stderr
+    # No trial ran, and the line says so (it said "running trials are marked and queued again").
+    assert stderr.strip().splitlines()[-1] == ("preempted (SIGTERM) before the run began; no trial was started: rerun "
+                                               "the same command to continue."), stderr
     assert not [t for t in load(tmp_path / "tiny.db").get_trials() if t.state.is_finished()]
     assert sweep_cli("run", path).returncode == 0
 
