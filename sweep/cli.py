@@ -1401,8 +1401,10 @@ def main() -> None:
 
     if os.environ.get("SWEEP_WORKER") is not None:  # a launcher's worker (sweep.workers.WORKER_ENV): its stop
         from sweep.signals import record_forwarded  # requests are recorded from now, not only once torch is imported
+        from sweep.workers import arm_launcher_death
 
         record_forwarded()
+        arm_launcher_death()
     private_umask()  # what sweep writes is owner-only (see sweep.private)
     try:
         app()

@@ -33,18 +33,32 @@ from trainer.yaml_file import YamlFileError, read_text
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
 
-__all__ = ["LAUNCHED_ENV", "SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV", "device_groups",
-           "gpus_problem", "prepare_process", "run_local_workers", "run_workers", "storage_from_environment",
-           "visible_gpus", "worker_args", "write_storage_file"]
+__all__ = ["LAUNCHED_ENV", "LAUNCHER_ENV", "SECRET_ENV_NAMES", "STORAGE_ENV", "STORAGE_FILE_ENV", "WORKER_ENV",
+           "arm_launcher_death", "device_groups", "gpus_problem", "prepare_process", "run_local_workers", "run_workers",
+           "storage_from_environment", "visible_gpus", "worker_args", "write_storage_file"]
 
 WORKER_ENV = "SWEEP_WORKER"  # set in each worker: its index, used to prefix its output
 # Set in each worker: when its launcher started (time.time()). A `sweep stop` after that stops the worker, also one
 # given while the worker was still starting (importing torch takes seconds).
 LAUNCHED_ENV = "SWEEP_LAUNCHED_AT"
+# Set in each worker: its launcher's pid. A worker ends (as preempted: its trials marked and queued again) when its
+# launcher dies, even by SIGKILL, instead of training on for nobody while a rerun starts more (`arm_launcher_death`).
+LAUNCHER_ENV = "SWEEP_LAUNCHER_PID"
 STORAGE_ENV = "SWEEP_STORAGE_URL"  # the storage URL, handed to each worker (read by the worker's `sweep run`)
 STORAGE_FILE_ENV = "SWEEP_STORAGE_URL_FILE"  # or the path of an owner-only file holding it (`write_storage_file`)
 # Variables that hold a password by convention (libpq's, MLflow's): they travel in the file, never in a job's record.
 SECRET_ENV_NAMES = ("PGPASSWORD", STORAGE_ENV, "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def arm_launcher_death() -> None:
+    """In a worker a launcher started (`LAUNCHER_ENV`), before its slow imports: its launcher's death, by SIGKILL too,
+    reaches it as the launcher's forwarded SIGTERM (a preemption: its running trials are marked and queued again).
+    A launcher already gone is that request at once."""
+    from trainer.lifetime import signal_on_parent_death
+
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if launcher.isdigit() and not signal_on_parent_death(FORWARD[signal.SIGTERM], int(launcher)):
+        os.kill(os.getpid(), FORWARD[signal.SIGTERM])
 
 
 def write_storage_file(path: Path, url: str) -> None:
@@ -142,7 +156,7 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     launched = os.environ.get(LAUNCHED_ENV) or repr(time.time())  # `sweep run`'s own start: a stop since then counts
     for index in range(n_workers):
         worker_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **os.environ, **(env or {}),
-                      WORKER_ENV: str(index), LAUNCHED_ENV: launched}
+                      WORKER_ENV: str(index), LAUNCHED_ENV: launched, LAUNCHER_ENV: str(os.getpid())}
         if groups:
             worker_env["CUDA_VISIBLE_DEVICES"] = groups[index]
         processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=worker_env))

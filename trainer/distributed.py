@@ -23,7 +23,6 @@ hanging them forever; gloo notices a closed connection at once.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -47,6 +46,7 @@ from torch import nn
 
 from trainer.checkpoint import TrainState, save_checkpoint
 from trainer.config import ConfigError, DeviceUnavailable, TrainingConfig
+from trainer.lifetime import signal_on_parent_death
 from trainer.sync import allowed_sync
 
 __all__ = ["DEFAULT_TIMEOUT_S", "LOST_EXIT", "ProcessGroup", "RankFailed", "RankResult", "Ranks", "collective_failed",
@@ -227,14 +227,7 @@ def die_with_parent() -> None:
     in code of its own (a hang no collective notices, since none is running). Linux's parent-death signal; elsewhere
     the group's collectives notice a dead rank 0."""
     parent = os.environ.get(PARENT_ENV)
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(parent):  # rank 0 died before the signal was armed
+    if parent is not None and not signal_on_parent_death(signal.SIGKILL, int(parent)):  # rank 0 died already
         os._exit(LOST_EXIT)
 
 

@@ -314,7 +314,10 @@ def main(config, run):
 
 
 @pytest.mark.parametrize(("target", "signum", "code", "reason"), [
-    ("group", signal.SIGINT, 130, "interrupted"), ("launcher", signal.SIGTERM, 143, "preempted (SIGTERM)")])
+    ("group", signal.SIGINT, 130, "interrupted"), ("launcher", signal.SIGTERM, 143, "preempted (SIGTERM)"),
+    # SIGKILL of the launcher: its workers trained on for nobody (a rerun then added more); now its death reaches
+    # them as its SIGTERM would (the launcher's stderr pipe, which they hold too, closes once they have ended).
+    ("launcher", signal.SIGKILL, -signal.SIGKILL, "preempted (SIGTERM)")])
 def test_a_signal_to_workers_and_their_launcher_stops_each_worker_at_its_next_check(
         tmp_path: Path, target: str, signum: int, code: int, reason: str) -> None:
     """A terminal's Ctrl-C reaches the launcher and its workers alike. The launcher passes it on to its workers too
