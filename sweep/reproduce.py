@@ -45,7 +45,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     SPEC_ATTR,
 )
-from sweep.signals import raise_pending
+from sweep.signals import Preempted, raise_pending
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.pacing import BUILTIN_SCHEDULES
@@ -210,7 +210,10 @@ def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: 
 
 def _error_line(exc: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
-    text = str(exc).strip().splitlines()
+    try:
+        text = str(exc).strip().splitlines()
+    except Exception:  # noqa: BLE001 - a user's exception class whose __str__ is broken
+        text = ["(its message could not be read: its __str__ raised)"]
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
@@ -222,7 +225,9 @@ def _replay(number: int, recorder: _Recorder) -> Iterator[None]:
     stops, as for a pruned trial. Ctrl-C and SIGTERM stop the replay, also when the code caught them."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - whatever the user's code raises, as its trial took it
+    except BaseException as exc:  # whatever the user's code raises, as its trial took it (CancelledError too)
+        if isinstance(exc, (KeyboardInterrupt, Preempted)):
+            raise
         if recorder.interrupted is not None:  # a Ctrl-C its code caught and raised as its own error
             raise type(recorder.interrupted)() from None
         if recorder.stopped:  # told to stop, as a pruned trial is: how it stops is its own (TrialPruned, say)

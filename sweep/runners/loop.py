@@ -173,7 +173,9 @@ class Run:
         self.start_step = initial.step if initial is not None else 0
         self._reporter, self._initial, self._saver = reporter, initial, saver
         self.step = self.start_step  # the latest reported step
-        self.highest = self.start_step  # the highest reported step (a loop may report out of order): its length
+        # The highest step reached (a loop may report out of order): a resumed run's reached its save's already; a
+        # warm one may count its steps from 0 (it took the donor's weights), so only what it reports counts.
+        self.highest = self.start_step if self.start == "resume" else 0
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM that reached a report or a log

@@ -66,7 +66,7 @@ def main(config, run):
         if config.get("kill_at") == step and not Path(config["marker"]).exists():
             Path(config["marker"]).write_text("killed once")
             os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-trial, after its save at this step
-        if stop:
+        if stop or (run.start == "warm" and config.get("warm_stop_at") == step):
             return
 '''
 
@@ -270,6 +270,20 @@ def test_warm_start_hands_the_nearest_donors_state_to_the_loop(tmp_path: Path) -
     assert again.returncode == 0, again.stderr
 
 
+def test_a_warm_loop_that_counts_from_0_and_stops_early_is_credited_the_steps_it_reported(tmp_path: Path) -> None:
+    # Found by review: a warm trial's highest step started at its donor's (20), so one that counts its own steps from
+    # 0 and stopped at 10 (pruned, say) was stored as having reached and trained 20 steps: `sweep trials`, the
+    # status's compute and its lineage said so.
+    path = loop_study(tmp_path, warm_start={"enabled": True, "max_distance": 5, "match": ["model.hidden"]},
+                      fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "warm_stop_at": 10})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    first, second = trials_of(path)
+    assert second.user_attrs["warm_start_from"]["step"] == 20 and sorted(second.intermediate_values) == [5, 10]
+    assert (second.user_attrs["steps"], second.user_attrs["steps_trained"]) == (10, 10)
+    assert "then trained 10 steps with its own" in second.user_attrs["lineage"]
+    assert (first.user_attrs["steps"], first.user_attrs["steps_trained"]) == (20, 20)
+
+
 @pytest.mark.parametrize("match", [["model.hidden"], []], ids=["listed", "searched-model-key"])
 def test_a_different_match_key_is_no_donor(tmp_path: Path, match: list[str]) -> None:
     # Unlisted, a searched `model.*` key of a loop (whose model sweep does not build) still tells donors apart: the
@@ -381,6 +395,7 @@ def test_what_no_exception_class_catches_fails_its_trial_and_its_text_is_kept_sh
         "        raise RuntimeError('str broke')\n"
         "def main(config, run):\n"
         "    mode = config['mode']\n"
+        "    run.report(1, val_loss=0.5)\n"
         "    if mode == 'cancelled': raise asyncio.CancelledError()\n"
         "    if mode == 'genexit': raise GeneratorExit()\n"
         "    if mode == 'base': raise BaseException('bare')\n"
@@ -406,6 +421,11 @@ def test_what_no_exception_class_catches_fails_its_trial_and_its_text_is_kept_sh
     assert all(t.user_attrs["outcome"] == "failed" for m, t in trials.items() if m != "fine")
     listed = sweep_cli("trials", path)
     assert listed.returncode == 0 and "\x1b" not in listed.stdout and "\\x1b[2J" in listed.stdout
+    for mode in ("cancelled", "badstr"):  # replayed, each raises as its trial did, after the same report
+        again = sweep_cli("reproduce", path, str(trials[mode].number), pythonpath=tmp_path)
+        assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+        assert again.stdout.startswith(f"trial {trials[mode].number} reproduced: 1 reported values identical"), \
+            again.stdout
 
 
 def test_a_loop_that_returns_a_numpy_or_tensor_number_gives_the_trial_that_value(tmp_path: Path) -> None:
