@@ -72,5 +72,8 @@ def allow_tf32(device: torch.device, deterministic: bool) -> None:
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` is PyTorch running out of memory: its own error on CUDA, a RuntimeError of the CPU allocator."""
-    text = str(exc)
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a user's exception class whose __str__ is broken: no allocator's message
+        text = ""
     return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text

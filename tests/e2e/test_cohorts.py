@@ -458,6 +458,24 @@ def test_a_cohort_ended_by_one_exception_counts_once_towards_max_repeated_failur
     assert len({t.user_attrs["cohort"]["id"] for t in trials}) == 3
 
 
+def test_a_cohort_ended_by_an_exception_whose_message_cannot_be_read_fails_its_members(tmp_path: Path) -> None:
+    # The out-of-memory check read the raw exception first: its broken __str__ ended the study with a traceback,
+    # and the members stayed RUNNING.
+    task = FAILING_STEP_TASK.replace('raise RuntimeError("my model is broken")', "raise BadStr()")
+    task = task.replace("class Breaks(", "class BadStr(Exception):\n    def __str__(self):\n"
+                        "        raise RuntimeError('str broke')\n\n\nclass Breaks(")
+    (tmp_path / "breaks_task.py").write_text(task)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 4, "task": {"name": "breaks_task:task"},
+                                            "execution": {"cohort": 2}, "pruner": "none", "max_repeated_failures": 0}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
+    document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+    done = sweep_cli("run", write_study(tmp_path, document), pythonpath=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr  # every trial failed: exit 1
+    trials = load(tmp_path).get_trials()
+    assert [(t.state, t.user_attrs["fail_reason"]) for t in trials] == [
+        (TrialState.FAIL, "BadStr: (its message could not be read: its __str__ raised RuntimeError)")] * 4
+
+
 def test_members_that_diverge_together_stop_the_study_with_every_other_member_told(tmp_path: Path) -> None:
     # Found by review: six members diverging at one evaluation, max_repeated_failures 2: telling the third raised the
     # streak's StudyBrokenError, and the members after it (already finished, not told yet) were told again, which
