@@ -317,8 +317,8 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
         summary, counts = _run_here(study, spec, url, timeout, prefix, live=worker is None)
     if worker is not None:  # the parent prints the summary once, and decides the exit code
         if summary.stopped:  # a Slurm task has no parent to say it: its log does
-            err.print(f"{prefix}stopped by `sweep stop`; the study resumes with the next `sweep run` or `sweep "
-                      "submit`.", markup=False)
+            err.print(prefix + _stop_line(summary.budget_used, summary.n_trials, "the study resumes with the next "
+                                          "`sweep run` or `sweep submit`"), markup=False)
         return
     _print_status(study)
     for flag, message in (("stopped", _stop_line(summary.budget_used, summary.n_trials)),
@@ -333,11 +333,11 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
         raise _fail(failed, 1)
 
 
-def _stop_line(used: int, n_trials: int) -> str:
-    """What a run that `sweep stop` ended says: a rerun continues, unless the budget is spent already."""
+def _stop_line(used: int, n_trials: int, resume: str = "rerun the same command to continue") -> str:
+    """What a run that `sweep stop` ended says: how to continue, unless the budget is spent already."""
     if used >= n_trials:
         return f"stopped by `sweep stop` with the budget spent ({used}/{n_trials} trials done)."
-    return f"stopped by `sweep stop` with {used}/{n_trials} trials done; rerun the same command to continue."
+    return f"stopped by `sweep stop` with {used}/{n_trials} trials done; {resume}."
 
 
 def _study_file_argument(study_file: str) -> Path:

@@ -72,9 +72,10 @@ class StudyFileError(Exception):
             # A searched key's fields are read together: `--set space.lr.type=int` makes the file's `low` wrong.
             inside += [k for k in overridden if k.startswith("space.") and k.rpartition(".")[2] in PARAM_FIELDS
                        and key.startswith(f"{k.rpartition('.')[0]}.") and k not in inside]
-            # A key the message names as the other half of the problem (`fixed.model.hidden` for a searched one).
-            inside += [k for k in overridden if k and k not in inside and not key.startswith("-")
-                       and re.search(rf"(?<![\w.]){re.escape(k)}(?![\w.])", message)]
+            # A searched key and the same key fixed are one problem (is both fixed and searched), either one --set.
+            head, _, rest = key.partition(".")
+            inside += [k for k in overridden if head in ("space", "fixed") and k not in inside
+                       and k == f"{'fixed' if head == 'space' else 'space'}.{rest}"]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key, message)}: {message}" for key, message in self.problems]

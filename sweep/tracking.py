@@ -95,14 +95,24 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
         tensorboard = tensorboard.model_copy(update={"dir": str(folder / tensorboard.dir)})
     if mlflow.enabled and mlflow.tracking_uri is None and server:
         mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / 'sweep-mlflow.db'}"})
-    elif mlflow.enabled and mlflow.tracking_uri is not None and mlflow.tracking_uri.startswith("sqlite:///"):
-        path, mark, query = mlflow.tracking_uri.removeprefix("sqlite:///").partition("?")
-        if path and path != ":memory:" and not Path(path).expanduser().is_absolute():  # as the study's storage is
-            mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / path}{mark}{query}"})
+    elif mlflow.enabled and mlflow.tracking_uri is not None and \
+            (found := _SQLITE.fullmatch(mlflow.tracking_uri)) and not found["path"].startswith("/"):
+        # A path not from / (a `~` is a folder's name to SQLite, as in the study's own storage URL): the file's.
+        mlflow = mlflow.model_copy(update={"tracking_uri": f"{found['scheme']}{folder / found['path']}"
+                                                           f"{found['query']}"})
     if tensorboard is spec.tracking.tensorboard and mlflow is spec.tracking.mlflow:
         return spec
     tracking = spec.tracking.model_copy(update={"tensorboard": tensorboard, "mlflow": mlflow})
     return spec.model_copy(update={"tracking": tracking})
+
+# A SQLite URL, with or without its driver's name (`sqlite+pysqlite:///`), and its file's path (not `:memory:`).
+_SQLITE = re.compile(r"(?P<scheme>sqlite(?:\+\w+)?:///)(?P<path>(?!:memory:)[^?]+)(?P<query>(?:\?.*)?)", re.S)
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    found = _SQLITE.fullmatch(uri)
+    return None if found is None else Path(found["path"])
+
 
 def study_tensorboard_folder(study: Any, storage_url: str) -> Path:
     """The folder of a stored study's TensorBoard runs, from the spec kept on the study (`sweep tensorboard`)."""
@@ -232,7 +242,7 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
     `sweep-mlflow.db` in the working folder. The experiment defaults to the study's name. None: the server's."""
     experiment = tracking.mlflow.experiment or study_name
     if tracking.mlflow.tracking_uri is not None:
-        given = sqlite_path(tracking.mlflow.tracking_uri)  # a SQLite store: its artifacts beside it, not in ./mlruns
+        given = _sqlite_file(tracking.mlflow.tracking_uri)  # a SQLite store: its artifacts beside it, not in ./mlruns
         beside = None if given is None else given.with_name(f"{given.stem}-artifacts").resolve().as_uri()
         return tracking.mlflow.tracking_uri, experiment, beside
     path = sqlite_path(storage_url) if storage_url is not None else None

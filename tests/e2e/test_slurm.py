@@ -324,8 +324,8 @@ def test_a_stop_outlasts_a_requeue_after_it(tmp_path: Path, postgres_url: str, s
     assert [(t.state, preempted(t), t.user_attrs.get("retry_of")) for t in trials] == [
         (TrialState.FAIL, True, None), (TrialState.WAITING, False, 0)], [(t.number, t.state) for t in trials]
     assert text.count("preempted (SIGTERM)") == 1, text
-    assert text.rstrip().endswith("[worker 0] stopped by `sweep stop`; the study resumes with the next `sweep run` or "
-                                  "`sweep submit`."), text  # the requeued start says why it ended at once
+    assert text.rstrip().endswith("[worker 0] stopped by `sweep stop` with 0/3 trials done; the study resumes with "
+                                  "the next `sweep run` or `sweep submit`."), text  # why the requeued start ended
 
 
 def test_a_log_folder_with_quotes_a_percent_and_a_hash_gets_every_task_s_log(

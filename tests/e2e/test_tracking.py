@@ -187,21 +187,24 @@ def test_mlflow_holds_a_run_per_trial_under_the_study_s_run_with_every_step(tmp_
         assert json.loads((artifacts / "reproducibility.json").read_text()) == trial.user_attrs["reproducibility"]
 
 
-def test_a_relative_sqlite_mlflow_store_is_the_study_file_s_from_any_working_folder(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("uri", "folder"), [("sqlite:///ml/track.db", "ml"), ("sqlite+pysqlite:///ml/track.db", "ml"),
+                                             ("sqlite:///~/ml/track.db", "~/ml")])
+def test_a_relative_sqlite_mlflow_store_is_the_study_file_s_from_any_working_folder(tmp_path: Path, uri: str,
+                                                                                    folder: str) -> None:
     # `tracking_uri: sqlite:///ml/track.db` was read from the working folder, where every other relative path of a
     # study file (its storage, checkpoint store, TensorBoard folder) follows the file: started elsewhere, the run was
-    # refused for a missing folder, or its trials' runs went to another MLflow store.
+    # refused for a missing folder, or its trials' runs went to another MLflow store. A driver's form and a `~`
+    # (a folder's name to SQLite, as in the study's own storage URL) too.
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
-    (tmp_path / "study" / "ml").mkdir(parents=True)
+    (tmp_path / "study" / folder).mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
-    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "tracking": {"mlflow": {
-        "tracking_uri": "sqlite:///ml/track.db"}}}
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "tracking": {"mlflow": {"tracking_uri": uri}}}
     done = sweep_cli("run", write_study(tmp_path / "study", document), cwd=tmp_path / "elsewhere")
     assert done.returncode == 0, done.stderr
-    assert not (tmp_path / "elsewhere" / "ml").exists()
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'study' / 'ml' / 'track.db'}")
+    assert not any((tmp_path / "elsewhere").iterdir())
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'study' / folder / 'track.db'}")
     experiment = client.get_experiment_by_name("tiny")
     assert experiment is not None
     runs = client.search_runs([experiment.experiment_id])
