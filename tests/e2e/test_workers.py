@@ -244,24 +244,29 @@ def test_sweep_stop_given_while_a_run_starts_stops_it(tmp_path: Path, workers: s
     assert len(trials) == 1, [t.state for t in trials]  # no trial started after the stop
 
 
-def test_a_stop_during_the_last_trial_does_not_ask_for_a_rerun_that_has_nothing_left(tmp_path: Path) -> None:
-    # It said "rerun the same command to continue" with the whole budget done.
-    path = busy_study(tmp_path, 1, max_steps=2000, eval_every_steps=10, log_every_steps=10)
-    runner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stop_during_the_last_trials_does_not_ask_for_a_rerun_that_has_nothing_left(tmp_path: Path,
+                                                                                       workers: int) -> None:
+    # It said "rerun the same command to continue" (a launcher's workers: "the study resumes with the next `sweep
+    # run`") with the whole budget done.
+    path = busy_study(tmp_path, workers, max_steps=2000, eval_every_steps=10, log_every_steps=10)
+    runner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", str(workers)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # the one trial is training
+    while time.monotonic() < deadline:  # every trial of the budget is training
         time.sleep(0.2)
         try:
-            if optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()[0] \
-                    .intermediate_values:
-                break
+            trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
         except Exception:  # noqa: BLE001 - not created yet
             continue
+        if len(trials) == workers and all(t.intermediate_values for t in trials):
+            break
     assert sweep_cli("stop", path).returncode == 0
     _, stderr = runner.communicate(timeout=300)
     assert runner.returncode == 0, stderr
-    assert stderr.strip().splitlines()[-1] == "stopped by `sweep stop` with the budget spent (1/1 trials done).", stderr
+    spent = f"stopped by `sweep stop` with the budget spent ({workers}/{workers} trials done)."
+    assert stderr.strip().splitlines()[-1] == spent, stderr  # a worker's line too, where it ended the budget
+    assert any(line.startswith("[worker ") and line.endswith(spent) for line in stderr.splitlines()) or workers == 1
 
 
 
