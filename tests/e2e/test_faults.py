@@ -1092,6 +1092,62 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
         admin.dispose()
 
 
+# Trains slowly; at step 10 it says so (a file) and waits for the test's go (another file) before it goes on.
+PAUSES_AT_10 = """
+import time
+from pathlib import Path
+
+
+def main(config, run):
+    for step in range(1, 31):
+        time.sleep(0.05)
+        if step == 10:
+            Path(config["folder"], "paused").touch()
+            while not Path(config["folder"], "go").exists():
+                time.sleep(0.05)
+        if run.report(step, val_loss=1.0 / step):
+            return
+"""
+
+
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+def test_a_password_changed_while_the_worker_runs_stops_it_with_one_line(tmp_path: Path) -> None:
+    """Found by review: the role's password rotated mid-run (and its sessions ended) made the worker's next
+    connection fail authentication, which is neither waited out nor a refusal it knew: `sweep run` ended with
+    hundreds of traceback lines and Optuna's "invalid data in the commit". It is the storage refusing the worker."""
+    from sqlalchemy import create_engine, text
+
+    (tmp_path / "pauser.py").write_text(PAUSES_AT_10)
+    with PostgresServer(password="first-pw") as server:
+        url = server.url.replace("postgres@", "postgres:first-pw@")
+        path = write_study(tmp_path, {"name": "rotated", "n_trials": 2, "loop": "pauser:main", "pruner": "none",
+                                      "fixed": {"max_steps": 30, "folder": str(tmp_path)},
+                                      "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}}})
+        env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", url],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 180
+            while not (tmp_path / "paused").exists():
+                assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()
+                time.sleep(0.05)
+            admin = create_engine(url)
+            with admin.begin() as connection:
+                connection.execute(text("ALTER ROLE postgres PASSWORD 'second-pw'"))
+                connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                                        "usename = 'postgres' AND pid <> pg_backend_pid()"))
+            admin.dispose()
+            (tmp_path / "go").touch()
+            _, stderr = worker.communicate(timeout=240)
+        finally:
+            worker.kill()
+    assert worker.returncode == 1, stderr
+    assert "Traceback" not in stderr and "invalid data" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "the storage refused" in last and "password authentication failed" in last, stderr
+    assert "first-pw" not in stderr and "second-pw" not in stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
                     reason="needs a machine whose torch sees no GPU")
 @pytest.mark.parametrize(("device", "cohort", "ranks"), [("cuda", 1, 1), ("cuda", 2, 1), ("mps", 1, 1), ("cuda", 1, 2)])
