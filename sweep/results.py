@@ -166,8 +166,11 @@ def _steps_of(trial: FrozenTrial) -> int:
     recorded = trial.user_attrs.get(ATTR_STEPS_TRAINED, trial.user_attrs.get(ATTR_STEPS))
     if recorded is not None or not trial.intermediate_values:
         return int(recorded or 0)
-    starts = [(trial.user_attrs.get(key) or {}).get("step") for key in (ATTR_RESUMED_FROM, ATTR_WARM_START)]
-    start = max((s for s in starts if isinstance(s, int)), default=0)
+    resumed = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step")
+    handoff = (trial.user_attrs.get(ATTR_WARM_START) or {}).get("step")
+    start = resumed if isinstance(resumed, int) else 0
+    if not isinstance(resumed, int) and isinstance(handoff, int) and min(trial.intermediate_values) > handoff:
+        start = handoff  # it went on from its donor's step; one whose reports begin at or below it counted from 0
     return max(0, int(max(trial.intermediate_values)) - start)
 
 

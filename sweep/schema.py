@@ -72,13 +72,20 @@ class StudyFileError(Exception):
             # A searched key's fields are read together: `--set space.lr.type=int` makes the file's `low` wrong.
             inside += [k for k in overridden if k.startswith("space.") and k.rpartition(".")[2] in PARAM_FIELDS
                        and key.startswith(f"{k.rpartition('.')[0]}.") and k not in inside]
-            # A searched key and the same key fixed are one problem (is both fixed and searched), either one --set.
+            # A searched key and a fixed one are one problem where one holds the other (both fixed and searched, a
+            # searched key inside a fixed value), whichever of them --set gave, or a mapping that holds it.
             head, _, rest = key.partition(".")
-            inside += [k for k in overridden if head in ("space", "fixed") and k not in inside
-                       and k == f"{'fixed' if head == 'space' else 'space'}.{rest}"]
+            other = "fixed" if head == "space" else "space"
+            inside += [k for k in overridden if head in ("space", "fixed") and k not in inside and rest and (
+                k == other or (k.startswith(f"{other}.") and _holds(k.partition(".")[2], rest)))]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key, message)}: {message}" for key, message in self.problems]
+
+
+def _holds(one: str, other: str) -> bool:
+    """Whether dotted key `one` is `other`, or one of them holds the other (`opt` and `opt.lr`)."""
+    return one == other or other.startswith(f"{one}.") or one.startswith(f"{other}.")
 
 
 class _Model(BaseModel):

@@ -549,9 +549,10 @@ _REFUSED = "_sweep_storage_refused"  # its (reason, kind): a storage call's data
 _REFUSALS = ("InsufficientPrivilege", "UndefinedTable", "InvalidCatalogName", "InvalidSchemaName",
              "ReadOnlySqlTransaction")
 _SQLITE_REFUSALS = ("readonly database", "no such table")
-# What a new connection is told, with no error class of its own: the database dropped, or the role's password changed
-# (rotated while the worker ran: its URL holds the old one, and waiting would not bring it back).
-_GONE = re.compile(r'database "[^"]*" does not exist|password authentication failed|authentication failed for user')
+# What a new connection is told, with no error class of its own: the database or the role dropped, or the role's
+# password changed (rotated while the worker ran: its URL holds the old one, and waiting would not bring it back).
+_GONE = re.compile(r'(database|role) "[^"]*" does not exist|password authentication failed|authentication failed for '
+                   r'user')
 
 
 def _mark_refused(exc: Exception) -> None:

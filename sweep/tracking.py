@@ -151,7 +151,8 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
         key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
         scheme, _, rest = uri.partition(":")
         scheme = scheme.split("+")[0].lower()  # sqlite+pysqlite:///FILE.db is SQLite's too
-        if problem := sqlite_file_problem(uri, study=False):  # an existing store holds MLflow's tables
+        file = _sqlite_file(uri)  # with or without its driver's name: the same file
+        if problem := sqlite_file_problem(uri if file is None else f"sqlite:///{file}", study=False):
             problems.append((key, f"MLflow's store: {problem}"))
         elif scheme == "sqlite" and sqlite_path(f"sqlite:{rest}") is None:
             problems.append((key, "MLflow's SQLite store is sqlite:///FILE.db (three slashes, then the file's path; "
@@ -304,7 +305,7 @@ def _store_turn(uri: str) -> Iterator[None]:
     run, under a lock file beside it: MLflow creates a new store's tables with its own migrations, and several
     workers starting at once ran them together ("duplicate column name: step"), dropping those trials' tracking;
     two of them could also each make a parent run. A server (http, a database) serves its clients itself."""
-    path = sqlite_path(uri)
+    path = _sqlite_file(uri)
     if path is None:
         yield
         return
@@ -324,7 +325,7 @@ def _build_store(uri: str) -> None:
     store's lock (`_store_turn`); what a killed build left beside it is removed."""
     from mlflow import MlflowClient
 
-    path = sqlite_path(uri)
+    path = _sqlite_file(uri)
     if path is None or path.exists():
         return
     for stale in path.parent.glob(f".{path.name}.*.building*"):  # with SQLite's -journal, -wal, -shm

@@ -1111,15 +1111,25 @@ def main(config, run):
 
 
 @pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
-def test_a_password_changed_while_the_worker_runs_stops_it_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("change", ["password", "role dropped"])
+def test_a_password_changed_or_a_role_dropped_while_the_worker_runs_stops_it_with_one_line(tmp_path: Path,
+                                                                                          change: str) -> None:
     """Found by review: the role's password rotated mid-run (and its sessions ended) made the worker's next
     connection fail authentication, which is neither waited out nor a refusal it knew: `sweep run` ended with
-    hundreds of traceback lines and Optuna's "invalid data in the commit". It is the storage refusing the worker."""
+    hundreds of traceback lines and Optuna's "invalid data in the commit". It is the storage refusing the worker;
+    so is its role dropped ('role "worker" does not exist')."""
     from sqlalchemy import create_engine, text
 
     (tmp_path / "pauser.py").write_text(PAUSES_AT_10)
-    with PostgresServer(password="first-pw") as server:
-        url = server.url.replace("postgres@", "postgres:first-pw@")
+    # A dropped role is named so where the server trusts local connections; one that asks for a password says only
+    # that authentication failed (a role's existence is no stranger's to learn).
+    with PostgresServer(password="first-pw" if change == "password" else None) as server:
+        url = server.url.replace("postgres@", "postgres:first-pw@") if change == "password" else server.url
+        if change == "role dropped":
+            with contextlib.closing(create_engine(url).connect()) as connection:
+                connection.execute(text("CREATE ROLE worker LOGIN SUPERUSER"))
+                connection.commit()
+            admin_url, url = url, url.replace("postgres@", "worker@")
         path = write_study(tmp_path, {"name": "rotated", "n_trials": 2, "loop": "pauser:main", "pruner": "none",
                                       "fixed": {"max_steps": 30, "folder": str(tmp_path)},
                                       "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}}})
@@ -1131,11 +1141,20 @@ def test_a_password_changed_while_the_worker_runs_stops_it_with_one_line(tmp_pat
             while not (tmp_path / "paused").exists():
                 assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()
                 time.sleep(0.05)
-            admin = create_engine(url)
-            with admin.begin() as connection:
-                connection.execute(text("ALTER ROLE postgres PASSWORD 'second-pw'"))
-                connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
-                                        "usename = 'postgres' AND pid <> pg_backend_pid()"))
+            if change == "password":
+                admin = create_engine(url)
+                with admin.begin() as connection:
+                    connection.execute(text("ALTER ROLE postgres PASSWORD 'second-pw'"))
+                    connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                                            "usename = 'postgres' AND pid <> pg_backend_pid()"))
+            else:
+                admin = create_engine(admin_url)
+                with admin.begin() as connection:
+                    connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                                            "usename = 'worker'"))
+                    connection.execute(text("REASSIGN OWNED BY worker TO postgres"))
+                    connection.execute(text("DROP OWNED BY worker"))
+                    connection.execute(text("DROP ROLE worker"))
             admin.dispose()
             (tmp_path / "go").touch()
             _, stderr = worker.communicate(timeout=240)
@@ -1144,7 +1163,8 @@ def test_a_password_changed_while_the_worker_runs_stops_it_with_one_line(tmp_pat
     assert worker.returncode == 1, stderr
     assert "Traceback" not in stderr and "invalid data" not in stderr, stderr
     last = stderr.strip().splitlines()[-1]
-    assert "the storage refused" in last and "password authentication failed" in last, stderr
+    said = "password authentication failed" if change == "password" else 'role "worker" does not exist'
+    assert "the storage refused" in last and said in last, stderr
     assert "first-pw" not in stderr and "second-pw" not in stderr
 
 

@@ -167,3 +167,18 @@ def test_the_reports_best_so_far_line_passes_over_warm_values_when_the_study_con
     study.set_user_attr(SPEC_ATTR, {"warm_start": {"confirm": 1}, "metric": "val_loss"})
     assert best_line() == ("Best Value (trained cold)", [0.30, 0.30, 0.20, 0.20, 0.20])
     assert "Best trial: #2" in render_report(study)  # the same best the line ends on
+
+
+def test_a_warm_trial_that_ended_before_recording_its_steps_is_credited_what_it_reported(tmp_path: Path) -> None:
+    # A warm loop that counts its own steps from 0 and failed at step 15 (its reports 5 and 10; its donor's step 20)
+    # was credited 0 steps (its highest report less the donor's step); one that went on from the donor's step
+    # (reports 25, 30) trained 10, and a retry resumed at its own step 10 (report 15) trained 5.
+    from sweep.results import steps_trained
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    handoff = {"warm_start_from": {"trial": 0, "step": 20}}
+    for attrs, reports in ((handoff, {5: 0.5, 10: 0.4}), (handoff, {25: 0.5, 30: 0.4}),
+                           ({**handoff, "resumed_from": {"trial": 1, "step": 10}}, {15: 0.3})):
+        study.add_trial(create_trial(state=TrialState.FAIL, user_attrs=attrs, intermediate_values=reports,
+                                     params={}, distributions={}))
+    assert [steps_trained([t]) for t in study.get_trials()] == [10, 10, 5]

@@ -714,6 +714,8 @@ CLI = [
              f"{STUDY}: space.learning_rate (with --set space.learning_rate.low): ", "expected low <= high"),
     bad_args("cli values", "set-fixes-a-searched-key", ("run", STUDY, "--set", "fixed.learning_rate=0.5"),
              f"{STUDY}: space.learning_rate (with --set fixed.learning_rate): ", "is both fixed"),
+    bad_args("cli values", "set-a-mapping-that-fixes-a-searched-key", ("run", STUDY, "--set",
+             "fixed={learning_rate: 0.5}"), f"{STUDY}: space.learning_rate (with --set fixed): ", "is both fixed"),
     bad_args("cli values", "set-beside-an-unknown-key", ("run", STUDY, "--set", "n_trials=5"),
              f"{STUDY}: prunr: ", "unknown key", document={**TINY_STUDY, "prunr": "median"}),  # not "(with --set ...)"
     bad_args("cli values", "set-key-with-spaces", ("run", STUDY, "--set", " n_trials =true"),
