@@ -5,10 +5,12 @@ once so the file opens anywhere, offline."""
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import re
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import optuna
@@ -122,13 +124,21 @@ def _history(study: optuna.Study, trials: list[FrozenTrial], confirm: int) -> An
     return fig
 
 
-def _intermediate_values_by_state(study: optuna.Study) -> Any:
+@contextlib.contextmanager
+def _optuna_quiet() -> Iterator[None]:
+    """Optuna's warnings while the report is drawn ("There are no complete trials", "Study instance does not contain
+    completed trials") stay out of the output: each figure that cannot be drawn yet says so in the report."""
     level = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a study with no reports: its plot says so, not a log line
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
-        fig = optuna.visualization.plot_intermediate_values(study)
+        yield
     finally:
         optuna.logging.set_verbosity(level)
+
+
+def _intermediate_values_by_state(study: optuna.Study) -> Any:
+    with _optuna_quiet():  # a study with no reports: its plot says so, not a log line
+        fig = optuna.visualization.plot_intermediate_values(study)
     states = {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
     for trace in fig.data:
         match = re.search(r"(\d+)", trace.name or "")
@@ -185,6 +195,11 @@ def _warm_start_section(trials: list[FrozenTrial]) -> str:
 
 
 def render_report(study: optuna.Study) -> str:
+    with _optuna_quiet():
+        return _render(study)
+
+
+def _render(study: optuna.Study) -> str:
     trials = study.get_trials(deepcopy=False)
     spec = study.user_attrs.get(SPEC_ATTR, {})
     used, _ = budget_counts(trials)

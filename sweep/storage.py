@@ -1177,7 +1177,7 @@ def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
     if name is None:
         names = optuna.get_all_study_names(storage)
         if len(names) != 1:
-            found = ", ".join(names) if names else "none"
+            found = ", ".join(map(repr, names)) if names else "none"  # quoted: a name may be empty, or hold controls
             raise (AmbiguousStudy if names else KeyError)(f"{mask_url(storage_url)} holds {len(names)} studies "
                                                           f"({found}); name one with --study-name")
         name = names[0]
@@ -1186,4 +1186,4 @@ def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
     except KeyError:
         names = optuna.get_all_study_names(storage)
         raise KeyError(f"no study named {name!r} in {mask_url(storage_url)}; it holds: "
-                       f"{', '.join(names) if names else 'none'}") from None
+                       f"{', '.join(map(repr, names)) if names else 'none'}") from None

@@ -99,6 +99,18 @@ def test_best_config_of_a_pruned_study_run_by_workers_says_how_to_retrain_it_to_
     assert f"OMP_NUM_THREADS={threads} python -m trainer best.yaml" in (tmp_path / "report.html").read_text()
 
 
+def test_a_report_of_a_study_with_no_complete_trial_prints_no_optuna_log_lines(tmp_path: Path) -> None:
+    # "[W ...] There are no complete trials." and "Study instance does not contain completed trials." came before
+    # "wrote report.html": the figures that cannot be drawn yet say so in the report itself.
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "max_repeated_failures": 0}
+    document["fixed"] = {**document["fixed"], "learning_rate": 1e30}  # diverges: no trial completes
+    document["space"] = {k: v for k, v in document["space"].items() if k != "learning_rate"}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 1
+    report = sweep_cli("report", path, "-o", tmp_path / "report.html")
+    assert report.returncode == 0 and report.stderr.strip() == f"wrote {tmp_path / 'report.html'}", report.stderr
+
+
 def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study).returncode == 0
     db = tiny_study.parent / "tiny.db"
@@ -489,14 +501,20 @@ def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
     done = sweep_cli("status", tiny_study.parent / "tiny.db", "--study-name", "tinny")
     assert done.returncode == 1
-    assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: tiny" in done.stderr
+    assert "error: no study named 'tinny' in sqlite:///" in done.stderr and "it holds: 'tiny'" in done.stderr
     # A database of two studies with none named: which one is the user's to say (bad input, exit 2).
     database = tiny_study.parent / "tiny.db"
     assert sweep_cli("run", tiny_study, "--n-trials", "1", "--study-name", "other",
                      "--storage", f"sqlite:///{database}").returncode == 0
     done = sweep_cli("status", database)
     assert done.returncode == 2
-    assert "holds 2 studies (" in done.stderr and "name one with --study-name" in done.stderr
+    assert "holds 2 studies ('tiny', 'other')" in done.stderr and "name one with --study-name" in done.stderr
+    # Names quoted as Python writes them: an empty one is seen, a right-to-left override cannot turn the line around.
+    for odd in ("", "\u202eevil"):
+        optuna.create_study(study_name=odd, storage=f"sqlite:///{database}")
+    done = sweep_cli("status", database)
+    assert "holds 4 studies ('tiny', 'other', '', '\\u202eevil')" in done.stderr, done.stderr
+    assert "\u202e" not in done.stderr
 
 
 def test_a_study_folder_moved_elsewhere_keeps_its_checkpoints(tmp_path: Path) -> None:
