@@ -873,6 +873,12 @@ def _storage_failure(url: str, exc: Exception, where: str = "") -> typer.Exit:
 
     if (option := bad_url_option(exc)) is not None:
         return _fail(f"{where}storage URL {mask_url(url)}: {redact(option, url)}; fix the option in the URL", 2)
+    if isinstance(exc, RuntimeError) and "compatible with the table schema" in str(exc):  # another Optuna's tables
+        import optuna
+
+        said = str(exc).split(". Please", 1)[0]  # not its advice: `optuna storage upgrade` would write the file
+        return _fail(f"{where}cannot open storage {mask_url(url)}: its tables are of a schema Optuna "
+                     f"{optuna.__version__} does not read ({said}); open it with the Optuna version that made it", 2)
     if (refused := refusal_line(exc)) is not None:  # the role's rights or the database's state: the driver's words
         detail = refused
     elif isinstance(exc, StorageInternalError) and exc.__cause__ is not None:  # Optuna's "invalid data" wrapper

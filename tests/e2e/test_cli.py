@@ -517,6 +517,25 @@ def test_a_wrong_study_name_names_the_studies_there(tiny_study: Path) -> None:
     assert "\u202e" not in done.stderr
 
 
+def test_a_database_of_another_optuna_schema_is_one_line_and_left_as_it_is(tiny_study: Path) -> None:
+    # Optuna's own words came through, exit 1: "The runtime optuna version 5.1.0 is no longer compatible with the
+    # table schema (set up by optuna 5.1.0). Please try updating optuna", advice that would rewrite the file.
+    import sqlite3
+
+    assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    database = tiny_study.parent / "tiny.db"
+    with contextlib.closing(sqlite3.connect(database)) as connection:
+        connection.execute("UPDATE alembic_version SET version_num = 'v9.9.9.a'")
+        connection.commit()
+    before = database.read_bytes()
+    for args in (("status", database), ("run", tiny_study)):
+        done = sweep_cli(*args)
+        assert done.returncode == 2, done.stderr
+        [line] = done.stderr.strip().splitlines()
+        assert "its tables are of a schema Optuna" in line and "Please" not in line, line
+    assert database.read_bytes() == before
+
+
 def test_a_study_folder_moved_elsewhere_keeps_its_checkpoints(tmp_path: Path) -> None:
     # The registry names each blob relative to the study's folder of the store, never a machine's absolute path: a
     # database and its checkpoint folder copied or mounted elsewhere (another machine, a new home) still agree.
