@@ -464,8 +464,8 @@ def test_a_cohort_ended_by_an_exception_whose_message_cannot_be_read_fails_its_m
     task = FAILING_STEP_TASK.replace('raise RuntimeError("my model is broken")', "raise BadStr()")
     task = task.replace("class Breaks(", "class BadStr(Exception):\n    def __str__(self):\n"
                         "        raise RuntimeError('str broke')\n\n\nclass Breaks(")
-    (tmp_path / "breaks_task.py").write_text(task)
-    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 4, "task": {"name": "breaks_task:task"},
+    (tmp_path / "unreadable_task.py").write_text(task)  # a module name of its own: tasks are cached by name
+    document = copy.deepcopy(TINY_STUDY) | {"name": "coh", "n_trials": 4, "task": {"name": "unreadable_task:task"},
                                             "execution": {"cohort": 2}, "pruner": "none", "max_repeated_failures": 0}
     document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
     document["space"] = {"learning_rate": document["space"]["learning_rate"]}
