@@ -48,6 +48,7 @@ from sweep.outcomes import (
 from sweep.signals import Preempted, raise_pending
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
+from trainer.messages import message, unreadable
 from trainer.pacing import BUILTIN_SCHEDULES
 from trainer.precision import resolve_device
 from trainer.seeding import THREAD_ENV, apply_threads, seed_everything
@@ -210,10 +211,7 @@ def _rerun_loop(name: str, config: dict[str, Any], recorder: _Recorder, parent: 
 
 def _error_line(exc: BaseException) -> str:
     """An exception as one line: its type and the first line of its message."""
-    try:
-        text = str(exc).strip().splitlines()
-    except Exception:  # noqa: BLE001 - a user's exception class whose __str__ is broken
-        text = ["(its message could not be read: its __str__ raised)"]
+    text = (message(exc) or unreadable(exc)).strip().splitlines()  # a user's exception class's __str__ may raise
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 

@@ -54,6 +54,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from sweep.signals import stop_requested
 from sweep.urls import mask_url, mask_urls, sqlite_path
+from trainer.messages import message
 
 __all__ = [
     "POSTGRESQL_CONNECT_ARGS",
@@ -512,10 +513,7 @@ def _driver_message(error: BaseException) -> str:
     value" and must not make a dropped connection look final)."""
     if isinstance(error, sqlalchemy.exc.StatementError) and error.orig is not None:
         error = error.orig
-    try:
-        return str(error)
-    except Exception:  # noqa: BLE001 - a user's exception class with a broken __str__, in a trial's chain: says nothing
-        return ""
+    return message(error) or ""  # a user's exception class with a broken __str__, in a trial's chain: says nothing
 
 
 def bad_url_option(exc: BaseException) -> str | None:

@@ -73,6 +73,7 @@ from sweep.storage import (
 )
 from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
+from trainer.messages import message, unreadable
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
            "request_stop"]
@@ -170,11 +171,7 @@ class _Unreadable(Exception):
 def readable(exc: BaseException) -> BaseException:
     """`exc`, or a stand-in when its `str()` raises (a user's exception class whose `__str__` is broken): the reason
     and every check of it (transient? the storage's refusal?) read it, and the study must not end there."""
-    try:
-        str(exc)
-    except Exception as broken:  # noqa: BLE001 - whatever it raises
-        return _Unreadable(f"(its message could not be read: its __str__ raised {type(broken).__name__})")
-    return exc
+    return exc if message(exc) is not None else _Unreadable(unreadable(exc))
 
 
 class Worker:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import DeviceUnavailable
+from trainer.messages import message
 
 __all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "out_of_memory", "resolve_device", "resolve_precision"]
 
@@ -72,8 +73,5 @@ def allow_tf32(device: torch.device, deterministic: bool) -> None:
 
 def out_of_memory(exc: BaseException) -> bool:
     """Whether `exc` is PyTorch running out of memory: its own error on CUDA, a RuntimeError of the CPU allocator."""
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001 - a user's exception class whose __str__ is broken: no allocator's message
-        text = ""
+    text = message(exc) or ""  # a user's exception class whose __str__ is broken: no allocator's message
     return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
