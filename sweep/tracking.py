@@ -37,8 +37,7 @@ from urllib.parse import urlsplit
 
 from sweep.outcomes import SPEC_ATTR
 from sweep.schema import TrackingSpec, short_repr
-from sweep.storage import sqlite_path
-from sweep.urls import mask_url, mask_urls, redact
+from sweep.urls import SQLITE_URL, mask_url, mask_urls, redact, sqlite_path
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -96,7 +95,7 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
     if mlflow.enabled and mlflow.tracking_uri is None and server:
         mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / 'sweep-mlflow.db'}"})
     elif mlflow.enabled and mlflow.tracking_uri is not None and \
-            (found := _SQLITE.fullmatch(mlflow.tracking_uri)) and not found["path"].startswith("/"):
+            (found := SQLITE_URL.fullmatch(mlflow.tracking_uri)) and not found["path"].startswith("/"):
         # A path not from / (a `~` is a folder's name to SQLite, as in the study's own storage URL): the file's.
         mlflow = mlflow.model_copy(update={"tracking_uri": f"{found['scheme']}{folder / found['path']}"
                                                            f"{found['query']}"})
@@ -104,15 +103,6 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
         return spec
     tracking = spec.tracking.model_copy(update={"tensorboard": tensorboard, "mlflow": mlflow})
     return spec.model_copy(update={"tracking": tracking})
-
-# A SQLite URL, with or without its driver's name (`sqlite+pysqlite:///`), and its file's path (not `:memory:`).
-_SQLITE = re.compile(r"(?P<scheme>sqlite(?:\+\w+)?:///)(?P<path>(?!:memory:)[^?]+)(?P<query>(?:\?.*)?)", re.S)
-
-
-def _sqlite_file(uri: str) -> Path | None:
-    found = _SQLITE.fullmatch(uri)
-    return None if found is None else Path(found["path"])
-
 
 def study_tensorboard_folder(study: Any, storage_url: str) -> Path:
     """The folder of a stored study's TensorBoard runs, from the spec kept on the study (`sweep tensorboard`)."""
@@ -151,7 +141,7 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
         key = "tracking.mlflow.tracking_uri" if spec.tracking.mlflow.tracking_uri is not None else "tracking.mlflow"
         scheme, _, rest = uri.partition(":")
         scheme = scheme.split("+")[0].lower()  # sqlite+pysqlite:///FILE.db is SQLite's too
-        file = _sqlite_file(uri)  # with or without its driver's name: the same file
+        file = sqlite_path(uri)  # with or without its driver's name: the same file
         if problem := sqlite_file_problem(uri if file is None else f"sqlite:///{file}", study=False):
             problems.append((key, f"MLflow's store: {problem}"))
         elif scheme == "sqlite" and sqlite_path(f"sqlite:{rest}") is None:
@@ -243,7 +233,7 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
     `sweep-mlflow.db` in the working folder. The experiment defaults to the study's name. None: the server's."""
     experiment = tracking.mlflow.experiment or study_name
     if tracking.mlflow.tracking_uri is not None:
-        given = _sqlite_file(tracking.mlflow.tracking_uri)  # a SQLite store: its artifacts beside it, not in ./mlruns
+        given = sqlite_path(tracking.mlflow.tracking_uri)  # a SQLite store: its artifacts beside it, not in ./mlruns
         beside = None if given is None else given.with_name(f"{given.stem}-artifacts").resolve().as_uri()
         return tracking.mlflow.tracking_uri, experiment, beside
     path = sqlite_path(storage_url) if storage_url is not None else None
@@ -305,7 +295,7 @@ def _store_turn(uri: str) -> Iterator[None]:
     run, under a lock file beside it: MLflow creates a new store's tables with its own migrations, and several
     workers starting at once ran them together ("duplicate column name: step"), dropping those trials' tracking;
     two of them could also each make a parent run. A server (http, a database) serves its clients itself."""
-    path = _sqlite_file(uri)
+    path = sqlite_path(uri)
     if path is None:
         yield
         return
@@ -325,7 +315,7 @@ def _build_store(uri: str) -> None:
     store's lock (`_store_turn`); what a killed build left beside it is removed."""
     from mlflow import MlflowClient
 
-    path = _sqlite_file(uri)
+    path = sqlite_path(uri)
     if path is None or path.exists():
         return
     for stale in path.parent.glob(f".{path.name}.*.building*"):  # with SQLite's -journal, -wal, -shm

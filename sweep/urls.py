@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, unquote_plus
 
-__all__ = ["MASK", "mask_url", "mask_urls", "redact", "sqlite_path", "url_secrets"]
+__all__ = ["MASK", "SQLITE_URL", "mask_url", "mask_urls", "redact", "sqlite_path", "url_secrets"]
 
 MASK = "***"
 
@@ -118,8 +118,12 @@ def redact(text: str, url: str) -> str:
     return text
 
 
+# A SQLite URL, with or without its driver's name (`sqlite+pysqlite:///`), and its file's path (not `:memory:`).
+SQLITE_URL = re.compile(r"(?P<scheme>sqlite(?:\+\w+)?:///)(?P<path>(?!:memory:)[^?]+)(?P<query>(?:\?.*)?)", re.S)
+
+
 def sqlite_path(url: str) -> Path | None:
-    """The database file of a `sqlite:///` URL, or None for anything else."""
-    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
-        return None
-    return Path(url.removeprefix("sqlite:///"))
+    """The database file of a `sqlite:///` URL (or `sqlite+DRIVER:///`; a query string is not the file's), or None
+    for anything else (a server's URL, an in-memory database)."""
+    found = SQLITE_URL.fullmatch(url)
+    return None if found is None else Path(found["path"])

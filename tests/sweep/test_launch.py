@@ -321,6 +321,12 @@ def test_k8s_warns_of_what_a_pod_would_write_to_its_own_disk(tmp_path: Path) -> 
     path = write_study(tmp_path, shared)
     done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job2.yaml", "--image", "reg/sweep:1", cwd=tmp_path)
     assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    driver = changed(storage=URL, checkpoints={"store": "s3://bucket/sweep"},
+                     tracking={"mlflow": {"tracking_uri": "sqlite+pysqlite:///mlflow.db"}})
+    path = write_study(tmp_path, driver)  # a relative SQLite store named with its driver is as local
+    done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job3.yaml", "--image", "reg/sweep:1", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "warning: in a pod, tracking.mlflow.tracking_uri would be written" in done.stderr
 
 
 def test_k8s_needs_an_image(tmp_path: Path) -> None:
