@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -70,7 +71,11 @@ class _Commands(TyperGroup):
             else:
                 ctx = getattr(exc, "ctx", None)
                 command = ctx.command_path if ctx is not None else "sweep"
-                err.print(f"error: {command}: {exc.format_message().rstrip('.')} (see {command} --help)", markup=False)
+                message = exc.format_message().rstrip('.')
+                if type(exc).__name__ == "NoSuchOption" and re.fullmatch(r"-\d[\d.e+-]*", exc.option_name or ""):
+                    message = (f"{exc.option_name}: a negative number is read as an option, and no option has that "
+                               "name; trial numbers count from 0")  # `sweep reproduce study.yaml -1`
+                err.print(f"error: {command}: {message} (see {command} --help)", markup=False)
             code = exc.exit_code
         except typer.Abort:
             err.print("error: aborted", markup=False)

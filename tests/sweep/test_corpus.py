@@ -675,6 +675,8 @@ CLI = [
              "an argument", "--timeout"),
     bad_args("cli values", "missing-argument", ("reproduce", STUDY), "sweep reproduce: Missing argument 'trial'",
              "(see sweep reproduce --help)"),
+    bad_args("cli values", "negative-trial-number", ("reproduce", STUDY, "-1"), "sweep reproduce: -1: a negative "
+             "number is read as an option", "trial numbers count from 0"),
     *(bad_args("cli values", f"{command}-port-{port}", (command, "tiny.db", "--port", port),
                f"sweep {command}: Invalid value for '--port': Input should be ", "than or equal to",
                document=None) for command in ("dashboard", "tensorboard") for port in ("-1", "70000")),
