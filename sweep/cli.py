@@ -806,7 +806,12 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
                    output: Path | None = None) -> tuple[Any, str]:
     """The study and its storage URL. With `output` (the command's `-o FILE`), that file is checked first: it may
     not be the study file nor the study's database."""
-    problems = _option_problems(storage=storage, study_name=study_name)
+    from_file = Path(target).suffix in (".yaml", ".yml")
+    # A name given for a study file is its `name` (a folder, as `sweep run` would make it); one read from a database
+    # is whatever the study was created with (a plain Optuna study may be named "my study").
+    problems = _option_problems(storage=storage, study_name=study_name if from_file else None)
+    if study_name == "" and not from_file:
+        problems.append("--study-name: expected a study name, got ''")
     if not target and storage is None:
         problems.insert(0, "missing TARGET: a study file, a SQLite .db file, or --storage URL [--study-name NAME] "
                            f"(usage: sweep {command} [OPTIONS] TARGET)")

@@ -1225,6 +1225,28 @@ def test_status_of_a_study_sweep_did_not_create_says_its_budget_is_unknown(tmp_p
     assert "None" not in done.stdout
 
 
+def test_a_study_another_tool_named_freely_is_read_by_its_name(tmp_path: Path) -> None:
+    """`--study-name` for a database names a study as it was created (Optuna takes any string): "my study" and
+    "a/b" were refused as folder names, so `sweep status` listed them and then refused to read either. For a study
+    file, the name is still the file's `name` (a folder), and `sweep run` refuses the same names."""
+    storage = f"sqlite:///{tmp_path / 'theirs.db'}"
+    for name, n in (("my study", 2), ("a/b", 3)):
+        optuna.create_study(study_name=name, storage=storage).optimize(
+            lambda trial: trial.suggest_float("x", 0, 1), n_trials=n)
+    for name, n in (("my study", 2), ("a/b", 3)):
+        done = sweep_cli("trials", "theirs.db", "--study-name", name, "--format", "csv", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().count("\n") == n, done.stdout
+        done = sweep_cli("status", "--storage", storage, "--study-name", name, cwd=tmp_path)
+        assert done.returncode == 0 and f"{n} trials; no budget" in done.stdout, done.stderr
+    done = sweep_cli("trials", "theirs.db", "--study-name", "", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr == "error: --study-name: expected a study name, got ''\n"
+    study = write_study(tmp_path, changed())
+    for command in (("run",), ("status",)):
+        done = sweep_cli(*command, study, "--study-name", "my study", cwd=tmp_path)
+        assert done.returncode == 2 and "(the name is a folder), got 'my study'" in done.stderr, done.stderr
+
+
 def test_a_report_of_a_study_sweep_did_not_create_prints_only_where_it_wrote(tmp_path: Path) -> None:
     """Its trials reported no intermediate values: Optuna's plot logged "You need to set up the pruning feature" to
     stderr, a line that asks nothing of the user; the report's plot says so itself."""
