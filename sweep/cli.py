@@ -256,10 +256,12 @@ def run(
         except (KeyboardInterrupt, Preempted, StorageUnavailable) as exc:  # asked twice, or while the storage was
             # waited for, outside the run itself (while it starts, or as it reports its end)
             stop = exc if not isinstance(exc, StorageUnavailable) else (kind() if (kind := stop_requested()) else None)
+            worker = os.environ.get("SWEEP_WORKER")
+            if stop is None and isinstance(exc, StorageUnavailable):  # gone too long: one line, as within the run
+                raise _fail(f"{'' if worker is None else f'[worker {worker}] '}{exc}", 1) from None
             if stop is None:
                 raise
             code, what = _stopped(stop)
-            worker = os.environ.get("SWEEP_WORKER")
             when = "" if began else " before the run began; no trial was started"
             err.print(f"{'' if worker is None else f'[worker {worker}] '}{what}{when}: rerun the same command to "
                       "continue.", markup=False)

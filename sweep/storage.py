@@ -178,7 +178,15 @@ def _outage_hint(exc: BaseException) -> str:
                 f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
     if _driver_says(exc, _DISK_FULL):
         return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
+    if _driver_says(exc, _STATEMENT_TIMEOUT):
+        return (" (the server cancels statements that run longer than its statement_timeout: a lock held elsewhere "
+                "ends, but a timeout set for the role or the database below what one of sweep's statements takes "
+                "never does; raise it: ALTER ROLE ... SET statement_timeout = ...)")
     return ""
+
+
+# PostgreSQL's words for a statement cancelled by `statement_timeout` (or `lock_timeout`).
+_STATEMENT_TIMEOUT = ("canceling statement due to statement timeout", "canceling statement due to lock timeout")
 
 
 def engine_options(url: str) -> dict[str, Any]:
@@ -722,7 +730,9 @@ def error_line(exc: BaseException) -> str:
     """The innermost cause's first line: a driver's message says more than Optuna's wrapper ("invalid data")."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    lines = str(exc).strip().splitlines()
+    if exc.__context__ is not None and "current transaction is aborted" in _driver_message(exc):
+        return error_line(exc.__context__)  # an earlier statement's error ended the transaction (Optuna read again)
+    lines = _driver_message(exc).strip().splitlines()
     return mask_urls(f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300])
 
 

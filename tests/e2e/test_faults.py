@@ -1092,6 +1092,41 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
         admin.dispose()
 
 
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+def test_statements_the_server_times_out_are_waited_out_then_named_as_its_statement_timeout(tmp_path: Path) -> None:
+    """A role whose statement_timeout cancels sweep's statements (here: while a table is locked elsewhere) looked
+    like a server that cannot be reached; the lines now name the timeout and where it is set."""
+    from sqlalchemy import create_engine, text
+
+    from tests.conftest import TINY_STUDY, sweep_cli
+
+    with PostgresServer() as server:
+        admin = create_engine(server.url)
+        with admin.begin() as connection:
+            connection.execute(text("CREATE ROLE sweeper LOGIN"))
+            connection.execute(text("ALTER DATABASE sweep OWNER TO sweeper"))
+        url = server.url.replace("postgres@", "sweeper@")
+        document = copy.deepcopy(TINY_STUDY) | {"name": "timed", "n_trials": 3, "storage_patience": 3}
+        path = write_study(tmp_path, document)
+        first = sweep_cli("run", path, "--storage", url, "--n-trials", "1")
+        assert first.returncode == 0, first.stderr
+        with admin.begin() as connection:
+            connection.execute(text("ALTER ROLE sweeper SET statement_timeout = '100ms'"))
+        with admin.connect() as holder:
+            holder.execute(text("BEGIN"))
+            holder.execute(text("LOCK TABLE trials IN ACCESS EXCLUSIVE MODE"))
+            timed = sweep_cli("run", path, "--storage", url)
+            holder.execute(text("ROLLBACK"))
+        assert timed.returncode == 1, timed.stderr
+        assert "canceling statement due to statement timeout" in timed.stderr, timed.stderr
+        assert "its statement_timeout" in timed.stderr.strip().splitlines()[-1], timed.stderr
+        assert "Traceback" not in timed.stderr, timed.stderr
+        again = sweep_cli("run", path, "--storage", url)  # the lock gone, the same timeout is no trouble
+        assert again.returncode == 0, again.stderr
+        assert sum(t.state == TrialState.COMPLETE for t in load_trials(url, "timed")) == 3
+        admin.dispose()
+
+
 # Trains slowly; at step 10 it says so (a file) and waits for the test's go (another file) before it goes on.
 PAUSES_AT_10 = """
 import time
