@@ -9,6 +9,7 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import typing
 from collections.abc import Mapping, Sequence
@@ -95,6 +96,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if "fast_fail" in spec.fixed:
         problems.append(("fixed.fast_fail", "configure fast-fail on the pruner: `pruner: {type: fastfail, ...}`"))
     problems += _heartbeat_problems(spec)
+    problems += _direction_problems(spec)
     base = spec.base_config()
     builtin = spec.task.name in BUILTIN_TASKS  # a user's model builder may do anything: not called here
     base_problems = _config_problems(base, task, builtin)
@@ -230,6 +232,7 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
         problems += _conflict_problems(spec, fixed_keys, key)
     problems += _max_steps_problems(spec)
     problems += _heartbeat_problems(spec)
+    problems += _direction_problems(spec)
     problems += _warm_start_problems(spec)
     problems += component_problems(spec)
     problems += tracking_problems(spec)  # a loop's and a command's reports are tracked too
@@ -312,6 +315,21 @@ def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return [("heartbeat_grace_period", f"expected at least twice heartbeat_interval ({2 * spec.heartbeat_interval} "
              f"s), but got {spec.heartbeat_grace_period}: a trial would be declared lost while its worker still "
              "trains it")]
+
+
+# A metric named as a loss: minimised by every trainer that reports one (`val_loss`, a loop's `train_loss`, `loss`).
+_LOSS = re.compile(r"((val|valid|validation|train|training|eval|test)_)?loss", re.IGNORECASE)
+
+
+def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:
+    """`direction: maximize` of a loss: the study would keep the worst trials, and fast-fail would prune the ones
+    whose loss falls as not improving. Almost always a `metric:` forgotten (the default is val_loss)."""
+    if spec.direction != "maximize" or not _LOSS.fullmatch(spec.metric):
+        return []
+    given = "" if "metric" in spec.model_fields_set else " (the default metric)"
+    return [("direction", f"maximize with metric {spec.metric!r}{given} keeps the trials whose loss is highest, and "
+                          "fast-fail would prune the ones whose loss falls; name what to maximise with metric: "
+                          "(val_accuracy, say), or minimize the loss")]
 
 
 def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:

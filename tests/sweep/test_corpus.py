@@ -134,6 +134,11 @@ TYPES = [
     bad_file("types", "name-number", changed(name=2024), "name", "valid string, got 2024"),
     bad_file("types", "direction-number", changed(direction=1), "direction", "'minimize' or 'maximize'"),
     bad_file("types", "metric-list", changed(metric=["val_loss"]), "metric", "valid string"),
+    # A loss maximised: the study would keep its worst trials and fast-fail prune the learning ones.
+    bad_file("values", "maximize-the-default-loss", changed(direction="maximize"), "direction",
+             "maximize with metric 'val_loss' (the default metric) keeps the trials whose loss is highest"),
+    bad_file("values", "maximize-a-named-loss", changed(direction="maximize", metric="train_loss"),
+             ("direction", "metric"), "maximize with metric 'train_loss' keeps"),  # (digits reports no train_loss)
     bad_file("types", "low-word", changed(space__learning_rate={**FLOAT, "low": "abc"}), f"{LR}.low",
              "valid number"),
     bad_file("types", "low-bool", changed(space__learning_rate={**FLOAT, "low": True}), f"{LR}.low",
