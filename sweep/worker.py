@@ -381,8 +381,11 @@ class Worker:
             reason = ("preempted (SIGTERM)" if isinstance(exc, Preempted) else
                       f"interrupted: --timeout of {self.timeout:g} s" if isinstance(exc, TimedOut) else "interrupted")
             with unmarked_if_away(f"trial {trial.number}", exc):
-                self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}), runner)
+                ended = self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}),
+                                  runner)
             if isinstance(exc, TimedOut):
+                if ended is not None:  # its line, as a cohort's members stopped by the timeout have theirs
+                    self.events.trial_finished(ended)
                 return None  # the loop sees the timeout and stops
             raise
         except StorageUnavailable:

@@ -38,6 +38,7 @@ def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continue
     done = sweep_cli("run", path, "--timeout", "2")
     assert done.returncode == 0, done.stderr
     assert "stopped by the timeout" in done.stderr
+    assert "trial 0: interrupted: --timeout of 2 s\n" in done.stderr, done.stderr  # its line, as any ended trial's
     [cut, queued] = trials(path, "cut")
     assert cut.state == TrialState.FAIL and cut.user_attrs["outcome"] == "interrupted"
     assert cut.user_attrs["fail_reason"].startswith("interrupted: --timeout")
