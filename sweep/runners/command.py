@@ -29,6 +29,7 @@ import os
 import re
 import selectors
 import shlex
+import shutil
 import signal
 import socket
 import string
@@ -224,6 +225,18 @@ def _tail(log: Path, lines: int = 5) -> str:
     return " | ".join(reversed(kept)).strip()[-800:] or "(no output)"
 
 
+def _interpreter_hint(argv: list[str], tail: str) -> str:
+    """For a command whose Python has no sweep (`from sweep import client` failed): which interpreter ran it, and
+    which one sweep runs in. `python` is the first on the worker's PATH, not sweep's own (a sweep installed with
+    pipx, or run as .venv/bin/sweep without the environment activated)."""
+    if "No module named 'sweep'" not in tail or not argv:
+        return ""
+    found = shutil.which(argv[0])
+    ran = argv[0] if found in (None, argv[0]) else f"{argv[0]} ({found})"
+    return (f" (the command ran {ran}, a Python without sweep installed; sweep runs in "
+            f"{sys.executable}: name that interpreter in command:, or install sweep in the command's)")
+
+
 class CommandTrial(TrialRun):
     """One trial of a user's command, from its params to its result."""
 
@@ -269,7 +282,9 @@ class CommandTrial(TrialRun):
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         if code != 0:
             how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
-            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {_tail(log)}"})
+            tail = _tail(log)
+            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {tail}"
+                                                                          f"{_interpreter_hint(argv, tail)}"})
         value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
         if value is None:
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command reported no {spec.metric!r} "

@@ -250,6 +250,21 @@ def test_a_crashing_script_fails_its_trial_with_its_exit_code_and_log(tmp_path: 
         assert "Traceback" in Path(trial.user_attrs["log"]).read_text()
 
 
+def test_a_script_run_by_a_python_without_sweep_fails_saying_which_interpreter_ran_it(tmp_path: Path) -> None:
+    """`command: python train.py` runs the first python on PATH, which need not be sweep's (pipx, or .venv/bin/sweep
+    without the environment activated): `from sweep import client` failed with a bare ModuleNotFoundError. Here a
+    Python without its site-packages stands in for another interpreter."""
+    path = command_study(tmp_path, "from sweep import client\n", "-S train.py", n_trials=1)
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    [trial] = trials_of(path)
+    reason = trial.user_attrs["fail_reason"]
+    assert reason.startswith("the command exited with code 1: ") and "No module named 'sweep'" in reason, reason
+    assert reason.endswith(f"(the command ran {sys.executable}, a Python without sweep installed; "
+                           f"sweep runs in {sys.executable}: name that interpreter in command:, or install sweep in "
+                           "the command's)"), reason
+
+
 def test_a_script_that_ignores_stop_is_killed_with_its_group_after_the_grace_period(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     path = command_study(tmp_path, STUBBORN_SCRIPT, f"train.py {pids}", stop_grace_period=1)
