@@ -509,7 +509,18 @@ class CohortLoop:
         self.cohorts += 1
         self.admitted = 0
         self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
+        if self.fixed and self.cohorts == 1 and self.worker.n_trials <= self._intake():
+            one = len(self.fixed) == 1
+            warnings.warn(f"execution.cohort: {', '.join(self.fixed)} {'changes' if one else 'change'} the model's "
+                          f"shapes, so a cohort's members share its first member's {'value' if one else 'values'} "
+                          "and a cohort "
+                          f"takes {self._intake()} members before the next draws anew: this study's "
+                          f"{self.worker.n_trials} trials try one ({self._fixed_text()}); a smaller cohort or more "
+                          "trials search them", stacklevel=2)
         return True
+
+    def _fixed_text(self) -> str:
+        return ", ".join(f"{key}={value!r}" for key, value in (self.fixed or {}).items())
 
     @staticmethod
     def _startup_counts(trials: list[optuna.trial.FrozenTrial]) -> tuple[int, int]:

@@ -315,6 +315,25 @@ def test_each_cohort_s_first_member_draws_its_shapes_anew(tmp_path: Path) -> Non
         cohorts.setdefault(trial.user_attrs["cohort"]["id"], set()).add(trial.params["model.hidden"])
     assert len(cohorts) >= 3 and all(len(shapes) == 1 for shapes in cohorts.values()), cohorts
     assert len(set.union(*cohorts.values())) > 1, cohorts  # drawn anew: not one shape for the study
+    assert "share its first member's" not in done.stderr, done.stderr  # 24 trials: more than a cohort of 2 takes
+
+
+def test_a_study_smaller_than_one_cohort_s_intake_says_its_shape_keys_get_one_value(tmp_path: Path) -> None:
+    """Six trials, a cohort of 2 taking 8 members: every trial shares the first one's width, which the README says
+    and the run did not; it now says so once, naming the key and its value."""
+    path = cohort_study(tmp_path, n_trials=6, sampler={"type": "random"},
+                        fixed={"max_steps": 10, "eval_every_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"]["model.hidden"] = {"type": "categorical", "choices": [8, 16, 24, 32, 40, 48]}
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "2")
+    assert done.returncode == 0, done.stderr
+    widths = {t.params["model.hidden"] for t in load(tmp_path).get_trials()}
+    assert len(widths) == 1, widths
+    [line] = [line for line in done.stderr.splitlines() if "share its first member's" in line]
+    assert line == (f"warning: execution.cohort: model.hidden changes the model's shapes, so a cohort's members share "
+                    "its first member's value and a cohort takes 8 members before the next draws anew: this study's 6 "
+                    f"trials try one (model.hidden={widths.pop()}); a smaller cohort or more trials search them"), line
 
 
 def test_a_study_that_searches_only_shape_keys_trains_one_trial_at_a_time_not_copies(tmp_path: Path) -> None:
