@@ -664,7 +664,11 @@ def submit(
     if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
         raise _fail(problem, 2)
     if slurm:
-        _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [])
+        status = ["sweep", "status", os.path.relpath(spec_path) if spec_path.is_relative_to(Path.cwd()) else
+                  str(spec_path), *(["--storage", mask_url(storage)] if storage else []),
+                  *(["--study-name", study_name] if study_name else [])]  # a command that works from here
+        _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [],
+                      status=shlex.join(status))
     else:
         _write_k8s(spec, spec_path, options, output, timeout=timeout, overrides=set_ or [])
 
@@ -693,7 +697,7 @@ def _submit_paths(url: str, spec: Any, folder: Path) -> list[tuple[Path, str]]:
 
 
 def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run: bool, timeout: float | None,
-                  overrides: list[str]) -> None:
+                  overrides: list[str], status: str) -> None:
     from sweep.launch import slurm
     from sweep.urls import sqlite_path
 
@@ -729,7 +733,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
                     f"{exc.strerror or exc}", 1) from None
     slurm.record_job(study, job_id, options, folder, asked)
     err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "
-              f"`sweep status {spec_path.name}` shows them", markup=False)
+              f"`{status}` shows them", markup=False)
     sys.stdout.write(f"{job_id}\n")
 
 

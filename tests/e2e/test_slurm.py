@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ import optuna
 import pytest
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.urls import mask_url
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
 from tests.slurm import SlurmCluster
 
@@ -257,10 +259,19 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
     folder = tmp_path / "sp ace"
     folder.mkdir()
     url, name = url_with_password(postgres_url), "slurm_spaces"
-    path = study_file(folder, name, 1)
-    job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold", "--sbatch=--comment=two words, issue#1",
-                 "--sbatch=#SBATCH --nice=10   # lower priority", "--sbatch=--tmp  100")
+    study_file(folder, name, 1)
+    done = sweep_cli("submit", "sp ace/study.yaml", "--slurm", "--storage", url, "--workers", "1", "--sbatch=--hold",
+                     "--sbatch=--comment=two words, issue#1", "--sbatch=#SBATCH --nice=10   # lower priority",
+                     "--sbatch=--tmp  100", cwd=tmp_path,
+                     env={"SLURM_CONF": str(slurm_cluster.conf), "PGPASSWORD": LIBPQ_PASSWORD})
+    assert done.returncode == 0 and PASSWORD not in done.stdout + done.stderr, done.stderr
+    job = done.stdout.strip()
     try:
+        # The status command it names works from where it was typed (it said `sweep status study.yaml`).
+        assert f"`sweep status 'sp ace/study.yaml' --storage {shlex.quote(mask_url(url))}` shows them" in done.stderr, \
+            done.stderr
+        status = sweep_cli("status", "sp ace/study.yaml", "--storage", url, cwd=tmp_path)
+        assert status.returncode == 0 and name in status.stdout, status.stderr
         shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
         for field in ("Comment=two words, issue#1", "Nice=10 ", "MinTmpDiskNode=100M"):
             assert field in shown, shown
