@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from sweep.outcomes import SPEC_ATTR
+from sweep.outcomes import ATTR_CONFIG, ATTR_FAIL, ATTR_REPRO, SPEC_ATTR
 from sweep.schema import TrackingSpec, short_repr
 from sweep.urls import SQLITE_URL, mask_url, mask_urls, redact, sqlite_path
 
 if TYPE_CHECKING:
+    from optuna.trial import FrozenTrial
+
     from sweep.schema import StudySpec
 
 __all__ = ["Guarded", "MLflowTracker", "TensorBoardTracker", "Tracker", "end_lost_run", "mlflow_location",
@@ -448,11 +450,14 @@ class MLflowTracker:
 
 
 
-def end_lost_run(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int) -> None:
-    """A trial found lost (its worker died): its MLflow run, which nobody will end, is ended as KILLED with the tag
-    `sweep.state: lost`, not left RUNNING forever. TensorBoard keeps no state to end. Never raises: a warning."""
+def end_lost_run(spec: StudySpec, storage_url: str | None, study_name: str, trial: FrozenTrial) -> None:
+    """A trial found lost (its worker died): its MLflow run, which nobody will end, is ended as KILLED with the tags
+    `sweep.state: lost` and its `sweep.fail_reason`, and the files every run carries (its config, its
+    reproducibility record), as its worker would have ended it; not left RUNNING forever. TensorBoard keeps no state
+    to end. Never raises: a warning."""
     if not spec.tracking.mlflow.enabled:
         return
+    trial_number, attrs = trial.number, trial.user_attrs
     try:
         from mlflow import MlflowClient
 
@@ -467,6 +472,12 @@ def end_lost_run(spec: StudySpec, storage_url: str | None, study_name: str, tria
             f"tags.`{TAG_TRIAL}` = '{trial_number}' and attributes.status = 'RUNNING'"))
         for run in runs:
             client.set_tag(run.info.run_id, "sweep.state", "lost")
+            if attrs.get(ATTR_FAIL) is not None:
+                client.set_tag(run.info.run_id, "sweep.fail_reason", json.dumps(attrs[ATTR_FAIL], default=str)[:5000])
+            if isinstance(attrs.get(ATTR_CONFIG), Mapping):
+                client.log_dict(run.info.run_id, dict(attrs[ATTR_CONFIG]), "config.json")
+            if isinstance(attrs.get(ATTR_REPRO), Mapping):
+                client.log_dict(run.info.run_id, dict(attrs[ATTR_REPRO]), "reproducibility.json")
             client.set_terminated(run.info.run_id, "KILLED")
     except Exception as exc:  # noqa: BLE001 - tracking never takes a worker down
         first = mask_urls(str(exc).splitlines()[0]) if str(exc) else ""

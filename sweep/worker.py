@@ -605,7 +605,7 @@ class Worker:
             if trial_id not in mine and self.storage.fail_lost_trial(trial_id, LOST_REASON):
                 lost = self.storage.get_trial(trial_id)
                 self._retry(lost, LOST_REASON)
-                end_lost_run(self.spec, self.url, self.study.study_name, lost.number)
+                end_lost_run(self.spec, self.url, self.study.study_name, lost)
 
     def _blocked_s(self) -> float:
         """How long a heartbeat write must wait before it may have made a live trial look lost: beats come every

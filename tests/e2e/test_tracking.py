@@ -544,6 +544,16 @@ def test_a_lost_trial_s_mlflow_run_is_ended_as_lost_by_the_worker_that_finds_it(
     by_trial = {r.data.tags["sweep.trial"]: r for r in runs}
     assert by_trial["0"].info.status == "KILLED" and by_trial["0"].data.tags["sweep.state"] == "lost"
     assert by_trial["1"].info.status == "FINISHED" and by_trial["1"].data.tags["sweep.state"] == "complete"
+    # As its worker would have ended it: its reason and files (it had neither; `sweep trials` had the reason).
+    lost = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").trials[0]
+    assert json.loads(by_trial["0"].data.tags["sweep.fail_reason"]) == lost.user_attrs["fail_reason"]
+    files = {f.path for f in client.list_artifacts(by_trial["0"].info.run_id)}
+    expected = {"config.json"} | ({"reproducibility.json"} if "reproducibility" in lost.user_attrs else set())
+    assert files == expected, files
+    import mlflow.artifacts
+
+    config = mlflow.artifacts.load_dict(f"{by_trial['0'].info.artifact_uri}/config.json")
+    assert config == lost.user_attrs["config"]
 
 
 @pytest.mark.parametrize("form", ["loop", "command"])
