@@ -101,8 +101,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     builtin = spec.task.name in BUILTIN_TASKS  # a user's model builder may do anything: not called here
     base_problems = _config_problems(base, task, builtin)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
-    if "batch_size" not in spec.space and (message := _batch_size_problem(base.get("batch_size"), task)):
-        problems.append(("fixed.batch_size", message))
+    default_batch = TrainingConfig.__dataclass_fields__["batch_size"].default
+    if "batch_size" not in spec.space and (message := _batch_size_problem(base.get("batch_size", default_batch), task)):
+        given = "batch_size" in base
+        problems.append(("fixed.batch_size", message if given else f"{message} (the default); set a smaller one"))
 
     fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
     alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones

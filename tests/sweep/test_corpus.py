@@ -300,6 +300,9 @@ RANGES = [
     # trains on 1438 samples), a searched task argument the task's function does not take, a step Optuna cannot count.
     bad_file("ranges", "fixed-batch-larger-than-the-data", changed(fixed__batch_size=100_000), "fixed.batch_size",
              "expected at most the training set size of task 'digits' (1438), got 100000"),
+    bad_file("ranges", "default-batch-larger-than-the-data", changed(fixed__batch_size=..., task={
+        "name": "digits", "args": {"val_fraction": 0.97}}), "fixed.batch_size",
+        "expected at most the training set size of task 'digits' (54), got 64 (the default); set a smaller one"),
     bad_file("ranges", "searched-batch-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
         "type": "int", "low": 8, "high": 100_000}), "space.batch_size.high", "training set size of task 'digits'"),
     bad_file("ranges", "batch-choice-larger-than-the-data", changed(fixed__batch_size=..., space__batch_size={
