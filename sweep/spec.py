@@ -9,6 +9,7 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 import typing
@@ -36,6 +37,7 @@ from sweep.schema import (
 from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, coerce, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
+from trainer.messages import message, unreadable
 from trainer.tasks import BUILTIN_TASKS, Task, TaskError, argument_names, load_task, resolve_task_factory
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec",
@@ -81,6 +83,10 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         return [("task", str(exc))]
     except (ValueError, OSError) as exc:  # the task's own function refused its arguments or found no data
         return [("task", f"{spec.task.name} raised {type(exc).__name__}: {exc}")]
+    except (Exception, SystemExit) as exc:  # a bug in a user's task function (or its sys.exit): one line, where
+        if os.environ.get("SWEEP_TRACEBACK"):
+            raise
+        return [("task", _raised_line(spec.task.name, exc))]
 
     for key in spec.warm_start.match:  # the task's model keys and arguments, as for a searched key
         name = key.split(".")[1] if key.count(".") >= 1 else ""
@@ -239,6 +245,18 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += component_problems(spec)
     problems += tracking_problems(spec)  # a loop's and a command's reports are tracked too
     return problems
+
+
+def _raised_line(name: str, exc: BaseException) -> str:
+    """What a task's function raised while the study was checked: its type, first line and where it was raised."""
+    import traceback
+
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ is not None else None
+    at = f" (at {Path(frame.filename).name}:{frame.lineno}; SWEEP_TRACEBACK=1 shows the traceback)" if frame else ""
+    if isinstance(exc, SystemExit):
+        return f"{name} called sys.exit({exc.code!r}) while its task was built{at}"
+    first = ((message(exc) or unreadable(exc)).strip().splitlines() or [""])[0][:300]
+    return f"{name} raised {type(exc).__name__}: {first}{at}"
 
 
 def _batch_size_problem(value: Any, task: Task) -> str | None:

@@ -300,6 +300,18 @@ RANGES = [
     # trains on 1438 samples), a searched task argument the task's function does not take, a step Optuna cannot count.
     bad_file("ranges", "fixed-batch-larger-than-the-data", changed(fixed__batch_size=100_000), "fixed.batch_size",
              "expected at most the training set size of task 'digits' (1438), got 100000"),
+    # A task's function that fails while the study is checked: one line, where it was raised (a sys.exit in it
+    # ended `sweep run` silently with its code, any other exception printed a traceback), and data too large for
+    # the machine's memory is the task's arguments' fault.
+    bad_file("ranges", "task-calls-sys-exit", changed(task={"name": "corpus_exiting_task:make"}), "task",
+             "corpus_exiting_task:make called sys.exit(4) while its task was built (at corpus_exiting_task.py:5; "
+             "SWEEP_TRACEBACK=1 shows the traceback)",
+             setup=_file("corpus_exiting_task.py", "import sys\n\n\ndef make():\n    sys.exit(4)\n")),
+    bad_file("ranges", "task-raises-a-bug", changed(task={"name": "corpus_buggy_task:make"}), "task",
+             "corpus_buggy_task:make raised KeyError: 'x' (at corpus_buggy_task.py:2; SWEEP_TRACEBACK=1",
+             setup=_file("corpus_buggy_task.py", "def make():\n    return {}['x']\n")),
+    bad_file("ranges", "task-data-larger-than-memory", changed(task={"name": "blobs", "args": {"n": 10**13}}),
+             "task", "task 'blobs': its task_args ask for more memory than this machine has (MemoryError"),
     bad_file("ranges", "default-batch-larger-than-the-data", changed(fixed__batch_size=..., task={
         "name": "digits", "args": {"val_fraction": 0.97}}), "fixed.batch_size",
         "expected at most the training set size of task 'digits' (54), got 64 (the default); set a smaller one"),

@@ -107,6 +107,10 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
         # (its data not found) keeps its type, and any other exception is a bug in the task, whose traceback says where
         first = (str(exc).strip().splitlines() or [""])[0]
         raise TaskError(f"{name} raised {type(exc).__name__}: {first}") from exc
+    except MemoryError as exc:  # its arguments ask for more data than this machine holds (`blobs` with n: 1e11)
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise TaskError(f"task {name!r}: its task_args ask for more memory than this machine has (MemoryError"
+                        f"{': ' + first if first else ''}); make the data smaller") from exc
     if not isinstance(task, Task):
         raise TaskError(f"task {name!r} returned {type(task).__name__}, expected trainer.tasks.Task")
     return task
