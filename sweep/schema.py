@@ -1012,6 +1012,9 @@ def store_url_problem(store: str) -> str | None:
         return f"expected a folder, s3://bucket/prefix or gs://bucket/prefix, got {short_repr(store)}"
     if not parsed.netloc:
         return f"expected {parsed.scheme}://bucket/prefix, with a bucket, got {short_repr(store)}"
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", parsed.netloc):  # no user, password or port: a bucket's name
+        return (f"expected {parsed.scheme}://bucket/prefix, a bucket's name of letters, digits, '.', '_' and '-' "
+                f"(credentials come from the environment, never the URL), got {short_repr(mask_url(store))}")
     return None
 
 

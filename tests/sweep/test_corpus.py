@@ -678,6 +678,11 @@ URLS = [
              "got 'ftp://x/y'"),
     bad_file("urls", "store-s3-no-bucket", changed(checkpoints={"store": "s3://"}), "checkpoints.store",
              "with a bucket"),
+    # A user and password in the store's URL: accepted, it went into the study's attrs and `sweep trials` printed it.
+    bad_file("urls", "store-s3-credentials", changed(checkpoints={"store": "s3://AK:SECRETPW@bucket/x"}),
+             "checkpoints.store", "(credentials come from the environment, never the URL), got 's3://AK:***@bucket/x'"),
+    bad_file("urls", "store-gs-port", changed(checkpoints={"store": "gs://bucket:9000/x"}), "checkpoints.store",
+             "a bucket's name of letters, digits"),
     bad_file("urls", "store-http", changed(checkpoints={"store": "http://host/blobs"}), "checkpoints.store",
              "expected a folder"),
     bad_file("urls", "store-file-url", changed(checkpoints={"store": "file:///tmp/blobs"}), "checkpoints.store",
