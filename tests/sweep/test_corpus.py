@@ -310,6 +310,13 @@ RANGES = [
     bad_file("ranges", "task-raises-a-bug", changed(task={"name": "corpus_buggy_task:make"}), "task",
              "corpus_buggy_task:make raised KeyError: 'x' (at corpus_buggy_task.py:2; SWEEP_TRACEBACK=1",
              setup=_file("corpus_buggy_task.py", "def make():\n    return {}['x']\n")),
+    bad_file("ranges", "digits-negative-split-seed", changed(task={"name": "digits", "args": {"split_seed": -1}}),
+             "task", "task_args.split_seed must be >= 0, but got split_seed=-1"),
+    bad_file("ranges", "blobs-negative-seed", changed(task={"name": "blobs", "args": {"seed": -1}}),
+             "task", "task_args.seed must be >= 0, but got seed=-1"),
+    bad_file("ranges", "charlm-negative-max-chars", changed(task={"name": "charlm", "args": {"max_chars": -1}},
+                                                           metric="val_loss"),
+             "task", "task_args.max_chars must be >= 1, but got max_chars=-1"),
     bad_file("ranges", "task-data-larger-than-memory", changed(task={"name": "blobs", "args": {"n": 10**13}}),
              "task", "task 'blobs': its task_args ask for more memory than this machine has (MemoryError"),
     bad_file("ranges", "default-batch-larger-than-the-data", changed(fixed__batch_size=..., task={

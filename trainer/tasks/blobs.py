@@ -42,6 +42,8 @@ def blobs(n: int = 2048, classes: int = 4, dims: int = 8, max_noise: float = 1.5
         raise ValueError(f"task_args.max_noise must be >= 0, but got {max_noise=}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"task_args.val_fraction must be in (0, 1), but got {val_fraction=}")
+    if seed < 0:  # numpy's generator takes no negative seed, and its message names no argument
+        raise ValueError(f"task_args.seed must be >= 0, but got {seed=}")
     x, y, noise = make_blobs(n, classes, dims, max_noise, seed)
     n_val = max(1, round(n * val_fraction))
 

@@ -112,6 +112,8 @@ def charlm(context: int = 128, max_chars: int = 1_000_000, val_fraction: float =
         raise ValueError(f"task_args.context must be >= 2, but got {context=}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"task_args.val_fraction must be in (0, 1), but got {val_fraction=}")
+    if max_chars < 1:  # -1 sliced the text's last byte off, silently
+        raise ValueError(f"task_args.max_chars must be >= 1, but got {max_chars=}")
     data = np.frombuffer(load_stdlib_text(max_chars), dtype=np.uint8)
     n = len(data) // (context + 1)
     windows = torch.from_numpy(data[: n * (context + 1)].astype(np.int64)).view(n, context + 1)

@@ -86,6 +86,8 @@ def digits(val_fraction: float = 0.2, split_seed: int = 0) -> Task:
     """The split is fixed by `split_seed`, not by the training seed: every trial is judged on the same samples."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"task_args.val_fraction must be in (0, 1), but got {val_fraction=}")
+    if split_seed < 0:  # numpy's generator takes no negative seed, and its message names no argument
+        raise ValueError(f"task_args.split_seed must be >= 0, but got {split_seed=}")
     x, y = load_digits_arrays()
     order = np.random.default_rng(split_seed).permutation(len(x))
     n_val = round(len(x) * val_fraction)
