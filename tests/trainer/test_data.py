@@ -114,6 +114,22 @@ def test_the_arrays_task_names_the_bad_argument(digit_files: dict[str, str], tmp
     with pytest.raises(ValueError, match=r"task_args\.train_y holds class indices from 0 to 9, but task_args\.classes "
                                          r"is 5: expected indices in \[0, 4\]"):
         load_task("arrays", {**digit_files, "classes": 5})
+    # Files that are no array of numbers: numpy's and torch's words named neither the argument nor the file, and a
+    # text file drew numpy's advice to unpickle it.
+    np.save(tmp_path / "words.npy", np.array(["a", "b"]))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}, {"b": 2}], dtype=object), allow_pickle=True)
+    (tmp_path / "text.npy").write_text("1,2,3\n")
+    for name, said in (("words", "can't convert np.ndarray of type numpy.str_"),
+                       ("objects", "Python objects in dtype"),
+                       ("text", "not a .npy file of numbers (numpy would have to unpickle it, which is never done)")):
+        with pytest.raises(ValueError) as info:
+            load_task("arrays", {**digit_files, "train_x": str(tmp_path / f"{name}.npy"), "classes": 10})
+        start = ("arrays raised ValueError: task_args.train_x: expected a .npy array of numbers, with samples on "
+                 f"dimension 0; '{tmp_path / name}.npy': ")
+        assert str(info.value).startswith(start), info.value
+        assert said in str(info.value) and "allow_pickle" not in str(info.value)
+    with pytest.raises(ValueError, match=r"task_args\.val_x: expected a \.npy file, but '.*' is a folder"):
+        load_task("arrays", {**digit_files, "val_x": str(tmp_path), "classes": 10})
 
 
 @pytest.mark.parametrize(("values", "key"), [({"data_loader": "gpu"}, "data_loader"),

@@ -32,12 +32,21 @@ MODEL_DEFAULTS = {"hidden": 64, "depth": 2, "activation": "relu", "dropout": 0.0
 def open_array(path: str | Path, key: str) -> torch.Tensor:
     """A tensor over a memory-mapped `.npy` file; `key` names the task argument in errors."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"task_args.{key}: expected a .npy file, but {str(path)!r} is a folder")
     if not path.is_file():
         raise FileNotFoundError(f"task_args.{key}: no such file {str(path)!r}")
-    array = np.load(path, mmap_mode="c")
-    if array.ndim < 1 or len(array) == 0:
-        raise ValueError(f"task_args.{key}: expected samples on dimension 0, but {str(path)!r} has shape {array.shape}")
-    return torch.from_numpy(array)
+    try:  # never unpickled (np.load's default): an object array, or a file that is no .npy, is refused
+        array = np.load(path, mmap_mode="c")
+        if array.ndim < 1 or len(array) == 0:
+            raise ValueError(f"expected samples on dimension 0, but it has shape {array.shape}")
+        return torch.from_numpy(array)
+    except (ValueError, TypeError, EOFError) as exc:  # numpy's and torch's words name neither the file nor the key
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if "pickled" in first:  # not numpy's advice to unpickle it: whoever wrote the file would choose the code run
+            first = "not a .npy file of numbers (numpy would have to unpickle it, which is never done)"
+        raise ValueError(f"task_args.{key}: expected a .npy array of numbers, with samples on dimension 0; "
+                         f"{str(path)!r}: {first}") from exc
 
 
 class FlatMLP(nn.Module):
