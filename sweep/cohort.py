@@ -168,6 +168,7 @@ class CohortLoop:
         self.variety: float = math.inf  # the configs a cohort's members can differ in, its shapes fixed (`variety`)
         self.single = False  # the model cannot be batched: one trial at a time
         self.spent = False
+        self.exhausted = False  # the sampler has tried every point: the members in flight finish, then the run ends
         self.stopping = self.timed_out = False  # kept across a failed cohort: the loop goes on with the next one
         self.cohorts = 0
         self.admitted = 0  # members the current cohort has taken
@@ -272,16 +273,17 @@ class CohortLoop:
             stopping, timed_out = self.stopping, self.timed_out
             cohort = self.cohort
             if cohort is not None and not cohort.active:
-                self._collect(beats)
+                self._tell_left(beats)
                 self.cohort = cohort = None  # drained: the next one's shapes are the sampler's choice
                 if not stopping and not self.spent:
                     continue
             if cohort is None or not cohort.active:
-                self._collect(beats)
+                self._tell_left(beats)
                 if self.single and not stopping and not self.spent:
                     return worker.run_single(started_wall)
                 if stopping or self.spent:
-                    return worker._summary(timed_out=timed_out, stopped=stopping and not timed_out)  # noqa: SLF001
+                    return worker._summary(timed_out=timed_out, stopped=stopping and not timed_out,  # noqa: SLF001
+                                           exhausted=self.exhausted)
                 trials = worker.study.get_trials(deepcopy=False)
                 worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
                 time.sleep(worker.spec.heartbeat_interval)
@@ -301,8 +303,13 @@ class CohortLoop:
                 cohort.remove(member_id)
                 self._end(beats, member_id, worker._failure(exc), streak=n == 0, counted=n == 0)  # noqa: SLF001
             self._end_lost_members(beats)
-            if self._collect(beats):
-                return worker._summary(exhausted=True)  # noqa: SLF001
+            self._tell_left(beats)
+
+    def _tell_left(self, beats: Beats) -> None:
+        """`_collect`; once the sampler has tried every point, no member is asked any more and the members in flight
+        train to their ends (it returned at once, leaving them RUNNING: found lost, retried by the next run)."""
+        if self._collect(beats):
+            self.exhausted = self.spent = True
 
     def _check_stop(self, started_wall: float, *, training: bool) -> bool:
         """Whether the run stops (`sweep stop`, `--timeout`), read at a boundary. While members are `training`, a
@@ -388,7 +395,7 @@ class CohortLoop:
                     beats.discard(trial)
                     frozen = worker._end(trial, worker._failure(exc), runner)  # noqa: SLF001
                     if frozen is not None and worker.finished(frozen, running=self._in_flight()):
-                        self.spent = True  # the sampler has tried every point
+                        self.exhausted = self.spent = True  # the sampler has tried every point
                     continue
                 if not admitted:  # the study goes on one trial at a time: the others asked with it are queued
                     self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort; the study "

@@ -390,6 +390,25 @@ def test_bruteforce_in_cohorts_trains_every_grid_point_once(tmp_path: Path) -> N
     assert max(in_flight(trials)) == 3  # a shape's three points in one cohort
 
 
+def test_members_in_flight_when_the_grid_is_done_train_to_their_end(tmp_path: Path) -> None:
+    """BruteForceSampler stops the study once a member ends after the last point was asked: the cohort returned at
+    once, its other members left RUNNING at their last step (found lost, retried, by the next run), and the run said
+    "stopped with 7/8 trials done". Members of different lengths make the first to end come before the others."""
+    path = cohort_study(tmp_path, n_trials=8, sampler={"type": "bruteforce"}, pruner="none",
+                        fixed={"eval_every_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"] = {"learning_rate": {"type": "categorical", "choices": [0.01, 0.003]},
+                         "max_steps": {"type": "categorical", "choices": [10, 20, 30, 40]}}
+    del document["fixed"]["max_steps"]
+    write_study(tmp_path, document)
+    done = sweep_cli("run", path, "--cohort", "4")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 8, [(t.number, t.state) for t in trials]
+    assert all(max(t.intermediate_values) == t.params["max_steps"] for t in trials)
+    assert "8/8 trials done" in done.stderr, done.stderr
+
+
 def test_a_key_whose_neighbour_value_is_refused_is_not_taken_for_a_shape_key(tmp_path: Path) -> None:
     # `max_steps: 1` under the first member's `warmup_steps: 6` is no config at all; that refusal was counted as a
     # change of shapes, and max_steps (which may differ per member) was fixed for the whole cohort: all 12 trials of
