@@ -247,7 +247,7 @@ class CohortLoop:
             trial, runner = starting
             self._drop(trial)
             beats.discard(trial)
-            self.worker._end(trial, result, runner)  # noqa: SLF001
+            self._end_unadmitted(trial, result, runner)
         for member_id in list(self.members):
             self._end(beats, member_id, finished.get(member_id, result), streak=False)
         return True
@@ -380,7 +380,7 @@ class CohortLoop:
                     self._drop(trial)
                     beats.discard(trial)
                     with unmarked_if_away(f"trial {trial.number}", exc):
-                        worker._end(trial, _interrupted(*_signalled(exc)), runner)  # noqa: SLF001
+                        self._end_unadmitted(trial, _interrupted(*_signalled(exc)), runner)
                     raise
                 except (StorageUnavailable, StudyBrokenError, InfrastructureError):
                     raise
@@ -420,8 +420,15 @@ class CohortLoop:
         while trials:
             trial = trials.pop(0)
             beats.discard(trial)
-            worker._end(trial, result, TrainerTrial(trial, worker.spec, worker.events,  # noqa: SLF001
-                                                    worker.boundary, worker.checkpoints, storage_url=worker.url))
+            self._end_unadmitted(trial, result, TrainerTrial(trial, worker.spec, worker.events, worker.boundary,
+                                                             worker.checkpoints, storage_url=worker.url))
+
+    def _end_unadmitted(self, trial: optuna.Trial, result: TrialResult, runner: TrainerTrial) -> None:
+        """End a trial asked for the cohort that is no member (yet) as interrupted or preempted, with its line, as
+        a member's (queued again: not counted, no failure)."""
+        frozen = self.worker._end(trial, result, runner)  # noqa: SLF001
+        if frozen is not None:
+            self.worker.events.trial_finished(frozen)
 
     def _wants_members(self) -> bool:
         """Whether the cohort takes another member now (or a new cohort is to be made)."""

@@ -281,3 +281,37 @@ def test_a_cohort_whose_every_trial_fails_the_same_way_is_stopped_whatever_order
 def test_short_trials_that_fail_between_long_ones_that_complete_never_stop_the_study(tmp_path: Path) -> None:
     stopped, held = _ended_in_a_cohort(6, False, tmp_path)
     assert stopped is None and held < 20, (stopped, held)
+
+
+def test_trials_asked_for_a_cohort_that_never_joined_it_get_their_lines(tmp_path: Path) -> None:
+    """Trials asked for a cohort and ended before they joined it (a Ctrl-C or SIGTERM while the cohort filled, a
+    cohort out of memory, a study found unbatchable) were marked interrupted in the storage but printed no line, so
+    "running trials are marked and queued again" did not say which. A real worker and study; the Events its lines
+    go to, recorded."""
+    from optuna.trial import FrozenTrial
+
+    from sweep.cohort import CohortLoop, _interrupted
+    from sweep.progress import NoEvents
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+    from sweep.worker import Beats, Worker
+    from tests.conftest import TINY_STUDY, write_study
+
+    class Lines(NoEvents):
+        def __init__(self) -> None:
+            self.ended: list[tuple[int, str]] = []
+
+        def trial_finished(self, trial: FrozenTrial) -> None:
+            self.ended.append((trial.number, trial.user_attrs["fail_reason"]))
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "n_trials": 4}))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    study = open_study(spec, url)
+    lines = Lines()
+    worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary, events=lines)
+    worker.begin()
+    asked, _, _ = worker._ask_many(2, None)
+    CohortLoop(worker, 4)._give_back(Beats(study._storage), list(asked),
+                                     _interrupted("preempted (SIGTERM)", Outcome.PREEMPTED))
+    assert lines.ended == [(0, "preempted (SIGTERM)"), (1, "preempted (SIGTERM)")]
+    assert [(t.state, t.user_attrs["outcome"]) for t in study.get_trials()[:2]] == [(TrialState.FAIL, "preempted")] * 2
