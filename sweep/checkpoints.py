@@ -13,6 +13,7 @@ its registrations wait in memory until the storage is back.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -53,6 +54,31 @@ class Resume:
     step: int
 
 
+def folder_gone(registry: Registry, folder: Path, study_name: str) -> str | None:
+    """Why the study's folder of a local store cannot be read while the registry names checkpoints in it (a share not
+    mounted, the folder deleted or replaced by a file): every row would look missing, and forgetting them would
+    retrain each retry from its first step once the folder is back. None when it is there (or none are named)."""
+    if folder.is_dir() or not (rows := registry.for_study(study_name)):
+        return None
+    what = "not a folder" if folder.exists() else "not there"
+    return (f"checkpoints.store: the study's folder {folder} is {what}, and the registry names {len(rows)} "
+            "checkpoints in it (resume points, warm-start donors): mount or restore it, then rerun; its rows are "
+            "kept. If its checkpoints are gone for good, `sweep check STUDY.yaml --repair` forgets them")
+
+
+def store_folder_gone(storage_url: str, location: str, study_name: str) -> str | None:
+    """`folder_gone` for a study about to run, before its folder is claimed (which would make it anew, empty)."""
+    from sweep.blobs import is_object_url
+
+    if is_object_url(location):
+        return None
+    registry = Registry(storage_url)
+    try:
+        return folder_gone(registry, Path(location).resolve() / study_name, study_name)
+    finally:
+        registry.engine.dispose()
+
+
 class CheckpointService:
     """One study's checkpoints: registry, blob store and artifact store, behind the storage boundary."""
 
@@ -71,6 +97,12 @@ class CheckpointService:
         database = sqlite_path(storage_url)
         # The study's own folders: a missing file or a refused permission there is the machine's fault.
         self.folders = [str(self.store.folder.parent)] + ([str(database.parent.resolve())] if database else [])
+
+    def store_unavailable(self) -> str | None:
+        """`folder_gone` for this study's store, while it runs (the folder gone since the run began)."""
+        if self.store.artifacts is not None:  # an object store: no folder to miss
+            return None
+        return folder_gone(self.registry, self.store.folder, self.study_name)
 
     def reconcile(self) -> list[Any]:
         """The cheap part of `sweep check`, run when a worker opens the study: rows among donors and resume points
@@ -110,6 +142,8 @@ class CheckpointService:
             try:
                 state = load_blob(uri, record.sha256)
             except CheckpointError as exc:
+                if (gone := self.store_unavailable()) is not None:  # the folder, not this file: the machine's fault
+                    raise FileNotFoundError(errno.ENOENT, gone, str(self.store.folder)) from exc
                 warnings.warn(f"{where}: {exc}; trying an older one", stacklevel=2)
                 self.registry.forget_broken(record.id)
                 delete_blob(uri)

@@ -453,6 +453,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
             if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
                 raise stop() from None  # told to stop while the storage was waited for: exits as told
             raise _storage_failure(url, exc, url_from) from None
+        if spec.checkpoints.enabled and (gone := _store_folder_gone(url, str(location), study.study_name)):
+            raise _fail(f"{prefix}{source}: {gone}", 1)  # before the claim makes the folder anew, empty
         if spec.checkpoints.enabled and (problem := _store_claim_problem(
                 study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
             raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
@@ -483,6 +485,15 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
             finally:
                 registry.engine.dispose()
     return study
+
+
+def _store_folder_gone(url: str, location: str, name: str) -> str | None:
+    from sweep.checkpoints import store_folder_gone
+
+    try:
+        return store_folder_gone(url, location, name)
+    except Exception:  # noqa: BLE001 - the registry unreadable now: the worker's own check meets it, as a storage fault
+        return None
 
 
 def _study_exists(storage: Any, name: str) -> bool:

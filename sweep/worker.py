@@ -210,6 +210,8 @@ class Worker:
         with contextlib.suppress(KeyError, ValueError):  # a launched worker: from its launcher's start
             started_wall = min(started_wall, float(os.environ[LAUNCHED_ENV]))
         if self.checkpoints is not None:
+            if (gone := self.boundary.call(self.checkpoints.store_unavailable)) is not None:
+                raise InfrastructureError(gone)  # before its rows are taken for missing files and forgotten
             self.checkpoints.reconcile()
         return started_wall
 

@@ -67,6 +67,35 @@ def test_a_timeout_stops_the_trial_at_its_next_evaluation_and_its_retry_continue
     assert sweep_cli("reproduce", path, str(retry.number)).returncode == 0
 
 
+def test_a_store_folder_gone_at_a_rerun_stops_it_and_keeps_the_resume_points_for_when_it_is_back(
+        tmp_path: Path) -> None:
+    """A store on a share not mounted when the study was rerun: every checkpoint row looked missing and was
+    forgotten, so once the share was back the retry trained from its first step (and `sweep check` called the
+    intact files orphans). Now the rerun stops at once with one line and keeps the rows."""
+    path = one_config_study(tmp_path / "cut", "cut")
+    assert sweep_cli("run", path, "--timeout", "2").returncode == 0
+    cut = trials(path, "cut")[0]
+    stopped_at = max(cut.intermediate_values)
+    store = path.parent / "cut.checkpoints" / "cut"
+    store.rename(path.parent / "unmounted")
+    done = sweep_cli("run", path)
+    assert done.returncode == 1, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {path}: checkpoints.store: the study's folder {store} is not there, and the "
+                           "registry names "), done.stderr
+    assert line.endswith(" checkpoints in it (resume points, warm-start donors): mount or restore it, then rerun; its "
+                         "rows are kept. If its checkpoints are gone for good, `sweep check STUDY.yaml --repair` "
+                         "forgets them"), done.stderr
+    assert not store.exists()  # not made anew, empty, by the run's claim of it
+    assert [t.state for t in trials(path, "cut")] == [TrialState.FAIL, TrialState.WAITING]  # nothing trained
+    (path.parent / "unmounted").rename(store)
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    retry = trials(path, "cut")[1]
+    assert retry.state == TrialState.COMPLETE
+    assert retry.user_attrs["resumed_from"] == {"trial": cut.number, "step": stopped_at}
+
+
 @pytest.mark.parametrize("how", [["--cohort", "2"], ["--workers", "2"]], ids=["cohort", "workers"])
 def test_a_timeout_that_stops_every_trial_of_a_run_is_no_failed_run(tmp_path: Path, how: list[str]) -> None:
     """Interrupted trials are not failures: a cohort's members, or several workers' trials, all stopped by --timeout
