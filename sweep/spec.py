@@ -9,6 +9,7 @@ each end of its range, the task, the metric) and the sampler's and pruner's cons
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import shutil
@@ -75,8 +76,15 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     unknown = spec.warm_start.unknown_keys()
     if unknown:
-        problems.append(("warm_start.match",
-                         f"expected TrainingConfig keys, got unknown {', '.join(map(repr, unknown))}"))
+        known = [f.name for f in dataclasses.fields(TrainingConfig)]
+
+        def hint(key: str) -> str:  # the first part is a TrainingConfig key: `task_arg.noise` is `task_args.noise`
+            head, dot, rest = key.partition(".")
+            close = difflib.get_close_matches(head, known, n=1, cutoff=0.75)
+            return f" (did you mean {close[0] + dot + rest!r}?)" if close else ""
+
+        problems.append(("warm_start.match", "expected TrainingConfig keys, got unknown "
+                         f"{', '.join(repr(key) + hint(key) for key in unknown)}"))
     try:
         task = load_task(spec.task.name, spec.task.args)
     except TaskError as exc:

@@ -14,6 +14,7 @@ import only the standard library and the other torch-free modules: `trainer.paci
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import re
@@ -290,7 +291,9 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> tuple[Any, list
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
         if key not in fields:
-            problems.append((f"{prefix}{key}", f"unknown key; expected one of: {', '.join(sorted(fields))}"))
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append((f"{prefix}{key}", f"unknown key{hint}; expected one of: {', '.join(sorted(fields))}"))
             continue
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
