@@ -929,7 +929,13 @@ def _print_status(study: Any) -> None:
         table.add_row("budget", f"{status['budget_used']} trials; no budget (study not created by sweep)")
     else:
         table.add_row("budget", f"{status['budget_used']}/{status['n_trials']} trials")
-    table.add_row("states", ", ".join(f"{k} {v}" for k, v in status["states"].items()) or "no trials")
+    states = ", ".join(f"{k} {v}" for k, v in status["states"].items()) or "no trials"
+    grace = status["grace_period"]
+    if isinstance(grace, (int, float)) and (gone := [s for s in status["silent"].values() if s > grace]):
+        states += (f" ({len(gone)} running silent for {max(gone):.0f} s, past the {grace:g} s heartbeat grace "
+                   "period: the worker is gone, and the next `sweep run` retries "
+                   f"{'it' if len(gone) == 1 else 'them'} from the last checkpoint)")
+    table.add_row("states", states)
     compute = f"{status['steps_trained']} steps trained"
     if status["warm_started"]:
         compute += f"; {status['warm_started']} trials warm-started"

@@ -88,6 +88,38 @@ def state_counts(study: optuna.Study) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def silent_running(study: optuna.Study) -> dict[int, float]:
+    """Seconds since each running trial's worker last beat, by trial number, on the database's clock (as Optuna's
+    stale-trial check reads it). A trial silent past the study's grace period has lost its worker: only a worker
+    fails it (the next to open the study, which queues its retry); read commands write nothing. Empty when the
+    storage keeps no heartbeats (a study not run by sweep, a storage that is no database) or cannot say."""
+    import sqlalchemy
+    from optuna.storages import RDBStorage
+    from optuna.storages._rdb import models
+
+    storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
+    backend = getattr(storage, "_backend", storage)
+    if not isinstance(backend, RDBStorage) or not any(t.state == TrialState.RUNNING
+                                                      for t in study.get_trials(deepcopy=False)):
+        return {}
+    session = backend.scoped_session()
+    try:
+        now = session.execute(sqlalchemy.func.now()).scalar()
+        rows = (session.query(models.TrialModel.number, models.TrialHeartbeatModel.heartbeat)
+                .join(models.TrialHeartbeatModel, models.TrialHeartbeatModel.trial_id == models.TrialModel.trial_id)
+                .filter(models.TrialModel.study_id == study._study_id)  # noqa: SLF001
+                .filter(models.TrialModel.state == TrialState.RUNNING).all())
+    except sqlalchemy.exc.SQLAlchemyError:
+        return {}
+    finally:
+        session.rollback()
+        backend.scoped_session.remove()
+    if now is None:
+        return {}
+    now = now.replace(tzinfo=None)  # PostgreSQL's is aware, the stored beats are not (as Optuna compares them)
+    return {number: max(0.0, (now - beat).total_seconds()) for number, beat in rows if beat is not None}
+
+
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     """The study's best trial as sweep reports it (`sweep.confirm.study_best`): with `warm_start.confirm` on, the best
     trial trained cold; otherwise the best complete trial, warm or not. None while no trial has completed."""
@@ -118,6 +150,8 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "n_trials": spec.get("n_trials"),
         "budget_used": budget_counts(trials)[0],
         "states": state_counts(study),
+        "silent": silent_running(study),
+        "grace_period": spec.get("heartbeat_grace_period", 60) if spec else None,
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
                                            "warm_start_from": donor_label(best, study.study_name),
                                            "lineage": lineage_label(best, trials)},

@@ -111,6 +111,29 @@ def test_a_report_of_a_study_with_no_complete_trial_prints_no_optuna_log_lines(t
     assert report.returncode == 0 and report.stderr.strip() == f"wrote {tmp_path / 'report.html'}", report.stderr
 
 
+def test_status_says_when_a_running_trial_s_worker_has_been_silent_past_the_grace_period(tiny_study: Path) -> None:
+    """Every worker gone (a node died, a Slurm task killed): `sweep status` said "running 1" for as long as nobody
+    ran the study again. It now says the trial's worker is gone and that the next run retries it; read commands
+    still write nothing (only a worker fails a lost trial). The database's clock is moved, not the test's."""
+    assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    db = tiny_study.parent / "tiny.db"
+    storage = optuna.storages.RDBStorage(f"sqlite:///{db}")
+    trial = optuna.load_study(study_name="tiny", storage=storage).ask()
+    storage.record_heartbeat(trial._trial_id)
+    done = sweep_cli("status", tiny_study)
+    assert done.returncode == 0 and "complete 1, running 1" in done.stdout, done.stdout
+    assert "silent" not in done.stdout  # beating now: nothing to say
+    with contextlib.closing(sqlite3.connect(db)) as connection, connection:
+        connection.execute("UPDATE trial_heartbeats SET heartbeat = datetime(heartbeat, '-300 seconds')")
+    before = db.read_bytes()
+    done = sweep_cli("status", tiny_study)
+    assert done.returncode == 0, done.stderr
+    assert ("running 1 (1 running silent for 300 s, past the 60 s heartbeat grace period: the worker is gone, and "
+            "the next `sweep run` retries it from the last checkpoint)") in " ".join(done.stdout.split()), done.stdout
+    assert db.read_bytes() == before
+    storage.engine.dispose()
+
+
 def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study).returncode == 0
     db = tiny_study.parent / "tiny.db"
