@@ -212,7 +212,10 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     rows = []
     for trial in study.get_trials(deepcopy=False):
         row: dict[str, Any] = {"number": trial.number, "state": trial.state.name.lower(), "value": trial.value}
-        row.update({f"params.{k}": v for k, v in trial.params.items()})
+        params = trial.params
+        if trial.state == TrialState.WAITING and isinstance(queued := trial.system_attrs.get("fixed_params"), dict):
+            params = queued  # a queued retry's: Optuna holds them aside until a worker asks for it
+        row.update({f"params.{k}": v for k, v in params.items()})
         row["steps"] = trial.user_attrs.get(ATTR_STEPS)
         if row["steps"] is None and trial.intermediate_values:  # not ended by itself: as far as its reports go
             row["steps"] = int(max(trial.intermediate_values))

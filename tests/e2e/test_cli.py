@@ -134,6 +134,18 @@ def test_status_says_when_a_running_trial_s_worker_has_been_silent_past_the_grac
     storage.engine.dispose()
 
 
+def test_trials_shows_a_queued_retry_s_params(tiny_study: Path) -> None:
+    """A retry waiting for a worker showed blank params: Optuna holds a queued trial's params aside (its
+    `fixed_params`) until it is asked. `sweep trials` shows them, as the trial will train them."""
+    assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tiny_study.parent / 'tiny.db'}")
+    [done] = study.get_trials()
+    study.enqueue_trial(done.params, user_attrs={"retry_of": done.number})  # as a worker queues a retry
+    rows = json.loads(sweep_cli("trials", tiny_study, "--format", "json").stdout)
+    assert rows[1]["state"] == "waiting"
+    assert {k.removeprefix("params."): v for k, v in rows[1].items() if k.startswith("params.")} == done.params
+
+
 def test_status_and_trials_in_every_format(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study).returncode == 0
     db = tiny_study.parent / "tiny.db"
