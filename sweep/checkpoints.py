@@ -54,19 +54,28 @@ class Resume:
     step: int
 
 
-def folder_gone(registry: Registry, folder: Path, study_name: str) -> str | None:
-    """Why the study's folder of a local store cannot be read while the registry names checkpoints in it (a share not
-    mounted, the folder deleted or replaced by a file): every row would look missing, and forgetting them would
-    retrain each retry from its first step once the folder is back. None when it is there (or none are named)."""
-    if folder.is_dir() or not (rows := registry.for_study(study_name)):
+def folder_gone(registry: Registry, folder: Path, study_name: str, study_file: str = "STUDY.yaml", *,
+                donors: bool = True) -> str | None:
+    """Why the study's folder of a local store cannot be read while the registry names checkpoints in it that
+    trials resume, warm-start or are reproduced from (a share not mounted, the folder deleted or replaced by a file):
+    each would look missing, and forgetting them would retrain each retry from its first step once the folder is
+    back (and `sweep reproduce` of a resumed trial would lose its start). None when it is there, or names none of
+    those (the checkpoints of finished trials no trial resumed from, in a study that does not warm-start).
+    `donors`: whether the study warm-starts (a finished trial's checkpoint is then a donor)."""
+    if folder.is_dir():
+        return None
+    rows = [r for r in registry.in_use(study_name) if r.final == 0 or r.pinned or donors]
+    if not rows:
         return None
     what = "not a folder" if folder.exists() else "not there"
     return (f"checkpoints.store: the study's folder {folder} is {what}, and the registry names {len(rows)} "
-            "checkpoints in it (resume points, warm-start donors): mount or restore it, then rerun; its rows are "
-            "kept. If its checkpoints are gone for good, `sweep check STUDY.yaml --repair` forgets them")
+            "checkpoints in it that trials resume, warm-start or are reproduced from: mount or restore it, then rerun; "
+            "its rows are "
+            f"kept. If its checkpoints are gone for good, `sweep check {study_file} --repair` forgets them")
 
 
-def store_folder_gone(storage_url: str, location: str, study_name: str) -> str | None:
+def store_folder_gone(storage_url: str, location: str, study_name: str, study_file: str, *,
+                      donors: bool) -> str | None:
     """`folder_gone` for a study about to run, before its folder is claimed (which would make it anew, empty)."""
     from sweep.blobs import is_object_url
 
@@ -74,7 +83,7 @@ def store_folder_gone(storage_url: str, location: str, study_name: str) -> str |
         return None
     registry = Registry(storage_url)
     try:
-        return folder_gone(registry, Path(location).resolve() / study_name, study_name)
+        return folder_gone(registry, Path(location).resolve() / study_name, study_name, study_file, donors=donors)
     finally:
         registry.engine.dispose()
 
@@ -102,7 +111,7 @@ class CheckpointService:
         """`folder_gone` for this study's store, while it runs (the folder gone since the run began)."""
         if self.store.artifacts is not None:  # an object store: no folder to miss
             return None
-        return folder_gone(self.registry, self.store.folder, self.study_name)
+        return folder_gone(self.registry, self.store.folder, self.study_name, donors=self.spec.warm_start.enabled)
 
     def reconcile(self) -> list[Any]:
         """The cheap part of `sweep check`, run when a worker opens the study: rows among donors and resume points

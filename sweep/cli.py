@@ -453,7 +453,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
             if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
                 raise stop() from None  # told to stop while the storage was waited for: exits as told
             raise _storage_failure(url, exc, url_from) from None
-        if spec.checkpoints.enabled and (gone := _store_folder_gone(url, str(location), study.study_name)):
+        if spec.checkpoints.enabled and (gone := _store_folder_gone(url, str(location), study.study_name,
+                                                                   shlex.quote(str(source)), spec.warm_start.enabled)):
             raise _fail(f"{prefix}{source}: {gone}", 1)  # before the claim makes the folder anew, empty
         if spec.checkpoints.enabled and (problem := _store_claim_problem(
                 study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
@@ -487,11 +488,11 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
     return study
 
 
-def _store_folder_gone(url: str, location: str, name: str) -> str | None:
+def _store_folder_gone(url: str, location: str, name: str, study_file: str, donors: bool) -> str | None:
     from sweep.checkpoints import store_folder_gone
 
     try:
-        return store_folder_gone(url, location, name)
+        return store_folder_gone(url, location, name, study_file, donors=donors)
     except Exception:  # noqa: BLE001 - the registry unreadable now: the worker's own check meets it, as a storage fault
         return None
 
@@ -875,6 +876,14 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
     return study, url
 
 
+def _folder_name_problem(name: str) -> str | None:
+    """Why a study's name, as another tool may have made it, names no folder of its own under a store or a tracking
+    root (`..`, a slash: the folder would lie elsewhere, and `check --repair` would delete files there)."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        return "its name is no folder's name (empty, '.', '..', or holding a slash)"
+    return None
+
+
 def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
     """`-o` inside the study's checkpoint store (known once the study is open): writing there would replace a
     checkpoint, or leave a file the store's check reports."""
@@ -1145,6 +1154,9 @@ def check(
     from sweep.study import is_another_store
 
     study, url = _open_with_url(target, storage, study_name, "check")
+    if (unnamed := _folder_name_problem(study.study_name)) is not None:
+        raise _fail(f"study {study.study_name!r}: {unnamed}, so it has no folder of a checkpoint store to check; "
+                    "nothing checked or repaired", 2)
     registry = Registry(url, create=repair)  # a check alone writes nothing, not even the registry's table
     # The store is the study file's when one is given. Named only by the database, a store other than the default
     # one beside it is not trusted to delete files in: whoever can write the database could point it anywhere.
@@ -1262,6 +1274,8 @@ def tensorboard(
     from sweep.tracking import study_tensorboard_folder
 
     study, url = _open_with_url(target, storage, study_name, "tensorboard")
+    if (problem := _folder_name_problem(study.study_name)) is not None:
+        raise _fail(f"study {study.study_name!r}: {problem}, so it has no TensorBoard folder to show", 2)
     folder = study_tensorboard_folder(study, url)
     if not folder.is_dir():
         raise _fail(f"no TensorBoard runs for study {study.study_name!r} in {folder}: its trials write them with "

@@ -355,9 +355,9 @@ def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if spec.direction != "maximize" or not _LOSS.fullmatch(spec.metric):
         return []
     given = "" if "metric" in spec.model_fields_set else " (the default metric)"
-    return [("direction", f"maximize with metric {spec.metric!r}{given} keeps the trials whose loss is highest, and "
-                          "fast-fail would prune the ones whose loss falls; name what to maximise with metric: "
-                          "(val_accuracy, say), or minimize the loss")]
+    pruned = ", and fast-fail would prune the ones whose loss falls" if "fastfail" in _pruners(spec.pruner) else ""
+    return [("direction", f"maximize with metric {spec.metric!r}{given} keeps the trials whose loss is highest"
+                          f"{pruned}; name what to maximise with metric: (val_accuracy, say), or minimize the loss")]
 
 
 def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:

@@ -119,7 +119,8 @@ def redact(text: str, url: str) -> str:
 
 
 # A SQLite URL, with or without its driver's name (`sqlite+pysqlite:///`), and its file's path (not `:memory:`).
-SQLITE_URL = re.compile(r"(?P<scheme>sqlite(?:\+\w+)?:///)(?P<path>(?!:memory:)[^?]+)(?P<query>(?:\?.*)?)", re.S)
+SQLITE_URL = re.compile(r"(?P<scheme>sqlite(?:\+\w+)?:///)(?P<path>(?!:memory:(?:\?|$))[^?]+)"
+                        r"(?P<query>(?:\?.*)?)", re.S)
 
 
 def sqlite_path(url: str) -> Path | None:

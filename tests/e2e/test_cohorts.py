@@ -299,15 +299,20 @@ def test_a_model_that_cannot_be_batched_trains_one_trial_at_a_time_with_one_line
     assert max(in_flight(trials)) == 1 and all("cohort" not in t.user_attrs for t in trials)
 
 
+def six_widths_study(folder: Path, n_trials: int) -> Path:
+    """Random sampling of the learning rate and of six widths (a shape key), 10 steps a trial."""
+    path = cohort_study(folder, n_trials=n_trials, sampler={"type": "random"},
+                        fixed={"max_steps": 10, "eval_every_steps": 10})
+    document = yaml.safe_load(path.read_text())
+    document["space"]["model.hidden"] = {"type": "categorical", "choices": [8, 16, 24, 32, 40, 48]}
+    return write_study(folder, document)
+
+
 def test_each_cohort_s_first_member_draws_its_shapes_anew(tmp_path: Path) -> None:
     # A cohort takes 4K members, then drains, so that the next one's shapes are the sampler's choice again. The
     # shape keys fixed for the first cohort's members stayed fixed for every later ask: one shape for the whole
     # study. Now each cohort's first member draws them freely, and its later members share them.
-    path = cohort_study(tmp_path, n_trials=24, sampler={"type": "random"},
-                        fixed={"max_steps": 10, "eval_every_steps": 10})
-    document = yaml.safe_load(path.read_text())
-    document["space"]["model.hidden"] = {"type": "categorical", "choices": [8, 16, 24, 32, 40, 48]}
-    write_study(tmp_path, document)
+    path = six_widths_study(tmp_path, 24)
     done = sweep_cli("run", path, "--cohort", "2")
     assert done.returncode == 0, done.stderr
     cohorts: dict[str, set[int]] = {}
@@ -321,11 +326,7 @@ def test_each_cohort_s_first_member_draws_its_shapes_anew(tmp_path: Path) -> Non
 def test_a_study_smaller_than_one_cohort_s_intake_says_its_shape_keys_get_one_value(tmp_path: Path) -> None:
     """Six trials, a cohort of 2 taking 8 members: every trial shares the first one's width, which the README says
     and the run did not; it now says so once, naming the key and its value."""
-    path = cohort_study(tmp_path, n_trials=6, sampler={"type": "random"},
-                        fixed={"max_steps": 10, "eval_every_steps": 10})
-    document = yaml.safe_load(path.read_text())
-    document["space"]["model.hidden"] = {"type": "categorical", "choices": [8, 16, 24, 32, 40, 48]}
-    write_study(tmp_path, document)
+    path = six_widths_study(tmp_path, 6)
     done = sweep_cli("run", path, "--cohort", "2")
     assert done.returncode == 0, done.stderr
     widths = {t.params["model.hidden"] for t in load(tmp_path).get_trials()}

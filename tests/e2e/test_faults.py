@@ -1037,6 +1037,22 @@ def test_a_retry_copies_the_evaluations_whose_reports_were_lost_from_its_checkpo
 
 
 @pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+@contextlib.contextmanager
+def sweeper_role() -> Iterator[tuple[Any, str]]:
+    """A throwaway server whose database a role `sweeper` owns: the admin's engine, and the URL the workers use."""
+    from sqlalchemy import create_engine, text
+
+    with PostgresServer() as server:
+        admin = create_engine(server.url)
+        with admin.begin() as connection:
+            connection.execute(text("CREATE ROLE sweeper LOGIN"))
+            connection.execute(text("ALTER DATABASE sweep OWNER TO sweeper"))
+        try:
+            yield admin, server.url.replace("postgres@", "sweeper@")
+        finally:
+            admin.dispose()
+
+
 def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_worker_saying_so(
         tmp_path: Path) -> None:
     """The checkpoint registry refused the workers' role its writes (one role made the tables, the workers run as
@@ -1044,16 +1060,11 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
     trained, and `max_repeated_failures` never stopped it (SQLAlchemy's message holds each statement's parameters,
     so no two failures looked the same). The storage's refusal is the machine's fault: retried, not counted, and
     three in a row stop the worker with one line; once the right is granted back the next run spends the budget."""
-    from sqlalchemy import create_engine, text
+    from sqlalchemy import text
 
     from tests.conftest import TINY_STUDY, sweep_cli
 
-    with PostgresServer() as server:
-        admin = create_engine(server.url)
-        with admin.begin() as connection:
-            connection.execute(text("CREATE ROLE sweeper LOGIN"))
-            connection.execute(text("ALTER DATABASE sweep OWNER TO sweeper"))
-        url = server.url.replace("postgres@", "sweeper@")
+    with sweeper_role() as (admin, url):
         document = copy.deepcopy(TINY_STUDY) | {"name": "refused", "n_trials": 5}
         path = write_study(tmp_path, document)
         first = sweep_cli("run", path, "--storage", url, "--n-trials", "1")
@@ -1089,23 +1100,17 @@ def test_a_table_the_worker_s_role_may_not_write_costs_no_budget_and_stops_the_w
             assert "the storage refused: InsufficientPrivilege: permission denied for table version_info" in line, \
                 opened.stderr
             assert "invalid data" not in opened.stderr and "Traceback" not in opened.stderr, opened.stderr
-        admin.dispose()
 
 
 @pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
 def test_statements_the_server_times_out_are_waited_out_then_named_as_its_statement_timeout(tmp_path: Path) -> None:
     """A role whose statement_timeout cancels sweep's statements (here: while a table is locked elsewhere) looked
     like a server that cannot be reached; the lines now name the timeout and where it is set."""
-    from sqlalchemy import create_engine, text
+    from sqlalchemy import text
 
     from tests.conftest import TINY_STUDY, sweep_cli
 
-    with PostgresServer() as server:
-        admin = create_engine(server.url)
-        with admin.begin() as connection:
-            connection.execute(text("CREATE ROLE sweeper LOGIN"))
-            connection.execute(text("ALTER DATABASE sweep OWNER TO sweeper"))
-        url = server.url.replace("postgres@", "sweeper@")
+    with sweeper_role() as (admin, url):
         document = copy.deepcopy(TINY_STUDY) | {"name": "timed", "n_trials": 3, "storage_patience": 3}
         path = write_study(tmp_path, document)
         first = sweep_cli("run", path, "--storage", url, "--n-trials", "1")
@@ -1124,7 +1129,6 @@ def test_statements_the_server_times_out_are_waited_out_then_named_as_its_statem
         again = sweep_cli("run", path, "--storage", url)  # the lock gone, the same timeout is no trouble
         assert again.returncode == 0, again.stderr
         assert sum(t.state == TrialState.COMPLETE for t in load_trials(url, "timed")) == 3
-        admin.dispose()
 
 
 # Trains slowly; at step 10 it says so (a file) and waits for the test's go (another file) before it goes on.

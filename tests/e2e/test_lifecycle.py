@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import optuna
@@ -83,9 +84,9 @@ def test_a_store_folder_gone_at_a_rerun_stops_it_and_keeps_the_resume_points_for
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"error: {path}: checkpoints.store: the study's folder {store} is not there, and the "
                            "registry names "), done.stderr
-    assert line.endswith(" checkpoints in it (resume points, warm-start donors): mount or restore it, then rerun; its "
-                         "rows are kept. If its checkpoints are gone for good, `sweep check STUDY.yaml --repair` "
-                         "forgets them"), done.stderr
+    assert line.endswith(" checkpoints in it that trials resume, warm-start or are reproduced from: mount or "
+                         "restore it, then rerun; its rows are kept. If its checkpoints are gone for good, "
+                         f"`sweep check {path} --repair` forgets them"), done.stderr
     assert not store.exists()  # not made anew, empty, by the run's claim of it
     assert [t.state for t in trials(path, "cut")] == [TrialState.FAIL, TrialState.WAITING]  # nothing trained
     (path.parent / "unmounted").rename(store)
@@ -94,6 +95,14 @@ def test_a_store_folder_gone_at_a_rerun_stops_it_and_keeps_the_resume_points_for
     retry = trials(path, "cut")[1]
     assert retry.state == TrialState.COMPLETE
     assert retry.user_attrs["resumed_from"] == {"trial": cut.number, "step": stopped_at}
+    # Its checkpoints deleted on purpose: the retry's resume point (pinned, for `sweep reproduce`) stops the run
+    # until `sweep check --repair`, as the line says, forgets it; then the study goes on.
+    shutil.rmtree(store)
+    done = sweep_cli("run", path, "--n-trials", "2")
+    assert done.returncode == 1 and "registry names 1 checkpoints in it" in done.stderr, done.stderr
+    assert sweep_cli("check", path, "--repair").returncode == 0
+    done = sweep_cli("run", path, "--n-trials", "2")
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("how", [["--cohort", "2"], ["--workers", "2"]], ids=["cohort", "workers"])

@@ -137,6 +137,8 @@ TYPES = [
     # A loss maximised: the study would keep its worst trials and fast-fail prune the learning ones.
     bad_file("values", "maximize-the-default-loss", changed(direction="maximize"), "direction",
              "maximize with metric 'val_loss' (the default metric) keeps the trials whose loss is highest"),
+    bad_file("values", "maximize-a-loss-without-fast-fail", changed(direction="maximize", pruner="median"),
+             "direction", "keeps the trials whose loss is highest; name what to maximise"),
     bad_file("values", "maximize-a-named-loss", changed(direction="maximize", metric="train_loss"),
              ("direction", "metric"), "maximize with metric 'train_loss' keeps"),  # (digits reports no train_loss)
     bad_file("types", "low-word", changed(space__learning_rate={**FLOAT, "low": "abc"}), f"{LR}.low",
@@ -1279,6 +1281,22 @@ def test_a_study_another_tool_named_freely_is_read_by_its_name(tmp_path: Path) -
     for command in (("run",), ("status",)):
         done = sweep_cli(*command, study, "--study-name", "my study", cwd=tmp_path)
         assert done.returncode == 2 and "(the name is a folder), got 'my study'" in done.stderr, done.stderr
+
+
+def test_check_and_tensorboard_refuse_a_study_whose_name_leads_out_of_the_store(tmp_path: Path) -> None:
+    """A study another tool named `../victim`: `sweep check --repair` took `STORE/../victim/` for its folder and
+    deleted the files there that no checkpoint row names. Both commands that make a folder of the name refuse it."""
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "notes.txt").write_text("important\n")
+    old = time.time() - 7200  # older than any file a running worker may be writing
+    os.utime(tmp_path / "victim" / "notes.txt", (old, old))
+    optuna.create_study(study_name="../victim", storage=f"sqlite:///{tmp_path / 'x.db'}").optimize(
+        lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    for command in (("check", "--repair"), ("check",), ("tensorboard",)):
+        done = sweep_cli(command[0], "x.db", "--study-name", "../victim", *command[1:], cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: study '../victim': its name is no folder's name"), done.stderr
+    assert (tmp_path / "victim" / "notes.txt").read_text() == "important\n"
 
 
 def test_a_report_of_a_study_sweep_did_not_create_prints_only_where_it_wrote(tmp_path: Path) -> None:

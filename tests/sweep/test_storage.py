@@ -37,7 +37,8 @@ def test_processes_creating_a_new_sqlite_database_at_once_all_succeed(tmp_path: 
 @pytest.mark.parametrize(("url", "path"), [
     ("sqlite:///study.db", "study.db"), ("sqlite:////abs/study.db", "/abs/study.db"),
     ("sqlite+pysqlite:///runs/mlflow.db", "runs/mlflow.db"), ("sqlite:///a.db?timeout=5", "a.db"),
-    ("sqlite:///:memory:", None), ("sqlite://", None), ("sqlite://host/a.db", None),
+    ("sqlite:///:memory:", None), ("sqlite:///:memory:?cache=shared", None),
+    ("sqlite:///:memory:x.db", ":memory:x.db"), ("sqlite://", None), ("sqlite://host/a.db", None),
     ("postgresql+psycopg://u:p@127.0.0.1/db", None), ("file:///a.db", None)])
 def test_sqlite_path_is_the_file_of_any_sqlite_url_and_none_for_the_rest(url: str, path: str | None) -> None:
     assert sqlite_path(url) == (None if path is None else Path(path))
