@@ -178,15 +178,13 @@ def _outage_hint(exc: BaseException) -> str:
                 f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
     if _driver_says(exc, _DISK_FULL):
         return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
-    if _driver_says(exc, _STATEMENT_TIMEOUT):
-        return (" (the server cancels statements that run longer than its statement_timeout: a lock held elsewhere "
-                "ends, but a timeout set for the role or the database below what one of sweep's statements takes "
-                "never does; raise it: ALTER ROLE ... SET statement_timeout = ...)")
+    for setting in ("statement", "lock"):
+        if _driver_says(exc, (f"canceling statement due to {setting} timeout",)):
+            return (f" (the server cancels statements that {'run' if setting == 'statement' else 'wait for a lock'} "
+                    f"longer than its {setting}_timeout: a lock held elsewhere ends, but a timeout set for the role or "
+                    "the database below what one of sweep's statements takes never does; raise it: ALTER ROLE ... "
+                    f"SET {setting}_timeout = ...)")
     return ""
-
-
-# PostgreSQL's words for a statement cancelled by `statement_timeout` (or `lock_timeout`).
-_STATEMENT_TIMEOUT = ("canceling statement due to statement timeout", "canceling statement due to lock timeout")
 
 
 def engine_options(url: str) -> dict[str, Any]:
