@@ -361,6 +361,8 @@ class CohortLoop:
                     # A new cohort's first member draws its shapes freely; the cohort's later members share them.
                     fixed = self.fixed if self.cohort is not None else None
                     waiting, self.spent, self.seen = worker._ask_many(self._wanted(), fixed)  # noqa: SLF001
+                    if not waiting and worker.sampler_stopped:  # the whole grid was taken before this ask
+                        self.exhausted = self.spent = True
                     if not waiting:
                         return
                     for trial in waiting:  # beating while they wait their turn (one may train alone meanwhile)

@@ -234,6 +234,8 @@ class Worker:
             trial, spent, trials = self._ask_next()
             if spent:
                 return self._summary()
+            if trial is None and self.sampler_stopped:  # the grid was done before this trial was asked
+                return self._summary(exhausted=True)
             if trial is None:  # the last trials run elsewhere; wait in case one of their workers dies
                 self._adopt_silent_trials(trials)
                 time.sleep(self.spec.heartbeat_interval)
@@ -338,12 +340,15 @@ class Worker:
         if self._warm_results_pending(trials, used + running):
             return None, False, trials
         self._queue_confirmation(trials, used + running)
-        if fixed and self.spec.sampler.type == "bruteforce" and not any(t.state == TrialState.WAITING
-                                                                         for t in trials):
-            point = unexplored_point(self.spec, fixed, trials)  # a queued trial comes first, with its own params
+        if self.spec.sampler.type == "bruteforce" and not any(t.state == TrialState.WAITING for t in trials):
+            point = unexplored_point(self.spec, fixed or {}, trials)  # a queued trial comes first, with its own params
+            if point is None and not fixed:  # the whole grid is taken: BruteForceSampler would draw a copy of a
+                self.sampler_stopped = True  # point (a rerun of a finished grid trained one per run), then stop
+                return None, False, trials
             if point is None:  # every point of these shapes is taken: the cohort drains, the next draws anew
                 return None, False, trials
-            fixed = {**fixed, **point}
+            if fixed:
+                fixed = {**fixed, **point}
         sampler = self.study.sampler
         if fixed:
             self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, sampler)

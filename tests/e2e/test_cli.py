@@ -205,6 +205,24 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> No
     assert "failed: RuntimeError" in done.stderr
 
 
+@pytest.mark.parametrize("how", [[], ["--cohort", "2"]], ids=["alone", "cohort"])
+def test_a_rerun_of_a_finished_grid_trains_no_copy_of_its_points(tmp_path: Path, how: list[str]) -> None:
+    """Every point of a bruteforce grid trained, a rerun with budget left drew a copy of a finished point (Optuna's
+    sampler stops the study only once a trial is told), trained it and spent a trial of the budget, each time."""
+    document = copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 3, "sampler": "bruteforce", "pruner": "none",
+        "space": {"learning_rate": {"type": "categorical", "choices": [0.003, 0.01, 0.03]}}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    for _ in range(2):
+        done = sweep_cli("run", path, "--n-trials", "5", *how)
+        assert done.returncode == 0, done.stderr
+        assert "the sampler has tried every point of the search space; stopped with 3/5 trials done" in done.stderr
+        assert "trial 3" not in done.stderr, done.stderr
+    trials = load(tmp_path / "tiny.db").get_trials()
+    assert sorted(t.params["learning_rate"] for t in trials) == [0.003, 0.01, 0.03]
+
+
 def test_a_changed_definition_is_refused_on_resume(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study, "--n-trials", "1").returncode == 0
     done = sweep_cli("run", tiny_study, "--set", "space.learning_rate.high=0.5")
