@@ -573,9 +573,13 @@ class Worker:
                     count += 1
         self._trim_ended_ways(min(in_flight, default=None))
         if count >= self.spec.max_repeated_failures:
+            used = budget_counts(self.study.get_trials(deepcopy=False))[0]
+            rerun = (f"Fix it, then rerun with a larger --n-trials: these failures spent the budget ({used}/"
+                     f"{self.n_trials} trials done), so a rerun alone trains nothing" if used >= self.n_trials else
+                     "Fix it and rerun, or raise max_repeated_failures")
             raise StudyBrokenError(
                 f"{count} trials in a row failed the same way ({signature}); the code or the data is likely "
-                f"broken, not the configs. Fix it and rerun, or raise max_repeated_failures.")
+                f"broken, not the configs. {rerun}.")
 
     def _trim_ended_ways(self, lowest_in_flight: int | None) -> None:
         """Forget the ends no row can reach again: every trial that ends from now on is one in flight or a new one,

@@ -113,6 +113,13 @@ def test_nan_in_the_data_stops_the_study_instead_of_burning_its_budget(tmp_path:
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
     assert len(trials) == 3 and all(t.state == TrialState.PRUNED for t in trials)
     assert all(t.user_attrs["prune_reason"]["rule"] == "nan" for t in trials)
+    assert "Fix it and rerun, or raise max_repeated_failures." in done.stderr  # 3 of 10 spent: a rerun goes on
+    # Failures that spend the whole budget: "Fix it and rerun" trained nothing, as the rerun found it spent.
+    spent = write_study(tmp_path, document | {"name": "spent", "n_trials": 3}, name="spent.yaml")
+    done = sweep(spent, pythonpath=tmp_path)
+    assert done.returncode == 1
+    assert ("Fix it, then rerun with a larger --n-trials: these failures spent the budget (3/3 trials done), so a "
+            "rerun alone trains nothing.") in done.stderr, done.stderr
 
 
 def test_the_trainer_alone_applies_the_same_rules(tmp_path: Path) -> None:
