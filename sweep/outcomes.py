@@ -263,7 +263,10 @@ def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePat
             path = None if error.filename is None else str(error.filename)
             own = path is not None and any(_under(path, folder) for folder in own_folders)
             if error.errno in _ANYWHERE or (error.errno in _UNDER_OWN_FOLDERS and own):
-                text = str(error) if path is None or path in str(error) else f"{error.strerror}: {path}"
+                if path is not None and path in (error.strerror or ""):  # a message of ours that names it already
+                    text = str(error.strerror)
+                else:
+                    text = str(error) if path is None or path in str(error) else f"{error.strerror}: {path}"
                 free = _free_space(path) if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
                 folder = "" if path is None else str(PurePath(path).parent)
                 return Fault(text + ("" if " free" in text else free),

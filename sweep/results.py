@@ -190,8 +190,29 @@ def trials_per_hour(trials: list[FrozenTrial]) -> float | None:
 
 def steps_trained(trials: list[FrozenTrial]) -> int:
     """The optimizer steps the study ran itself: a warm-started trial counts only the steps after its handoff, a
-    retry those after the step it resumed from."""
-    return sum(_steps_of(t) for t in trials)
+    retry those after the step it resumed from. An interrupted trial credited up to its last evaluation trained on
+    to the checkpoint its retry resumed from: those steps count too (they were counted nowhere)."""
+    by_number = {t.number: t for t in trials}
+    total = sum(_steps_of(t) for t in trials)
+    for trial in trials:
+        resumed = trial.user_attrs.get(ATTR_RESUMED_FROM)
+        if not isinstance(resumed, dict) or not isinstance(number := resumed.get("trial"), int):
+            continue
+        origin, step = by_number.get(number), resumed.get("step")
+        if origin is not None and isinstance(step, int) and not isinstance(step, bool):
+            total += max(0, step - (_start_of(origin) + _steps_of(origin)))
+    return total
+
+
+def _start_of(trial: FrozenTrial) -> int:
+    """The step a trial's own training began at: its resume point, its donor's step, or 0."""
+    resumed = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step")
+    handoff = (trial.user_attrs.get(ATTR_WARM_START) or {}).get("step")
+    if isinstance(resumed, int):
+        return resumed
+    if isinstance(handoff, int) and (not trial.intermediate_values or min(trial.intermediate_values) > handoff):
+        return handoff  # it went on from its donor's step; one whose reports begin at or below it counted from 0
+    return 0
 
 
 def _steps_of(trial: FrozenTrial) -> int:
@@ -200,12 +221,7 @@ def _steps_of(trial: FrozenTrial) -> int:
     recorded = trial.user_attrs.get(ATTR_STEPS_TRAINED, trial.user_attrs.get(ATTR_STEPS))
     if recorded is not None or not trial.intermediate_values:
         return int(recorded or 0)
-    resumed = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step")
-    handoff = (trial.user_attrs.get(ATTR_WARM_START) or {}).get("step")
-    start = resumed if isinstance(resumed, int) else 0
-    if not isinstance(resumed, int) and isinstance(handoff, int) and min(trial.intermediate_values) > handoff:
-        start = handoff  # it went on from its donor's step; one whose reports begin at or below it counted from 0
-    return max(0, int(max(trial.intermediate_values)) - start)
+    return max(0, int(max(trial.intermediate_values)) - _start_of(trial))
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:

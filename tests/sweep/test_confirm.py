@@ -182,3 +182,21 @@ def test_a_warm_trial_that_ended_before_recording_its_steps_is_credited_what_it_
         study.add_trial(create_trial(state=TrialState.FAIL, user_attrs=attrs, intermediate_values=reports,
                                      params={}, distributions={}))
     assert [steps_trained([t]) for t in study.get_trials()] == [10, 10, 5]
+
+
+def test_an_interrupted_trial_s_steps_up_to_its_retry_s_resume_point_are_counted(tmp_path: Path) -> None:
+    # Interrupted between two evaluations: credited up to its last one (1000), it trained on to its checkpoint at
+    # 1100, where its retry resumed and counted from. The 100 steps between were counted nowhere (`sweep status`
+    # said 11900 steps trained for 12000). A retry that resumed from an older checkpoint adds nothing.
+    from sweep.results import steps_trained
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    evaluations = {step: 1.0 / step for step in range(200, 1001, 200)}
+    study.add_trial(create_trial(state=TrialState.FAIL, user_attrs={"outcome": "interrupted"},
+                                 intermediate_values=evaluations, params={}, distributions={}))
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.1, params={}, distributions={},
+                                 user_attrs={"resumed_from": {"trial": 0, "step": 1100}, "steps_trained": 1900}))
+    assert steps_trained(study.get_trials()) == 3000
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.1, params={}, distributions={},
+                                 user_attrs={"resumed_from": {"trial": 0, "step": 800}, "steps_trained": 2200}))
+    assert steps_trained(study.get_trials()) == 3000 + 2200

@@ -71,6 +71,11 @@ def test_a_full_disk_is_the_machine_s_fault_anywhere_and_a_missing_file_only_in_
     assert infrastructure_fault(ours, [tmp_path]) is not None
     assert infrastructure_fault(MemoryError()) is None  # out of memory is the config's
     assert infrastructure_fault(ValueError("lr must be positive")) is None
+    # The checkpoint store's folder gone under a running study: its own line, not "[Errno 2] <line>: '<path>'".
+    folder = str(tmp_path / "store" / "study")
+    gone = FileNotFoundError(errno.ENOENT, f"checkpoints.store: the study's folder {folder} is not there", folder)
+    fault = infrastructure_fault(gone, [tmp_path])
+    assert fault is not None and fault.reason == f"checkpoints.store: the study's folder {folder} is not there"
 
 
 def test_connection_trouble_is_transient_and_wrong_names_or_data_are_not() -> None:
