@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 import optuna
 
 from sweep.outcomes import OBJECT_STORE_CLIENTS, ObjectStoreError
+from sweep.urls import plain_folder_name
 from trainer.checkpoint import TrainState, load_checkpoint
 
 __all__ = ["OWNER_FILE", "BlobScope", "CheckpointStore", "RetainedArtifacts", "artifact_store_at",
@@ -150,7 +151,7 @@ class BlobScope:
         """The URI to read or delete (a resolved absolute path, or a full object URL) when `uri` names a blob inside
         `study`'s part of the store; None for anything else (a path elsewhere, a `..` escape, a symlink that leads
         out, another bucket or scheme, a key outside the study's prefix)."""
-        if not study or "/" in study or "\\" in study or study in (".", ".."):
+        if not plain_folder_name(study):
             return None
         return self._find_object(uri, study) if self.object else self._find_file(uri, study)
 

@@ -69,9 +69,9 @@ def folder_gone(registry: Registry, folder: Path, study_name: str, study_file: s
         return None
     what = "not a folder" if folder.exists() else "not there"
     return (f"checkpoints.store: the study's folder {folder} is {what}, and the registry names {len(rows)} "
-            "checkpoints in it that trials resume, warm-start or are reproduced from: mount or restore it, then rerun; "
-            "its rows are "
-            f"kept. If its checkpoints are gone for good, `sweep check {study_file} --repair` forgets them")
+            "checkpoints in it that trials resume, warm-start or are reproduced from: mount or restore it, then "
+            f"rerun; its rows are kept. If its checkpoints are gone for good, `sweep check {study_file} --repair` "
+            "forgets them")
 
 
 def store_folder_gone(storage_url: str, location: str, study_name: str, study_file: str, *,
@@ -81,9 +81,14 @@ def store_folder_gone(storage_url: str, location: str, study_name: str, study_fi
 
     if is_object_url(location):
         return None
-    registry = Registry(storage_url)
+    try:
+        registry = Registry(storage_url)
+    except Exception:  # noqa: BLE001 - the registry unreadable now: the worker's own check meets it, as a storage fault
+        return None
     try:
         return folder_gone(registry, Path(location).resolve() / study_name, study_name, study_file, donors=donors)
+    except Exception:  # noqa: BLE001 - as above
+        return None
     finally:
         registry.engine.dispose()
 

@@ -400,6 +400,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
     """Create or resume the study behind the storage boundary, whose outage lines go to stderr. A checkpoint folder
     another study of this name writes in is refused before any trial runs, and before a new study is created."""
     from sweep.blobs import claim_problem
+    from sweep.checkpoints import store_folder_gone
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
     from sweep.signals import stop_requested
@@ -453,8 +454,9 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
             if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
                 raise stop() from None  # told to stop while the storage was waited for: exits as told
             raise _storage_failure(url, exc, url_from) from None
-        if spec.checkpoints.enabled and (gone := _store_folder_gone(url, str(location), study.study_name,
-                                                                   shlex.quote(str(source)), spec.warm_start.enabled)):
+        if spec.checkpoints.enabled and (gone := store_folder_gone(url, str(location), study.study_name,
+                                                                  shlex.quote(str(source)),
+                                                                  donors=spec.warm_start.enabled)):
             raise _fail(f"{prefix}{source}: {gone}", 1)  # before the claim makes the folder anew, empty
         if spec.checkpoints.enabled and (problem := _store_claim_problem(
                 study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
@@ -486,15 +488,6 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
             finally:
                 registry.engine.dispose()
     return study
-
-
-def _store_folder_gone(url: str, location: str, name: str, study_file: str, donors: bool) -> str | None:
-    from sweep.checkpoints import store_folder_gone
-
-    try:
-        return store_folder_gone(url, location, name, study_file, donors=donors)
-    except Exception:  # noqa: BLE001 - the registry unreadable now: the worker's own check meets it, as a storage fault
-        return None
 
 
 def _study_exists(storage: Any, name: str) -> bool:
@@ -879,9 +872,9 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
 def _folder_name_problem(name: str) -> str | None:
     """Why a study's name, as another tool may have made it, names no folder of its own under a store or a tracking
     root (`..`, a slash: the folder would lie elsewhere, and `check --repair` would delete files there)."""
-    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        return "its name is no folder's name (empty, '.', '..', or holding a slash)"
-    return None
+    from sweep.urls import plain_folder_name
+
+    return None if plain_folder_name(name) else "its name is no folder's name (empty, '.', '..', or holding a slash)"
 
 
 def _store_output_problem(output: Path, study: Any, url: str) -> str | None:

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, unquote_plus
 
-__all__ = ["MASK", "SQLITE_URL", "mask_url", "mask_urls", "redact", "sqlite_path", "url_secrets"]
+__all__ = ["MASK", "SQLITE_URL", "mask_url", "mask_urls", "plain_folder_name", "redact", "sqlite_path", "url_secrets"]
 
 MASK = "***"
 
@@ -128,3 +128,9 @@ def sqlite_path(url: str) -> Path | None:
     for anything else (a server's URL, an in-memory database)."""
     found = SQLITE_URL.fullmatch(url)
     return None if found is None else Path(found["path"])
+
+
+def plain_folder_name(name: str) -> bool:
+    """Whether a study's name is one plain path segment, a folder of its own under a store or a tracking root: not
+    empty, `.` or `..`, and holding no slash (the folder would lie elsewhere)."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
