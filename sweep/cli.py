@@ -1083,8 +1083,10 @@ def trials(
 
     rows = results.trial_rows(_open(target, storage, study_name, "trials"))
     columns = list(dict.fromkeys(key for row in rows for key in row))
-    if fmt == "json":
-        sys.stdout.write(json.dumps(rows, indent=1, default=str) + "\n")
+    if fmt == "json":  # strict JSON: a value that went infinite (a pruned trial's last report) is null, as jq wants
+        from trainer.messages import strict_json
+
+        sys.stdout.write(json.dumps(strict_json(rows), indent=1, default=str, allow_nan=False) + "\n")
     elif fmt == "csv":
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns)

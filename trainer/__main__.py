@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -27,6 +26,7 @@ import torch
 
 from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest
 from trainer.loop import NullReporter, TrainResult, train
+from trainer.messages import strict_json
 from trainer.precision import DeviceUnavailable, out_of_memory, resolve_device
 from trainer.tasks import TaskError
 from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, short_repr
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
                 **({"stop_reason": result.stop_reason} if result.stop_reason else {}),
                 "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}
-        print(json.dumps(_strict_json({"config": str(path), **line} if args.batched else line), allow_nan=False))
+        print(json.dumps(strict_json({"config": str(path), **line} if args.batched else line), allow_nan=False))
     return 0
 
 
@@ -285,17 +285,6 @@ def _device_fails(config: TrainingConfig) -> bool:
         return True
     return False
 
-
-def _strict_json(value: Any) -> Any:
-    """NaN and infinities (a diverged run's metrics) as null: Python's `json.dumps` writes `NaN`, which is not JSON
-    and which jq, JavaScript and most other readers of this line refuse."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(item) for item in value]
-    return value
 
 if __name__ == "__main__":
     code = main()

@@ -1,9 +1,13 @@
 """An exception's message, read safely: a user's exception class whose `__str__` raises must not take down the code
-that reports it (a worker filing the trial's reason, the storage's check of what failed, an out-of-memory test)."""
+that reports it (a worker filing the trial's reason, the storage's check of what failed, an out-of-memory test).
+And a JSON line's numbers, written strictly (`strict_json`)."""
 
 from __future__ import annotations
 
-__all__ = ["message", "unreadable"]
+import math
+from typing import Any
+
+__all__ = ["message", "strict_json", "unreadable"]
 
 
 def message(exc: BaseException) -> str | None:
@@ -21,3 +25,16 @@ def unreadable(exc: BaseException) -> str:
     except Exception as broken:  # noqa: BLE001 - whatever a broken __str__ raises
         return f"(its message could not be read: its __str__ raised {type(broken).__name__})"
     return "(its message could not be read)"
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with NaN and infinities (a diverged run's metrics) as None, in its dicts, lists and tuples too:
+    Python's `json.dumps` writes `NaN` and `Infinity`, which are not JSON and which jq, JavaScript and most other
+    readers refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value

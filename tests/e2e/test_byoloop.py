@@ -59,6 +59,8 @@ def main(config, run):
         value = float(loss.detach())
         if config.get("nan_after") is not None and step > config["nan_after"]:
             value = float("nan")
+        if config.get("inf_after") is not None and step > config["inf_after"]:
+            value = float("inf")
         if config.get("crash_at") == step:
             raise RuntimeError(f"boom at step {step}")
         stop = run.report(step, val_loss=value)
@@ -237,6 +239,23 @@ def test_nan_after_a_good_start_is_pruned_within_one_report(tmp_path: Path) -> N
     assert trial.state.name == "PRUNED"
     assert list(trial.intermediate_values) == [5, 10] and math.isnan(trial.intermediate_values[10])
     assert trial.user_attrs["prune_reason"]["rule"] == "nan" and trial.user_attrs["prune_reason"]["step"] == 10
+
+
+def test_trials_as_json_is_strict_json_where_a_pruned_trial_kept_an_infinite_value(tmp_path: Path) -> None:
+    """Optuna keeps a pruned trial's last report as its value, infinity too: `sweep trials --format json` wrote it as
+    `Infinity`, which is not JSON (jq and JavaScript refuse the whole output). It is null, as in the trainer's line."""
+    path = loop_study(tmp_path, n_trials=1, pruner="fastfail", space={},
+                      fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "inf_after": 5,
+                             "learning_rate": 0.01})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    (trial,) = trials_of(path)
+    assert trial.state.name == "PRUNED" and trial.value == math.inf
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"not JSON: {constant}")
+
+    [row] = json.loads(sweep_cli("trials", path, "--format", "json").stdout, parse_constant=refuse)
+    assert row["state"] == "pruned" and row["value"] is None
 
 
 def test_a_crashing_loop_fails_its_trial_not_the_study(tmp_path: Path) -> None:
