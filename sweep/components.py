@@ -274,15 +274,19 @@ def unexplored_point(spec: StudySpec, fixed: Mapping[str, Any], trials: Sequence
     seed = spec.sampler.args.get("seed", spec.seed)
     rng = np.random.default_rng(None if seed is None else [int(seed), len(trials)])
     total = math.prod(len(grid) for grid in grids)
-    if total <= 100_000:  # every open point, one drawn
-        open_points = [values for values in itertools.product(*grids)
-                       if point(dict(zip(free, values)), free) not in taken]
-        return dict(zip(free, open_points[rng.integers(len(open_points))])) if open_points else None
-    for _ in range(1000):  # a grid too large to list: drawn until an open point comes up (nearly every draw)
-        values = [grid[rng.integers(len(grid))] for grid in grids]
-        if point(dict(zip(free, values)), free) not in taken:
-            return dict(zip(free, values))
-    return None
+    large = total > 100_000
+    if large or 2 * len(taken) < total:
+        # Most points open (or too many to list): drawn until an open one comes up, two draws on average, each open
+        # point as likely as another, as when listed. Listing every point took 0.26 s per ask on a 99k-point grid.
+        for _ in range(1000 if large else 64):
+            values = [grid[rng.integers(len(grid))] for grid in grids]
+            if point(dict(zip(free, values)), free) not in taken:
+                return dict(zip(free, values))
+        if large:
+            return None
+    open_points = [values for values in itertools.product(*grids)  # few open: every one listed, one drawn
+                   if point(dict(zip(free, values)), free) not in taken]
+    return dict(zip(free, open_points[rng.integers(len(open_points))])) if open_points else None
 
 
 def _grid(param: Param) -> list[Any]:
