@@ -233,7 +233,8 @@ class ObjectStoreError(RuntimeError):
 OBJECT_STORE_CLIENTS = ("botocore.", "boto3.", "s3transfer.", "google.auth.", "google.api_core.", "google.cloud.",
                          "google.resumable_media.")
 _ANYWHERE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
-_UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ESTALE}
+# EEXIST: a file where the study's folder must be (mkdir refuses it): not the config's doing.
+_UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.ESTALE}
 
 
 FOLDER_FIX = "free space, remount or recreate the folder"

@@ -363,6 +363,14 @@ def _is_write_failure(exc: RuntimeError) -> bool:
     return "inline_container" in message or "PytorchStreamWriter" in message
 
 
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The closest of `folder` and the folders above it that exists, when it is no folder (a file put in its place)."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists() or candidate.is_symlink():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
 def _write_error(path: Path, exc: OSError | RuntimeError, size: int) -> CheckpointWriteError:
     """The machine fault behind a failed write, in one line. The OS's own errno when it gave one; torch's writer gives
     none: the disk was full if it has less free space (the temporary file gone) than the checkpoint's tensors take."""
@@ -372,6 +380,8 @@ def _write_error(path: Path, exc: OSError | RuntimeError, size: int) -> Checkpoi
     code: int | None
     if own == errno.ENOSPC or (own is None and free is not None and free < size):
         code, reason = errno.ENOSPC, f"no space left on device ({space}; the checkpoint needs at least {_bytes(size)})"
+    elif own in (errno.EEXIST, errno.ENOTDIR) and (blocked := _file_in_the_way(path.parent)) is not None:
+        code, reason = own, f"{blocked} is a file, not a folder"  # mkdir's "file exists" named neither
     elif own is not None:
         code, reason = own, f"{os.strerror(own).lower()} ({space})"  # read-only file system, I/O error, ...
     else:

@@ -69,6 +69,10 @@ def test_a_full_disk_is_the_machine_s_fault_anywhere_and_a_missing_file_only_in_
     assert infrastructure_fault(missing, [tmp_path]) is None  # a path the config names
     ours = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "store" / "a.pt"))
     assert infrastructure_fault(ours, [tmp_path]) is not None
+    # A file where the study's folder must be: mkdir's EEXIST there is the machine's too (it was the config's).
+    blocked = OSError(errno.EEXIST, "File exists", str(tmp_path / "store" / "study"))
+    assert infrastructure_fault(blocked, [tmp_path]) is not None
+    assert infrastructure_fault(OSError(errno.EEXIST, "File exists", "/data/out"), [tmp_path]) is None
     assert infrastructure_fault(MemoryError()) is None  # out of memory is the config's
     assert infrastructure_fault(ValueError("lr must be positive")) is None
     # The checkpoint store's folder gone under a running study: its own line, not "[Errno 2] <line>: '<path>'".

@@ -236,6 +236,21 @@ def test_a_read_only_disk_is_a_checkpoint_write_error_with_its_own_errno(small_d
 
 
 
+@pytest.mark.parametrize("depth", [0, 1], ids=["its-folder", "a-folder-above"])
+def test_a_file_where_the_checkpoint_folder_must_be_is_a_write_error_that_names_it(tmp_path: Path,
+                                                                                   depth: int) -> None:
+    """A file put where the study's folder was (`mkdir` refuses it: "file exists", naming neither) is the machine's
+    fault: the worker retries the trial and does not count it, where it failed every trial as the config's (review)."""
+    blocked = tmp_path / "store" / "study"
+    blocked.parent.mkdir()
+    blocked.write_text("not a folder")
+    path = blocked / ("sub" if depth else "") / "trial00000-step00000100.pt"
+    with pytest.raises(CheckpointWriteError) as info:
+        save_checkpoint(path, weights(1, 10))
+    assert info.value.errno in (errno.EEXIST, errno.ENOTDIR) and info.value.filename == str(path)
+    assert str(info.value) == f"cannot write checkpoint {path}: {blocked} is a file, not a folder"
+
+
 def test_checkpoints_written_together_are_the_files_written_one_by_one_and_a_failure_stays_its_own(
         tmp_path: Path) -> None:
     """A cohort's members' checkpoints are written on threads at once: each file is the one `save_checkpoint`
