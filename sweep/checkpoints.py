@@ -31,7 +31,7 @@ from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_bl
 from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, ATTR_RETRY_OF, Outcome, lineage
 from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
-from sweep.storage import StorageAway, error_line, sqlite_path
+from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
 from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
 
@@ -100,7 +100,8 @@ class CheckpointService:
         self.spec, self.study_name = spec, study.study_name
         self.maximize = spec.direction == "maximize"
         self.boundary = boundary
-        self.registry: Registry = boundary.guard(boundary.call(Registry, storage_url))
+        self.registry: Registry = boundary.guard(boundary.call(Registry, storage_url,
+                                                               lock_wait_s=lock_wait(spec.storage_patience)))
         self.store = CheckpointStore(spec.checkpoints.store or default_store(storage_url), study.study_name)
         self.artifacts: Any = None
         if spec.checkpoints.artifacts:

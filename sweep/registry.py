@@ -45,7 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from sweep.storage import open_engine, sqlite_path
+from sweep.storage import SQLITE_LOCK_WAIT_S, open_engine, sqlite_path
 
 if TYPE_CHECKING:
     from sweep.schema import StudySpec
@@ -156,10 +156,12 @@ def study_folder(spec_path: Path) -> Path:
 
 
 class Registry:
-    def __init__(self, storage_url: str, engine: Engine | None = None, *, create: bool = True) -> None:
+    def __init__(self, storage_url: str, engine: Engine | None = None, *, create: bool = True,
+                 lock_wait_s: float = SQLITE_LOCK_WAIT_S) -> None:
         """`create` False: for a command that only reads (`sweep check` without `--repair`): a database without the
-        table (its rows are then none) or with an older one is left as it is."""
-        self.engine = engine if engine is not None else open_engine(storage_url)
+        table (its rows are then none) or with an older one is left as it is. `lock_wait_s`: a worker's
+        (`storage.lock_wait`)."""
+        self.engine = engine if engine is not None else open_engine(storage_url, lock_wait_s=lock_wait_s)
         self.absent = False
         if not create:
             self.absent = not inspect(self.engine).has_table(checkpoints.name)

@@ -78,11 +78,22 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _serialise_sqlite(engine: Engine) -> None:
+SQLITE_LOCK_WAIT_S = 60.0  # how long one SQLite statement waits for another connection's lock before it fails
+
+
+def lock_wait(patience_s: float) -> float:
+    """How long a worker's SQLite statement waits for a lock: `SQLITE_LOCK_WAIT_S`, or the study's
+    `storage_patience` when that is shorter. Each wait is one attempt of the `Boundary`, which retries a locked
+    database until the patience is spent: with a 60 s wait, a patience of 8 s was spent only after two waits, 120 s
+    (review)."""
+    return min(SQLITE_LOCK_WAIT_S, patience_s)
+
+
+def _serialise_sqlite(engine: Engine, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -> None:
     @event.listens_for(engine, "connect")
     def _connect(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None  # let SQLAlchemy's BEGIN below be the only one
-        dbapi_connection.execute("PRAGMA busy_timeout = 60000")
+        dbapi_connection.execute(f"PRAGMA busy_timeout = {int(lock_wait_s * 1000)}")
         if dbapi_connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal":
             # A commit is then an append to the log, not an fsync: a killed worker loses nothing it committed, and a
             # power cut at most the last commits, never the file's integrity (SQLite's own advice for WAL).
@@ -133,9 +144,9 @@ _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 CONNECTIONS_PER_WORKER = 4
 
 
-def open_engine(url: str, **kwargs: Any) -> Engine:
+def open_engine(url: str, *, lock_wait_s: float = SQLITE_LOCK_WAIT_S, **kwargs: Any) -> Engine:
     """`create_engine(url)` with sweep's options (`engine_options`), known to `release_idle_connections`."""
-    engine = create_engine(url, **kwargs, **engine_options(url))
+    engine = create_engine(url, **kwargs, **engine_options(url, lock_wait_s=lock_wait_s))
     _ENGINES.add(engine)
     return engine
 
@@ -187,12 +198,12 @@ def _outage_hint(exc: BaseException) -> str:
     return ""
 
 
-def engine_options(url: str) -> dict[str, Any]:
-    """`create_engine`'s options for sweep's connections to `url`: SQLite waits up to 60 s for a lock; a server's
-    connections are checked before use (one that died with a restart is replaced) and, on PostgreSQL, bounded in
-    time (`POSTGRESQL_CONNECT_ARGS`)."""
+def engine_options(url: str, *, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -> dict[str, Any]:
+    """`create_engine`'s options for sweep's connections to `url`: SQLite waits up to `lock_wait_s` for a lock
+    (`lock_wait`); a server's connections are checked before use (one that died with a restart is replaced) and, on
+    PostgreSQL, bounded in time (`POSTGRESQL_CONNECT_ARGS`)."""
     if sqlite_path(url) is not None or url.startswith("sqlite"):
-        return {"connect_args": {"timeout": 60}}
+        return {"connect_args": {"timeout": lock_wait_s}}
     options: dict[str, Any] = {"pool_pre_ping": True}
     parsed = make_url(url)
     if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name().startswith("psycopg"):  # libpq's
@@ -224,7 +235,7 @@ _RDB_LOGGER = logging.getLogger("optuna.storages._rdb.storage")
 
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
                  stale_trial_callback: Callable[[optuna.Study, optuna.trial.FrozenTrial], None] | None = None,
-                 wal: bool = True) -> optuna.storages.RDBStorage:
+                 wal: bool = True, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage, made safe for several worker processes (see the module docstring). With a heartbeat,
     a RUNNING trial whose worker has not beaten for `grace_period` seconds is failed by `fail_stale_trials` and handed
     to `stale_trial_callback`. `wal` False: a SQLite file is read in whatever journal mode it has (a command that
@@ -232,9 +243,9 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     if not any(isinstance(f, _NoFallbackNotice) for f in _RDB_LOGGER.filters):
         _RDB_LOGGER.addFilter(_NoFallbackNotice())
     path = sqlite_path(url)
-    engine_kwargs = engine_options(url)
+    engine_kwargs = engine_options(url, lock_wait_s=lock_wait_s)
     if wal and path is not None and path.parent.exists():
-        _use_wal(url)
+        _use_wal(url, lock_wait_s)
     for attempt in range(5):
         try:
             with warnings.catch_warnings():  # Optuna marks the heartbeat experimental; it is this storage's design
@@ -251,7 +262,7 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
                 raise
             time.sleep(0.2 * (attempt + 1))
     if path is not None:
-        _serialise_sqlite(storage.engine)
+        _serialise_sqlite(storage.engine, lock_wait_s)
         storage.engine.dispose()  # reconnect with the listeners above
     _ENGINES.add(storage.engine)
     return storage

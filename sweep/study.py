@@ -24,7 +24,7 @@ from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
 from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
 from sweep.registry import default_store
 from sweep.schema import StudySpec, resolve_storage_url
-from sweep.storage import Boundary, PatientStorage, load_existing_study, make_storage, mask_url
+from sweep.storage import Boundary, PatientStorage, load_existing_study, lock_wait, make_storage, mask_url
 from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
 from trainer.config import nest
 from trainer.yaml_file import short_repr
@@ -52,7 +52,7 @@ def worker_storage(spec: StudySpec, url: str, *, notify: Callable[[str], None] |
     boundary = Boundary(spec.storage_patience, label=f"storage {mask_url(url)}", notify=notify,
                         reached=os.environ.get("SWEEP_WORKER") is not None)
     backend = boundary.call(make_storage, url, heartbeat_interval=spec.heartbeat_interval,
-                            grace_period=spec.heartbeat_grace_period)
+                            grace_period=spec.heartbeat_grace_period, lock_wait_s=lock_wait(spec.storage_patience))
     return PatientStorage(backend, boundary)
 
 

@@ -99,6 +99,10 @@ class Ranks:
         """The mean of a scalar tensor over the ranks."""
         return value
 
+    def total(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of a scalar tensor over the ranks, in float32 (on the device: no sync)."""
+        return value.to(torch.float32)
+
     def finish(self) -> None:
         """After a clean end: wait for every rank to get here, then leave the group (`close`)."""
 
@@ -170,9 +174,12 @@ class ProcessGroup(Ranks):
             return bool(value.item())
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.total(value) / self.world
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
         total = value.detach().to(self.comm, torch.float32).clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return (total / self.world).to(value.device)
+        return total.to(value.device)
 
     def finish(self) -> None:
         # A rank that tore its connections down while another still finished its last collective would make that
@@ -261,7 +268,11 @@ class RankFailed(RuntimeError):
         # exception whose message spans lines ends with advice ("In addition, you can set ...") that says nothing.
         lines = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in tail.strip().splitlines()]
         raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
-        last = (raised[-1] if raised else lines[-1] if lines else "")[:300]
+        last = raised[-1] if raised else lines[-1] if lines else ""
+        if UNUSED_PARAMETERS in last:  # its advice (`find_unused_parameters=True`) names an option sweep does not take
+            last = ("RuntimeError: the model has parameters its loss does not use, which DDP cannot train on several "
+                    "ranks: leave them out of the model, or give them a part in the loss")
+        last = last[:300]
         if returncode is None:
             message = f"a rank did not answer within the collective timeout of {timeout_s:g} s (hung)"
         elif self.signal is not None:
@@ -283,6 +294,7 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+UNUSED_PARAMETERS = "parameters that were not used in producing loss"  # DDP's error, in the torch versions we run on
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)(: |$)")
 
 
@@ -424,11 +436,9 @@ def _ended_on(signals: Collection[int], children: list[subprocess.Popen[bytes]])
             if previous != -1:
                 with contextlib.suppress(OSError):
                     os.write(previous, data)
-            if wanted.intersection(data):
-                for child in children:
-                    if child.returncode is None:
-                        with contextlib.suppress(OSError):
-                            child.terminate()
+            if wanted.intersection(data):  # SIGTERM, then SIGKILL for one that has not ended 5 s later
+                with contextlib.suppress(Exception):  # a thread of its own: nothing to raise to
+                    _end(children, grace_s=5.0)
 
     thread = threading.Thread(target=watch, daemon=True, name="rank-signals")
     thread.start()
@@ -492,13 +502,17 @@ def _device_type(config: TrainingConfig) -> str:
 
 
 def _end(children: list[subprocess.Popen[bytes]], *, grace_s: float, terminate: bool = True) -> None:
-    """Wait for the children (after SIGTERM when `terminate`); any still running after `grace_s` is killed."""
+    """Wait for the children (after SIGTERM when `terminate`; a stopped one is continued, so that it takes the
+    SIGTERM now); any still running `grace_s` after is killed."""
     for child in children:
         if terminate and child.poll() is None:
-            child.terminate()
+            with contextlib.suppress(OSError):  # ended meanwhile
+                child.terminate()
+                child.send_signal(signal.SIGCONT)  # stopped (SIGSTOP, ^Z, a debugger): its SIGTERM waits for this
+    deadline = time.monotonic() + grace_s
     for child in children:
         try:
-            child.wait(timeout=grace_s)
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()

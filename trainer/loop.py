@@ -205,6 +205,7 @@ class Run:
     val: tuple[torch.Tensor, torch.Tensor]  # on the device
     batches: DeviceData | LoaderData
     guard: LossGuard
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a micro-batch's training loss (`padded_loss`)
     stats: Callable[[], dict[str, float]]  # the device's metrics at a log step (none on a CPU)
     settle: Callable[[], None]  # waits for the steps queued on the device (CUDA), else does nothing
     ranks: Ranks = field(default_factory=Ranks)  # the data-parallel group (trainer.distributed); one process: Ranks()
@@ -240,13 +241,37 @@ def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) ->
     # The curriculum's (or the whole set's) batches: on the device, or gathered by loader workers when the set does
     # not fit there; with several ranks, this rank's slice of each.
     batches = build_batches(config, task, device, ranks.shard)
-    return Run(config=config, task=task, fast_fail=fast_fail, stages=stages, device=device, model=model,
+    loss = padded_loss(task, ranks) if ranks.world > 1 and holds_padding(task) else task.checked_loss
+    return Run(config=config, task=task, fast_fail=fast_fail, stages=stages, device=device, model=model, loss=loss,
                forward=forward, begin_step=torch.compiler.cudagraph_mark_step_begin if graphs else _nothing,
                optimizer=optimizer, precision=precision, val=(val_inputs.to(device), val_targets.to(device)),
                batches=batches, stats=device_stats(device),  # peak memory, GPU utilisation: nothing on a CPU
                guard=LossGuard(fast_fail, device, stages),
                settle=_synchronize(device) if device.type == "cuda" else _nothing, ranks=ranks,
                defer_sync=ranks.defer_sync(train_model, compiled=config.compile))
+
+
+def holds_padding(task: Task) -> bool:
+    """Whether the task's loss leaves some of its training targets out of its mean (cross entropy's -100 padding,
+    `Task.loss_weight`): one pass over the targets, once per run."""
+    targets = task.train[1]
+    kept = task.loss_weight(targets)
+    return isinstance(kept, torch.Tensor) and int(kept) != targets.numel()
+
+
+def padded_loss(task: Task, ranks: Ranks) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A data-parallel rank's training loss for a task with padding: the sum over its slice's kept targets, times the
+    ranks, over the kept targets of the whole global batch (one small all-reduce per micro-batch, on the device).
+    DDP averages the ranks' gradients, which makes the gradient of the global batch's mean over its kept targets,
+    as one device computes it; each rank's own mean, averaged, weighed a slice with few kept targets as much as one
+    with many (7e-3 relative off one device's values after 100 steps, with half the targets padding; review). The
+    logged `train_loss`, the ranks' mean, is the global batch's mean too."""
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        kept = task.loss_weight(y)
+        assert isinstance(kept, torch.Tensor)  # `holds_padding`: the loss counts its kept targets
+        return Task.weighted(task.checked_loss(out, y), kept) * ranks.world / ranks.total(kept)
+
+    return loss
 
 
 def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter | None = None, *,
@@ -367,7 +392,7 @@ def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter,
         lr = lr_at(step, config)
         set_lr(optimizer, lr)
         micro = (batches.next(step) for _ in range(accum))
-        step_loss = accumulate_gradients(run.forward, run.task.checked_loss, micro, accum, precision, run.defer_sync)
+        step_loss = accumulate_gradients(run.forward, run.loss, micro, accum, precision, run.defer_sync)
         grad_norm = optimizer_step(model, optimizer, precision, config.gradient_clip_norm, want_norm=log_now)
         interval.add(step_loss)
         guard.observe(step_loss, done)  # on the device: no sync

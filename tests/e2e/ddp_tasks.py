@@ -85,3 +85,15 @@ def hung_child(marker: str, step: int = 25) -> Task:
         return cross_entropy(out, y)
 
     return dataclasses.replace(digits(), loss=loss)
+
+
+def padded() -> Task:
+    """Digits with about half of its targets -100 (padding, which cross entropy leaves out of its mean), drawn
+    from a fixed seed: the ranks' slices of a batch keep different numbers of targets."""
+    task = digits()
+    generator = torch.Generator().manual_seed(0)
+    (x, y), (vx, vy) = task.train, task.val
+    y, vy = y.clone(), vy.clone()
+    y[torch.rand(len(y), generator=generator) < 0.5] = -100
+    vy[torch.rand(len(vy), generator=generator) < 0.5] = -100
+    return dataclasses.replace(task, train=(x, y), val=(vx, vy))

@@ -179,6 +179,40 @@ def test_a_locked_sqlite_database_is_waited_out_through_the_patient_storage(tmp_
     assert study.trials[0].state == TrialState.COMPLETE
 
 
+def test_a_worker_waits_for_a_sqlite_lock_no_longer_than_its_storage_patience(tmp_path: Path) -> None:
+    """Each of a worker's SQLite statements waited 60 s for a lock whatever its `storage_patience`: with 8 s, a
+    database another process kept locked was given up on after two waits, 120 s, having said "waiting up to 8 s"
+    (review). A statement now waits at most the patience, and so does the checkpoint registry's."""
+    from sweep.registry import Registry
+    from sweep.spec import load_spec
+    from sweep.study import worker_storage
+    from tests.conftest import TINY_STUDY, write_study
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "storage_patience": 2}))
+    url = f"sqlite:///{tmp_path / 'locked.db'}"
+    lines: list[str] = []
+    storage = worker_storage(spec, url, notify=lines.append)
+    study = optuna.create_study(storage=storage, study_name="s")
+    with storage.backend.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 2000
+    registry = Registry(url, lock_wait_s=2)
+    with registry.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 2000
+    registry.engine.dispose()
+    holder = sqlalchemy.create_engine(url, connect_args={"timeout": 0.1})
+    connection = holder.connect()
+    connection.exec_driver_sql("BEGIN EXCLUSIVE")  # another process's lock, held past the patience
+    try:
+        storage.backend.engine.dispose()
+        with pytest.raises(StorageUnavailable, match=r"storage_patience is 2 s"):
+            study.ask()
+    finally:
+        connection.exec_driver_sql("ROLLBACK")
+        connection.close()
+        holder.dispose()
+    assert "database is locked" in lines[0] and "waiting up to 2 s" in lines[0], lines
+
+
 def test_throughput_counts_the_trials_the_budget_counts_not_the_interrupted_ones() -> None:
     # A study stopped and resumed: the interrupted trial's time counts, the trial does not (its retry trains it again),
     # so a study killed repeatedly does not look faster for it.
