@@ -321,8 +321,9 @@ class WarmStartSpec(_Model):
 
 # Slurm's own syntax for what goes into `#SBATCH` lines: checked here so that nothing else can reach the script.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*$")  # partitions, accounts, QOS (comma lists)
-_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?)?)$")
-_SLURM_MEM = re.compile(r"^\d+[KMGT]?$")
+# ASCII digits (`\d` takes any script's: '٩٠' reached the script, where sbatch refuses it).
+_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?)?)$", re.ASCII)
+_SLURM_MEM = re.compile(r"^\d+[KMGT]$", re.ASCII)  # with its unit: a bare '16' is 16 MB to Slurm
 _SBATCH_LINE = re.compile(r"^--?[A-Za-z][A-Za-z0-9\-]*([= ][^\n\r]*)?$")
 
 
@@ -344,7 +345,8 @@ def _minutes_text(value: Any) -> Any:
 
 SlurmTime = Annotated[StrictStr, BeforeValidator(_minutes_text),
                       _matching(_SLURM_TIME, "a Slurm time such as 90, 4:00:00 or 2-12:00:00")]
-SlurmMem = Annotated[StrictStr, _matching(_SLURM_MEM, "a Slurm memory size such as 16G or 4000M")]
+SlurmMem = Annotated[StrictStr, _matching(_SLURM_MEM, "a Slurm memory size with its unit (K, M, G or T) such as 16G "
+                                                      "or 4000M")]
 
 # Kubernetes' own names (RFC 1123), checked here so that nothing else reaches the manifest: a namespace is a DNS
 # label, a Secret's name a DNS subdomain.
@@ -445,6 +447,13 @@ def _printable(value: str) -> str:
 Printable = Annotated[StrictStr, AfterValidator(_printable)]
 
 
+def _folder_given(value: str) -> str:
+    """A folder named: '' was taken for the default without a word (leave the key out for that)."""
+    if not value.strip():
+        raise ValueError(f"expected a folder, got {short_repr(value)}; leave the key out for the default")
+    return value
+
+
 class SlurmSpec(_Model):
     """`launch.slurm`: how `sweep submit --slurm` asks Slurm for the workers (see sweep.launch.slurm)."""
 
@@ -460,7 +469,8 @@ class SlurmSpec(_Model):
     gpu_type: SlurmName | None = None  # with gpus_per_task: `--gres=gpu:TYPE:G` (a100, h100: the cluster's names)
     # Slurm's warning this many s before the time limit (at most); checked against `time` also when not given
     warning_s: StrictInt = Field(120, ge=1, le=65535, validate_default=True)
-    log_dir: Printable | None = None  # default NAME.slurm next to the study file; on a path every node sees
+    log_dir: Annotated[Printable, AfterValidator(_folder_given)] | None = None  # default NAME.slurm next to the
+    # study file; on a path every node sees
     sbatch: list[Annotated[StrictStr, AfterValidator(_sbatch_line)]] = []  # extra `#SBATCH` options, one each
 
     @field_validator("warning_s", mode="after")
@@ -623,7 +633,7 @@ class StudySpec(_Model):
     @field_validator("loop", mode="after")
     @classmethod
     def _loop_name(cls, value: str | None) -> str | None:
-        if value is not None and not _FUNCTION.match(value):
+        if value is not None and not _FUNCTION.fullmatch(value):
             raise ValueError(f"expected package.module:function, got {short_repr(value)}")
         return value
 
@@ -986,7 +996,7 @@ def name_problem(name: str) -> str | None:
     would put blobs outside the study's folder) and names with slashes are refused."""
     if not name:
         return "expected a study name, got ''"
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # not `match`: its `$` let a name end in a newline
         return f"expected letters, digits, '_', '-' and '.' (the name is a folder), got {short_repr(name)}"
     if set(name) == {"."}:
         return f"{name!r} is not a folder of its own; choose a name with a letter or digit"

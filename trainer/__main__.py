@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest
+from trainer.distributed import RankEnvironmentError
 from trainer.loop import NullReporter, TrainResult, train
 from trainer.messages import strict_json
 from trainer.precision import DeviceUnavailable, out_of_memory, resolve_device
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             results = [_train_one(configs[0])]
     except (ConfigError, TaskError) as exc:
         print(printable(f"{_culprit(args.config, configs, _task_fails)}: {exc}"), file=sys.stderr)
+        return 2
+    except RankEnvironmentError as exc:  # torchrun's variables, set by hand and wrong
+        print(printable(f"environment: {exc}"), file=sys.stderr)
         return 2
     except DeviceUnavailable as exc:  # the config's `device`, not a fault of the run: use auto or cpu here
         print(f"{_culprit(args.config, configs, _device_fails)}: device: {exc}; set device: auto (or cpu) to train "

@@ -79,7 +79,7 @@ def _range(low: float | None = None, high: float | None = None, *, low_open: boo
 
 
 def _device(value: str) -> str | None:
-    if re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
+    if re.fullmatch(r"auto|cpu|mps|cuda(:(0|[1-9][0-9]{0,3}))?", value):  # ASCII digits, no leading 0: torch's
         return None
     return f"expected 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N', got {value!r}"
 
@@ -152,7 +152,8 @@ class TrainingConfig:
     loader_workers: int = _f(2, _range(0, 512), "dataloader: worker processes gathering batches (0: the main "
                                                 "process; at most 512, each a process of its own)")
     pin_memory: bool = _f(True, doc="dataloader on CUDA: pin host batches, so the copy to the device does not block")
-    prefetch_factor: int = _f(2, _range(1), "dataloader: batches each worker prepares ahead")
+    prefetch_factor: int = _f(2, _range(1, 1024), "dataloader: batches each worker prepares ahead (at most 1024: "
+                                                  "DataLoader counts them out one by one at its start)")
     compile: bool = _f(False, doc="torch.compile the model; checkpoints hold the plain module's weights, loadable "
                                   "without it")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _f(

@@ -192,15 +192,40 @@ class ProcessGroup(Ranks):
             dist.destroy_process_group()
 
 
+class RankEnvironmentError(ValueError):
+    """The environment's description of the group (torchrun's variables) is incomplete or malformed."""
+
+
 def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None) -> Ranks:
     """The group torchrun (or `local_ranks`) describes in this process's environment, joined; one process (`Ranks()`)
-    when WORLD_SIZE is unset or 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    when WORLD_SIZE is unset or 1. A variable missing or malformed raises `RankEnvironmentError`, naming it."""
+    world = _environment_int("WORLD_SIZE", "1", low=0)
     if world <= 1:
         return Ranks()
-    return ProcessGroup.join(int(os.environ["RANK"]), world, init_method="env://",
-                             local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-                             device_type=device_type, timeout_s=timeout_s)
+    rank = _environment_int("RANK", None, low=0, high=world - 1)
+    local_rank = _environment_int("LOCAL_RANK", str(rank), low=0)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name, "").strip():
+            raise RankEnvironmentError(f"{name}: not set, with WORLD_SIZE={world}: start the ranks with torchrun, "
+                                       "which sets it")
+    _environment_int("MASTER_PORT", None, low=1, high=65535)
+    return ProcessGroup.join(rank, world, init_method="env://", local_rank=local_rank, device_type=device_type,
+                             timeout_s=timeout_s)
+
+
+def _environment_int(name: str, default: str | None, *, low: int, high: int | None = None) -> int:
+    text = os.environ.get(name, default)
+    if text is None:
+        raise RankEnvironmentError(f"{name}: not set, with WORLD_SIZE={os.environ.get('WORLD_SIZE')}: start the "
+                                   "ranks with torchrun, which sets it")
+    try:
+        value = int(text.strip(), 10) if text.strip().isascii() else None
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise RankEnvironmentError(f"{name}: expected a whole number {span}, got {text!r}")
+    return value
 
 
 def join_parent(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | None = None) -> ProcessGroup:

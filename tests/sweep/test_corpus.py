@@ -206,6 +206,10 @@ RANGES = [
              "warm_start.from_studies[1]", "the name is a folder), got '../x'"),
     bad_file("names", "from-studies-empty", changed(warm_start={"from_studies": [""]}), "warm_start.from_studies[0]",
              "expected a study name, got ''"),
+    # A name ending in a newline passed (`re.match`'s `$`), and made a folder whose name holds it (review).
+    bad_file("names", "name-trailing-newline", changed(name="abc\n"), "name", "the name is a folder), got 'abc\\n'"),
+    bad_file("names", "from-studies-trailing-newline", changed(warm_start={"from_studies": ["abc\n"]}),
+             "warm_start.from_studies[0]", "the name is a folder), got 'abc\\n'"),
     bad_file("types", "execution-number", changed(execution=4), "execution",
              "Input should be a valid dictionary (a mapping of keys), got 4"),
     bad_file("types", "warm-start-list", changed(warm_start=[0.3]), "warm_start",

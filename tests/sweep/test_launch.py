@@ -102,6 +102,12 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(launch={"slurm": {"workers": 0}}), [], "launch.slurm.workers: Input should be greater than or equal"),
     (changed(launch={"slurm": {"sbatch": ["--x\n#SBATCH --y"]}}), [], "launch.slurm.sbatch[0]: expected one sbatch"),
     (changed(launch={"slurm": {"mem": 16}}), [], "launch.slurm.mem: Input should be a valid string"),
+    # A bare '16' is 16 MB to Slurm; other scripts' digits ('١٦G', '٩٠') reached the script (review).
+    (changed(launch={"slurm": {"mem": "16"}}), [], "launch.slurm.mem: expected a Slurm memory size with its unit"),
+    (changed(launch={"slurm": {"mem": "\u0661\u0666G"}}), [], "launch.slurm.mem: expected a Slurm memory size"),
+    (changed(launch={"slurm": {"time": "\u0669\u0660"}}), [], "launch.slurm.time: expected a Slurm time"),
+    (changed(), ["--mem", "16"], "command line: --mem: expected a Slurm memory size with its unit"),
+    (changed(launch={"slurm": {"log_dir": ""}}), [], "launch.slurm.log_dir: expected a folder, got ''"),
     (changed(launch={"cloud": {}}), [], "launch.cloud: unknown key"),
     (changed(), ["--partition", "a b"], "command line: --partition: expected a Slurm name"),
     (changed(), ["--sbatch", "--x\nrm -rf /"], "command line: --sbatch: expected one sbatch option"),

@@ -130,11 +130,21 @@ def test_the_arrays_task_names_the_bad_argument(digit_files: dict[str, str], tmp
         assert said in str(info.value) and "allow_pickle" not in str(info.value)
     with pytest.raises(ValueError, match=r"task_args\.val_x: expected a \.npy file, but '.*' is a folder"):
         load_task("arrays", {**digit_files, "val_x": str(tmp_path), "classes": 10})
+    # Samples with no feature, and complex numbers (their imaginary part dropped with a warning), trained (review).
+    np.save(tmp_path / "empty.npy", np.zeros((1400, 0), dtype=np.float32))
+    with pytest.raises(ValueError, match=r"task_args\.train_x: expected samples with at least one feature, but its "
+                                         r"samples have shape \(0,\)"):
+        load_task("arrays", {**digit_files, "train_x": str(tmp_path / "empty.npy"), "classes": 10})
+    np.save(tmp_path / "complex.npy", np.zeros((1400, 8, 8), dtype=np.complex64))
+    with pytest.raises(ValueError, match=r"task_args\.train_x: expected real numbers .*, got torch\.complex64"):
+        load_task("arrays", {**digit_files, "train_x": str(tmp_path / "complex.npy"), "classes": 10})
 
 
 @pytest.mark.parametrize(("values", "key"), [({"data_loader": "gpu"}, "data_loader"),
                                              ({"loader_workers": -1}, "loader_workers"),
-                                             ({"prefetch_factor": 0}, "prefetch_factor")])
+                                             ({"prefetch_factor": 0}, "prefetch_factor"),
+                                             # DataLoader counted 1e11 batches out one by one: a hang (review)
+                                             ({"prefetch_factor": 99_999_999_999}, "prefetch_factor")])
 def test_loader_settings_are_validated(values: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         TrainingConfig.from_dict(values)

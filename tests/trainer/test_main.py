@@ -138,6 +138,29 @@ def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path: Path,
                      "(or cpu) to train on this machine"], lines
 
 
+@pytest.mark.parametrize(("environment", "line"), [
+    ({"WORLD_SIZE": "abc"}, "environment: WORLD_SIZE: expected a whole number at least 0, got 'abc'"),
+    ({"WORLD_SIZE": "2"},
+     "environment: RANK: not set, with WORLD_SIZE=2: start the ranks with torchrun, which sets it"),
+    ({"WORLD_SIZE": "2", "RANK": "x"}, "environment: RANK: expected a whole number from 0 to 1, got 'x'"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "environment: RANK: expected a whole number from 0 to 1, got '2'"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"},
+     "environment: MASTER_PORT: not set, with WORLD_SIZE=2: start the ranks with torchrun, which sets it"),
+])
+def test_torchrun_s_variables_set_wrong_by_hand_are_one_line(tmp_path: Path, environment: dict[str, str], line: str,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`int(os.environ["RANK"])` and the like raised with a traceback (review)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\n")
+    assert main([str(config)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
 def test_a_model_too_large_to_allocate_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "c.yaml"  # 16 TB of weights: the allocator refuses at once
     config.write_text("task: digits\nmax_steps: 4\ndevice: cpu\nmodel: {hidden: 2000000}\n")

@@ -82,6 +82,13 @@ def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> 
             raise ValueError(f"task_args.{split}_y holds class indices from {int(targets.min())} to "
                              f"{int(targets.max())}, but task_args.classes is {classes}: expected indices in "
                              f"[0, {classes - 1}]")
+    for inputs, key in ((x, "train_x"), (vx, "val_x")):
+        if inputs.dtype.is_complex:  # cast to float32 by the model, it lost its imaginary part with a warning
+            raise ValueError(f"task_args.{key}: expected real numbers (integers, floats or booleans), got "
+                             f"{inputs.dtype}")
+        if math.prod(inputs.shape[1:]) == 0:
+            raise ValueError(f"task_args.{key}: expected samples with at least one feature, but its samples have "
+                             f"shape {tuple(inputs.shape[1:])}")
     if x.shape[1:] != vx.shape[1:]:
         raise ValueError(f"train_x and val_x samples differ in shape: {tuple(x.shape[1:])} and {tuple(vx.shape[1:])}")
     n_in = math.prod(x.shape[1:])
