@@ -327,6 +327,13 @@ RANGES = [
              "task", "task_args.max_chars must be >= 1, but got max_chars=-1"),
     bad_file("ranges", "task-data-larger-than-memory", changed(task={"name": "blobs", "args": {"n": 10**13}}),
              "task", "task 'blobs': its task_args ask for more memory than this machine has (MemoryError"),
+    # numpy's ValueError for an array no machine could hold named no argument (review).
+    bad_file("ranges", "task-data-larger-than-any-machine", changed(task={"name": "blobs", "args": {"n": 2**63 - 1}}),
+             "task", "task 'blobs': its task_args ask for more memory than this machine has (ValueError: array is "
+             "too big"),
+    bad_file("ranges", "charlm-more-text-than-there-is", changed(task={"name": "charlm", "args": {"max_chars": 2**62}},
+                                                                metric="val_loss"),
+             "task", "task_args.max_chars: 4611686018427387904 asked for, but this Python's standard-library source"),
     bad_file("ranges", "default-batch-larger-than-the-data", changed(fixed__batch_size=..., task={
         "name": "digits", "args": {"val_fraction": 0.97}}), "fixed.batch_size",
         "expected at most the training set size of task 'digits' (54), got 64 (the default); set a smaller one"),

@@ -79,6 +79,15 @@ def _unknown_argument(factory: Callable[..., Any], args: Mapping[str, Any]) -> s
     return None
 
 
+_TOO_BIG = ("array is too big", "Maximum allowed dimension exceeded", "Maximum allowed size exceeded")
+
+
+def _too_big(name: str, exc: BaseException) -> TaskError:
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return TaskError(f"task {name!r}: its task_args ask for more memory than this machine has ({type(exc).__name__}"
+                     f"{': ' + first if first else ''}); make the data smaller")
+
+
 def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     factory = resolve_task_factory(name)
     args = dict(args or {})
@@ -106,11 +115,11 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
     except ValueError as exc:  # the factory, or the Task it made, refused its arguments (one line, named); an OSError
         # (its data not found) keeps its type, and any other exception is a bug in the task, whose traceback says where
         first = (str(exc).strip().splitlines() or [""])[0]
+        if first.startswith(_TOO_BIG):  # numpy's MemoryError, for an array no machine could hold (n: 2**63 - 1)
+            raise _too_big(name, exc) from exc
         raise TaskError(f"{name} raised {type(exc).__name__}: {first}") from exc
     except MemoryError as exc:  # its arguments ask for more data than this machine holds (`blobs` with n: 1e11)
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise TaskError(f"task {name!r}: its task_args ask for more memory than this machine has (MemoryError"
-                        f"{': ' + first if first else ''}); make the data smaller") from exc
+        raise _too_big(name, exc) from exc
     if not isinstance(task, Task):
         raise TaskError(f"task {name!r} returned {type(task).__name__}, expected trainer.tasks.Task")
     return task

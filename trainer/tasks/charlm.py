@@ -36,7 +36,8 @@ def load_stdlib_text(max_chars: int) -> bytes:
             break
     text = b"".join(chunks)[:max_chars]
     if len(text) < max_chars // 2:
-        raise FileNotFoundError(f"found only {len(text)} bytes of standard-library source under {root}")
+        raise FileNotFoundError(f"task_args.max_chars: {max_chars} asked for, but this Python's standard-library "
+                                f"source under {root} holds {len(text)} bytes: ask for at most that")
     return text
 
 
