@@ -86,8 +86,8 @@ class _Commands(TyperGroup):
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
 # Piped output (a file, CI, `less`) has no width: let tables be as wide as they need rather than 80 columns.
-out = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 240)
-err = Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
+out = Console(highlight=False, emoji=False, markup=False, width=None if sys.stdout.isatty() else 240)
+err = Console(stderr=True, highlight=False, emoji=False, markup=False, soft_wrap=True)
 
 StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
                                                    "postgresql+psycopg://...); overrides the study file's.")]
@@ -864,9 +864,16 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
         raise _fail(str(exc.args[0]) if exc.args else f"study {name!r} not found in {mask_url(url)}", 1) from None
     except Exception as exc:  # noqa: BLE001 - as in `run`: one line, without the password
         raise _storage_failure(url, exc) from None
+    if command in SINGLE_OBJECTIVE and len(directions := study.directions) > 1:  # another tool's study
+        raise _fail(f"study {study.study_name!r} has {len(directions)} objectives "
+                    f"({', '.join(d.name.lower() for d in directions)}); `sweep {command}` reads single-objective "
+                    "studies: `sweep dashboard` shows this one", 2)
     if output is not None and (problem := _store_output_problem(output, study, url)):
         raise _fail(problem, 2)
     return study, url
+
+
+SINGLE_OBJECTIVE = ("status", "best", "trials", "report", "reproduce")  # read a trial's one value
 
 
 def _folder_name_problem(name: str) -> str | None:
@@ -925,7 +932,7 @@ def _print_status(study: Any) -> None:
     from sweep import results
 
     status = results.study_status(study)
-    table = Table(title=f"study {status['study']}", show_header=False)
+    table = _PrintableTable(title=printable(f"study {status['study']}"), show_header=False)
     table.add_row("direction / metric", f"{status['direction']} {status['metric'] or '(unnamed)'}")
     if status["n_trials"] is None:  # a study sweep did not create: no budget to count against
         table.add_row("budget", f"{status['budget_used']} trials; no budget (study not created by sweep)")
@@ -1017,7 +1024,7 @@ def best(
         config = results.best_config(study)
     except results.ForeignStudyError as exc:
         raise _fail(str(exc), 2) from None
-    except ValueError as exc:
+    except results.NoCompleteTrial as exc:  # not any ValueError: an attr that is no JSON said only JSON's words
         raise _fail(str(exc), 1) from None
     from sweep.outcomes import SPEC_ATTR
 
@@ -1094,7 +1101,7 @@ def trials(
         writer.writerows(rows)
         sys.stdout.write(buffer.getvalue())
     else:
-        table = Table(*columns)
+        table = Table(*map(printable, columns))  # a param's name is a study's own text, as stored
         for row in rows:
             table.add_row(*(_cell(row.get(c)) for c in columns))
         out.print(table)
@@ -1436,6 +1443,14 @@ def _code_named_by(target: str) -> set[str]:
 
     spec = _study_file_spec(target)
     return set() if spec is None else code_in_study(spec)
+
+
+class _PrintableTable(Table):
+    """A table whose rows are a study's own text (its params' names and values, as stored): control characters are
+    printed escaped, as in every error line (a name holding ESC [2J cleared the terminal)."""
+
+    def add_row(self, *cells: Any, **kwargs: Any) -> None:
+        super().add_row(*(printable(cell) if isinstance(cell, str) else cell for cell in cells), **kwargs)
 
 
 def _cell(value: object) -> str:

@@ -16,7 +16,7 @@ from rich.text import Text
 from sweep.outcomes import ATTR_FAIL, LOST_REASON, Outcome, count_key, outcome_of
 from trainer.yaml_file import printable
 
-__all__ = ["Events", "LiveProgress", "NoEvents", "describe_outcome"]
+__all__ = ["Events", "LiveProgress", "NoEvents", "describe_outcome", "outcome_text"]
 
 
 class Events(Protocol):
@@ -41,11 +41,16 @@ class NoEvents:
 def describe_outcome(trial: FrozenTrial) -> str:
     """One line: the state and, for pruned and failed trials, why. The why is the trial's own text (a user's
     exception, as stored): its control characters are printed escaped, so that it cannot clear the terminal."""
-    return printable(_outcome(trial))
+    return printable(outcome_text(trial))
 
 
-def _outcome(trial: FrozenTrial) -> str:
+def outcome_text(trial: FrozenTrial, *, foreign: bool = False) -> str:
+    """`describe_outcome` as stored, control characters and all (for JSON and CSV, which escape their own). `foreign`:
+    a trial of a study sweep did not create, whose failures carry no reason (plain Optuna's `catch`): "failed", not
+    lost."""
     attrs = trial.user_attrs
+    if foreign and trial.state == TrialState.FAIL and ATTR_FAIL not in attrs:
+        return "failed"
     if trial.state == TrialState.COMPLETE:
         return f"complete value={trial.value:.6g}"
     if trial.state == TrialState.PRUNED:

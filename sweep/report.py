@@ -30,6 +30,7 @@ from sweep.outcomes import (
 )
 from sweep.results import best_trial, confirm_count, retraining, state_counts, steps_trained, trials_per_hour
 from sweep.urls import mask_urls
+from trainer.yaml_file import printable
 
 __all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
 
@@ -251,6 +252,8 @@ def _render(study: optuna.Study) -> str:
         elif spec.get("command") is not None:
             again = (f"Its config, as the command received it; <code>sweep reproduce STUDY {best.number}</code> runs "
                      "it again:")
+        elif ATTR_CONFIG not in best.user_attrs:  # another tool's trial: its params, and nothing sweep can rerun
+            again = "Its params (a trial sweep did not run: no config of its own is recorded):"
         else:
             env, notes = ("", "") if again_with is None else (again_with.env, again_with.comment)
             notes = "".join(f"<br>{html.escape(line.removeprefix('# '))}" for line in notes.splitlines())
@@ -262,12 +265,15 @@ def _render(study: optuna.Study) -> str:
     counts = ", ".join(f"{k} {v}" for k, v in state_counts(study).items())
     rate = trials_per_hour(trials)
     throughput = "" if rate is None else f"; {rate:.0f} trials per hour"
-    head = (f"<h1>Study {html.escape(study.study_name)}</h1><p>{html.escape(spec.get('description', ''))}</p>"
+    budget = (f"{used}/{spec['n_trials']} trials used" if "n_trials" in spec else
+              f"{used} trials (no budget: a study sweep did not create)")
+    head = (f"<h1>Study {html.escape(printable(study.study_name))}</h1>"
+            f"<p>{html.escape(spec.get('description', ''))}</p>"
             f"<p>{study.direction.name.lower()} {html.escape(str(spec.get('metric', '')))}; "
-            f"{used}/{spec.get('n_trials', '?')} trials used; {counts}{throughput}.</p>")
+            f"{budget}; {counts}{throughput}.</p>")
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
              ".warning{color:#9a3412;font-weight:600}.note{color:#666}pre{background:#f5f5f5;padding:1em}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>sweep report: "
-            f"{html.escape(study.study_name)}</title><style>{style}</style></head><body>{head}"
+            f"{html.escape(printable(study.study_name))}</title><style>{style}</style></head><body>{head}"
             + "".join(sections) + "</body></html>")

@@ -30,7 +30,7 @@ from sweep.outcomes import (
     budget_counts,
     count_key,
 )
-from sweep.progress import describe_outcome
+from sweep.progress import outcome_text
 
 __all__ = ["ForeignStudyError", "best_config", "best_trial", "confirm_count", "failed_run", "finished_since",
            "lineage_label", "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained",
@@ -225,7 +225,10 @@ def _steps_of(trial: FrozenTrial) -> int:
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """One row per trial: its text as stored (a table escapes control characters as it prints them; JSON and CSV
+    have their own escaping)."""
     rows = []
+    foreign = not made_by_sweep(study)
     for trial in study.get_trials(deepcopy=False):
         row: dict[str, Any] = {"number": trial.number, "state": trial.state.name.lower(), "value": trial.value}
         params = trial.params
@@ -240,8 +243,11 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
         cohort = trial.user_attrs.get("cohort") or {}  # trained batched with others (sweep.cohort)
         row["cohort"], row["cohort_size"] = cohort.get("id"), cohort.get("size")
-        row.update(trial.user_attrs.get(ATTR_SPEED, {}))  # samples/s (tokens/s), peak memory: the slow ones show
-        row["outcome"] = describe_outcome(trial) if trial.state in (TrialState.PRUNED, TrialState.FAIL) else ""
+        speed = trial.user_attrs.get(ATTR_SPEED)  # samples/s (tokens/s), peak memory: the slow ones show
+        if isinstance(speed, dict):  # never in place of a column above (a database edited by hand)
+            row.update({key: value for key, value in speed.items() if key not in row})
+        row["outcome"] = outcome_text(trial, foreign=foreign) if trial.state in (TrialState.PRUNED,
+                                                                                 TrialState.FAIL) else ""
         if ATTR_LOG in trial.user_attrs:  # a command's stdout and stderr
             row["log"] = trial.user_attrs[ATTR_LOG]
         rows.append(row)
@@ -276,13 +282,17 @@ def retraining(trial: FrozenTrial, config: Mapping[str, Any]) -> Retraining:
     return Retraining(again, env, "".join(f"# {note}\n" for note in notes))
 
 
+class NoCompleteTrial(ValueError):
+    """The study has no complete trial, so no best one."""
+
+
 def best_config(study: optuna.Study) -> dict[str, Any]:
-    """The resolved `TrainingConfig` of the best trial, ready for `python -m trainer`. Raises ValueError if no trial
-    has completed, and `ForeignStudyError` for a study (or a best trial) that sweep did not make."""
+    """The resolved `TrainingConfig` of the best trial, ready for `python -m trainer`. Raises `NoCompleteTrial` if no
+    trial has completed, and `ForeignStudyError` for a study (or a best trial) that sweep did not make."""
     require_sweep_study(study, "write its best trial's TrainingConfig")
     best = best_trial(study)
     if best is None:
-        raise ValueError(f"study {study.study_name!r} has no complete trial yet")
+        raise NoCompleteTrial(f"study {study.study_name!r} has no complete trial yet")
     if ATTR_CONFIG not in best.user_attrs:
         raise ForeignStudyError(f"the best trial of study {study.study_name!r}, #{best.number}, holds no recorded "
                                 f"config ({ATTR_CONFIG!r}): it was not run by sweep")

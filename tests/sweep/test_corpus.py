@@ -1511,3 +1511,66 @@ def test_a_key_missing_from_the_stored_definition_is_named_as_added_not_as_store
     done = sweep_cli("run", path)
     assert done.returncode == 2, done.stderr
     assert "already exists with a different metric (metric: added)" in done.stderr, done.stderr
+
+
+def test_another_tool_s_text_is_shown_as_stored_and_its_failures_as_failed(tmp_path: Path) -> None:
+    """Found by a review of the read commands on studies sweep did not make: rich read `[bold]` and `input[batch]`
+    in a study's text as markup (dropped; `[/]` made the study unreadable); a param's name holding ESC [2J cleared the
+    terminal from the table's header and the status's title; a failure without sweep's reason read as "lost: worker
+    lost: no heartbeat"; the JSON and CSV held the outcome escaped for a terminal; the report told to retrain a config
+    sweep never recorded; a study of two objectives was blamed on a hand edit."""
+    import csv
+    import io
+
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from optuna.trial import create_trial
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{tmp_path / 'theirs.db'}"
+    study = optuna.create_study(study_name="[bold]s[/]", storage=url)
+    spaces = {"p\x1b[2J": FloatDistribution(0, 1), "opt": CategoricalDistribution(["[bold]adam[/bold]", "sgd"])}
+    study.add_trial(create_trial(params={"p\x1b[2J": 0.5, "opt": "[bold]adam[/bold]"}, distributions=spaces,
+                                 value=1.0))
+    study.add_trial(create_trial(params={"p\x1b[2J": 0.25, "opt": "sgd"}, distributions=spaces,
+                                 state=optuna.trial.TrialState.FAIL,
+                                 user_attrs={"speed": {"number": 99, "state": "hacked", "samples_per_s": 5.0}}))
+    status = sweep_cli("status", "theirs.db", cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    assert "study [bold]s[/]" in status.stdout and "[bold]adam[/bold]" in status.stdout, status.stdout
+    assert "\x1b" not in status.stdout and "p\\x1b[2J" in status.stdout, status.stdout
+    table = sweep_cli("trials", "theirs.db", cwd=tmp_path)
+    assert table.returncode == 0 and "\x1b" not in table.stdout and "params.p\\x1b[2J" in table.stdout, table.stdout
+    assert "[bold]adam[/bold]" in table.stdout, table.stdout
+    as_csv = list(csv.DictReader(io.StringIO(sweep_cli("trials", "theirs.db", "--format", "csv", cwd=tmp_path).stdout)))
+    assert [(row["number"], row["state"], row["outcome"]) for row in as_csv] == [("0", "complete", ""),
+                                                                                  ("1", "fail", "failed")]
+    assert as_csv[1]["samples_per_s"] == "5.0" and "params.p\x1b[2J" in as_csv[1]  # its own text, as stored
+    report = sweep_cli("report", "theirs.db", "-o", "r.html", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    html_text = (tmp_path / "r.html").read_text()
+    assert "python -m trainer" not in html_text and "a trial sweep did not run" in html_text
+    assert "2 trials (no budget: a study sweep did not create)" in html_text
+
+    optuna.create_study(study_name="two", storage=f"sqlite:///{tmp_path / 'two.db'}",
+                        directions=["minimize", "maximize"]).add_trial(
+        create_trial(params={}, distributions={}, values=[1.0, 2.0]))
+    for command in ("status", "trials", "best", "report"):
+        done = sweep_cli(command, "two.db", cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: study 'two' has 2 objectives (minimize, maximize); `sweep {command}` reads single-objective "
+            "studies: `sweep dashboard` shows this one"], done.stderr
+
+
+def test_a_best_trial_s_attr_that_is_no_json_is_one_line_saying_where(tmp_path: Path) -> None:
+    """`sweep best` said only JSON's words ("Expecting property name ...") for an attr edited into no JSON, where the
+    other read commands say which study, where, and how to see the traceback (review)."""
+    path = _edited(tmp_path, "DELETE FROM trial_user_attributes WHERE key = 'speed'",
+                   "INSERT INTO trial_user_attributes (trial_id, key, value_json) "
+                   "SELECT trial_id, 'speed', '{not json' FROM trials")
+    from tests.conftest import run_cli
+
+    done = run_cli("best", path)  # a process of its own: the line names the command from its argv
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("error: sweep best: cannot read the study in "), done.stderr
+    assert "JSONDecodeError" in done.stderr and "edited by hand or by another tool" in done.stderr, done.stderr
