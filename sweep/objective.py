@@ -169,11 +169,14 @@ class TrialReporter:
                 self.flush()
                 with self._one_read():
                     prune = self.judged and not self._last(step) and self.trial.should_prune()
+                    # Which rule pruned, from the same read: its own read, outside that, met a dropped connection
+                    # as the machine's fault, and a pruned trial was retried (review).
+                    reason = self._explain(step, value, metrics) if prune else None
         except StorageAway:
             return False  # keep training; the pruner judges this value with the next one the storage takes
         self.report_ms.append(round(1000 * (time.perf_counter() - started), 2))
         if prune:
-            self.prune_reason = self._explain(step, value, metrics)
+            self.prune_reason = reason
         elif self.deadline is not None and self.deadline.checkpointer is None and not self._last(step) \
                 and self.deadline.passed():
             if not self.answers_deadline:

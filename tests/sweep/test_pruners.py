@@ -397,3 +397,36 @@ def test_a_warm_trial_whose_accuracy_sits_still_is_pruned_when_its_loss_explodes
                                    loss_series=[(s, 0.5 if s < 800 else 50.0) for s in range(510, 810, 10)])
     assert pruned[False] < 800 and verdict is not None and verdict.rule == "explode"
     assert verdict.detail is not None and verdict.detail["of"] == "val_loss"
+
+
+def test_the_rule_that_pruned_is_read_from_the_pruner_s_own_read_of_the_study(tmp_path: Path) -> None:
+    """Which rule pruned a trial was worked out after the decision, with a read of the study's finished trials of its
+    own, outside the one read the decision shared and outside the wait for an outage: a connection dropped there (a
+    PostgreSQL backend killed) failed the pruned trial as the machine's fault, and it was retried (review). The
+    explanation now comes from the decision's read: one read of the finished trials per judged report."""
+    from sqlalchemy import event
+
+    from sweep.storage import PatientStorage, make_storage
+
+    storage = PatientStorage(make_storage(f"sqlite:///{tmp_path / 's.db'}"), Boundary(60))
+    study = optuna.create_study(storage=storage, pruner=FastFailPruner(then=optuna.pruners.MedianPruner(0, 0)),
+                                study_name="reads")
+    for _ in range(3):
+        done = study.ask()
+        done.set_user_attr("config", CONFIG)
+        for step in range(0, 101, 10):
+            done.report(1.0 - step / 200, step)
+        study.tell(done, 0.5)
+    trial = study.ask()
+    trial.set_user_attr("config", CONFIG)
+    reporter = TrialReporter(trial, parse_spec(TINY_STUDY, Path("study.yaml")), CONFIG, NoEvents(), storage.boundary,
+                             signals=False)
+    assert not reporter.report(0, {"val_loss": 1.0})
+    reads: list[str] = []
+    study_read = "FROM trials WHERE trials.study_id = ? AND trials.trial_id > ? ORDER BY trials.trial_id"
+    event.listen(storage.backend.engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, *rest: reads.append(statement)
+                 if " ".join(statement.split()).endswith(study_read) else None)
+    assert reporter.report(10, {"val_loss": NAN})  # pruned: NaN
+    assert reporter.prune_reason is not None and reporter.prune_reason["rule"] == "nan"
+    assert len(reads) == 1, reads  # the study's trials, read once
