@@ -315,8 +315,12 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             if lost:
                 raise _fail(lost, 1)
             stopped = results.stop_requested_since(study, started)
+            used = budget_counts(study.get_trials(deepcopy=False))[0]
             if stopped:
-                err.print(_stop_line(budget_counts(study.get_trials(deepcopy=False))[0], spec.n_trials))
+                err.print(_stop_line(used, spec.n_trials))
+            elif timeout is not None and used < spec.n_trials and time.time() - started >= timeout:
+                # The workers stopped at the timeout, each saying so for its trials: the line one process prints too.
+                err.print(f"stopped by the timeout with {used}/{spec.n_trials} trials done; rerun to continue.")
             failed = None if stopped else results.failed_run(results.finished_since(study, before))
             if failed:
                 raise _fail(failed, 1)

@@ -556,17 +556,23 @@ class CohortLoop:
         worker = self.worker
         beats.add(trial)
         storage = worker.storage
+        timed_out = False
         try:  # its reports stored as it trains, as any lone trial's, not with the refill's
             with storage.writes_now() if isinstance(storage, PatientStorage) else contextlib.nullcontext():
-                result = runner.train_prepared(prepared)
-        except (KeyboardInterrupt, Preempted, TimedOut, StorageUnavailable):
+                result = runner.train_prepared(runner.until(prepared, worker.deadline))
+        except TimedOut:  # stopped at its checkpoint after the deadline, queued as one trial at a time queues it
+            result = _interrupted(f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
+            timed_out = self.timed_out = True  # the members left are interrupted at the loop's next boundary
+        except (KeyboardInterrupt, Preempted, StorageUnavailable):
             raise
         except BaseException as exc:  # noqa: BLE001 - a failing trial must never take the study down
             result = worker._failure(exc)  # noqa: SLF001
         finally:
             beats.discard(trial)
         frozen = worker._end(trial, result, runner)  # noqa: SLF001
-        if frozen is not None:
+        if frozen is not None and timed_out:
+            worker.events.trial_finished(frozen)  # its line; an interrupted trial counts towards no streak
+        elif frozen is not None:
             worker.finished(frozen, running=self._in_flight())
 
     def _collect(self, beats: Beats) -> bool:

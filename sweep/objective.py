@@ -428,14 +428,27 @@ class TrainerTrial(TrialRun):
                                 "step 0, never pruned")
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config.to_dict(), start.prior)
         reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
-                                 deadline=self.deadline, judged=confirming is None,
+                                 judged=confirming is None,
                                  inherited_until=None if start.warm is None else start.warm.state.step,
                                  trackers=self.trackers)
-        checkpointer: Any = self.checkpointer
+        return self._timed(Prepared(params, config, task, start, reporter, self.checkpointer))
+
+    def until(self, prepared: Prepared, deadline: float | None) -> Prepared:
+        """`prepared`, stopped by `--timeout` at `deadline` (`time.monotonic()`) as a runner made with that deadline
+        stops it: for a trial a cohort's loop trains alone, which ran past the timeout to its end (review)."""
+        if deadline is None or self.deadline is not None:
+            return prepared
+        self.deadline = Deadline(deadline)
+        return self._timed(prepared)
+
+    def _timed(self, prepared: Prepared) -> Prepared:
+        """`prepared` with this runner's deadline: its reporter answers it, and with checkpoints on, it stops at its
+        next log or evaluation step after a checkpoint there (`_Timed`)."""
+        prepared.reporter.deadline = self.deadline
         if self.deadline is not None and self.checkpointer is not None:
             self.deadline.checkpointer = self.checkpointer
-            checkpointer = _Timed(self.checkpointer, self.deadline, config.max_steps)
-        return Prepared(params, config, task, start, reporter, checkpointer)
+            prepared.checkpointer = _Timed(self.checkpointer, self.deadline, prepared.config.max_steps)
+        return prepared
 
     def result_of(self, prepared: Prepared, result: TrainResult) -> TrialResult:
         """The trial's outcome from what training returned: complete, pruned (with the rule that pruned) or failed

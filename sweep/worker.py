@@ -376,9 +376,13 @@ class Worker:
     # -----------------------------------------------------------------------------------------------------------------
     # One trial.
 
+    @property
+    def deadline(self) -> float | None:
+        """When `--timeout` passes (`time.monotonic()`), or None."""
+        return None if self.timeout is None else self.started + self.timeout
+
     def _run_one(self, trial: optuna.Trial) -> FrozenTrial | None:
-        deadline = None if self.timeout is None else self.started + self.timeout
-        runner = runner_for(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=deadline,
+        runner = runner_for(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=self.deadline,
                             storage_url=self.url)
         try:
             with self._heartbeat(trial):

@@ -784,6 +784,29 @@ def test_a_trial_that_trains_alone_in_a_refill_stores_each_report_as_it_trains(
     assert stored == [(step, n + 1) for n, step in enumerate(range(0, 70, 10))]
 
 
+def test_a_trial_that_trains_alone_in_a_cohort_s_loop_stops_at_the_timeout(tmp_path: Path) -> None:
+    """A trial a cohort's loop trains alone (a model that cannot be batched; a retry of another shape than the
+    cohort's) was made without the run's deadline, and trained to its end past `--timeout` (37 s for 5 s; review):
+    it stops at its next checkpoint after the deadline and is queued, as one trial at a time is."""
+    from sweep.spec import load_spec
+    from sweep.study import open_study, run_study
+
+    path = cohort_study(tmp_path, n_trials=1, execution={"cohort": 2}, pruner="none",
+                        checkpoints={"every_steps": 500},
+                        fixed={"max_steps": 6000, "eval_every_steps": 500, "log_every_steps": 500,
+                               "data_loader": "dataloader", "loader_workers": 0})  # cannot be batched: alone
+    spec, _ = load_spec(path)
+    url = f"sqlite:///{tmp_path / 'coh.db'}"
+    with pytest.warns(UserWarning, match="cannot be trained in cohorts"):
+        summary = run_study(open_study(spec, url), spec, storage_url=url, timeout=2)
+    assert summary.timed_out
+    cut, queued = load(tmp_path).get_trials()
+    assert cut.user_attrs["outcome"] == "interrupted", cut.user_attrs.get("fail_reason")
+    assert cut.user_attrs["fail_reason"] == "interrupted: --timeout of 2 s"
+    assert max(cut.intermediate_values) < 6000  # at a checkpoint after the deadline, not at its end
+    assert queued.state == TrialState.WAITING and queued.user_attrs["retry_of"] == cut.number
+
+
 def test_a_member_another_worker_declares_lost_leaves_its_cohort_and_donates_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Another worker fails a member as lost (no heartbeat within the grace period: a paused machine, a long outage)

@@ -116,6 +116,8 @@ def test_a_timeout_that_stops_every_trial_of_a_run_is_no_failed_run(tmp_path: Pa
         run_cli("run", path, "--timeout", "2", *how)
     assert done.returncode == 0, done.stderr
     assert "every trial of this run failed" not in done.stderr
+    # The launcher of --workers said nothing of the timeout, where one process says it (review).
+    assert "stopped by the timeout with 0/2 trials done; rerun to continue." in done.stderr, done.stderr
     ended = [t for t in trials(path, "cut") if t.state == TrialState.FAIL]
     assert ended and all(t.user_attrs["outcome"] == "interrupted" for t in ended)
 
