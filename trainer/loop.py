@@ -251,12 +251,19 @@ def build_run(config: TrainingConfig, task: Task, ranks: Ranks | None = None) ->
                defer_sync=ranks.defer_sync(train_model, compiled=config.compile))
 
 
-def holds_padding(task: Task) -> bool:
+def holds_padding(task: Task, rows: int = 65536) -> bool:
     """Whether the task's loss leaves some of its training targets out of its mean (cross entropy's -100 padding,
-    `Task.loss_weight`): one pass over the targets, once per run."""
+    `Task.loss_weight`): one pass over the targets, once per run, `rows` samples at a time (memory-mapped targets
+    larger than memory are never read whole), until the first padding."""
     targets = task.train[1]
-    kept = task.loss_weight(targets)
-    return isinstance(kept, torch.Tensor) and int(kept) != targets.numel()
+    for start in range(0, len(targets), rows):
+        part = targets[start:start + rows]
+        kept = task.loss_weight(part)
+        if not isinstance(kept, torch.Tensor):  # a loss that counts every target: no padding to weigh
+            return False
+        if int(kept) != part.numel():
+            return True
+    return False
 
 
 def padded_loss(task: Task, ranks: Ranks) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -284,3 +284,22 @@ def test_a_rank_killed_by_a_signal_without_a_name_is_still_a_lost_rank() -> None
     failed = RankFailed(1, -rt)
     assert str(failed) == "rank 1 was killed by SIGRTMIN+6" and failed.lost
     assert str(RankFailed(2, -int(signal.SIGKILL))) == "rank 2 was killed by SIGKILL"
+
+
+def test_padding_is_found_in_any_slice_of_the_targets_and_only_where_the_loss_leaves_it_out() -> None:
+    import dataclasses
+
+    import torch
+
+    from trainer.loop import holds_padding
+    from trainer.tasks import load_task
+
+    digits = load_task("digits", {})
+    assert not holds_padding(digits, rows=100)
+    x, y = digits.train
+    last = y.clone()
+    last[-1] = -100  # in the last slice of 100 rows only
+    padded = dataclasses.replace(digits, train=(x, last))
+    assert holds_padding(padded, rows=100) and holds_padding(padded)
+    mse = dataclasses.replace(padded, loss=lambda out, target: torch.nn.functional.mse_loss(out, out.detach()))
+    assert not holds_padding(mse, rows=100)  # a loss of its own counts every sample
