@@ -306,6 +306,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             err.print(f"{workers} worker processes on this machine", markup=False)
             before, started = results.trial_states(study), float(os.environ[LAUNCHED_ENV])  # a stop since counts
             release_idle_connections()  # the workers need the server's connection slots; it reconnects after them
+            launched = time.monotonic()  # not `started`: a Slurm task's may be its submission, long queued
             try:
                 codes = run_local_workers(Path(study_file), spec, url, workers, timeout=timeout, overrides=set_ or [])
             except ValueError as exc:  # fewer GPUs than one trial needs
@@ -318,7 +319,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             used = budget_counts(study.get_trials(deepcopy=False))[0]
             if stopped:
                 err.print(_stop_line(used, spec.n_trials))
-            elif timeout is not None and used < spec.n_trials and time.time() - started >= timeout:
+            elif timeout is not None and used < spec.n_trials and time.monotonic() - launched >= timeout:
                 # The workers stopped at the timeout, each saying so for its trials: the line one process prints too.
                 err.print(f"stopped by the timeout with {used}/{spec.n_trials} trials done; rerun to continue.")
             failed = None if stopped else results.failed_run(results.finished_since(study, before))
@@ -1098,11 +1099,12 @@ def trials(
         from trainer.messages import strict_json
 
         sys.stdout.write(json.dumps(strict_json(rows), indent=1, default=str, allow_nan=False) + "\n")
-    elif fmt == "csv":
+    elif fmt == "csv":  # its text as stored, but control characters escaped: CSV quotes, it does not escape ESC
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns)
+        writer = csv.DictWriter(buffer, fieldnames=[printable(c) for c in columns])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({printable(k): printable(v) if isinstance(v, str) else v for k, v in row.items()}
+                         for row in rows)
         sys.stdout.write(buffer.getvalue())
     else:
         table = Table(*map(printable, columns))  # a param's name is a study's own text, as stored
@@ -1378,7 +1380,7 @@ def reproduce(
     from sweep.reproduce import reproduce_trial
     from sweep.signals import Preempted, graceful_signals, raise_pending
 
-    study, url = _open_with_url(target, storage, study_name)
+    study, url = _open_with_url(target, storage, study_name, "reproduce")
     try:
         results.require_sweep_study(study, "train its trials again")
     except results.ForeignStudyError as exc:

@@ -399,6 +399,10 @@ class CohortLoop:
                     if frozen is not None and worker.finished(frozen, running=self._in_flight()):
                         self.exhausted = self.spent = True  # the sampler has tried every point
                     continue
+                if self.timed_out:  # a trial trained alone met --timeout: the others asked with it are queued
+                    self._give_back(beats, waiting, _interrupted(f"interrupted: --timeout of {worker.timeout:g} s",
+                                                                 Outcome.INTERRUPTED))
+                    return
                 if not admitted:  # the study goes on one trial at a time: the others asked with it are queued
                     self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort; the study "
                                                                  "trains one trial at a time", Outcome.INTERRUPTED))
@@ -435,7 +439,8 @@ class CohortLoop:
     def _wants_members(self) -> bool:
         """Whether the cohort takes another member now (or a new cohort is to be made)."""
         cohort = self.cohort
-        return not self.spent and not self.single and (cohort is None or (
+        # Not once --timeout has passed (a trial trained alone met it): nothing more is asked or admitted.
+        return not self.spent and not self.single and not self.timed_out and (cohort is None or (
             self._open_slots() > 0 and (not self.keys or self.admitted < self._intake())
             and not (self.ramp and self._startup_in_flight())))
 

@@ -45,7 +45,8 @@ def describe_outcome(trial: FrozenTrial) -> str:
 
 
 def outcome_text(trial: FrozenTrial, *, foreign: bool = False) -> str:
-    """`describe_outcome` as stored, control characters and all (for JSON and CSV, which escape their own). `foreign`:
+    """`describe_outcome` as stored, control characters and all (for `sweep trials`, whose formats escape them as
+    they print). `foreign`:
     a trial of a study sweep did not create, whose failures carry no reason (plain Optuna's `catch`): "failed", not
     lost."""
     attrs = trial.user_attrs

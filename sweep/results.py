@@ -225,8 +225,8 @@ def _steps_of(trial: FrozenTrial) -> int:
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
-    """One row per trial: its text as stored (a table escapes control characters as it prints them; JSON and CSV
-    have their own escaping)."""
+    """One row per trial: its text as stored (the table and the CSV escape control characters as they print them;
+    JSON has its own escaping)."""
     rows = []
     foreign = not made_by_sweep(study)
     for trial in study.get_trials(deepcopy=False):

@@ -791,9 +791,11 @@ def test_a_trial_that_trains_alone_in_a_cohort_s_loop_stops_at_the_timeout(tmp_p
     from sweep.spec import load_spec
     from sweep.study import open_study, run_study
 
+    # Each training batch 5 ms slower: 6000 steps outlast a 2 s timeout on any machine.
     path = cohort_study(tmp_path, n_trials=1, execution={"cohort": 2}, pruner="none",
-                        checkpoints={"every_steps": 500},
-                        fixed={"max_steps": 6000, "eval_every_steps": 500, "log_every_steps": 500,
+                        checkpoints={"every_steps": 200}, task={"name": "tests.e2e.ddp_tasks:slow",
+                                                                "args": {"sleep_s": 0.005}},
+                        fixed={"max_steps": 6000, "eval_every_steps": 200, "log_every_steps": 200,
                                "data_loader": "dataloader", "loader_workers": 0})  # cannot be batched: alone
     spec, _ = load_spec(path)
     url = f"sqlite:///{tmp_path / 'coh.db'}"

@@ -1541,10 +1541,12 @@ def test_another_tool_s_text_is_shown_as_stored_and_its_failures_as_failed(tmp_p
     table = sweep_cli("trials", "theirs.db", cwd=tmp_path)
     assert table.returncode == 0 and "\x1b" not in table.stdout and "params.p\\x1b[2J" in table.stdout, table.stdout
     assert "[bold]adam[/bold]" in table.stdout, table.stdout
-    as_csv = list(csv.DictReader(io.StringIO(sweep_cli("trials", "theirs.db", "--format", "csv", cwd=tmp_path).stdout)))
+    text = sweep_cli("trials", "theirs.db", "--format", "csv", cwd=tmp_path).stdout
+    as_csv = list(csv.DictReader(io.StringIO(text)))
     assert [(row["number"], row["state"], row["outcome"]) for row in as_csv] == [("0", "complete", ""),
                                                                                   ("1", "fail", "failed")]
-    assert as_csv[1]["samples_per_s"] == "5.0" and "params.p\x1b[2J" in as_csv[1]  # its own text, as stored
+    assert as_csv[1]["samples_per_s"] == "5.0" and as_csv[0]["params.opt"] == "[bold]adam[/bold]"
+    assert "\x1b" not in text and "params.p\\x1b[2J" in as_csv[1]  # CSV quotes, it does not escape ESC
     report = sweep_cli("report", "theirs.db", "-o", "r.html", cwd=tmp_path)
     assert report.returncode == 0, report.stderr
     html_text = (tmp_path / "r.html").read_text()
