@@ -262,7 +262,7 @@ class CohortLoop:
             if cohort is None or cohort.at_boundary():  # `sweep stop` is a storage read: not every step
                 away = self._check_stop(started_wall, training=cohort is not None and bool(cohort.active))
                 if self.timed_out and cohort is not None:
-                    self._interrupt_all(beats, f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
+                    self._interrupt_all(beats, worker.timed_out_reason, Outcome.INTERRUPTED)
                 elif not self.stopping and not away:
                     with self._shared_reads(), self._deferred():  # the new members' step-0 reports, one by one
                         self._fill(beats)
@@ -400,8 +400,7 @@ class CohortLoop:
                         self.exhausted = self.spent = True  # the sampler has tried every point
                     continue
                 if self.timed_out:  # a trial trained alone met --timeout: the others asked with it are queued
-                    self._give_back(beats, waiting, _interrupted(f"interrupted: --timeout of {worker.timeout:g} s",
-                                                                 Outcome.INTERRUPTED))
+                    self._give_back(beats, waiting, _interrupted(worker.timed_out_reason, Outcome.INTERRUPTED))
                     return
                 if not admitted:  # the study goes on one trial at a time: the others asked with it are queued
                     self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort; the study "
@@ -566,7 +565,7 @@ class CohortLoop:
             with storage.writes_now() if isinstance(storage, PatientStorage) else contextlib.nullcontext():
                 result = runner.train_prepared(runner.until(prepared, worker.deadline))
         except TimedOut:  # stopped at its checkpoint after the deadline, queued as one trial at a time queues it
-            result = _interrupted(f"interrupted: --timeout of {worker.timeout:g} s", Outcome.INTERRUPTED)
+            result = _interrupted(worker.timed_out_reason, Outcome.INTERRUPTED)
             timed_out = self.timed_out = True  # the members left are interrupted at the loop's next boundary
         except (KeyboardInterrupt, Preempted, StorageUnavailable):
             raise

@@ -381,6 +381,11 @@ class Worker:
         """When `--timeout` passes (`time.monotonic()`), or None."""
         return None if self.timeout is None else self.started + self.timeout
 
+    @property
+    def timed_out_reason(self) -> str:
+        """The reason a trial stopped by `--timeout` ends with (it is queued, as an interrupted trial is)."""
+        return f"interrupted: --timeout of {self.timeout:g} s"
+
     def _run_one(self, trial: optuna.Trial) -> FrozenTrial | None:
         runner = runner_for(trial, self.spec, self.events, self.boundary, self.checkpoints, deadline=self.deadline,
                             storage_url=self.url)
@@ -390,7 +395,7 @@ class Worker:
         except (KeyboardInterrupt, Preempted, TimedOut) as exc:
             outcome = Outcome.PREEMPTED if isinstance(exc, Preempted) else Outcome.INTERRUPTED
             reason = ("preempted (SIGTERM)" if isinstance(exc, Preempted) else
-                      f"interrupted: --timeout of {self.timeout:g} s" if isinstance(exc, TimedOut) else "interrupted")
+                      self.timed_out_reason if isinstance(exc, TimedOut) else "interrupted")
             with unmarked_if_away(f"trial {trial.number}", exc):
                 ended = self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}),
                                   runner)

@@ -204,20 +204,22 @@ def from_environment(timeout_s: float = DEFAULT_TIMEOUT_S, device_type: str | No
         return Ranks()
     rank = _environment_int("RANK", None, low=0, high=world - 1)
     local_rank = _environment_int("LOCAL_RANK", str(rank), low=0)
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name, "").strip():
-            raise RankEnvironmentError(f"{name}: not set, with WORLD_SIZE={world}: start the ranks with torchrun, "
-                                       "which sets it")
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise _unset("MASTER_ADDR")
     _environment_int("MASTER_PORT", None, low=1, high=65535)
     return ProcessGroup.join(rank, world, init_method="env://", local_rank=local_rank, device_type=device_type,
                              timeout_s=timeout_s)
 
 
+def _unset(name: str) -> RankEnvironmentError:
+    return RankEnvironmentError(f"{name}: not set, with WORLD_SIZE={os.environ.get('WORLD_SIZE')}: start the ranks "
+                                "with torchrun, which sets it")
+
+
 def _environment_int(name: str, default: str | None, *, low: int, high: int | None = None) -> int:
     text = os.environ.get(name, default)
     if text is None:
-        raise RankEnvironmentError(f"{name}: not set, with WORLD_SIZE={os.environ.get('WORLD_SIZE')}: start the "
-                                   "ranks with torchrun, which sets it")
+        raise _unset(name)
     try:
         value = int(text.strip(), 10) if text.strip().isascii() else None
     except ValueError:
