@@ -65,8 +65,9 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
     file's key for a constructor argument whose name it does not use (`wrapped` for `wrapped_pruner`)."""
     renamed = renamed or {}
     if kind not in registry:
-        raise StudyFileError("", [(f"{where}.type", f"unknown {where} {kind!r}{did_you_mean(kind, registry)}; "
-                                                    "expected one of: " + ", ".join(registry))])
+        raise StudyFileError("", [(f"{where}.type", f"unknown {where} {short_repr(kind)}"
+                                                    f"{did_you_mean(kind, registry)}; expected one of: "
+                                                    + ", ".join(registry))])
     cls = registry[kind]
     accepted = {name: p for name, p in inspect.signature(cls).parameters.items()
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}

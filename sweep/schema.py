@@ -99,10 +99,11 @@ def _not_a_bool(value: Any) -> Any:
     """YAML's `true` is not 1: a number field refuses it (pydantic's lax mode would take it), and text that is not
     YAML's notation of a number (`1_000`, `" 0.5 "`, which float() takes)."""
     if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise ValueError(f"expected a number, got {short_repr(value)}")
     if isinstance(value, str) and number_from_text(value) is None and _python_float(value):
         # Text float() takes that is not YAML's notation (`1_000`, `" 0.5 "`); other text is pydantic's to refuse.
-        raise ValueError(f"Input should be a valid number (as YAML writes one: 1000, 1e3, 0.5), got {value!r}")
+        raise ValueError("Input should be a valid number (as YAML writes one: 1000, 1e3, 0.5), got "
+                         f"{short_repr(value)}")
     return value
 
 
@@ -999,7 +1000,7 @@ def name_problem(name: str) -> str | None:
     if not _NAME.fullmatch(name):  # not `match`: its `$` let a name end in a newline
         return f"expected letters, digits, '_', '-' and '.' (the name is a folder), got {short_repr(name)}"
     if set(name) == {"."}:
-        return f"{name!r} is not a folder of its own; choose a name with a letter or digit"
+        return f"{short_repr(name)} is not a folder of its own; choose a name with a letter or digit"
     if name.startswith("-"):
         return f"expected a name that does not start with '-' (it reads as an option), got {short_repr(name)}"
     if len(name) > MAX_NAME:
@@ -1044,7 +1045,7 @@ def storage_url_problem(url: str) -> str | None:
     try:
         dialect = parsed.get_dialect()
     except NoSuchModuleError:
-        return (f"unknown storage {parsed.drivername!r}; expected sqlite:///FILE.db or "
+        return (f"unknown storage {short_repr(parsed.drivername)}; expected sqlite:///FILE.db or "
                 "postgresql+psycopg://USER@HOST/DB")
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_url_problem(url, parsed)

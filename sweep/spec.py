@@ -100,7 +100,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         name = key.split(".")[1] if key.count(".") >= 1 else ""
         if key.startswith("model.") and not task.model_default(key.removeprefix("model."))[0]:
             known = [f"model.{k}" for k in task.model_keys()]
-            problems.append(("warm_start.match", f"unknown key {key!r} for task {task.name!r}"
+            problems.append(("warm_start.match", f"unknown key {short_repr(key)} for task {task.name!r}"
                              f"{did_you_mean(key, known)}; expected one of: {', '.join(known)}"))
         elif key.startswith("task_args.") and (message := _task_arg_problem(spec.task.name, name)):
             problems.append(("warm_start.match", message))
@@ -116,11 +116,12 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     base_problems = _config_problems(base, task, builtin)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
     default_batch = TrainingConfig.__dataclass_fields__["batch_size"].default
-    if "batch_size" not in spec.space and (message := _batch_size_problem(base.get("batch_size", default_batch), task)):
+    if "batch_size" not in spec.space and all(key != "batch_size" for key, _ in base_problems) \
+            and (message := _batch_size_problem(base.get("batch_size", default_batch), task)):
         given = "batch_size" in base
         problems.append(("fixed.batch_size", message if given else f"{message} (the default); set a smaller one"))
 
-    fixed_keys = set(flatten(spec.fixed, free=("model", "task_args")))
+    fixed_keys = set(flatten(spec.fixed, free=FREE_MAPPINGS))
     alone: list[str] = []  # the searched keys each of whose values the trainer takes with the fixed ones
     drawable = {key: extremes[0][1] for key, param in spec.space.items()
                 if key.startswith("model.") and task.model_default(key.removeprefix("model."))[0]
@@ -138,6 +139,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         if key in fixed_keys:
             problems.append((where, f"is both fixed (fixed.{key}) and searched; remove it from one of them"))
             continue
+        if any(bad_key in FREE_MAPPINGS and key.startswith(f"{bad_key}.") for bad_key, _ in base_problems):
+            continue  # inside `fixed.model: abc`, refused already; as a mapping, it and `model.dropout` go together
         conflicts = _conflict_problems(spec, fixed_keys, key)
         if conflicts:
             problems += conflicts
@@ -178,10 +181,12 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             # first extreme), not at the task's defaults, which the study may never use (4 heads where it searches
             # 1 or 2): their combinations are `_pair_problems`'.
             values = {**base, **(drawable if drawn is None else {}), key: value}
-            for bad_key, message in _config_problems(values, task, builtin, key.startswith("model.")):
-                if (bad_key, message) not in base_problems:  # caused by this value, not by the fixed ones
-                    problems.append((at, message if bad_key == key else f"{bad_key}: {message}"))
-            if key == "batch_size" and (message := _batch_size_problem(value, task)):
+            refused = [(bad_key, message) for bad_key, message in _config_problems(values, task, builtin,
+                                                                                  key.startswith("model."))
+                       if (bad_key, message) not in base_problems]  # caused by this value, not by the fixed ones
+            problems += [(at, message if bad_key == key else f"{bad_key}: {message}") for bad_key, message in refused]
+            if key == "batch_size" and all(bad_key != key for bad_key, _ in refused) \
+                    and (message := _batch_size_problem(value, task)):
                 problems.append((at, message))
         if isinstance(param, CategoricalParam) and len(problems) == found:
             problems += _same_once_read(where, param, _hint(key, task))
@@ -199,11 +204,12 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                 "follow a curriculum; use schedule none or a task with difficulty"))
     problems += _warm_start_problems(spec)
     if spec.metric not in task.metric_names:
-        problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; got {spec.metric!r}"))
+        problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; "
+                                   f"got {short_repr(spec.metric)}"))
     if spec.fast_fail().get("overfit_gap") is not None and training_metric(spec.metric) not in TRAINING_METRICS:
         problems.append(("pruner.overfit_gap", f"the overfitting rule compares the metric with its training "
                                                f"counterpart; the trainer logs {', '.join(TRAINING_METRICS)}, so it "
-                                               f"needs metric val_loss, got {spec.metric!r}"))
+                                               f"needs metric val_loss, got {short_repr(spec.metric)}"))
     problems += component_problems(spec)
     problems += [problem for problem in _rung_problems(spec) if problem[0] not in {key for key, _ in problems}]
     problems += tracking_problems(spec)
@@ -239,8 +245,8 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append(("command", str(exc)))
         else:
             if shutil.which(argv[0]) is None:
-                problems.append(("command", f"{argv[0]!r} is not an executable on PATH nor a path to one (from the "
-                                            "folder `sweep run` runs in)"))
+                problems.append(("command", f"{short_repr(argv[0])} is not an executable on PATH nor a path to one "
+                                            "(from the folder `sweep run` runs in)"))
     fixed_keys = set(flatten(spec.fixed))
     for key in spec.space:
         if key in fixed_keys:
@@ -267,6 +273,9 @@ def _raised_line(name: str, exc: BaseException) -> str:
     return f"{name} raised {type(exc).__name__}: {first}{at}"
 
 
+FREE_MAPPINGS = ("model", "task_args")  # fixed mappings whose keys a study may search one by one
+
+
 def _batch_size_problem(value: Any, task: Task) -> str | None:
     """A batch larger than the task's training set: every trial would fail at its first batch."""
     size = len(task.train[1])
@@ -280,7 +289,7 @@ def _task_arg_problem(name: str, argument: str) -> str | None:
     names = argument_names(resolve_task_factory(name))  # None: any, or no signature to read (a trial finds out)
     if names is None or argument in names:
         return None
-    return (f"task {name!r} takes no argument {argument!r}{did_you_mean(argument, names)}; expected one of: "
+    return (f"task {name!r} takes no argument {short_repr(argument)}{did_you_mean(argument, names)}; expected one of: "
             + (", ".join(names) or "(none)"))
 
 
@@ -356,8 +365,9 @@ def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:
         return []
     given = "" if "metric" in spec.model_fields_set else " (the default metric)"
     pruned = ", and fast-fail would prune the ones whose loss falls" if "fastfail" in _pruners(spec.pruner) else ""
-    return [("direction", f"maximize with metric {spec.metric!r}{given} keeps the trials whose loss is highest"
-                          f"{pruned}; name what to maximise with metric: (val_accuracy, say), or minimize the loss")]
+    return [("direction", f"maximize with metric {short_repr(spec.metric)}{given} keeps the trials whose loss is "
+                          f"highest{pruned}; name what to maximise with metric: (val_accuracy, say), or minimize the "
+                          "loss")]
 
 
 def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:

@@ -20,9 +20,14 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)(.*)", re.S)
 # A `key=value` pair of a query string or a libpq connection string; a value may be single-quoted (libpq).
 _PAIR = re.compile(r"(?P<lead>^|[?&;\s])(?P<key>[^=&?;#\s]+)=(?P<value>'(?:[^'\\]|\\.)*'|[^&;#\s]*)")
 _SECRET_WORDS = ("pass", "pwd", "secret", "token", "credential")
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]*")
-# A URL given where a path was expected, its `//` collapsed to `/` as a path's are: `postgresql:/me:pw@host/db`.
-_COLLAPSED = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*:/(?!/)[^\s'\"<>/:@]*:)[^\s'\"<>]*(?=@)")
+# A scheme is matched from the start of its run of scheme characters only (the lookbehind; a run's leading digits are
+# skipped as `lead`): tried from every letter, a long word was rescanned from each, and a 200 kB value in an error line
+# took minutes (the time grows with the square of the length).
+_URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.\-])(?P<lead>[0-9+.\-]*)(?P<url>[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]*)")
+# A URL given where a path was expected, its `//` collapsed to `/` as a path's are: `postgresql:/me:pw@host/db`: in
+# a word (`_WORD`) that holds an `@`, the first such head before its last `@`, and everything from it up to that `@`.
+_WORD = re.compile(r"[^\s'\"<>]+")
+_COLLAPSED_HEAD = re.compile(r"(?<![A-Za-z0-9+.\-])[0-9+.\-]*[A-Za-z][A-Za-z0-9+.\-]*:/(?!/)[^\s'\"<>/:@]*:")
 
 
 def _is_secret_key(key: str) -> bool:
@@ -84,8 +89,17 @@ def mask_urls(text: str) -> str:
     """Free text (a stored failure reason, a driver's message) with every URL in it masked (`mask_url`), and every
     `password=...` pair outside them too, when the URL it came from is not known; also a URL that was taken for a
     path (`postgresql:/me:pw@host/db`)."""
-    text = _URL_IN_TEXT.sub(lambda match: mask_url(match[0]), text)
-    return _PAIR.sub(_mask_pair, _COLLAPSED.sub(lambda match: match["head"] + MASK, text))
+    text = _URL_IN_TEXT.sub(lambda match: match["lead"] + mask_url(match["url"]), text)
+    return _PAIR.sub(_mask_pair, _WORD.sub(_mask_collapsed, text) if "@" in text else text)
+
+
+def _mask_collapsed(word: re.Match[str]) -> str:
+    """A word of free text with the userinfo of a collapsed URL in it masked, up to the word's last `@` (in time
+    linear in the word's length: each `@` is found once, and a head is searched for once, before the last)."""
+    text = word[0]
+    last = text.rfind("@")
+    head = _COLLAPSED_HEAD.search(text, 0, last) if last > 0 else None
+    return text if head is None else text[:head.end()] + MASK + text[last:]
 
 
 def url_secrets(url: str) -> list[str]:

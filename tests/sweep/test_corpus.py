@@ -352,6 +352,15 @@ RANGES = [
         fixed__model={"n_heads": 0, "n_layers": 1},
         space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}}), "fixed.model.n_heads",
         "task 'charlm' cannot build its model: model.n_heads must be at least 1, but got n_heads=0"),
+    # 0 is divisible by any number of heads: a model of no width trained to a uniform guess, and "completed".
+    bad_file("ranges", "charlm-zero-width", changed(
+        task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
+        fixed__model={"d_model": 0, "n_heads": 2, "n_layers": 1}, space={"learning_rate": TINY_STUDY["space"][
+            "learning_rate"]}), "fixed.model.d_model", "model.d_model must be at least 1, but got d_model=0"),
+    bad_file("ranges", "charlm-no-mlp", changed(
+        task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
+        fixed__model={"mlp_ratio": 0, "n_layers": 1}, space={"learning_rate": TINY_STUDY["space"]["learning_rate"]}),
+        "fixed.model.mlp_ratio", "model.mlp_ratio must be at least 1, but got mlp_ratio=0"),
     bad_file("ranges", "two-searched-model-keys-refused-together-between-their-ends", changed(
         task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
         fixed__model={"n_layers": 1}, space={"model.n_heads": {"type": "int", "low": 1, "high": 4},
@@ -1096,6 +1105,18 @@ REVIEWED = [
              "fixed.curriculum.schedule", "expected a string, got ['linear']"),
     bad_file("reviewed", "schedule-as-a-mapping", changed(fixed__curriculum={"schedule": {"name": "linear"}}),
              "fixed.curriculum.schedule", "expected a string, got {'name': 'linear'}"),
+    # Each value is refused once: a batch past 64 bits was also "larger than the training set", its 31 digits again.
+    bad_file("reviewed", "batch-past-64-bits", changed(fixed__batch_size=10**30), "fixed.batch_size",
+             "an integer that fits in 64 bits, got about 10^30"),
+    # A searched key inside a fixed value refused already: no second line telling to remove one of them.
+    bad_file("reviewed", "model-not-a-mapping-with-a-searched-model-key", changed(fixed__model="abc"), "fixed.model",
+             "expected a mapping, got 'abc'"),
+    # A long value is quoted short: the line once held all of it, and finding URLs to mask in 200 kB took minutes
+    # (each letter of the word was tried as a URL's start).
+    bad_file("reviewed", "metric-of-200k-characters", changed(metric="x" * 200_000), "metric",
+             "; got 'xxxxxxxxxx"),
+    bad_file("reviewed", "sampler-of-3000-characters", changed(sampler={"type": "s" * 3000}), "sampler.type",
+             "unknown sampler 'sssssss"),
     bad_file("reviewed", "accumulation-past-64-bits", changed(fixed__gradient_accumulation_steps=10**20),
              "fixed.gradient_accumulation_steps", "an integer that fits in 64 bits, got 100000000000000000000"),
     bad_file("reviewed", "storage-url-option-no-driver-takes", changed(

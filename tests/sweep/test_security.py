@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,21 @@ def test_mask_urls_masks_urls_and_pairs_inside_free_text() -> None:
     assert mask_urls(line) == line and mask_urls(mask_urls(reason)) == shown
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Blob scope.
+@pytest.mark.parametrize(("text", "shown"), [
+    ("see 1postgresql://u:pw@h/db now", "see 1postgresql://u:***@h/db now"),  # a word's leading digits stay
+    ("at 2postgresql:/me:pw@host/db", "at 2postgresql:/me:***@host/db"),
+    ("x@y postgresql:/me:pw@a@host/db z", "x@y postgresql:/me:***@host/db z"),  # up to the word's last @
+])
+def test_mask_urls_finds_a_url_inside_a_word(text: str, shown: str) -> None:
+    assert mask_urls(text) == shown
+
+
+def test_mask_urls_reads_a_long_word_once() -> None:
+    # Each letter of a word was tried as a URL's start and the rest of the word read from it: 200 kB took minutes.
+    for text in ("x" * 300_000, "1a" * 150_000, "a:/b:" * 60_000, "x@" + "a:/b:" * 60_000, "@" * 300_000):
+        started = time.monotonic()
+        assert mask_urls(text) == text
+        assert time.monotonic() - started < 60  # about 0.05 s; the old reading took hours
 
 def test_blob_scope_of_a_folder_store(tmp_path: Path) -> None:
     store = tmp_path / "store"

@@ -68,6 +68,10 @@ class CharTransformer(nn.Module):
         super().__init__()
         if n_heads < 1:
             raise ValueError(f"model.n_heads must be at least 1, but got {n_heads=}")
+        if d_model < 1:  # 0 is divisible by any n_heads: a model of no width trained to a uniform guess
+            raise ValueError(f"model.d_model must be at least 1, but got {d_model=}")
+        if mlp_ratio < 1:
+            raise ValueError(f"model.mlp_ratio must be at least 1, but got {mlp_ratio=}")
         if d_model % n_heads:
             raise ValueError(f"model.d_model must be divisible by model.n_heads, but got {d_model=}, {n_heads=}")
         if not 1 <= n_layers <= MAX_LAYERS:  # each block is modules: a million of them take minutes to build
