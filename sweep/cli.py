@@ -1411,8 +1411,13 @@ def reproduce(
         where = "in its final value (it reported none)" if comparison.final_only else f"first at step {step}"
         replayed = "not reported by the replay" if again is None else f"reproduced {again!r}"
         raise _fail(f"trial {trial} differs {where}: stored {stored!r}, {replayed}{raised}", 1)
+    if comparison.final is not None and comparison.final_differs:
+        stored, again = comparison.final
+        replayed = "the replay returned none" if again is None else f"reproduced {again!r}"
+        raise _fail(f"trial {trial} differs in its value (what its loop returned): stored {stored!r}, {replayed}"
+                    f"{raised}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
-            f"{comparison.steps_compared} reported values identical")
+            f"{comparison.steps_compared} reported values{' and its value' if comparison.final else ''} identical")
     partial = ("" if comparison.unfinished is None else
                f"; trial {trial} is still running: only the values it has reported so far were compared"
                if comparison.unfinished == "running" else

@@ -118,10 +118,20 @@ class Comparison:
     # compared, not a whole run
     unfinished: str | None = None
     raised: str | None = None  # the replay's own error ("MyError: ..."), raised after its first report
+    # A complete loop trial's value (what `main` returned, else its last report), compared besides its reports:
+    # (stored, reproduced; None: the replay gave none); None where there is no such value
+    final: tuple[float, float | None] | None = None
+
+    @property
+    def final_differs(self) -> bool:
+        if self.final is None:
+            return False
+        stored, again = self.final
+        return again is None or not agree(stored, again, self.tolerance)
 
     @property
     def identical(self) -> bool:
-        return self.first_difference is None and self.steps_compared > 0
+        return self.first_difference is None and not self.final_differs and self.steps_compared > 0
 
 
 class _Recorder:
@@ -316,7 +326,11 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     # another pruner (a study resumed with fast-fail switched off: the lineage's step-0 evaluation, which this
     # config does not make). Such a step is compared only where the replay reports it.
     inherited = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step", -1)
-    recorder = _Recorder(None if final_only else max(stored), [step for step in stored if step > inherited], metric)
+    # A complete trial of a user's code was never told to stop: its replay runs to its own end too, through the code
+    # path the trial took (told to stop at its last report, a loop took its "pruned" branch).
+    ran_out = final_only or (trial.state == TrialState.COMPLETE and (loop or command) is not None)
+    recorder = _Recorder(None if ran_out else max(stored), [step for step in stored if step > inherited], metric)
+    final: tuple[float, float | None] | None = None
     if command is not None:
         if not trust_code and command not in trusted:
             raise _untrusted(number, f"run the command {command!r}")
@@ -349,6 +363,8 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             deterministic, value = _rerun_loop(loop, stored_config, recorder, parent, number)
             if final_only and value is not None:
                 recorder.values[last] = value
+            elif trial.state == TrialState.COMPLETE and not final_only:
+                final = (float(trial.value), value)  # type: ignore[arg-type]
         device = resolve_device(str(stored_config.get("device", "auto")))
     else:
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
@@ -383,4 +399,8 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             largest = max(largest, abs(value - again) / max(abs(value), abs(again)))
     unfinished = ("running" if trial.state == TrialState.RUNNING else
                   str(trial.user_attrs.get(ATTR_OUTCOME) or "failed") if trial.state == TrialState.FAIL else None)
-    return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, recorder.raised)
+    if final is not None and (again := final[1]) is not None and final[0] != again \
+            and agree(final[0], again, tolerance):
+        largest = max(largest, abs(final[0] - again) / max(abs(final[0]), abs(again)))
+    return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, recorder.raised,
+                      final)

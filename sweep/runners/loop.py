@@ -276,14 +276,22 @@ def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 def loop_value(returned: Any, run: Run) -> float | None:
     """The trial's value: `main`'s return when it is a number (a tensor or array holding one number too), the metric
     of a mapping it returns, else the last reported value of the metric; None when there is none."""
-    if isinstance(returned, Mapping) and run.metric in returned:
-        return _floats({run.metric: returned[run.metric]})[run.metric]
+    value = returned_value(returned, run.metric)
+    if value is not None:
+        return value
+    return metric_value(run.metrics, run.metric) if run.metric in run.metrics else None
+
+
+def returned_value(returned: Any, metric: str) -> float | None:
+    """The value `main` returned, when it returned one (see `loop_value`)."""
+    if isinstance(returned, Mapping) and metric in returned:
+        return _floats({metric: returned[metric]})[metric]
     if isinstance(returned, (torch.Tensor, np.ndarray)):  # one number in it is that number; more are none
         count = returned.numel() if isinstance(returned, torch.Tensor) else returned.size
         returned = returned.item() if count == 1 else None
     if isinstance(returned, (numbers.Real, np.number)) and not isinstance(returned, (bool, np.bool_)):
-        return _floats({run.metric: returned})[run.metric]
-    return metric_value(run.metrics, run.metric) if run.metric in run.metrics else None
+        return _floats({metric: returned})[metric]
+    return None
 
 
 class LoopExit(RuntimeError):
@@ -377,8 +385,13 @@ class LoopTrial(TrialRun):
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the loop reported no {spec.metric!r} and "
                                                       f"{what}"})
         if not math.isfinite(value):
-            return TrialResult(Outcome.FAILED, None,
-                               {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {run.step}"})
+            if returned_value(returned, spec.metric) is None:
+                reason = f"diverged: {spec.metric} is {value} at step {run.step}"
+            else:  # the reports may all have been finite: say where the value came from
+                last = run.metrics.get(spec.metric)
+                reason = f"diverged: the loop returned {spec.metric} {value}" + (
+                    f" (its last report, at step {run.step}, was {last:g})" if isinstance(last, float) else "")
+            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: reason})
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
     def _start(self, params: Mapping[str, Any], config: dict[str, Any]) -> Start:

@@ -115,7 +115,7 @@ def test_a_user_loop_trains_reports_checkpoints_and_reproduces(tmp_path: Path) -
 
     again = sweep_cli("reproduce", path, "1", pythonpath=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert "4 reported values identical (bit for bit)" in again.stdout
+    assert "4 reported values and its value identical (bit for bit)" in again.stdout
 
     best = sweep_cli("best", path, "-o", tmp_path / "best.yaml", pythonpath=tmp_path)
     assert best.returncode == 0, best.stderr
@@ -182,7 +182,7 @@ def test_reproduce_compares_what_a_loop_reported_before_its_own_error_and_names_
         "        if stop:\n", "        if step == 20:\n            raise SystemExit(3)\n        if stop:\n"))
     ended = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
     assert ended.returncode == 0, ended.stdout + ended.stderr
-    assert ended.stdout.strip() == "trial 0 reproduced: 4 reported values identical (bit for bit)"
+    assert ended.stdout.strip() == "trial 0 reproduced: 4 reported values and its value identical (bit for bit)"
 
 
 def test_ctrl_c_during_reproduce_is_an_interruption_even_when_the_loop_wraps_it_in_its_own_error(
@@ -489,9 +489,11 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
         "        run.report(1, val_loss=10 ** 400)\n"
         "    if mode == 'reports-positional':\n"
         "        run.report(1, 0.5)\n"
-        "    return {'bool': True, 'list': [0.1], 'huge': 10 ** 400}.get(mode)\n")
+        "    if mode == 'returns-nan':\n"
+        "        run.report(10, val_loss=0.5)\n"
+        "    return {'bool': True, 'list': [0.1], 'huge': 10 ** 400, 'returns-nan': float('nan')}.get(mode)\n")
     modes = ["unordered", "fraction", "nan", "negative", "text", "bool", "list", "reports-bool", "reports-text",
-             "huge", "reports-huge", "reports-positional"]
+             "huge", "reports-huge", "reports-positional", "returns-nan"]
     path = write_study(tmp_path, {"name": "odd", "n_trials": len(modes), "loop": "odd:main", "sampler": "bruteforce",
                                   "max_repeated_failures": 0, "fixed": {"max_steps": 30},
                                   "space": {"mode": {"type": "categorical", "choices": modes}}})
@@ -511,7 +513,9 @@ def test_a_step_that_is_no_whole_number_or_a_return_that_is_no_number_fails_its_
     assert reasons["reports-text"] == "LoopError: metric 'val_loss': expected a number, got str ('0.42')"
     # An int beyond a float's range was "OverflowError: int too large to convert to float": it is infinite, so
     # diverged, as any value that overflows.
-    assert reasons["huge"] == "diverged: val_loss is inf at step 0", reasons["huge"]
+    assert reasons["huge"] == "diverged: the loop returned val_loss inf", reasons["huge"]
+    # A NaN returned after finite reports was "val_loss is nan at step 10", a step whose value was 0.5.
+    assert reasons["returns-nan"] == "diverged: the loop returned val_loss nan (its last report, at step 10, was 0.5)"
     assert reasons["reports-huge"]["rule"] == "inf", reasons["reports-huge"]
     # A value where the metrics go was "TypeError: 'float' object is not a mapping".
     assert reasons["reports-positional"] == ("LoopError: run.report at step 1: expected the metrics as a mapping or "
@@ -554,7 +558,7 @@ def test_a_loop_that_reports_out_of_order_reproduces(tmp_path: Path) -> None:
     assert trial.user_attrs["steps"] == 3  # the highest step it reported, not the last (2)
     again = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.strip() == "trial 0 reproduced: 3 reported values identical (bit for bit)"
+    assert again.stdout.strip() == "trial 0 reproduced: 3 reported values and its value identical (bit for bit)"
 
 @pytest.mark.parametrize(("edit", "expected"), [
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
@@ -745,3 +749,36 @@ def test_threads_of_a_loop_may_report_at_once(tmp_path: Path) -> None:
     trials = trials_of(path, "threaded")
     assert [t.state.name for t in trials] == ["COMPLETE"] * 3, [t.user_attrs.get("fail_reason") for t in trials]
     assert all(sorted(t.intermediate_values) == list(range(1, 101)) for t in trials)
+
+
+def test_a_complete_loop_trial_is_replayed_to_its_own_end_and_its_returned_value_compared(tmp_path: Path) -> None:
+    """The replay of a complete trial was told to stop at its last report, so this loop took its pruned branch,
+    which the trial never took; and the value it returned (not its last report) was never compared."""
+    runs, branch = tmp_path / "runs.txt", tmp_path / "pruned-branch.txt"
+    (tmp_path / "ends.py").write_text(
+        "import pathlib\n"
+        "def main(config, run):\n"
+        "    history = []\n"
+        "    for step in (5, 10, 15):\n"
+        "        history.append(config['x'] + 1.0 / step)\n"
+        "        if run.report(step, val_loss=history[-1]):\n"
+        f"            pathlib.Path({str(branch)!r}).write_text('taken')\n"
+        "            return None\n"
+        f"    runs = pathlib.Path({str(runs)!r})\n"
+        "    n = int(runs.read_text()) + 1 if runs.exists() else 1\n"
+        "    runs.write_text(str(n))\n"
+        "    return min(history) - 0.5 + (0.0 if n == 1 else 1.0)\n")
+    path = write_study(tmp_path, {"name": "ends", "n_trials": 1, "loop": "ends:main", "pruner": "none",
+                                  "fixed": {"max_steps": 15}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    [trial] = trials_of(path, "ends")
+    assert trial.value == pytest.approx(trial.intermediate_values[15] - 0.5)
+    runs.unlink()
+    again = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)
+    assert again.stdout.strip() == "trial 0 reproduced: 3 reported values and its value identical (bit for bit)", \
+        again.stdout + again.stderr
+    assert not branch.exists(), "the replay took the loop's pruned branch"
+    differs = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)  # this time the loop returns 1.0 more
+    assert differs.returncode == 1
+    assert differs.stderr.startswith(f"error: trial 0 differs in its value (what its loop returned): stored "
+                                     f"{trial.value!r}, reproduced {trial.value + 1.0!r}"), differs.stderr
