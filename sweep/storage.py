@@ -291,15 +291,19 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None,
     paused process or machine, one cut off from the network; its session stays open) would stall every other worker,
     and with them the failing of its own lost trials, which happens under this lock. A waiter takes it over, with one
     warning: on PostgreSQL it ends the holder's session once that session has been idle that long (the server's
-    clock; a healthy holder holds the lock for a moment); a lock file it replaces by a new one after waiting that
-    long. Safe either way: the holder, when it comes back, finds its lock lost and counts what it asked against the
-    budget again (`Worker._fence`)."""
+    clock); a lock file it replaces by a new one after its stamp has stayed the same that long. Safe either way: the
+    holder, when it comes back, finds its lock lost and counts what it asked against the budget again
+    (`Worker._fence`). A holder that is alive but slow (a loaded machine opening a study, asking a cohort's trials)
+    shows it while it holds the lock (`_showing_life`): its lock session runs a statement, its lock file is stamped
+    again, a few times per period; for at most `LIFE_SHOWN_PERIODS` periods, after which a holder that still has it
+    is taken for hung."""
     path = sqlite_path(url)
     if path is not None:
         lock_file = path.with_name(path.name + ".lock")
         handle = _take_file_lock(lock_file, stale_after)
         try:
-            yield lambda: _file_lock_lost(lock_file, handle)
+            with _showing_life(lambda: _stamp(handle), stale_after):
+                yield lambda: _file_lock_lost(lock_file, handle)
         finally:
             with contextlib.suppress(OSError):
                 fcntl.flock(handle, fcntl.LOCK_UN)
@@ -319,16 +323,20 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None,
             return connection
 
         connection = boundary.call(acquire) if boundary is not None else acquire()
+        using = threading.Lock()  # the connection, between this thread and the one that shows life on it
 
         def lost() -> bool:
             try:
-                connection.execute(text("SELECT 1"))
+                with using:
+                    connection.execute(text("SELECT 1"))
+                    connection.commit()
             except Exception:  # noqa: BLE001 - any failure: the session that held the lock may be gone
                 return True
             return False
 
         try:
-            yield lost
+            with _showing_life(lost, stale_after):
+                yield lost
         finally:
             with contextlib.suppress(Exception):
                 connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
@@ -337,6 +345,43 @@ def ask_lock(url: str, study_name: str, boundary: Boundary | None = None,
                 connection.close()
         return
     yield never_lost  # other backends: best effort
+
+
+LIFE_SHOWN_PERIODS = 3  # how many stale periods a live holder of the study's lock keeps it from a takeover
+
+
+@contextlib.contextmanager
+def _showing_life(show: Callable[[], Any], stale_after: float | None) -> Iterator[None]:
+    """`show()` called on a thread of its own, three times per `stale_after` seconds, while the block runs: the
+    holder of the study's lock tells waiters it is alive (a paused process's threads are paused with it; a machine
+    cut off reaches no server). Only for `LIFE_SHOWN_PERIODS` periods: a lock held longer than that is held by a hung
+    worker, whose waiters take it over as from a paused one."""
+    if stale_after is None:
+        yield
+        return
+    done = threading.Event()
+
+    def beat() -> None:
+        until = time.monotonic() + LIFE_SHOWN_PERIODS * stale_after
+        while not done.wait(stale_after / 3) and time.monotonic() < until:
+            with contextlib.suppress(Exception):
+                show()
+
+    thread = threading.Thread(target=beat, name="sweep-lock-holder-alive", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _stamp(handle: Any) -> None:
+    """Write the stamp that tells waiters which holder has the lock file, and since when it last showed life."""
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()} {time.time_ns()}\n")
+    handle.flush()
 
 
 def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
@@ -387,10 +432,7 @@ def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
             raise
         if not _file_lock_lost(lock_file, handle):
             with contextlib.suppress(OSError):  # the stamp that tells waiters a new holder has it
-                handle.seek(0)
-                handle.truncate()
-                handle.write(f"{os.getpid()} {time.time_ns()}\n")
-                handle.flush()
+                _stamp(handle)
             return handle
         handle.close()  # replaced between our open and our lock: lock the file there now
 

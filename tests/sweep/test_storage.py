@@ -433,6 +433,52 @@ def test_a_lock_held_past_the_grace_by_a_worker_that_does_not_answer_is_taken_ov
         assert not lost()
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_live_holder_slower_than_the_grace_keeps_the_lock_and_a_hung_one_loses_it(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    """A healthy worker whose turn under the lock took longer than the grace period (a loaded machine opening a
+    study, asking a cohort's trials) had its PostgreSQL session ended as "a worker that does not answer": its lock
+    session sat idle while it worked on its others. A live holder now shows life for three periods; past that it
+    is taken for hung and taken over as a paused one is."""
+    import time
+    import warnings
+
+    from sweep.storage import LIFE_SHOWN_PERIODS, ask_lock
+
+    url = f"sqlite:///{tmp_path / 'x.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    name = f"slow-{tmp_path.name}"
+    grace = 3.0
+    for hold, taken_over in ((5.0, False), (120.0, True)):
+        held, release, kept = threading.Event(), threading.Event(), []
+
+        def holder(hold: float = hold, held: threading.Event = held, release: threading.Event = release,
+                   kept: list[bool] = kept) -> None:
+            with ask_lock(url, name, stale_after=grace) as lost:
+                held.set()
+                release.wait(hold)  # alive all along: its lock's keeper thread runs
+                kept.append(not lost())
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        try:
+            assert held.wait(60)
+            started = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with ask_lock(url, name, stale_after=grace) as lost:
+                    waited = time.monotonic() - started
+                    assert not lost()
+        finally:
+            release.set()
+            thread.join(60)
+        messages = [str(w.message) for w in caught]
+        if taken_over:  # hung: shown alive for three periods, then taken over as a paused holder is
+            assert waited >= LIFE_SHOWN_PERIODS * grace and kept == [False], (waited, kept)
+            assert len(messages) == 1 and "held for" in messages[0], messages
+        else:
+            assert waited >= 4.0 and kept == [True] and not messages, (waited, kept, messages)
+
+
 def test_a_lock_held_briefly_is_waited_for_and_stays_its_holder_s(tmp_path: Path) -> None:
     import time
     import warnings
