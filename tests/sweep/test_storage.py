@@ -388,46 +388,55 @@ def test_a_file_lock_is_never_lost(tmp_path: Path) -> None:
         assert not lost()
 
 
+def _taken_while_held(url: str, name: str, hold_s: float, holder_stale_after: float | None,
+                      waiter_stale_after: float) -> tuple[float, list[str], bool]:
+    """A holder takes the study's lock on a thread and keeps it `hold_s` seconds, doing nothing else; this thread
+    waits for it. Returns how long the wait took, the warnings it gave, and whether the holder still had its lock
+    when it let go."""
+    import time
+
+    from sweep.storage import ask_lock
+
+    held, release, kept = threading.Event(), threading.Event(), []
+
+    def holder() -> None:
+        with ask_lock(url, name, stale_after=holder_stale_after) as lost:
+            held.set()
+            release.wait(hold_s)
+            kept.append(not lost())
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(60)
+        started = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ask_lock(url, name, stale_after=waiter_stale_after) as lost:
+                waited = time.monotonic() - started
+                assert not lost()
+    finally:
+        release.set()
+        thread.join(60)
+    return waited, [str(w.message) for w in caught], kept == [True]
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_a_lock_held_past_the_grace_by_a_worker_that_does_not_answer_is_taken_over(
         tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
     """A worker paused (SIGSTOP, a suspended machine) while it held the study's lock stalled every other worker for as
     long as it stayed paused, with the failing of its own lost trials, which happens under the lock. A waiter now
     takes the lock over after the grace period, with a warning; the holder, when it comes back, finds it lost."""
-    import time
-    import warnings
-
     from sweep.storage import ask_lock
 
     url = f"sqlite:///{tmp_path / 'x.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
     name = f"paused-{tmp_path.name}"
-    held, release = threading.Event(), threading.Event()
-    lost_after: list[bool] = []
-
-    def paused_holder() -> None:  # takes the lock, then answers nothing until released
-        with ask_lock(url, name) as lost:
-            held.set()
-            release.wait(120)
-            lost_after.append(lost())
-
-    holder = threading.Thread(target=paused_holder)
-    holder.start()
-    try:
-        assert held.wait(60)
-        # Waited for through the grace period (past the wait's own one-second turns in PostgreSQL's queue), then taken.
-        started = time.monotonic()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with ask_lock(url, name, stale_after=1.5) as lost:
-                waited = time.monotonic() - started
-                assert not lost()
-        assert waited >= 1.5, waited
-        messages = [str(w.message) for w in caught]
-        assert len(messages) == 1 and "held for" in messages[0] and "does not" in messages[0], messages
-    finally:
-        release.set()
-        holder.join(60)
-    assert lost_after == [True]  # its lock is gone: what it asked is counted again (`Worker._fence`)
+    # A holder that shows no life (no grace of its own) and answers nothing until released: waited for through the
+    # grace period (past the wait's own one-second turns in PostgreSQL's queue), then taken.
+    waited, messages, kept = _taken_while_held(url, name, 120, None, 1.5)
+    assert waited >= 1.5, waited
+    assert len(messages) == 1 and "held for" in messages[0] and "does not" in messages[0], messages
+    assert not kept  # its lock is gone: what it asked is counted again (`Worker._fence`)
     # Once over, the lock works as before: taken, not lost, released.
     with ask_lock(url, name, stale_after=1.5) as lost:
         assert not lost()
@@ -440,43 +449,15 @@ def test_a_live_holder_slower_than_the_grace_keeps_the_lock_and_a_hung_one_loses
     study, asking a cohort's trials) had its PostgreSQL session ended as "a worker that does not answer": its lock
     session sat idle while it worked on its others. A live holder now shows life for three periods; past that it
     is taken for hung and taken over as a paused one is."""
-    import time
-    import warnings
-
-    from sweep.storage import LIFE_SHOWN_PERIODS, ask_lock
+    from sweep.storage import LIFE_SHOWN_PERIODS
 
     url = f"sqlite:///{tmp_path / 'x.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
     name = f"slow-{tmp_path.name}"
-    grace = 3.0
-    for hold, taken_over in ((5.0, False), (120.0, True)):
-        held, release, kept = threading.Event(), threading.Event(), []
-
-        def holder(hold: float = hold, held: threading.Event = held, release: threading.Event = release,
-                   kept: list[bool] = kept) -> None:
-            with ask_lock(url, name, stale_after=grace) as lost:
-                held.set()
-                release.wait(hold)  # alive all along: its lock's keeper thread runs
-                kept.append(not lost())
-
-        thread = threading.Thread(target=holder)
-        thread.start()
-        try:
-            assert held.wait(60)
-            started = time.monotonic()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                with ask_lock(url, name, stale_after=grace) as lost:
-                    waited = time.monotonic() - started
-                    assert not lost()
-        finally:
-            release.set()
-            thread.join(60)
-        messages = [str(w.message) for w in caught]
-        if taken_over:  # hung: shown alive for three periods, then taken over as a paused holder is
-            assert waited >= LIFE_SHOWN_PERIODS * grace and kept == [False], (waited, kept)
-            assert len(messages) == 1 and "held for" in messages[0], messages
-        else:
-            assert waited >= 4.0 and kept == [True] and not messages, (waited, kept, messages)
+    waited, messages, kept = _taken_while_held(url, name, 5.0, 3.0, 3.0)  # alive all along, 5 s: kept
+    assert waited >= 4.0 and kept and not messages, (waited, kept, messages)
+    waited, messages, kept = _taken_while_held(url, name, 120, 3.0, 3.0)  # alive, but for ever: hung
+    assert waited >= LIFE_SHOWN_PERIODS * 3.0 and not kept, (waited, kept)
+    assert len(messages) == 1 and "held for" in messages[0], messages
 
 
 def test_a_lock_held_briefly_is_waited_for_and_stays_its_holder_s(tmp_path: Path) -> None:
