@@ -1413,9 +1413,9 @@ def reproduce(
         raise _fail(f"trial {trial} differs {where}: stored {stored!r}, {replayed}{raised}", 1)
     if comparison.final is not None and comparison.final_differs:
         stored, again = comparison.final
-        replayed = "the replay returned none" if again is None else f"reproduced {again!r}"
-        raise _fail(f"trial {trial} differs in its value (what its loop returned): stored {stored!r}, {replayed}"
-                    f"{raised}", 1)
+        replayed = "the replay ended without one" if again is None else f"reproduced {again!r}"
+        raise _fail(f"trial {trial} differs in its value (what its loop returned, else its last report): stored "
+                    f"{stored!r}, {replayed}{raised}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
             f"{comparison.steps_compared} reported values{' and its value' if comparison.final else ''} identical")
     partial = ("" if comparison.unfinished is None else

@@ -359,12 +359,14 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         if not trust_code and loop not in trusted:
             raise _untrusted(number, f"import and run the loop {loop!r}")
         parent = _parent(trial, BlobScope(store))
+        # What the config asks, and no value: where the replay raises after a report (`_replay`), it returned none.
+        deterministic, value = bool(stored_config.get("deterministic", False)), None
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
             deterministic, value = _rerun_loop(loop, stored_config, recorder, parent, number)
-            if final_only and value is not None:
-                recorder.values[last] = value
-            elif trial.state == TrialState.COMPLETE and not final_only:
-                final = (float(trial.value), value)  # type: ignore[arg-type]
+        if final_only and value is not None:
+            recorder.values[last] = value
+        elif trial.state == TrialState.COMPLETE and not final_only:  # a replay that raised gave no value: differs
+            final = (float(trial.value), value)  # type: ignore[arg-type]
         device = resolve_device(str(stored_config.get("device", "auto")))
     else:
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it

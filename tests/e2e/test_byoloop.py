@@ -178,11 +178,22 @@ def test_reproduce_compares_what_a_loop_reported_before_its_own_error_and_names_
     assert broken.stderr.startswith("error: trial 0 differs first at step 15: stored ")
     assert broken.stderr.rstrip().endswith(", not reported by the replay; the replay raised RuntimeError: boom at "
                                            "step 15")
-    source.write_text(source.read_text().replace("step == 15", "step == 25").replace(
-        "        if stop:\n", "        if step == 20:\n            raise SystemExit(3)\n        if stop:\n"))
+    # A complete trial's replay that raises after its last report never gave the trial's value: it differs (it
+    # passed, the value never compared; and the edit that made this loop raise matched no line of it).
+    edited = source.read_text().replace("step == 15", "step == 25")
+    guard = "        if stop or (run.start"
+    raising = edited.replace(guard, f"        if step == 20:\n            raise SystemExit(3)\n{guard}")
+    assert raising != edited
+    source.write_text(raising)
     ended = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
-    assert ended.returncode == 0, ended.stdout + ended.stderr
-    assert ended.stdout.strip() == "trial 0 reproduced: 4 reported values and its value identical (bit for bit)"
+    assert ended.returncode == 1, ended.stdout + ended.stderr
+    assert ended.stderr.startswith("error: trial 0 differs in its value (what its loop returned, else its last "
+                                   "report): stored "), ended.stderr
+    assert ended.stderr.rstrip().endswith(", the replay ended without one; the replay raised LoopExit: the loop "
+                                          "called sys.exit(3)"), ended.stderr
+    source.write_text(edited)
+    again = sweep_cli("reproduce", done, "0", pythonpath=tmp_path / "done")
+    assert again.stdout.strip() == "trial 0 reproduced: 4 reported values and its value identical (bit for bit)"
 
 
 def test_ctrl_c_during_reproduce_is_an_interruption_even_when_the_loop_wraps_it_in_its_own_error(
@@ -780,5 +791,6 @@ def test_a_complete_loop_trial_is_replayed_to_its_own_end_and_its_returned_value
     assert not branch.exists(), "the replay took the loop's pruned branch"
     differs = sweep_cli("reproduce", path, "0", pythonpath=tmp_path)  # this time the loop returns 1.0 more
     assert differs.returncode == 1
-    assert differs.stderr.startswith(f"error: trial 0 differs in its value (what its loop returned): stored "
+    assert differs.stderr.startswith(f"error: trial 0 differs in its value (what its loop returned, else its last "
+                                     f"report): stored "
                                      f"{trial.value!r}, reproduced {trial.value + 1.0!r}"), differs.stderr
