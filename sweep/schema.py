@@ -323,7 +323,8 @@ class WarmStartSpec(_Model):
 # Slurm's own syntax for what goes into `#SBATCH` lines: checked here so that nothing else can reach the script.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*$")  # partitions, accounts, QOS (comma lists)
 # ASCII digits (`\d` takes any script's: '٩٠' reached the script, where sbatch refuses it).
-_SLURM_TIME = re.compile(r"^(\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d+(:\d{1,2}(:\d{1,2})?)?)$", re.ASCII)
+# Slurm keeps a time limit in minutes, 32 bits: at most 99,999 days or 999,999,999 minutes (`1e308` was 309 digits).
+_SLURM_TIME = re.compile(r"^(\d{1,5}-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|\d{1,9}(:\d{1,2}(:\d{1,2})?)?)$", re.ASCII)
 _SLURM_MEM = re.compile(r"^\d+[KMGT]$", re.ASCII)  # with its unit: a bare '16' is 16 MB to Slurm
 _SBATCH_LINE = re.compile(r"^--?[A-Za-z][A-Za-z0-9\-]*([= ][^\n\r]*)?$")
 

@@ -247,7 +247,9 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
             if shutil.which(argv[0]) is None:
                 problems.append(("command", f"{short_repr(argv[0])} is not an executable on PATH nor a path to one "
                                             "(from the folder `sweep run` runs in)"))
-    fixed_keys = set(flatten(spec.fixed))
+    # A loop's or command's config is its own: an empty mapping (`model: {}`) holds no key a searched one could
+    # conflict with, and the searched `model.hidden` goes into it.
+    fixed_keys = {key for key, value in flatten(spec.fixed).items() if not (isinstance(value, Mapping) and not value)}
     for key in spec.space:
         if key in fixed_keys:
             problems.append((f"space.{key}", f"is both fixed (fixed.{key}) and searched; remove it from one of them"))

@@ -1378,6 +1378,10 @@ ACCEPTED = [
     pytest.param(TINY_YAML.replace("task: digits", "loop: operator:add").replace("pruner: none", "pruner: median")
                  .replace("eval_every_steps: 10", "eval_every_steps: 10\n  warmup_steps: 0.1"),
                  id="loop-fraction-no-pruner-reads"),
+    # An empty mapping of a loop's config holds no key a searched one conflicts with: `model.hidden` goes into it.
+    pytest.param(TINY_YAML.replace("task: digits", "loop: operator:add").replace("batch_size: 32", "batch_size: 32\n"
+                                                                                  "  model: {}"),
+                 id="loop-empty-mapping-a-searched-key-goes-into"),
 ]
 
 

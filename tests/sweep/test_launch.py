@@ -114,6 +114,9 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(), ["--sbatch", "echo hi"], "command line: --sbatch: expected one sbatch option"),
     (changed(), ["--workers", "0"], "command line: --workers: Input should be greater than or equal to 1"),
     (changed(), ["--time", "1:00:00:00:00"], "command line: --time: expected a Slurm time"),
+    # Beyond what Slurm keeps (32-bit minutes): `time: 1e308` was 309 digits in the script (review).
+    (changed(launch={"slurm": {"time": 10**30}}), [], "launch.slurm.time: expected a Slurm time"),
+    (changed(), ["--time", "1000000-00:00:00"], "command line: --time: expected a Slurm time"),
     (changed(), ["--cpus-per-task", "0"], "command line: --cpus-per-task: Input should be greater"),
     (changed(), ["--n-trials", "0"], "--n-trials: expected at least 1 trial"),
     # Numbers beyond what Slurm takes went into the script (`--array=0-99999999999999999999998`), exit 0.
