@@ -38,6 +38,17 @@ STATE_COLOURS = {"COMPLETE": "#2a9d8f", "PRUNED": "#e9a23b", "FAIL": "#d62828", 
 INFEASIBLE_RULES = {"nan", "inf", "explode"}
 
 
+# Control characters other than line breaks and tabs, and the bidirectional overrides and isolates (U+202A-U+202E,
+# U+2066-U+2069: they reorder the text after them as it is shown, so a reason could read as another).
+_UNSHOWN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _html(text: str) -> str:
+    """`text` for the page: HTML-escaped, and each character that would not show as itself written as its escape
+    (`\\x1b`, `\\u202e`), as the terminal's lines write them."""
+    return html.escape(_UNSHOWN.sub(lambda match: repr(match.group())[1:-1], text))
+
+
 def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[str]]:
     """Trials that diverged (pruned for NaN/Inf/explosion) or failed, and how many for each reason. A trial that was
     retried (its worker was lost or interrupted, or a storage error) is not: its retry stands for its config."""
@@ -164,7 +175,7 @@ def _warm_row(trial: FrozenTrial) -> str:
     cells = [f"#{trial.number}", f"#{parent.get('trial')} of {parent.get('study')}", str(parent.get("step")),
              f"{float(parent.get('distance', math.nan)):.3f}", f"{float(parent.get('value', math.nan)):.6g}", value,
              trial.state.name.lower()]
-    return "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in cells) + "</tr>"
+    return "<tr>" + "".join(f"<td>{_html(cell)}</td>" for cell in cells) + "</tr>"
 
 
 def _warm_start_section(trials: list[FrozenTrial]) -> str:
@@ -177,7 +188,7 @@ def _warm_start_section(trials: list[FrozenTrial]) -> str:
     rows = "".join(_warm_row(t) for t in warm)
     confirmed = confirmation_rows(trials)
     confirmations = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in (
+        "<tr>" + "".join(f"<td>{_html(cell)}</td>" for cell in (
             f"#{r['warm']}", "" if r["warm_value"] is None else f"{r['warm_value']:.6g}", f"#{r['cold']}",
             r["cold_state"], "" if r["cold_value"] is None else f"{r['cold_value']:.6g}")) + "</tr>"
         for r in confirmed)
@@ -213,7 +224,7 @@ def _render(study: optuna.Study) -> str:
         try:
             fig = build()
         except Exception as exc:  # noqa: BLE001 - a figure Optuna cannot draw yet must not lose the report
-            sections.append(f"<h2>{title}</h2><p class='note'>Not available: {html.escape(str(exc))}</p>")
+            sections.append(f"<h2>{title}</h2><p class='note'>Not available: {_html(str(exc))}</p>")
             return
         sections.append(f"<h2>{title}</h2>{_figure(fig, first)}")
         first = False
@@ -224,7 +235,7 @@ def _render(study: optuna.Study) -> str:
 
     share = 100 * len(bad) / len(trials) if trials else 0.0
     # A failure reason may quote a storage error, and that the storage URL: never its password.
-    rows = "".join(f"<tr><td>{html.escape(mask_urls(reason))}</td><td>{count}</td></tr>" for reason, count in
+    rows = "".join(f"<tr><td>{_html(mask_urls(reason))}</td><td>{count}</td></tr>" for reason, count in
                    reasons.most_common())
     sections.append(f"<h2>Infeasible trials</h2><p>{len(bad)} of {len(trials)} trials ({share:.0f}%) diverged or "
                     f"failed.</p>" + (f"<table><tr><th>reason</th><th>trials</th></tr>{rows}</table>" if rows else ""))
@@ -236,18 +247,18 @@ def _render(study: optuna.Study) -> str:
         sections.append("<h2>Best trial</h2><p>No trial has completed yet.</p>")
     else:
         warnings = edge_warnings(spec.get("space", {}), best.params)
-        warning_html = "".join(f"<p class='warning'>&#9888; {html.escape(w)}</p>" for w in warnings)
+        warning_html = "".join(f"<p class='warning'>&#9888; {_html(w)}</p>" for w in warnings)
         stored = best.user_attrs.get(ATTR_CONFIG, best.params)
         builtin = spec.get("loop") is None and spec.get("command") is None
         again_with = retraining(best, stored) if builtin and isinstance(stored, dict) else None
         config = mask_urls(yaml.safe_dump(stored if again_with is None else again_with.config, sort_keys=False))
         lineage = lineage_label(best, trials)
         if is_warm(best):
-            warning_html += f"<p class='warning'>&#9888; {html.escape(lineage)}</p>"
+            warning_html += f"<p class='warning'>&#9888; {_html(lineage)}</p>"
         elif lineage:
-            warning_html += f"<p class='note'>{html.escape(lineage)}</p>"
+            warning_html += f"<p class='note'>{_html(lineage)}</p>"
         if spec.get("loop") is not None:  # the user's own config: `python -m trainer` does not run it
-            again = (f"Its config, as <code>{html.escape(str(spec['loop']))}(config, run)</code> received it; "
+            again = (f"Its config, as <code>{_html(str(spec['loop']))}(config, run)</code> received it; "
                      f"<code>sweep reproduce STUDY {best.number}</code> runs it again:")
         elif spec.get("command") is not None:
             again = (f"Its config, as the command received it; <code>sweep reproduce STUDY {best.number}</code> runs "
@@ -256,24 +267,24 @@ def _render(study: optuna.Study) -> str:
             again = "Its params (a trial sweep did not run: no config of its own is recorded):"
         else:
             env, notes = ("", "") if again_with is None else (again_with.env, again_with.comment)
-            notes = "".join(f"<br>{html.escape(line.removeprefix('# '))}" for line in notes.splitlines())
-            again = (f"Its full config; <code>{html.escape(env)}python -m trainer best.yaml</code> trains it "
+            notes = "".join(f"<br>{_html(line.removeprefix('# '))}" for line in notes.splitlines())
+            again = (f"Its full config; <code>{_html(env)}python -m trainer best.yaml</code> trains it "
                      f"again:{notes}")
-        sections.append(f"<h2>Best trial: #{best.number}, {html.escape(str(spec.get('metric', 'value')))} = "
-                        f"{best.value:.6g}</h2>{warning_html}<p>{again}</p><pre>{html.escape(config)}</pre>")
+        sections.append(f"<h2>Best trial: #{best.number}, {_html(str(spec.get('metric', 'value')))} = "
+                        f"{best.value:.6g}</h2>{warning_html}<p>{again}</p><pre>{_html(config)}</pre>")
 
     counts = ", ".join(f"{k} {v}" for k, v in state_counts(study).items())
     rate = trials_per_hour(trials)
     throughput = "" if rate is None else f"; {rate:.0f} trials per hour"
     budget = (f"{used}/{spec['n_trials']} trials used" if "n_trials" in spec else
               f"{used} trials (no budget: a study sweep did not create)")
-    head = (f"<h1>Study {html.escape(printable(study.study_name))}</h1>"
-            f"<p>{html.escape(spec.get('description', ''))}</p>"
-            f"<p>{study.direction.name.lower()} {html.escape(str(spec.get('metric', '')))}; "
+    head = (f"<h1>Study {_html(printable(study.study_name))}</h1>"
+            f"<p>{_html(spec.get('description', ''))}</p>"
+            f"<p>{study.direction.name.lower()} {_html(str(spec.get('metric', '')))}; "
             f"{budget}; {counts}{throughput}.</p>")
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
              ".warning{color:#9a3412;font-weight:600}.note{color:#666}pre{background:#f5f5f5;padding:1em}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>sweep report: "
-            f"{html.escape(printable(study.study_name))}</title><style>{style}</style></head><body>{head}"
+            f"{_html(printable(study.study_name))}</title><style>{style}</style></head><body>{head}"
             + "".join(sections) + "</body></html>")

@@ -57,3 +57,20 @@ def test_no_focus_where_it_would_hide_nothing(tmp_path: Path, curves: list[tuple
     study = _study(tmp_path, curves)
     assert focus_range(study.get_trials(), maximize=False) is None
     assert _intermediate_values_by_state(study).layout.updatemenus == ()
+
+
+def test_text_that_would_not_show_as_itself_is_written_as_its_escape(tmp_path: Path) -> None:
+    """A description or a failure reason holding an escape sequence or a right-to-left override reached the page raw
+    (HTML-escaped only): the override reorders what follows it as shown, so a reason could read as another."""
+    from sweep.outcomes import ATTR_FAIL, SPEC_ATTR
+
+    study = _study(tmp_path, CURVES)
+    study.set_user_attr(SPEC_ATTR, {"description": "two lines\nand a bell\a, an escape\x1b[2J, <b>\u202eevil",
+                                    "metric": "val_loss"})
+    study.add_trial(create_trial(state=TrialState.FAIL, params={"x": 9.0},
+                                 distributions={"x": FloatDistribution(0, 100)},
+                                 user_attrs={ATTR_FAIL: "ValueError: gnp\u202eexe.txt"}))
+    page = render_report(study)
+    assert not any(c in page for c in "\a\x1b\u202e")
+    assert "two lines\nand a bell\\x07, an escape\\x1b[2J, &lt;b&gt;\\u202eevil" in page
+    assert "ValueError: gnp\\u202eexe.txt" in page
