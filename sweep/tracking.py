@@ -23,11 +23,13 @@ import contextlib
 import fcntl
 import importlib.util
 import json
+import logging
 import math
 import os
 import posixpath
 import re
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -192,6 +194,7 @@ class TensorBoardTracker:
     def __init__(self, folder: Path, params: Mapping[str, Any], metric: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_threads()
         self.params, self.metric = dict(params), metric
         # The writer queues events and a thread of its own writes them: nothing here waits on the disk per call.
         self.writer = SummaryWriter(log_dir=str(folder), max_queue=100, flush_secs=10)
@@ -219,6 +222,32 @@ class TensorBoardTracker:
             self.writer.file_writer.add_summary(summary)  # type: ignore[attr-defined]
         self.writer.close()
 
+
+_WRITER_THREADS_QUIET = False
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises a failed write (its folder replaced by a file, a full disk), and Python
+    printed it as a traceback; the writer keeps the error and raises it into the trial's next call, where `Guarded`
+    makes it the one warning. Its threads' exceptions are not printed again."""
+    global _WRITER_THREADS_QUIET
+    if _WRITER_THREADS_QUIET:
+        return
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    printed = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.thread, _AsyncWriterThread):
+            printed(args)
+
+    threading.excepthook = hook
+    _WRITER_THREADS_QUIET = True
+
+
+# MLflow's loggers that print each failed background batch, with its traceback: thousands of lines when the store
+# breaks mid-run. The first failure drops the backend with one warning (`MLflowTracker._metrics`, `Guarded`).
+_MLFLOW_FAILURE_LOGGERS = ("mlflow.store.db.utils", "mlflow.utils.async_logging.async_logging_queue")
 
 # MLflow's own client retries a server that does not answer 7 times with a backoff factor of 2 (minutes per call);
 # a trial should not wait that long on its tracking. Set these yourself to choose otherwise.
@@ -372,6 +401,8 @@ class MLflowTracker:
         _check_database(uri)
         self.metric, self.config, self.trial_number = metric, dict(config), trial_number
         self.pending: list[Any] = []
+        for name in _MLFLOW_FAILURE_LOGGERS:  # what they would print, `Guarded`'s one line says
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         with _store_turn(uri):  # a new store's tables are made by the client, at its creation
             _build_store(uri)
             self.client = MlflowClient(tracking_uri=uri)
@@ -397,10 +428,26 @@ class MLflowTracker:
     def _metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
+        self._raise_failed()
         now = int(time.time() * 1000)
         batch = [Metric(self._name(name), float(value), now, step) for name, value in metrics.items()
                  if name != "step"]
         self.pending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+
+    def _raise_failed(self) -> None:
+        """The error of a batch sent in the background that has failed, raised now, at the trial's next call (not at
+        its end, after every later batch failed too); the batches done are let go."""
+        waiting = []
+        for operation in self.pending:
+            futures = getattr(operation, "_operation_futures", None)  # MLflow has no public "done" of its own
+            if futures is None or not all(future.done() for future in futures):
+                waiting.append(operation)
+                continue
+            for future in futures:
+                if (exc := future.exception()) is not None:
+                    self.pending = waiting
+                    raise exc
+        self.pending = waiting
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._metrics(step, metrics)
@@ -499,6 +546,20 @@ def _param(name: str, value: Any) -> Any:
     return Param(name, str(value))
 
 
+def _error_line(exc: BaseException) -> str:
+    """`exc` as one line, with what raised it first where that is another error (a store's `MlflowException` over
+    "attempt to write a readonly database"); a tracking URI it quotes may hold a password."""
+    line = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    root, seen = exc, {id(exc)}
+    while (below := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None \
+            and id(below) not in seen:
+        root = below
+        seen.add(id(root))
+    if root is not exc and str(root).strip():
+        line += f"; caused by {type(root).__name__}: {str(root).strip().splitlines()[0]}"
+    return mask_urls(line)
+
+
 class Guarded:
     """A tracker that never fails the trial: the first error a backend raises is one warning, and the backend is
     dropped for the rest of the trial."""
@@ -511,9 +572,8 @@ class Guarded:
         try:
             return function(*args)
         except Exception as exc:  # noqa: BLE001 - a tracking backend never takes a trial down
-            first = mask_urls(str(exc).splitlines()[0]) if str(exc) else ""  # a tracking URI may hold a password
             warnings.warn(f"trial {self.number}: {self.name} tracking dropped for this trial ({what} failed: "
-                          f"{type(exc).__name__}: {first})", stacklevel=3)
+                          f"{_error_line(exc)})", stacklevel=3)
             self.inner = None
             return None
 

@@ -104,13 +104,14 @@ def short_repr(value: Any) -> str:
     return _SHORT.repr(value)
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Control characters, and the bidirectional overrides and isolates (they reorder the text after them as shown).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(line: str) -> str:
     """`line` with each control character written as its escape (`\x1b`): an error line quotes keys, paths and
     names from a file, and a key holding a terminal's escape sequence must not retitle or clear the terminal that
-    prints it."""
+    prints it; nor may a right-to-left override (`\u202e`) make a line read as another."""
     return _CONTROL.sub(lambda match: repr(match.group())[1:-1], line)
 
 

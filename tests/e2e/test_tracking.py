@@ -19,7 +19,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from tests.conftest import CLI_ENV, ROOT, TINY_STUDY, sweep_cli, write_study
+from tests.conftest import CLI_ENV, ROOT, TINY_STUDY, run_cli, sweep_cli, write_study
 
 LOGGED = ["curriculum_level", "grad_norm", "lr", "samples_per_s", "train_loss"]  # what the trainer logs on a CPU
 
@@ -624,3 +624,49 @@ def test_metric_names_mlflow_refuses_are_logged_renamed_and_every_run_still_ends
                for name in ("val_loss", "val_loss_ema_", "acc_1")}
     assert history == {"val_loss": [(1, 1.0), (2, 0.5)], "val_loss_ema_": [(1, 2.0), (2, 1.0)],
                        "acc_1": [(1, 0.5), (2, 1.0)]}
+
+
+BREAKER = '''
+import os, pathlib, shutil, time
+
+
+def main(config, run):
+    for step in range(1, 41):
+        if step == 10:  # the tracking store broken under the running trial: a folder made a file, a database garbage
+            target = pathlib.Path(config["break"])
+            if target.is_dir():
+                shutil.move(str(target), str(target) + ".aside")
+                target.write_text("not a folder")
+            else:
+                target.rename(str(target) + ".aside")
+                target.write_bytes(os.urandom(5000))
+        run.report(step, val_loss=config["x"] + 1.0 / step)
+        time.sleep(0.05)  # MLflow's batches are written in the background: their errors arrive meanwhile
+    return config["x"]
+'''
+
+
+@pytest.mark.parametrize("backend", ["mlflow", "tensorboard"])
+def test_a_tracking_store_broken_mid_trial_is_one_warning_naming_its_cause(tmp_path: Path, backend: str) -> None:
+    """MLflow's loggers printed each failed background batch with its traceback (5,000 lines for one trial) and the
+    warning named SQLAlchemy's autoflush note, not the cause; TensorBoard's writer thread printed its traceback."""
+    if backend == "mlflow":
+        pytest.importorskip("mlflow")
+    (tmp_path / "breaker.py").write_text(BREAKER)
+    tracking, target = ({"mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'runs.db'}"}}, tmp_path / "runs.db") \
+        if backend == "mlflow" else ({"tensorboard": {"dir": str(tmp_path / "tb")}}, tmp_path / "tb" / "brk" /
+                                     "trial-00000")
+    path = write_study(tmp_path, {"name": "brk", "n_trials": 1, "loop": "breaker:main", "pruner": "none",
+                                  "tracking": tracking, "fixed": {"max_steps": 40, "break": str(target)},
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = run_cli("run", path, cwd=tmp_path)  # a process of its own: what its threads and loggers print
+    assert done.returncode == 0, done.stderr
+    [trial] = optuna.load_study(study_name="brk", storage=f"sqlite:///{tmp_path / 'brk.db'}").get_trials()
+    assert trial.state == TrialState.COMPLETE
+    warned = [line for line in done.stderr.splitlines() if "tracking dropped" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: trial 0: {backend} tracking dropped"), done.stderr
+    assert "Traceback" not in done.stderr and "ERROR" not in done.stderr, done.stderr
+    if backend == "mlflow":
+        assert "caused by OperationalError: attempt to write a readonly database" in warned[0], warned
+    else:
+        assert "Not a directory" in warned[0], warned

@@ -1538,6 +1538,22 @@ def test_a_key_missing_from_the_stored_definition_is_named_as_added_not_as_store
     assert "already exists with a different metric (metric: added)" in done.stderr, done.stderr
 
 
+def test_a_right_to_left_override_in_another_tool_s_text_is_shown_escaped(tmp_path: Path) -> None:
+    """U+202E reorders what follows it as a terminal shows it (`gnp\u202eexe.txt` reads "gnptxt.exe"); only control
+    characters were escaped."""
+    from optuna.distributions import CategoricalDistribution
+    from optuna.trial import create_trial
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name="rtl", storage=f"sqlite:///{tmp_path / 'theirs.db'}")
+    study.add_trial(create_trial(params={"file": "gnp\u202eexe.txt"}, value=1.0,
+                                 distributions={"file": CategoricalDistribution(["gnp\u202eexe.txt", "b"])}))
+    for command in ("status", "trials"):
+        shown = sweep_cli(command, "theirs.db", cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert "\u202e" not in shown.stdout and "gnp\\u202eexe.txt" in shown.stdout, shown.stdout
+
+
 def test_another_tool_s_text_is_shown_as_stored_and_its_failures_as_failed(tmp_path: Path) -> None:
     """Found by a review of the read commands on studies sweep did not make: rich read `[bold]` and `input[batch]`
     in a study's text as markup (dropped; `[/]` made the study unreadable); a param's name holding ESC [2J cleared the
