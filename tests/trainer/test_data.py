@@ -3,6 +3,7 @@ Both draw the same batch indices, so on a CPU they train identically, and either
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from pathlib import Path
 
@@ -138,6 +139,37 @@ def test_the_arrays_task_names_the_bad_argument(digit_files: dict[str, str], tmp
     np.save(tmp_path / "complex.npy", np.zeros((1400, 8, 8), dtype=np.complex64))
     with pytest.raises(ValueError, match=r"task_args\.train_x: expected real numbers .*, got torch\.complex64"):
         load_task("arrays", {**digit_files, "train_x": str(tmp_path / "complex.npy"), "classes": 10})
+
+
+def test_the_arrays_task_takes_what_its_files_hold_and_refuses_what_would_fail_every_trial(
+        digit_files: dict[str, str], tmp_path: Path) -> None:
+    """Found by review: 1-D inputs (a number per sample) failed every trial at the model's flatten; uint16 labels
+    (more than 256 classes) were torch's "min_all not implemented"; one NaN in the validation inputs made every
+    trial's loss NaN at its first evaluation, blamed on its config; an .npz archive was "'NpzFile' object has no
+    attribute 'ndim'"."""
+    x, y = np.load(digit_files["train_x"]), np.load(digit_files["train_y"])
+    vx, vy = np.load(digit_files["val_x"]), np.load(digit_files["val_y"])
+    files = {name: str(tmp_path / f"{name}.npy") for name in ("x1", "vx1", "y16", "vy16", "nan")}
+    np.save(files["x1"], x[:, 3, 3].astype(np.float32))
+    np.save(files["vx1"], vx[:, 3, 3].astype(np.float32))
+    np.save(files["y16"], y.astype(np.uint16))
+    np.save(files["vy16"], vy.astype(np.uint16))
+    task = load_task("arrays", {"train_x": files["x1"], "train_y": files["y16"], "val_x": files["vx1"],
+                                "val_y": files["vy16"], "classes": 10})
+    assert task.train[1].dtype == torch.int64 and task.train[1].tolist() == y.tolist()
+    config = TrainingConfig.from_dict({"task": "arrays", "max_steps": 20, "eval_every_steps": 10,
+                                       "log_every_steps": 10, "batch_size": 32, "model": {"hidden": 8}})
+    result = train(config, task)
+    assert result.status == "completed" and math.isfinite(result.metrics["val_loss"])
+    poisoned = vx.astype(np.float32)
+    poisoned[7, 2, 2] = np.inf
+    np.save(files["nan"], poisoned)
+    with pytest.raises(ValueError, match=r"task_args\.val_x: expected finite numbers .*, but sample 7 holds NaN or "
+                                         r"infinity"):
+        load_task("arrays", {**digit_files, "val_x": files["nan"], "classes": 10})
+    np.savez(tmp_path / "archive.npz", x)
+    with pytest.raises(ValueError, match=r"task_args\.train_x: .*a \.npz archive of 1 arrays, not one array"):
+        load_task("arrays", {**digit_files, "train_x": str(tmp_path / "archive.npz"), "classes": 10})
 
 
 @pytest.mark.parametrize(("values", "key"), [({"data_loader": "gpu"}, "data_loader"),

@@ -38,6 +38,8 @@ def open_array(path: str | Path, key: str) -> torch.Tensor:
         raise FileNotFoundError(f"task_args.{key}: no such file {str(path)!r}")
     try:  # never unpickled (np.load's default): an object array, or a file that is no .npy, is refused
         array = np.load(path, mmap_mode="c")
+        if not isinstance(array, np.ndarray):  # an .npz archive of arrays (np.savez), under any name
+            raise ValueError(f"a .npz archive of {len(array.files)} arrays, not one array: save it with np.save")
         if array.ndim < 1 or len(array) == 0:
             raise ValueError(f"expected samples on dimension 0, but it has shape {array.shape}")
         return torch.from_numpy(array)
@@ -49,6 +51,14 @@ def open_array(path: str | Path, key: str) -> torch.Tensor:
                          f"{str(path)!r}: {first}") from exc
 
 
+def _class_indices(targets: torch.Tensor) -> torch.Tensor:
+    """Labels as torch reduces and indexes with them: unsigned ones wider than a byte (uint16 for more than 256
+    classes) read into int64 (torch has neither `min` nor a cross-entropy target of them)."""
+    if targets.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return torch.from_numpy(targets.numpy().astype(np.int64))
+    return targets
+
+
 class FlatMLP(nn.Module):
     """Flattens each sample and casts it to float32, then an MLP."""
 
@@ -57,7 +67,7 @@ class FlatMLP(nn.Module):
         self.mlp = MLP(n_in, n_out, **cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(x.flatten(1).float())
+        return self.mlp(x.reshape(len(x), -1).float())  # a sample of one number (1-D inputs) too
 
 
 def class_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -70,6 +80,7 @@ def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> 
         raise ValueError(f"task_args.classes must be >= 2, but got {classes=}")
     x, y = open_array(train_x, "train_x"), open_array(train_y, "train_y")
     vx, vy = open_array(val_x, "val_x"), open_array(val_y, "val_y")
+    y, vy = _class_indices(y), _class_indices(vy)
     for (inputs, targets), split in (((x, y), "train"), ((vx, vy), "val")):
         if len(inputs) != len(targets):
             raise ValueError(f"task_args.{split}_x and {split}_y must hold as many samples, but got {len(inputs)} "
@@ -89,6 +100,12 @@ def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> 
         if math.prod(inputs.shape[1:]) == 0:
             raise ValueError(f"task_args.{key}: expected samples with at least one feature, but its samples have "
                              f"shape {tuple(inputs.shape[1:])}")
+    for start in range(0, len(vx) if vx.dtype.is_floating_point else 0, 65536):  # moved to the device whole
+        rows = vx[start:start + 65536]
+        bad = ~torch.isfinite(rows.float()).reshape(len(rows), -1)
+        if bool(bad.any()):  # every trial's loss was NaN at its first evaluation, blamed on its config
+            raise ValueError(f"task_args.val_x: expected finite numbers (as float32, which the model reads), but "
+                             f"sample {start + int(bad.any(1).nonzero()[0])} holds NaN or infinity")
     if x.shape[1:] != vx.shape[1:]:
         raise ValueError(f"train_x and val_x samples differ in shape: {tuple(x.shape[1:])} and {tuple(vx.shape[1:])}")
     n_in = math.prod(x.shape[1:])
