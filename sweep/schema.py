@@ -880,28 +880,11 @@ def read_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[StudySpe
     path = Path(path)
     document = apply_overrides(read_document(path), overrides)
     document.setdefault("name", path.stem)
-    spec = _data_from(validate_document(document, path), path.resolve().parent)
+    spec = validate_document(document, path)
     folder = str(path.resolve().parent)
     if folder not in sys.path:
         sys.path.append(folder)  # after the installed packages: a file there never shadows one of them
     return spec, path.resolve()
-
-
-ARRAYS_FILES = ("train_x", "train_y", "val_x", "val_y")  # the built-in `arrays` task's arguments that name files
-
-
-def _data_from(spec: StudySpec, folder: Path) -> StudySpec:
-    """The `arrays` task's files, a relative path read from the study file's folder (as its storage and checkpoints
-    are) and kept absolute in the study: run from another folder, a study trained on the files found there, two
-    data sets in one study, and `sweep reproduce` and `sweep best`'s config found other files or none."""
-    if spec.task is None or spec.task.name != "arrays":
-        return spec
-    args = dict(spec.task.args)
-    for key in ARRAYS_FILES:
-        value = args.get(key)
-        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-            args[key] = str(folder / value)
-    return spec.model_copy(update={"task": spec.task.model_copy(update={"args": args})})
 
 
 def with_options(model: _ModelT, given: Mapping[str, Any]) -> _ModelT:

@@ -164,7 +164,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
             for label, value in ends[:4]:  # a task may read its data each time: the ends, or the first choices
                 try:
                     load_task(spec.task.name, {**spec.task.args, key.split(".")[1]: value})
-                except (TaskError, ValueError) as exc:
+                except (TaskError, ValueError, OSError) as exc:  # no data there (a file missing) too
                     problems.append((f"{where}.{label}", str(exc)))
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
             problems.append((f"{where}.type", f"{key} takes integers; use type: int"))

@@ -1098,35 +1098,3 @@ def test_a_key_holding_a_terminal_escape_sequence_is_printed_escaped(tmp_path: P
     assert "study.yaml: \\x1b]0;pwned\\x07: unknown key" in done.stderr, done.stderr
     assert not (tmp_path / "t.db").exists()
 
-
-def test_the_arrays_task_reads_relative_files_from_the_study_file_s_folder(tmp_path: Path) -> None:
-    """They were read from the working folder: a study run from two folders trained on two data sets (no warning),
-    and `sweep reproduce` or `sweep best`'s config, from another folder, found other files or none (review)."""
-    import numpy as np
-
-    from trainer.tasks.digits import load_digits_arrays
-
-    x, y = load_digits_arrays()
-    study_folder, elsewhere = tmp_path / "study", tmp_path / "elsewhere"
-    for folder, shift in ((study_folder, 0), (elsewhere, 1)):  # the same names, other data
-        folder.mkdir()
-        for name, array in {"train_x": x[:1400], "train_y": (y[:1400] + shift) % 10, "val_x": x[1400:],
-                            "val_y": (y[1400:] + shift) % 10}.items():
-            np.save(folder / f"{name}.npy", array.astype(np.float32 if name.endswith("x") else np.int64))
-    path = write_study(study_folder, {
-        "name": "mine", "n_trials": 1, "pruner": "none", "sampler": {"type": "random"},
-        "task": {"name": "arrays", "args": {"train_x": "train_x.npy", "train_y": "train_y.npy", "val_x": "val_x.npy",
-                                            "val_y": "./val_y.npy", "classes": 10}},
-        "fixed": {"max_steps": 20, "eval_every_steps": 10, "batch_size": 32},
-        "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}})
-    done = sweep_cli("run", path, cwd=elsewhere)
-    assert done.returncode == 0, done.stderr
-    [trial] = optuna.load_study(study_name="mine", storage=f"sqlite:///{study_folder / 'mine.db'}").get_trials()
-    assert trial.user_attrs["config"]["task_args"]["train_y"] == str(study_folder / "train_y.npy")
-    assert trial.user_attrs["config"]["task_args"]["val_y"] == str(study_folder / "val_y.npy")
-    again = sweep_cli("reproduce", path, "0", cwd=tmp_path)
-    assert again.returncode == 0 and "identical (bit for bit)" in again.stdout, again.stdout + again.stderr
-    best = sweep_cli("best", path, "-o", elsewhere / "best.yaml", cwd=elsewhere)
-    assert best.returncode == 0, best.stderr
-    assert yaml.safe_load((elsewhere / "best.yaml").read_text())["task_args"]["train_x"] == str(
-        study_folder / "train_x.npy")

@@ -99,6 +99,19 @@ def _study_in_wal_mode(folder: Path) -> None:
         connection.execute("PRAGMA journal_mode=WAL")
 
 
+def _arrays_files(folder: Path) -> None:
+    """Small .npy files for the `arrays` task: 64 training and 16 validation samples of 4 features, 2 classes."""
+    import numpy as np
+
+    for name, rows in (("train", 64), ("val", 16)):
+        np.save(folder / f"{name}_x.npy", np.arange(rows * 4, dtype=np.float32).reshape(rows, 4))
+        np.save(folder / f"{name}_y.npy", np.arange(rows, dtype=np.int64) % 2)
+
+
+ARRAYS = {"name": "arrays", "args": {"train_x": "train_x.npy", "train_y": "train_y.npy", "val_x": "val_x.npy",
+                                     "val_y": "val_y.npy", "classes": 2}}
+
+
 def _folder(name: str) -> Callable[[Path], None]:
     return lambda folder: (folder / name).mkdir()
 
@@ -352,6 +365,10 @@ RANGES = [
         fixed__model={"n_heads": 0, "n_layers": 1},
         space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}}), "fixed.model.n_heads",
         "task 'charlm' cannot build its model: model.n_heads must be at least 1, but got n_heads=0"),
+    # A searched file that is not there: the task's FileNotFoundError was a traceback (the fixed files were read).
+    bad_file("ranges", "searched-arrays-file-missing", changed(
+        task=ARRAYS, space={"task_args.train_x": {"type": "categorical", "choices": ["train_x.npy", "gone.npy"]}}),
+             "space.task_args.train_x.choices[1]", "task_args.train_x: no such file 'gone.npy'", setup=_arrays_files),
     # 0 is divisible by any number of heads: a model of no width trained to a uniform guess, and "completed".
     bad_file("ranges", "charlm-zero-width", changed(
         task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
