@@ -100,8 +100,9 @@ def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> 
         if math.prod(inputs.shape[1:]) == 0:
             raise ValueError(f"task_args.{key}: expected samples with at least one feature, but its samples have "
                              f"shape {tuple(inputs.shape[1:])}")
-    for start in range(0, len(vx) if vx.dtype.is_floating_point else 0, 65536):  # moved to the device whole
-        rows = vx[start:start + 65536]
+    step = max(1, (1 << 24) // math.prod(vx.shape[1:]))  # 16M values at a time: a few tens of MB of copies
+    for start in range(0, len(vx) if vx.dtype.is_floating_point else 0, step):  # moved to the device whole
+        rows = vx[start:start + step]
         bad = ~torch.isfinite(rows.float()).reshape(len(rows), -1)
         if bool(bad.any()):  # every trial's loss was NaN at its first evaluation, blamed on its config
             raise ValueError(f"task_args.val_x: expected finite numbers (as float32, which the model reads), but "
