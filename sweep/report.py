@@ -38,15 +38,10 @@ STATE_COLOURS = {"COMPLETE": "#2a9d8f", "PRUNED": "#e9a23b", "FAIL": "#d62828", 
 INFEASIBLE_RULES = {"nan", "inf", "explode"}
 
 
-# Control characters other than line breaks and tabs, and the bidirectional overrides and isolates (U+202A-U+202E,
-# U+2066-U+2069: they reorder the text after them as it is shown, so a reason could read as another).
-_UNSHOWN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
 def _html(text: str) -> str:
     """`text` for the page: HTML-escaped, and each character that would not show as itself written as its escape
-    (`\\x1b`, `\\u202e`), as the terminal's lines write them."""
-    return html.escape(_UNSHOWN.sub(lambda match: repr(match.group())[1:-1], text))
+    (`\\x1b`, `\\u202e`), as the terminal's lines write them (`printable`); line breaks and tabs kept."""
+    return html.escape(printable(text, keep="\t\n\r"))
 
 
 def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[str]]:

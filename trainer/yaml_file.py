@@ -108,11 +108,12 @@ def short_repr(value: Any) -> str:
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
-def printable(line: str) -> str:
+def printable(line: str, keep: str = "") -> str:
     """`line` with each control character written as its escape (`\x1b`): an error line quotes keys, paths and
     names from a file, and a key holding a terminal's escape sequence must not retitle or clear the terminal that
-    prints it; nor may a right-to-left override (`\u202e`) make a line read as another."""
-    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], line)
+    prints it; nor may a right-to-left override (`\u202e`) make a line read as another. `keep`: characters left as
+    they are (a page's line breaks and tabs)."""
+    return _CONTROL.sub(lambda match: match.group() if match.group() in keep else repr(match.group())[1:-1], line)
 
 
 _NOT_REGULAR = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
