@@ -234,14 +234,20 @@ def test_sweep_stop_given_while_a_run_starts_stops_it(tmp_path: Path, workers: s
 
     path = busy_study(tmp_path, 1, max_steps=300, eval_every_steps=100, log_every_steps=100)
     assert sweep_cli("run", path).returncode == 0  # the study exists: `sweep stop` has somewhere to write
-    runner = _started_catching_sigterm("run", path, "--n-trials", "4", "--workers", workers)  # it has started
+    runner = _started_catching_sigterm("run", path, "--n-trials", "40", "--workers", workers)  # it has started
     stopped = sweep_cli("stop", path)
     assert stopped.returncode == 0, stopped.stderr
+    stop_landed = time.time()
     _, stderr = runner.communicate(timeout=300)
     assert runner.returncode == 0, stderr
-    assert "stopped by `sweep stop` with 1/4 trials done; rerun the same command to continue." in stderr, stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
-    assert len(trials) == 1, [t.state for t in trials]  # no trial started after the stop
+    assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+    assert f"stopped by `sweep stop` with {len(trials)}/40 trials done; rerun the same command to continue." in stderr, \
+        stderr
+    # Stopped at its first boundary after the stop was written: the stop usually lands while torch imports, before
+    # any trial (the worker's next check may race a stop written as it asks one, on a loaded machine: the one
+    # trial allowed here; a stop taken for older than the run, as before, trained all 40).
+    assert len([t for t in trials[1:] if t.datetime_start.timestamp() > stop_landed]) <= 1, trials
 
 
 @pytest.mark.parametrize("workers", [1, 2])
