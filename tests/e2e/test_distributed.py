@@ -312,7 +312,9 @@ def test_sweep_stop_lets_the_two_rank_trial_finish_and_starts_no_other(tmp_path:
     outlives it, and no further trial starts."""
     from tests.e2e.test_faults import checkpoint_rows, finish, start_sweep, wait_for
 
-    path = ddp_study(tmp_path, n_trials=4, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.02}},
+    # 7 s of steps after the first checkpoint: the stop, given in-process, lands before the trial ends on a loaded
+    # machine (a stop that landed after it would let the next trial be asked, as it should).
+    path = ddp_study(tmp_path, n_trials=4, task={"name": "tests.e2e.ddp_tasks:slow", "args": {"sleep_s": 0.07}},
                      checkpoints={"every_steps": 20},
                      fixed={**TINY_STUDY["fixed"], "max_steps": 120, "eval_every_steps": 20, "log_every_steps": 20})
     db, log = tmp_path / "ddp.db", tmp_path / "run.log"
