@@ -959,6 +959,8 @@ def _print_status(study: Any) -> None:
         how = f" (in cohorts of {', '.join(map(str, cohorts))})" if cohorts else ""
         table.add_row("throughput", f"{status['trials_per_hour']:.0f} trials/hour{how}")
     best = status["best"]
+    if best is None and status["states"].get("complete"):  # complete, yet none is the best: warm, unconfirmed
+        table.add_row("best trial", f"none: {status['no_best']}")
     if best is not None:
         table.add_row("best trial", f"#{best['number']}  value {best['value']:.6g}")
         if best["lineage"]:

@@ -22,10 +22,11 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.outcomes import ATTR_CONFIRMS, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WARM_START
+from sweep.outcomes import ATTR_CONFIRMS, ATTR_RESUMED_FROM, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WARM_START
 
-__all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm", "lineage_label", "study_best",
-           "warm_lineage"]
+__all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm", "lineage_label", "lineage_own_steps",
+           "no_best",
+           "study_best", "warm_lineage"]
 
 
 def is_warm(trial: FrozenTrial) -> bool:
@@ -71,6 +72,22 @@ def study_best(trials: Sequence[FrozenTrial], maximize: bool, *, confirm: int = 
     return ranked[0] if ranked else None
 
 
+def no_best(trials: Sequence[FrozenTrial], maximize: bool, *, confirm: int = 0) -> str:
+    """Why the study has no best trial (`study_best` gave None), as a sentence: no trial has completed, or, with
+    `confirm` on, none trained cold has while warm ones have (their values are not the study's best until confirmed)."""
+    warm = _ranked([t for t in _complete(trials) if is_warm(t)], maximize) if confirm > 0 else []
+    if not warm:
+        return "no trial has completed yet"
+    top = warm[0]
+    confirmation = confirmation_of(trials).get(top.number)
+    why = ("awaits its cold confirmation" if confirmation is None or not confirmation.state.is_finished() else
+           f"was not confirmed (its cold retrain, trial #{confirmation.number}, ended "
+           f"{confirmation.state.name.lower()})")
+    return (f"no trial trained cold has completed yet, and with warm_start.confirm on the study's best is a cold "
+            f"value: {len(warm)} warm trial{'s' if len(warm) > 1 else ''} completed, the best #{top.number} (value "
+            f"{top.value:.6g}, from its lineage), which {why}")
+
+
 def warm_lineage(parent: Mapping[str, Any], last_step: object, own_steps: object = None) -> str:
     """Where a warm trial's value came from, given its `warm_start_from` attr, its last step and the steps it trained
     itself (when known: a loop may take the donor's state and count its own steps from 0)."""
@@ -84,6 +101,20 @@ def warm_lineage(parent: Mapping[str, Any], last_step: object, own_steps: object
             "belongs to this lineage, not to its config alone")
 
 
+def lineage_own_steps(trial: FrozenTrial, parent: Mapping[str, Any]) -> object:
+    """The steps a warm trial's lineage trained with its own config, for `warm_lineage`. A retry's `steps_trained`
+    are only its own part: it says the lineage's own steps where its loop took the donor's state and counted its
+    steps from 0 (the lineage's first report at or below the handoff, and every step its own), and nothing where
+    the lineage went on from the donor's step (its steps past the handoff are its own)."""
+    if trial.user_attrs.get(ATTR_RESUMED_FROM) is None:
+        return trial.user_attrs.get(ATTR_STEPS_TRAINED)
+    handoff, last = parent.get("step"), trial.user_attrs.get(ATTR_STEPS)
+    if isinstance(handoff, int) and isinstance(last, int) and trial.intermediate_values \
+            and min(trial.intermediate_values) <= handoff:
+        return last
+    return None
+
+
 def lineage_label(trial: FrozenTrial, trials: Sequence[FrozenTrial] | None = None) -> str:
     """One line on where a trial's value came from: "" for a plain cold trial. With the study's `trials`, a warm
     trial's line says what its cold confirmation reached, or that it has none."""
@@ -93,7 +124,7 @@ def lineage_label(trial: FrozenTrial, trials: Sequence[FrozenTrial] | None = Non
     parent = trial.user_attrs.get(ATTR_WARM_START)
     if not isinstance(parent, Mapping):
         return ""
-    label = warm_lineage(parent, trial.user_attrs.get(ATTR_STEPS, "?"), trial.user_attrs.get(ATTR_STEPS_TRAINED))
+    label = warm_lineage(parent, trial.user_attrs.get(ATTR_STEPS, "?"), lineage_own_steps(trial, parent))
     if trials is not None:
         label += "; " + _confirmation_text(confirmation_of(trials).get(trial.number))
     return label

@@ -22,13 +22,22 @@ from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
     ATTR_PRUNE,
+    ATTR_RETRY_OF,
     ATTR_WARM_START,
     LOST_REASON,
     SPEC_ATTR,
     budget_counts,
     retried_numbers,
 )
-from sweep.results import best_trial, confirm_count, retraining, state_counts, steps_trained, trials_per_hour
+from sweep.results import (
+    best_trial,
+    confirm_count,
+    no_best_line,
+    retraining,
+    state_counts,
+    steps_trained,
+    trials_per_hour,
+)
 from sweep.urls import mask_urls
 from trainer.yaml_file import printable
 
@@ -179,7 +188,10 @@ def _warm_start_section(trials: list[FrozenTrial]) -> str:
     if not warm:
         return ""
     trained = steps_trained(trials)
-    inherited = sum(int(t.user_attrs[ATTR_WARM_START].get("step", 0)) for t in warm)
+    # A retry carries its lineage's donor too: one warm start, and one handoff's steps, per config (`sweep status`).
+    starts = [t for t in warm if t.user_attrs.get(ATTR_RETRY_OF) is None]
+    configs = sum(t.user_attrs.get(ATTR_RETRY_OF) is None for t in trials)
+    inherited = sum(int(t.user_attrs[ATTR_WARM_START].get("step", 0)) for t in starts)
     rows = "".join(_warm_row(t) for t in warm)
     confirmed = confirmation_rows(trials)
     confirmations = "".join(
@@ -193,7 +205,8 @@ def _warm_start_section(trials: list[FrozenTrial]) -> str:
         f"</th><th>warm value</th><th>cold trial</th><th>state</th><th>cold value</th></tr>{confirmations}</table>"
         if confirmed else "<p class='note'>No warm trial was confirmed cold: set <code>warm_start.confirm: K"
         "</code> to retrain the best K at the end of the study.</p>")
-    return (f"<h2>Warm start</h2><p>{len(warm)} of {len(trials)} trials started from a neighbour's checkpoint, "
+    return (f"<h2>Warm start</h2><p>{len(starts)} of {configs} trials started from a neighbour's checkpoint "
+            f"(a retry counted with the trial it retries), "
             f"inheriting {inherited} steps; the study trained {trained} steps itself. A warm trial's value belongs to "
             "its lineage (the donor's config trained the steps before the handoff, its own the rest), not to its "
             "config alone.</p><table><tr><th>trial</th>"
@@ -239,7 +252,7 @@ def _render(study: optuna.Study) -> str:
 
     best = best_trial(study)
     if best is None:
-        sections.append("<h2>Best trial</h2><p>No trial has completed yet.</p>")
+        sections.append(f"<h2>Best trial</h2><p>{_html(no_best_line(study).capitalize())}.</p>")
     else:
         warnings = edge_warnings(spec.get("space", {}), best.params)
         warning_html = "".join(f"<p class='warning'>&#9888; {_html(w)}</p>" for w in warnings)

@@ -12,7 +12,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.confirm import confirmation_rows, lineage_label, study_best
+from sweep.confirm import confirmation_rows, lineage_label, no_best, study_best
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -33,7 +33,7 @@ from sweep.outcomes import (
 from sweep.progress import outcome_text
 
 __all__ = ["ForeignStudyError", "best_config", "best_trial", "confirm_count", "failed_run", "finished_since",
-           "lineage_label", "made_by_sweep", "require_sweep_study", "state_counts", "steps_trained",
+           "lineage_label", "made_by_sweep", "no_best_line", "require_sweep_study", "state_counts", "steps_trained",
            "stop_requested_since", "study_status", "trial_rows", "trial_states", "trials_per_hour"]
 
 
@@ -127,6 +127,12 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
                       confirm=confirm_count(study))
 
 
+def no_best_line(study: optuna.Study) -> str:
+    """Why `best_trial` is None (`sweep.confirm.no_best`)."""
+    return no_best(study.get_trials(deepcopy=False), study.direction == StudyDirection.MAXIMIZE,
+                   confirm=confirm_count(study))
+
+
 def confirm_count(study: optuna.Study) -> int:
     """The stored spec's `warm_start.confirm` (0 when off, or when what the storage holds is not a count)."""
     spec = study.user_attrs.get(SPEC_ATTR)
@@ -155,6 +161,7 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
                                            "warm_start_from": donor_label(best, study.study_name),
                                            "lineage": lineage_label(best, trials)},
+        "no_best": None if best is not None else no_best_line(study),
         "confirmations": confirmation_rows(trials),
         "steps_trained": steps_trained(trials),
         # one per config: a retry carries its lineage's donor too, and is not another warm start
@@ -292,7 +299,7 @@ def best_config(study: optuna.Study) -> dict[str, Any]:
     require_sweep_study(study, "write its best trial's TrainingConfig")
     best = best_trial(study)
     if best is None:
-        raise NoCompleteTrial(f"study {study.study_name!r} has no complete trial yet")
+        raise NoCompleteTrial(f"study {study.study_name!r}: {no_best_line(study)}")
     if ATTR_CONFIG not in best.user_attrs:
         raise ForeignStudyError(f"the best trial of study {study.study_name!r}, #{best.number}, holds no recorded "
                                 f"config ({ATTR_CONFIG!r}): it was not run by sweep")

@@ -372,6 +372,11 @@ class LoopTrial(TrialRun):
         parent = trial.user_attrs.get(ATTR_WARM_START)
         if start.warm is not None and isinstance(parent, dict):  # now it is known where the loop took it from
             attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, attrs[ATTR_STEPS_TRAINED])
+        elif start.resume is not None and isinstance(parent, dict):  # a warm lineage's retry: its whole lineage's
+            reported = [step for step, _ in start.prior] + ([] if run.first_step is None else [run.first_step])
+            handoff = parent.get("step")
+            counted_from_0 = isinstance(handoff, int) and bool(reported) and min(reported) <= handoff
+            attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, run.highest if counted_from_0 else None)
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         value = loop_value(returned, run)

@@ -65,7 +65,8 @@ def main(config, run):
             raise RuntimeError(f"boom at step {step}")
         stop = run.report(step, val_loss=value)
         run.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
-        if config.get("kill_at") == step and not Path(config["marker"]).exists():
+        if config.get("kill_at") == step and not Path(config["marker"]).exists() \\
+                and (run.start == "warm" or not config.get("kill_warm_only")):
             Path(config["marker"]).write_text("killed once")
             os.kill(os.getpid(), signal.SIGKILL)  # the worker dies mid-trial, after its save at this step
         if stop or (run.start == "warm" and config.get("warm_stop_at") == step):
@@ -352,6 +353,27 @@ def test_a_worker_killed_mid_trial_is_retried_from_the_loops_saved_state(tmp_pat
     assert sorted(retry.intermediate_values) == [5, 10, 15, 20]
     assert retry.intermediate_values[10] == lost.intermediate_values[10]
     assert retry.user_attrs["steps_trained"] == 10
+
+
+@pytest.mark.slow
+def test_a_warm_loop_trial_killed_and_retried_says_its_lineage_trained_all_its_own_steps(tmp_path: Path) -> None:
+    # Review: a warm loop that counts its own steps from 0, killed at its step 10 and retried to 20, said "steps 0-20
+    # trained with the config of trial #0, 20-20 with its own" (the dashboard's attr: none of its own) and "then
+    # trained 10 steps with its own config" (status, best, report: the retry's part alone). Its lineage trained 20.
+    path = loop_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=2,
+                      warm_start={"enabled": True, "max_distance": 5, "match": ["model.hidden"]},
+                      fixed={"max_steps": 20, "eval_every": 5, "model": {"hidden": 8}, "kill_at": 10,
+                             "kill_warm_only": True, "marker": str(tmp_path / "marker")})
+    killed = run_cli("run", path, cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    done = run_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    _, lost, retry = trials_of(path)
+    assert lost.user_attrs["warm_start_from"]["step"] == 20 and retry.user_attrs["retry_of"] == lost.number
+    assert retry.user_attrs["resumed_from"] == {"trial": lost.number, "step": 10}
+    said = "warm: started from the state of trial #0 (study loopy) at its step 20, then trained 20 steps with its own"
+    assert retry.user_attrs["lineage"].startswith(said), retry.user_attrs["lineage"]
+    assert lineage_label(retry).startswith(said), lineage_label(retry)
 
 
 @pytest.mark.slow

@@ -242,8 +242,8 @@ def test_sweep_stop_given_while_a_run_starts_stops_it(tmp_path: Path, workers: s
     assert runner.returncode == 0, stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
     assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
-    assert f"stopped by `sweep stop` with {len(trials)}/40 trials done; rerun the same command to continue." in stderr, \
-        stderr
+    said = f"stopped by `sweep stop` with {len(trials)}/40 trials done; rerun the same command to continue."
+    assert said in stderr, stderr
     # Stopped at its first boundary after the stop was written: the stop usually lands while torch imports, before
     # any trial (the worker's next check may race a stop written as it asks one, on a loaded machine: the one
     # trial allowed here; a stop taken for older than the run, as before, trained all 40).

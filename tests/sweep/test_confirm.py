@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
@@ -200,3 +201,69 @@ def test_an_interrupted_trial_s_steps_up_to_its_retry_s_resume_point_are_counted
     study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.1, params={}, distributions={},
                                  user_attrs={"resumed_from": {"trial": 0, "step": 800}, "steps_trained": 2200}))
     assert steps_trained(study.get_trials()) == 3000 + 2200
+
+
+def test_a_study_that_confirms_with_only_warm_trials_complete_says_why_it_has_no_best(tmp_path: Path) -> None:
+    # Review: with `warm_start.confirm` on, every cold trial pruned and the confirmation failed, `sweep best` said
+    # "no complete trial yet", the report "No trial has completed yet", and `sweep status` had no best row, beside
+    # "complete 3".
+    from sweep.confirm import no_best
+    from sweep.report import render_report
+    from sweep.results import NoCompleteTrial, best_config, study_status
+    from tests.conftest import sweep_cli
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.create_study(study_name="w", storage=url)
+    study.set_user_attr(SPEC_ATTR, {"warm_start": {"confirm": 1}, "metric": "val_loss", "n_trials": 4})
+    warm = {**WARM, "warm_start_from": {"trial": 0, "step": 50}}
+    for state, value, attrs in ((TrialState.PRUNED, None, {}), (TrialState.COMPLETE, 0.10, warm),
+                                (TrialState.COMPLETE, 0.05, warm), (TrialState.FAIL, None, {"confirms": 2})):
+        study.add_trial(create_trial(state=state, value=value, params={}, distributions={}, user_attrs=attrs))
+    trials = study.get_trials()
+    assert study_best(trials, maximize=False, confirm=1) is None
+    line = no_best(trials, maximize=False, confirm=1)
+    assert line.startswith("no trial trained cold has completed yet") and "the best #2 (value 0.05" in line
+    assert "was not confirmed (its cold retrain, trial #3, ended fail)" in line
+    assert no_best(trials, maximize=False) == "no trial has completed yet"  # without confirm: a best exists anyway
+    assert "awaits its cold confirmation" in no_best(trials[:3], maximize=False, confirm=1)
+    with pytest.raises(NoCompleteTrial, match="no trial trained cold has completed yet"):
+        best_config(study)
+    assert study_status(study)["no_best"] == line
+    assert "No trial trained cold has completed yet" in render_report(study)
+    shown = sweep_cli("status", "--storage", url, "--study-name", "w", cwd=tmp_path)
+    assert shown.returncode == 0 and "none: no trial trained cold" in " ".join(shown.stdout.split()), shown.stdout
+    refused = sweep_cli("best", "--storage", url, "--study-name", "w", cwd=tmp_path)
+    assert refused.returncode == 1 and "no trial trained cold has completed yet" in refused.stderr, refused.stderr
+
+
+def test_the_report_counts_a_retried_warm_trial_as_one_warm_start(tmp_path: Path) -> None:
+    # Review: a warm trial lost and retried was two warm starts in the report ("4 of 6 trials started from a
+    # neighbour's checkpoint, inheriting 16 steps"), where `sweep status` said 3.
+    from sweep.report import render_report
+
+    rows = [(0.3, {}), (None, WARM), (0.2, {**WARM, "retry_of": 1}), (0.1, WARM)]
+    _trials(tmp_path, rows)
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+    assert "2 of 3 trials started from a neighbour's checkpoint (a retry counted with the trial it retries), " \
+           "inheriting 100 steps" in render_report(study)
+
+
+def test_a_retried_warm_loop_trial_s_lineage_counts_its_whole_lineage_s_own_steps(tmp_path: Path) -> None:
+    # Review: a loop that took its donor's state at step 4 and counted its own steps from 0, lost at its step 2 and
+    # retried to step 4: "then trained 2 steps with its own config" (the retry's part alone). Its lineage trained 4.
+    from sweep.confirm import lineage_own_steps
+
+    handoff = {"warm_start_from": {"trial": 0, "step": 4}}
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}")
+    for reports, attrs in (({1: 0.5, 2: 0.4, 3: 0.3, 4: 0.2}, {}),  # counted from 0; its first two the lineage's
+                           ({6: 0.3, 8: 0.2}, {})):  # went on from the donor's step 4
+        study.add_trial(create_trial(state=TrialState.COMPLETE, value=0.2, params={}, distributions={},
+                                     intermediate_values=reports,
+                                     user_attrs={**handoff, **attrs, "resumed_from": {"trial": 1, "step": 2},
+                                                 "steps": max(reports), "steps_trained": 2}))
+    from_0, went_on = study.get_trials()
+    assert lineage_own_steps(from_0, handoff["warm_start_from"]) == 4
+    assert "then trained 4 steps with its own config" in lineage_label(from_0)
+    assert lineage_own_steps(went_on, handoff["warm_start_from"]) is None
+    assert lineage_label(went_on).startswith("warm: steps 0-4 trained with the config of trial #0, 4-8 with its own")
