@@ -274,7 +274,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     from sweep.outcomes import budget_counts
     from sweep.signals import raise_pending
     from sweep.storage import release_idle_connections
-    from sweep.workers import LAUNCHED_ENV, WORKER_ENV, run_local_workers, storage_from_environment
+    from sweep.workers import LAUNCHED_ENV, LAUNCHER_ENV, WORKER_ENV, run_local_workers, storage_from_environment
 
     if cohort is not None:  # the same as --set execution.cohort=K, so the local workers get it too
         if cohort != "auto" and not (cohort.isascii() and cohort.isdigit() and int(cohort) >= 1):
@@ -327,10 +327,16 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
                 raise _fail(failed, 1)
             return
         summary, counts = _run_here(study, spec, url, timeout, prefix, live=worker is None)
-    if worker is not None:  # the parent prints the summary once, and decides the exit code
+    if worker is not None:  # a local launcher's worker: its parent prints the summary once, and decides the exit code
         if summary.stopped:  # a Slurm task has no parent to say it: its log does
             err.print(prefix + _stop_line(summary.budget_used, summary.n_trials, "the study resumes with the next "
                                           "`sweep run` or `sweep submit`"), markup=False)
+        if LAUNCHER_ENV in os.environ:
+            return
+        # A Slurm array task or a pod has no parent: it decides its own exit code, as one `sweep run` does (its
+        # every trial failed: Slurm's FAILED, which `sweep status` shows with the log's end; it exited 0, "done").
+        if not summary.stopped and (failed := results.failed_run(counts)):
+            raise _fail(prefix + failed, 1)
         return
     _print_status(study)
     for flag, message in (("stopped", _stop_line(summary.budget_used, summary.n_trials)),
@@ -655,6 +661,9 @@ def submit(
     problem = gpus_problem(getattr(options, key), spec.resources.devices_per_trial, where)
     if problem is not None:
         raise _fail(problem, 2)
+    if slurm and options.gpu_type is not None and not options.gpus_per_task:  # it was dropped: a job with no GPU
+        raise _fail(f"{study_file}: launch.slurm.gpu_type: {short_repr(options.gpu_type)} needs a GPU count too: "
+                    "give launch.slurm.gpus_per_task (or --gpus-per-task G) for --gres=gpu:TYPE:G", 2)
     from sweep.urls import url_secrets
 
     tracking_uri = spec.tracking.mlflow.tracking_uri
@@ -719,7 +728,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
     if problem := folder_problem(folder, "the job's script, storage file and logs need"):
         key = "launch.slurm.log_dir" if options.log_dir else f"launch.slurm.log_dir (default: {folder.name} next to it)"
         raise _fail(f"{spec_path}: {key}: {problem}", 2)
-    script = slurm.batch_script(spec, spec_path, options, folder=folder, workdir=workdir, timeout=timeout,
+    script = slurm.batch_script(spec, spec_path, options, url=url, folder=folder, workdir=workdir, timeout=timeout,
                                 overrides=overrides)
     if (path := sqlite_path(url)) is not None:
         err.print(f"warning: SQLite storage {path}: every node must see this file on a shared filesystem, and "
@@ -732,7 +741,7 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
         slurm.check_tools()
         study = _open_for_run(spec, url, "", spec_path)  # created once, here: no array task creates another
         asked = time.time()  # a `sweep stop` from now on stops this job's tasks, however often they are requeued
-        job_id = slurm.submit(script, url, folder, workdir=workdir)
+        job_id = slurm.submit(script, url, folder, study_name=spec.name, workdir=workdir)
     except (slurm.SlurmError, OSError) as exc:
         # Nothing was submitted: what this call made for it goes again (a new SQLite study, its store, the job's
         # folder), so a corrected submit starts as this one did. What existed before stays.

@@ -366,7 +366,8 @@ K8sNamespace = Annotated[StrictStr, _matching(re.compile(_K8S_LABEL), "a Kuberne
                                               "or digit)")]
 # A Kubernetes resource quantity (8Gi, 512Mi, 1.5G, 1e9) and a container image reference (no space or control
 # character: a manifest would carry it into YAML as something else).
-_K8S_QUANTITY = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
+# No sign: a resource request is never negative (the API server refuses the manifest).
+_K8S_QUANTITY = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?")
 K8sQuantity = Annotated[StrictStr, _matching(_K8S_QUANTITY, "a Kubernetes quantity such as 8Gi, 512Mi or 2G")]
 K8sImage = Annotated[StrictStr, _matching(re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*"), "a container image reference "
                                           "such as registry.example.org/team/sweep:1.0 (no spaces)")]

@@ -11,6 +11,7 @@ the Job starts a new pod for the index, which continues the study. Exit code 2 (
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,9 +45,14 @@ _Dumper.add_representer(str, _text)
 
 
 def _name(spec: StudySpec) -> str:
-    """A DNS-1123 name from the study's (which may hold '_' and '.')."""
-    name = "".join(c if c.isalnum() else "-" for c in spec.name.lower()).strip("-")[:50].strip("-")
-    return f"sweep-{name or 'study'}"
+    """A DNS-1123 name (and label value) from the study's, which may hold '_', '.' and letters beyond ASCII: those
+    become '-', and a name that had any, or was cut to length, ends with a digest of the study's name, so that two
+    studies (`a_b`, `a.b`) never share a Job, ConfigMap or label."""
+    name = "".join(c if c.isascii() and c.isalnum() else "-" for c in spec.name.lower()).strip("-")
+    if name == spec.name and len(name) <= 50:
+        return f"sweep-{name}"
+    digest = hashlib.sha256(spec.name.encode()).hexdigest()[:8]
+    return f"sweep-{name[:40].strip('-') or 'study'}-{digest}"
 
 
 def config_map_key(file_name: str) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import os
 import re
 import shlex
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sweep.outcomes import SLURM_JOBS_ATTR
-from sweep.urls import mask_urls, url_secrets
+from sweep.urls import mask_url, mask_urls, url_secrets
 from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV, WORKER_ENV, worker_args, write_storage_file
 
 if TYPE_CHECKING:
@@ -48,11 +49,10 @@ if TYPE_CHECKING:
 
     from sweep.schema import SlurmSpec, StudySpec
 
-__all__ = ["SCRIPT_FILE", "STORAGE_FILE", "SlurmError", "SlurmTask", "batch_script", "cancel_queued", "check_tools",
-           "job_folder", "log_tail", "output_pattern", "path_problem", "record_job", "sbatch_directive", "study_tasks",
-           "submit", "submitted_at", "summary", "task_count"]
+__all__ = ["SCRIPT_FILE", "SlurmError", "SlurmTask", "batch_script", "cancel_queued", "check_tools",
+           "job_folder", "log_tail", "output_pattern", "path_problem", "record_job", "sbatch_directive", "storage_file",
+           "study_tasks", "submit", "submitted_at", "summary", "task_count"]
 
-STORAGE_FILE = "storage.json"  # in the job folder, 0600: the storage URL (see the module's docstring)
 SCRIPT_FILE = "submit.sbatch"
 LOG_PATTERN = "%A_%a.log"  # array job id _ task id: one log per array task, appended to across requeues
 _NO_VAL = "4294967294"  # Slurm's "no value" as an array task id
@@ -61,6 +61,15 @@ _FAILED = ("FAILED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "TIMEOUT", "DEAD
 
 class SlurmError(Exception):
     """A Slurm command that is missing or failed: one line for the user."""
+
+
+def storage_file(folder: Path, study_name: str, url: str) -> Path:
+    """The owner-only file in the job folder that holds the storage URL (see the module's docstring), one per study
+    and storage: two studies given one `log_dir`, or one study submitted to two storages, each keep their own (one
+    `storage.json` for all sent every earlier job's tasks to the last submit's database, where they created their
+    study anew). Named by a digest of the study's name and the URL without its password: nothing secret."""
+    digest = hashlib.sha256(f"{study_name}\0{mask_url(url)}".encode()).hexdigest()[:12]
+    return folder / f"storage-{digest}.json"
 
 
 def job_folder(spec: StudySpec, spec_path: Path, options: SlurmSpec) -> Path:
@@ -115,7 +124,7 @@ def path_problem(path: Path, *, logs: bool = False) -> str | None:
     return None
 
 
-def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder: Path, workdir: Path,
+def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, url: str, folder: Path, workdir: Path,
                  timeout: float | None = None, overrides: Sequence[str] = (), python: str = sys.executable) -> str:
     """The batch script of one job array: plain, stable (no dates, nothing random: `--dry-run` prints it) and free of
     any secret."""
@@ -147,7 +156,7 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, folder
         "",
         "# The storage URL may hold a password: it is in this owner-only file, never in the script or the job's",
         "# environment (Slurm keeps both in its records).",
-        f"export {STORAGE_FILE_ENV}={shlex.quote(str(folder / STORAGE_FILE))}",
+        f"export {STORAGE_FILE_ENV}={shlex.quote(str(storage_file(folder, spec.name, url)))}",
         f'export {WORKER_ENV}="$SLURM_ARRAY_TASK_ID"',
         f"cd {shlex.quote(str(workdir))}",
         "",
@@ -192,10 +201,10 @@ def _clean_environment(url: str) -> dict[str, str]:
             and not any(secret in value for secret in secrets if len(secret) >= 4)}
 
 
-def submit(script: str, url: str, folder: Path, *, workdir: Path) -> str:
+def submit(script: str, url: str, folder: Path, *, study_name: str, workdir: Path) -> str:
     """Write the storage file and the script into `folder`, submit the script with sbatch and return the job id."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_storage_file(folder / STORAGE_FILE, url)
+    write_storage_file(storage_file(folder, study_name, url), url)
     path = folder / SCRIPT_FILE
     path.write_text(script)
     done = subprocess.run([_tool("sbatch"), "--parsable", str(path)], capture_output=True, text=True, cwd=workdir,

@@ -650,6 +650,18 @@ def test_a_run_whose_every_trial_failed_exits_1_and_a_spent_budget_still_exits_0
     assert again.returncode == 0, again.stderr
 
 
+def test_a_slurm_task_or_pod_whose_every_trial_failed_exits_1(tmp_path: Path) -> None:
+    # Review: a worker with no launcher above it (a Slurm array task, a pod: `SWEEP_WORKER` set by its script) left
+    # the exit code to a parent that does not exist, and exited 0: Slurm's COMPLETED, `sweep status` "done", the
+    # pod succeeded.
+    (tmp_path / "broken.py").write_text("def main(config, run):\n    raise ValueError('no data here')\n")
+    path = write_study(tmp_path, {"name": "broken", "n_trials": 2, "loop": "broken:main", "sampler": "random",
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path, env={"SWEEP_WORKER": "3", "SWEEP_LAUNCHER_PID": None})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: [worker 3] every trial of this run failed (2 failed")
+
+
 def test_local_workers_whose_every_trial_failed_exit_1(tmp_path: Path) -> None:
     (tmp_path / "broken.py").write_text("def main(config, run):\n    raise ValueError('no data here')\n")
     path = write_study(tmp_path, {"name": "broken", "n_trials": 2, "loop": "broken:main", "sampler": "random",

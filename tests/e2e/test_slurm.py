@@ -16,6 +16,7 @@ import optuna
 import pytest
 from optuna.trial import FrozenTrial, TrialState
 
+from sweep.launch import slurm
 from sweep.urls import mask_url
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
 from tests.slurm import SlurmCluster
@@ -126,9 +127,10 @@ def test_submitted_workers_finish_the_study_with_exact_counts_and_no_password_in
     job_folder = tmp_path / f"{name}.slurm"
     logs = sorted(job_folder.glob(f"{job}_*.log"))
     assert len(logs) == 3
-    assert files_holding(job_folder, PASSWORD) == [job_folder / "storage.json"]  # the one owner-only file
-    assert files_holding(job_folder, LIBPQ_PASSWORD) == [job_folder / "storage.json"]
-    assert (job_folder / "storage.json").stat().st_mode & 0o077 == 0
+    storage_file = slurm.storage_file(job_folder, name, url)
+    assert files_holding(job_folder, PASSWORD) == [storage_file]  # the one owner-only file
+    assert files_holding(job_folder, LIBPQ_PASSWORD) == [storage_file]
+    assert storage_file.stat().st_mode & 0o077 == 0
     assert files_holding(slurm_cluster.folder, PASSWORD) == []
     status = slurm_status(slurm_cluster, path, url)
     assert re.search(r"budget\s+│\s+6/6 trials", status) and "Slurm workers: done 3" in status
@@ -242,7 +244,7 @@ def test_a_worker_that_cannot_start_is_shown_in_status_with_its_log(
     url, name = url_with_password(postgres_url), "slurm_broken"
     path = study_file(tmp_path, name, 2)
     job = submit(slurm_cluster, path, url, "--workers", "1", "--sbatch=--hold")
-    (tmp_path / f"{name}.slurm" / "storage.json").unlink()  # as on a node that does not see the job folder
+    slurm.storage_file(tmp_path / f"{name}.slurm", name, url).unlink()  # as on a node that does not see the folder
     slurm_cluster.run("scontrol", "release", job)
     wait_for(lambda: finished(slurm_cluster, job), "finished job", lambda: states(slurm_cluster, job))
     status = slurm_status(slurm_cluster, path, url)

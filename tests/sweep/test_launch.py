@@ -48,7 +48,7 @@ def test_dry_run_prints_a_plain_script_naming_every_option_and_creates_nothing(t
         assert line in directives, flag
     assert {"--requeue", "--open-mode=append", f'--output="{tmp_path}/tiny.slurm/%A_%a.log"'} <= set(directives)
     assert PASSWORD not in script and "db.example" not in script  # the URL is in the storage file, not here
-    assert f"export {STORAGE_FILE_ENV}={tmp_path}/tiny.slurm/storage.json" in script
+    assert re.search(rf"^export {STORAGE_FILE_ENV}={tmp_path}/tiny.slurm/storage-[0-9a-f]{{12}}\.json$", script, re.M)
     # The worker: the ordinary `sweep run` of this study, with its name and budget, two workers for two GPUs.
     assert f"-m sweep.cli run {path} --study-name tiny --n-trials {document['n_trials']} --workers 2 &" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
@@ -63,6 +63,27 @@ def test_the_study_files_launch_section_is_used_and_the_command_line_wins(tmp_pa
     assert "#SBATCH --partition=gpu" in lines and "#SBATCH --partition=cpu" not in lines
     assert {"#SBATCH --time=30", "#SBATCH --array=0-4", "#SBATCH --exclusive",
             f'#SBATCH --output="{tmp_path}/logs/%A_%a.log"'} <= set(lines)
+
+
+def test_studies_sharing_a_log_dir_and_one_study_on_two_storages_each_name_their_own_storage_file(
+        tmp_path: Path) -> None:
+    # Review: one `storage.json` per job folder. Two studies given the same `launch.slurm.log_dir` (or one study
+    # submitted to two storages) wrote the same file, and the earlier job's tasks read the later submit's URL: they
+    # created their study anew in the other database, trained it there, and left their own at 0 trials.
+    def storage_file(name: str, url: str) -> str:
+        path = write_study(tmp_path, changed(name=name, storage=url, launch={"slurm": {"log_dir": "logs"}}),
+                           f"{name}.yaml")
+        done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith(f"export {STORAGE_FILE_ENV}=")]
+        assert line.startswith(f"export {STORAGE_FILE_ENV}={tmp_path}/logs/storage-")
+        return line
+
+    alpha, beta = storage_file("alpha", URL), storage_file("beta", URL)
+    elsewhere = storage_file("alpha", URL.replace("db.example", "db2.example"))
+    assert len({alpha, beta, elsewhere}) == 3
+    assert storage_file("alpha", URL.replace(PASSWORD, "another-pw")) == alpha  # the same database: the same file
+    assert PASSWORD not in alpha
 
 
 def test_a_study_folder_with_a_newline_in_its_path_gets_no_batch_script(tmp_path: Path) -> None:
@@ -161,6 +182,9 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(launch={"slurm": {"log_dir": "study.yaml"}}), [], "launch.slurm.log_dir: "),
     (changed(launch={"slurm": {"log_dir": "study.yaml/logs"}}), [], "study.yaml is a file; the job's script, "
                                                                      "storage file and logs need a folder there"),
+    # A GPU type with no count was dropped from the script: a job with no GPU, submitted with exit 0 (review).
+    (changed(launch={"slurm": {"gpu_type": "a100"}}), [], "study.yaml: launch.slurm.gpu_type: 'a100' needs a GPU "
+                                                          "count too: give launch.slurm.gpus_per_task"),
 ])
 def test_bad_launch_options_exit_2_with_one_line_and_nothing_created(tmp_path: Path, document: dict[str, Any],
                                                                      args: list[str], expected: str) -> None:
@@ -299,6 +323,26 @@ def test_k8s_manifest_is_an_indexed_job_the_kubernetes_models_accept(tmp_path: P
     assert any(rule["action"] == "Ignore" and rule.get("onExitCodes", {}).get("values") == [143] for rule in rules)
     study = yaml.safe_load(config_map["data"]["study.yaml"])
     assert "storage" not in study and study["name"] == "tiny"
+
+
+def test_k8s_names_are_ascii_and_two_studies_never_share_one(tmp_path: Path) -> None:
+    # Review: `étude_Ⅻ²` gave the Job `sweep-étude-ⅻ²` (no DNS-1123 name: `kubectl apply` refuses it), and `a_b` and
+    # `a.b` both gave `sweep-a-b` (one study's ConfigMap replaced the other's).
+    def name(study: str) -> str:
+        _, job = k8s_documents(tmp_path, "--image", "reg/sweep:1", document=changed(name=study, storage=URL))
+        assert job["spec"]["template"]["metadata"]["labels"]["sweep/study"] == job["metadata"]["name"]
+        return job["metadata"]["name"]
+
+    names = [name(study) for study in ("tiny", "a_b", "a.b", "étude_Ⅻ²", "x" * 60, "x" * 61)]
+    assert names[0] == "sweep-tiny" and len(set(names)) == len(names), names
+    assert all(re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", n) for n in names), names
+
+
+def test_a_negative_k8s_memory_is_refused(tmp_path: Path) -> None:
+    path = write_study(tmp_path, changed(storage=URL, launch={"k8s": {"memory": "-8Gi"}}))
+    done = sweep_cli("submit", path, "--k8s", "--image", "reg/sweep:1", "-o", tmp_path / "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2 and "launch.k8s.memory: expected a Kubernetes quantity" in done.stderr, done.stderr
+    assert not (tmp_path / "job.yaml").exists()
 
 
 def test_k8s_config_map_key_is_one_kubernetes_takes_whatever_the_study_file_is_called(tmp_path: Path) -> None:
