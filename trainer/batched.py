@@ -64,6 +64,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_attention, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
@@ -245,9 +246,8 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
     device = resolve_device(config.device)
     model = task.build(config.model, device)
     for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:  # noqa: SLF001
-            return (f"module {name or 'model'} is {type(module).__name__}: its running statistics are updated in "
-                    "place in training mode, which vmap cannot batch")
+        if isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)):  # noqa: SLF001
+            return f"module {name or 'model'} is {type(module).__name__}: {_BATCH_NORM_DRIFT}"
         if isinstance(module, nn.modules.conv._ConvNd):  # noqa: SLF001
             return (f"module {name or 'model'} is {type(module).__name__}: vmap batches a convolution by folding "
                     "the members into its groups, which sums in another order than the model alone (its values "
@@ -265,8 +265,11 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
     idx = torch.arange(min(len(x), config.batch_size))
     try:
         before, settings = dict(model.named_buffers()), _static_attributes(model)
-        with torch.no_grad():
+        with torch.no_grad(), _BatchNormSeen() as seen:
             model(x[idx].to(device))  # a buffer replaced in forward is lost under vmap (the stacked ones stay)
+        if seen.found:  # written by hand (`F.batch_norm` in a module of the user's own)
+            return f"the model calls batch_norm in training mode: {_BATCH_NORM_DRIFT}"
+        with torch.no_grad():
             model.eval()
             model(task.val[0][:config.eval_batch_size].to(device))
             model.train()
@@ -305,6 +308,28 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"vmap cannot batch this model ({type(exc).__name__}: {first_line})"
     return None
+
+
+_BATCH_NORM_DRIFT = (
+    "vmap's batch_norm backward sums in another order than the model alone, and a gradient that is zero alone (the "
+    "bias of the layer before it) becomes rounding noise that Adam scales up to whole steps: the members' values "
+    "would drift from the trials' own")
+
+
+class _BatchNormSeen(TorchDispatchMode):
+    """Records whether a forward runs batch_norm in training mode (input statistics: BatchNorm, InstanceNorm, or
+    `F.batch_norm` called by a module of the user's own), which the class check cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if "batch_norm" in str(func):  # (input, weight, bias, running_mean, running_var, training, ...)
+            training = args[5] if len(args) > 5 else kwargs.get("training", "with_update" in str(func))
+            self.found = self.found or training is True
+        return func(*args, **kwargs)
 
 
 def _changed_setting(before: list[tuple[str, str, list[tuple[str, str]]]],
@@ -965,6 +990,9 @@ class Cohort:
                             totals[j][name] = totals[j][name] + value if name in totals[j] else value
         finally:
             self.template.train()
+        if self.chain is None:  # what the forward wrote into its buffers in place (an observer's running maximum)
+            for name, buffer in self.buffers.items():  # is kept, as the model alone keeps it: they were copies
+                buffer.index_copy_(0, where, buffers[name])
         self.task.check_metrics(totals[0])
         rows = torch.stack([torch.stack([loss_totals[j] / weight_total, *(v.float() / n for v in totals[j].values())])
                             for j in range(len(indices))])

@@ -395,12 +395,29 @@ class _WritesIntoInput(nn.Module):
         return self.out(h)
 
 
+class _HandNorm(nn.Module):
+    """A batch normalisation written by hand with `F.batch_norm` and buffers of its own, after a layer with a bias
+    (whose gradient is zero alone, and rounding noise that Adam scales up under vmap)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(64, 16), nn.Linear(16, 10)
+        self.register_buffer("mean", torch.zeros(16))
+        self.register_buffer("var", torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.batch_norm(self.inp(x), self.mean, self.var, training=self.training)
+        return self.out(torch.relu(h))
+
+
 @pytest.mark.parametrize(("kind", "why"), [("frozen", "frozen (requires_grad=False)"), ("float64", "float64"),
                                            ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced"),
                                            ("tensor", "attribute scale holds a tensor"),
                                            ("counter", "forward changes module attribute calls"),
                                            ("evaluation", "vmap cannot batch"),
-                                           ("noisy_loss", "loss draws random numbers")])
+                                           ("noisy_loss", "loss draws random numbers"),
+                                           ("hand_norm", "calls batch_norm in training mode"),
+                                           ("instance_norm", "is InstanceNorm1d")])
 def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_ordinary_loop(
         digits: Task, kind: str, why: str) -> None:
     # A frozen layer stays frozen (the ordinary loop's optimizer takes only trainable parameters), a float64 model
@@ -413,7 +430,9 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
              "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean(),
              "tensor": lambda cfg: _Scaled(), "counter": lambda cfg: _Counting(),
              "evaluation": lambda cfg: _WritesIntoInput(),
-             "noisy_loss": lambda cfg: nn.Linear(64, 10)}[kind]
+             "noisy_loss": lambda cfg: nn.Linear(64, 10), "hand_norm": lambda cfg: _HandNorm(),
+             "instance_norm": lambda cfg: nn.Sequential(nn.Linear(64, 16), nn.Unflatten(1, (4, 4)),
+                                                        nn.InstanceNorm1d(4), nn.Flatten(), nn.Linear(16, 10))}[kind]
     data64 = kind == "float64"
     task = Task(name=kind, train=(x.double() if data64 else x, y), val=(vx.double() if data64 else vx, vy),
                 build_model=build, loss={"tuple": _first_output_loss, "noisy_loss": _noisy_loss}.get(kind, Task.loss))
@@ -492,6 +511,23 @@ class _SharedDropout(nn.Module):
         return self.out(h)
 
 
+class _Observer(nn.Module):
+    """Keeps the largest input it has seen in a buffer updated in place by every forward, evaluation's too (as an
+    observer of torch.ao does), or by evaluation's only, and scales its inputs by it."""
+
+    def __init__(self, eval_only: bool) -> None:
+        super().__init__()
+        self.eval_only = eval_only
+        self.inp, self.out = nn.Linear(64, 16), nn.Linear(16, 10)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.eval_only and self.training):
+            with torch.no_grad():
+                self.seen.copy_(torch.maximum(self.seen, x.abs().max()))
+        return self.out(torch.relu(self.inp(x / (self.seen + 1))))
+
+
 class _Tokens(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -510,14 +546,17 @@ def _padded_tokens() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Ten
 
 
 @pytest.mark.parametrize("kind", ["unsaved buffer", "function attribute", "lambda attribute", "eval-only branch",
-                                  "shared dropout", "dropout 1", "ignore_index"])
+                                  "shared dropout", "dropout 1", "ignore_index", "observer", "eval-only observer"])
 def test_models_a_cohort_once_trained_wrongly_give_every_member_its_solo_values(digits: Task, kind: str) -> None:
     """Found by review, each silently wrong before (or, for ignore_index, a crash of the whole cohort): a buffer left
     out of the state dict took the first member's values; an activation kept as a function attribute was the first
     member's for all; a plain MLP whose forward branches on `self.training` ran its training graph in evaluations;
     a dropout layer under two names was swapped under one only, and drew one mask for all members; a rate of 1 made
-    NaN; targets of -100 broke the stacked cross entropy."""
+    NaN; targets of -100 broke the stacked cross entropy; a buffer that evaluation updates in place lost the
+    update (the evaluation's forward wrote into copies), and every later value drifted from the member's own."""
     data = _padded_tokens() if kind == "ignore_index" else (digits.train, digits.val)
+    if "observer" in kind:  # validation inputs larger than any training one: each evaluation moves the maximum
+        data = (digits.train, (digits.val[0] * 3, digits.val[1]))
     build, values = {
         "unsaved buffer": (lambda cfg: _Features(cfg["v"]), [1.0, 1.0, 0.1]),
         "function attribute": (lambda cfg: _Activation(cfg["v"]), ["relu", "tanh", "relu"]),
@@ -527,6 +566,8 @@ def test_models_a_cohort_once_trained_wrongly_give_every_member_its_solo_values(
         "dropout 1": (lambda cfg: nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Dropout(cfg["v"]), nn.Linear(16, 10)),
                       [0.2, 1.0, 0.0]),
         "ignore_index": (lambda cfg: _Tokens(), [0, 0, 0]),
+        "observer": (lambda cfg: _Observer(cfg["v"]), [False, False, False]),
+        "eval-only observer": (lambda cfg: _Observer(cfg["v"]), [True, True, True]),
     }[kind]
     task = Task(name="t", train=data[0], val=data[1], build_model=build, model_defaults={"v": values[0]})
     configs = [tiny(task="t", model={"v": v}, seed=seed) for seed, v in enumerate(values)]
