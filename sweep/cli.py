@@ -704,8 +704,10 @@ def _submit_paths(url: str, spec: Any, folder: Path) -> list[tuple[Path, str]]:
     if (database := sqlite_path(url)) is not None and not database.exists():
         made += [(path, "file") for path in (database, *(database.with_name(database.name + suffix)
                                                           for suffix in ("-wal", "-shm", "-journal", ".lock")))]
-    store = spec.checkpoints.store
-    if store is not None and "://" not in store:
+    from sweep.registry import default_store
+
+    store = spec.checkpoints.store or str(default_store(url))  # the default one (beside a SQLite file) too
+    if spec.checkpoints.enabled and "://" not in store:
         made += [(Path(store) / spec.name, "tree"), (Path(store), "empty")]
     if spec.tracking.tensorboard.enabled:  # claimed for the new study (its owner file): a corrected submit is another
         from sweep.tracking import tensorboard_root
@@ -751,8 +753,9 @@ def _submit_slurm(spec: Any, spec_path: Path, url: str, options: Any, *, dry_run
         raise _fail(str(exc) if isinstance(exc, slurm.SlurmError) else f"cannot write the job's files in {folder}: "
                     f"{exc.strerror or exc}", 1) from None
     slurm.record_job(study, job_id, options, folder, asked)
+    masked = " (with the storage's password where it shows ***)" if mask_url(url) != url and "***" in status else ""
     err.print(f"submitted job array {job_id}: {options.workers} workers of study {spec.name!r}; logs in {folder}/; "
-              f"`{status}` shows them", markup=False)
+              f"`{status}` shows them{masked}", markup=False)
     sys.stdout.write(f"{job_id}\n")
 
 

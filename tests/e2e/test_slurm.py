@@ -14,6 +14,7 @@ from typing import Any
 
 import optuna
 import pytest
+import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.launch import slurm
@@ -269,9 +270,10 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
     assert done.returncode == 0 and PASSWORD not in done.stdout + done.stderr, done.stderr
     job = done.stdout.strip()
     try:
-        # The status command it names works from where it was typed (it said `sweep status study.yaml`).
-        assert f"`sweep status 'sp ace/study.yaml' --storage {shlex.quote(mask_url(url))}` shows them" in done.stderr, \
-            done.stderr
+        # The status command it names works from where it was typed (it said `sweep status study.yaml`), once the
+        # password it masks is put back (it said nothing of the mask).
+        assert (f"`sweep status 'sp ace/study.yaml' --storage {shlex.quote(mask_url(url))}` shows them (with the "
+                "storage's password where it shows ***)") in done.stderr, done.stderr
         status = sweep_cli("status", "sp ace/study.yaml", "--storage", url, cwd=tmp_path)
         assert status.returncode == 0 and name in status.stdout, status.stderr
         shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
@@ -282,11 +284,17 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
         slurm_cluster.run("scancel", job, check=False)
 
 
-def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluster: SlurmCluster) -> None:
+@pytest.mark.parametrize("store", ["given", "default"])
+def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluster: SlurmCluster, store: str) -> None:
     """sbatch refuses the job (a partition the cluster does not have): exit 1 with sbatch's reason, and what the
     submit made for it goes again (the new SQLite study, its checkpoint folder, the job's folder with its storage
-    file and script), so a corrected submit starts afresh. A folder that was there before stays."""
+    file and script), so a corrected submit starts afresh. A folder that was there before stays. The default
+    checkpoint folder beside the SQLite file was left behind, with the refused study's owner file (review)."""
     path = study_file(tmp_path, "slurm_refused", 2)
+    if store == "default":
+        document = yaml.safe_load(path.read_text())
+        del document["checkpoints"]["store"]
+        write_study(tmp_path, document)
     (tmp_path / "keep").mkdir()
     before = sorted(p.name for p in tmp_path.iterdir())
     done = sweep_cli("submit", path, "--slurm", "--partition", "nosuchpartition", "--set", "tracking.tensorboard=true",
