@@ -22,16 +22,38 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.outcomes import ATTR_CONFIRMS, ATTR_RESUMED_FROM, ATTR_STEPS, ATTR_STEPS_TRAINED, ATTR_WARM_START
+from sweep.outcomes import (
+    ATTR_CONFIRMS,
+    ATTR_RESUMED_FROM,
+    ATTR_RETRY_OF,
+    ATTR_STEPS,
+    ATTR_STEPS_TRAINED,
+    ATTR_WARM_START,
+)
 
 __all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm", "lineage_label", "lineage_own_steps",
-           "no_best",
-           "study_best", "warm_lineage"]
+           "no_best", "study_best", "warm_lineage", "warm_starts"]
 
 
 def is_warm(trial: FrozenTrial) -> bool:
     """Whether the trial's value was reached from a donor's checkpoint (a confirmation never is)."""
     return ATTR_WARM_START in trial.user_attrs and ATTR_CONFIRMS not in trial.user_attrs
+
+
+def warm_starts(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials that started from a donor's checkpoint, one per lineage: a retry carries its lineage's donor too
+    and is no other warm start, unless its original had none (lost before its first checkpoint, then warm-started
+    afresh) or another one."""
+    by_number = {t.number: t for t in trials}
+    starts = []
+    for trial in trials:
+        parent = trial.user_attrs.get(ATTR_WARM_START)
+        if not isinstance(parent, Mapping) or ATTR_CONFIRMS in trial.user_attrs:
+            continue
+        original = by_number.get(trial.user_attrs.get(ATTR_RETRY_OF))  # type: ignore[arg-type]
+        if original is None or original.user_attrs.get(ATTR_WARM_START) != parent:
+            starts.append(trial)
+    return starts
 
 
 def _complete(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:

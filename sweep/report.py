@@ -17,7 +17,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.confirm import confirmation_rows, is_warm, lineage_label
+from sweep.confirm import confirmation_rows, is_warm, lineage_label, warm_starts
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_FAIL,
@@ -188,8 +188,7 @@ def _warm_start_section(trials: list[FrozenTrial]) -> str:
     if not warm:
         return ""
     trained = steps_trained(trials)
-    # A retry carries its lineage's donor too: one warm start, and one handoff's steps, per config (`sweep status`).
-    starts = [t for t in warm if t.user_attrs.get(ATTR_RETRY_OF) is None]
+    starts = warm_starts(trials)  # one per lineage, as `sweep status` counts them
     configs = sum(t.user_attrs.get(ATTR_RETRY_OF) is None for t in trials)
     inherited = sum(int(t.user_attrs[ATTR_WARM_START].get("step", 0)) for t in starts)
     rows = "".join(_warm_row(t) for t in warm)

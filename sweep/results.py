@@ -12,14 +12,13 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.confirm import confirmation_rows, lineage_label, no_best, study_best
+from sweep.confirm import confirmation_rows, lineage_label, no_best, study_best, warm_starts
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_LOG,
     ATTR_REPRO,
     ATTR_RESUMED_FROM,
-    ATTR_RETRY_OF,
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
@@ -164,9 +163,7 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "no_best": None if best is not None else no_best_line(study),
         "confirmations": confirmation_rows(trials),
         "steps_trained": steps_trained(trials),
-        # one per config: a retry carries its lineage's donor too, and is not another warm start
-        "warm_started": sum(ATTR_WARM_START in t.user_attrs and t.user_attrs.get(ATTR_RETRY_OF) is None
-                            for t in trials),
+        "warm_started": len(warm_starts(trials)),  # one per lineage
         "trials_per_hour": trials_per_hour(trials),
         "cohorts": sorted({int(c["size"]) for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict)
                            and "size" in c}),

@@ -326,8 +326,10 @@ class _BatchNormSeen(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if "batch_norm" in str(func):  # (input, weight, bias, running_mean, running_var, training, ...)
-            training = args[5] if len(args) > 5 else kwargs.get("training", "with_update" in str(func))
+        name = str(func)
+        if "batch_norm" in name and "no_update" not in name:  # (input, weight, bias, running_mean, running_var,
+            # training, ...), but `_batch_norm_with_update` is training's own, with the momentum there
+            training = True if "with_update" in name else args[5] if len(args) > 5 else kwargs.get("training")
             self.found = self.found or training is True
         return func(*args, **kwargs)
 

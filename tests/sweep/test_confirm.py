@@ -241,12 +241,18 @@ def test_the_report_counts_a_retried_warm_trial_as_one_warm_start(tmp_path: Path
     # neighbour's checkpoint, inheriting 16 steps"), where `sweep status` said 3.
     from sweep.report import render_report
 
-    rows = [(0.3, {}), (None, WARM), (0.2, {**WARM, "retry_of": 1}), (0.1, WARM)]
+    # Review: and a retry whose original was lost cold, before its first checkpoint, is a warm start of its own
+    # (nothing to resume, so it took a donor): neither the report nor `sweep status` counted it.
+    from sweep.results import study_status
+
+    rows = [(0.3, {}), (None, WARM), (0.2, {**WARM, "retry_of": 1}), (0.1, WARM), (None, {}),
+            (0.2, {**WARM, "retry_of": 4})]
     _trials(tmp_path, rows)
     url = f"sqlite:///{tmp_path / 'c.db'}"
     study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
-    assert "2 of 3 trials started from a neighbour's checkpoint (a retry counted with the trial it retries), " \
-           "inheriting 100 steps" in render_report(study)
+    assert "3 of 4 trials started from a neighbour's checkpoint (a retry counted with the trial it retries), " \
+           "inheriting 150 steps" in render_report(study)
+    assert study_status(study)["warm_started"] == 3
 
 
 def test_a_retried_warm_loop_trial_s_lineage_counts_its_whole_lineage_s_own_steps(tmp_path: Path) -> None:
