@@ -34,6 +34,7 @@ import optuna
 from sweep.outcomes import OBJECT_STORE_CLIENTS, ObjectStoreError
 from sweep.urls import plain_folder_name
 from trainer.checkpoint import TrainState, load_checkpoint
+from trainer.yaml_file import short_repr
 
 __all__ = ["OWNER_FILE", "BlobScope", "CheckpointStore", "RetainedArtifacts", "artifact_store_at",
            "artifact_store_for", "claim_problem", "delete_blob", "is_object_url", "load_blob", "local_copy"]
@@ -251,7 +252,9 @@ def claim_problem(location: str | Path, study: str, owner: str | None, *, claim:
     for _ in range(2):
         try:
             found = _mark(folder)
-        except (OSError, ValueError, AttributeError):
+        except ValueError as exc:  # it is there, and says nothing: whose the folder is cannot be told
+            return _unreadable_mark(folder, exc)
+        except (OSError, AttributeError):
             return None  # unreadable or not ours to judge: no claim either way
         if found is None:
             if not claim:
@@ -276,7 +279,9 @@ def default_folder_problem(location: str | Path, study: str, owner: str | None, 
     folder = Path(location).expanduser().resolve() / study
     try:
         found = _mark(folder)
-    except (OSError, ValueError, AttributeError):
+    except ValueError as exc:
+        return _unreadable_mark(folder, exc)
+    except (OSError, AttributeError):
         return None
     if found is not None and found.get("owner") == owner:
         return None
@@ -319,6 +324,15 @@ def _write_mark(folder: Path, mark: dict[str, Any], *, replace: bool) -> bool:
             with contextlib.suppress(OSError):
                 os.unlink(handle.name)
     return True
+
+
+def _unreadable_mark(folder: Path, exc: ValueError) -> str:
+    """An owner file that is there but holds no owner (edited, or overwritten: sweep writes it whole, atomically).
+    Taken for none, it let another database's study of this name write and `--repair` in the folder, deleting this
+    study's checkpoints as orphans (review)."""
+    return (f"the owner file {folder / OWNER_FILE} is unreadable ({short_repr(str(exc))}), so whose the folder is "
+            "cannot be told: restore it, or, if the folder holds this study's checkpoints alone, delete the file "
+            "(the next run writes it again)")
 
 
 def _taken(folder: Path, study: str, kind: str) -> str:
