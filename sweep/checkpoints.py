@@ -34,6 +34,7 @@ from sweep.registry import Registry, default_store
 from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
 from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
+from trainer.yaml_file import short_repr
 
 if TYPE_CHECKING:
     from sweep.blobs import BlobScope
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
     from sweep.storage import Boundary
     from trainer import TrainingConfig
 
-__all__ = ["CheckpointService", "Resume", "TrialCheckpointer", "collect_study", "ranked_trials", "retention_keeps"]
+__all__ = ["CheckpointService", "Resume", "TrialCheckpointer", "belongs_to", "collect_study", "ranked_trials",
+           "retention_keeps"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,36 @@ class Resume:
     state: TrainState
     trial: int
     step: int
+
+
+def belongs_to(state: TrainState, params: Mapping[str, Any], max_steps: object = None) -> str | None:
+    """Why a checkpoint that loads and matches its registered hash is not the retried trial's lineage's, or None. A
+    row (or the record adopted beside a file written in an outage) names a file by its hash only, so a file put in
+    its place (another study's, another trial's, one edited) loaded, and the retry recorded another run's values
+    as its own (review). Every searched value its config holds must be the trial's, and the trainer's step within
+    the trial's `max_steps` (a loop's steps are its own to count)."""
+    if not state.user and isinstance(max_steps, int) and not isinstance(max_steps, bool) and state.step > max_steps:
+        return f"its step {state.step} is past the trial's max_steps {max_steps}"
+    for key, value in params.items():
+        node: Any = state.config
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                break
+            node = node[part]
+        else:
+            if _differs(node, value):
+                return f"it was trained with {key}={short_repr(node)}, this trial's is {short_repr(value)}"
+    return None
+
+
+def _differs(held: Any, value: Any) -> bool:
+    """Whether a checkpoint's config value is not the trial's param: numbers by value (the config may hold an int
+    as a float), text and flags exactly; anything else (a mapping the param expands into) is not judged."""
+    if isinstance(held, bool) or isinstance(value, bool):
+        return isinstance(held, bool) and isinstance(value, bool) and held != value
+    if isinstance(held, (int, float)) and isinstance(value, (int, float)):
+        return not (held == value or math.isclose(held, value, rel_tol=1e-9))
+    return isinstance(held, str) and isinstance(value, str) and held != value
 
 
 def folder_gone(registry: Registry, folder: Path, study_name: str, study_file: str = "STUDY.yaml", *,
@@ -132,14 +164,16 @@ class CheckpointService:
         """Whether the registry holds a checkpoint of this trial."""
         return bool(self.registry.for_trial(self.study_name, trial_number))
 
-    def resume_point(self, lineage: Sequence[int], keep_steps: Sequence[int] = ()) -> Resume | None:
+    def resume_point(self, lineage: Sequence[int], keep_steps: Sequence[int] = (),
+                     accept: Callable[[TrainState], str | None] | None = None) -> Resume | None:
         """The newest checkpoint of the lineage (the trial being retried, the trial that one retried, ...) that loads
         and matches its hash. One that fails is removed (row and file) with a warning, and the next newest is
         tried. The one chosen is pinned; the lineage's other checkpoints are released to retention. Checkpoints the
         lineage wrote while the storage was away, whose rows died with a worker that gave up waiting, are registered
         first, from the record beside each (`sweep.reconcile.adopt_unregistered`), and trimmed to what the study's
         policy keeps of a trial (its latest, its best `keep_top_k`, `keep_steps`: the handoff), as their worker would
-        have trimmed them had the storage answered."""
+        have trimmed them had the storage answered. `accept(state)`: why a checkpoint that loads is not the
+        lineage's (`belongs_to`), or None; one refused is passed over, as an unreadable one is."""
         if self.store.artifacts is None:  # checkpoints of the lineage written in an outage, not registered yet
             if adopt_unregistered(self.registry, self.store.folder, self.study_name, trials=lineage):
                 self._trim_adopted(lineage, keep_steps)
@@ -162,6 +196,17 @@ class CheckpointService:
                 warnings.warn(f"{where}: {exc}; trying an older one", stacklevel=2)
                 self.registry.forget_broken(record.id)
                 delete_blob(uri)
+                continue
+            except PermissionError as exc:  # this file alone (the folder is read and written): it stays, unread
+                if (gone := self.store_unavailable()) is not None:
+                    raise FileNotFoundError(errno.ENOENT, gone, str(self.store.folder)) from exc
+                warnings.warn(f"{where}: it cannot be read ({exc.strerror or exc}); trying an older one", stacklevel=2)
+                self.registry.forget_broken(record.id)
+                continue
+            if accept is not None and (why := accept(state)) is not None:  # loads, and is another run's
+                warnings.warn(f"{where}: {why}, so it is not this trial's (a file put in its place); trying an older "
+                              "one", stacklevel=2)
+                self.registry.forget_broken(record.id)  # the row only: the file may be another study's
                 continue
             chosen = Resume(state, record.trial_number, state.step)
             break

@@ -505,7 +505,11 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
         if trials[number].params and trials[number].params != trial.params and checkpoints.holds_any(number):
             warnings.warn(f"trial {trial.number} does not resume from trial {number}'s checkpoints: they were trained "
                           f"with other params ({trials[number].params}, this trial {trial.params})", stacklevel=2)
-    found = checkpoints.resume_point([n for n in ancestors if trials[n].params == trial.params], keep_steps)
+    from sweep.checkpoints import belongs_to
+
+    budget = (trial.user_attrs.get(ATTR_CONFIG) or {}).get("max_steps")
+    found = checkpoints.resume_point([n for n in ancestors if trials[n].params == trial.params], keep_steps,
+                                     accept=lambda state: belongs_to(state, trial.params, budget))
     if found is None:
         return None
     source = trials[found.trial]

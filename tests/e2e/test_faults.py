@@ -646,6 +646,61 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
     found.check()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("edit", ["step past max_steps", "another config"])
+def test_a_retry_passes_over_a_newest_checkpoint_that_is_another_run_s_and_resumes_from_the_one_before(
+        tmp_path: Path, edit: str) -> None:
+    # Review: a file put in the place of a checkpoint, with its hash registered (as a record adopted from beside a
+    # file written in a storage outage is), loaded: a retry resumed from step 99999 of a 400-step trial (complete
+    # with 0 steps trained), or from weights another config trained, and recorded that run's values as its own.
+    import hashlib
+
+    document = one_config("planted", checkpoints={"every_steps": 40, "on_best": False, "keep_top_k": 100},
+                          space={"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}})
+    document["fixed"] = {k: v for k, v in ONE_CONFIG["fixed"].items() if k != "learning_rate"}
+    path = write_study(tmp_path, document)
+    db = tmp_path / "planted.db"
+    log = tmp_path / "run.log"
+    run = start_sweep("run", path, log=log)
+    try:
+        wait_for("four checkpoints", lambda: len(checkpoint_rows(db)) >= 4, 240, alive=run)
+        run.send_signal(signal.SIGINT)
+        code = finish(run, log, 120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert code == 130, tail(log)
+    rows = [row for row in checkpoint_rows(db) if row[1] == 0]
+    (_, _, older_step, _), (planted_id, _, planted_step, planted_name) = rows[-2], rows[-1]
+    planted = tmp_path / "planted.checkpoints" / "planted" / planted_name
+    payload = torch.load(planted, weights_only=True)
+    if edit == "step past max_steps":
+        payload["step"] = 99_999
+    else:
+        payload["config"]["learning_rate"] *= 2
+    torch.save(payload, planted)
+    data = planted.read_bytes()
+    with contextlib.closing(sqlite3.connect(db)) as connection, connection:
+        connection.execute("UPDATE sweep_checkpoints SET sha256 = ?, size = ? WHERE id = ?",
+                           (hashlib.sha256(data).hexdigest(), len(data), planted_id))
+
+    code = sweep_run(path, log=log, timeout=300)
+    trials = load_trials(f"sqlite:///{db}", "planted")
+    found = Findings(f"planted trial 0's step {planted_step} ({edit}); trials:\n{summary(trials)}\n"
+                     f"output ends with:\n{tail(log, 3000)}")
+    found.expect(code == 0, f"the rerun exited {code}")
+    retries = [t for t in trials if t.user_attrs.get("retry_of") == 0]
+    found.expect(len(retries) == 1 and retries[0].state == TrialState.COMPLETE, "one complete retry of trial 0")
+    if retries:
+        found.expect(retries[0].user_attrs.get("resumed_from") == {"trial": 0, "step": older_step},
+                     f"the retry resumed from {retries[0].user_attrs.get('resumed_from')}, expected trial 0's "
+                     f"own step {older_step}")
+    found.expect("so it is not this trial's" in log.read_text(), "no warning names the checkpoint passed over")
+    found.expect(not [row for row in checkpoint_rows(db) if row[1:3] == (0, planted_step)],
+                 "the planted row is registered")
+    found.check()
+
+
 # =====================================================================================================================
 # 5. Reproducing a trial that one of two workers trained.
 
