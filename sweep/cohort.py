@@ -529,7 +529,8 @@ class CohortLoop:
         self.cohorts += 1
         self.admitted = 0
         self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
-        if self.fixed and self.cohorts == 1 and self.worker.n_trials <= self._intake():
+        # A ramp cohort drains once its startup trials are in: the next one draws anew (review: it said "try one").
+        if self.fixed and self.cohorts == 1 and not self.ramp and self.worker.n_trials <= self._intake():
             one = len(self.fixed) == 1
             warnings.warn(f"execution.cohort: {', '.join(self.fixed)} {'changes' if one else 'change'} the model's "
                           f"shapes, so a cohort's members share its first member's {'value' if one else 'values'} "

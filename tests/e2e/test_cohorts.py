@@ -337,6 +337,18 @@ def test_a_study_smaller_than_one_cohort_s_intake_says_its_shape_keys_get_one_va
                     f"trials try one (model.hidden={widths.pop()}); a smaller cohort or more trials search them"), line
 
 
+def test_a_ramp_cohort_s_shape_keys_are_no_study_s_one_value(tmp_path: Path) -> None:
+    # Review: with the ramp on, the first cohort holds the pruner's startup trials and drains, and the next cohort
+    # draws its shapes anew; the warning said that the study's trials try one value.
+    path = six_widths_study(tmp_path, 6)
+    done = sweep_cli("run", path, "--cohort", "2", "--set", "execution.ramp=true",
+                     "--set", "pruner={type: median, n_startup_trials: 2}")
+    assert done.returncode == 0, done.stderr
+    cohorts = {t.user_attrs["cohort"]["id"] for t in load(tmp_path).get_trials()}
+    assert len(cohorts) >= 2, cohorts  # the ramp's, then the next: two draws of the width
+    assert "share its first member's" not in done.stderr, done.stderr
+
+
 def test_a_study_that_searches_only_shape_keys_trains_one_trial_at_a_time_not_copies(tmp_path: Path) -> None:
     # Every searched key fixed for a cohort's later members left them nothing to differ in: four trials of one
     # config, one value, the budget spent on copies. Now such a study trains one trial at a time, saying why.
