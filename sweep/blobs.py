@@ -192,8 +192,9 @@ class BlobScope:
         found = self.find(uri, study)
         if found is None:
             warnings.warn(f"{doing}: {uri!r} is not inside study {study!r}'s part of the checkpoint store "
-                          f"({self.area(study)}), so it is neither read nor deleted; whoever can write the database "
-                          "wrote that row", stacklevel=3)
+                          f"({self.area(study)}), so it is neither read nor deleted: the row names a path outside it, "
+                          "or the file there is a link out of it (whoever can write the database or the folder made "
+                          "it so)", stacklevel=3)
         return found
 
 

@@ -36,8 +36,10 @@ __all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm
 
 
 def is_warm(trial: FrozenTrial) -> bool:
-    """Whether the trial's value was reached from a donor's checkpoint (a confirmation never is)."""
-    return ATTR_WARM_START in trial.user_attrs and ATTR_CONFIRMS not in trial.user_attrs
+    """Whether the trial's value was reached from a donor's checkpoint (a confirmation never is). A `warm_start_from`
+    that names no donor (edited by hand) says nothing of one: `sweep best` warned of a warm value, and its lineage
+    was blank."""
+    return isinstance(trial.user_attrs.get(ATTR_WARM_START), Mapping) and ATTR_CONFIRMS not in trial.user_attrs
 
 
 def warm_starts(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:

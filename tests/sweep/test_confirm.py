@@ -273,3 +273,13 @@ def test_a_retried_warm_loop_trial_s_lineage_counts_its_whole_lineage_s_own_step
     assert "then trained 4 steps with its own config" in lineage_label(from_0)
     assert lineage_own_steps(went_on, handoff["warm_start_from"]) is None
     assert lineage_label(went_on).startswith("warm: steps 0-4 trained with the config of trial #0, 4-8 with its own")
+
+
+def test_a_warm_start_attr_that_names_no_donor_is_no_warm_start(tmp_path: Path) -> None:
+    # Review: `warm_start_from` edited to 5 made `sweep best` warn "trial 1's value ... is a warm start's:" with
+    # nothing after the colon, and mark its YAML warm.
+    from sweep.confirm import is_warm
+
+    trials = _trials(tmp_path, [(0.3, {"warm_start_from": 5}), (0.2, WARM)])
+    assert [is_warm(t) for t in trials] == [False, True]
+    assert lineage_label(trials[0]) == ""
