@@ -603,13 +603,8 @@ def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_reru
 # =====================================================================================================================
 # 4. A corrupt newest checkpoint.
 
-@pytest.mark.slow
-def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_before(tmp_path: Path) -> None:
-    document = one_config("corrupt", checkpoints={"every_steps": 40, "on_best": False, "keep_top_k": 100},
-                          fixed={"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 40})
-    path = write_study(tmp_path, document)
-    db = tmp_path / "corrupt.db"
-    log = tmp_path / "run.log"
+def interrupted_after_four_checkpoints(path: Path, db: Path, log: Path) -> None:
+    """`sweep run` of a one-trial study, interrupted (Ctrl-C) once its trial has four checkpoints registered."""
     run = start_sweep("run", path, log=log)
     try:
         wait_for("four checkpoints", lambda: len(checkpoint_rows(db)) >= 4, 240, alive=run)
@@ -619,6 +614,33 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
         if run.poll() is None:
             run.kill()
     assert code == 130, tail(log)
+
+
+def rerun_resuming_trial_0(path: Path, db: Path, log: Path, older_step: int, what: str) -> Findings:
+    """The rerun after trial 0's newest checkpoint was spoilt (`what`): it exits 0, and trial 0's one retry
+    completes, resumed from trial 0's step `older_step`. The findings, for the caller's further expectations."""
+    code = sweep_run(path, log=log, timeout=300)
+    trials = load_trials(f"sqlite:///{db}", db.stem)  # the study is named as its SQLite file
+    found = Findings(f"{what}; trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
+    found.expect(code == 0, f"the rerun exited {code}")
+    retries = [t for t in trials if t.user_attrs.get("retry_of") == 0]
+    found.expect(len(retries) == 1, f"{len(retries)} retries of trial 0")
+    if retries:
+        found.expect(retries[0].state == TrialState.COMPLETE, f"the retry is {retries[0].state.name}")
+        found.expect(retries[0].user_attrs.get("resumed_from") == {"trial": 0, "step": older_step},
+                     f"the retry resumed from {retries[0].user_attrs.get('resumed_from')}, expected trial 0's "
+                     f"intact step {older_step}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_before(tmp_path: Path) -> None:
+    document = one_config("corrupt", checkpoints={"every_steps": 40, "on_best": False, "keep_top_k": 100},
+                          fixed={"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 40})
+    path = write_study(tmp_path, document)
+    db = tmp_path / "corrupt.db"
+    log = tmp_path / "run.log"
+    interrupted_after_four_checkpoints(path, db, log)
     rows = [row for row in checkpoint_rows(db) if row[1] == 0]
     assert len(rows) >= 2, rows
     (_, _, older_step, _), (_, _, corrupt_step, corrupt_name) = rows[-2], rows[-1]
@@ -628,18 +650,8 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
         blob[i] ^= 0xFF
     Path(corrupt_uri).write_bytes(bytes(blob))
 
-    code = sweep_run(path, log=log, timeout=300)
-    trials = load_trials(f"sqlite:///{db}", "corrupt")
-    found = Findings(f"corrupted trial 0's step {corrupt_step} ({corrupt_uri}); trials:\n{summary(trials)}\n"
-                     f"output ends with:\n{tail(log, 3000)}")
-    found.expect(code == 0, f"the rerun exited {code}")
-    retries = [t for t in trials if t.user_attrs.get("retry_of") == 0]
-    found.expect(len(retries) == 1, f"{len(retries)} retries of trial 0")
-    if retries:
-        found.expect(retries[0].state == TrialState.COMPLETE, f"the retry is {retries[0].state.name}")
-        found.expect(retries[0].user_attrs.get("resumed_from") == {"trial": 0, "step": older_step},
-                     f"the retry resumed from {retries[0].user_attrs.get('resumed_from')}, expected trial 0's "
-                     f"intact step {older_step}")
+    found = rerun_resuming_trial_0(path, db, log, older_step,
+                                   f"corrupted trial 0's step {corrupt_step} ({corrupt_uri})")
     still = [row for row in checkpoint_rows(db) if row[3] == corrupt_name]
     found.expect(not still, f"the corrupt checkpoint is still registered: {still}")
     found.expect(not Path(corrupt_uri).exists(), f"the corrupt file is still there: {corrupt_uri}")
@@ -661,15 +673,7 @@ def test_a_retry_passes_over_a_newest_checkpoint_that_is_another_run_s_and_resum
     path = write_study(tmp_path, document)
     db = tmp_path / "planted.db"
     log = tmp_path / "run.log"
-    run = start_sweep("run", path, log=log)
-    try:
-        wait_for("four checkpoints", lambda: len(checkpoint_rows(db)) >= 4, 240, alive=run)
-        run.send_signal(signal.SIGINT)
-        code = finish(run, log, 120)
-    finally:
-        if run.poll() is None:
-            run.kill()
-    assert code == 130, tail(log)
+    interrupted_after_four_checkpoints(path, db, log)
     rows = [row for row in checkpoint_rows(db) if row[1] == 0]
     (_, _, older_step, _), (planted_id, _, planted_step, planted_name) = rows[-2], rows[-1]
     planted = tmp_path / "planted.checkpoints" / "planted" / planted_name
@@ -684,17 +688,7 @@ def test_a_retry_passes_over_a_newest_checkpoint_that_is_another_run_s_and_resum
         connection.execute("UPDATE sweep_checkpoints SET sha256 = ?, size = ? WHERE id = ?",
                            (hashlib.sha256(data).hexdigest(), len(data), planted_id))
 
-    code = sweep_run(path, log=log, timeout=300)
-    trials = load_trials(f"sqlite:///{db}", "planted")
-    found = Findings(f"planted trial 0's step {planted_step} ({edit}); trials:\n{summary(trials)}\n"
-                     f"output ends with:\n{tail(log, 3000)}")
-    found.expect(code == 0, f"the rerun exited {code}")
-    retries = [t for t in trials if t.user_attrs.get("retry_of") == 0]
-    found.expect(len(retries) == 1 and retries[0].state == TrialState.COMPLETE, "one complete retry of trial 0")
-    if retries:
-        found.expect(retries[0].user_attrs.get("resumed_from") == {"trial": 0, "step": older_step},
-                     f"the retry resumed from {retries[0].user_attrs.get('resumed_from')}, expected trial 0's "
-                     f"own step {older_step}")
+    found = rerun_resuming_trial_0(path, db, log, older_step, f"planted trial 0's step {planted_step} ({edit})")
     found.expect("so it is not this trial's" in log.read_text(), "no warning names the checkpoint passed over")
     found.expect(not [row for row in checkpoint_rows(db) if row[1:3] == (0, planted_step)],
                  "the planted row is registered")
