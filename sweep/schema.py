@@ -393,6 +393,8 @@ _SWEEPS_SBATCH = {
     "gpus": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
     "gpus-per-task": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
     "gpus-per-node": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
+    "gpus-per-socket": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
+    "tres-per-task": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
     "gres": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task, and gpu_type for a "
             "GPU type (--gres=gpu:TYPE:G)",
 }
@@ -410,8 +412,10 @@ def _sbatch_line(value: str) -> str:
         given = name[2:]
         owned = given if given in _SWEEPS_SBATCH else next(
             (own for own in _SWEEPS_SBATCH if len(given) >= 2 and own.startswith(given)), None)
-        if owned == "gres" and not re.search(r"(^|,)\s*gpu\b", line[len(name):].lstrip("= ")):
-            owned = None  # other generic resources (--gres=nvme:1) are the user's
+        # sbatch takes the value without its quotes: `--gres="gpu:2"` is --gres=gpu:2 (review: it got past)
+        value = re.sub(r"[\"']", "", line[len(name):]).lstrip("= ")
+        if owned in ("gres", "tres-per-task") and not re.search(r"(^|,)\s*(gres/)?gpu\b", value):
+            owned = None  # other generic resources (--gres=nvme:1, --tres-per-task=cpu=4) are the user's
     else:  # a cluster of short options: flags without an argument, then at most one that takes the rest
         for letter in name[1:]:
             owned = _SWEEPS_SHORT.get(letter)

@@ -159,6 +159,11 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
     (changed(), ["--sbatch", "#SBATCH -t 10"], "got -t (--time), which sweep sets: launch.slurm.time (--time)"),
     (changed(), ["--sbatch", "--gres=gpu:2"], "got --gres, which sweep sets: launch.slurm.gpus_per_task"),
     (changed(), ["--sbatch", "--gres=tmpfs:1,gpu:a100:2"], "got --gres, which sweep sets"),
+    # Quoted, which sbatch takes without its quotes, and Slurm's other ways to ask for GPUs got past (review).
+    (changed(), ["--sbatch", '--gres="gpu:2"'], "got --gres, which sweep sets"),
+    (changed(), ["--sbatch", "--gres='gpu:a100:2'"], "got --gres, which sweep sets"),
+    (changed(), ["--sbatch", "--gpus-per-socket=2"], "got --gpus-per-socket, which sweep sets"),
+    (changed(), ["--sbatch", "--tres-per-task=gres/gpu:2"], "got --tres-per-task, which sweep sets"),
     # Short flags without an argument, then one sweep sets: sbatch reads `-Ho x` as `-H -o x`.
     (changed(), ["--sbatch", "-Ho x.log"], "got -Ho (--output), which sweep sets"),
     (changed(), ["--sbatch", "-vQe x.log"], "got -vQe (--error), which sweep sets"),
