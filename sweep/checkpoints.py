@@ -190,18 +190,15 @@ class CheckpointService:
                 continue
             try:
                 state = load_blob(uri, record.sha256)
-            except CheckpointError as exc:
+            except (CheckpointError, PermissionError) as exc:  # this file alone, unless its folder is gone
                 if (gone := self.store_unavailable()) is not None:  # the folder, not this file: the machine's fault
                     raise FileNotFoundError(errno.ENOENT, gone, str(self.store.folder)) from exc
-                warnings.warn(f"{where}: {exc}; trying an older one", stacklevel=2)
+                unread = isinstance(exc, PermissionError)  # it stays, unread; a broken one goes
+                warnings.warn(f"{where}: {f'it cannot be read ({exc})' if unread else exc}; trying an older one",
+                              stacklevel=2)
                 self.registry.forget_broken(record.id)
-                delete_blob(uri)
-                continue
-            except PermissionError as exc:  # this file alone (the folder is read and written): it stays, unread
-                if (gone := self.store_unavailable()) is not None:
-                    raise FileNotFoundError(errno.ENOENT, gone, str(self.store.folder)) from exc
-                warnings.warn(f"{where}: it cannot be read ({exc.strerror or exc}); trying an older one", stacklevel=2)
-                self.registry.forget_broken(record.id)
+                if not unread:
+                    delete_blob(uri)
                 continue
             if accept is not None and (why := accept(state)) is not None:  # loads, and is another run's
                 warnings.warn(f"{where}: {why}, so it is not this trial's (a file put in its place); trying an older "

@@ -31,8 +31,8 @@ from sweep.outcomes import (
     ATTR_WARM_START,
 )
 
-__all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "is_warm", "lineage_label", "lineage_own_steps",
-           "no_best", "study_best", "warm_lineage", "warm_starts"]
+__all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "counted_from_0", "is_warm", "lineage_label",
+           "lineage_own_steps", "no_best", "study_best", "warm_lineage", "warm_starts"]
 
 
 def is_warm(trial: FrozenTrial) -> bool:
@@ -48,12 +48,9 @@ def warm_starts(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     afresh) or another one."""
     by_number = {t.number: t for t in trials}
     starts = []
-    for trial in trials:
-        parent = trial.user_attrs.get(ATTR_WARM_START)
-        if not isinstance(parent, Mapping) or ATTR_CONFIRMS in trial.user_attrs:
-            continue
+    for trial in filter(is_warm, trials):
         original = by_number.get(trial.user_attrs.get(ATTR_RETRY_OF))  # type: ignore[arg-type]
-        if original is None or original.user_attrs.get(ATTR_WARM_START) != parent:
+        if original is None or original.user_attrs.get(ATTR_WARM_START) != trial.user_attrs[ATTR_WARM_START]:
             starts.append(trial)
     return starts
 
@@ -132,11 +129,15 @@ def lineage_own_steps(trial: FrozenTrial, parent: Mapping[str, Any]) -> object:
     the lineage went on from the donor's step (its steps past the handoff are its own)."""
     if trial.user_attrs.get(ATTR_RESUMED_FROM) is None:
         return trial.user_attrs.get(ATTR_STEPS_TRAINED)
-    handoff, last = parent.get("step"), trial.user_attrs.get(ATTR_STEPS)
-    if isinstance(handoff, int) and isinstance(last, int) and trial.intermediate_values \
-            and min(trial.intermediate_values) <= handoff:
-        return last
-    return None
+    last = trial.user_attrs.get(ATTR_STEPS)
+    first = min(trial.intermediate_values, default=None)
+    return last if isinstance(last, int) and counted_from_0(first, parent.get("step")) else None
+
+
+def counted_from_0(first_report: int | None, handoff: object) -> bool:
+    """Whether a warm lineage took its donor's state and counted its own steps from 0 (a user's loop may): its
+    first report at or below the donor's step. One that went on from the donor's step reports past it."""
+    return isinstance(handoff, int) and first_report is not None and first_report <= handoff
 
 
 def lineage_label(trial: FrozenTrial, trials: Sequence[FrozenTrial] | None = None) -> str:

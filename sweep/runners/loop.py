@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from sweep.client import as_float, whole_step
-from sweep.confirm import warm_lineage
+from sweep.confirm import counted_from_0, warm_lineage
 from sweep.objective import (
     Start,
     TrialReporter,
@@ -374,9 +374,8 @@ class LoopTrial(TrialRun):
             attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, attrs[ATTR_STEPS_TRAINED])
         elif start.resume is not None and isinstance(parent, dict):  # a warm lineage's retry: its whole lineage's
             reported = [step for step, _ in start.prior] + ([] if run.first_step is None else [run.first_step])
-            handoff = parent.get("step")
-            counted_from_0 = isinstance(handoff, int) and bool(reported) and min(reported) <= handoff
-            attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, run.highest if counted_from_0 else None)
+            from_0 = counted_from_0(min(reported, default=None), parent.get("step"))
+            attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, run.highest if from_0 else None)
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         value = loop_value(returned, run)
