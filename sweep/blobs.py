@@ -294,11 +294,18 @@ def default_folder_problem(location: str | Path, study: str, owner: str | None, 
 
 
 def _mark(folder: Path) -> dict[str, Any] | None:
-    """The folder's owner file, or None where it has none. Raises OSError or ValueError where it cannot be read."""
+    """The folder's owner file, or None where it has none. Raises ValueError where it is there but cannot be read
+    (garbled, not a file, or the worker may not read it: whose the folder is cannot be told), OSError where the
+    folder itself cannot be looked into."""
+    path = folder / OWNER_FILE
     try:
-        found = json.loads((folder / OWNER_FILE).read_text(encoding="utf-8"))
+        found = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if os.path.lexists(path):
+            raise ValueError(exc.strerror or type(exc).__name__) from exc
+        raise
     if not isinstance(found, dict):
         raise ValueError("not an owner file")
     return found
@@ -328,9 +335,9 @@ def _write_mark(folder: Path, mark: dict[str, Any], *, replace: bool) -> bool:
 
 
 def _unreadable_mark(folder: Path, exc: ValueError) -> str:
-    """An owner file that is there but holds no owner (edited, or overwritten: sweep writes it whole, atomically).
-    Taken for none, it let another database's study of this name write and `--repair` in the folder, deleting this
-    study's checkpoints as orphans (review)."""
+    """An owner file that is there but holds no owner (edited, or overwritten: sweep writes it whole, atomically), or
+    that this worker may not read. Taken for none, it let another database's study of this name write and `--repair`
+    in the folder, deleting this study's checkpoints as orphans (review)."""
     return (f"the owner file {folder / OWNER_FILE} is unreadable ({short_repr(str(exc))}), so whose the folder is "
             "cannot be told: restore it, or, if the folder holds this study's checkpoints alone, delete the file "
             "(the next run writes it again)")

@@ -997,16 +997,24 @@ def test_a_sqlite_file_s_study_is_refused_its_default_folder_where_another_datab
     assert sweep_cli("run", other, "--n-trials", "2").returncode == 0  # the folder stays the other study's
 
 
+@pytest.mark.parametrize("damage", ["garbled", "a folder"])
 def test_a_garbled_owner_file_refuses_the_folder_to_every_study_until_it_is_restored_or_deleted(
-        tmp_path: Path) -> None:
+        tmp_path: Path, damage: str) -> None:
     # Review: an owner file that no longer parses was taken for none: another database's study of this name wrote
     # into the folder, and its `sweep check --repair` deleted this study's checkpoints (a pinned one too) as orphans.
+    # So was one there that cannot be read at all (a folder in its place here; one the worker may not read, EACCES,
+    # takes the same path, which a test run as root cannot show).
     path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
     assert sweep_cli("run", path).returncode == 0
     folder = tmp_path / "tiny.checkpoints" / "tiny"
     blobs = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
     assert blobs
-    (folder / ".sweep-owner.json").write_text("{garbage")
+    mark = folder / ".sweep-owner.json"
+    if damage == "garbled":
+        mark.write_text("{garbage")
+    else:
+        mark.unlink()
+        mark.mkdir()
     other = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {
         "n_trials": 1, "storage": "sqlite:///other.db", "checkpoints": {"store": "tiny.checkpoints"}}, "other.yaml")
     for command in (("run", other), ("check", path, "--repair"), ("run", path, "--n-trials", "2")):
@@ -1015,8 +1023,12 @@ def test_a_garbled_owner_file_refuses_the_folder_to_every_study_until_it_is_rest
         assert f"the owner file {folder.resolve() / '.sweep-owner.json'} is unreadable" in refused.stderr, \
             refused.stderr
     assert {p.name: p.read_bytes() for p in folder.glob("*.pt")} == blobs and not (tmp_path / "other.db").exists()
-    (folder / ".sweep-owner.json").unlink()  # the folder is this study's alone: the next run marks it again
+    if damage == "garbled":  # the folder is this study's alone: the next run marks it again
+        mark.unlink()
+    else:
+        mark.rmdir()
     assert sweep_cli("run", path, "--n-trials", "2").returncode == 0
+    assert json.loads(mark.read_text())["study"] == "tiny"
 
 
 def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(tmp_path: Path) -> None:
