@@ -1223,6 +1223,9 @@ def check(
     err.print(f"study {study.study_name!r}: {counts}", markup=False)
     if not report.ok:
         raise _fail("registry and disk disagree; run `sweep check --repair` to fix what can be fixed", 1)
+    if unread := report.unreadable:
+        raise _fail(f"{unread} checkpoint{'s' if unread > 1 else ''} could not be read, so "
+                    f"{'they were' if unread > 1 else 'it was'} not checked (see the notes above)", 1)
 
 
 @app.command()

@@ -96,6 +96,10 @@ class CheckReport:
     study: str
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Blobs there that this process may not read (their permissions, another user's files on a share): whether they
+    # are sound cannot be told, so each is a note, not a problem, and its row and file are kept, for a user who can
+    # read them (a run passes such a checkpoint over and resumes from an older one).
+    unreadable: int = 0
 
     @property
     def outstanding(self) -> list[Problem]:
@@ -262,16 +266,18 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
     """Rows whose blob is missing, outside the study's part of the store, or fails its size or hash; returns the rows
     whose blob is sound."""
     where = {r.id: scope.find(r.uri, r.study) for r in records}  # None: outside, never read or deleted
-    digests: dict[str, tuple[int, str] | None] = {}  # URI -> (size, sha256), None when missing; each blob once
+    # URI -> (size, sha256), None when missing, the error where it cannot be read; each blob once
+    digests: dict[str, tuple[int, str] | OSError | None] = {}
     for uri in dict.fromkeys(where.values()):
         if uri is not None:
             digests[uri] = _digest(uri)
     outside = [r for r in records if where[r.id] is None]
     missing = [r for r in records if (uri := where[r.id]) is not None and digests[uri] is None]
-    corrupt = [r for r in records if (uri := where[r.id]) is not None and (found := digests[uri]) is not None
+    unreadable = [r for r in records if (uri := where[r.id]) is not None and isinstance(digests[uri], OSError)]
+    corrupt = [r for r in records if (uri := where[r.id]) is not None and isinstance(found := digests[uri], tuple)
                and found != (r.size, r.sha256)]
     broken = {r.id for r in outside + missing + corrupt}
-    sound = [r for r in records if r.id not in broken]
+    sound = [r for r in records if r.id not in broken and r not in unreadable]
     # A row that went while its blob was read (retention, another worker's repair) is no problem any more.
     if repair:
         removed = still = set(registry.forget_all_broken(sorted(broken)))
@@ -289,8 +295,17 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
     missing = [r for r in missing if r.id in still]
     corrupt = [r for r in corrupt if r.id in still]
     report.problems += [_missing(r, repaired=r.id in removed, path=where[r.id]) for r in missing]
+    for record in unreadable:
+        error = digests[where[record.id] or ""]
+        report.unreadable += 1
+        report.notes.append(
+            f"checkpoint {record.id} (trial {record.trial_number}, step {record.step}"
+            f"{', pinned' if record.pinned else ''}): {where[record.id]} cannot be read "
+            f"({getattr(error, 'strerror', None) or error}), so whether it is sound cannot be told; kept. Make it "
+            "readable to this user, or run the check as its owner")
     for record in corrupt:
-        size, sha256 = digests[where[record.id] or ""] or (0, "")
+        found = digests[where[record.id] or ""]
+        size, sha256 = found if isinstance(found, tuple) else (0, "")
         what = (f"{size} bytes where {record.size} were recorded" if size != record.size
                 else f"SHA-256 {sha256[:12]}… where {record.sha256[:12]}… was recorded")
         path = where[record.id] or record.uri
@@ -301,9 +316,9 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
     return sound
 
 
-def _digest(uri: str) -> tuple[int, str] | None:
+def _digest(uri: str) -> tuple[int, str] | OSError | None:
     """The blob's size and SHA-256, or None when it is not there (downloaded first from an object store); a folder
-    at its path is no blob either."""
+    at its path is no blob either. A local blob this process may not read: the error."""
     with local_copy(uri) as path:
         try:
             found = path.stat()
@@ -316,6 +331,8 @@ def _digest(uri: str) -> tuple[int, str] | None:
             return size, sha256_of(path)
         except FileNotFoundError:  # deleted between the stat and the read
             return None
+        except PermissionError as exc:
+            return exc
 
 
 def _missing(record: CheckpointRecord, *, repaired: bool, path: str | None) -> Problem:
