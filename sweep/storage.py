@@ -813,6 +813,8 @@ class PatientStorage(BaseStorage):
         self.heartbeat_interval = backend.heartbeat_interval
         self.grace_period = backend.grace_period
         self._shared = threading.local()  # `shared_finished_reads`: this thread's snapshot, by study id
+        self._finished: dict[int, dict[int, FrozenTrial]] = {}  # `_read_finished`: study id -> trial id -> trial
+        self._finished_lock = threading.Lock()
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self.flush_deferred()  # what this thread deferred goes first: every call after it sees it
@@ -964,9 +966,36 @@ class PatientStorage(BaseStorage):
         if snapshots is None or states is None or not _finished_only(states):
             return None
         if study_id not in snapshots:  # no flush first (`get_all_trials`)
-            snapshots[study_id] = self.boundary.call(self.cached.get_all_trials, study_id, deepcopy=False,
-                                                     states=_ENDED)
+            snapshots[study_id] = self.boundary.call(self._read_finished, study_id)
         return [t for t in snapshots[study_id] if t.state in states]
+
+    def _read_finished(self, study_id: int) -> list[FrozenTrial]:
+        """The study's finished trials (complete, pruned, failed: states a trial never leaves), by number, as shared
+        objects (`deepcopy=False`). Optuna's cache, to learn which trials have finished, reads every running trial of
+        the study in full (params, attrs, every intermediate value) at each read, and a pruner reads the finished
+        trials at each evaluation: with N workers on one database, each evaluation loaded N running trials (cProfile:
+        4-5 ms of a lone trial's every evaluation on SQLite). A finished trial never changes, so this reads the ids
+        of the finished trials (one narrow query) and, in full, only those it has not read before."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        with self._finished_lock:
+            known = self._finished.get(study_id)
+            if known is not None:
+                with _create_scoped_session(self.backend.scoped_session) as session:
+                    ids = {i for (i,) in session.query(models.TrialModel.trial_id)
+                           .filter(models.TrialModel.study_id == study_id, models.TrialModel.state.in_(_ENDED))}
+                new = ids - known.keys()
+                fetched = self.backend._get_trials(  # noqa: SLF001 - Optuna's own read of some trials in full
+                    study_id, states=_ENDED, included_trial_ids=new, trial_id_greater_than=max(new)) if new else []
+            else:  # the first read: all of them at once
+                fetched = self.backend._get_trials(study_id, states=_ENDED, included_trial_ids=set(),  # noqa: SLF001
+                                                   trial_id_greater_than=-1)
+                self._finished[study_id] = known = {}
+            known.update((t._trial_id, t) for t in fetched)  # noqa: SLF001 - a FrozenTrial's storage id
+            if fetched:
+                self._finished[study_id] = known = dict(sorted(known.items(), key=lambda item: item[1].number))
+            return list(known.values())
 
     def _drop_snapshots(self) -> None:
         for kind in ("snapshots", "everything"):
@@ -1163,7 +1192,8 @@ class PatientStorage(BaseStorage):
         if shared is not None:
             return copy.deepcopy(shared) if deepcopy else shared
         if _finished_only(states):  # what this thread deferred is written to running trials: no need to write it first
-            return self.boundary.call(self.cached.get_all_trials, study_id, deepcopy=deepcopy, states=states)
+            finished = [t for t in self.boundary.call(self._read_finished, study_id) if t.state in states]  # type: ignore[operator]
+            return copy.deepcopy(finished) if deepcopy else finished
         return self._call("get_all_trials", study_id, deepcopy=deepcopy, states=states)
 
     def get_best_trial(self, study_id: int) -> FrozenTrial:

@@ -144,6 +144,57 @@ def test_a_shared_block_reads_the_finished_trials_once_until_this_storage_writes
     assert len(mine.get_trials(deepcopy=False, states=finished)) == 5  # after the block: fresh reads again
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_read_of_the_finished_trials_loads_no_running_trial_and_each_finished_one_once(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # A pruner reads the study's finished trials at each evaluation. Through Optuna's cache, each such read loaded
+    # every running trial of the study in full (to learn which had finished): with N workers, N trials' params, attrs
+    # and every intermediate value, at each evaluation of each worker. Now: one narrow query, and only the trials
+    # that finished since the last read are loaded. What it returns is what a fresh read gives.
+    import sqlalchemy
+    from optuna.trial import TrialState
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 's.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    name = f"finished-{backend}"
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    mine = optuna.create_study(study_name=name, storage=storage)
+    other = optuna.load_study(study_name=name, storage=make_storage(url))  # other workers, their own connections
+    running = [other.ask() for _ in range(4)]
+    for trial in running:
+        for step in range(50):
+            trial.report(float(step), step)
+        trial.set_user_attr("curve", list(range(200)))
+    statements: list[str] = []
+    sqlalchemy.event.listen(storage.backend.engine, "before_cursor_execute",
+                            lambda *args: statements.append(args[2]) if args[2].lstrip().startswith("SELECT") else None)
+    finished = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+    def fresh() -> list[tuple[int, TrialState, Any, dict[int, float], dict[str, Any]]]:
+        return [(t.number, t.state, t.value, t.intermediate_values, t.user_attrs)
+                for t in optuna.load_study(study_name=name, storage=make_storage(url)).get_trials(states=finished)]
+
+    def read() -> list[tuple[int, TrialState, Any, dict[int, float], dict[str, Any]]]:
+        statements.clear()
+        return [(t.number, t.state, t.value, t.intermediate_values, t.user_attrs)
+                for t in mine.get_trials(deepcopy=False, states=finished)]
+
+    assert read() == fresh() == []
+    assert read() == [] and len(statements) == 1, statements  # nothing new: one narrow query
+    assert "trial_intermediate_values" not in statements[0] and "trial_user_attributes" not in statements[0]
+    other.tell(running[2], 2.0)
+    other.tell(running[0], state=TrialState.PRUNED)
+    assert read() == fresh() and [row[0] for row in read()] == [0, 2]
+    assert len(statements) == 1, statements  # both were loaded by the read before: the ids alone again
+    other.tell(running[1], state=TrialState.FAIL)
+    assert read() == fresh() and [row[0] for row in read()] == [0, 1, 2]
+    assert [t.number for t in mine.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))] == [2]
+    copies = mine.get_trials(deepcopy=True, states=finished)
+    copies[0].user_attrs["curve"].clear()  # a deep copy is the caller's own
+    assert read() == fresh()
+
+
 def test_an_ask_block_reads_the_trials_once_and_a_queued_or_claimed_trial_drops_the_read(tmp_path: Path) -> None:
     # One ask under the study's lock: the budget count, Optuna's look for a queued trial and the sampler's reads share
     # the block's first read, running trials included; a trial queued or claimed in the block is seen at once.
