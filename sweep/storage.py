@@ -1009,6 +1009,8 @@ class PatientStorage(BaseStorage):
 
     def delete_study(self, study_id: int) -> None:
         self._call("delete_study", study_id)
+        with self._finished_lock:  # a study created next may get its id (SQLite reuses the highest), as Optuna's
+            self._finished.pop(study_id, None)  # cache forgets it too
 
     def set_study_user_attr(self, study_id: int, key: str, value: Any) -> None:
         self._call("set_study_user_attr", study_id, key, value)
