@@ -428,7 +428,8 @@ def largest_budget(spec: StudySpec) -> int | None:
 
 def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
     """Successive halving's or Hyperband's `min_resource` above every trial's `max_steps` (which Hyperband's
-    `max_resource: auto` becomes): no trial reaches the first rung, so the pruner never prunes, without a word."""
+    `max_resource: auto` becomes): no trial reaches the first rung, so the pruner never prunes, without a word; and
+    Hyperband's `max_resource` above it, which leaves some brackets' trials unjudged."""
     budget = largest_budget(spec)
     problems: list[tuple[str, str]] = []
     component: Any = spec.pruner
@@ -442,6 +443,13 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append((f"{where}.min_resource", f"{low} is above every trial's max_steps ({budget}): no trial "
                                                       f"would reach the first rung, and nothing would be pruned; "
                                                       f"expected at most {budget}"))
+        high = args.get("max_resource")
+        if kind == "hyperband" and isinstance(high, int) and not isinstance(high, bool) and high > budget:
+            # Hyperband's brackets are laid out up to `max_resource`: those whose first rung lies past every trial's
+            # last step never judge their trials (review: max_resource 1000, max_steps 60, a fifth of the trials).
+            problems.append((f"{where}.max_resource", f"{high} is above every trial's max_steps ({budget}): the "
+                                                       "trials of Hyperband's brackets whose first rung lies past it "
+                                                       f"would never be judged; expected at most {budget}, or auto"))
         key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
         component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
     return problems

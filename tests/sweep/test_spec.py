@@ -83,6 +83,11 @@ BAD_FILES = [
                  "above every trial's max_steps (20)", id="hyperband-rung-beyond-the-budget"),
     pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "successive_halving", "min_resource": 21}}),
                  "pruner.then.min_resource", "nothing would be pruned", id="wrapped-halving-rung-beyond-the-budget"),
+    # Review: Hyperband's brackets laid out up to 1000 steps in trials of 20: a fifth of the trials never judged.
+    pytest.param(changed(pruner={"type": "hyperband", "min_resource": 2, "max_resource": 1000}),
+                 "pruner.max_resource", "1000 is above every trial's max_steps (20): the trials of Hyperband's "
+                 "brackets whose first rung lies past it would never be judged; expected at most 20, or auto",
+                 id="hyperband-brackets-beyond-the-budget"),
 ]
 
 
