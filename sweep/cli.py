@@ -316,12 +316,16 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             if lost:
                 raise _fail(lost, 1)
             stopped = results.stop_requested_since(study, started)
-            used = budget_counts(study.get_trials(deepcopy=False))[0]
+            used, running = budget_counts(study.get_trials(deepcopy=False))
             if stopped:
                 err.print(_stop_line(used, spec.n_trials))
             elif timeout is not None and used < spec.n_trials and time.monotonic() - launched >= timeout:
                 # The workers stopped at the timeout, each saying so for its trials: the line one process prints too.
                 err.print(f"stopped by the timeout with {used}/{spec.n_trials} trials done; rerun to continue.")
+            elif used + running < spec.n_trials:
+                # Every worker ended well, neither stopped nor timed out, with budget no trial holds: a worker ends
+                # so only when its sampler has tried every point (review: the line one process prints was missing).
+                err.print(_exhausted_line(used, spec.n_trials))
             failed = None if stopped else results.failed_run(results.finished_since(study, before))
             if failed:
                 raise _fail(failed, 1)
@@ -340,8 +344,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
         return
     _print_status(study)
     for flag, message in (("stopped", _stop_line(summary.budget_used, summary.n_trials)),
-                          ("exhausted", "the sampler has tried every point of the search space; stopped with "
-                                        f"{summary.budget_used}/{summary.n_trials} trials done."),
+                          ("exhausted", _exhausted_line(summary.budget_used, summary.n_trials)),
                           ("timed_out", f"stopped by the timeout with {summary.budget_used}/{summary.n_trials} "
                                         "trials done; rerun to continue.")):
         if getattr(summary, flag):
@@ -349,6 +352,10 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
     failed = None if summary.stopped else results.failed_run(counts)
     if failed:
         raise _fail(failed, 1)
+
+
+def _exhausted_line(used: int, n_trials: int) -> str:
+    return f"the sampler has tried every point of the search space; stopped with {used}/{n_trials} trials done."
 
 
 def _stop_line(used: int, n_trials: int, resume: str = "rerun the same command to continue") -> str:

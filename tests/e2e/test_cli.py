@@ -208,15 +208,18 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> No
     assert "failed: RuntimeError" in done.stderr
 
 
-@pytest.mark.parametrize("how", [[], ["--cohort", "2"]], ids=["alone", "cohort"])
+@pytest.mark.parametrize("how", [[], ["--cohort", "2"], ["--workers", "2"]], ids=["alone", "cohort", "workers"])
 def test_a_rerun_of_a_finished_grid_trains_no_copy_of_its_points(tmp_path: Path, how: list[str]) -> None:
     """Every point of a bruteforce grid trained, a rerun with budget left drew a copy of a finished point (Optuna's
-    sampler stops the study only once a trial is told), trained it and spent a trial of the budget, each time."""
+    sampler stops the study only once a trial is told), trained it and spent a trial of the budget, each time.
+    With `--workers`, neither the run that tried the last point nor the rerun said why it stopped short (review)."""
     document = copy.deepcopy(TINY_STUDY) | {
         "n_trials": 3, "sampler": "bruteforce", "pruner": "none",
         "space": {"learning_rate": {"type": "categorical", "choices": [0.003, 0.01, 0.03]}}}
     path = write_study(tmp_path, document)
-    assert sweep_cli("run", path).returncode == 0
+    first = sweep_cli("run", path, "--n-trials", "4", *how)
+    assert first.returncode == 0, first.stderr
+    assert "the sampler has tried every point of the search space; stopped with 3/4 trials done" in first.stderr
     for _ in range(2):
         done = sweep_cli("run", path, "--n-trials", "5", *how)
         assert done.returncode == 0, done.stderr
