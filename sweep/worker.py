@@ -343,11 +343,15 @@ class Worker:
         if self.spec.sampler.type == "bruteforce" and not any(t.state == TrialState.WAITING for t in trials):
             point = unexplored_point(self.spec, fixed or {}, trials)  # a queued trial comes first, with its own params
             if point is None and not fixed:  # the whole grid is taken: BruteForceSampler would draw a copy of a
-                self.sampler_stopped = True  # point (a rerun of a finished grid trained one per run), then stop
+                confirming = self._confirm_the_grid(trials, running)  # point (a rerun of a finished grid trained one
+                if confirming is None:  # per run), then stop
+                    self.sampler_stopped = True
+                    return None, False, trials
+                if not confirming:
+                    return None, False, trials
+            elif point is None:  # every point of these shapes is taken: the cohort drains, the next draws anew
                 return None, False, trials
-            if point is None:  # every point of these shapes is taken: the cohort drains, the next draws anew
-                return None, False, trials
-            if fixed:
+            elif fixed:
                 fixed = {**fixed, **point}
         sampler = self.study.sampler
         if fixed:
@@ -478,7 +482,11 @@ class Worker:
             # tell() has stored the trial anyway.
             if "Study.stop" not in str(exc):
                 raise
-            self.sampler_stopped = True
+            # With warm_start.confirm, the next ask decides (`_confirm_the_grid`): the best warm trials may still
+            # be due their cold retrain.
+            warm_start = self.spec.warm_start
+            self.sampler_stopped = not (self.spec.sampler.type == "bruteforce" and warm_start.enabled
+                                        and warm_start.confirm)
             return self.study.get_trials(deepcopy=False)[trial.number]
 
     def _requeue_orphans(self, trials: list[FrozenTrial]) -> tuple[bool, int]:
@@ -530,6 +538,22 @@ class Worker:
         if not due or self.n_trials - taken > len(due) or any(t.state == TrialState.WAITING for t in trials):
             return
         self.study.enqueue_trial(due[0].params, user_attrs={ATTR_CONFIRMS: due[0].number})
+
+    def _confirm_the_grid(self, trials: list[FrozenTrial], running: int) -> bool | None:
+        """The sampler has tried every point with budget left: with `warm_start.confirm: K`, the best K warm trials
+        are retrained cold now, one per ask, as the budget's last trials would have (review: a grid that ran out
+        first ended the study with its warm values never confirmed). True: one is queued, `ask` takes it; False:
+        trials still running may end among the best warm ones, wait for them; None: nothing to confirm."""
+        warm_start = self.spec.warm_start
+        if not warm_start.enabled or not warm_start.confirm:
+            return None
+        if running:
+            return False
+        due = confirmations_due(trials, warm_start.confirm, self.spec.direction == "maximize")
+        if not due:
+            return None
+        self.study.enqueue_trial(due[0].params, user_attrs={ATTR_CONFIRMS: due[0].number})
+        return True
 
     def _retry(self, trial: FrozenTrial, reason: str, *, infrastructure: bool = False, counted: bool = True) -> None:
         """Queue the trial's params again; the retry resumes from the newest checkpoint of its lineage. Faults of

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import optuna
 import optuna_dashboard
+import pytest
+import yaml
 from optuna.trial import TrialState
 
 from sweep.cli import dashboard_artifact_store
@@ -223,6 +225,29 @@ def test_confirm_retrains_the_best_warm_trials_cold_within_the_budget(tmp_path: 
     report = tmp_path / "report.html"
     assert sweep_cli("report", path, "-o", report).returncode == 0
     assert "Confirmed cold" in report.read_text()
+
+
+@pytest.mark.parametrize("how", [[], ["--cohort", "2"]], ids=["alone", "cohort"])
+def test_a_grid_that_runs_out_with_budget_left_still_confirms_its_best_warm_trials(tmp_path: Path,
+                                                                                  how: list[str]) -> None:
+    # Review: confirmations are queued for the budget's last trials, and a bruteforce grid ran out before them: the
+    # study ended at 6 of 12 trials with its warm values never retrained cold, and said nothing of it.
+    path = warm_study(tmp_path, n_trials=12, sampler="bruteforce", warm_start={"max_distance": 1.0, "confirm": 2})
+    document = yaml.safe_load(path.read_text())
+    document["space"]["learning_rate"] = {"type": "categorical", "choices": [0.003, 0.01, 0.03]}
+    path.write_text(yaml.safe_dump(document))
+    done = sweep_cli("run", path, *how)
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    confirmations = [t for t in trials if "confirms" in t.user_attrs]
+    warm = sorted((t for t in trials if "warm_start_from" in t.user_attrs), key=lambda t: t.value)
+    assert len(warm) >= 2 and len(trials) == 8, [(t.number, t.params, t.user_attrs.get("confirms")) for t in trials]
+    assert sorted(t.user_attrs["confirms"] for t in confirmations) == sorted(t.number for t in warm[:2])
+    assert all(t.state == TrialState.COMPLETE and "warm_start_from" not in t.user_attrs for t in confirmations)
+    assert "the sampler has tried every point of the search space; stopped with 8/12 trials done" in done.stderr
+    again = sweep_cli("run", path, *how)  # nothing left to try or confirm
+    assert again.returncode == 0 and "stopped with 8/12 trials done" in again.stderr, again.stderr
+    assert len(load(tmp_path).get_trials()) == 8
 
 
 def test_best_says_when_its_value_is_a_warm_start_s(tmp_path: Path) -> None:
