@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import shutil
@@ -443,16 +444,29 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append((f"{where}.min_resource", f"{low} is above every trial's max_steps ({budget}): no trial "
                                                       f"would reach the first rung, and nothing would be pruned; "
                                                       f"expected at most {budget}"))
-        high = args.get("max_resource")
-        if kind == "hyperband" and isinstance(high, int) and not isinstance(high, bool) and high > budget:
-            # Hyperband's brackets are laid out up to `max_resource`: those whose first rung lies past every trial's
-            # last step never judge their trials (review: max_resource 1000, max_steps 60, a fifth of the trials).
-            problems.append((f"{where}.max_resource", f"{high} is above every trial's max_steps ({budget}): the "
-                                                       "trials of Hyperband's brackets whose first rung lies past it "
-                                                       f"would never be judged; expected at most {budget}, or auto"))
+        if kind == "hyperband" and (top := _top_bracket_rung(args)) is not None and top[0] > budget:
+            # Hyperband lays out its brackets up to `max_resource`: the trials of one whose first rung lies past
+            # every trial's last step are never judged (review: max_resource 1000, max_steps 60, a fifth of them).
+            first, eta, low = top
+            limit = low * eta ** (math.floor(math.log(budget / low, eta)) + 1)
+            problems.append((f"{where}.max_resource", f"{args['max_resource']} gives Hyperband a bracket whose first "
+                                                       f"rung is step {first}, past every trial's max_steps "
+                                                       f"({budget}): its trials would never be judged; expected "
+                                                       f"under {limit} (min_resource x reduction_factor^k), or auto"))
         key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
         component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
     return problems
+
+
+def _top_bracket_rung(args: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """Hyperband's largest bracket's first rung, as Optuna lays the brackets out (`floor(log_eta(max / min)) + 1`
+    brackets, bracket k's first rung at `min_resource * eta**k`), with eta and min_resource; None where the
+    arguments are not numbers that decide it (`max_resource: auto`, or ones refused elsewhere)."""
+    high, low, eta = args.get("max_resource"), args.get("min_resource", 1), args.get("reduction_factor", 3)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (high, low, eta)) or low < 1 or eta < 2 \
+            or high < low:
+        return None
+    return low * eta ** math.floor(math.log(high / low, eta)), eta, low
 
 
 def _example_config(spec: StudySpec, end: int) -> dict[str, Any]:

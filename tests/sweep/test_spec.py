@@ -84,10 +84,13 @@ BAD_FILES = [
     pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "successive_halving", "min_resource": 21}}),
                  "pruner.then.min_resource", "nothing would be pruned", id="wrapped-halving-rung-beyond-the-budget"),
     # Review: Hyperband's brackets laid out up to 1000 steps in trials of 20: a fifth of the trials never judged.
+    # (Brackets of min_resource 2, eta 3: first rungs 2, 6, 18, 54, 162, 486; 18 is the last within 20.)
     pytest.param(changed(pruner={"type": "hyperband", "min_resource": 2, "max_resource": 1000}),
-                 "pruner.max_resource", "1000 is above every trial's max_steps (20): the trials of Hyperband's "
-                 "brackets whose first rung lies past it would never be judged; expected at most 20, or auto",
-                 id="hyperband-brackets-beyond-the-budget"),
+                 "pruner.max_resource", "1000 gives Hyperband a bracket whose first rung is step 486, past every "
+                 "trial's max_steps (20): its trials would never be judged; expected under 54 (min_resource x "
+                 "reduction_factor^k), or auto", id="hyperband-brackets-beyond-the-budget"),
+    pytest.param(changed(pruner={"type": "hyperband", "max_resource": 27}), "pruner.max_resource",
+                 "first rung is step 27, past every trial's max_steps (20)", id="hyperband-a-bracket-at-27"),
 ]
 
 
