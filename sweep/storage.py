@@ -987,7 +987,7 @@ class PatientStorage(BaseStorage):
                            .filter(models.TrialModel.study_id == study_id, models.TrialModel.state.in_(_ENDED))}
                 new = ids - known.keys()
                 fetched = self.backend._get_trials(  # noqa: SLF001 - Optuna's own read of some trials in full
-                    study_id, states=_ENDED, included_trial_ids=new, trial_id_greater_than=max(new)) if new else []
+                    study_id, states=_ENDED, included_trial_ids=new, trial_id_greater_than=max(ids)) if new else []
             else:  # the first read: all of them at once
                 fetched = self.backend._get_trials(study_id, states=_ENDED, included_trial_ids=set(),  # noqa: SLF001
                                                    trial_id_greater_than=-1)
