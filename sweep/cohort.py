@@ -532,12 +532,16 @@ class CohortLoop:
         # A ramp cohort drains once its startup trials are in: the next one draws anew (review: it said "try one").
         if self.fixed and self.cohorts == 1 and not self.ramp and self.worker.n_trials <= self._intake():
             one = len(self.fixed) == 1
+            # One of several workers (`--workers N`, a Slurm array, pods; sweep.workers.WORKER_ENV): its cohort is
+            # one of several, each with its own draw, so the study tries more than this one (review: two workers
+            # each said the study tried theirs alone).
+            several = os.environ.get("SWEEP_WORKER") is not None
+            tries = (f"this worker's cohort tries one ({self._fixed_text()}), each worker's its own" if several else
+                     f"this study's {self.worker.n_trials} trials try one ({self._fixed_text()})")
             warnings.warn(f"execution.cohort: {', '.join(self.fixed)} {'changes' if one else 'change'} the model's "
                           f"shapes, so a cohort's members share its first member's {'value' if one else 'values'} "
-                          "and a cohort "
-                          f"takes {self._intake()} members before the next draws anew: this study's "
-                          f"{self.worker.n_trials} trials try one ({self._fixed_text()}); a smaller cohort or more "
-                          "trials search them", stacklevel=2)
+                          f"and a cohort takes {self._intake()} members before the next draws anew: {tries}; a "
+                          "smaller cohort or more trials search them", stacklevel=2)
         return True
 
     def _fixed_text(self) -> str:
