@@ -8,6 +8,7 @@ import importlib
 import io
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +215,12 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         pytest.skip(reason)
     with SlurmCluster() as cluster:
         yield cluster
+
+
+def another_user() -> list[str]:
+    """The command prefix that runs a process as a user who owns none of the files (uid 1000 in a user namespace:
+    CI runs as root, whom no file's permissions stop); skips the test where this machine cannot make one."""
+    prefix = ["unshare", "--user", "--map-user=1000"]
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here (unshare --user)")
+    return prefix

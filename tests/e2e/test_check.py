@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -11,9 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, another_user, sweep_cli, write_study
 
 
 def test_check_finds_deleted_and_corrupt_blobs_and_repair_makes_registry_and_disk_agree(tmp_path: Path) -> None:
@@ -124,14 +121,9 @@ def test_a_study_folder_moved_is_checked_by_its_study_file_and_a_database_only_c
 
 
 def _as_another_user(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """`sweep ARGS` run by a user who is not the files' owner (uid 1000 in a user namespace: CI runs as root, whom no
-    permission stops). Skips where this machine cannot make one."""
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "--user", "--map-user=1000", "true"],
-                                                         capture_output=True).returncode != 0:
-        pytest.skip("no user namespaces here (unshare --user)")
-    return subprocess.run(["unshare", "--user", "--map-user=1000", sys.executable, "-m", "sweep.cli",
-                           *map(str, args)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    """`sweep ARGS` run by a user who is not the files' owner (`another_user`)."""
+    return subprocess.run([*another_user(), sys.executable, "-m", "sweep.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
 
 
 def test_check_lists_a_checkpoint_it_may_not_read_keeps_it_and_exits_1() -> None:

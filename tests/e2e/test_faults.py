@@ -20,8 +20,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +33,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.outcomes import budget_counts
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, another_user, sweep_cli, write_study
 from tests.pg import PostgresServer, postgres_available
 
 T = TypeVar("T")
@@ -68,11 +69,13 @@ def fault_rng() -> tuple[random.Random, int]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Processes and waiting.
 
-def start_sweep(*args: str | Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_sweep(*args: str | Path, log: Path, env: dict[str, str] | None = None,
+                as_user: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """`sweep ARGS` in a process of its own, its output (both streams) to `log`: a file never fills up the way a
-    pipe nobody reads does. `env`: its whole environment (default: this process's)."""
+    pipe nobody reads does. `env`: its whole environment (default: this process's). `as_user`: the command that
+    runs it as another user (`another_user()`)."""
     with open(log, "ab") as handle:
-        return subprocess.Popen([sys.executable, "-m", "sweep.cli", *map(str, args)], stdout=handle,
+        return subprocess.Popen([*as_user, sys.executable, "-m", "sweep.cli", *map(str, args)], stdout=handle,
                                 stderr=subprocess.STDOUT, env={**(os.environ if env is None else env), **CLI_ENV})
 
 
@@ -93,8 +96,9 @@ def tail(log: Path, chars: int = 4000) -> str:
         return "(no output)"
 
 
-def sweep_run(*args: str | Path, log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:
-    return finish(start_sweep("run", *args, log=log, env=env), log, timeout)
+def sweep_run(*args: str | Path, log: Path, timeout: float = 300, env: dict[str, str] | None = None,
+              as_user: Sequence[str] = ()) -> int:
+    return finish(start_sweep("run", *args, log=log, env=env, as_user=as_user), log, timeout)
 
 
 def wait_for(what: str, probe: Callable[[], T], timeout: float, *, interval: float = 0.05,
@@ -616,10 +620,11 @@ def interrupted_after_four_checkpoints(path: Path, db: Path, log: Path) -> None:
     assert code == 130, tail(log)
 
 
-def rerun_resuming_trial_0(path: Path, db: Path, log: Path, older_step: int, what: str) -> Findings:
+def rerun_resuming_trial_0(path: Path, db: Path, log: Path, older_step: int, what: str,
+                           as_user: Sequence[str] = ()) -> Findings:
     """The rerun after trial 0's newest checkpoint was spoilt (`what`): it exits 0, and trial 0's one retry
     completes, resumed from trial 0's step `older_step`. The findings, for the caller's further expectations."""
-    code = sweep_run(path, log=log, timeout=300)
+    code = sweep_run(path, log=log, timeout=300, as_user=as_user)
     trials = load_trials(f"sqlite:///{db}", db.stem)  # the study is named as its SQLite file
     found = Findings(f"{what}; trials:\n{summary(trials)}\noutput ends with:\n{tail(log, 3000)}")
     found.expect(code == 0, f"the rerun exited {code}")
@@ -656,6 +661,32 @@ def test_a_retry_skips_a_corrupt_newest_checkpoint_and_resumes_from_the_one_befo
     found.expect(not still, f"the corrupt checkpoint is still registered: {still}")
     found.expect(not Path(corrupt_uri).exists(), f"the corrupt file is still there: {corrupt_uri}")
     found.check()
+
+
+@pytest.mark.slow
+def test_a_retry_passes_over_a_newest_checkpoint_it_may_not_read_and_resumes_from_the_one_before() -> None:
+    # Review: a checkpoint file the rerun's user may not read (mode 000, another user's file on a share) failed three
+    # retries as the machine's fault and stopped the study, though an intact older checkpoint was there.
+    folder = Path(tempfile.mkdtemp(prefix="sweep-unreadable-"))  # not under pytest's folder, which only root reads
+    try:
+        document = one_config("unreadable", checkpoints={"every_steps": 40, "on_best": False, "keep_top_k": 100},
+                              fixed={"max_steps": 400, "eval_every_steps": 40, "log_every_steps": 40})
+        path = write_study(folder, document)
+        db, log = folder / "unreadable.db", folder / "run.log"
+        as_user = another_user()
+        interrupted_after_four_checkpoints(path, db, log)
+        subprocess.run(["chmod", "-R", "a+rwX", str(folder)], check=True)  # sweep writes owner-only files
+        rows = [row for row in checkpoint_rows(db) if row[1] == 0]
+        (_, _, older_step, _), (_, _, locked_step, locked_name) = rows[-2], rows[-1]
+        locked = folder / "unreadable.checkpoints" / "unreadable" / locked_name
+        locked.chmod(0)
+        found = rerun_resuming_trial_0(path, db, log, older_step, f"made trial 0's step {locked_step} unreadable",
+                                       as_user=as_user)
+        found.expect("Permission denied" in log.read_text(), "no warning names the checkpoint it could not read")
+        found.expect(locked.exists(), "the unreadable checkpoint was deleted")
+        found.check()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow
