@@ -248,8 +248,15 @@ def _listing(store_location: str, study: str, report: CheckReport) -> list[_File
         return None
     folder = CheckpointStore(store_location, study).folder
     now, files = time.time(), []
+    try:
+        listed = list(folder.iterdir())
+    except FileNotFoundError:
+        listed = []
+    except PermissionError as exc:  # each of its rows' blobs is a note of its own (`_check_blobs`)
+        report.notes.append(f"orphan scan skipped: the folder {folder} cannot be listed ({exc.strerror})")
+        return None
     with contextlib.suppress(FileNotFoundError):
-        for path in folder.iterdir():
+        for path in listed:
             try:
                 stat = path.lstat()
             except FileNotFoundError:  # renamed or deleted since the listing
@@ -324,6 +331,8 @@ def _digest(uri: str) -> tuple[int, str] | OSError | None:
             found = path.stat()
         except FileNotFoundError:
             return None
+        except PermissionError as exc:  # its folder may not be looked into
+            return exc
         if not stat.S_ISREG(found.st_mode):
             return None
         size = found.st_size

@@ -155,6 +155,14 @@ def test_check_lists_a_checkpoint_it_may_not_read_keeps_it_and_exits_1() -> None
         with sqlite3.connect(folder / "tiny.db") as connection:  # the repair forgot the missing one's row alone
             assert connection.execute("SELECT id FROM sweep_checkpoints ORDER BY id").fetchall() == \
                 [(locked_id,)] + [(row[0],) for row in rows[2:]]
+        blobs.chmod(0)  # the whole folder: each row's blob is a note, and no file is taken for an orphan
+        found = _as_another_user("check", path, "--repair")
+        blobs.chmod(0o777)
+        shown = " ".join(found.stderr.split())
+        assert found.returncode == 1 and f"the folder {blobs.resolve()} cannot be listed (Permission denied)" in shown
+        kept = [uri for _, _, uri in rows[:1] + rows[2:]]  # the rows the repair above left
+        assert f"{len(kept)} checkpoint{'s' if len(kept) > 1 else ''} could not be read" in shown, shown
+        assert sorted(p.name for p in blobs.iterdir() if p.suffix == ".pt") == sorted(kept)
         locked.chmod(0o600)
         assert sweep_cli("check", path).returncode == 0
     finally:
