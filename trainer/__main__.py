@@ -34,15 +34,20 @@ from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, sh
 
 
 class PrintReporter:
-    """Prints every log and evaluation; the fast-fail rules decide when to stop (`decides`: it does not)."""
+    """Prints every log and evaluation, after `prefix` (a `--batched` member's file); the fast-fail rules decide
+    when to stop (`decides`: it does not)."""
 
     decides = False
 
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        print(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"), file=sys.stderr)
+        print(f"{self.prefix}step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"),
+              file=sys.stderr)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
-        print(f"eval {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()), file=sys.stderr)
+        print(f"{self.prefix}eval {step}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items()), file=sys.stderr)
         return False
 
 
@@ -228,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         if args.batched:
-            from trainer.batched import train_batched  # loads torch.func only when asked
+            from trainer.batched import CohortMember, train_batched  # loads torch.func only when asked
 
-            results = train_batched(configs)
+            labels = [printable(str(path)) for path in args.config]
+            results = train_batched([CohortMember(config, reporter=PrintReporter(f"{label}: "))
+                                     for config, label in zip(configs, labels)], labels=labels)
         else:
             results = [_train_one(configs[0])]
     except (ConfigError, TaskError) as exc:

@@ -73,7 +73,7 @@ from trainer.config import TrainingConfig
 from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
 from trainer.data import choose_data_loader
 from trainer.fast_fail import FastFailConfig, in_stage_grace
-from trainer.loop import Checkpointer, FastFailReporter, Reporter, TrainResult, train
+from trainer.loop import DIVERGED, Checkpointer, FastFailReporter, Reporter, TrainResult, train
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
@@ -631,8 +631,8 @@ class Cohort:
         stages = stage_starts(config.curriculum, config.max_steps)
         local = None
         reporter = member.reporter
-        if reporter is None:
-            reporter = local = FastFailReporter(fast_fail, stage_starts=stages)
+        if reporter is None or not getattr(reporter, "decides", True):  # no study: the fast-fail rules decide here
+            reporter = local = FastFailReporter(fast_fail, inner=reporter, stage_starts=stages)
         if config.deterministic not in self._records:  # the same for every member but the seed
             self._records[config.deterministic] = reproducibility_record(config.seed, self.device,
                                                                          deterministic=config.deterministic)
@@ -1025,9 +1025,11 @@ class Cohort:
         slot = self.slots[index]
         assert slot is not None
         result = slot.result
-        result.status = "stopped" if status == "stopped" else "completed"
-        if status == "stopped" and slot.local is not None and slot.local.verdict is not None:
-            result.stop_reason = slot.local.verdict.as_dict()
+        verdict = None if slot.local is None else slot.local.verdict
+        diverged = verdict is not None and verdict.rule in DIVERGED  # at the last evaluation too (`loop._finish`)
+        result.status = "stopped" if status == "stopped" or diverged else "completed"
+        if result.status == "stopped" and verdict is not None:
+            result.stop_reason = verdict.as_dict()
         result.wall_time_s = time.perf_counter() - slot.started
         self.results[slot.id] = result
         self.slots[index] = None
@@ -1190,13 +1192,15 @@ class MemberFailures(Exception):
 # Many configs: group by signature, batch what can be batched, train the rest alone.
 
 def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task | None = None, *,
-                  capacity: int | None = None, say: Callable[[str], None] | None = None) -> list[TrainResult]:
+                  capacity: int | None = None, say: Callable[[str], None] | None = None,
+                  labels: Sequence[str] | None = None) -> list[TrainResult]:
     """Train every member; results in the order given. Members that share a batch signature train together, up to
     `capacity` at a time (default: as many as fit the free memory; a larger request is cut, with a message); a
     finished member's slot is refilled from the queue at the next evaluation boundary. A member that cannot be
     batched (`batch_problem`) is trained by the ordinary loop, with a message. `say` receives the messages
-    (default: stderr)."""
+    (default: stderr); `labels` name the members in them (their files; default `config I`, from 0)."""
     say = say if say is not None else (lambda message: print(message, file=sys.stderr))
+    named = list(labels) if labels is not None else [f"config {i}" for i in range(len(members))]
     items = [m if isinstance(m, CohortMember) else CohortMember(m) for m in members]
     tasks: dict[str, Task] = {}
     groups: dict[str, list[int]] = {}
@@ -1209,7 +1213,7 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         signature = batch_signature(item.config, member_task)
         problem = _problem_probed(item.config, member_task, signature, probes)
         if problem is not None:
-            say(f"config {i}: not batched, trained alone: {problem}")
+            say(f"{named[i]}: not batched, trained alone: {problem}")
             results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
                                warm_start=item.warm_start, checkpointer=item.checkpointer)
             continue

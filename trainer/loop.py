@@ -535,9 +535,17 @@ def _synchronize(device: torch.device) -> Callable[[], None]:
     return synchronize
 
 
+# The fast-fail rules that say a run diverged: found at the last evaluation, where stopping saves nothing, the run is
+# still reported stopped, with its reason, so that whoever reads the result can tell it from one that finished well.
+DIVERGED = ("nan", "inf", "explode")
+
+
 def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: Status) -> TrainResult:
+    verdict = None if local is None else local.verdict
+    if status == "completed" and verdict is not None and verdict.rule in DIVERGED:
+        status = "stopped"  # review: a run whose last evaluation was NaN printed "completed" with no reason
     result.status = status
-    if status == "stopped" and local is not None and local.verdict is not None:
-        result.stop_reason = local.verdict.as_dict()
+    if status == "stopped" and verdict is not None:
+        result.stop_reason = verdict.as_dict()
     result.wall_time_s = time.perf_counter() - started
     return result

@@ -45,6 +45,53 @@ def test_the_fast_fail_rules_stop_a_diverging_run_alone_as_in_a_study(tmp_path: 
         assert result["status"] == "stopped" and result["steps"] < 100, result
         assert result["stop_reason"]["rule"] in ("explode", "nan", "inf"), result
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_run_that_diverges_at_its_last_evaluation_is_stopped_with_its_reason(
+        tmp_path: Path, batched: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: one evaluation before the end it said "stopped" (rule nan); at the last one, "completed" with a null
+    # metric and no reason, so a script reading `status` took a diverged run for one that finished well.
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 10\neval_every_steps: 10\nlog_every_steps: 10\n"
+                      "weight_decay: 1.0e+300\nmodel: {hidden: 32}\n")
+    good = tmp_path / "good.yaml"
+    good.write_text("task: digits\nmax_steps: 10\neval_every_steps: 10\nmodel: {hidden: 32}\n")
+    assert main([str(config), str(good), "--batched"] if batched else [str(config)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["status"] == "stopped" and lines[0]["steps"] == 10, lines[0]
+    assert lines[0]["stop_reason"]["rule"] == "nan" and lines[0]["metrics"]["val_loss"] is None, lines[0]
+    if batched:  # a member that finished well is still "completed"
+        assert lines[1]["status"] == "completed" and "stop_reason" not in lines[1], lines[1]
+
+
+def test_batched_members_print_their_progress_and_messages_under_their_file_names(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: `--batched` printed no progress at all, and named a member trained alone "config 2" (counted from 0).
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("task: digits\nmax_steps: 20\neval_every_steps: 10\nlog_every_steps: 10\nmodel: {hidden: 32}\n")
+    second.write_text("task: digits\nmax_steps: 20\neval_every_steps: 10\nlog_every_steps: 10\n"
+                      "model: {hidden: 32}\nmixed_precision: fp16\ndevice: cpu\n")  # no grad scaler per member
+    assert main([str(first), str(second), "--batched"]) == 0
+    err = capsys.readouterr().err
+    assert f"{second}: not batched, trained alone: fp16 needs a grad scaler per member" in err, err
+    for path in (first, second):
+        for line in ("eval 0: val_loss=", "step 10: train_loss=", "eval 20: val_loss="):
+            assert f"{path}: {line}" in err, err
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_a_learning_rate_adam_cannot_take_is_one_line(tmp_path: Path, optimizer: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: 4e37 passed the check (float32's largest) and adam's first step, learning_rate / (1 - beta1), overflowed
+    # into a traceback; sgd and lion take it (and diverge, which fast-fail reports).
+    config = tmp_path / "c.yaml"
+    config.write_text(f"task: digits\nmax_steps: 5\neval_every_steps: 5\noptimizer: {optimizer}\n"
+                      "learning_rate: 4.0e+37\n")
+    assert main([str(config)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"{config}: learning_rate: expected at most 3.403e+37 with optimizer {optimizer!r} and beta1 0.9 (its first "
+        "step, learning_rate / (1 - beta1), must fit in float32), got 4e+37")
+
+
 def test_a_run_that_went_nan_prints_strict_json_with_null(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Python's json writes NaN, which is not JSON (jq, JavaScript and strict parsers refuse the line): the diverged
     value is null, and the rest of the line is as it was."""
