@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(printable(f"--set: {exc}"), file=sys.stderr)
         return 2
-    configs = []
+    configs: list[TrainingConfig] = []
+    refused: dict[str, None] = {}  # every file's problems, then exit 2 (review: only the first bad file was named)
     for path in args.config:
         try:
             values = _load(path)  # first: a path that cannot be read (a symlink loop, say) is one line from it
@@ -226,11 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                     shown = f"--set {key}: {message}"
                 else:  # the problem's key holds the one --set gave (`--set foo.bar=1`: `foo` is unknown)
                     shown = f"--set {given}: {key}: {message}"
-                print(printable(shown), file=sys.stderr)
-            return 2
+                refused[printable(shown)] = None  # a --set's problem once, not once per file
         except (OSError, ValueError) as exc:
-            print(printable(f"{path}: {exc}"), file=sys.stderr)
-            return 2
+            refused[printable(f"{path}: {exc}")] = None
+    if refused:
+        print("\n".join(refused), file=sys.stderr)
+        return 2
     try:
         if args.batched:
             from trainer.batched import CohortMember, train_batched  # loads torch.func only when asked

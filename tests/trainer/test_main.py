@@ -78,6 +78,21 @@ def test_batched_members_print_their_progress_and_messages_under_their_file_name
             assert f"{path}: {line}" in err, err
 
 
+def test_every_bad_file_of_several_is_named_and_a_bad_set_once(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # Review: of several bad files given with --batched, only the first was named.
+    good, bad, worse = tmp_path / "good.yaml", tmp_path / "bad.yaml", tmp_path / "worse.yaml"
+    good.write_text("task: digits\nmax_steps: 4\n")
+    bad.write_text("task: digits\nlearning_rate: x\n")
+    worse.write_text("task: digits\nmax_steps: 4\nbeta1: 2\n")
+    assert main([str(bad), str(good), str(worse), "--batched"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"{bad}: learning_rate: expected a number, got 'x'",
+                                                    f"{worse}: beta1: expected a value in [0, 1), got 2.0"]
+    assert main([str(good), str(worse), "--batched", "--set", "max_steps=0"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["--set max_steps: expected a value in [1, inf], got 0",
+                                                    f"{worse}: beta1: expected a value in [0, 1), got 2.0"]
+
+
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_a_learning_rate_adam_cannot_take_is_one_line(tmp_path: Path, optimizer: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
