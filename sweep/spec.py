@@ -428,9 +428,10 @@ def largest_budget(spec: StudySpec) -> int | None:
 
 
 def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
-    """Successive halving's or Hyperband's `min_resource` above every trial's `max_steps` (which Hyperband's
-    `max_resource: auto` becomes): no trial reaches the first rung, so the pruner never prunes, without a word; and
-    Hyperband's `max_resource` above it, which leaves some brackets' trials unjudged."""
+    """Successive halving's or Hyperband's `min_resource` at or above every trial's `max_steps` (which Hyperband's
+    `max_resource: auto` becomes): no trial is judged at the first rung (at its last step a trial completes, its
+    pruner not asked), so the pruner never prunes, without a word; and Hyperband's `max_resource` laying out a
+    bracket whose first rung is there, which leaves that bracket's trials unjudged."""
     budget = largest_budget(spec)
     problems: list[tuple[str, str]] = []
     component: Any = spec.pruner
@@ -440,17 +441,20 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
         args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
         low = args.get("min_resource")
         if kind in ("hyperband", "successive_halving") and isinstance(low, int) and not isinstance(low, bool) \
-                and low > budget:
-            problems.append((f"{where}.min_resource", f"{low} is above every trial's max_steps ({budget}): no trial "
-                                                      f"would reach the first rung, and nothing would be pruned; "
-                                                      f"expected at most {budget}"))
-        if kind == "hyperband" and (top := _top_bracket_rung(args)) is not None and top[0] > budget:
-            # Hyperband lays out its brackets up to `max_resource`: the trials of one whose first rung lies past
+                and low >= budget:
+            problems.append((f"{where}.min_resource", f"{low} is not below every trial's max_steps ({budget}): no "
+                                                      "trial would be judged at the first rung (at its last step a "
+                                                      "trial completes), and nothing would be pruned; expected under "
+                                                      f"{budget}"))
+        elif kind == "hyperband" and (top := _top_bracket_rung(args)) is not None and top[0] >= budget:
+            # Hyperband lays out its brackets up to `max_resource`: the trials of one whose first rung is at or past
             # every trial's last step are never judged (review: max_resource 1000, max_steps 60, a fifth of them).
             first, eta, low = top
-            limit = low * eta ** (math.floor(math.log(budget / low, eta)) + 1)
+            limit = low
+            while limit < budget:  # the smallest min_resource x eta^k at or past the budget, counted exactly
+                limit *= eta
             problems.append((f"{where}.max_resource", f"{args['max_resource']} gives Hyperband a bracket whose first "
-                                                       f"rung is step {first}, past every trial's max_steps "
+                                                       f"rung is step {first}, not below every trial's max_steps "
                                                        f"({budget}): its trials would never be judged; expected "
                                                        f"under {limit} (min_resource x reduction_factor^k), or auto"))
         key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)

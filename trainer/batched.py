@@ -654,6 +654,8 @@ class Cohort:
             if member.resume is not None:
                 self._restore(index, slot, member.resume)
                 slot.history = [e for e in member.resume.evals if e[0] <= member.resume.step]
+                if slot.local is not None:
+                    slot.local.resumed(slot.history)
                 if slot.done >= config.max_steps:  # checkpointed at its last step: nothing is left to train, as alone
                     self._finish(index, "completed")
             elif member.warm_start is not None or fast_fail.enabled:

@@ -181,13 +181,15 @@ class TrainingConfig:
         problems = []
         if self.warmup_steps > self.max_steps:
             problems.append(("warmup_steps", f"expected at most max_steps ({self.max_steps}), got {self.warmup_steps}"))
-        ceiling = FLOAT32_MAX * (1 - self.beta1)
-        if self.optimizer in ("adam", "adamw") and self.learning_rate > ceiling:
-            # Adam's first step is learning_rate / (1 - beta1), which PyTorch hands its kernel as a float32: above it,
-            # a traceback ("value cannot be converted to type float without overflow"; review).
-            problems.append(("learning_rate", f"expected at most {ceiling:.4g} with optimizer {self.optimizer!r} "
-                                              f"and beta1 {self.beta1:g} (its first step, learning_rate / (1 - "
-                                              f"beta1), must fit in float32), got {self.learning_rate:g}"))
+        if self.optimizer in ("adam", "adamw") and self.learning_rate / (1 - self.beta1) > FLOAT32_MAX:
+            # Adam's step size, the learning rate over its bias correction, is at most learning_rate / (1 - beta1)
+            # (the first step at the peak rate), computed as PyTorch computes it and handed to its kernel as a
+            # float32: above float32's largest, a traceback ("value cannot be converted to type float without
+            # overflow"; review).
+            problems.append(("learning_rate", f"expected at most {FLOAT32_MAX * (1 - self.beta1):.4g} with optimizer "
+                                              f"{self.optimizer!r} and beta1 {self.beta1:g} (Adam's largest step, "
+                                              "learning_rate / (1 - beta1), must fit in float32), got "
+                                              f"{self.learning_rate:g}"))
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             problems.append(("nesterov", "needs optimizer 'sgd' with momentum > 0"))
         if self.compile_mode != "default" and not self.compile:

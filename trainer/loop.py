@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -95,6 +95,12 @@ class FastFailReporter:
         self.verdict = judge(self.series, self.config, stage_starts=self.stage_starts,
                              train_series=self.training.series)
         return stop or self.verdict is not None
+
+    def resumed(self, history: Sequence[tuple[int, Mapping[str, float]]]) -> None:
+        """A resumed run's evaluations before its checkpoint: the rules judge the whole run, as if never stopped
+        (review: judged from the first evaluation after the resume, a resumed run's "initial" value was a later one,
+        and the loss-explosion rule stopped a run that, uninterrupted, completed)."""
+        self.series = [(step, float(metrics[self.metric])) for step, metrics in history if self.metric in metrics]
 
 
 class TrainingSeries:
@@ -339,6 +345,8 @@ def _train(config: TrainingConfig, task: Task | None, reporter: Reporter | None,
             loop, first_step = _restore(run, resume), resume.step
             result.steps, result.metrics = resume.step, dict(resume.metrics)
             run.history = [e for e in resume.evals if e[0] <= resume.step]
+            if local is not None:
+                local.resumed(run.history)
         elif warm_start is not None or run.fast_fail.enabled:
             if warm_start is not None:
                 _load_warm_start(run, warm_start)

@@ -80,17 +80,23 @@ BAD_FILES = [
                  id="nan-for-a-bound"),  # was "Input should be greater than 0, got nan"
     # A first rung no trial reaches (max_steps 20): accepted, and the pruner never pruned.
     pytest.param(changed(pruner={"type": "hyperband", "min_resource": 30}), "pruner.min_resource",
-                 "above every trial's max_steps (20)", id="hyperband-rung-beyond-the-budget"),
+                 "30 is not below every trial's max_steps (20)", id="hyperband-rung-beyond-the-budget"),
     pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "successive_halving", "min_resource": 21}}),
                  "pruner.then.min_resource", "nothing would be pruned", id="wrapped-halving-rung-beyond-the-budget"),
     # Review: Hyperband's brackets laid out up to 1000 steps in trials of 20: a fifth of the trials never judged.
     # (Brackets of min_resource 2, eta 3: first rungs 2, 6, 18, 54, 162, 486; 18 is the last within 20.)
     pytest.param(changed(pruner={"type": "hyperband", "min_resource": 2, "max_resource": 1000}),
-                 "pruner.max_resource", "1000 gives Hyperband a bracket whose first rung is step 486, past every "
-                 "trial's max_steps (20): its trials would never be judged; expected under 54 (min_resource x "
+                 "pruner.max_resource", "1000 gives Hyperband a bracket whose first rung is step 486, not below "
+                 "every trial's max_steps (20): its trials would never be judged; expected under 54 (min_resource x "
                  "reduction_factor^k), or auto", id="hyperband-brackets-beyond-the-budget"),
     pytest.param(changed(pruner={"type": "hyperband", "max_resource": 27}), "pruner.max_resource",
-                 "first rung is step 27, past every trial's max_steps (20)", id="hyperband-a-bracket-at-27"),
+                 "first rung is step 27, not below every trial's max_steps (20)", id="hyperband-a-bracket-at-27"),
+    # A trial's last step is never judged (it completes): a first rung there is one no trial is judged at.
+    pytest.param(changed(pruner={"type": "successive_halving", "min_resource": 20}), "pruner.min_resource",
+                 "20 is not below every trial's max_steps (20)", id="halving-rung-at-the-last-step"),
+    pytest.param(changed(fixed__max_steps=243, pruner={"type": "hyperband", "max_resource": 729}),
+                 "pruner.max_resource", "first rung is step 729, not below every trial's max_steps (243): its trials "
+                 "would never be judged; expected under 243", id="hyperband-budget-a-power-of-eta"),
 ]
 
 

@@ -229,6 +229,23 @@ def test_a_whole_cohort_resumes_exactly(digits: Task, tmp_path: Path) -> None:
         assert a.evals[-1] == b.evals[-1] and a.logs[-1]["train_loss"] == b.logs[-1]["train_loss"]
 
 
+def test_the_fast_fail_rules_judge_a_resumed_run_as_the_uninterrupted_one(digits: Task, tmp_path: Path) -> None:
+    # Review: without a study the trainer's own rules decide, and on resume they judged from the first evaluation
+    # after the checkpoint. Measured from that later "initial" value, the loss-explosion rule stopped a resumed run
+    # (alone and in a cohort) that, uninterrupted, completed: val_loss 2.303 at step 0, 1.074 at 30, 1.575 at 40.
+    config = TrainingConfig.from_dict(dict(
+        task="digits", max_steps=40, eval_every_steps=10, log_every_steps=10, batch_size=32, optimizer="sgd",
+        learning_rate=0.5, scheduler="none", seed=4, fast_fail={"loss_explosion_factor": 1.0001}))
+    saver = SaveAt(20, tmp_path / "at20.pt")
+    whole = train(config, digits, checkpointer=saver)
+    values = dict((step, metrics["val_loss"]) for step, metrics in whole.evals)
+    assert values[40] > values[30] * 1.0001 and values[40] < values[0]  # an "explosion" from step 30's value only
+    alone = train(config, digits, resume=load_checkpoint(saver.path))
+    [batched] = train_batched([CohortMember(config, resume=load_checkpoint(saver.path))], digits)
+    for result in (whole, alone, batched):
+        assert (result.status, result.steps, result.stop_reason) == ("completed", 40, None), result.stop_reason
+
+
 def test_a_member_resumed_from_its_last_step_ends_there_as_alone(digits: Task, tmp_path: Path) -> None:
     # A worker killed after a member's last checkpoint but before its end was stored: the retry resumes at max_steps
     # and has nothing left to train (the step count stays max_steps, no step is trained), beside a member that trains.

@@ -103,8 +103,8 @@ def test_a_learning_rate_adam_cannot_take_is_one_line(tmp_path: Path, optimizer:
                       "learning_rate: 4.0e+37\n")
     assert main([str(config)]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"{config}: learning_rate: expected at most 3.403e+37 with optimizer {optimizer!r} and beta1 0.9 (its first "
-        "step, learning_rate / (1 - beta1), must fit in float32), got 4e+37")
+        f"{config}: learning_rate: expected at most 3.403e+37 with optimizer {optimizer!r} and beta1 0.9 (Adam's "
+        "largest step, learning_rate / (1 - beta1), must fit in float32), got 4e+37")
 
 
 def test_a_run_that_went_nan_prints_strict_json_with_null(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
