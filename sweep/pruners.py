@@ -13,7 +13,7 @@ from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
 from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
-from trainer.fast_fail_rules import FastFailConfig, StudyReference, Verdict, judge, study_reference
+from trainer.fast_fail_rules import DIVERGED, FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
         # and a warm trial's loss is judged even where its metric's plateau is not.
         if (found is None or found.rule in ("plateau", "stuck")) and loss_series:
             loss = self._verdict(sorted(loss_series), config, False, study, ())
-            if loss is not None and loss.rule in ("nan", "inf", "explode"):
+            if loss is not None and loss.rule in DIVERGED:
                 return dataclasses.replace(loss, detail={**(loss.detail or {}), "of": "val_loss"})
         return found
 

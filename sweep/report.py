@@ -39,12 +39,13 @@ from sweep.results import (
     trials_per_hour,
 )
 from sweep.urls import mask_urls
+from trainer.fast_fail_rules import DIVERGED
 from trainer.yaml_file import printable
 
 __all__ = ["edge_warnings", "focus_range", "infeasible", "render_report"]
 
 STATE_COLOURS = {"COMPLETE": "#2a9d8f", "PRUNED": "#e9a23b", "FAIL": "#d62828", "RUNNING": "#577590"}
-INFEASIBLE_RULES = {"nan", "inf", "explode"}
+INFEASIBLE_RULES = DIVERGED
 
 
 def _html(text: str) -> str:

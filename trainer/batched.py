@@ -73,7 +73,7 @@ from trainer.config import TrainingConfig
 from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
 from trainer.data import choose_data_loader
 from trainer.fast_fail import FastFailConfig, in_stage_grace
-from trainer.loop import DIVERGED, Checkpointer, FastFailReporter, Reporter, TrainResult, train
+from trainer.loop import Checkpointer, FastFailReporter, Reporter, TrainResult, deciding, ended, train
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
@@ -629,10 +629,7 @@ class Cohort:
             generator.set_state(torch.get_rng_state())
         fast_fail = config.fast_fail.resolved(config.max_steps, config.eval_every_steps)
         stages = stage_starts(config.curriculum, config.max_steps)
-        local = None
-        reporter = member.reporter
-        if reporter is None or not getattr(reporter, "decides", True):  # no study: the fast-fail rules decide here
-            reporter = local = FastFailReporter(fast_fail, inner=reporter, stage_starts=stages)
+        reporter, local = deciding(member.reporter, fast_fail, stages)
         if config.deterministic not in self._records:  # the same for every member but the seed
             self._records[config.deterministic] = reproducibility_record(config.seed, self.device,
                                                                          deterministic=config.deterministic)
@@ -1027,11 +1024,9 @@ class Cohort:
         slot = self.slots[index]
         assert slot is not None
         result = slot.result
-        verdict = None if slot.local is None else slot.local.verdict
-        diverged = verdict is not None and verdict.rule in DIVERGED  # at the last evaluation too (`loop._finish`)
-        result.status = "stopped" if status == "stopped" or diverged else "completed"
-        if result.status == "stopped" and verdict is not None:
-            result.stop_reason = verdict.as_dict()
+        result.status, reason = ended("stopped" if status == "stopped" else "completed", slot.local)
+        if reason is not None:
+            result.stop_reason = reason
         result.wall_time_s = time.perf_counter() - slot.started
         self.results[slot.id] = result
         self.slots[index] = None

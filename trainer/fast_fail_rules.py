@@ -50,10 +50,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["TRAINING_METRICS", "FastFailConfig", "Rule", "StudyReference", "Verdict", "in_stage_grace", "judge",
-           "latest_stage_start", "leave_step", "study_reference", "training_metric"]
+__all__ = ["DIVERGED", "TRAINING_METRICS", "FastFailConfig", "Rule", "StudyReference", "Verdict", "in_stage_grace",
+           "judge", "latest_stage_start", "leave_step", "study_reference", "training_metric"]
 
 Rule = Literal["nan", "inf", "explode", "plateau", "stuck", "overfit"]
+DIVERGED: frozenset[str] = frozenset({"nan", "inf", "explode"})  # the rules that say a run diverged
 
 
 @dataclass(frozen=True)

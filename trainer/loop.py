@@ -38,6 +38,7 @@ from trainer.device_stats import device_stats
 from trainer.distributed import Ranks
 from trainer.evaluate import evaluate
 from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge, training_metric
+from trainer.fast_fail_rules import DIVERGED
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.precision import Precision, allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import reproducibility_record, seed_everything
@@ -46,7 +47,8 @@ from trainer.tasks import Task, load_task
 from trainer.tasks.base import as_fp32
 
 __all__ = ["Checkpointer", "FastFailReporter", "LoopState", "NullReporter", "Reporter", "Run", "Status", "TrainResult",
-           "TrainingSeries", "accumulate_gradients", "build_run", "load_optimizer_moments", "optimizer_step", "train"]
+           "TrainingSeries", "accumulate_gradients", "build_run", "deciding", "ended", "load_optimizer_moments",
+           "optimizer_step", "train"]
 
 Status = Literal["completed", "stopped"]
 
@@ -331,9 +333,7 @@ def _train(config: TrainingConfig, task: Task | None, reporter: Reporter | None,
     started = time.perf_counter()
     task = task if task is not None else load_task(config.task, config.task_args)
     run = build_run(config, task, ranks)
-    local: FastFailReporter | None = None
-    if reporter is None or not getattr(reporter, "decides", True):  # no study: the fast-fail rules decide here
-        reporter = local = FastFailReporter(run.fast_fail, inner=reporter, stage_starts=run.stages)
+    reporter, local = deciding(reporter, run.fast_fail, run.stages)
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
         config.seed, run.device, deterministic=config.deterministic))
     if run.ranks.world > 1:
@@ -543,17 +543,29 @@ def _synchronize(device: torch.device) -> Callable[[], None]:
     return synchronize
 
 
-# The fast-fail rules that say a run diverged: found at the last evaluation, where stopping saves nothing, the run is
-# still reported stopped, with its reason, so that whoever reads the result can tell it from one that finished well.
-DIVERGED = ("nan", "inf", "explode")
+def deciding(reporter: Reporter | None, config: FastFailConfig,
+             stage_starts: tuple[int, ...]) -> tuple[Reporter, FastFailReporter | None]:
+    """The reporter a run reports to, and the fast-fail rules that decide for it here, if any: with no study (no
+    reporter, or one that does not decide), the rules decide, passing every event on to `reporter`."""
+    if reporter is None or not getattr(reporter, "decides", True):
+        local = FastFailReporter(config, inner=reporter, stage_starts=stage_starts)
+        return local, local
+    return reporter, None
+
+
+def ended(status: Status, local: FastFailReporter | None) -> tuple[Status, dict[str, Any] | None]:
+    """How a run ended, and why where its own rules stopped it. A divergence found at the last evaluation, where
+    stopping saves nothing, still ends it "stopped", with its reason, so that whoever reads the result can tell it
+    from a run that finished well (review: a run whose last evaluation was NaN printed "completed", no reason)."""
+    verdict = None if local is None else local.verdict
+    if status == "completed" and verdict is not None and verdict.rule in DIVERGED:
+        status = "stopped"
+    return status, verdict.as_dict() if status == "stopped" and verdict is not None else None
 
 
 def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: Status) -> TrainResult:
-    verdict = None if local is None else local.verdict
-    if status == "completed" and verdict is not None and verdict.rule in DIVERGED:
-        status = "stopped"  # review: a run whose last evaluation was NaN printed "completed" with no reason
-    result.status = status
-    if status == "stopped" and verdict is not None:
-        result.stop_reason = verdict.as_dict()
+    result.status, reason = ended(status, local)
+    if reason is not None:
+        result.stop_reason = reason
     result.wall_time_s = time.perf_counter() - started
     return result
