@@ -484,9 +484,7 @@ class Worker:
                 raise
             # With warm_start.confirm, the next ask decides (`_confirm_the_grid`): the best warm trials may still
             # be due their cold retrain.
-            warm_start = self.spec.warm_start
-            self.sampler_stopped = not (self.spec.sampler.type == "bruteforce" and warm_start.enabled
-                                        and warm_start.confirm)
+            self.sampler_stopped = not (self.spec.sampler.type == "bruteforce" and self._confirming)
             return self.study.get_trials(deepcopy=False)[trial.number]
 
     def _requeue_orphans(self, trials: list[FrozenTrial]) -> tuple[bool, int]:
@@ -523,37 +521,37 @@ class Worker:
         best among them (with `--workers N` or a cohort, the last slots are asked while others train). A running
         trial that has reported without a donor started cold and is not waited for; a queued (waiting) trial is
         asked next anyway, so the wait never holds the last trials back from the workers that would train them."""
-        warm_start = self.spec.warm_start
-        if not warm_start.enabled or not warm_start.confirm or self.n_trials - taken > warm_start.confirm:
+        if not self._confirming or self.n_trials - taken > self._confirming:
             return False
         return any(t.state == TrialState.RUNNING and ATTR_CONFIRMS not in t.user_attrs
                    and (ATTR_WARM_START in t.user_attrs or not t.intermediate_values) for t in trials)
 
-    def _queue_confirmation(self, trials: list[FrozenTrial], taken: int) -> None:
+    @property
+    def _confirming(self) -> int:
+        """`warm_start.confirm`, K: how many of the best warm trials the study retrains cold (0: none)."""
+        return self.spec.warm_start.confirm if self.spec.warm_start.enabled else 0
+
+    def _queue_confirmation(self, trials: list[FrozenTrial], taken: int, *, now: bool = False) -> bool:
         """With `warm_start.confirm: K`, the last trials of the budget retrain the best K warm trials cold: when no
-        more budget is left than confirmations are due, the next one is queued, so that `ask` takes it."""
-        warm_start = self.spec.warm_start
-        due = confirmations_due(trials, warm_start.confirm if warm_start.enabled else 0,
-                                self.spec.direction == "maximize")
-        if not due or self.n_trials - taken > len(due) or any(t.state == TrialState.WAITING for t in trials):
-            return
+        more budget is left than confirmations are due (or `now`), the next one is queued, so that `ask` takes it.
+        Whether one was."""
+        due = confirmations_due(trials, self._confirming, self.spec.direction == "maximize")
+        if not due or (not now and self.n_trials - taken > len(due)) \
+                or any(t.state == TrialState.WAITING for t in trials):
+            return False
         self.study.enqueue_trial(due[0].params, user_attrs={ATTR_CONFIRMS: due[0].number})
+        return True
 
     def _confirm_the_grid(self, trials: list[FrozenTrial], running: int) -> bool | None:
         """The sampler has tried every point with budget left: with `warm_start.confirm: K`, the best K warm trials
         are retrained cold now, one per ask, as the budget's last trials would have (review: a grid that ran out
         first ended the study with its warm values never confirmed). True: one is queued, `ask` takes it; False:
         trials still running may end among the best warm ones, wait for them; None: nothing to confirm."""
-        warm_start = self.spec.warm_start
-        if not warm_start.enabled or not warm_start.confirm:
+        if not self._confirming:
             return None
         if running:
             return False
-        due = confirmations_due(trials, warm_start.confirm, self.spec.direction == "maximize")
-        if not due:
-            return None
-        self.study.enqueue_trial(due[0].params, user_attrs={ATTR_CONFIRMS: due[0].number})
-        return True
+        return self._queue_confirmation(trials, 0, now=True) or None
 
     def _retry(self, trial: FrozenTrial, reason: str, *, infrastructure: bool = False, counted: bool = True) -> None:
         """Queue the trial's params again; the retry resumes from the newest checkpoint of its lineage. Faults of
