@@ -284,7 +284,7 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
     corrupt = [r for r in records if (uri := where[r.id]) is not None and isinstance(found := digests[uri], tuple)
                and found != (r.size, r.sha256)]
     broken = {r.id for r in outside + missing + corrupt}
-    sound = [r for r in records if r.id not in broken and r not in unreadable]
+    sound = [r for r in records if r.id not in broken and not isinstance(digests.get(where[r.id] or ""), OSError)]
     # A row that went while its blob was read (retention, another worker's repair) is no problem any more.
     if repair:
         removed = still = set(registry.forget_all_broken(sorted(broken)))
@@ -329,18 +329,10 @@ def _digest(uri: str) -> tuple[int, str] | OSError | None:
     with local_copy(uri) as path:
         try:
             found = path.stat()
-        except FileNotFoundError:
+            return (found.st_size, sha256_of(path)) if stat.S_ISREG(found.st_mode) else None
+        except FileNotFoundError:  # not there, or deleted between the stat and the read
             return None
-        except PermissionError as exc:  # its folder may not be looked into
-            return exc
-        if not stat.S_ISREG(found.st_mode):
-            return None
-        size = found.st_size
-        try:
-            return size, sha256_of(path)
-        except FileNotFoundError:  # deleted between the stat and the read
-            return None
-        except PermissionError as exc:
+        except PermissionError as exc:  # the file, or its folder, this process may not read
             return exc
 
 
