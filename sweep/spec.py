@@ -361,13 +361,26 @@ def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
 _LOSS = re.compile(r"((val|valid|validation|train|training|eval|test)_)?loss", re.IGNORECASE)
 
 
+# A metric named as a score, higher is better (`val_accuracy`, `top1`, `f1`, `auc`, `bleu`, `iou`, ...).
+_SCORE = re.compile(r"((val|valid|validation|train|training|eval|test)_)?(acc|accuracy|top_?[15](_acc(uracy)?)?|f1"
+                    r"(_score)?|(roc_)?auc|auroc|m?ap|bleu|rouge\w*|m?iou|dice|r2|precision|recall)", re.IGNORECASE)
+
+
 def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:
     """`direction: maximize` of a loss: the study would keep the worst trials, and fast-fail would prune the ones
-    whose loss falls as not improving. Almost always a `metric:` forgotten (the default is val_loss)."""
+    whose loss falls as not improving. Almost always a `metric:` forgotten (the default is val_loss). And the
+    default direction, minimize, of a score such as `val_accuracy`: almost always a `direction:` forgotten, and
+    fast-fail's rules would take a rising accuracy for an explosion (a minimised score stays, given explicitly)."""
+    fast_fail = "fastfail" in _pruners(spec.pruner)
+    if spec.direction == "minimize" and "direction" not in spec.model_fields_set and _SCORE.fullmatch(spec.metric):
+        pruned = ", and fast-fail would prune the ones that learn" if fast_fail else ""
+        return [("direction", f"minimize (the default) with metric {short_repr(spec.metric)} keeps the trials whose "
+                              f"score is lowest{pruned}; set direction: maximize (or direction: minimize if the "
+                              "lowest is what you want)")]
     if spec.direction != "maximize" or not _LOSS.fullmatch(spec.metric):
         return []
     given = "" if "metric" in spec.model_fields_set else " (the default metric)"
-    pruned = ", and fast-fail would prune the ones whose loss falls" if "fastfail" in _pruners(spec.pruner) else ""
+    pruned = ", and fast-fail would prune the ones whose loss falls" if fast_fail else ""
     return [("direction", f"maximize with metric {short_repr(spec.metric)}{given} keeps the trials whose loss is "
                           f"highest{pruned}; name what to maximise with metric: (val_accuracy, say), or minimize the "
                           "loss")]

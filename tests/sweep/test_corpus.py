@@ -154,6 +154,11 @@ TYPES = [
              "direction", "keeps the trials whose loss is highest; name what to maximise"),
     bad_file("values", "maximize-a-named-loss", changed(direction="maximize", metric="train_loss"),
              ("direction", "metric"), "maximize with metric 'train_loss' keeps"),  # (digits reports no train_loss)
+    # A score under the default direction: the study would keep its worst trials and fast-fail take a rising
+    # accuracy for an explosion (found by review: "exploded at step 25: 0.9192 > 10 x initial 0.06407").
+    bad_file("values", "minimize-a-score-by-default", changed(metric="val_accuracy", pruner="fastfail"), "direction",
+             "minimize (the default) with metric 'val_accuracy' keeps the trials whose score is lowest, and fast-fail "
+             "would prune the ones that learn; set direction: maximize"),
     bad_file("types", "low-word", changed(space__learning_rate={**FLOAT, "low": "abc"}), f"{LR}.low",
              "valid number"),
     bad_file("types", "low-bool", changed(space__learning_rate={**FLOAT, "low": True}), f"{LR}.low",

@@ -41,7 +41,7 @@ BAD_FILES = [
     pytest.param(changed(space__learning_rate={"type": "floot", "low": 1, "high": 2}), f"space.{LR}.type",
                  "unknown type 'floot' (did you mean 'float'?); expected one of float, int, categorical",
                  id="unknown-param-type"),
-    pytest.param(changed(metric="val_acc"), "metric", "val_loss, val_accuracy", id="metric-not-reported"),
+    pytest.param(changed(metric="val_acuracy"), "metric", "val_loss, val_accuracy", id="metric-not-reported"),
     pytest.param(changed(sampler={"type": "tpe", "n_startup": 3}), "sampler.n_startup",
                  "unknown argument of TPESampler", id="unknown-sampler-arg"),
     pytest.param(changed(pruner="mediann"), "pruner.type", "unknown pruner 'mediann'", id="unknown-pruner"),
@@ -139,12 +139,12 @@ def test_unreadable_file_exits_2(tmp_path: Path) -> None:
 
 
 def test_every_problem_is_reported_together(tmp_path: Path) -> None:
-    path = write_study(tmp_path, changed(n_trails=3, fixed__optimizer="rmsprop", metric="val_acc",
+    path = write_study(tmp_path, changed(n_trails=3, fixed__optimizer="rmsprop", metric="val_acuracy",
                                          space__learning_rate={"type": "float", "low": -1, "high": 1, "log": True}))
     with pytest.raises(StudyFileError) as info:
         load_spec(path)
     assert {k for k, _ in info.value.problems} == {"n_trails", "space.learning_rate"}  # structure first
-    path = write_study(tmp_path, changed(fixed__optimizer="rmsprop", metric="val_acc",
+    path = write_study(tmp_path, changed(fixed__optimizer="rmsprop", metric="val_acuracy",
                                          space__learning_rate={"type": "float", "low": -1, "high": 1}))
     with pytest.raises(StudyFileError) as info:
         load_spec(path)
@@ -238,6 +238,8 @@ def test_a_searched_batch_size_whose_choices_split_evenly_is_taken_with_several_
             space__batch_size={"type": "int", "low": 64, "high": 64}),
     changed(space__learning_rate={"type": "float", "low": 0.01, "high": 0.1, "step": 0.01},
             space__warmup_steps={"type": "int", "low": 0, "high": 10, "log": False}),
+    # A score minimised on purpose: only the default direction is taken for a forgotten one.
+    changed(metric="val_accuracy", direction="minimize", pruner="fastfail"),
 ])
 def test_studies_whose_every_draw_trains_are_taken(tmp_path: Path, document: dict) -> None:
     load_spec(write_study(tmp_path, document))  # the checks of draws between the ends refuse none of these
