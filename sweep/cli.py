@@ -1430,16 +1430,18 @@ def reproduce(
     how = "bit for bit" if comparison.largest_difference == 0 else (
         f"within a relative {comparison.tolerance:g}: at most {comparison.largest_difference:.2g}")
     raised = "" if comparison.raised is None else f"; the replay raised {comparison.raised}"
+    # A difference's likely cause (the trial's record against this run's), named with a difference
+    since = f"; changed since the trial ran: {'; '.join(comparison.changed)}" if comparison.changed else ""
     if comparison.first_difference is not None:
         step, stored, again = comparison.first_difference
         where = "in its final value (it reported none)" if comparison.final_only else f"first at step {step}"
         replayed = "not reported by the replay" if again is None else f"reproduced {again!r}"
-        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, {replayed}{raised}", 1)
+        raise _fail(f"trial {trial} differs {where}: stored {stored!r}, {replayed}{raised}{since}", 1)
     if comparison.final is not None and comparison.final_differs:
         stored, again = comparison.final
         replayed = "the replay ended without one" if again is None else f"reproduced {again!r}"
         raise _fail(f"trial {trial} differs in its value (what its loop returned, else its last report): stored "
-                    f"{stored!r}, {replayed}{raised}", 1)
+                    f"{stored!r}, {replayed}{raised}{since}", 1)
     what = ("its final value (it reported none) identical" if comparison.final_only else
             f"{comparison.steps_compared} reported values{' and its value' if comparison.final else ''} identical")
     partial = ("" if comparison.unfinished is None else

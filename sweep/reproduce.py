@@ -51,7 +51,14 @@ from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.messages import message, unreadable
 from trainer.pacing import BUILTIN_SCHEDULES
 from trainer.precision import resolve_device
-from trainer.seeding import THREAD_ENV, apply_threads, seed_everything
+from trainer.seeding import (
+    THREAD_ENV,
+    apply_threads,
+    command_record,
+    git_commit,
+    reproducibility_record,
+    seed_everything,
+)
 from trainer.tasks import BUILTIN_TASKS
 
 if TYPE_CHECKING:
@@ -121,6 +128,9 @@ class Comparison:
     # A complete loop trial's value (what `main` returned, else its last report), compared besides its reports:
     # (stored, reproduced; None: the replay gave none); None where there is no such value
     final: tuple[float, float | None] | None = None
+    # What the trial's reproducibility record holds that this replay's does not: its data's fingerprint, library
+    # versions, device, code commits, each "NAME THEN then, NOW now" (`changes_since`): a difference's likely cause
+    changed: tuple[str, ...] = ()
 
     @property
     def final_differs(self) -> bool:
@@ -355,6 +365,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         shutil.rmtree(folder, ignore_errors=True)
         device = resolve_device(str(stored_config.get("device", "cpu")))
         deterministic = bool(stored_config.get("deterministic", False))
+        data = None
     elif loop is not None:
         if not trust_code and loop not in trusted:
             raise _untrusted(number, f"import and run the loop {loop!r}")
@@ -367,15 +378,17 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             recorder.values[last] = value
         elif trial.state == TrialState.COMPLETE and not final_only:  # a replay that raised gave no value: differs
             final = (float(trial.value), value)  # type: ignore[arg-type]
-        device = resolve_device(str(stored_config.get("device", "auto")))
+        device, data = resolve_device(str(stored_config.get("device", "auto"))), None
     else:
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
             refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
         config = TrainingConfig.from_dict(stored_config)
         parent = _parent(trial, BlobScope(store))
+        task = task_for(config.task, config.task_args)
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
-            train(config, task_for(config.task, config.task_args), recorder, warm_start=parent)
+            train(config, task, recorder, warm_start=parent)
         device, deterministic = resolve_device(config.device), config.deterministic
+        data = task.data_digest()
     tolerance = 0.0 if device.type == "cpu" or deterministic else gpu_tolerance
     # The replay trains the whole run, also the steps its lineage trained before it resumed: each part's way of
     # training counts (a 1-rank retry of a 2-rank trial replays two ranks' steps on one).
@@ -404,5 +417,25 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     if final is not None and (again := final[1]) is not None and final[0] != again \
             and agree(final[0], again, tolerance):
         largest = max(largest, abs(final[0] - again) / max(abs(final[0]), abs(again)))
+    if command is None:
+        now = reproducibility_record(0, device, data=data)
+    else:  # the command ran again in its own folder (`cwd`), whose commit counts
+        now = {**command_record([], None), **({} if cwd is None else {"workdir_git_commit": git_commit(cwd)})}
     return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, recorder.raised,
-                      final)
+                      final, changes_since(trial.user_attrs.get(ATTR_REPRO), now))
+
+
+# What may change a replay's values, as a reproducibility record names it (`trainer.seeding`), and how to say so.
+_RECORDED = {"data": "the task's data (fingerprint)", "torch": "torch", "numpy": "numpy", "python": "Python",
+             "cuda": "CUDA", "cudnn": "cuDNN", "device": "device", "sweep_version": "sweep",
+             "git_commit": "sweep's commit", "workdir_git_commit": "the command's folder's commit"}
+
+
+def changes_since(stored: object, now: Mapping[str, Any]) -> tuple[str, ...]:
+    """Each entry of the trial's reproducibility record (`stored`) that this process's record (`now`) holds
+    otherwise, as "NAME THEN then, NOW now". An entry either record lacks or leaves None (a record written before it
+    was kept, a loop's data) is not judged."""
+    if not isinstance(stored, Mapping):
+        return ()
+    return tuple(f"{label} {stored[key]} then, {now[key]} now" for key, label in _RECORDED.items()
+                 if stored.get(key) is not None and now.get(key) is not None and str(stored[key]) != str(now[key]))

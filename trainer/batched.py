@@ -631,8 +631,8 @@ class Cohort:
         stages = stage_starts(config.curriculum, config.max_steps)
         reporter, local = deciding(member.reporter, fast_fail, stages)
         if config.deterministic not in self._records:  # the same for every member but the seed
-            self._records[config.deterministic] = reproducibility_record(config.seed, self.device,
-                                                                         deterministic=config.deterministic)
+            self._records[config.deterministic] = reproducibility_record(
+                config.seed, self.device, deterministic=config.deterministic, data=self.task.data_digest())
         result = TrainResult("completed", 0, {}, reproducibility={**self._records[config.deterministic],
                                                                   "seed": config.seed, "batched": True})
         slot = _Slot(id=self._ids, member=member, reporter=reporter, local=local, fast_fail=fast_fail, stages=stages,

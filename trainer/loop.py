@@ -335,7 +335,7 @@ def _train(config: TrainingConfig, task: Task | None, reporter: Reporter | None,
     run = build_run(config, task, ranks)
     reporter, local = deciding(reporter, run.fast_fail, run.stages)
     result = TrainResult("completed", 0, {}, reproducibility=reproducibility_record(
-        config.seed, run.device, deterministic=config.deterministic))
+        config.seed, run.device, deterministic=config.deterministic, data=task.data_digest()))
     if run.ranks.world > 1:
         result.reproducibility["ranks"] = run.ranks.world
     try:

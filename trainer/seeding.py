@@ -131,8 +131,10 @@ def _project_version() -> str | None:
         return None
 
 
-def reproducibility_record(seed: int, device: torch.device, *, deterministic: bool = False) -> dict[str, Any]:
-    """What it takes to re-run a result: seed, library versions, device, thread counts, and the code's version."""
+def reproducibility_record(seed: int, device: torch.device, *, deterministic: bool = False,
+                           data: str | None = None) -> dict[str, Any]:
+    """What it takes to re-run a result: seed, library versions, device, thread counts, the code's version, and
+    (`data`) a fingerprint of the data trained on (`Task.data_digest`; None for a loop's own)."""
     cuda = device.type == "cuda"
     return {
         "seed": seed,
@@ -148,6 +150,7 @@ def reproducibility_record(seed: int, device: torch.device, *, deterministic: bo
         "threads": thread_record(),
         "sweep_version": _project_version(),
         "git_commit": _git_commit(),
+        "data": data,
     }
 
 

@@ -6,7 +6,7 @@ import copy
 import sqlite3
 from pathlib import Path
 
-from tests.conftest import TINY_STUDY, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
 
 
 def test_reproduce_passes_on_an_untouched_trial_and_fails_on_a_tampered_one(tmp_path: Path) -> None:
@@ -54,3 +54,46 @@ def test_a_tolerance_is_relative_as_stated() -> None:
     assert agree(0.13039, 0.13039 * (1 + 5e-5), 1e-4) and agree(2.5, 2.5 * (1 - 9e-4), 1e-3)
     assert agree(0.0, 1e-9, 1e-4)  # a value at about 0 is not failed on rounding alone
     assert not agree(0.1, 0.1 + 1e-12, 0.0) and agree(float("nan"), float("nan"), 0.0)
+
+
+def test_a_replay_that_differs_names_what_changed_since_the_trial_ran(tmp_path: Path) -> None:
+    import json
+
+    import numpy as np
+    import torch
+
+    from trainer.tasks import load_task
+    from trainer.tasks.digits import load_digits_arrays
+
+    x, y = load_digits_arrays()
+    files = {"train_x": x[:1400], "train_y": y[:1400], "val_x": x[1400:], "val_y": y[1400:]}
+    for key, array in files.items():
+        np.save(tmp_path / f"{key}.npy", array)
+    args = {**{key: str(tmp_path / f"{key}.npy") for key in files}, "classes": 10}
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1, "task": {"name": "arrays", "args": args}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    with sqlite3.connect(tmp_path / "tiny.db") as db:
+        (record,) = db.execute("SELECT value_json FROM trial_user_attributes WHERE key = 'reproducibility'").fetchone()
+    then = json.loads(record)["data"]
+    assert isinstance(then, str) and len(then) == 16
+
+    done = sweep_cli("reproduce", path, "0")
+    assert done.returncode == 0, done.stderr
+    assert "changed since" not in done.stdout + done.stderr
+
+    # The user's file changes under the study (one pixel of every image), and the record says the trial ran on an
+    # older torch: a replay that differs names both, in the record's order. (A process of its own: this one keeps
+    # the task it loaded, as a worker does.)
+    edited = files["train_x"].copy()
+    edited[:, 3] += 1.0
+    np.save(tmp_path / "train_x.npy", edited)
+    with sqlite3.connect(tmp_path / "tiny.db") as db:
+        db.execute("UPDATE trial_user_attributes SET value_json = ? WHERE key = 'reproducibility'",
+                   (json.dumps({**json.loads(record), "torch": "2.4.0"}),))
+    done = run_cli("reproduce", path, "0")
+    assert done.returncode == 1
+    now = load_task("arrays", args).data_digest()
+    assert now != then
+    assert (f"; changed since the trial ran: the task's data (fingerprint) {then} then, {now} now; torch 2.4.0 then, "
+            f"{torch.__version__} now") in done.stderr

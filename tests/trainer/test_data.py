@@ -181,3 +181,35 @@ def test_loader_settings_are_validated(values: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
         TrainingConfig.from_dict(values)
     assert [k for k, _ in info.value.problems] == [key]
+
+
+def test_the_data_fingerprint_follows_the_data_and_is_in_every_run_s_record(digits) -> None:
+    from trainer.batched import CohortMember, train_batched
+    from trainer.tasks import Task
+    from trainer.tasks.base import DIGEST_ELEMENTS
+
+    def task(train_x: torch.Tensor, val_y: torch.Tensor | None = None) -> Task:
+        targets = torch.zeros(len(train_x), dtype=torch.long)
+        return Task("t", (train_x, targets), (train_x[:4], targets[:4] if val_y is None else val_y),
+                    build_model=lambda cfg: torch.nn.Linear(1, 1))
+
+    x = torch.arange(600, dtype=torch.float32).reshape(100, 6)
+    digest = task(x).data_digest()
+    assert digest == task(x.clone()).data_digest() and len(digest) == 16
+    edited = x.clone()
+    edited[57, 2] += 1
+    assert task(edited).data_digest() != digest  # any element of a small set
+    assert task(x, torch.ones(4, dtype=torch.long)).data_digest() != digest  # the validation targets count too
+    assert task(x.reshape(100, 2, 3)).data_digest() != digest  # and the shape
+    for dtype in (torch.bfloat16, torch.bool, torch.uint8, torch.complex64):  # dtypes numpy lacks or views oddly
+        assert task(x.to(dtype)).data_digest() not in (None, digest)
+    # A set above DIGEST_ELEMENTS is read in runs of whole samples, the first and the last among them.
+    big = torch.zeros(DIGEST_ELEMENTS // 8 + 1, 16, dtype=torch.uint8)
+    first, last = big.clone(), big.clone()
+    first[0, 5], last[-1, 5] = 1, 1
+    assert len({task(t).data_digest() for t in (big, first, last)}) == 3
+
+    result = train(tiny(max_steps=20), digits)
+    assert result.reproducibility["data"] == digits.data_digest()
+    (member,) = train_batched([CohortMember(tiny(max_steps=20))], task=digits)
+    assert member.reproducibility["data"] == digits.data_digest()

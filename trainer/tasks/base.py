@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,36 @@ def out_of_classes(exc: BaseException, task: str, classes: int, *, gathered: boo
                      "out)")
 
 
+DIGEST_ELEMENTS = 1 << 22  # `Task.data_digest`: at most this many elements of each tensor
+
+
+def _sampled(tensor: torch.Tensor, runs: int = 64) -> Iterator[torch.Tensor]:
+    """`tensor` flattened, or, above `DIGEST_ELEMENTS` elements, that many of them: `runs` evenly spaced runs of
+    consecutive samples (dimension 0), each cut to its share. Reads only those samples: no copy of the whole."""
+    if tensor.numel() <= DIGEST_ELEMENTS:
+        yield tensor.reshape(-1)
+        return
+    share = DIGEST_ELEMENTS // runs
+    rows = len(tensor)
+    take = max(1, share // max(1, tensor[0].numel()))  # samples per run
+    for run in range(runs):
+        start = (rows - take) * run // (runs - 1)
+        yield tensor[start:start + take].reshape(-1)[:share]
+
+
+def _raw_bytes(flat: torch.Tensor) -> bytes:
+    """A 1-d tensor's elements as bytes, on the host (any dtype: bfloat16 and the float8 types have no numpy type,
+    so their bits are read as integers of their size)."""
+    flat = flat.cpu().contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    elif flat.is_floating_point() and flat.element_size() < 4:
+        flat = flat.view(torch.int8 if flat.element_size() == 1 else torch.int16)
+    elif flat.is_complex():
+        flat = torch.view_as_real(flat)
+    return flat.numpy().tobytes()
+
+
 @dataclass
 class Task:
     """A training problem.
@@ -137,6 +168,7 @@ class Task:
     tokens_per_sample: int = 0  # > 0 for sequence tasks: the trainer then reports tokens/s
     difficulty: torch.Tensor | np.ndarray | Callable[[], torch.Tensor | np.ndarray] | None = None
     _scores: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _digest: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = list(self.eval_metric_names)
@@ -242,6 +274,26 @@ class Task:
     def metric_names(self) -> tuple[str, ...]:
         """Every metric an evaluation produces."""
         return ("val_loss", *(f"val_{name}" for name in self.eval_metric_names))
+
+    def data_digest(self) -> str | None:
+        """A fingerprint of the task's data for the reproducibility record (computed once, then kept): SHA-256 over
+        each of the four tensors' dtype, shape and contents. A tensor of more than `DIGEST_ELEMENTS` elements is
+        fingerprinted by that many in evenly spaced runs of whole samples: a memory-mapped set larger than RAM costs
+        a few megabytes read, not a pass over it, and a change outside those samples goes unseen (a file replaced by
+        another almost always shows; one value edited in a large one may not). `sweep reproduce` names a changed
+        fingerprint when a replay differs. None for data that cannot be read as one block of elements (a sparse
+        tensor, say)."""
+        if self._digest is None:
+            digest = hashlib.sha256()
+            try:
+                for tensor in (*self.train, *self.val):
+                    digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+                    for part in _sampled(tensor.detach()):
+                        digest.update(_raw_bytes(part))
+            except (RuntimeError, TypeError, ValueError):
+                return None
+            self._digest = digest.hexdigest()[:16]
+        return self._digest
 
     def difficulty_scores(self) -> np.ndarray | None:
         """One finite score per training sample as a host array (computed on first use, then kept), or None when the
