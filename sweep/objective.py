@@ -18,7 +18,7 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -107,7 +107,8 @@ class TrialReporter:
     def __init__(self, trial: optuna.Trial, spec: StudySpec, config: Mapping[str, Any], events: Events,
                  boundary: Boundary, prior: Sequence[tuple[int, float]] = (), *, deadline: Deadline | None = None,
                  inherited_until: int | None = None, judged: bool = True, trackers: Sequence[Tracker] = (),
-                 answers_deadline: bool = False, signals: bool = True) -> None:
+                 answers_deadline: bool = False, signals: bool = True,
+                 curves: Mapping[str, Sequence[tuple[int, float]]] | None = None) -> None:
         self.trial, self.config, self.events, self.boundary = trial, dict(config), events, boundary
         self.inherited_until, self.judged = inherited_until, judged
         pruner = trial.study.pruner
@@ -134,6 +135,13 @@ class TrialReporter:
                    and pruner.config.loss_explosion_factor is not None and spec.metric != "val_loss")
         self.losses: list[tuple[int, float]] | None = [] if watches and self.judged else None
         self.losses_unsent = False
+        # A retry's lineage's curves (`Start.curves`): its rules go on from them, and they are stored at the first
+        # flush, before the pruner's first read (an explosion is judged against the lineage's first val_loss).
+        lineage = curves or {}
+        if self.losses is not None and lineage.get(ATTR_LOSS_CURVE):
+            self.losses, self.losses_unsent = list(lineage[ATTR_LOSS_CURVE]), True
+        if self.training.name is not None and lineage.get(ATTR_TRAIN_CURVE):
+            self.training.series, self.training_unsent = list(lineage[ATTR_TRAIN_CURVE]), True
         self.trackers = list(trackers)  # TensorBoard, MLflow (sweep.tracking): empty with tracking off
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -314,6 +322,9 @@ class Start:
     resume: TrainState | None = None
     warm: WarmStart | None = None
     prior: tuple[tuple[int, float], ...] = ()  # the lineage's reported values up to the resume step
+    # The lineage's curves the fast-fail rules read besides the metric (`ATTR_LOSS_CURVE`, `ATTR_TRAIN_CURVE`), up to
+    # the resume step: a retry's rules judge one continuous curve, as its pruner does its metric's
+    curves: Mapping[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -428,7 +439,7 @@ class TrainerTrial(TrialRun):
                                 "step 0, never pruned")
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config.to_dict(), start.prior)
         reporter = TrialReporter(trial, spec, config.to_dict(), self.events, self.boundary, start.prior,
-                                 judged=confirming is None,
+                                 judged=confirming is None, curves=start.curves,
                                  inherited_until=None if start.warm is None else start.warm.state.step,
                                  trackers=self.trackers)
         return self._timed(Prepared(params, config, task, start, reporter, self.checkpointer))
@@ -525,13 +536,30 @@ def resume_lineage(trial: optuna.Trial, checkpoints: CheckpointService, metric: 
             prior[step] = metric_value(metrics, metric)
     for step, value in sorted(prior.items()):  # one continuous curve, from the lineage's first report
         trial.report(value, step)
+    curves = {name: _stored_curve(source, name, handoff, found.step) for name in (ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE)}
+    for step, metrics in found.state.evals:  # as the values: what a lost worker never stored, its checkpoint has
+        if handoff < step <= found.step and isinstance(loss := metrics.get("val_loss"), (int, float)):
+            curves[ATTR_LOSS_CURVE].setdefault(step, float(loss))
     trial.set_user_attr(ATTR_RESUMED_FROM, {"trial": found.trial, "step": found.step})
     parent = source.user_attrs.get(ATTR_WARM_START)
     if parent is not None:  # the lineage's donor is this run's too (reproduce replays from it)
         trial.set_user_attr(ATTR_WARM_START, parent)
         trial.set_user_attr(ATTR_LINEAGE, warm_lineage(parent, (trial.user_attrs.get(ATTR_CONFIG) or {}).get(
             "max_steps", "?")))
-    return Start(resume=found.state, prior=tuple(sorted(prior.items())))
+    return Start(resume=found.state, prior=tuple(sorted(prior.items())),
+                 curves={name: tuple(sorted(curve.items())) for name, curve in curves.items() if curve})
+
+
+def _stored_curve(trial: optuna.trial.FrozenTrial, name: str, after: int, until: int) -> dict[int, float]:
+    """A curve user attr of `trial` (pairs of step and value), its steps in (after, until]; pairs that are not two
+    numbers (a database edited by hand) are passed over."""
+    stored = trial.user_attrs.get(name)
+    curve: dict[int, float] = {}
+    for pair in stored if isinstance(stored, list) else ():
+        if isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in pair) and after < pair[0] <= until:
+            curve[int(pair[0])] = float(pair[1])
+    return curve
 
 
 def warm_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService, params: Mapping[str, Any],

@@ -260,7 +260,7 @@ class CommandTrial(TrialRun):
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
                                  judged=ATTR_CONFIRMS not in trial.user_attrs,  # a cold confirmation is never pruned
-                                 trackers=self.trackers, answers_deadline=True, signals=False)
+                                 trackers=self.trackers, answers_deadline=True, signals=False, curves=start.curves)
         started = time.perf_counter()
         # A trial's number runs once in a study: a log already there is an earlier study's (of the same name, its
         # database deleted), and its last JSON line must not become this trial's value.

@@ -344,7 +344,7 @@ class LoopTrial(TrialRun):
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,
                                  judged=ATTR_CONFIRMS not in trial.user_attrs,  # a cold confirmation is never pruned
-                                 trackers=self.trackers, answers_deadline=True)
+                                 trackers=self.trackers, answers_deadline=True, curves=start.curves)
         seed, device = loop_seed(config), resolve_device(str(config.get("device", "auto")))
         initial = start.resume if start.resume is not None else start.warm.state if start.warm is not None else None
         run = Run(config, reporter, spec.metric, seed=seed, device=device, trial=trial.number, initial=initial,

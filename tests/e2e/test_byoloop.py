@@ -816,3 +816,32 @@ def test_a_complete_loop_trial_is_replayed_to_its_own_end_and_its_returned_value
     assert differs.stderr.startswith(f"error: trial 0 differs in its value (what its loop returned, else its last "
                                      f"report): stored "
                                      f"{trial.value!r}, reproduced {trial.value + 1.0!r}"), differs.stderr
+
+
+def test_a_retry_s_loss_rules_go_on_from_its_lineage_s_val_loss_curve(tmp_path: Path) -> None:
+    # Found by review: with the study's metric an accuracy, fast-fail judges explosions on the val_loss curve kept
+    # beside it; a retry's curve began at its resume step, so a spike of 4.0 was judged against 0.28 (its first
+    # value there) instead of the lineage's first, 2.3, and a trial the uninterrupted run completes was pruned.
+    (tmp_path / "spiky.py").write_text(
+        "LOSS = [2.3, 1.0, 0.3, 0.28, 4.0, 0.3, 0.29, 0.28, 0.27, 0.26]\n"
+        "def main(config, run):\n"
+        "    state = run.load()\n"
+        "    first = state['step'] + 10 if state else 10\n"
+        "    for step in range(first, 101, 10):\n"
+        "        i = step // 10 - 1\n"
+        "        run.report(step, val_accuracy=0.1 + 0.08 * i, val_loss=LOSS[i])\n"
+        "        run.save({'step': step})\n"
+        "        if step == 30 and state is None and config['stop']:\n"
+        "            raise KeyboardInterrupt  # as Ctrl-C would, after the save at step 30\n")
+    document = {"name": "spiky", "n_trials": 1, "loop": "spiky:main", "pruner": "fastfail",
+                "metric": "val_accuracy", "direction": "maximize", "checkpoints": {"every_steps": 10},
+                "fixed": {"max_steps": 100, "eval_every_steps": 10, "stop": True},
+                "space": {"x": {"type": "float", "low": 0, "high": 1}}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 130
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    stopped, retry = trials_of(path, "spiky")
+    assert stopped.state.name == "FAIL" and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 30}
+    assert retry.state.name == "COMPLETE", retry.user_attrs.get("prune_reason")
+    assert retry.user_attrs["loss_curve"][:5] == [[10, 2.3], [20, 1.0], [30, 0.3], [40, 0.28], [50, 4.0]]
