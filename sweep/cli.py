@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -312,7 +313,7 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             except ValueError as exc:  # fewer GPUs than one trial needs
                 raise _fail(str(exc), 2) from None
             _print_status(study)
-            lost = [f"worker {k} exited with code {code}" for k, code in enumerate(codes) if code != 0]
+            lost = [f"worker {k} {_exit_words(code)}" for k, code in enumerate(codes) if code != 0]
             if lost:
                 raise _fail(lost, 1)
             stopped = results.stop_requested_since(study, started)
@@ -1450,6 +1451,17 @@ def reproduce(
                f"; trial {trial} ended {comparison.unfinished}: only the values it reported before it ended were "
                "compared")
     out.print(f"trial {trial} reproduced: {what} ({how}){partial}{raised}", markup=False, soft_wrap=True)
+
+
+def _exit_words(code: int) -> str:
+    """How a worker process ended, for a line: "exited with code 1", or "was killed by SIGSEGV (exit code -11)"
+    (a negative code is the signal that ended it)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
 
 
 def _name_override(study_name: str | None) -> list[str]:

@@ -44,6 +44,7 @@ __all__ = [
     "infrastructure_fault",
     "jsonable",
     "lineage",
+    "lost_in_a_row",
     "outcome_of",
     "retried_numbers",
 ]
@@ -205,6 +206,26 @@ def lineage(trials: Mapping[int, FrozenTrial], number: int) -> list[int]:
         origin = None if trial is None else trial.user_attrs.get(ATTR_RETRY_OF)
         current = None if origin is None else int(origin)
     return chain
+
+
+def lost_in_a_row(trials: Mapping[int, FrozenTrial], number: int) -> int:
+    """How many of the last attempts of trial `number`'s lineage (it and the trials it retries), up to it, were lost
+    in a row without getting further: an attempt lost after reporting beyond every earlier attempt's furthest step
+    starts the count again at 1; one that ended any other way (interrupted, preempted, the machine's fault) ends it.
+    A config that kills its worker (a segfault, the kernel's out-of-memory killer) is lost at the same point each
+    time, while a machine that fails now and then lets each attempt get further."""
+    furthest, streak = -1, 0
+    for attempt in reversed(lineage(trials, number)):
+        trial = trials.get(attempt)
+        if trial is None:
+            continue
+        reached = max(trial.intermediate_values, default=-1)
+        if outcome_of(trial) is Outcome.LOST:
+            streak = 1 if reached > furthest else streak + 1
+        else:
+            streak = 0
+        furthest = max(furthest, reached)
+    return streak
 
 
 _SQL_DETAILS = re.compile(r"\s*(\[SQL: .*|\(Background on this error at: [^)]*\))$", re.DOTALL)

@@ -1227,11 +1227,12 @@ class PatientStorage(BaseStorage):
         self.record_lost(trial_id, reason)
         return True
 
-    def record_lost(self, trial_id: int, reason: str) -> None:
+    def record_lost(self, trial_id: int, reason: str, outcome: str = "lost") -> None:
         """Write why a failed trial was lost, as `fail_lost_trial` does (Optuna refuses attrs on finished trials):
-        the reason and the outcome in one transaction, so a worker killed meanwhile leaves both or neither."""
+        the reason and the outcome in one transaction, so a worker killed meanwhile leaves both or neither.
+        `outcome` "failed": a lost trial that will not be retried (its worker died on it too often)."""
         self.flush_deferred()
-        self.boundary.call(self._write_user_attrs, trial_id, {"fail_reason": reason, "outcome": "lost"})
+        self.boundary.call(self._write_user_attrs, trial_id, {"fail_reason": reason, "outcome": outcome})
 
     def _fail_if_running(self, trial_id: int) -> bool:
         try:
@@ -1240,8 +1241,14 @@ class PatientStorage(BaseStorage):
             return False
 
     def _write_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
+        """Write user attrs onto a finished trial, past Optuna (which refuses them): this process's read of the
+        finished trials (`_read_finished`, which takes a finished trial for unchanging) then reads it again."""
         import json
 
+        with self._finished_lock:
+            for known in self._finished.values():
+                known.pop(trial_id, None)
+        self._drop_snapshots()
         with self.backend.engine.begin() as connection:
             for key, value in attrs.items():
                 updated = connection.execute(

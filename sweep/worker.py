@@ -53,6 +53,7 @@ from sweep.outcomes import (
     failure_signature,
     infrastructure_fault,
     jsonable,
+    lost_in_a_row,
     outcome_of,
     retried_numbers,
 )
@@ -79,6 +80,7 @@ __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary
            "request_stop"]
 
 MAX_INFRA_REPEATS = 3  # the same fault of the machine this many times in a row stops the worker
+MAX_LOST_REPEATS = 3  # a lineage lost this many times in a row without getting further is failed, not retried
 
 
 class StudyBrokenError(Exception):
@@ -193,6 +195,7 @@ class Worker:
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
         self.ended_ways: dict[int, str | None] = {}
+        self.given_up: set[int] = set()  # lost trials failed as killed by their config (`_killed_by_its_config`)
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
         self.beats: Beats | None = None  # the trials this worker beats for now (`beating`): never judged lost by it
@@ -509,6 +512,8 @@ class Worker:
             reason = str(trial.user_attrs.get(ATTR_FAIL) or LOST_REASON)
             if ATTR_OUTCOME not in trial.user_attrs and isinstance(self.storage, PatientStorage):
                 self.storage.record_lost(trial._trial_id, reason)  # noqa: SLF001 - Optuna has no public trial id
+            if outcome is Outcome.LOST and self._killed_by_its_config(trial, trials):
+                continue  # failed now, as its worker would have: no retry
             warnings.warn(f"trial {trial.number} ended ({outcome.value}) without its retry queued (its worker was "
                           "killed in between); queued now", stacklevel=2)
             self._retry(trial, reason)
@@ -558,8 +563,11 @@ class Worker:
         the machine in a row are counted (`retry_depth`), and the same one `MAX_INFRA_REPEATS` times stops this
         worker: retrying cannot help until someone fixes the machine (`counted`: False for the second and later
         trials one fault ended at once)."""
-        if any(t.user_attrs.get(ATTR_RETRY_OF) == trial.number for t in self.study.get_trials(deepcopy=False)):
+        trials = self.study.get_trials(deepcopy=False)
+        if any(t.user_attrs.get(ATTR_RETRY_OF) == trial.number for t in trials):
             return  # queued already (`_requeue_orphans`): this worker stalled between the trial's end and now
+        if outcome_of(trial) is Outcome.LOST and self._killed_by_its_config(trial, trials):
+            return
         depth = trial.user_attrs.get(ATTR_RETRY_DEPTH, 0) + 1 if infrastructure else 0
         carried = {ATTR_CONFIRMS: trial.user_attrs[ATTR_CONFIRMS]} if ATTR_CONFIRMS in trial.user_attrs else {}
         # A queued trial (a retry, a confirmation) killed after `ask` took it and before its params were written holds
@@ -582,6 +590,26 @@ class Worker:
                     "trials resume from their checkpoints.")
         else:
             self.infra = (0, None)
+
+    def _killed_by_its_config(self, trial: FrozenTrial, trials: list[FrozenTrial]) -> bool:
+        """Whether lost `trial` ends its lineage's retries: its attempts were lost `MAX_LOST_REPEATS` times in a row
+        without getting further (`lost_in_a_row`), the mark of a config that kills its worker (a segfault in its
+        code, the kernel's out-of-memory killer, an `os._exit`): retried, it would kill every worker that takes it
+        and hold the study's budget forever (review). It is then failed as the config's fault, with its reason,
+        and counts towards `n_trials` as a failed trial does."""
+        if trial.number in self.given_up:  # (this process's cached copy of it may still say lost)
+            return True
+        attempts = {t.number: t for t in trials} | {trial.number: trial}
+        count = lost_in_a_row(attempts, trial.number)
+        if count < MAX_LOST_REPEATS:
+            return False
+        self.given_up.add(trial.number)
+        reason = (f"worker lost {count} times in a row on this config without getting further (killed, crashed or "
+                  "out of memory each time: the worker's exit code or signal is in its output); not retried again")
+        if isinstance(self.storage, PatientStorage):
+            self.storage.record_lost(trial._trial_id, reason, Outcome.FAILED.value)  # noqa: SLF001 - its storage id
+        warnings.warn(f"trial {trial.number} failed: {reason}", stacklevel=3)
+        return True
 
     def _check_streak(self, frozen: FrozenTrial, running: Collection[int] = ()) -> None:
         """Stop the study when the last `max_repeated_failures` trials this worker asked all failed the same way.

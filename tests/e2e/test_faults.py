@@ -33,7 +33,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from sweep.outcomes import budget_counts
-from tests.conftest import TINY_STUDY, another_user, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, another_user, run_cli, sweep_cli, write_study
 from tests.pg import PostgresServer, postgres_available
 
 T = TypeVar("T")
@@ -1309,3 +1309,40 @@ def test_a_worker_without_the_gpu_the_study_asks_for_costs_no_budget_and_stops_s
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert len(failed) == 3 and all(t.user_attrs["outcome"] == "infrastructure" for t in failed), summary(trials)
     assert budget_counts(trials)[0] == 0, summary(trials)  # none of the budget spent: their retries wait
+
+
+def test_a_config_that_kills_its_worker_is_failed_after_three_attempts_instead_of_retried_forever(
+        tmp_path: Path) -> None:
+    # Found by review: a config whose code killed its worker (a segfault, the out-of-memory killer, os._exit) was
+    # found lost by the next run and retried from its checkpoint, which killed that worker too, and so on: every
+    # rerun died, the budget stayed at 0/1 and no other config was ever tried.
+    (tmp_path / "poison.py").write_text(
+        "import os\n"
+        "def main(config, run):\n"
+        "    state = run.load()\n"
+        "    for step in range(state['step'] + 10 if state else 10, 41, 10):\n"
+        "        if step == 30:\n"
+        "            os._exit(1)  # past the save at step 20: each retry resumes there and dies here again\n"
+        "        run.report(step, val_loss=1.0 / step)\n"
+        "        run.save({'step': step})\n")
+    path = write_study(tmp_path, {"name": "poison", "n_trials": 1, "loop": "poison:main", "pruner": "none",
+                                  "heartbeat_interval": 1, "heartbeat_grace_period": 2,
+                                  "checkpoints": {"every_steps": 10}, "fixed": {"max_steps": 40}})
+    storage = f"sqlite:///{tmp_path / 'poison.db'}"
+
+    def trials() -> list[FrozenTrial]:
+        return optuna.load_study(study_name="poison", storage=storage).get_trials()
+
+    for attempt in range(3):  # each run finds the last attempt lost (once past the grace period) and retries it
+        done = run_cli("run", path, cwd=tmp_path)
+        assert done.returncode != 0 and len(trials()) == attempt + 1, done.stderr
+        time.sleep(2.5)
+    done = sweep_cli("run", path, cwd=tmp_path)  # the third loss in a row, no further than the first: not retried
+    assert "trial 2 failed: worker lost 3 times in a row on this config without getting further" in done.stderr
+    first, second, third = trials()
+    assert [t.user_attrs["outcome"] for t in (first, second, third)] == ["lost", "lost", "failed"]
+    assert third.user_attrs["retry_of"] == 1 and third.user_attrs["resumed_from"] == {"trial": 0, "step": 20}
+    assert budget_counts([first, second, third]) == (1, 0)  # it counts as the budget's one trial: the study ended
+    assert done.returncode == 0 and done.stderr.count("failed: worker lost") == 1, done.stderr
+    again = sweep_cli("run", path, cwd=tmp_path)  # a rerun trains nothing
+    assert again.returncode == 0 and "1/1 trials done" in again.stderr and len(trials()) == 3
