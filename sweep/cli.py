@@ -1064,8 +1064,10 @@ def best(
     elif stored.get("command") is not None:
         from sweep.runners.command import command_line
 
+        threads = results.trial_threads(chosen)  # what a worker of --workers N gave the command
+        env = "" if threads is None else f"OMP_NUM_THREADS={threads} "
         text = (f"# best trial of study {study.study_name!r}: its config; as a command line:\n"
-                f"#   {shlex.join(command_line(stored['command'], config))}\n")
+                f"#   {env}{shlex.join(command_line(stored['command'], config))}\n")
     else:
         try:
             if not trust_task:  # the YAML is written to be run: `python -m trainer` would import what it names
@@ -1401,6 +1403,7 @@ def reproduce(
     """Train one trial again from the storage alone and compare every reported value (a loop's or command's that
     reported none: its final value); exit 0 when identical."""
     from sweep import results
+    from sweep.blobs import is_object_url
     from sweep.reconcile import store_location
     from sweep.reproduce import reproduce_trial
     from sweep.signals import Preempted, graceful_signals, raise_pending
@@ -1417,7 +1420,10 @@ def reproduce(
         folder = str(Path(target).resolve().parent)
         if folder not in sys.path:
             sys.path.append(folder)  # after the installed packages: a file there never shadows one of them
-    store = (spec.checkpoints.store if spec is not None else None) or store_location(study, url)
+    ran_with = store_location(study, url)
+    store = (spec.checkpoints.store if spec is not None else None) or ran_with
+    if store != ran_with and not is_object_url(ran_with) and Path(ran_with).is_dir():
+        store = ran_with  # a study file edited since names another store: the one the study ran with is still there
     try:  # Ctrl-C or SIGTERM: a request, honoured at the replay's next log or report step (`_Recorder`)
         with graceful_signals():
             comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target),

@@ -350,8 +350,9 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         ran_in = (trial.user_attrs.get(ATTR_REPRO) or {}).get("workdir")  # its relative paths are from there
         cwd = Path(ran_in) if isinstance(ran_in, str) and Path(ran_in).is_dir() else None
         folder = Path(tempfile.mkdtemp(prefix="sweep-reproduce-"))
-        code = rerun_command(command, stored_config, number, recorder, None if parent is None else parent.state,
-                             float(study_spec.get("stop_grace_period", 10)), folder, cwd)
+        with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}):  # its thread variables, for the command
+            code = rerun_command(command, stored_config, number, recorder, None if parent is None else parent.state,
+                                 float(study_spec.get("stop_grace_period", 10)), folder, cwd)
         log = folder / f"reproduce-{number}.log"
         if final_only:
             printed = last_json_value(log, metric) if code == 0 else None

@@ -277,13 +277,23 @@ def retraining(trial: FrozenTrial, config: Mapping[str, Any]) -> Retraining:
         again["fast_fail"] = {**fast_fail, "enabled": False}
         notes.append("fast_fail is off: the study judged this trial with its pruner, and alone fast-fail's own rules "
                      "might stop it early")
-    threads = ((trial.user_attrs.get(ATTR_REPRO) or {}).get("threads") or {}).get("intra_op")
+    threads = trial_threads(trial)
     env = ""
-    if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
+    if threads is not None:
         env = f"OMP_NUM_THREADS={threads} "
         notes.append(f"it trained with {threads} torch thread{'s' if threads > 1 else ''}: on a CPU another count "
                      "sums in another order, and the last digits differ")
     return Retraining(again, env, "".join(f"# {note}\n" for note in notes))
+
+
+def trial_threads(trial: FrozenTrial) -> int | None:
+    """The torch thread count a trial trained with, from its reproducibility record: the trainer's own count, or
+    (a command's, whose process is not the worker's) the OMP_NUM_THREADS it inherited; None when neither is known."""
+    record = (trial.user_attrs.get(ATTR_REPRO) or {}).get("threads") or {}
+    threads = record.get("intra_op", record.get("OMP_NUM_THREADS"))
+    if isinstance(threads, str) and threads.isdigit():
+        threads = int(threads)
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1 else None
 
 
 class NoCompleteTrial(ValueError):

@@ -109,14 +109,17 @@ def _workdir_commit(folder: str) -> str | None:
 
 def command_record(argv: list[str], seed: int | None) -> dict[str, Any]:
     """What it takes to re-run a command's trial: its command line and working folder, the commit of the code there
-    (a git work tree), the config's seed, and the worker's platform, Python and project version. What the command
-    imports and on what device it trains are the command's own, which only it can record."""
+    (a git work tree), the config's seed, the thread variables it inherited (`threads`: a worker of `--workers N`
+    sets OMP_NUM_THREADS, and the command's torch sums in another order on another count), and the worker's
+    platform, Python and project version. What the command imports and on what device it trains are the command's
+    own, which only it can record."""
     workdir = Path.cwd()
     return {
         "seed": seed,
         "command": list(argv),
         "workdir": str(workdir),
         "workdir_git_commit": _workdir_commit(str(workdir)),
+        "threads": {name: os.environ.get(name) for name in THREAD_ENV},
         "python": platform.python_version(),
         "platform": platform.platform(),
         "sweep_version": _project_version(),

@@ -605,3 +605,19 @@ def test_a_placeholder_for_a_whole_mapping_is_written_as_json(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     (trial,) = trials_of(path)
     assert trial.value == 0.08
+
+
+def test_a_command_reproduces_and_is_written_out_under_the_thread_count_its_worker_gave_it(tmp_path: Path) -> None:
+    # Found by review: a worker of --workers 2 gives its command OMP_NUM_THREADS=1; the replay ran with the
+    # reproducer's own count, so `sweep reproduce` said a command trial differs in its last digits, and `sweep best`
+    # wrote its command line without the variable. This script's value shows the count it was given.
+    script = ("import os\nfrom sweep import client\n"
+              "client.report(1, val_loss=1.0 / int(os.environ.get('OMP_NUM_THREADS', '7')))\n")
+    path = command_study(tmp_path, script, "train.py", pruner="none")
+    assert sweep_cli("run", path, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"}).returncode == 0  # as a worker's
+    (trial,) = trials_of(path)
+    assert trial.value == 1.0 and trial.user_attrs["reproducibility"]["threads"]["OMP_NUM_THREADS"] == "1"
+    again = sweep_cli("reproduce", path, "0", cwd=tmp_path, env={"OMP_NUM_THREADS": None})
+    assert again.returncode == 0, again.stderr
+    best = sweep_cli("best", path, cwd=tmp_path, env={"OMP_NUM_THREADS": None})
+    assert best.returncode == 0 and f"#   OMP_NUM_THREADS=1 {sys.executable} train.py\n" in best.stdout, best.stdout

@@ -63,6 +63,13 @@ def test_trials_start_from_their_nearest_compatible_neighbour(tmp_path: Path) ->
     again = sweep_cli("reproduce", path, str(replayed.number))
     assert again.returncode == 0, again.stderr
     assert "identical" in again.stdout
+    # A study file edited since to name another store (found by review: "checkpoint .../moved/... does not exist"
+    # while the parent lay intact where the study ran): the parent is read where the study ran, still there.
+    original = path.read_text()
+    path.write_text(original + "checkpoints: {store: moved}\n")
+    again = sweep_cli("reproduce", path, str(replayed.number))
+    assert again.returncode == 0 and "identical" in again.stdout, again.stderr
+    path.write_text(original)
     parent_file = tmp_path / "warm.checkpoints" / "warm" / replayed.user_attrs["warm_start_from"]["uri"]
     parent_file.write_bytes(parent_file.read_bytes()[:-10])  # a damaged parent is refused, not loaded
     broken = sweep_cli("reproduce", path, str(replayed.number))
