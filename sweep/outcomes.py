@@ -146,6 +146,12 @@ def count_key(trial: FrozenTrial) -> str:
 _OUTCOME_VALUES = frozenset(outcome.value for outcome in Outcome)
 
 
+# What a trial sweep asked holds from its first moments (`ATTR_CONFIG`, written before it trains; a queued retry's or
+# confirmation's own marks): a failed trial with none of them and no `fail_reason` was not one of sweep's. (One
+# sweep asked and lost before writing its config carries the reason the worker that failed it wrote.)
+_SWEEP_MARKS = (ATTR_CONFIG, ATTR_RETRY_OF, ATTR_CONFIRMS)
+
+
 def outcome_of(trial: FrozenTrial) -> Outcome | None:
     """The outcome of a finished trial, also for trials stored before the `outcome` attr existed (or whose attr
     names none: a database edited by hand; then read from its state, as for those)."""
@@ -161,6 +167,11 @@ def outcome_of(trial: FrozenTrial) -> Outcome | None:
     if trial.user_attrs.get(ATTR_INTERRUPTED):
         reason = str(trial.user_attrs.get(ATTR_FAIL, ""))
         return Outcome.PREEMPTED if reason.startswith("preempted") else Outcome.INTERRUPTED
+    if ATTR_FAIL not in trial.user_attrs and not any(key in trial.user_attrs for key in _SWEEP_MARKS):
+        # Another tool's failure in this study (plain Optuna's `optimize(catch=...)`, a `tell` of FAIL): it never
+        # beat as a sweep worker's trial does, so it was not lost; it failed (review: sweep called such trials
+        # lost, wrote "worker lost" over them and trained their params again beyond the budget).
+        return Outcome.FAILED
     if ATTR_FAIL not in trial.user_attrs or trial.user_attrs[ATTR_FAIL] == LOST_REASON:
         return Outcome.LOST  # failed as lost (by a worker that wrote its reason, or died before it could)
     return Outcome.FAILED

@@ -50,8 +50,8 @@ def outcome_text(trial: FrozenTrial, *, foreign: bool = False) -> str:
     a trial of a study sweep did not create, whose failures carry no reason (plain Optuna's `catch`): "failed", not
     lost."""
     attrs = trial.user_attrs
-    if foreign and trial.state == TrialState.FAIL and ATTR_FAIL not in attrs:
-        return "failed"
+    if trial.state == TrialState.FAIL and ATTR_FAIL not in attrs and (foreign or outcome_of(trial) == Outcome.FAILED):
+        return "failed"  # another tool's failure (`outcome_of`): it gave no reason
     if trial.state == TrialState.COMPLETE:
         return f"complete value={trial.value:.6g}"
     if trial.state == TrialState.PRUNED:

@@ -26,7 +26,9 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     LOST_REASON,
     SPEC_ATTR,
+    Outcome,
     budget_counts,
+    outcome_of,
     retried_numbers,
 )
 from sweep.results import (
@@ -64,7 +66,9 @@ def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[st
         prune = trial.user_attrs.get(ATTR_PRUNE) or {}
         if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted") and trial.number not in retried:
             bad.append(trial)
-            reasons[str(trial.user_attrs.get(ATTR_FAIL, LOST_REASON))] += 1
+            # No reason: one sweep's worker lost, or another tool's failure (`outcome_of`), which gave none
+            unsaid = LOST_REASON if outcome_of(trial) == Outcome.LOST else "failed, no reason given"
+            reasons[str(trial.user_attrs.get(ATTR_FAIL, unsaid))] += 1
         elif trial.state == TrialState.PRUNED and prune.get("rule") in INFEASIBLE_RULES:
             bad.append(trial)
             reasons[f"diverged: {prune['rule']}"] += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import time
 from pathlib import Path
 
 import optuna
@@ -225,3 +226,29 @@ def test_a_retry_whose_params_are_not_its_lineage_s_trains_from_scratch_saying_w
     assert min(retry.intermediate_values) == 0  # trained from step 0
     assert f"trial {retry.number} does not resume from trial {cut.number}'s checkpoints: they were trained with " \
            "other params" in done.stderr
+
+
+def test_a_trial_another_tool_failed_in_the_study_counts_as_failed_and_is_neither_lost_nor_retried(
+        tmp_path: Path) -> None:
+    # Found by review: plain Optuna's `optimize(catch=...)` in a sweep study left failed trials without sweep's
+    # reason; the next `sweep run` called them lost, wrote "worker lost" over them and trained their params again,
+    # beyond the budget.
+    document = copy.deepcopy(TINY_STUDY) | {"name": "mixed", "n_trials": 2, "heartbeat_interval": 1,
+                                            "heartbeat_grace_period": 2}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    study = optuna.load_study(study_name="mixed", storage=f"sqlite:///{tmp_path / 'mixed.db'}")
+
+    def broken(trial: optuna.Trial) -> float:
+        trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)
+        raise ValueError("my objective broke")
+
+    study.optimize(broken, n_trials=1, catch=(ValueError,))
+    time.sleep(2.5)  # past the grace period: a trial of sweep's ended so long ago without its retry would get one
+    done = sweep_cli("run", path, "--n-trials", "4")
+    assert done.returncode == 0, done.stderr
+    everything = trials(path, "mixed")
+    assert len(everything) == 4 and "retry_of" not in everything[3].user_attrs  # one new trial: 4 in all
+    assert everything[2].state == TrialState.FAIL and everything[2].user_attrs == {}  # left as the other tool wrote it
+    listed = sweep_cli("trials", path, "--format", "json")
+    assert [row["outcome"] for row in json.loads(listed.stdout)][2] == "failed", listed.stdout
