@@ -167,3 +167,28 @@ def test_check_lists_a_checkpoint_it_may_not_read_keeps_it_and_exits_1() -> None
         assert sweep_cli("check", path).returncode == 0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_check_of_a_copied_study_leaves_the_original_s_checkpoints_alone(tmp_path: Path) -> None:
+    # Found by review: `optuna.copy_study` copies the study's owner id with its attrs and none of sweep's registry;
+    # `sweep check --repair` on the copy took the original's checkpoints for orphans and deleted them.
+    import os
+
+    import optuna
+
+    document = copy.deepcopy(TINY_STUDY) | {"name": "own", "n_trials": 2,
+                                            "checkpoints": {"on_best": True, "store": str(tmp_path / "store")}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path).returncode == 0
+    copy_url = f"sqlite:///{tmp_path / 'copy.db'}"
+    optuna.copy_study(from_study_name="own", from_storage=f"sqlite:///{tmp_path / 'own.db'}", to_storage=copy_url)
+    blobs = sorted((tmp_path / "store" / "own").glob("*.pt"))
+    assert blobs
+    for blob in blobs:  # older than the orphan scan's minimum age (a younger file may be about to be registered)
+        os.utime(blob, (blob.stat().st_mtime - 3600,) * 2)
+
+    checked = sweep_cli("check", path, "--storage", copy_url, "--repair")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "were left alone: this database holds no checkpoint row of study 'own'" in checked.stdout + checked.stderr
+    assert all(blob.exists() for blob in blobs)
+    assert sweep_cli("check", path).returncode == 0  # the original: every row's blob is there
