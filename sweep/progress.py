@@ -58,6 +58,10 @@ def outcome_text(trial: FrozenTrial, *, foreign: bool = False) -> str:
         reason = attrs.get("prune_reason") or {}
         if "message" in reason:
             return f"pruned: {reason['message']}"
+        if not isinstance(reason, dict) or "rule" not in reason:  # another tool's pruner: no reason kept
+            last = max(trial.intermediate_values, default=None)
+            return "pruned" if last is None else \
+                f"pruned at step {last} (value={_num(trial.intermediate_values[last])})"
         return (f"pruned by {reason.get('rule', '?')} at step {reason.get('step', '?')} "
                 f"(value={_num(reason.get('value'))})")
     if trial.state == TrialState.FAIL:
