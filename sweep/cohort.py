@@ -58,7 +58,7 @@ from optuna.trial import TrialState
 
 from sweep.checkpoints import register_together
 from sweep.objective import Prepared, TrainerTrial
-from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult
+from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult, budget_counts
 from sweep.pruners import startup_trials
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
@@ -530,14 +530,17 @@ class CohortLoop:
         self.admitted = 0
         self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
         # A ramp cohort drains once its startup trials are in: the next one draws anew (review: it said "try one").
-        if self.fixed and self.cohorts == 1 and not self.ramp and self.worker.n_trials <= self._intake():
+        # The trials this run has left to train (a rerun's, not the study's whole budget: review).
+        left = self.worker.n_trials - budget_counts(self.seen)[0]
+        if self.fixed and self.cohorts == 1 and not self.ramp and left <= self._intake():
             one = len(self.fixed) == 1
             # One of several workers (`--workers N`, a Slurm array, pods; sweep.workers.WORKER_ENV): its cohort is
             # one of several, each with its own draw, so the study tries more than this one (review: two workers
             # each said the study tried theirs alone).
             several = os.environ.get("SWEEP_WORKER") is not None
             tries = (f"this worker's cohort tries one ({self._fixed_text()}), each worker's its own" if several else
-                     f"this study's {self.worker.n_trials} trials try one ({self._fixed_text()})")
+                     f"this run's {left} trials left try one ({self._fixed_text()})" if left < self.worker.n_trials
+                     else f"this study's {self.worker.n_trials} trials try one ({self._fixed_text()})")
             warnings.warn(f"execution.cohort: {', '.join(self.fixed)} {'changes' if one else 'change'} the model's "
                           f"shapes, so a cohort's members share its first member's {'value' if one else 'values'} "
                           f"and a cohort takes {self._intake()} members before the next draws anew: {tries}; a "

@@ -337,6 +337,20 @@ def test_a_study_smaller_than_one_cohort_s_intake_says_its_shape_keys_get_one_va
                     f"trials try one (model.hidden={widths.pop()}); a smaller cohort or more trials search them"), line
 
 
+def test_a_rerun_with_fewer_trials_left_than_a_cohort_takes_says_they_get_one_value(tmp_path: Path) -> None:
+    # Review: the warning compared the study's whole budget with a cohort's intake, so a rerun with 2 of 12 trials
+    # left, all sharing one width, said nothing.
+    path = six_widths_study(tmp_path, 12)
+    first = sweep_cli("run", path, "--cohort", "2", "--n-trials", "10")
+    assert first.returncode == 0 and "share its first member's" not in first.stderr, first.stderr
+    done = sweep_cli("run", path, "--cohort", "2")
+    assert done.returncode == 0, done.stderr
+    widths = {t.params["model.hidden"] for t in load(tmp_path).get_trials()[10:]}
+    assert len(widths) == 1, widths
+    assert (f"a cohort takes 8 members before the next draws anew: this run's 2 trials left try one (model.hidden="
+            f"{widths.pop()})") in done.stderr, done.stderr
+
+
 def test_a_ramp_cohort_s_shape_keys_are_no_study_s_one_value(tmp_path: Path) -> None:
     # Review: with the ramp on, the first cohort holds the pruner's startup trials and drains, and the next cohort
     # draws its shapes anew; the warning said that the study's trials try one value.
