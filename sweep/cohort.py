@@ -58,7 +58,17 @@ from optuna.trial import TrialState
 
 from sweep.checkpoints import register_together
 from sweep.objective import Prepared, TrainerTrial
-from sweep.outcomes import ATTR_FAIL, ATTR_INTERRUPTED, Outcome, TimedOut, TrialResult, budget_counts
+from sweep.outcomes import (
+    ATTR_COHORT,
+    ATTR_FAIL,
+    ATTR_INTERRUPTED,
+    ATTR_RETRY_OF,
+    Outcome,
+    TimedOut,
+    TrialResult,
+    budget_counts,
+    lost_in_a_cohort,
+)
 from sweep.pruners import startup_trials
 from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
@@ -73,7 +83,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ATTR_COHORT", "CohortLoop", "shape_keys"]
 
-ATTR_COHORT = "cohort"  # {id, size, member}: the cohort a trial trained in
 AUTO_LIMIT = 256  # `cohort: auto` takes what fits the device's memory, up to this many (a CPU's RAM fits far more)
 GENERATIONS = 4  # with shape keys, a cohort takes this many times its size in members, then drains; the next one
 # draws its shapes anew
@@ -477,6 +486,12 @@ class CohortLoop:
         batched: it was trained alone, and the study goes on one trial at a time. `joining`: this trial and those
         asked with it that wait their turn (a shrunk cohort grows once for all of them)."""
         prepared = runner.prepare()
+        if self._suspect(trial):
+            # Its lineage was lost in a cohort: it, or another member, killed that process. Alone, a loss is its own
+            # (`lost_in_a_row` counts it), and a member that kills every worker cannot take the others with it
+            # again (review: innocent members died with a poison one three times and were failed with it).
+            self._alone(beats, trial, runner, prepared)
+            return True
         if self.cohort is None and not self._start_cohort(trial, prepared):
             self._alone(beats, trial, runner, prepared)  # the model cannot be batched: this one, then singly
             return False
@@ -562,6 +577,14 @@ class CohortLoop:
         completed, running = self._startup_counts(self.worker.study.get_trials(
             deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
         return completed + running >= self.startup
+
+    def _suspect(self, trial: optuna.Trial) -> bool:
+        """A retry whose lineage was lost in a cohort of several (`lost_in_a_cohort`), from the study's trials as
+        the ask that took it read them."""
+        trials = {t.number: t for t in self.seen}
+        asked = trials.get(trial.number)
+        origin = (asked.user_attrs if asked is not None else trial.user_attrs).get(ATTR_RETRY_OF)
+        return isinstance(origin, int) and lost_in_a_cohort(trials, origin)
 
     def _alone(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, prepared: Prepared) -> None:
         """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""

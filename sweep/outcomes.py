@@ -41,9 +41,11 @@ __all__ = [
     "TrialResult",
     "budget_counts",
     "failure_signature",
+    "in_a_cohort",
     "infrastructure_fault",
     "jsonable",
     "lineage",
+    "lost_in_a_cohort",
     "lost_in_a_row",
     "outcome_of",
     "retried_numbers",
@@ -51,6 +53,7 @@ __all__ = [
 
 # Trial user attrs written by sweep: one name for each thing, shown as-is in optuna-dashboard.
 ATTR_CONFIG = "config"
+ATTR_COHORT = "cohort"  # {id, size, member}: the cohort a trial trained in (sweep.cohort)
 ATTR_REPRO = "reproducibility"
 ATTR_METRICS = "metrics"
 ATTR_STEPS = "steps"
@@ -148,7 +151,8 @@ _OUTCOME_VALUES = frozenset(outcome.value for outcome in Outcome)
 
 # What a trial sweep asked holds from its first moments (`ATTR_CONFIG`, written before it trains; a queued retry's or
 # confirmation's own marks): a failed trial with none of them and no `fail_reason` was not one of sweep's. (One
-# sweep asked and lost before writing its config carries the reason the worker that failed it wrote.)
+# sweep asked and lost before writing its config carries the reason the worker that failed it wrote; where that
+# worker was killed between the two writes, its heartbeat row tells it apart: `Worker._lost_unmarked`.)
 _SWEEP_MARKS = (ATTR_CONFIG, ATTR_RETRY_OF, ATTR_CONFIRMS)
 
 
@@ -221,10 +225,12 @@ def lineage(trials: Mapping[int, FrozenTrial], number: int) -> list[int]:
 
 def lost_in_a_row(trials: Mapping[int, FrozenTrial], number: int) -> int:
     """How many of the last attempts of trial `number`'s lineage (it and the trials it retries), up to it, were lost
-    in a row without getting further: an attempt lost after reporting beyond every earlier attempt's furthest step
-    starts the count again at 1; one that ended any other way (interrupted, preempted, the machine's fault) ends it.
-    A config that kills its worker (a segfault, the kernel's out-of-memory killer) is lost at the same point each
-    time, while a machine that fails now and then lets each attempt get further."""
+    in a row without getting further, while training alone: an attempt lost after reporting beyond every earlier
+    attempt's furthest step starts the count again at 1; one that ended any other way (interrupted, preempted, the
+    machine's fault) ends it. An attempt lost in a cohort of several (another member may have killed the process)
+    or before it started (asked, waiting its turn: no config written) is not counted either way. A config that
+    kills its worker (a segfault, the kernel's out-of-memory killer) is lost at the same point each time, while a
+    machine that fails now and then lets each attempt get further."""
     furthest, streak = -1, 0
     for attempt in reversed(lineage(trials, number)):
         trial = trials.get(attempt)
@@ -232,11 +238,26 @@ def lost_in_a_row(trials: Mapping[int, FrozenTrial], number: int) -> int:
             continue
         reached = max(trial.intermediate_values, default=-1)
         if outcome_of(trial) is Outcome.LOST:
-            streak = 1 if reached > furthest else streak + 1
+            if ATTR_CONFIG in trial.user_attrs and not in_a_cohort(trial):
+                streak = 1 if reached > furthest else streak + 1
         else:
             streak = 0
         furthest = max(furthest, reached)
     return streak
+
+
+def in_a_cohort(trial: FrozenTrial) -> bool:
+    """Whether the trial trained in a cohort of several (`ATTR_COHORT`): its worker process was the members'."""
+    cohort = trial.user_attrs.get(ATTR_COHORT)
+    size = cohort.get("size") if isinstance(cohort, dict) else None
+    return isinstance(size, int) and size > 1
+
+
+def lost_in_a_cohort(trials: Mapping[int, FrozenTrial], number: int) -> bool:
+    """Whether an attempt of trial `number`'s lineage was lost in a cohort of several: who killed that process, it
+    or another member, cannot be told, so its retries train alone (sweep.cohort), where a loss is its own."""
+    return any(outcome_of(trial) is Outcome.LOST and in_a_cohort(trial)
+               for n in lineage(trials, number) if (trial := trials.get(n)) is not None)
 
 
 _SQL_DETAILS = re.compile(r"\s*(\[SQL: .*|\(Background on this error at: [^)]*\))$", re.DOTALL)

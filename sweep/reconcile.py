@@ -181,16 +181,16 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
     files = _listing(store_location, name, report)
     records = registry.for_study(name)
     sound = _check_blobs(registry, records, scope, report, repair)
-    if not records and files and any(isinstance(t.user_attrs.get(CHECKPOINT_ATTR), dict)
-                                     for t in study.get_trials(deepcopy=False)):
-        # Its trials saved checkpoints, yet this database holds no row of them: its study is a copy of the one that
-        # wrote the folder (`optuna.copy_study` copies Optuna's tables, the owner id among the study's attrs, and
-        # none of sweep's), or sweep's tables were lost. The files are the original's: never judged from here
-        # (review: --repair on a copy deleted the original's checkpoints as orphans).
+    if not records and files and any(not _is_temporary(file.path) for file in files):
+        # Checkpoints in the study's folder, and not one row of the study in this database: its study is a copy of
+        # the one that wrote them (`optuna.copy_study` copies Optuna's tables, the owner id among the study's attrs,
+        # and none of sweep's), or sweep's tables were lost. A study's own rows go only with their files (retention,
+        # a repair), so the files are another database's: never judged from here (review: --repair on a copy
+        # deleted the original's checkpoints as orphans).
         report.notes.append(f"{len(files)} files in {CheckpointStore(store_location, name).folder} were left alone: "
-                            f"this database holds no checkpoint row of study {name!r} while its trials record "
-                            "checkpoints, so it is likely a copy of the database that wrote them (optuna.copy_study "
-                            "copies no checkpoint registry); check the study in that database instead")
+                            f"this database holds no checkpoint row of study {name!r}, so it is likely a copy of the "
+                            "database that wrote them (optuna.copy_study copies no checkpoint registry); check the "
+                            "study in that database instead")
         files = None
     _check_orphans(files, records, scope, report, repair and delete_orphans, orphan_min_age_s, stale_temporary_s)
     if repair and not delete_orphans and report.of_kind(ProblemKind.ORPHAN_FILE):

@@ -176,8 +176,9 @@ def test_check_of_a_copied_study_leaves_the_original_s_checkpoints_alone(tmp_pat
 
     import optuna
 
-    document = copy.deepcopy(TINY_STUDY) | {"name": "own", "n_trials": 2,
-                                            "checkpoints": {"on_best": True, "store": str(tmp_path / "store")}}
+    # (No dashboard artifacts: the copy's trials then record no checkpoint at all.)
+    document = copy.deepcopy(TINY_STUDY) | {"name": "own", "n_trials": 2, "checkpoints": {
+        "on_best": True, "artifacts": False, "store": str(tmp_path / "store")}}
     path = write_study(tmp_path, document)
     assert sweep_cli("run", path).returncode == 0
     copy_url = f"sqlite:///{tmp_path / 'copy.db'}"

@@ -726,6 +726,88 @@ def test_a_cohort_whose_every_trial_fails_at_its_start_fails_each_one_and_exits_
     assert all(why in t.user_attrs["fail_reason"] for t in trials)
 
 
+POISON_TASK = '''
+import os
+
+import torch
+from torch import nn
+from trainer.tasks import Task
+
+
+class Poison(torch.autograd.Function):
+    """The identity, which kills the process (as a segfault or the out-of-memory killer would) when a training step
+    runs a member whose flag is set, alone or stacked with others."""
+
+    @staticmethod
+    def forward(x, flag):
+        if bool((flag > 0.5).any()):
+            os._exit(1)
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, flag):
+        return Poison.forward(x, flag), in_dims[0]
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int, poison: float) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, hidden), nn.Linear(hidden, 2)
+        self.register_buffer("flag", torch.tensor(float(poison)))
+
+    def forward(self, x):
+        hidden = self.first(x)
+        if self.training and torch.is_grad_enabled():  # training steps only: its evaluations run
+            hidden = Poison.apply(hidden, self.flag)
+        return self.second(hidden)
+
+
+def task() -> Task:
+    x = torch.randn(72, 6, generator=torch.Generator().manual_seed(0))
+    y = (x.sum(dim=1) > 0).long()
+    return Task(name="poison", train=(x[:64], y[:64]), val=(x[64:], y[64:]),
+                model_defaults={"hidden": 8, "poison": 0.0}, build_model=lambda cfg: Net(**cfg))
+'''
+
+
+def test_a_member_that_kills_its_cohort_is_failed_alone_and_the_members_it_took_with_it_complete(
+        tmp_path: Path) -> None:
+    # Found by review: one member whose code kills the worker process took its cohort with it at every retry (the
+    # retries, queued together, formed one cohort again), and after three rounds every member was failed as a config
+    # that kills its worker, the innocent ones too. Now the retries of a trial lost in a cohort train alone: the
+    # poison one is failed after three losses of its own, the others complete.
+    (tmp_path / "poison_task.py").write_text(POISON_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {
+        "name": "coh", "n_trials": 4, "task": {"name": "poison_task:task"}, "execution": {"cohort": 4},
+        "sampler": {"type": "bruteforce"}, "pruner": "none", "heartbeat_interval": 1, "heartbeat_grace_period": 2,
+        "space": {"model.poison": {"type": "categorical", "choices": [0.0, 0.1, 0.2, 0.9]}}}
+    document["fixed"] = {**document["fixed"], "max_steps": 20, "eval_every_steps": 10, "batch_size": 16}
+    path = write_study(tmp_path, document)
+    for _ in range(8):  # each run that dies leaves its trials lost, found by the next run after the grace period
+        if run_cli("run", path, cwd=tmp_path, timeout=240).returncode == 0:
+            break
+        time.sleep(2.5)
+    trials = load(tmp_path).get_trials()
+    assert budget_counts(trials) == (4, 0)
+    ended = {t.params["model.poison"]: t for t in trials if t.state != TrialState.FAIL or
+             t.user_attrs.get("outcome") == "failed"}
+    assert sorted(ended) == [0.0, 0.1, 0.2, 0.9], [(t.number, t.params, t.user_attrs.get("outcome")) for t in trials]
+    assert all(ended[p].state == TrialState.COMPLETE for p in (0.0, 0.1, 0.2))
+    assert ended[0.9].user_attrs["fail_reason"].startswith("worker lost 3 times in a row on this config")
+    first = [t for t in trials if "retry_of" not in t.user_attrs]
+    assert all(t.user_attrs["cohort"]["size"] == 4 for t in first)  # they died together, in one cohort of 4
+    retries = [t for t in trials if "retry_of" in t.user_attrs]
+    assert retries and all("cohort" not in t.user_attrs for t in retries)  # and were retried alone
+
+
 INTERRUPTING_TASK = '''
 import os
 import signal
