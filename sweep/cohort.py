@@ -487,7 +487,7 @@ class CohortLoop:
         asked with it that wait their turn (a shrunk cohort grows once for all of them)."""
         prepared = runner.prepare()
         if self._suspect(trial):
-            # Its lineage was lost in a cohort: it, or another member, killed that process. Alone, a loss is its own
+            # Its lineage was lost twice in a cohort: it, or another member, killed it. Alone, a loss is its own
             # (`lost_in_a_row` counts it), and a member that kills every worker cannot take the others with it
             # again (review: innocent members died with a poison one three times and were failed with it).
             self._alone(beats, trial, runner, prepared)
@@ -579,12 +579,13 @@ class CohortLoop:
         return completed + running >= self.startup
 
     def _suspect(self, trial: optuna.Trial) -> bool:
-        """A retry whose lineage was lost in a cohort of several (`lost_in_a_cohort`), from the study's trials as
-        the ask that took it read them."""
+        """A retry whose lineage was lost twice in a cohort of several (`lost_in_a_cohort`; once is a machine's
+        fault as often as not, and its retry joins a cohort again), from the study's trials as the ask that took it
+        read them."""
         trials = {t.number: t for t in self.seen}
         asked = trials.get(trial.number)
         origin = (asked.user_attrs if asked is not None else trial.user_attrs).get(ATTR_RETRY_OF)
-        return isinstance(origin, int) and lost_in_a_cohort(trials, origin)
+        return isinstance(origin, int) and lost_in_a_cohort(trials, origin) >= 2
 
     def _alone(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, prepared: Prepared) -> None:
         """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""

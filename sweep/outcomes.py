@@ -253,10 +253,11 @@ def in_a_cohort(trial: FrozenTrial) -> bool:
     return isinstance(size, int) and size > 1
 
 
-def lost_in_a_cohort(trials: Mapping[int, FrozenTrial], number: int) -> bool:
-    """Whether an attempt of trial `number`'s lineage was lost in a cohort of several: who killed that process, it
-    or another member, cannot be told, so its retries train alone (sweep.cohort), where a loss is its own."""
-    return any(outcome_of(trial) is Outcome.LOST and in_a_cohort(trial)
+def lost_in_a_cohort(trials: Mapping[int, FrozenTrial], number: int) -> int:
+    """How many attempts of trial `number`'s lineage were lost in a cohort of several: who killed that process, it
+    or another member, cannot be told. Once is the machine's way (a preempted node, a killed job: retried in a
+    cohort again); twice, and its retries train alone (sweep.cohort), where a loss is its own."""
+    return sum(outcome_of(trial) is Outcome.LOST and in_a_cohort(trial)
                for n in lineage(trials, number) if (trial := trials.get(n)) is not None)
 
 

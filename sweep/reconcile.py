@@ -22,7 +22,7 @@ import stat
 import time
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +38,7 @@ from sweep.blobs import (
     is_object_url,
     local_copy,
 )
-from sweep.outcomes import ARTIFACTS_ATTR, SPEC_ATTR
+from sweep.outcomes import ARTIFACTS_ATTR, ATTR_WARM_START, SPEC_ATTR
 from sweep.outcomes import ATTR_CHECKPOINT as CHECKPOINT_ATTR
 from sweep.registry import default_store
 from trainer.checkpoint import sha256_of
@@ -192,7 +192,13 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
                             "database that wrote them (optuna.copy_study copies no checkpoint registry); check the "
                             "study in that database instead")
         files = None
-    _check_orphans(files, records, scope, report, repair and delete_orphans, orphan_min_age_s, stale_temporary_s)
+    # A warm trial's parent is never an orphan, row or none: `reproduce` loads it by the URI and hash the trial keeps
+    # (review: a row an older sweep deleted left the parent to --repair, and the trial could no longer be replayed).
+    parents = {found for trial in study.get_trials(deepcopy=False)
+               if isinstance(parent := trial.user_attrs.get(ATTR_WARM_START), dict) and parent.get("study") == name
+               and isinstance(parent.get("uri"), str) and (found := scope.find(parent["uri"], name)) is not None}
+    _check_orphans(files, records, scope, report, repair and delete_orphans, orphan_min_age_s, stale_temporary_s,
+                   parents)
     if repair and not delete_orphans and report.of_kind(ProblemKind.ORPHAN_FILE):
         report.notes.append("files no row names were left in place: the store is named only by the database; give "
                             "the study file to let --repair delete them")
@@ -361,10 +367,12 @@ def _is_temporary(path: Path) -> bool:
 
 
 def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], scope: BlobScope,
-                   report: CheckReport, repair: bool, min_age_s: float, stale_temporary_s: float) -> None:
+                   report: CheckReport, repair: bool, min_age_s: float, stale_temporary_s: float,
+                   parents: Collection[str] = ()) -> None:
+    """Files no row names (`parents`: named by a warm trial instead, kept)."""
     if files is None:
         return
-    named = {found for r in records if (found := scope.find(r.uri, r.study)) is not None}
+    named = {found for r in records if (found := scope.find(r.uri, r.study)) is not None} | set(parents)
     for file in files:
         if str(file.path.resolve()) in named:
             continue

@@ -163,8 +163,11 @@ class Registry:
         (`storage.lock_wait`)."""
         self.engine = engine if engine is not None else open_engine(storage_url, lock_wait_s=lock_wait_s)
         self.absent = False
+        self.have: set[str] | None = None  # the table's columns, where an older sweep's may lack some (create False)
         if not create:
             self.absent = not inspect(self.engine).has_table(checkpoints.name)
+            if not self.absent:
+                self.have = {column["name"] for column in inspect(self.engine).get_columns(checkpoints.name)}
             return
         for attempt in range(5):
             try:
@@ -372,7 +375,10 @@ class Registry:
         """Every checkpoint row of the study, pinned or not, in trial, step and id order (`sweep check`)."""
         if self.absent:
             return []
-        query = (select(checkpoints).where(checkpoints.c.study == study)
+        # An older sweep's table, read as it is (review: "no such column: sweep_checkpoints.final"): the columns it
+        # lacks read as their defaults (not final, not pinned).
+        columns = [column for column in checkpoints.columns if self.have is None or column.name in self.have]
+        query = (select(*columns).where(checkpoints.c.study == study)
                  .order_by(checkpoints.c.trial_number, checkpoints.c.step, checkpoints.c.id))
         with self.engine.connect() as connection:
             return [CheckpointRecord.from_row(row) for row in connection.execute(query)]

@@ -193,3 +193,25 @@ def test_check_of_a_copied_study_leaves_the_original_s_checkpoints_alone(tmp_pat
     assert "were left alone: this database holds no checkpoint row of study 'own'" in checked.stdout + checked.stderr
     assert all(blob.exists() for blob in blobs)
     assert sweep_cli("check", path).returncode == 0  # the original: every row's blob is there
+
+
+def test_check_reads_a_registry_an_older_sweep_wrote_without_changing_it(tmp_path: Path) -> None:
+    # Found by review: a study run by a sweep from before warm start (its table without the warm-start columns)
+    # failed `sweep check` with "no such column: sweep_checkpoints.final ... edited by hand or by another tool?".
+    from sweep.registry import COORDS
+
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 2, "checkpoints": {"on_best": True}})
+    assert sweep_cli("run", path).returncode == 0
+    newer = ["final", "pinned", "cat_key", *(f"c{i}" for i in range(COORDS))]
+    with sqlite3.connect(tmp_path / "tiny.db") as db:  # the table as that version made it
+        db.execute("DROP INDEX ix_sweep_checkpoints_donors")
+        for column in newer:
+            db.execute(f"ALTER TABLE sweep_checkpoints DROP COLUMN {column}")
+        before = db.execute("SELECT * FROM sweep_checkpoints").fetchall()
+    assert before
+    checked = sweep_cli("check", path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "missing_blob 0, corrupt_blob 0, orphan_file 0" in checked.stderr
+    with sqlite3.connect(tmp_path / "tiny.db") as db:  # a check without --repair writes nothing
+        columns = [row[1] for row in db.execute("PRAGMA table_info(sweep_checkpoints)")]
+        assert not set(newer) & set(columns) and db.execute("SELECT * FROM sweep_checkpoints").fetchall() == before

@@ -782,8 +782,8 @@ def test_a_member_that_kills_its_cohort_is_failed_alone_and_the_members_it_took_
         tmp_path: Path) -> None:
     # Found by review: one member whose code kills the worker process took its cohort with it at every retry (the
     # retries, queued together, formed one cohort again), and after three rounds every member was failed as a config
-    # that kills its worker, the innocent ones too. Now the retries of a trial lost in a cohort train alone: the
-    # poison one is failed after three losses of its own, the others complete.
+    # that kills its worker, the innocent ones too. Now a loss in a cohort is not counted, and the retries of a trial
+    # lost twice in cohorts train alone: the poison one is failed after three losses of its own, the others complete.
     (tmp_path / "poison_task.py").write_text(POISON_TASK)
     document = copy.deepcopy(TINY_STUDY) | {
         "name": "coh", "n_trials": 4, "task": {"name": "poison_task:task"}, "execution": {"cohort": 4},
@@ -804,8 +804,10 @@ def test_a_member_that_kills_its_cohort_is_failed_alone_and_the_members_it_took_
     assert ended[0.9].user_attrs["fail_reason"].startswith("worker lost 3 times in a row on this config")
     first = [t for t in trials if "retry_of" not in t.user_attrs]
     assert all(t.user_attrs["cohort"]["size"] == 4 for t in first)  # they died together, in one cohort of 4
-    retries = [t for t in trials if "retry_of" in t.user_attrs]
-    assert retries and all("cohort" not in t.user_attrs for t in retries)  # and were retried alone
+    again = [t for t in trials if t.user_attrs.get("retry_of") in {f.number for f in first}]
+    assert all(t.user_attrs["cohort"]["size"] == 4 for t in again)  # once: as a machine's fault, in a cohort again
+    alone = [t for t in trials if t.number not in {f.number for f in first + again}]
+    assert alone and all("cohort" not in t.user_attrs for t in alone)  # twice: retried alone
 
 
 INTERRUPTING_TASK = '''

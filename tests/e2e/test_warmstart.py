@@ -341,3 +341,24 @@ def test_a_from_studies_study_run_without_warm_start_is_named_in_a_warning_and_o
     assert "gives no donors" not in stderr
     donor = first_donor("after-donor")
     assert isinstance(donor, dict) and donor["study"] == "donor" and donor["step"] == 20
+
+
+def test_a_warm_trial_s_parent_whose_row_is_gone_is_no_orphan_and_still_replays(tmp_path: Path) -> None:
+    # Found by review: an older sweep resuming the study deleted a pinned donor's row (it could not resolve the newer
+    # relative URI); `sweep check --repair` then deleted the donor's file as an orphan, and the warm trial could no
+    # longer be reproduced. The trial keeps its parent's URI and hash: that file is never an orphan.
+    import os
+
+    path = warm_study(tmp_path, n_trials=3)
+    assert sweep_cli("run", path).returncode == 0
+    [warm] = [t for t in load(tmp_path).get_trials() if "warm_start_from" in t.user_attrs][:1]
+    parent = warm.user_attrs["warm_start_from"]
+    with sqlite3.connect(tmp_path / "warm.db") as connection:
+        connection.execute("DELETE FROM sweep_checkpoints WHERE id = ?", (parent["checkpoint_id"],))
+    folder = tmp_path / "warm.checkpoints" / "warm"
+    for blob in folder.glob("*.pt"):  # older than the orphan scan's minimum age
+        os.utime(blob, (blob.stat().st_mtime - 3600,) * 2)
+    assert sweep_cli("check", path, "--repair").returncode == 0
+    assert (folder / parent["uri"]).exists()
+    again = sweep_cli("reproduce", path, str(warm.number))
+    assert again.returncode == 0 and "identical" in again.stdout, again.stderr
