@@ -151,8 +151,10 @@ _OUTCOME_VALUES = frozenset(outcome.value for outcome in Outcome)
 
 # What a trial sweep asked holds from its first moments (`ATTR_CONFIG`, written before it trains; a queued retry's or
 # confirmation's own marks): a failed trial with none of them and no `fail_reason` was not one of sweep's. (One
-# sweep asked and lost before writing its config carries the reason the worker that failed it wrote; where that
-# worker was killed between the two writes, its heartbeat row tells it apart: `Worker._lost_unmarked`.)
+# sweep asked and lost before writing its config carries the reason the worker that failed it wrote. Only where
+# that worker was killed between those two writes, a second fault within milliseconds, does it read as failed:
+# counted, not retried. Its heartbeat cannot tell it apart: a silent trial of another tool's is beaten for once
+# too, `Worker._adopt_silent_trials`.)
 _SWEEP_MARKS = (ATTR_CONFIG, ATTR_RETRY_OF, ATTR_CONFIRMS)
 
 

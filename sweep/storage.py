@@ -1234,19 +1234,6 @@ class PatientStorage(BaseStorage):
         self.flush_deferred()
         self.boundary.call(self._write_user_attrs, trial_id, {"fail_reason": reason, "outcome": outcome})
 
-    def has_beaten(self, trial_id: int) -> bool:
-        """Whether the trial has a heartbeat row: a trial one of sweep's workers ran (or adopted: a silent one), where
-        another tool's trial in the study, run without heartbeats, has none."""
-        from optuna.storages._rdb import models
-        from optuna.storages._rdb.storage import _create_scoped_session
-
-        def query() -> bool:
-            with _create_scoped_session(self.backend.scoped_session) as session:
-                return session.query(models.TrialHeartbeatModel.trial_id).filter(
-                    models.TrialHeartbeatModel.trial_id == trial_id).first() is not None
-
-        return bool(self.boundary.call(query))
-
     def _fail_if_running(self, trial_id: int) -> bool:
         try:
             return bool(self.cached.set_trial_state_values(trial_id, TrialState.FAIL))

@@ -195,7 +195,6 @@ class Worker:
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
         self.ended_ways: dict[int, str | None] = {}
-        self.unbeaten: set[int] = set()  # failed trials without a heartbeat: another tool's (`_lost_unmarked`)
         self.given_up: set[int] = set()  # lost trials failed as killed by their config (`_killed_by_its_config`)
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
@@ -504,8 +503,6 @@ class Worker:
             if trial.state != TrialState.FAIL or trial.number in retried or ATTR_WITHDRAWN in trial.user_attrs:
                 continue
             outcome = outcome_of(trial)
-            if outcome == Outcome.FAILED and self._lost_unmarked(trial):
-                outcome = Outcome.LOST
             if outcome is None or not outcome.retried:
                 continue
             ended = trial.datetime_complete
@@ -522,18 +519,6 @@ class Worker:
             self._retry(trial, reason)
             queued = True
         return queued, young
-
-    def _lost_unmarked(self, trial: FrozenTrial) -> bool:
-        """A failed trial that reads as another tool's (`outcome_of`: no reason, no config) but beat as sweep's
-        trials do: one asked and lost before it wrote its config, whose failing worker was killed between failing it
-        and writing why (two writes). It is lost, and retried (review)."""
-        if ATTR_FAIL in trial.user_attrs or ATTR_OUTCOME in trial.user_attrs or trial.number in self.unbeaten \
-                or not isinstance(self.storage, PatientStorage):
-            return False
-        if self.storage.has_beaten(trial._trial_id):  # noqa: SLF001 - Optuna has no public trial id
-            return True
-        self.unbeaten.add(trial.number)  # a finished trial beats no more: asked once
-        return False
 
     def _warm_results_pending(self, trials: list[FrozenTrial], taken: int) -> bool:
         """Whether the next trial, one of the budget's last `warm_start.confirm`, must wait for a running trial that
