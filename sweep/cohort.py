@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from sweep.worker import Beats, RunSummary, Worker  # the loop drives a worker: its ask, end and heartbeats
     from trainer import Task, TrainingConfig
 
-__all__ = ["ATTR_COHORT", "CohortLoop", "shape_keys"]
+__all__ = ["CohortLoop", "shape_keys"]
 
 AUTO_LIMIT = 256  # `cohort: auto` takes what fits the device's memory, up to this many (a CPU's RAM fits far more)
 GENERATIONS = 4  # with shape keys, a cohort takes this many times its size in members, then drains; the next one

@@ -41,7 +41,6 @@ __all__ = [
     "TrialResult",
     "budget_counts",
     "failure_signature",
-    "in_a_cohort",
     "infrastructure_fault",
     "jsonable",
     "lineage",
@@ -240,7 +239,7 @@ def lost_in_a_row(trials: Mapping[int, FrozenTrial], number: int) -> int:
             continue
         reached = max(trial.intermediate_values, default=-1)
         if outcome_of(trial) is Outcome.LOST:
-            if ATTR_CONFIG in trial.user_attrs and not in_a_cohort(trial):
+            if ATTR_CONFIG in trial.user_attrs and not _in_a_cohort(trial):
                 streak = 1 if reached > furthest else streak + 1
         else:
             streak = 0
@@ -248,7 +247,7 @@ def lost_in_a_row(trials: Mapping[int, FrozenTrial], number: int) -> int:
     return streak
 
 
-def in_a_cohort(trial: FrozenTrial) -> bool:
+def _in_a_cohort(trial: FrozenTrial) -> bool:
     """Whether the trial trained in a cohort of several (`ATTR_COHORT`): its worker process was the members'."""
     cohort = trial.user_attrs.get(ATTR_COHORT)
     size = cohort.get("size") if isinstance(cohort, dict) else None
@@ -259,7 +258,7 @@ def lost_in_a_cohort(trials: Mapping[int, FrozenTrial], number: int) -> int:
     """How many attempts of trial `number`'s lineage were lost in a cohort of several: who killed that process, it
     or another member, cannot be told. Once is the machine's way (a preempted node, a killed job: retried in a
     cohort again); twice, and its retries train alone (sweep.cohort), where a loss is its own."""
-    return sum(outcome_of(trial) is Outcome.LOST and in_a_cohort(trial)
+    return sum(outcome_of(trial) is Outcome.LOST and _in_a_cohort(trial)
                for n in lineage(trials, number) if (trial := trials.get(n)) is not None)
 
 

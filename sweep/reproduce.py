@@ -385,8 +385,8 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
         config = TrainingConfig.from_dict(stored_config)
         parent = _parent(trial, BlobScope(store))
-        task = task_for(config.task, config.task_args)
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
+            task = task_for(config.task, config.task_args)  # its data missing is the replay's error, as before
             train(config, task, recorder, warm_start=parent)
         device, deterministic = resolve_device(config.device), config.deterministic
         data = task.data_digest()

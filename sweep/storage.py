@@ -1245,10 +1245,6 @@ class PatientStorage(BaseStorage):
         finished trials (`_read_finished`, which takes a finished trial for unchanging) then reads it again."""
         import json
 
-        with self._finished_lock:
-            for known in self._finished.values():
-                known.pop(trial_id, None)
-        self._drop_snapshots()
         with self.backend.engine.begin() as connection:
             for key, value in attrs.items():
                 updated = connection.execute(
@@ -1257,6 +1253,13 @@ class PatientStorage(BaseStorage):
                 if not updated:
                     connection.execute(text("INSERT INTO trial_user_attributes (trial_id, key, value_json) "
                                             "VALUES (:t, :k, :v)"), {"v": json.dumps(value), "t": trial_id, "k": key})
+        self._forget_finished(trial_id)  # once committed: a read before then would keep the old attrs again
+
+    def _forget_finished(self, trial_id: int) -> None:
+        with self._finished_lock:
+            for known in self._finished.values():
+                known.pop(trial_id, None)
+        self._drop_snapshots()
 
     def trial_age_s(self, trial: FrozenTrial) -> float:
         if trial.datetime_start is None:

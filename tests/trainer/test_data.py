@@ -202,7 +202,10 @@ def test_the_data_fingerprint_follows_the_data_and_is_in_every_run_s_record(digi
     assert task(x, torch.ones(4, dtype=torch.long)).data_digest() != digest  # the validation targets count too
     assert task(x.reshape(100, 2, 3)).data_digest() != digest  # and the shape
     for dtype in (torch.bfloat16, torch.bool, torch.uint8, torch.complex64):  # dtypes numpy lacks or views oddly
-        assert task(x.to(dtype)).data_digest() not in (None, digest)
+        typed = x > 300 if dtype == torch.bool else x.to(dtype)
+        changed = typed.clone()
+        changed[3, 1] = typed[57, 2]  # 19 becomes 344 (88 as uint8; True for x > 300): one element's bytes
+        assert task(typed).data_digest() not in (None, digest, task(changed).data_digest())
     # A set above DIGEST_ELEMENTS is read in runs of whole samples, the first and the last among them.
     big = torch.zeros(DIGEST_ELEMENTS // 8 + 1, 16, dtype=torch.uint8)
     first, last = big.clone(), big.clone()
