@@ -277,7 +277,8 @@ def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_th
     for key, value in {"outcome": "preempted", "fail_reason": "preempted (SIGTERM)", "interrupted": True}.items():
         preempted.set_user_attr(key, value)
     study.tell(preempted, state=TrialState.FAIL)
-    lost = study.ask()  # failed as lost by another worker, which died before writing why and queuing the retry
+    lost = study.ask()  # training (its config written), failed as lost by another worker, which died before writing
+    lost.set_user_attr("config", {})  # why and queuing the retry (without a config: another tool's failure)
     study.tell(lost, state=TrialState.FAIL)
     half = study.ask()  # the same, its reason written but not its outcome
     half.set_user_attr("fail_reason", "worker lost: no heartbeat")
