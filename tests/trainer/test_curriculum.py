@@ -295,6 +295,7 @@ def test_the_level_is_logged_with_the_other_metrics() -> None:
 def test_a_curriculum_adds_no_host_device_sync(schedule: str) -> None:
     # The same counts as test_loop's sync test: the level and the pool size are computed on the host from the step.
     task = load_task("digits")
+    task.data_digest()  # the data's fingerprint (the reproducibility record's): read once per task, before any step
     counts = {}
     for max_steps in (20, 80):
         counter = SyncCounter()

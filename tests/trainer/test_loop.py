@@ -208,6 +208,7 @@ class SyncCounter(TorchFunctionMode):
     ],
 )
 def test_no_host_device_sync_between_log_and_eval_intervals(digits, fast_fail: bool, expected: dict) -> None:
+    digits.data_digest()  # the data's fingerprint (the reproducibility record's): read once per task, before any step
     counts = {}
     for max_steps in (20, 80):
         counter = SyncCounter()
