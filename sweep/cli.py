@@ -1403,10 +1403,10 @@ def reproduce(
     """Train one trial again from the storage alone and compare every reported value (a loop's or command's that
     reported none: its final value); exit 0 when identical."""
     from sweep import results
-    from sweep.blobs import is_object_url
     from sweep.reconcile import store_location
     from sweep.reproduce import reproduce_trial
     from sweep.signals import Preempted, graceful_signals, raise_pending
+    from sweep.study import is_another_store
 
     study, url = _open_with_url(target, storage, study_name, "reproduce")
     try:
@@ -1422,7 +1422,7 @@ def reproduce(
             sys.path.append(folder)  # after the installed packages: a file there never shadows one of them
     ran_with = store_location(study, url)
     store = (spec.checkpoints.store if spec is not None else None) or ran_with
-    if store != ran_with and not is_object_url(ran_with) and Path(ran_with).is_dir():
+    if is_another_store(study.study_name, ran_with, store):
         store = ran_with  # a study file edited since names another store: the one the study ran with is still there
     try:  # Ctrl-C or SIGTERM: a request, honoured at the replay's next log or report step (`_Recorder`)
         with graceful_signals():

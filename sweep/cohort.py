@@ -582,10 +582,10 @@ class CohortLoop:
         """A retry whose lineage was lost twice in a cohort of several (`lost_in_a_cohort`; once is a machine's
         fault as often as not, and its retry joins a cohort again), from the study's trials as the ask that took it
         read them."""
-        trials = {t.number: t for t in self.seen}
-        asked = trials.get(trial.number)
+        seen = self.seen  # by number (a study's trials are numbered from 0 in order)
+        asked = seen[trial.number] if trial.number < len(seen) and seen[trial.number].number == trial.number else None
         origin = (asked.user_attrs if asked is not None else trial.user_attrs).get(ATTR_RETRY_OF)
-        return isinstance(origin, int) and lost_in_a_cohort(trials, origin) >= 2
+        return isinstance(origin, int) and lost_in_a_cohort({t.number: t for t in seen}, origin) >= 2
 
     def _alone(self, beats: Beats, trial: optuna.Trial, runner: TrainerTrial, prepared: Prepared) -> None:
         """Train one trial by the ordinary loop, now (the cohort, if any, waits)."""

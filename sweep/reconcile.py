@@ -44,6 +44,8 @@ from sweep.registry import default_store
 from trainer.checkpoint import sha256_of
 
 if TYPE_CHECKING:
+    from optuna.trial import FrozenTrial
+
     from sweep.registry import CheckpointRecord, Registry
 
 __all__ = ["CheckReport", "Problem", "ProblemKind", "check_study", "quick_check", "store_location"]
@@ -194,7 +196,8 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
         files = None
     # A warm trial's parent is never an orphan, row or none: `reproduce` loads it by the URI and hash the trial keeps
     # (review: a row an older sweep deleted left the parent to --repair, and the trial could no longer be replayed).
-    parents = {found for trial in study.get_trials(deepcopy=False)
+    trials = study.get_trials(deepcopy=False)
+    parents = {found for trial in trials
                if isinstance(parent := trial.user_attrs.get(ATTR_WARM_START), dict) and parent.get("study") == name
                and isinstance(parent.get("uri"), str) and (found := scope.find(parent["uri"], name)) is not None}
     _check_orphans(files, records, scope, report, repair and delete_orphans, orphan_min_age_s, stale_temporary_s,
@@ -202,7 +205,7 @@ def check_study(registry: Registry, store_location: str, study: optuna.Study, *,
     if repair and not delete_orphans and report.of_kind(ProblemKind.ORPHAN_FILE):
         report.notes.append("files no row names were left in place: the store is named only by the database; give "
                             "the study file to let --repair delete them")
-    _check_artifacts(study, sound, scope, report, repair)
+    _check_artifacts(study, trials, sound, scope, report, repair)
     return report
 
 
@@ -386,9 +389,9 @@ def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], s
                                        str(file.path), repaired=repair))
 
 
-def _check_artifacts(study: optuna.Study, sound: list[CheckpointRecord], scope: BlobScope, report: CheckReport,
-                     repair: bool) -> None:
-    recorded = [(trial, trial.user_attrs[CHECKPOINT_ATTR]) for trial in study.get_trials(deepcopy=False)
+def _check_artifacts(study: optuna.Study, trials: Sequence[FrozenTrial], sound: list[CheckpointRecord],
+                     scope: BlobScope, report: CheckReport, repair: bool) -> None:
+    recorded = [(trial, trial.user_attrs[CHECKPOINT_ATTR]) for trial in trials
                 if isinstance(trial.user_attrs.get(CHECKPOINT_ATTR), dict)
                 and trial.user_attrs[CHECKPOINT_ATTR].get("artifact_id")]
     if not recorded:
