@@ -126,6 +126,8 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
         return "-o: '.' (or '') is the current folder; expected a file to write"
     if problem := long_name_problem(output):
         return f"-o: {problem}"
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(output)):  # `best`'s header would break out of its comment
+        return f"-o: the path {short_repr(str(output))} holds a control character; expected a printable file name"
     if output.is_dir():
         return f"-o: {output} is a folder; expected a file to write, such as {output / 'out'}"
     resolved = output.resolve()
@@ -1077,7 +1079,7 @@ def best(
         again = results.retraining(chosen, config)
         config = again.config
         text = (f"# best trial of study {study.study_name!r}: {_code_path(config, target, output)}{again.env}"
-                f"python -m trainer {output or 'best.yaml'}\n{again.comment}")
+                f"python -m trainer {shlex.quote(str(output or 'best.yaml'))}\n{again.comment}")
     if is_warm(chosen):  # a warm value: this config alone, trained cold, may not reach it
         lineage = results.lineage_label(chosen, study.get_trials(deepcopy=False))
         err.print(f"warning: trial {chosen.number}'s value {chosen.value:.6g} is a warm start's: {lineage}",

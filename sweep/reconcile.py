@@ -267,6 +267,12 @@ def _listing(store_location: str, study: str, report: CheckReport) -> list[_File
                             f"{store_location}")
         return None
     folder = CheckpointStore(store_location, study).folder
+    if folder.is_symlink():
+        # Not a folder sweep made: the scan would delete, as orphans, the files of wherever it leads (review: one
+        # link in a shared store, and the next `check --repair` emptied a folder of the user's outside it).
+        report.notes.append(f"orphan scan skipped: {folder} is a symbolic link (to {os.readlink(folder)}), not the "
+                            "folder sweep made, so no file in it is deleted as an orphan")
+        return None
     now, files = time.time(), []
     try:
         listed = list(folder.iterdir())

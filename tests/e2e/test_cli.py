@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -64,13 +65,17 @@ def test_rerun_finishes_the_budget_instead_of_adding_to_it(tiny_study: Path) -> 
 
 def test_best_config_retrains_to_the_same_value(tiny_study: Path) -> None:
     assert sweep_cli("run", tiny_study).returncode == 0
-    best_yaml = tiny_study.parent / "best.yaml"
+    # A name the shell would split and expand (review: the header's command line held it unquoted).
+    best_yaml = tiny_study.parent / "my best $(touch pwned).yaml"
     done = sweep_cli("best", tiny_study, "-o", best_yaml)
     assert done.returncode == 0, done.stderr
     study = load(tiny_study.parent / "tiny.db")
-    assert yaml.safe_load(best_yaml.read_text())["learning_rate"] == study.best_params["learning_rate"]
-    trained = subprocess.run([sys.executable, "-m", "trainer", str(best_yaml)], capture_output=True, text=True,
-                             timeout=120)
+    text = best_yaml.read_text()
+    assert yaml.safe_load(text)["learning_rate"] == study.best_params["learning_rate"]
+    # The header's command, pasted into a shell, trains this file.
+    command = text.splitlines()[0].split(": ", 1)[1].replace("python ", f"{shlex.quote(sys.executable)} ", 1)
+    trained = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120, cwd=tiny_study.parent)
+    assert not (tiny_study.parent / "pwned").exists()
     assert trained.returncode == 0, trained.stderr
     # Bit for bit on CPU: the same config and seed reproduce the stored value exactly.
     assert json.loads(trained.stdout)["metrics"]["val_loss"] == study.best_value

@@ -1112,6 +1112,8 @@ REVIEWED = [
     bad_args("reviewed", "status-of-a-long-name", ("status", f"{LONG}.db"), "'xxx", "file systems allow 255"),
     bad_args("reviewed", "output-with-a-long-name", ("best", STUDY, "-o", f"{LONG}.yaml"), "-o: ",
              "a part of the path is 305 bytes long"),
+    bad_args("reviewed", "output-with-a-newline", ("best", STUDY, "-o", "a\nmax_steps: 5\n.yaml"), "-o: the path ",
+             "holds a control character; expected a printable file name"),
     bad_args("reviewed", "best-written-as-json", ("best", STUDY, "-o", "best.json"), "-o: best.json: ",
              "sweep best writes YAML, and python -m trainer reads a .json file as JSON; name it best.yaml"),
     bad_file("reviewed", "schedule-that-raises", changed(fixed__curriculum={"schedule": "corpus_schedules:raises"}),

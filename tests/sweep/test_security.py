@@ -275,6 +275,33 @@ def test_quick_check_and_check_repair_drop_rows_outside_the_store_and_leave_the_
     assert [p.path_or_id for p in removed] == [victim["uri"]] and Path(victim["uri"]).exists()
 
 
+def test_check_repair_deletes_no_orphan_where_the_study_folder_is_a_link_out_of_the_store(registry: Registry,
+                                                                                          tmp_path: Path) -> None:
+    # Whoever may write a shared store could replace a study's folder with a link to one of the user's own
+    # (~/.ssh, say): the next `check --repair` deleted every file there older than a minute as an orphan.
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'sweep.db'}")
+    home = tmp_path / "home"
+    home.mkdir()
+    precious = home / "precious.txt"
+    precious.write_text("keep me")
+    os.utime(precious, (time.time() - 3 * 3600,) * 2)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "s").symlink_to(home)
+    store = CheckpointStore(tmp_path / "store", "s")
+    registry.register(trial_number=0, study="s", step=10, value=0.5, params={}, shape_key="k",
+                      **checkpoint_at(store.local_path("t0.pt"), 10))
+    report = check_study(registry, str(tmp_path / "store"), study, repair=True)
+    assert precious.read_text() == "keep me"
+    assert not report.of_kind(ProblemKind.ORPHAN_FILE)
+    assert any("orphan scan skipped" in note and "symbolic link" in note for note in report.notes)
+    # The study's own folder, with that file in it, is scanned: the file is an orphan there.
+    (tmp_path / "store" / "s").unlink()
+    home.rename(tmp_path / "store" / "s")
+    repaired = check_study(registry, str(tmp_path / "store"), study, repair=True)
+    assert [p.kind for p in repaired.problems] == [ProblemKind.ORPHAN_FILE]
+    assert not (tmp_path / "store" / "s" / "precious.txt").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Which user code a stored config may name.
 
