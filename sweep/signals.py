@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 from types import FrameType
 
@@ -45,6 +46,7 @@ def is_unmarked(stop: BaseException) -> bool:
 _pending: type[BaseException] | None = None  # the stop asked for, not raised yet
 _direct: type[BaseException] | None = None  # ... when a direct signal (not a forwarded one) asked for it
 _requested: type[BaseException] | None = None  # the stop asked for in this block, raised or not
+_depth = 0  # graceful_signals blocks entered (the outermost one sets the handlers)
 
 # The signal a launcher sends its workers for each one it received (see the module's docstring): real-time signals
 # where there are (no library a user's loop brings uses them; Lightning, say, takes SIGUSR1 for Slurm's requeue).
@@ -96,11 +98,18 @@ def graceful_signals() -> Iterator[None]:
     """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`, and so do their forwarded
     forms (`FORWARD`), which never raise at once; a request recorded before (`record_forwarded`) is kept. The
     handlers in place before are restored afterwards."""
-    global _pending, _direct, _requested
+    global _pending, _direct, _requested, _depth
+    if _depth or threading.current_thread() is not threading.main_thread():
+        # Inside another such block (`sweep run` around `run_study`), whose requests stay its own; or on another
+        # thread, which no signal handler can be set from (signals reach the main thread only).
+        yield
+        return
     previous = {signum: signal.signal(signum, _handler) for signum in (*_KINDS, *_FORWARDED)}
+    _depth += 1
     try:
         yield
     finally:
+        _depth -= 1
         for signum, before in previous.items():
             signal.signal(signum, before)
         _pending = _direct = _requested = None

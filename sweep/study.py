@@ -24,9 +24,11 @@ from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
 from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
 from sweep.registry import default_store
 from sweep.schema import StudySpec, resolve_storage_url
+from sweep.signals import graceful_signals
 from sweep.storage import Boundary, PatientStorage, load_existing_study, lock_wait, make_storage, mask_url
 from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
 from trainer.config import nest
+from trainer.seeding import kept_global_state
 from trainer.yaml_file import short_repr
 
 __all__ = ["PRUNERS", "SAMPLERS", "Events", "InfrastructureError", "Preempted", "RunSummary", "StudyBrokenError",
@@ -199,16 +201,22 @@ def definition_note(stored: dict[str, Any]) -> str:
 
 def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = None, timeout: float | None = None,
               events: Events | None = None, storage_url: str | None = None) -> RunSummary:
-    """Run trials of `study` in this process until its budget is used (see `sweep.worker.Worker`)."""
+    """Run trials of `study` in this process until its budget is used (see `sweep.worker.Worker`).
+
+    As `sweep run` does, from a notebook or a script too: on the main thread, Ctrl-C and SIGTERM are requests the
+    running trials honour at their next log or evaluation step (marked interrupted, queued again), then raised to the
+    caller (KeyboardInterrupt, `sweep.signals.Preempted`); a second Ctrl-C raises at once. Python's, numpy's and
+    torch's global generators and torch's determinism switches are the caller's again afterwards."""
     storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
     boundary = storage.boundary if isinstance(storage, PatientStorage) else Boundary(spec.storage_patience)
-    worker = Worker(study, spec, storage_url=storage_url, boundary=boundary, events=events, n_trials=n_trials,
-                    timeout=timeout)
-    if worker.cohort_size != 1 and spec.task is not None:  # 0: as many as the device's memory holds
-        from sweep.cohort import CohortLoop
+    with graceful_signals(), kept_global_state():
+        worker = Worker(study, spec, storage_url=storage_url, boundary=boundary, events=events, n_trials=n_trials,
+                        timeout=timeout)
+        if worker.cohort_size != 1 and spec.task is not None:  # 0: as many as the device's memory holds
+            from sweep.cohort import CohortLoop
 
-        return CohortLoop(worker, worker.cohort_size).run(worker.begin())
-    return worker.run()
+            return CohortLoop(worker, worker.cohort_size).run(worker.begin())
+        return worker.run()
 
 
 def budget_used(study: optuna.Study) -> int:

@@ -76,7 +76,7 @@ from trainer.fast_fail import FastFailConfig, in_stage_grace
 from trainer.loop import Checkpointer, FastFailReporter, Reporter, TrainResult, deciding, ended, train
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import allow_tf32, resolve_device, resolve_precision
-from trainer.seeding import reproducibility_record, seed_everything
+from trainer.seeding import kept_global_state, reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, cross_entropy, load_task
 from trainer.tasks.arrays import class_cross_entropy
@@ -1188,6 +1188,7 @@ class MemberFailures(Exception):
 # ---------------------------------------------------------------------------------------------------------------------
 # Many configs: group by signature, batch what can be batched, train the rest alone.
 
+@kept_global_state()
 def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task | None = None, *,
                   capacity: int | None = None, say: Callable[[str], None] | None = None,
                   labels: Sequence[str] | None = None) -> list[TrainResult]:

@@ -41,7 +41,7 @@ from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge, trainin
 from trainer.fast_fail_rules import DIVERGED
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.precision import Precision, allow_tf32, resolve_device, resolve_precision
-from trainer.seeding import reproducibility_record, seed_everything
+from trainer.seeding import kept_global_state, reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, load_task
 from trainer.tasks.base import as_fp32
@@ -307,7 +307,7 @@ def train(config: TrainingConfig, task: Task | None = None, reporter: Reporter |
     """
     if resume is not None and warm_start is not None:
         raise ValueError("pass resume (continue this run) or warm_start (start from another run), not both")
-    with _threads_of_run(resume):
+    with kept_global_state(), _threads_of_run(resume):
         return _train(config, task, reporter, resume, warm_start, checkpointer, ranks)
 
 

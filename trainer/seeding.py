@@ -6,12 +6,13 @@ a rerun matches bit for bit only with the counts the run had (`apply_threads`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
 import random
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["THREAD_ENV", "apply_threads", "command_record", "deterministic_cublas", "git_commit",
+__all__ = ["THREAD_ENV", "apply_threads", "command_record", "deterministic_cublas", "git_commit", "kept_global_state",
            "reproducibility_record", "seed_everything", "seed_worker", "settle_vector_math", "thread_record"]
 
 # The variables that set the thread counts of a process that imports torch (read once, when torch loads).
@@ -59,6 +60,32 @@ def seed_everything(seed: int, *, deterministic: bool = False) -> None:
     # deterministic trial must not make the next ones slow (or refuse ops that have no deterministic kernel).
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
+
+
+@contextlib.contextmanager
+def kept_global_state() -> Iterator[None]:
+    """Put back, afterwards, what a run sets for the whole process: python's, numpy's and torch's global generators
+    (CUDA's too, where CUDA was in use before) and torch's determinism and float32 matmul switches. A run seeds and
+    sets them for itself; a caller in a notebook or a script keeps its own (review: a user's deterministic mode was
+    found off, and the caller's generators in a trial's state, after `train` returned)."""
+    python, numpy_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    deterministic, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                                torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32)
+    matmul = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+         torch.backends.cudnn.allow_tf32) = cudnn
+        torch.set_float32_matmul_precision(matmul)
 
 
 def deterministic_cublas() -> None:

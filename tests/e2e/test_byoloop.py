@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -723,6 +725,53 @@ def test_a_loop_that_catches_ctrl_c_or_installs_signal_handlers_still_lets_the_w
     assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
     assert sorted(stopped.intermediate_values) == [1, 2]
     assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
+
+
+def test_run_study_from_python_treats_ctrl_c_as_sweep_run_does_and_leaves_the_callers_state_as_it_was(
+        tmp_path: Path) -> None:
+    # Found by review: only the CLI made Ctrl-C a request. From a notebook or a script, the KeyboardInterrupt landed in
+    # the loop's own `except KeyboardInterrupt`, the trial was stored complete at a step it never reached, and the run
+    # went on; the caller's deterministic mode was off and its generators in a trial's state afterwards.
+    (tmp_path / "py_catcher.py").write_text(
+        "import os, signal\n"
+        "def main(config, run):\n"
+        "    run.seed_everything()\n"
+        "    try:\n"
+        "        for step in range(1, 50):\n"
+        "            if step == 3 and run.trial == 0:\n"
+        "                os.kill(os.getpid(), signal.SIGINT)\n"
+        "            run.report(step, val_loss=1.0 / step)\n"
+        "    except KeyboardInterrupt:\n"
+        "        return 0.5  # the loop's own Ctrl-C handling\n"
+        "    return 0.1\n")
+    path = write_study(tmp_path, {"name": "pycatcher", "n_trials": 2, "loop": "py_catcher:main", "pruner": "none"})
+    script = (
+        "import json, random, sys, numpy, torch\n"
+        "from sweep import load_spec, open_study, run_study\n"
+        "from sweep.schema import resolve_storage_url\n"
+        f"spec, path = load_spec({str(path)!r}); url = resolve_storage_url(spec, path, None)\n"
+        "torch.use_deterministic_algorithms(True, warn_only=True)\n"
+        "random.seed(7); numpy.random.seed(7); torch.manual_seed(7)\n"
+        "try:\n"
+        "    run_study(open_study(spec, url), spec, storage_url=url)\n"
+        "    stopped = None\n"
+        "except KeyboardInterrupt:\n"
+        "    stopped = 'KeyboardInterrupt'\n"
+        "draws = [random.random(), float(numpy.random.random()), torch.rand(1).item()]\n"
+        "random.seed(7); numpy.random.seed(7); torch.manual_seed(7)\n"
+        "summary = run_study(open_study(spec, url), spec, storage_url=url)  # the same process, resumed\n"
+        "print(json.dumps({'stopped': stopped, 'kept': draws == [random.random(), float(numpy.random.random()),\n"
+        "                  torch.rand(1).item()], 'deterministic': torch.are_deterministic_algorithms_enabled(),\n"
+        "                  'warn_only': torch.is_deterministic_algorithms_warn_only_enabled()}))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"stopped": "KeyboardInterrupt", "kept": True,
+                                                        "deterministic": True, "warn_only": True}
+    stopped, retry, second = trials_of(path, "pycatcher")
+    assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
+    assert sorted(stopped.intermediate_values) == [1, 2]
+    assert retry.user_attrs["retry_of"] == 0 and retry.state.name == "COMPLETE" and retry.value == 0.1
+    assert second.state.name == "COMPLETE"
 
 
 def test_a_loop_that_wraps_the_stop_in_its_own_exception_is_pruned_not_failed(tmp_path: Path) -> None:

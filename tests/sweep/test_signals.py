@@ -42,3 +42,16 @@ def test_forwarded_requests_never_raise_at_once_and_a_second_direct_one_does() -
         with pytest.raises(KeyboardInterrupt):
             deliver(signal.SIGINT)  # Ctrl-C twice: a worker stuck where no check comes stops now
     assert stop_requested() is None  # nothing outlives the block
+
+
+def test_a_block_inside_another_leaves_the_requests_to_the_outer_one() -> None:
+    # `sweep run` makes signals requests around `run_study`, which does so itself for callers from Python: the inner
+    # block's end must neither put Python's handlers back nor forget a request the outer one still has to honour.
+    with graceful_signals():
+        with graceful_signals():
+            deliver(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        assert stop_requested() is KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            raise_pending()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -111,16 +111,40 @@ def test_an_inter_op_count_that_torch_has_fixed_asks_for_a_fresh_process() -> No
     assert "fresh process" in done.stdout
 
 
-def test_a_deterministic_run_does_not_make_the_next_run_in_the_process_deterministic() -> None:
-    # A sweep worker trains trial after trial in one process; torch's switch is process-wide.
+class _SeesDeterminism:
+    """A reporter that notes torch's deterministic switch at each evaluation: what the run trained with."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def log(self, step: int, metrics: object) -> None:
+        pass
+
+    def report(self, step: int, metrics: object) -> bool:
+        self.seen.append(torch.are_deterministic_algorithms_enabled())
+        return False
+
+
+def test_a_run_trains_with_its_own_determinism_and_gives_the_caller_its_switches_and_generators_back() -> None:
+    # A sweep worker trains trial after trial in one process, and torch's switch is process-wide: a deterministic
+    # trial must not make the next ones deterministic. And a notebook's own settings are its own (review: a caller's
+    # deterministic mode was off, and its generators in the trial's state, once `train` returned).
     from trainer import TrainingConfig, train
 
     base = {"max_steps": 2, "eval_every_steps": 2, "log_every_steps": 2, "batch_size": 8, "model": {"hidden": 8}}
     try:
-        train(TrainingConfig.from_dict({**base, "deterministic": True}))
-        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
-        train(TrainingConfig.from_dict(base))
-        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+        seen = _SeesDeterminism()
+        train(TrainingConfig.from_dict({**base, "deterministic": True}), reporter=seen)
+        assert seen.seen and all(seen.seen) and not torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        expected = [random.random(), float(np.random.random()), torch.rand(1).item()]
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        seen = _SeesDeterminism()
+        train(TrainingConfig.from_dict(base), reporter=seen)
+        assert seen.seen and not any(seen.seen)  # the run's own setting, not the caller's
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert [random.random(), float(np.random.random()), torch.rand(1).item()] == expected
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
