@@ -572,6 +572,12 @@ def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
     except (StudyBrokenError, InfrastructureError, StorageUnavailable) as exc:
         if not isinstance(exc, StorageUnavailable):
             _print_status(study)
+        if isinstance(exc, StudyBrokenError):  # the budget as the members that ended with the last one left it
+            from sweep.outcomes import budget_counts
+
+            with contextlib.suppress(Exception):
+                exc = StudyBrokenError(exc.count, exc.signature, exc.n_trials,
+                                       budget_counts(study.get_trials(deepcopy=False))[0])
         raise _fail(f"{prefix}{exc}", 1) from None
     except Exception as exc:  # a trial's end refused by the storage (a database dropped): one line, not a traceback
         refusal = storage_refusal(exc)
@@ -592,7 +598,8 @@ def _run_here(study: Any, spec: Any, url: str, timeout: float | None, prefix: st
     status_now = results.study_status(study)
     best = status_now["best"]
     progress = LiveProgress(err, spec.n_trials, study.direction, done=status_now["budget_used"],
-                            best=None if best is None else best["value"], live=None if live else False, prefix=prefix)
+                            best=None if best is None else best["value"], live=None if live else False, prefix=prefix,
+                            cold_only=results.confirm_count(study) > 0)
     with progress:
         summary = run_study(study, spec, timeout=timeout, events=progress, storage_url=url)
     return summary, dict(progress.counts)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from sweep.confirm import is_warm
 from sweep.outcomes import ATTR_FAIL, LOST_REASON, Outcome, count_key, outcome_of
 from trainer.yaml_file import printable
 
@@ -79,8 +80,11 @@ class LiveProgress:
     """Counts by state, the best value so far, and the running trial's step and loss."""
 
     def __init__(self, console: Console, n_trials: int, direction: StudyDirection, done: int = 0,
-                 best: float | None = None, live: bool | None = None, prefix: str = "") -> None:
+                 best: float | None = None, live: bool | None = None, prefix: str = "",
+                 cold_only: bool = False) -> None:
+        """`cold_only`: the study's best is the best value reached cold (`warm_start.confirm` on, `study_best`)."""
         self.console = console
+        self.cold_only = cold_only
         self.prefix = prefix
         self.n_trials = n_trials
         self.maximize = direction == StudyDirection.MAXIMIZE
@@ -118,13 +122,14 @@ class LiveProgress:
         self._refresh()
 
     def trial_log(self, number: int, step: int, metrics: Mapping[str, float]) -> None:
-        self.current = f"trial {number} step {step} loss {metrics.get('train_loss', float('nan')):.4g}"
+        loss = metrics.get("train_loss")  # a user's loop may log none
+        self.current = f"trial {number} step {step}" + ("" if loss is None else f" loss {loss:.4g}")
         self._refresh()
 
     def trial_finished(self, trial: FrozenTrial) -> None:
         self.counts[count_key(trial)] += 1
         self.done += 1
-        if trial.state == TrialState.COMPLETE and trial.value is not None:
+        if trial.state == TrialState.COMPLETE and trial.value is not None and not (self.cold_only and is_warm(trial)):
             better = self.best is None or (trial.value > self.best if self.maximize else trial.value < self.best)
             self.best = trial.value if better else self.best
         self.last = f"last: trial {trial.number} {describe_outcome(trial)}"

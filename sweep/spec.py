@@ -407,10 +407,16 @@ def _warm_start_problems(spec: StudySpec) -> list[tuple[str, str]]:
             except ConfigError:  # reported by the config's own check
                 return []
             if spec.warm_start.handoff_step(config.max_steps, config.eval_every_steps) == 0:
+                latest = int(spec.warm_start.handoff * config.max_steps)  # the last step a handoff may be at
+                needed = config.eval_every_steps / config.max_steps
+                # A handoff is below 1: where the first evaluation is the budget's end, only evaluating sooner helps
+                # (review: "at least 1" was offered, which the key refuses).
+                remedy = (f"a handoff of at least {needed:.3g}, or evaluations more often" if needed < 1 else
+                          f"eval_every_steps of at most {latest}" if latest >= 1 else
+                          "a larger max_steps: this one leaves no step before the end to hand over at")
                 return [("warm_start.handoff", f"{spec.warm_start.handoff:g} x max_steps ({config.max_steps}) is "
                          f"below the first evaluation (eval_every_steps {config.eval_every_steps}), so no trial would "
-                         "keep a checkpoint to hand over and warm start would never happen; expected a handoff of at "
-                         f"least {config.eval_every_steps / config.max_steps:.3g}, or evaluations more often")]
+                         f"keep a checkpoint to hand over and warm start would never happen; expected {remedy}")]
     return []
 
 

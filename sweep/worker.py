@@ -84,7 +84,20 @@ MAX_LOST_REPEATS = 3  # a lineage lost this many times in a row without getting 
 
 
 class StudyBrokenError(Exception):
-    """Several trials in a row failed the same way: the code or the data is broken, not the configs."""
+    """Several trials in a row failed the same way: the code or the data is broken, not the configs. `advice(used)`
+    words it again with the budget used once the run has wound down: in a cohort, the members that ended at the same
+    evaluation are recorded after the one that completed the row, and may spend the rest of the budget."""
+
+    def __init__(self, count: int, signature: str, n_trials: int, used: int) -> None:
+        self.count, self.signature, self.n_trials = count, signature, n_trials
+        super().__init__(self.advice(used))
+
+    def advice(self, used: int) -> str:
+        rerun = (f"Fix it, then rerun with a larger --n-trials: these failures spent the budget ({used}/"
+                 f"{self.n_trials} trials done), so a rerun alone trains nothing" if used >= self.n_trials else
+                 "Fix it and rerun, or raise max_repeated_failures")
+        return (f"{self.count} trials in a row failed the same way ({self.signature}); the code or the data is likely "
+                f"broken, not the configs. {rerun}.")
 
 
 def _twin(trial: optuna.Trial, trials: list[FrozenTrial]) -> int | None:
@@ -632,13 +645,9 @@ class Worker:
                     count += 1
         self._trim_ended_ways(min(in_flight, default=None))
         if count >= self.spec.max_repeated_failures:
-            used = budget_counts(self.study.get_trials(deepcopy=False))[0]
-            rerun = (f"Fix it, then rerun with a larger --n-trials: these failures spent the budget ({used}/"
-                     f"{self.n_trials} trials done), so a rerun alone trains nothing" if used >= self.n_trials else
-                     "Fix it and rerun, or raise max_repeated_failures")
-            raise StudyBrokenError(
-                f"{count} trials in a row failed the same way ({signature}); the code or the data is likely "
-                f"broken, not the configs. {rerun}.")
+            assert signature is not None
+            raise StudyBrokenError(count, signature, self.n_trials,
+                                   budget_counts(self.study.get_trials(deepcopy=False))[0])
 
     def _trim_ended_ways(self, lowest_in_flight: int | None) -> None:
         """Forget the ends no row can reach again: every trial that ends from now on is one in flight or a new one,

@@ -553,6 +553,9 @@ def test_members_that_diverge_together_stop_the_study_with_every_other_member_to
     done = sweep_cli("run", write_study(tmp_path, document))
     assert done.returncode == 1, done.stderr
     assert "2 trials in a row failed the same way (diverged" in done.stderr, done.stderr
+    # Those told after the row was complete spent the rest of the budget (review: "Fix it and rerun", which trained
+    # nothing, since the line was worded when 2 of the 6 were recorded).
+    assert "rerun with a larger --n-trials: these failures spent the budget (6/6 trials done)" in done.stderr
     trials = load(tmp_path).get_trials()  # each told as it ended: diverged, never retried
     assert [(t.state, t.user_attrs["fail_reason"]) for t in trials] == [
         (TrialState.FAIL, "diverged: val_loss is nan at step 20")] * 6

@@ -264,6 +264,12 @@ RANGES = [
     # A handoff below the first evaluation turned warm start (and its confirmations) off without a word.
     bad_file("ranges", "handoff-before-the-first-evaluation", changed(warm_start={"handoff": 0.4}),
              "warm_start.handoff", "is below the first evaluation (eval_every_steps 10)"),
+    # ... and where the first evaluation is the budget's end, only evaluating sooner helps (a handoff is below 1).
+    bad_file("ranges", "handoff-with-one-evaluation", changed(warm_start={"handoff": 0.5}, fixed__eval_every_steps=20),
+             "warm_start.handoff", "expected eval_every_steps of at most 10"),
+    bad_file("ranges", "handoff-with-max-steps-1", changed(warm_start={}, fixed__max_steps=1,
+                                                           fixed__eval_every_steps=1, fixed__log_every_steps=1),
+             "warm_start.handoff", "expected a larger max_steps: this one leaves no step before the end"),
     bad_file("ranges", "confirm-negative", changed(warm_start={"confirm": -1}), "warm_start.confirm",
              "greater than or equal to 0"),
     bad_file("ranges", "seed-above-2**32", changed(seed=2**32), "seed", "less than or equal to 4294967295"),
