@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 __all__ = ["FORWARD", "Preempted", "graceful_signals", "is_unmarked", "mark_unmarked", "raise_pending",
-           "record_forwarded", "stop_requested"]
+           "raised_at_once", "record_forwarded", "stop_requested"]
 
 
 class Preempted(BaseException):
@@ -47,6 +47,7 @@ _pending: type[BaseException] | None = None  # the stop asked for, not raised ye
 _direct: type[BaseException] | None = None  # ... when a direct signal (not a forwarded one) asked for it
 _requested: type[BaseException] | None = None  # the stop asked for in this block, raised or not
 _depth = 0  # graceful_signals blocks entered (the outermost one sets the handlers)
+_raised = 0  # stops raised at once, by a second direct signal, in this block
 
 # The signal a launcher sends its workers for each one it received (see the module's docstring): real-time signals
 # where there are (no library a user's loop brings uses them; Lightning, say, takes SIGUSR1 for Slurm's requeue).
@@ -65,6 +66,13 @@ def stop_requested() -> type[BaseException] | None:
     return _requested
 
 
+def raised_at_once() -> int:
+    """How many stops a second signal has raised at once in this block: where one lands in a user's code that catches
+    it (a loop's own `except KeyboardInterrupt`), the count tells the caller that it was asked to stop (`stop_requested`
+    says how)."""
+    return _raised
+
+
 def raise_pending() -> None:
     """Raise the interruption a signal asked for, once."""
     global _pending, _direct
@@ -81,7 +89,9 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         return
     kind = _KINDS[signum]
     if _direct is kind:  # asked twice, directly (Ctrl-C again): now
+        global _raised
         _pending = _direct = None
+        _raised += 1
         raise kind()
     _pending = _direct = _requested = kind
 
@@ -98,7 +108,7 @@ def graceful_signals() -> Iterator[None]:
     """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`, and so do their forwarded
     forms (`FORWARD`), which never raise at once; a request recorded before (`record_forwarded`) is kept. The
     handlers in place before are restored afterwards."""
-    global _pending, _direct, _requested, _depth
+    global _pending, _direct, _requested, _depth, _raised
     if _depth or threading.current_thread() is not threading.main_thread():
         # Inside another such block (`sweep run` around `run_study`), whose requests stay its own; or on another
         # thread, which no signal handler can be set from (signals reach the main thread only).
@@ -113,3 +123,4 @@ def graceful_signals() -> Iterator[None]:
         for signum, before in previous.items():
             signal.signal(signum, before)
         _pending = _direct = _requested = None
+        _raised = 0

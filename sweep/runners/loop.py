@@ -81,7 +81,7 @@ from sweep.outcomes import (
     TimedOut,
     TrialResult,
 )
-from sweep.signals import FORWARD, Preempted
+from sweep.signals import FORWARD, Preempted, raised_at_once, stop_requested
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.imports import no_function
 from trainer.loop import Reporter
@@ -353,12 +353,18 @@ class LoopTrial(TrialRun):
         seed_everything(seed)
         started = time.perf_counter()
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
+            at_once = raised_at_once()
             try:
                 returned = call_loop(function, config, run)
             except Exception:
-                if run.interrupted is None and not reporter.timed_out and reporter.prune_reason is None:
+                if (run.interrupted is None and raised_at_once() == at_once and not reporter.timed_out
+                        and reporter.prune_reason is None):
                     raise
                 returned = None  # what it raised once told to stop (a StopTrial it wrapped, say) changes nothing
+        if run.interrupted is None and raised_at_once() != at_once:
+            # A second Ctrl-C raises at once, wherever the loop is: one that landed in its own code, which caught it,
+            # still stops the trial (review: it completed at a step it never reached, and the run went on).
+            run.interrupted = (stop_requested() or KeyboardInterrupt)()
         if run.interrupted is not None:  # the loop caught it, or a thread of its reported
             raise type(run.interrupted)()
         reporter.flush()
