@@ -75,6 +75,9 @@ ATTR_CONFIRMS = "confirms"  # on a cold confirmation trial: the number of the wa
 ATTR_LINEAGE = "lineage"  # one readable line on where a warm trial's value came from (for optuna-dashboard)
 ATTR_RANKS = "ranks"  # a data-parallel trial's ranks: {world, pids} while it trains; then each rank's stop step
 ATTR_LOG = "log"  # a command trial's log file: its stdout and stderr
+# Trial system attr: {interval, grace} of the worker that beats for it. Another worker judges its silence by the
+# longer of that grace period and its own: a study file edited between runs may give two workers different ones.
+HEARTBEAT_ATTR = "sweep.heartbeat"
 # On a trial asked while the storage restarted, beyond `n_trials` (another worker asked too, its lock gone with the
 # server's sessions): ended before it trained, and counted nowhere. The reason, as a sentence.
 ATTR_WITHDRAWN = "withdrawn"

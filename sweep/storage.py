@@ -1215,6 +1215,23 @@ class PatientStorage(BaseStorage):
         self.flush_deferred()
         return self.boundary.call(self.backend._get_stale_trial_ids, study_id)  # noqa: SLF001
 
+    def heartbeat_age_s(self, trial_id: int) -> float | None:
+        """Seconds since the trial's last heartbeat, by the database's clock (as Optuna's stale check counts them),
+        or None where it has none."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        def read() -> float | None:
+            with _create_scoped_session(self.backend.scoped_session) as session:
+                now = session.execute(sqlalchemy.func.now()).scalar()
+                beat = session.query(models.TrialHeartbeatModel.heartbeat).filter(
+                    models.TrialHeartbeatModel.trial_id == trial_id).scalar()
+            if now is None or beat is None:
+                return None
+            return (now.replace(tzinfo=None) - beat.replace(tzinfo=None)).total_seconds()
+
+        return self.boundary.call(read)
+
     def fail_lost_trial(self, trial_id: int, reason: str) -> bool:
         """Fail a trial whose worker stopped beating, with its reason. True for the one worker that failed it
         (several may find it stale at once). Optuna refuses attrs on finished trials, and failing it after setting

@@ -43,6 +43,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     ATTR_WITHDRAWN,
     FOLDER_FIX,
+    HEARTBEAT_ATTR,
     LOST_REASON,
     STOP_ATTR,
     Fault,
@@ -133,6 +134,8 @@ class Beats:
                 return
         if self.storage is not None:
             self.storage.record_heartbeat(trial_id)  # the first beat now, before the trial trains
+            self.storage.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, {
+                "interval": self.storage.heartbeat_interval, "grace": self.storage.grace_period})
         with self._guard:
             self._ids.add(trial_id)
 
@@ -463,8 +466,8 @@ class Worker:
         except optuna.exceptions.UpdateFinishedTrialError:
             # No heartbeat within the grace period (a paused machine, a storage outage longer than the grace period):
             # another worker failed it and queued a retry, which trains it again. This worker goes on.
-            warnings.warn(f"trial {trial.number} was declared lost while this worker trained it (no heartbeat for "
-                          f"{self.spec.heartbeat_grace_period} s); its retry trains it again", stacklevel=1)
+            warnings.warn(f"trial {trial.number} was declared lost while this worker trained it (another worker "
+                          "found no heartbeat of it within the grace period); its retry trains it again", stacklevel=1)
             return None
         if result.outcome == Outcome.INFRASTRUCTURE:
             self.fault = result.fault
@@ -681,10 +684,23 @@ class Worker:
         study_id = self.study._study_id  # noqa: SLF001 - Optuna has no public handle on it
         mine = set(self.beats.ids()) if self.beats is not None else set()  # alive, whatever their beats say
         for trial_id in self.storage.stale_trial_ids(study_id):
-            if trial_id not in mine and self.storage.fail_lost_trial(trial_id, LOST_REASON):
+            if trial_id not in mine and self._silent_for_its_grace(trial_id) \
+                    and self.storage.fail_lost_trial(trial_id, LOST_REASON):
                 lost = self.storage.get_trial(trial_id)
                 self._retry(lost, LOST_REASON)
                 end_lost_run(self.spec, self.url, self.study.study_name, lost)
+
+    def _silent_for_its_grace(self, trial_id: int) -> bool:
+        """Whether a trial this worker's grace period finds silent is silent for its own worker's too: a worker of
+        the same study may run an edited study file with a longer grace period (and beat less often); judged by this
+        one's, its live trials were failed as lost and trained twice (review)."""
+        assert isinstance(self.storage, PatientStorage)
+        settings = self.storage.get_trial(trial_id).system_attrs.get(HEARTBEAT_ATTR)
+        grace = settings.get("grace") if isinstance(settings, dict) else None
+        if not isinstance(grace, (int, float)) or isinstance(grace, bool) or grace <= self.spec.heartbeat_grace_period:
+            return True
+        age = self.storage.heartbeat_age_s(trial_id)
+        return age is None or age > grace
 
     def _blocked_s(self) -> float:
         """How long a heartbeat write must wait before it may have made a live trial look lost: beats come every

@@ -295,3 +295,35 @@ def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_th
     assert trials[lost.number].user_attrs["outcome"] == "lost"
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 3  # the budget, exactly: no slot lost, none extra
     assert len(trials) == 6
+
+
+
+def test_a_worker_with_a_shorter_grace_period_judges_another_s_trial_by_that_worker_s_own(tmp_path: Path) -> None:
+    # Found by review: a rerun of an edited study file (heartbeat_interval 2, heartbeat_grace_period 5) failed the
+    # live trial of a worker still running the old file (beats every 10 s, grace 60) as lost, and trained it twice.
+    from sweep.spec import parse_spec
+    from sweep.study import open_study
+    from sweep.worker import Beats, Worker
+
+    db = tmp_path / "tiny.db"
+    url = f"sqlite:///{db}"
+    old = parse_spec(copy.deepcopy(TINY_STUDY) | {"heartbeat_interval": 30, "heartbeat_grace_period": 120}, "a.yaml")
+    edited = parse_spec(copy.deepcopy(TINY_STUDY) | {"heartbeat_interval": 1, "heartbeat_grace_period": 2}, "b.yaml")
+    running = open_study(old, url)
+    trial = running.ask()
+    Beats(running._storage).add(trial)
+
+    def silent_for(seconds: int) -> None:  # its last beat that long ago, by the database's clock
+        with contextlib.closing(sqlite3.connect(db)) as connection, connection:
+            connection.execute("UPDATE trial_heartbeats SET heartbeat = datetime('now', ?)", (f"-{seconds} seconds",))
+
+    judge_study = open_study(edited, url)
+    judge = Worker(judge_study, edited, storage_url=url, boundary=judge_study._storage.boundary)
+    silent_for(10)  # within its own worker's 120 s: alive
+    judge._fail_lost_trials()
+    assert optuna.load_study(study_name="tiny", storage=url).trials[0].state == TrialState.RUNNING
+    silent_for(130)  # past it: lost, and queued again
+    judge._fail_lost_trials()
+    lost, retry = optuna.load_study(study_name="tiny", storage=url).trials
+    assert lost.state == TrialState.FAIL and lost.user_attrs["outcome"] == "lost"
+    assert retry.state == TrialState.WAITING and retry.user_attrs["retry_of"] == 0
