@@ -621,6 +621,16 @@ class StudySpec(_Model):
             raise ValueError(problem)
         return value
 
+    @field_validator("metric", mode="after")
+    @classmethod
+    def _metric_name(cls, value: str) -> str:
+        # A loop's or a command's metrics are its own, checked only as it reports: an empty name made every trial
+        # fail, and the study, created with it, refused the corrected file (review).
+        if not value.strip() or value != value.strip() or any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError(f"expected a metric's name (val_loss, say): not empty, no surrounding spaces and no "
+                             f"control character, got {short_repr(value)}")
+        return value
+
     @field_validator("storage", mode="after")
     @classmethod
     def _storage_url(cls, value: str | None) -> str | None:
@@ -950,6 +960,13 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
            if not (isinstance(part, str) and part in ("float", "int", "categorical", "function-after[_check()]"))]
     loc = [part for part in loc if not part.startswith(("function-", "tagged-union"))]
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "invalid_key" or (error["type"] == "string_type" and loc and loc[-1] == "[key]"):
+        # A mapping's key that YAML read as a number (`2:`, `1.5:`): where it stands, sweep wants names.
+        key = error.get("input", loc[-1])
+        kind = "a boolean" if isinstance(key, bool) else "null" if key is None else "a number"
+        where = [part for part in loc if part != "[key]"][:-1]
+        return (f"{_dotted(where)}.{key}" if where else str(key)), (
+            f"the key {key} is read as {kind} by YAML, not as a name; quote it ('{key}') if it is meant")
     if error["type"] == "missing_form":
         return "task", message
     if error["type"] == "extra_forbidden":

@@ -606,7 +606,7 @@ def _pair_problems(spec: StudySpec, keys: list[str], base: dict[str, Any], base_
 def _suggest(key: str, message: str) -> str:
     """The trainer's "unknown key; expected one of: a, b" with a "did you mean" for the closest of them."""
     head, found, options = message.partition("; expected one of: ")
-    if not found or not head.startswith("unknown key"):
+    if not found or not head.startswith("unknown key") or "(did you mean" in head:  # the trainer's own hint, once
         return message
     return f"{head}{did_you_mean(key.rpartition('.')[2], options.split(', '))}{found}{options}"
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainer.fast_fail_rules import FastFailConfig
+from trainer.messages import short_repr
 from trainer.pacing import CurriculumConfig
 
 __all__ = [
@@ -60,11 +61,16 @@ class ConfigError(ValueError):
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32; beyond it the learning rate cannot be a tensor's
 
 
+# One optimizer step may not hold more micro-batches than this: a step is where a stop, a pruner or an evaluation can
+# act, and a step of 10^12 micro-batches ran forever and could not be stopped (review).
+MAX_ACCUMULATION = 65_536
+
+
 def _range(low: float | None = None, high: float | None = None, *, low_open: bool = False,
            high_open: bool = False) -> Check:
     def check(value: Any) -> str | None:
         if isinstance(value, float) and not math.isfinite(value):
-            return f"expected a finite number, got {value!r}"
+            return f"expected a finite number, got {short_repr(value)}"
         too_low = low is not None and (value <= low if low_open else value < low)
         too_high = high is not None and (value >= high if high_open else value > high)
         if too_low or too_high:
@@ -72,7 +78,7 @@ def _range(low: float | None = None, high: float | None = None, *, low_open: boo
             right = ")" if high_open else "]"
             lo = "-inf" if low is None else low
             hi = "inf" if high is None else high
-            return f"expected a value in {left}{lo}, {hi}{right}, got {value!r}"
+            return f"expected a value in {left}{lo}, {hi}{right}, got {short_repr(value)}"
         return None
 
     return check
@@ -81,13 +87,13 @@ def _range(low: float | None = None, high: float | None = None, *, low_open: boo
 def _device(value: str) -> str | None:
     if re.fullmatch(r"auto|cpu|mps|cuda(:(0|[1-9][0-9]{0,3}))?", value):  # ASCII digits, no leading 0: torch's
         return None
-    return f"expected 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N', got {value!r}"
+    return f"expected 'auto', 'cpu', 'mps', 'cuda' or 'cuda:N', got {short_repr(value)}"
 
 
 def _task_name(value: str) -> str | None:
     if re.fullmatch(r"[A-Za-z_]\w*", value) or re.fullmatch(r"[\w.]+:[A-Za-z_]\w*", value):
         return None
-    return f"expected a built-in task name or 'package.module:function', got {value!r}"
+    return f"expected a built-in task name or 'package.module:function', got {short_repr(value)}"
 
 
 def _f(default: Any, check: Check | None = None, doc: str = "") -> Any:
@@ -128,7 +134,7 @@ class TrainingConfig:
     # Budget and batches.
     max_steps: int = _f(1000, _range(1), "optimizer steps")
     batch_size: int = _f(64, _range(1), "samples per micro-batch")
-    gradient_accumulation_steps: int = _f(1, _range(1), "micro-batches per optimizer step")
+    gradient_accumulation_steps: int = _f(1, _range(1, MAX_ACCUMULATION), "micro-batches per optimizer step")
     gradient_clip_norm: float | None = _f(None, _range(0, low_open=True), "clip the global grad norm; off when null")
     mixed_precision: Literal["auto", "off", "bf16", "fp16"] = _f(
         "auto", doc="auto: bf16 on CUDA where supported, else fp16 with a grad scaler; off on CPU")
@@ -307,7 +313,7 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> tuple[Any, list
             continue
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):
-                problems.append((f"{prefix}{key}", f"expected a mapping, got {value!r}"))
+                problems.append((f"{prefix}{key}", f"expected a mapping, got {short_repr(value)}"))
                 continue
             nested, nested_problems = _build(hints[key], value, f"{prefix}{key}.")
             problems += nested_problems
@@ -392,35 +398,35 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
             ok, coerced, _ = coerce(value, option)
             if ok:
                 return True, coerced, ""
-        return False, value, f"expected {_describe(tp)}, got {value!r}"
+        return False, value, f"expected {_describe(tp)}, got {short_repr(value)}"
     if origin is Literal:
         if value in typing.get_args(tp) and isinstance(value, str):
             return True, value, ""
         words = [word for word, read in (("off", False), ("on", True)) if value is read and word in typing.get_args(tp)]
         hint = f" (YAML reads an unquoted {words[0]} as {str(value).lower()}: write '{words[0]}')" if words else ""
-        return False, value, f"expected {_describe(tp)}, got {value!r}{hint}"
+        return False, value, f"expected {_describe(tp)}, got {short_repr(value)}{hint}"
     if tp is type(None):
-        return (value is None), value, f"expected null, got {value!r}"
+        return (value is None), value, f"expected null, got {short_repr(value)}"
     if origin is dict or tp is dict:
         if isinstance(value, Mapping):
             return True, dict(value), ""
-        return False, value, f"expected a mapping, got {value!r}"
+        return False, value, f"expected a mapping, got {short_repr(value)}"
     if tp in (list, tuple):  # a task's default of layer widths, say: a list or a tuple as its default is
         if isinstance(value, (list, tuple)):
             return True, tp(value), ""
-        return False, value, f"expected a list, got {value!r}"
+        return False, value, f"expected a list, got {short_repr(value)}"
     if tp is bool:
-        return isinstance(value, bool), value, f"expected true/false, got {value!r}"
+        return isinstance(value, bool), value, f"expected true/false, got {short_repr(value)}"
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             if not -2**63 <= value < 2**63:  # torch holds integers in 64 bits: a step count, a divisor, a seed
                 shown = repr(value) if abs(value) < 10**30 else magnitude(value)
                 return False, value, f"expected an integer that fits in 64 bits, got {shown}"
             return True, value, ""
-        return False, value, f"expected an integer, got {value!r}"
+        return False, value, f"expected an integer, got {short_repr(value)}"
     if tp is float:
         if isinstance(value, bool):
-            return False, value, f"expected a number, got {value!r}"
+            return False, value, f"expected a number, got {short_repr(value)}"
         if isinstance(value, (int, float)):
             try:
                 value = float(value)
@@ -429,15 +435,16 @@ def coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         elif isinstance(value, str):
             number = number_from_text(value)
             if number is None:
-                return False, value, f"expected a number, got {value!r}"
+                return False, value, f"expected a number, got {short_repr(value)}"
             if underflows(value, number):
-                return False, value, f"expected a number, got {value!r}: too small for a 64-bit float (read as 0)"
+                return (False, value,
+                        f"expected a number, got {short_repr(value)}: too small for a 64-bit float (read as 0)")
             value = number
         else:
-            return False, value, f"expected a number, got {value!r}"
+            return False, value, f"expected a number, got {short_repr(value)}"
         if math.isnan(value):
             return False, value, "expected a number, got nan"
         return True, value, ""
     if tp is str:
-        return isinstance(value, str), value, f"expected a string, got {value!r}"
+        return isinstance(value, str), value, f"expected a string, got {short_repr(value)}"
     raise TypeError(f"unsupported annotation {tp!r}")  # a bug in this module, not bad input

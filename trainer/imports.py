@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from trainer.messages import short_repr
+
 __all__ = ["import_callable", "no_function"]
 
 # This package's own top-level names: a user's module of one of these names (a `trainer.py` beside the study) is
@@ -19,7 +21,7 @@ def no_function(module: Any, module_name: str, attr: str) -> str:
     """Why `module_name:attr` names no function, saying which file the import found: when that is this package's own
     module, the user's module of the same name is hidden by it."""
     where = getattr(module, "__file__", None)
-    found = f"module {module_name!r}" + (f" ({where})" if where else "") + f" has no function {attr!r}"
+    found = f"module {short_repr(module_name)}" + (f" ({where})" if where else "") + f" has no function {attr!r}"
     top = module_name.split(".")[0]
     if top in _OURS and (module_name == top or _another(top)):
         return (f"{found}: {top!r} is this package's own, and the import finds it before a module of yours of "
@@ -42,7 +44,7 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     """The function at `package.module:function`, or `error` naming what is missing (`what`: "task", "schedule")."""
     module_name, sep, attr = path.partition(":")
     if not sep:
-        raise error(f"unknown {what} {path!r}; expected one of {', '.join(sorted(builtin))} or "
+        raise error(f"unknown {what} {short_repr(path)}; expected one of {', '.join(sorted(builtin))} or "
                     "'package.module:function'")
     try:
         module = importlib.import_module(module_name)
@@ -53,12 +55,12 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
                 "or install it, or add its folder to PYTHONPATH") if ours else (
                 f"; the module was found, and {missing!r}, which it imports, was not: install it in this "
                 "environment") if missing is not None else ""
-        raise error(f"cannot import {what} module {module_name!r}: {exc}{hint}") from exc
+        raise error(f"cannot import {what} module {short_repr(module_name)}: {exc}{hint}") from exc
     except (Exception, SystemExit) as exc:  # the module's own code failed as it ran (SyntaxError, a raise, exit())
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-        raise error(f"cannot import {what} module {module_name!r}: importing it raised {type(exc).__name__}: "
+        raise error(f"cannot import {what} module {short_repr(module_name)}: importing it raised {type(exc).__name__}: "
                     f"{detail}") from exc
     function = getattr(module, attr, None)
     if not callable(function):
-        raise error(f"{what} {path!r}: {no_function(module, module_name, attr)}")
+        raise error(f"{what} {short_repr(path)}: {no_function(module, module_name, attr)}")
     return function

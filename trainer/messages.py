@@ -5,9 +5,10 @@ And a JSON line's numbers, written strictly (`strict_json`)."""
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
-__all__ = ["message", "strict_json", "unreadable"]
+__all__ = ["message", "short_repr", "strict_json", "unreadable"]
 
 
 def message(exc: BaseException) -> str | None:
@@ -38,3 +39,13 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [strict_json(item) for item in value]
     return value
+
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxset = 4
+
+
+def short_repr(value: Any) -> str:
+    """`repr(value)`, at most about 60 characters, in time bounded by that length (never the whole of a large value):
+    an error line quotes a value from a file, which may be a 500 kB string."""
+    return _SHORT.repr(value)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.imports import import_callable
+from trainer.messages import short_repr
 
 __all__ = [
     "BUILTIN_SCHEDULES",
@@ -60,7 +61,7 @@ class CurriculumConfig:
         if self.schedule not in BUILTIN_SCHEDULES:
             if not re.fullmatch(r"[\w.]+:[A-Za-z_]\w*", self.schedule):
                 out.append(("schedule", f"expected one of {', '.join(BUILTIN_SCHEDULES)} or "
-                                        f"'package.module:function', got {self.schedule!r}"))
+                                        f"'package.module:function', got {short_repr(self.schedule)}"))
             else:
                 try:
                     resolve_schedule(self.schedule)
@@ -69,13 +70,13 @@ class CurriculumConfig:
         for name in ("start_level", "level", "tolerance"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                out.append((name, f"expected a level in [0, 1], got {value!r}"))
+                out.append((name, f"expected a level in [0, 1], got {short_repr(value)}"))
         if not 0.0 < self.end_fraction <= 1.0:
-            out.append(("end_fraction", f"expected a fraction in (0, 1], got {self.end_fraction!r}"))
+            out.append(("end_fraction", f"expected a fraction in (0, 1], got {short_repr(self.end_fraction)}"))
         if self.end_steps is not None and self.end_steps < 1:
-            out.append(("end_steps", f"expected a step >= 1 or null, got {self.end_steps!r}"))
+            out.append(("end_steps", f"expected a step >= 1 or null, got {short_repr(self.end_steps)}"))
         if self.stages < 2:
-            out.append(("stages", f"expected at least 2 (the start level and 1), got {self.stages!r}"))
+            out.append(("stages", f"expected at least 2 (the start level and 1), got {short_repr(self.stages)}"))
         if self.schedule == "exponential" and self.start_level == 0:
             out.append(("start_level", "the exponential schedule grows the level by a constant factor, so it needs "
                                        "start_level > 0, got 0"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import reprlib
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, ClassVar
 import yaml
 
 from trainer.config import underflows
+from trainer.messages import short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "YamlFileError", "load_yaml", "read_text", "short_repr"]
 
@@ -94,16 +94,6 @@ _LOADER = _Loader
 _PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float", "bool", "null", "seq", "map"))})
 _BOMS = [(b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
          (b"\xff\xfe", "UTF-16")]
-_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 60, 60, 2
-_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxset = 4
-
-
-def short_repr(value: Any) -> str:
-    """`repr(value)`, at most about 60 characters, in time bounded by that length (never the whole of a large value)."""
-    return _SHORT.repr(value)
-
-
 # Control characters, and the bidirectional overrides and isolates (they reorder the text after them as shown).
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
