@@ -322,7 +322,8 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             used, running = budget_counts(study.get_trials(deepcopy=False))
             if stopped:
                 err.print(_stop_line(used, spec.n_trials))
-            elif timeout is not None and used < spec.n_trials and time.monotonic() - launched >= timeout:
+            elif (limit := timeout if timeout is not None else spec.timeout) is not None and used < spec.n_trials \
+                    and time.monotonic() - launched >= limit:  # the file's timeout, which the workers read too
                 # The workers stopped at the timeout, each saying so for its trials: the line one process prints too.
                 err.print(f"stopped by the timeout with {used}/{spec.n_trials} trials done; rerun to continue.")
             elif used + running < spec.n_trials:
@@ -335,11 +336,11 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             return
         summary, counts = _run_here(study, spec, url, timeout, prefix, live=worker is None)
     if worker is not None:  # a local launcher's worker: its parent prints the summary once, and decides the exit code
+        if LAUNCHER_ENV in os.environ:
+            return
         if summary.stopped:  # a Slurm task has no parent to say it: its log does
             err.print(prefix + _stop_line(summary.budget_used, summary.n_trials, "the study resumes with the next "
                                           "`sweep run` or `sweep submit`"), markup=False)
-        if LAUNCHER_ENV in os.environ:
-            return
         # A Slurm array task or a pod has no parent: it decides its own exit code, as one `sweep run` does (its
         # every trial failed: Slurm's FAILED, which `sweep status` shows with the log's end; it exited 0, "done").
         if not summary.stopped and (failed := results.failed_run(counts)):

@@ -73,9 +73,9 @@ def storage_file(folder: Path, study_name: str, url: str) -> Path:
 
 
 def job_folder(spec: StudySpec, spec_path: Path, options: SlurmSpec) -> Path:
-    """Where the script, the storage file and the logs go: `launch.slurm.log_dir` (relative to the study file) or
-    NAME.slurm next to the study file. Every node must see it."""
-    folder = Path(options.log_dir) if options.log_dir else Path(f"{spec.name}.slurm")
+    """Where the script, the storage file and the logs go: `launch.slurm.log_dir` (`~` expanded, as for the checkpoint
+    store; relative to the study file) or NAME.slurm next to the study file. Every node must see it."""
+    folder = Path(options.log_dir).expanduser() if options.log_dir else Path(f"{spec.name}.slurm")  # as the store
     return folder if folder.is_absolute() else (spec_path.parent / folder).resolve()
 
 

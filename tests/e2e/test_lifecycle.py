@@ -107,15 +107,19 @@ def test_a_store_folder_gone_at_a_rerun_stops_it_and_keeps_the_resume_points_for
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("how", [["--cohort", "2"], ["--workers", "2"]], ids=["cohort", "workers"])
+@pytest.mark.parametrize("how", [["--cohort", "2"], ["--workers", "2"], ["--workers", "2", "--file-timeout"]],
+                         ids=["cohort", "workers", "workers-file-timeout"])
 def test_a_timeout_that_stops_every_trial_of_a_run_is_no_failed_run(tmp_path: Path, how: list[str]) -> None:
     """Interrupted trials are not failures: a cohort's members, or several workers' trials, all stopped by --timeout
     made the run exit 1 with "every trial of this run failed", where one trial at a time exits 0."""
     path = one_config_study(tmp_path / "cut", "cut")
-    document = yaml.safe_load(path.read_text()) | {"n_trials": 2}
+    # The study file's timeout: a launcher of --workers that looked at --timeout alone said "the sampler has tried
+    # every point of the search space" (review).
+    document = yaml.safe_load(path.read_text()) | {"n_trials": 2} | ({"timeout": 2} if "--file-timeout" in how else {})
     path.write_text(yaml.safe_dump(document))
-    done = sweep_cli("run", path, "--timeout", "2", *how) if how[0] == "--cohort" else \
-        run_cli("run", path, "--timeout", "2", *how)
+    limit = [] if "--file-timeout" in how else ["--timeout", "2"]
+    how = [flag for flag in how if flag != "--file-timeout"]
+    done = sweep_cli("run", path, *limit, *how) if how[0] == "--cohort" else run_cli("run", path, *limit, *how)
     assert done.returncode == 0, done.stderr
     assert "every trial of this run failed" not in done.stderr
     # The launcher of --workers said nothing of the timeout, where one process says it (review).

@@ -566,3 +566,12 @@ def test_a_gpu_type_is_asked_for_with_the_task_s_gpus(tmp_path: Path) -> None:
     done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --gres=gpu:a100:2\n" in done.stdout and " --workers 2 &" in done.stdout
+
+
+def test_a_log_dir_under_the_home_folder_is_the_home_folder_s(tmp_path: Path) -> None:
+    # Found by the mutation fuzz: `~/logs` became a folder named `~` beside the study file, where `checkpoints.store`
+    # and the TensorBoard folder expand it.
+    path = write_study(tmp_path, changed(launch={"slurm": {"log_dir": "~/sweep-logs"}}))
+    done = sweep_cli("submit", path, "--slurm", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f'#SBATCH --output="{Path("~/sweep-logs").expanduser()}/%A_%a.log"' in done.stdout.splitlines()
