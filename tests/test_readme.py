@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import shlex
 from pathlib import Path
 
+import optuna
+import pytest
+
 from sweep.spec import StudyFileError, StudySpec, load_spec
 from sweep.study import PRUNERS, SAMPLERS
+from tests.conftest import TINY_STUDY, write_study
 from trainer import TrainingConfig
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
@@ -68,3 +73,15 @@ def test_every_shown_sweep_run_command_is_valid_as_written() -> None:
         except StudyFileError as exc:
             problems.append(f"{text}: {exc}")
     assert problems == []
+
+
+def test_the_readme_s_python_example_runs_a_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "From Python" block as written, run here on a tiny study in the quickstart's place."""
+    start = README.index("From Python (a notebook, a script)")
+    block = README[start:].split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"studies/quickstart.yaml"' in block
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY))
+    monkeypatch.chdir(tmp_path)
+    exec(block.replace('"studies/quickstart.yaml"', repr(str(path))), {})  # the README's own code
+    study = optuna.load_study(study_name=TINY_STUDY["name"], storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * TINY_STUDY["n_trials"]
