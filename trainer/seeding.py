@@ -73,7 +73,10 @@ def kept_global_state() -> Iterator[None]:
     deterministic, warn_only = (torch.are_deterministic_algorithms_enabled(),
                                 torch.is_deterministic_algorithms_warn_only_enabled())
     cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32)
-    matmul = torch.get_float32_matmul_precision()
+    try:
+        matmul: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through torch's per-backend `fp32_precision` (review): the caller's, left alone
+        matmul = None
     try:
         yield
     finally:
@@ -85,7 +88,8 @@ def kept_global_state() -> Iterator[None]:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
          torch.backends.cudnn.allow_tf32) = cudnn
-        torch.set_float32_matmul_precision(matmul)
+        if matmul is not None:
+            torch.set_float32_matmul_precision(matmul)
 
 
 def deterministic_cublas() -> None:

@@ -179,6 +179,7 @@ class Run:
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM that reached a report or a log
+        self.at_once = raised_at_once()  # stops a second signal has raised at once, before this run began
         self.first_step: int | None = None  # this run's first report
         self._steps: set[int] = set()  # the steps this run has reported
         # One report at a time: a loop's threads may report (the reporter's queue of values for the storage is
@@ -235,6 +236,10 @@ class Run:
         """A Ctrl-C or SIGTERM raised at a report is kept: a loop that catches it (or a thread of its that reported)
         still ends the trial as interrupted."""
         try:
+            if raised_at_once() != self.at_once:
+                # A second Ctrl-C raised at once in the loop's own code, which caught it and went on: stop here, as
+                # the first one would have (review: the trial trained its whole budget on).
+                raise (stop_requested() or KeyboardInterrupt)()
             yield
         except (KeyboardInterrupt, Preempted) as exc:
             self.interrupted = self.interrupted or exc
@@ -353,15 +358,14 @@ class LoopTrial(TrialRun):
         seed_everything(seed)
         started = time.perf_counter()
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
-            at_once = raised_at_once()
             try:
                 returned = call_loop(function, config, run)
             except Exception:
-                if (run.interrupted is None and raised_at_once() == at_once and not reporter.timed_out
+                if (run.interrupted is None and raised_at_once() == run.at_once and not reporter.timed_out
                         and reporter.prune_reason is None):
                     raise
                 returned = None  # what it raised once told to stop (a StopTrial it wrapped, say) changes nothing
-        if run.interrupted is None and raised_at_once() != at_once:
+        if run.interrupted is None and raised_at_once() != run.at_once:
             # A second Ctrl-C raises at once, wherever the loop is: one that landed in its own code, which caught it,
             # still stops the trial (review: it completed at a step it never reached, and the run went on).
             run.interrupted = (stop_requested() or KeyboardInterrupt)()

@@ -727,29 +727,34 @@ def test_a_loop_that_catches_ctrl_c_or_installs_signal_handlers_still_lets_the_w
     assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
 
 
-def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("caught", ["returns", "goes on"])
+def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run(tmp_path: Path, caught: str) -> None:
     # Found by review: a second Ctrl-C raises at once, wherever the process is; landing in the loop's own
-    # `except KeyboardInterrupt`, the trial completed with what the loop returned and the run went on (exit 0).
+    # `except KeyboardInterrupt`, the trial completed with what the loop returned and the run went on (exit 0); a
+    # loop that caught it in its step and went on trained its whole budget before the trial was stopped.
+    handled = ("        return 0.5  # the loop's own Ctrl-C handling\n" if caught == "returns" else
+               "        pass  # shrugged off: the step goes on\n")
     (tmp_path / "twice.py").write_text(
         "import os, signal, time\n"
         "def main(config, run):\n"
+        "  for step in range(1, 50):\n"
         "    try:\n"
-        "        for step in range(1, 50):\n"
-        "            if step == 3 and run.trial == 1:\n"
-        "                os.kill(os.getpid(), signal.SIGINT)\n"
-        "                time.sleep(0.5)\n"
-        "                os.kill(os.getpid(), signal.SIGINT)  # raises here, in the loop's own code\n"
-        "                time.sleep(60)\n"
-        "            run.report(step, val_loss=1.0 / step)\n"
+        "        if step == 3 and run.trial == 1:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            time.sleep(0.5)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)  # raises here, in the loop's own code\n"
+        "            time.sleep(60)\n"
         "    except KeyboardInterrupt:\n"
-        "        return 0.5  # the loop's own Ctrl-C handling\n"
-        "    return 0.1\n")
+        f"{handled}"
+        "    run.report(step, val_loss=1.0 / step)\n"
+        "  return 0.1\n")
     path = write_study(tmp_path, {"name": "twice", "n_trials": 3, "loop": "twice:main", "pruner": "none"})
     done = run_cli("run", path, cwd=tmp_path)
     assert done.returncode == 130, (done.returncode, done.stderr)
     first, stopped, retry = trials_of(path, "twice")
     assert first.state.name == "COMPLETE" and first.value == 0.1
     assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
+    assert max(stopped.intermediate_values, default=0) <= 2  # stopped at the step it was told in, not at the end
     assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
 
 
