@@ -174,3 +174,19 @@ def test_the_first_vector_math_of_a_trainer_process_is_computed_as_every_later_o
     with ThreadPoolExecutor(2) as pool:
         wrong = list(pool.map(wrong_elements, range(30)))
     assert wrong == [0] * 30
+
+
+def test_a_caller_that_set_torch_s_per_backend_precision_can_still_train() -> None:
+    # Found by review: reading the float32 matmul precision raises once torch's newer per-backend switches
+    # (`fp32_precision`) were set, and putting the caller's settings back made every `train` fail before its step.
+    script = """
+import torch
+torch.backends.cuda.matmul.fp32_precision = "tf32"
+from trainer import TrainingConfig, train
+result = train(TrainingConfig.from_dict({"max_steps": 2, "eval_every_steps": 2, "log_every_steps": 2,
+                                         "batch_size": 8, "model": {"hidden": 8}}))
+print(result.status, torch.backends.cuda.matmul.fp32_precision)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["completed", "tf32"]
