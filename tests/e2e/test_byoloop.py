@@ -718,13 +718,20 @@ def test_a_loop_that_catches_ctrl_c_or_installs_signal_handlers_still_lets_the_w
         "        return 0.5  # the loop's own Ctrl-C handling\n"
         "    return 0.1\n")
     path = write_study(tmp_path, {"name": "catcher", "n_trials": 3, "loop": "catcher:main", "pruner": "none"})
-    done = run_cli("run", path, cwd=tmp_path)
-    assert done.returncode == 130, (done.returncode, done.stderr)
-    first, stopped, retry = trials_of(path, "catcher")
-    assert first.state.name == "COMPLETE" and first.value == 1.0
-    assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
+    stopped = second_trial_interrupted(path, "catcher", first_value=1.0)
     assert sorted(stopped.intermediate_values) == [1, 2]
+
+
+def second_trial_interrupted(path: Path, name: str, *, first_value: float) -> optuna.trial.FrozenTrial:
+    """`sweep run` of a 3-trial loop study whose second trial is stopped by Ctrl-C: exit 130, the first trial
+    complete, the second failed as interrupted (returned) and queued again, nothing after it."""
+    done = run_cli("run", path, cwd=path.parent)
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    first, stopped, retry = trials_of(path, name)
+    assert first.state.name == "COMPLETE" and first.value == first_value
+    assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
     assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
+    return stopped
 
 
 @pytest.mark.parametrize("caught", ["returns", "goes on"])
@@ -749,13 +756,8 @@ def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run
         "    run.report(step, val_loss=1.0 / step)\n"
         "  return 0.1\n")
     path = write_study(tmp_path, {"name": "twice", "n_trials": 3, "loop": "twice:main", "pruner": "none"})
-    done = run_cli("run", path, cwd=tmp_path)
-    assert done.returncode == 130, (done.returncode, done.stderr)
-    first, stopped, retry = trials_of(path, "twice")
-    assert first.state.name == "COMPLETE" and first.value == 0.1
-    assert stopped.state.name == "FAIL" and stopped.user_attrs["fail_reason"] == "interrupted"
+    stopped = second_trial_interrupted(path, "twice", first_value=0.1)
     assert max(stopped.intermediate_values, default=0) <= 2  # stopped at the step it was told in, not at the end
-    assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
 
 
 def test_run_study_from_python_treats_ctrl_c_as_sweep_run_does_and_leaves_the_callers_state_as_it_was(
