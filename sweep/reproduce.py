@@ -45,7 +45,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     SPEC_ATTR,
 )
-from sweep.signals import Preempted, raise_pending
+from sweep.signals import Preempted, caught_stop, raise_stop, raised_at_once
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.messages import message, unreadable
@@ -156,6 +156,7 @@ class _Recorder:
         self.stopped = False  # told the replay to stop (its last stored step): what it raises after that is its end
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM raised into it, even if its code caught it
         self.raised: str | None = None  # the replay's own error ("MyError: ..."), raised after its first report
+        self.at_once = raised_at_once()  # stops a second signal raised at once before the replay (sweep.signals)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._stop_if_asked()
@@ -174,10 +175,15 @@ class _Recorder:
         raises its own error is still interrupted."""
         if threading.current_thread() is threading.main_thread():
             try:
-                raise_pending()
+                raise_stop(self.at_once, self.interrupted)
             except BaseException as exc:
                 self.interrupted = self.interrupted or exc
                 raise
+
+    def caught(self) -> BaseException | None:
+        """The stop the replay was asked for, if its code caught it (raised and noted here, or raised at once by a
+        second signal in its own code)."""
+        return self.interrupted if self.interrupted is not None else caught_stop(self.at_once)
 
 
 def agree(a: float, b: float, tolerance: float) -> bool:
@@ -246,15 +252,15 @@ def _replay(number: int, recorder: _Recorder) -> Iterator[None]:
     except BaseException as exc:  # whatever the user's code raises, as its trial took it (CancelledError too)
         if isinstance(exc, (KeyboardInterrupt, Preempted)):
             raise
-        if recorder.interrupted is not None:  # a Ctrl-C its code caught and raised as its own error
-            raise type(recorder.interrupted)() from None
+        if (stop := recorder.caught()) is not None:  # a Ctrl-C its code caught and raised as its own error
+            raise type(stop)() from None
         if recorder.stopped:  # told to stop, as a pruned trial is: how it stops is its own (TrialPruned, say)
             return
         recorder.raised = _error_line(exc)
         if not recorder.values:
             raise ValueError(f"trial {number}'s replay raised {recorder.raised} before its first report") from None
-    if recorder.interrupted is not None:  # caught by its code, which went on or returned
-        raise type(recorder.interrupted)()
+    if (stop := recorder.caught()) is not None:  # caught by its code, which went on or returned
+        raise type(stop)()
 
 
 @contextlib.contextmanager

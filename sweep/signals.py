@@ -22,8 +22,8 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-__all__ = ["FORWARD", "Preempted", "graceful_signals", "is_unmarked", "mark_unmarked", "raise_pending",
-           "raised_at_once", "record_forwarded", "stop_requested"]
+__all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "is_unmarked", "mark_unmarked", "raise_pending",
+           "raise_stop", "raised_at_once", "record_forwarded", "stop_requested"]
 
 
 class Preempted(BaseException):
@@ -71,6 +71,23 @@ def raised_at_once() -> int:
     it (a loop's own `except KeyboardInterrupt`), the count tells the caller that it was asked to stop (`stop_requested`
     says how)."""
     return _raised
+
+
+def raise_stop(since: int, noted: BaseException | None = None) -> None:
+    """At a clean point of a user's code (its report or log), raise the stop it was asked for: a request not raised
+    yet (`raise_pending`); `noted`, one raised into it before that its code caught and went on from; or a stop a
+    second signal raised at once since `since` (`raised_at_once()` as the code began), which its code caught."""
+    raise_pending()
+    if noted is not None:
+        raise type(noted)()
+    if (caught := caught_stop(since)) is not None:
+        raise caught
+
+
+def caught_stop(since: int) -> BaseException | None:
+    """The stop a second signal has raised at once since `since` (`raised_at_once()` as a user's code began), which
+    that code may have caught, as an exception to raise; None if none was."""
+    return (stop_requested() or KeyboardInterrupt)() if raised_at_once() != since else None
 
 
 def raise_pending() -> None:

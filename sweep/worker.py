@@ -133,9 +133,11 @@ class Beats:
             if trial_id in self._ids:
                 return
         if self.storage is not None:
-            self.storage.record_heartbeat(trial_id)  # the first beat now, before the trial trains
+            # Its settings first: a trial with no heartbeat is never found stale, one with a beat and no settings is
+            # judged by the judge's own (review: an outage between the two writes let a shorter grace fail it).
             self.storage.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, {
                 "interval": self.storage.heartbeat_interval, "grace": self.storage.grace_period})
+            self.storage.record_heartbeat(trial_id)  # the first beat now, before the trial trains
         with self._guard:
             self._ids.add(trial_id)
 

@@ -81,7 +81,7 @@ from sweep.outcomes import (
     TimedOut,
     TrialResult,
 )
-from sweep.signals import FORWARD, Preempted, raised_at_once, stop_requested
+from sweep.signals import FORWARD, Preempted, caught_stop, raised_at_once
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.imports import no_function
 from trainer.loop import Reporter
@@ -236,11 +236,12 @@ class Run:
         """A Ctrl-C or SIGTERM raised at a report is kept: a loop that catches it (or a thread of its that reported)
         still ends the trial as interrupted."""
         try:
-            if raised_at_once() != self.at_once:
-                # A second Ctrl-C raised at once in the loop's own code, which caught it and went on: stop here, as
-                # the first one would have (review: the trial trained its whole budget on).
-                raise (stop_requested() or KeyboardInterrupt)()
-            yield
+            # Asked to stop, and the loop caught it and went on (a second Ctrl-C raised in its own code, or one
+            # raised at an earlier report): stop here, at each report from now on (review: the trial trained its
+            # whole budget on).
+            if (stop := self.interrupted or caught_stop(self.at_once)) is not None:
+                raise type(stop)()
+            yield  # a request not raised yet is raised by the reporter, at this clean point
         except (KeyboardInterrupt, Preempted) as exc:
             self.interrupted = self.interrupted or exc
             raise
@@ -365,10 +366,10 @@ class LoopTrial(TrialRun):
                         and reporter.prune_reason is None):
                     raise
                 returned = None  # what it raised once told to stop (a StopTrial it wrapped, say) changes nothing
-        if run.interrupted is None and raised_at_once() != run.at_once:
+        if run.interrupted is None:
             # A second Ctrl-C raises at once, wherever the loop is: one that landed in its own code, which caught it,
             # still stops the trial (review: it completed at a step it never reached, and the run went on).
-            run.interrupted = (stop_requested() or KeyboardInterrupt)()
+            run.interrupted = caught_stop(run.at_once)
         if run.interrupted is not None:  # the loop caught it, or a thread of its reported
             raise type(run.interrupted)()
         reporter.flush()

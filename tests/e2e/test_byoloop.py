@@ -235,6 +235,54 @@ def test_ctrl_c_during_reproduce_is_an_interruption_even_when_the_loop_wraps_it_
     assert stderr.strip() == "error: interrupted: trial 0 was not reproduced (nothing was written)", stderr
 
 
+def test_a_second_ctrl_c_that_the_loop_catches_during_reproduce_is_still_an_interruption(tmp_path: Path) -> None:
+    # Found by review: the replay's loop caught the second Ctrl-C (raised at once, in its own code) and returned, and
+    # the replay was judged: "trial 0 differs first at step 3 ... not reported by the replay", exit 1.
+    arm = tmp_path / "arm"
+    (tmp_path / "replayed.py").write_text(
+        "import os, signal, time\n"
+        "from pathlib import Path\n"
+        "def main(config, run):\n"
+        "    for step in range(1, 30):\n"
+        "        try:\n"
+        "            if step == 3 and Path(config['arm']).exists():\n"
+        "                os.kill(os.getpid(), signal.SIGINT)\n"
+        "                time.sleep(0.5)\n"
+        "                os.kill(os.getpid(), signal.SIGINT)  # raises here, in the loop's own code\n"
+        "                time.sleep(60)\n"
+        "        except KeyboardInterrupt:\n"
+        "            return 0.5\n"
+        "        run.report(step, val_loss=config['x'] + 1.0 / step)\n"
+        "    return 0.1\n")
+    path = write_study(tmp_path, {"name": "replayed", "n_trials": 1, "loop": "replayed:main", "pruner": "none",
+                                  "fixed": {"arm": str(arm)}, "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    assert run_cli("run", path, cwd=tmp_path).returncode == 0
+    arm.touch()
+    done = run_cli("reproduce", path, "0", cwd=tmp_path)
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert done.stderr.strip() == "error: interrupted: trial 0 was not reproduced (nothing was written)", done.stderr
+
+
+def test_a_loop_that_catches_the_stop_at_each_report_stores_no_report_after_it(tmp_path: Path) -> None:
+    # Found by review: one Ctrl-C, raised at the next report, caught there by the loop's own step-wise handling: the
+    # reports after it went through, stored for steps the trial ran after it was told to stop.
+    (tmp_path / "stepwise.py").write_text(
+        "import os, signal, time\n"
+        "def main(config, run):\n"
+        "    for step in range(1, 50):\n"
+        "        try:\n"
+        "            if step == 3 and run.trial == 1:\n"
+        "                os.kill(os.getpid(), signal.SIGINT)\n"
+        "                time.sleep(0.5)\n"
+        "            run.report(step, val_loss=1.0 / step)\n"
+        "        except KeyboardInterrupt:\n"
+        "            pass  # shrugged off: the next step goes on\n"
+        "    return 0.1\n")
+    path = write_study(tmp_path, {"name": "stepwise", "n_trials": 3, "loop": "stepwise:main", "pruner": "none"})
+    stopped = second_trial_interrupted(path, "stepwise", first_value=0.1)
+    assert sorted(stopped.intermediate_values) == [1, 2]
+
+
 def test_reproduce_refuses_a_loop_only_the_database_names(tmp_path: Path) -> None:
     path = loop_study(tmp_path, n_trials=1)
     assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
