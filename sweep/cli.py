@@ -49,6 +49,7 @@ from sweep.schema import (
     storage_url_problem,
 )
 from sweep.urls import mask_url, mask_urls, redact, sqlite_path
+from trainer.messages import has_control
 from trainer.yaml_file import printable, short_repr
 
 # click's exception classes, wherever this typer takes click from (its own vendored copy, or click itself).
@@ -126,7 +127,7 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
         return "-o: '.' (or '') is the current folder; expected a file to write"
     if problem := long_name_problem(output):
         return f"-o: {problem}"
-    if any(ord(c) < 32 or ord(c) == 127 for c in str(output)):  # `best`'s header would break out of its comment
+    if has_control(str(output)):  # `best`'s header would break out of its comment
         return f"-o: the path {short_repr(str(output))} holds a control character; expected a printable file name"
     if output.is_dir():
         return f"-o: {output} is a folder; expected a file to write, such as {output / 'out'}"

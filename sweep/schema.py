@@ -40,6 +40,7 @@ from pydantic_core import PydanticCustomError
 from sweep.urls import mask_url, mask_urls, sqlite_path
 from trainer import yaml_file
 from trainer.config import FastFailConfig, TrainingConfig, clash, flatten, magnitude, nest, number_from_text
+from trainer.messages import has_control
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
@@ -444,7 +445,7 @@ def _printable(value: str) -> str:
     """A path or URL with no control character: NUL made every command that resolved it a traceback ("embedded
     null byte"), a newline made a folder no listing shows as named, and a newline in `launch.slurm.log_dir` ended a
     line of the batch script, so that what followed it ran as a command."""
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if has_control(value):
         shown = mask_urls(value)  # a storage URL's password is never shown (`scheme:/user:pw@` too)
         raise ValueError(f"expected a path or URL without control characters (a newline, a tab, NUL), got "
                          f"{short_repr(shown)}")
@@ -626,7 +627,7 @@ class StudySpec(_Model):
     def _metric_name(cls, value: str) -> str:
         # A loop's or a command's metrics are its own, checked only as it reports: an empty name made every trial
         # fail, and the study, created with it, refused the corrected file (review).
-        if not value.strip() or value != value.strip() or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        if not value.strip() or value != value.strip() or has_control(value):
             raise ValueError(f"expected a metric's name (val_loss, say): not empty, no surrounding spaces and no "
                              f"control character, got {short_repr(value)}")
         return value
@@ -1160,7 +1161,7 @@ def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
     if problem := long_name_problem(path):
         return problem
-    if any(ord(c) < 32 or ord(c) == 127 for c in str(path)):  # a file no listing shows as it is named
+    if has_control(str(path)):  # a file no listing shows as it is named
         return f"the path {short_repr(str(path))} holds a control character; expected a printable file name"
     if path.is_dir():
         return f"{path} is a folder; expected a SQLite file such as {path / 'study.db'}"

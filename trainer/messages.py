@@ -5,10 +5,11 @@ And a JSON line's numbers, written strictly (`strict_json`)."""
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from typing import Any
 
-__all__ = ["message", "short_repr", "strict_json", "unreadable"]
+__all__ = ["has_control", "message", "short_repr", "strict_json", "unreadable"]
 
 
 def message(exc: BaseException) -> str | None:
@@ -49,3 +50,13 @@ def short_repr(value: Any) -> str:
     """`repr(value)`, at most about 60 characters, in time bounded by that length (never the whole of a large value):
     an error line quotes a value from a file, which may be a 500 kB string."""
     return _SHORT.repr(value)
+
+
+# C0 and C1 control characters and DEL: a newline, a tab, NUL, ESC (a terminal's escape sequences).
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def has_control(text: str) -> bool:
+    """Whether `text` holds a control character: a path, a URL or a name that holds one cannot be written into a line
+    (a batch script's, a YAML header's, an error's) as it is, and a folder so named lists as another."""
+    return CONTROL.search(text) is not None

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import yaml
 
 from trainer.config import underflows
-from trainer.messages import short_repr
+from trainer.messages import CONTROL, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "YamlFileError", "load_yaml", "read_text", "short_repr"]
 
@@ -95,7 +95,7 @@ _PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float",
 _BOMS = [(b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
          (b"\xff\xfe", "UTF-16")]
 # Control characters, and the bidirectional overrides and isolates (they reorder the text after them as shown).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_CONTROL = re.compile(CONTROL.pattern[:-1] + r"\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(line: str, keep: str = "") -> str:

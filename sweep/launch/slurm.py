@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from sweep.outcomes import SLURM_JOBS_ATTR
 from sweep.urls import mask_url, mask_urls, url_secrets
 from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV, WORKER_ENV, worker_args, write_storage_file
+from trainer.messages import has_control
 
 if TYPE_CHECKING:
     import optuna
@@ -116,7 +117,7 @@ def path_problem(path: Path, *, logs: bool = False) -> str | None:
     """Why a batch script cannot name `path` (the job's folder, with `logs`; the working folder, the study file),
     or None."""
     text = str(path)
-    if any(ord(c) < 32 or ord(c) == 127 for c in text):  # a newline would end a line of the script
+    if has_control(text):  # a newline would end a line of the script
         return "holds a control character, which the batch script cannot hold safely; expected a printable path"
     if logs and "\\" in text:
         return ("holds a backslash, which turns off sbatch's %A/%a in the log's path (every task would write one "

@@ -76,6 +76,8 @@ BAD_FILES = [
                  "without control characters", id="nul-in-mlflow-uri"),
     pytest.param(changed(launch={"slurm": {"log_dir": "logs\ntouch /tmp/owned #"}}), "launch.slurm.log_dir",
                  "without control characters", id="newline-in-slurm-log-dir"),
+    pytest.param(changed(checkpoints={"store": "ckpt\x85b"}), "checkpoints.store", "got 'ckpt\\x85b'",
+                 id="c1-next-line-in-store"),  # U+0085 ends a line for many terminals and editors
     pytest.param(changed(storage_patience=float("nan")), "storage_patience", "expected a finite number, got nan",
                  id="nan-for-a-bound"),  # was "Input should be greater than 0, got nan"
     # A first rung no trial reaches (max_steps 20): accepted, and the pruner never pruned.
