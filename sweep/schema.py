@@ -502,7 +502,7 @@ class K8sSpec(_Model):
     namespace: K8sNamespace | None = None
     secret: K8sSecretName = "sweep-storage"  # the Secret whose key `url` holds the storage URL
     gpus_per_worker: StrictInt = Field(0, ge=0, le=1024)
-    cpus_per_worker: Number | None = Field(None, gt=0)
+    cpus_per_worker: Number | None = Field(None, ge=0.001, le=100_000)  # Kubernetes counts CPU in thousandths (1m)
     memory: K8sQuantity | None = None  # a Kubernetes quantity such as 8Gi
     grace_period_s: StrictInt = Field(120, ge=1, le=604_800)  # SIGTERM to SIGKILL when a pod is evicted or preempted
 

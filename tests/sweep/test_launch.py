@@ -350,6 +350,17 @@ def test_a_negative_k8s_memory_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "job.yaml").exists()
 
 
+@pytest.mark.parametrize(("cpus", "expected"), [(1e-300, "greater than or equal to 0.001, got 1e-300"),
+                                                (0.0005, "greater than or equal to 0.001, got 0.0005")])
+def test_a_k8s_cpu_request_finer_than_a_millicore_is_refused(tmp_path: Path, cpus: float, expected: str) -> None:
+    # Kubernetes counts CPU in thousandths: 1e-300 passed `> 0` and asked for a CPU request of nothing.
+    path = write_study(tmp_path, changed(storage=URL, launch={"k8s": {"cpus_per_worker": cpus}}))
+    done = sweep_cli("submit", path, "--k8s", "--image", "reg/sweep:1", "-o", tmp_path / "job.yaml", cwd=tmp_path)
+    assert done.returncode == 2 and f"launch.k8s.cpus_per_worker: Input should be {expected}" in done.stderr, \
+        done.stderr
+    assert not (tmp_path / "job.yaml").exists()
+
+
 def test_k8s_config_map_key_is_one_kubernetes_takes_whatever_the_study_file_is_called(tmp_path: Path) -> None:
     """`my study.yaml` was the ConfigMap's key, which the API server refuses (keys are `[-._a-zA-Z0-9]+`)."""
     path = write_study(tmp_path, changed(storage=URL), name="my study (v2).yaml")
