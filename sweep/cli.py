@@ -546,15 +546,19 @@ def _stopped(stop: BaseException) -> tuple[int, str]:
 def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
     """Ctrl-C and SIGTERM as requests the worker honours at a clean point, and how a run that ends early exits:
     130 interrupted, 143 preempted, 1 a broken study, a repeated fault of the machine or a storage gone too long."""
-    from sweep.signals import Preempted, graceful_signals, is_unmarked, mark_unmarked, stop_requested
+    from sweep.signals import Preempted, graceful_signals, is_unmarked, mark_unmarked, raised_at_once, stop_requested
     from sweep.storage import StorageUnavailable, storage_refusal
     from sweep.worker import InfrastructureError, StudyBrokenError
 
     launcher = workers > 1 and not prefix  # its workers print what became of their trials
+    at_once = False
     try:
         with graceful_signals():
             try:
                 yield
+            except (KeyboardInterrupt, Preempted):
+                at_once = raised_at_once() > 0
+                raise
             except StorageUnavailable:
                 stop = stop_requested()
                 if stop is None:
@@ -567,6 +571,11 @@ def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
         elif is_unmarked(exc):
             fate = ("running trials could not be marked (the storage is unreachable): the next run finds them lost "
                     "and retries them from their last checkpoint")
+        elif at_once:  # it may have landed while a trial's end was being stored, which it then cut short
+            fate = ("running trials are marked and queued again; if the second "
+                    f"{'Ctrl-C' if code == 130 else 'SIGTERM'}, which stops at once, cut short a trial's end as it "
+                    "was stored, the next run finds that trial lost once heartbeat_grace_period has passed and "
+                    "retries it from its last checkpoint")
         else:
             fate = "running trials are marked and queued again; they resume from their last checkpoint"
         err.print(f"{prefix}{what}: {fate}; rerun the same command to continue.", markup=False)

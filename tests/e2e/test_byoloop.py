@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -806,6 +807,50 @@ def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run
     path = write_study(tmp_path, {"name": "twice", "n_trials": 3, "loop": "twice:main", "pruner": "none"})
     stopped = second_trial_interrupted(path, "twice", first_value=0.1)
     assert max(stopped.intermediate_values, default=0) <= 2  # stopped at the step it was told in, not at the end
+
+
+def test_a_second_ctrl_c_that_cuts_a_trials_end_short_says_so_and_the_next_run_retries_that_trial(
+        tmp_path: Path) -> None:
+    # Found by review: a second Ctrl-C that landed while a trial's end was stored left the trial running, and the line
+    # said "running trials are marked and queued again". Here both land in the tell of trial 1's end.
+    (tmp_path / "quick.py").write_text(
+        "def main(config, run):\n"
+        "    for step in range(1, 4):\n"
+        "        run.report(step, val_loss=1.0 / step + config['lr'])\n"
+        "    return 1.0 / 3 + config['lr']\n")
+    (tmp_path / "cut.py").write_text(
+        "import os, signal, sys\n"
+        "import optuna\n"
+        "real = optuna.study.Study.tell\n"
+        "def tell(self, trial, *args, **kwargs):\n"
+        "    number = trial if isinstance(trial, int) else trial.number\n"
+        "    if number == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # the second: raised at once, here\n"
+        "    return real(self, trial, *args, **kwargs)\n"
+        "optuna.study.Study.tell = tell\n"
+        "from sweep.cli import main\n"
+        "sys.argv = ['sweep', 'run', sys.argv[1]]\n"
+        "main()\n")
+    path = write_study(tmp_path, {"name": "cut", "n_trials": 3, "loop": "quick:main", "pruner": "none",
+                                  "heartbeat_interval": 1, "heartbeat_grace_period": 2,
+                                  "space": {"lr": {"type": "float", "low": 0.0, "high": 1.0}}})
+    env = {**os.environ, "COLUMNS": "200", "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, str(tmp_path / "cut.py"), str(path)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 130, done.stderr
+    assert "cut short a trial's end as it was stored, the next run finds that trial lost" in done.stderr, done.stderr
+    first, cut = trials_of(path, "cut")
+    assert first.state.name == "COMPLETE" and cut.state.name == "RUNNING"  # as the line says
+    time.sleep(3)  # its heartbeat goes stale
+    again = run_cli("run", path, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    trials = trials_of(path, "cut")
+    lost = trials[1]
+    assert lost.state.name == "FAIL" and lost.user_attrs["fail_reason"] == "worker lost: no heartbeat"
+    retry = next(t for t in trials if t.user_attrs.get("retry_of") == 1)
+    assert retry.state.name == "COMPLETE" and retry.params == cut.params
+    assert sum(t.state.name == "COMPLETE" for t in trials) == 3
 
 
 def test_run_study_from_python_treats_ctrl_c_as_sweep_run_does_and_leaves_the_callers_state_as_it_was(
