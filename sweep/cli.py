@@ -1444,7 +1444,7 @@ def reproduce(
     store = (spec.checkpoints.store if spec is not None else None) or ran_with
     if is_another_store(study.study_name, ran_with, store):
         store = ran_with  # a study file edited since names another store: the one the study ran with is still there
-    try:  # Ctrl-C or SIGTERM: a request, honoured at the replay's next log or report step (`_Recorder`)
+    try:  # Ctrl-C or SIGTERM: a request, honoured at the replay's next step (`_Recorder`)
         with graceful_signals():
             comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target),
                                          trust_code=trust_task)

@@ -144,6 +144,10 @@ class TrialReporter:
             self.training.series, self.training_unsent = list(lineage[ATTR_TRAIN_CURVE]), True
         self.trackers = list(trackers)  # TensorBoard, MLflow (sweep.tracking): empty with tracking off
 
+    def poll(self, step: int) -> None:
+        if self.signals:
+            raise_pending()  # Ctrl-C or SIGTERM: between two steps, a clean point of the loop
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self.signals:
             raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop

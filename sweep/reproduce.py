@@ -158,6 +158,9 @@ class _Recorder:
         self.raised: str | None = None  # the replay's own error ("MyError: ..."), raised after its first report
         self.at_once = raised_at_once()  # stops a second signal raised at once before the replay (sweep.signals)
 
+    def poll(self, step: int) -> None:
+        self._stop_if_asked()
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._stop_if_asked()
 

@@ -2,9 +2,9 @@
 
 Python raises KeyboardInterrupt at an arbitrary bytecode, and one that lands in a weakref or garbage-collection
 callback is printed and dropped ("Exception ignored in ..."): the trial then trains on as if nothing happened. So the
-signal only records the request, and the worker raises it where stopping is clean: at the trial's next log or
-evaluation step (`raise_pending`, called by the trial's reporter) and between trials. A second signal of the same kind
-raises at once, for a worker stuck where no check comes.
+signal only records the request, and the worker raises it where stopping is clean: before the trial's next
+optimizer step, or a user's loop's next report or log (`raise_pending`, called by the trial's reporter), and between
+trials. A second signal of the same kind raises at once, for a worker stuck where no check comes.
 
 A launcher (`sweep run --workers N`) passes a signal on to its workers as another one (`FORWARD`: a real-time signal
 for each, SIGUSR1/SIGUSR2 where there are none), which only ever records the request. A terminal's Ctrl-C reaches the

@@ -204,9 +204,10 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     """Run trials of `study` in this process until its budget is used (see `sweep.worker.Worker`).
 
     As `sweep run` does, from a notebook or a script too: on the main thread, Ctrl-C and SIGTERM are requests the
-    running trials honour at their next log or evaluation step (marked interrupted, queued again), then raised to the
-    caller (KeyboardInterrupt, `sweep.signals.Preempted`); a second Ctrl-C raises at once. Python's, numpy's and
-    torch's global generators and torch's determinism switches are the caller's again afterwards."""
+    running trials honour at their next optimizer step or a loop's next report (marked interrupted, queued again),
+    then raised to the caller (KeyboardInterrupt, `sweep.signals.Preempted`); a second Ctrl-C raises at once.
+    Python's, numpy's and torch's global generators and torch's determinism switches are the caller's again
+    afterwards."""
     storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
     boundary = storage.boundary if isinstance(storage, PatientStorage) else Boundary(spec.storage_patience)
     with graceful_signals(), kept_global_state():

@@ -63,6 +63,10 @@ class Reporter(Protocol):
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         """Validation metrics at an eval interval. Return True to stop training now."""
 
+    # Optional: `poll(step)`, called before each optimizer step, may raise to end the run there (a driver's Ctrl-C or
+    # SIGTERM, honoured within a step, not at the next log step, which may be minutes of slow steps away: a
+    # preempted job's grace period is shorter). See `_poller`.
+
 
 class NullReporter:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -89,6 +93,10 @@ class FastFailReporter:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.inner.log(step, metrics)
         self.training.log(metrics)
+
+    def poll(self, step: int) -> None:
+        if (poll := _poller(self.inner)) is not None:
+            poll(step)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         stop = self.inner.report(step, metrics)
@@ -396,9 +404,12 @@ def _train_steps(run: Run, loop: LoopState, first_step: int, reporter: Reporter,
     accum = config.gradient_accumulation_steps
     check_every = run.fast_fail.check_every_n_steps or config.log_every_steps
     interval = _LogInterval(loop, run.device, run.settle)
+    poll = _poller(reporter)
     done = first_step
     model.train()
     for step in range(first_step, config.max_steps):
+        if poll is not None:
+            poll(step)
         done = step + 1
         log_now = done % config.log_every_steps == 0 or done == config.max_steps
         eval_now = done % config.eval_every_steps == 0 or done == config.max_steps
@@ -493,6 +504,12 @@ def _log_record(run: Run, interval: _LogInterval, step: int, lr: float,
         record["tokens_per_s"] = samples_per_s * run.task.tokens_per_sample
     record.update(run.stats())
     return record
+
+
+def _poller(reporter: Reporter | None) -> Callable[[int], None] | None:
+    """The reporter's optional `poll(step)` (see `Reporter`), or None."""
+    poll = getattr(reporter, "poll", None)
+    return poll if callable(poll) else None
 
 
 def _evaluate_and_report(run: Run, reporter: Reporter, result: TrainResult, step: int,

@@ -379,6 +379,38 @@ def test_a_sigterm_while_the_run_starts_is_honoured_before_any_trial_with_one_li
     assert sweep_cli("run", path).returncode == 0
 
 
+def _reported_step_0(path: Path) -> bool:
+    """Whether the study in `path` exists and a trial of it has reported step 0."""
+    try:
+        return any(0 in t.intermediate_values for t in load(path).get_trials())
+    except KeyError:  # the file, not the study yet
+        return False
+
+
+def test_a_sigterm_between_two_log_steps_is_honoured_at_the_next_optimizer_step(tmp_path: Path) -> None:
+    # Found by review: a stop was honoured only at the trial's next log or evaluation step, minutes of slow steps
+    # away (charlm on a CPU took 71 s), past a preempted job's grace period: killed there, the trial was lost, not
+    # marked. Here the next log step is 10^8 steps away.
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 1}
+    del document["pruner"]  # the default pruner: the trial reports step 0 before its first step
+    document["fixed"] |= {"max_steps": 10**8, "eval_every_steps": 10**8, "log_every_steps": 10**8}
+    path = write_study(tmp_path, document)
+    process = _started_catching_sigterm("run", path, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not _reported_step_0(tmp_path / "tiny.db"):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)  # after its last check at a report: training now
+        _, stderr = process.communicate(timeout=240)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    stopped, retry = load(tmp_path / "tiny.db").get_trials()
+    assert stopped.state == TrialState.FAIL and stopped.user_attrs["fail_reason"] == "preempted (SIGTERM)"
+    assert retry.state == TrialState.WAITING and retry.user_attrs["retry_of"] == 0
+
+
 def test_a_sigterm_while_the_storage_is_waited_for_at_the_start_exits_143_not_as_a_storage_error(
         tmp_path: Path) -> None:
     # Found by review: a worker preempted while it waited for its storage at its start (Slurm, Kubernetes) exited 1,
