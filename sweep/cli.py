@@ -1596,8 +1596,18 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
         if isinstance(error, sqlite3.DatabaseError) and any(
                 words in str(error).lower() for words in ("malformed", "not a database", "file is encrypted")):
             return f"{where} cannot be read ({error}); is the file damaged?", 2
+    for error in error_chain(exc):
+        if isinstance(error, (KeyError, ValueError)) and error.args and _GONE_RECORD.fullmatch(str(error.args[0])):
+            # Optuna's words for a study's or a trial's row that is not there: another program deleted the study
+            # (`optuna delete-study`, the dashboard) while this command used it.
+            return (f"{where}: the study's rows are gone from the storage ({error.args[0]}): was the study deleted "
+                    "while this command ran (`optuna delete-study`, the dashboard)? Nothing more of it can be stored",
+                    1)
     refusal = storage_refusal(exc)
     return (f"{where}: {refusal[0]}", 1) if refusal is not None else (None, 0)
+
+
+_GONE_RECORD = re.compile(r"Record does not exist\.|No trial with trial id \d+ exists\.")
 
 
 if __name__ == "__main__":

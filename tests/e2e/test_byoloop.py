@@ -809,6 +809,25 @@ def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run
     assert max(stopped.intermediate_values, default=0) <= 2  # stopped at the step it was told in, not at the end
 
 
+def test_a_study_deleted_while_it_runs_ends_the_run_with_one_line(tmp_path: Path) -> None:
+    # Found by review: another user's `optuna delete-study` during a run made each worker's next write a traceback
+    # ("KeyError: 'No trial with trial id 106 exists.'").
+    (tmp_path / "deleter.py").write_text(
+        "import optuna\n"
+        "def main(config, run):\n"
+        "    run.report(1, val_loss=0.5)\n"
+        "    if run.trial == 1:\n"
+        f"        optuna.delete_study(study_name='gone', storage='sqlite:///{tmp_path / 'gone.db'}')\n"
+        "    return 0.5\n")
+    path = write_study(tmp_path, {"name": "gone", "n_trials": 3, "loop": "deleter:main", "pruner": "none"})
+    env_path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    done = subprocess.run([sys.executable, "-m", "sweep.cli", "run", str(path)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, env={**os.environ, "COLUMNS": "200", "PYTHONPATH": env_path})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"error: {tmp_path / 'gone.db'}: the study's rows are gone from the storage"), done.stderr
+
+
 def test_a_second_ctrl_c_that_cuts_a_trials_end_short_says_so_and_the_next_run_retries_that_trial(
         tmp_path: Path) -> None:
     # Found by review: a second Ctrl-C that landed while a trial's end was stored left the trial running, and the line
