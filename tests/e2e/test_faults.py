@@ -559,6 +559,26 @@ def test_a_full_checkpoint_folder_stops_the_run_without_spending_the_budget(tmp_
 
 
 @pytest.mark.slow
+def test_a_store_made_unusable_after_the_command_checked_it_stops_the_worker_with_one_line(tmp_path: Path) -> None:
+    # Found by review: a store remounted read-only between the launcher's check and its workers' start was a
+    # traceback from each worker ("OSError: [Errno 30] Read-only file system"). A file where the study's folder goes
+    # refuses the folder the same way, and as root too.
+    from sweep.spec import parse_spec
+    from sweep.study import open_study, run_study
+    from sweep.worker import InfrastructureError
+
+    store = tmp_path / "blobs"
+    spec = parse_spec(copy.deepcopy(TINY_STUDY) | {"checkpoints": {"store": str(store)}}, str(tmp_path / "s.yaml"))
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    study = open_study(spec, url)
+    shutil.rmtree(store, ignore_errors=True)
+    store.write_text("")
+    with pytest.raises(InfrastructureError, match=r"^cannot make the checkpoints' folders: Not a directory: "
+                                                  rf"{re.escape(str(store))}.*; fix the store \(checkpoints.store\)"):
+        run_study(study, spec, storage_url=url)
+    assert study.get_trials() == []  # nothing asked, nothing counted
+
+
 def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_rerun_finishes(tmp_path: Path) -> None:
     folder = tmp_path / "db"
     with tmpfs(folder, "64m"):
