@@ -175,6 +175,11 @@ def no_connection_slot(exc: BaseException) -> bool:
     return _driver_says(exc, _NO_SLOT)
 
 
+def read_only(exc: BaseException) -> bool:
+    """Whether the database refused a write as read-only (a standby, as a failover leaves it until its promotion)."""
+    return _driver_says(exc, ("read-only transaction",))
+
+
 # The database's words for a write refused because its disk is full (SQLite's, the OS's, PostgreSQL's "could not
 # extend file"): transient, since freeing space ends it, but waiting alone does not, so the line says what to do.
 _DISK_FULL = ("database or disk is full", "no space left on device", "could not extend file", "disk full")
@@ -660,7 +665,7 @@ def is_transient(exc: BaseException) -> bool:
         message = _driver_message(error).lower()
         if any(final in message for final in _FINAL_MESSAGES) or _BAD_OPTION.search(message):
             return False
-        if "read-only transaction" in message:  # a standby, as a failover leaves it until it is promoted
+        if "read-only transaction" in message:  # a standby, as a failover leaves it until it is promoted (`read_only`)
             return True
         if isinstance(error, sqlite3.OperationalError):
             return any(word in message for word in _SQLITE_TRANSIENT)
@@ -718,7 +723,10 @@ class Boundary:
                 if not is_transient(exc):
                     _mark_refused(exc)
                     raise
-                if no_connection_slot(exc):  # hold no idle slot while waiting for one: another worker may need it
+                if no_connection_slot(exc) or read_only(exc):
+                    # No idle slot held while waiting for one: another worker may need it. And no session opened
+                    # while the database was read-only (a standby until its promotion, `default_transaction_read_only`)
+                    # is used again: it stays read-only after the database is writable again.
                     release_idle_connections()
                 since = self._went_away(exc)
                 if getattr(self._local, "no_wait", False):

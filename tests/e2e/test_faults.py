@@ -1307,6 +1307,54 @@ def test_a_password_changed_or_a_role_dropped_while_the_worker_runs_stops_it_wit
     assert "first-pw" not in stderr and "second-pw" not in stderr
 
 
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+def test_a_database_read_only_for_a_while_is_waited_out_on_fresh_connections(tmp_path: Path) -> None:
+    """Found by review: a database made read-only for a while (a failover's standby until it is promoted; here
+    `default_transaction_read_only`) was waited for on the pooled sessions opened while it was read-only, which stay
+    so: the worker gave up after `storage_patience` though the database had long been writable again. Each
+    read-only refusal now lets the pool's idle sessions go."""
+    from sqlalchemy import create_engine, text
+
+    document = copy.deepcopy(TINY_STUDY) | {"name": "standby", "n_trials": 4, "storage_patience": 60,
+                                            "checkpoints": {"every_steps": 20}}
+    document["fixed"] |= {"max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20}
+    path = write_study(tmp_path, document)
+    with PostgresServer() as server:
+        worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", server.url],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        admin = create_engine(server.url.replace("/sweep?", "/postgres?"), isolation_level="AUTOCOMMIT")
+        try:
+            deadline = time.monotonic() + 240
+            while not any(t.state.is_finished() for t in _trials_if_any("standby", server.url)):
+                assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()
+                time.sleep(0.1)
+            with admin.connect() as connection:  # read-only, and every session of the study's database anew
+                connection.execute(text("ALTER DATABASE sweep SET default_transaction_read_only = on"))
+                connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                                        "datname = 'sweep'"))
+            while "read-only transaction" not in server.log.read_text(errors="replace"):
+                assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()
+                time.sleep(0.1)
+            time.sleep(2)  # refused a while, new sessions among them
+            with admin.connect() as connection:  # writable again, for new sessions
+                connection.execute(text("ALTER DATABASE sweep SET default_transaction_read_only = off"))
+            _, stderr = worker.communicate(timeout=240)
+        finally:
+            worker.kill()
+            admin.dispose()
+        assert worker.returncode == 0, stderr
+        assert "read-only transaction" in stderr, stderr
+        assert budget_counts(_trials_if_any("standby", server.url)) == (4, 0)
+
+
+def _trials_if_any(name: str, url: str) -> list[FrozenTrial]:
+    """The trials of study `name` in `url`, or none before the study exists."""
+    try:
+        return optuna.load_study(study_name=name, storage=url).get_trials()
+    except KeyError:
+        return []
+
+
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(),
                     reason="needs a machine whose torch sees no GPU")
 @pytest.mark.parametrize(("device", "cohort", "ranks"), [("cuda", 1, 1), ("cuda", 2, 1), ("mps", 1, 1), ("cuda", 1, 2)])
