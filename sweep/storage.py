@@ -189,9 +189,12 @@ def _outage_hint(exc: BaseException) -> str:
     """What the outage line adds for an outage that waiting alone may not end: no free connection slot, a full
     disk."""
     if no_connection_slot(exc):
-        return (f" (the server has no free connection slot: each sweep worker holds up to {CONNECTIONS_PER_WORKER} "
-                "connections, so N workers need up to "
-                f"{CONNECTIONS_PER_WORKER}N of the server's max_connections; raise it or run fewer workers)")
+        # PostgreSQL's own limits of a role or a database (ALTER ROLE/DATABASE ... CONNECTION LIMIT) say so.
+        limit = next((f"the {owner}'s CONNECTION LIMIT (ALTER {owner.upper()} ... CONNECTION LIMIT)"
+                      for owner in ("role", "database") if _driver_says(exc, (f"too many connections for {owner}",))),
+                     "the server's max_connections")
+        return (f" (no free connection slot: each sweep worker holds up to {CONNECTIONS_PER_WORKER} connections, so "
+                f"N workers need up to {CONNECTIONS_PER_WORKER}N of {limit}; raise it or run fewer workers)")
     if _driver_says(exc, _DISK_FULL):
         return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
     for setting in ("statement", "lock"):

@@ -781,3 +781,31 @@ def test_a_full_disk_is_waited_out_with_a_line_that_says_to_free_space(tmp_path:
     assert connection.execute("SELECT count(*) FROM t").fetchone()[0] == 1
     assert "database or disk is full" in lines[0] and "its disk is full: free space there" in lines[0], lines
     assert "is back" in lines[-1], lines
+
+
+def test_a_role_out_of_its_own_connection_limit_is_named_not_the_servers_max_connections(postgres_url: str) -> None:
+    # Found by review: a role's CONNECTION LIMIT (too many connections for role "...") was waited out with a line
+    # telling the user to raise the server's max_connections, which would not help.
+    from sqlalchemy import create_engine, text
+
+    from sweep.storage import Boundary, StorageUnavailable
+
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text("DROP ROLE IF EXISTS limited"))
+        connection.execute(text("CREATE ROLE limited LOGIN CONNECTION LIMIT 1"))
+    limited = create_engine(postgres_url.replace("postgres@", "limited@"))
+    lines: list[str] = []
+    try:
+        with limited.connect():  # its one slot, taken
+            with pytest.raises(StorageUnavailable):
+                Boundary(0.5, notify=lines.append, reached=True).call(
+                    lambda: create_engine(postgres_url.replace("postgres@", "limited@")).connect().close())
+    finally:
+        limited.dispose()
+        with admin.connect() as connection:
+            connection.execute(text("DROP ROLE limited"))
+        admin.dispose()
+    assert 'too many connections for role "limited"' in lines[0], lines
+    assert "the role's CONNECTION LIMIT (ALTER ROLE ... CONNECTION LIMIT); raise it" in lines[0], lines
+    assert "max_connections" not in lines[0], lines
