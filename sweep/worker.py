@@ -211,9 +211,10 @@ class Worker:
         try:
             self.checkpoints = CheckpointService(storage_url, spec, study, boundary) if storage_url else None
         except OSError as exc:  # the store became read-only, full or a file since the command checked it (review)
-            where = f" {exc.filename}" if exc.filename else ""
-            raise InfrastructureError(f"cannot make the checkpoints' folders: {exc.strerror or exc}:{where}; fix "
-                                      "the store (checkpoints.store), then rerun the same command") from None
+            where = f": {exc.filename}" if exc.filename else ""
+            raise InfrastructureError(f"cannot make the checkpoints' folders: {exc.strerror or exc}{where}; fix the "
+                                      "store (checkpoints.store; an object store's outbox is under TMPDIR), then "
+                                      "rerun the same command") from None
         self.ran = 0
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).

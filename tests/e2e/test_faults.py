@@ -558,7 +558,6 @@ def test_a_full_checkpoint_folder_stops_the_run_without_spending_the_budget(tmp_
         found.check()
 
 
-@pytest.mark.slow
 def test_a_store_made_unusable_after_the_command_checked_it_stops_the_worker_with_one_line(tmp_path: Path) -> None:
     # Found by review: a store remounted read-only between the launcher's check and its workers' start was a
     # traceback from each worker ("OSError: [Errno 30] Read-only file system"). A file where the study's folder goes
@@ -574,11 +573,12 @@ def test_a_store_made_unusable_after_the_command_checked_it_stops_the_worker_wit
     shutil.rmtree(store, ignore_errors=True)
     store.write_text("")
     with pytest.raises(InfrastructureError, match=r"^cannot make the checkpoints' folders: Not a directory: "
-                                                  rf"{re.escape(str(store))}.*; fix the store \(checkpoints.store\)"):
+                                                  rf"{re.escape(str(store))}.*; fix the store \(checkpoints.store;"):
         run_study(study, spec, storage_url=url)
     assert study.get_trials() == []  # nothing asked, nothing counted
 
 
+@pytest.mark.slow
 def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_rerun_finishes(tmp_path: Path) -> None:
     folder = tmp_path / "db"
     with tmpfs(folder, "64m"):
