@@ -53,6 +53,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from sweep.signals import stop_requested
+from sweep.unanswered import watch, watch_engine
 from sweep.urls import mask_url, mask_urls, sqlite_path
 from trainer.messages import message
 
@@ -148,7 +149,21 @@ def open_engine(url: str, *, lock_wait_s: float = SQLITE_LOCK_WAIT_S, **kwargs: 
     """`create_engine(url)` with sweep's options (`engine_options`), known to `release_idle_connections`."""
     engine = create_engine(url, **kwargs, **engine_options(url, lock_wait_s=lock_wait_s))
     _ENGINES.add(engine)
+    watch_engine(engine, unanswered_after(url))
     return engine
+
+
+def unanswered_after(url: str) -> float:
+    """Seconds a storage call to `url` waits for an answer before its connections are cut (`sweep.unanswered`): the
+    URL's `tcp_user_timeout` (ms) on PostgreSQL over libpq, or sweep's; 0 (never) elsewhere."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or not parsed.get_driver_name().startswith("psycopg"):
+        return 0.0
+    given = {key.lower(): value for key, value in parsed.query.items()}.get("tcp_user_timeout")
+    try:
+        return float(given if isinstance(given, str) else POSTGRESQL_CONNECT_ARGS["tcp_user_timeout"]) / 1000
+    except ValueError:  # libpq refuses it when the first connection is made, in its own words
+        return 0.0
 
 
 def release_idle_connections() -> None:
@@ -273,6 +288,7 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
         _serialise_sqlite(storage.engine, lock_wait_s)
         storage.engine.dispose()  # reconnect with the listeners above
     _ENGINES.add(storage.engine)
+    watch_engine(storage.engine, unanswered_after(url))
     return storage
 
 
@@ -692,6 +708,7 @@ class Boundary:
     `StorageUnavailable` is raised. `notify` hears one line when the storage goes away and one when it is back."""
 
     FIRST_CONTACT_S = 10.0  # a storage never reached yet is more likely a wrong URL than an outage
+    RETRY_AWAY_S = 10.0  # while it is away, calls that must not wait try it at most this often
 
     def __init__(self, patience_s: float = 600.0, *, label: str = "the storage",
                  notify: Callable[[str], None] | None = None, reached: bool = False) -> None:
@@ -700,6 +717,7 @@ class Boundary:
         self.notify = notify if notify is not None else _to_stderr
         self.down_since: float | None = None
         self.recovered_at: float | None = None  # when the storage last came back (time.monotonic)
+        self.failed_at = 0.0  # when a call last met the storage away (time.monotonic)
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -720,8 +738,11 @@ class Boundary:
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         delay = 0.2
         while True:
+            if self._not_yet():
+                raise StorageAway(f"{self.label} is unreachable")
             try:
-                result = fn(*args, **kwargs)
+                with watch() as call:
+                    result = fn(*args, **kwargs)
             except Exception as exc:
                 if not is_transient(exc):
                     _mark_refused(exc)
@@ -731,7 +752,8 @@ class Boundary:
                     # while the database was read-only (a standby until its promotion, `default_transaction_read_only`)
                     # is used again: it stays read-only after the database is writable again.
                     release_idle_connections()
-                since = self._went_away(exc)
+                self.failed_at = time.monotonic()
+                since = self._went_away(exc, call.cut_after)
                 if getattr(self._local, "no_wait", False):
                     raise StorageAway(f"{self.label} is unreachable") from exc
                 waited = time.monotonic() - since
@@ -750,16 +772,26 @@ class Boundary:
             self._came_back()
             return result
 
+    def _not_yet(self) -> bool:
+        """Whether a call that must not wait is given up without trying: the storage is away and was last tried
+        less than `RETRY_AWAY_S` ago. Each try may cost `connect_timeout` (a server that does not answer), which a
+        trial's every report would otherwise spend out of its training."""
+        return (self.down_since is not None and getattr(self._local, "no_wait", False)
+                and time.monotonic() - self.failed_at < self.RETRY_AWAY_S)
+
     def _patience(self) -> float:
         """How long an outage is waited out: a storage never reached yet gets the short first contact."""
         return self.patience_s if self.reached else min(self.patience_s, self.FIRST_CONTACT_S)
 
-    def _went_away(self, exc: BaseException) -> float:
+    def _went_away(self, exc: BaseException, unanswered_s: float | None = None) -> float:
         with self._lock:
             if self.down_since is None:
                 self.down_since = time.monotonic()
                 patience = self._patience()
-                self.notify(f"{self.label} is unreachable ({error_line(exc)}){_outage_hint(exc)}; waiting up to "
+                why = (f"(no answer to a call for {unanswered_s:.0f} s: a server process stopped or stuck while its "
+                       "machine answers; its connections were cut, tcp_user_timeout)") if unanswered_s is not None \
+                    else f"({error_line(exc)}){_outage_hint(exc)}"
+                self.notify(f"{self.label} is unreachable {why}; waiting up to "
                             f"{patience:g} s for it to come back"
                             f"{'' if self.reached or patience == self.patience_s else ' (never reached yet)'}")
             return self.down_since

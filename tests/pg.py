@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import TracebackType
 
@@ -116,6 +117,26 @@ class PostgresServer:
             return
         self._run("pg_ctl", "-D", str(self.data), "-o", self._options, "-l", str(self.log), "-m", mode, "-w",
                   "-t", "60", "restart")
+
+    def processes(self) -> list[int]:
+        """The server's process ids: the postmaster's and its children's (backends, background workers)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = subprocess.run(["pgrep", "-P", str(postmaster)], capture_output=True, text=True).stdout.split()
+        return [postmaster, *map(int, children)]
+
+    def pause(self) -> list[int]:
+        """Stop every process of the server (SIGSTOP), as a frozen container or a server stuck on its disk: its
+        kernel still accepts connections and acknowledges what is sent, and nothing answers. Returns what
+        `resume` takes."""
+        stopped = self.processes()
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        return stopped
+
+    def resume(self, stopped: list[int]) -> None:
+        for pid in stopped:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def close(self) -> None:
         """Stop it (immediately) and delete its folder."""

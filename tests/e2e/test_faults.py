@@ -1415,3 +1415,39 @@ def test_a_config_that_kills_its_worker_is_failed_after_three_attempts_instead_o
     assert done.returncode == 0 and done.stderr.count("failed: worker lost") == 1, done.stderr
     again = sweep_cli("run", path, cwd=tmp_path)  # a rerun trains nothing
     assert again.returncode == 0 and "1/1 trials done" in again.stderr and len(trials()) == 3
+
+
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+def test_a_server_that_stops_answering_is_an_outage_with_a_line_not_a_silent_wait(tmp_path: Path) -> None:
+    """Found by review: a PostgreSQL server whose processes stopped (SIGSTOP, a frozen container, a server stuck on
+    its disk) while its machine answers: the kernel acknowledges every packet, so no TCP timeout ends a call in
+    flight, and the worker waited without a word for as long as the server hung, past `storage_patience`. A call
+    unanswered for `tcp_user_timeout` now has its connections cut: one line names the outage, the worker waits out
+    its patience and exits 1, and once the server answers again the next run finishes the budget."""
+    document = copy.deepcopy(TINY_STUDY) | {"name": "frozen", "n_trials": 3, "storage_patience": 20}
+    document["fixed"] |= {"max_steps": 200, "eval_every_steps": 20, "log_every_steps": 20}
+    path = write_study(tmp_path, document)
+    with PostgresServer() as server:
+        url = f"{server.url}&tcp_user_timeout=5000"
+        worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", url],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        stopped: list[int] = []
+        try:
+            deadline = time.monotonic() + 240
+            while not any(t.state == TrialState.RUNNING and t.intermediate_values
+                          for t in _trials_if_any("frozen", server.url)):
+                assert worker.poll() is None and time.monotonic() < deadline, worker.communicate()
+                time.sleep(0.1)
+            stopped = server.pause()
+            _, stderr = worker.communicate(timeout=240)
+        finally:
+            worker.kill()
+            server.resume(stopped)
+        assert worker.returncode == 1, stderr
+        assert "Traceback" not in stderr, stderr
+        said = r"is unreachable \(no answer to a call for \d+ s: a server process stopped or stuck"
+        assert re.search(said, stderr), stderr
+        assert "has been unreachable for" in stderr.strip().splitlines()[-1], stderr
+        done = sweep_cli("run", path, "--storage", server.url)  # the left trial is found lost and retried
+        assert done.returncode == 0, done.stderr
+        assert budget_counts(_trials_if_any("frozen", server.url)) == (3, 0)
