@@ -48,7 +48,7 @@ from sweep.schema import (
     sqlite_write_problem,
     storage_url_problem,
 )
-from sweep.urls import mask_url, mask_urls, redact, sqlite_path
+from sweep.urls import mask_url, mask_urls, redact, sqlite_path, sqlite_url
 from trainer.messages import has_control
 from trainer.yaml_file import printable, short_repr
 
@@ -887,14 +887,14 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
     elif storage:
         url, name = storage, name or (target or None)
     elif path is not None and path.exists():
-        url = f"sqlite:///{path.resolve()}"  # checked below, as every SQLite file a command reads
+        url = sqlite_url(path.resolve())  # checked below, as every SQLite file a command reads
     else:
         raise _fail(f"{target!r} is neither a study file nor a database; give a study file, a .db file, "
                     "or --storage URL [--study-name NAME]", 2)
     if output is not None and (problem := _output_problem(output, _protected_files(target, url))):
         raise _fail(problem, 2)
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-        raise _fail(f"no study database at {url.removeprefix('sqlite:///')}; run `sweep run` first", 1)
+    if url.startswith("sqlite:///") and (file := sqlite_path(url)) is not None and not file.exists():
+        raise _fail(f"no study database at {file}; run `sweep run` first", 1)
     if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
         raise _fail(problem, 2)
     _OPENED[:] = [url]

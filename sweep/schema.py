@@ -37,7 +37,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sweep.urls import mask_url, mask_urls, sqlite_path
+from sweep.urls import mask_url, mask_urls, sqlite_path, sqlite_url
 from trainer import yaml_file
 from trainer.config import FastFailConfig, TrainingConfig, clash, flatten, magnitude, nest, number_from_text
 from trainer.messages import has_control
@@ -1156,9 +1156,8 @@ def sqlite_file_problem(url: str, *, study: bool = True) -> str | None:
     """For a SQLite URL: what is wrong with its file before anything creates it, or None. The folder must exist;
     the path must not be a folder, nor a file that is not a SQLite database (it would not be written into), nor
     (with `study`, for a study's storage) a database of another program's tables."""
-    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+    if not url.startswith("sqlite:///") or (path := sqlite_path(url)) is None:  # nor an in-memory database
         return None
-    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
     if problem := long_name_problem(path):
         return problem
     if has_control(str(path)):  # a file no listing shows as it is named
@@ -1258,9 +1257,8 @@ def sqlite_study_problem(url: str) -> str | None:
     (or an empty one) and so turn it into a study database."""
     import sqlite3
 
-    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+    if not url.startswith("sqlite:///") or (path := sqlite_path(url)) is None:  # nor an in-memory database
         return None
-    path = Path(url.removeprefix("sqlite:///").split("?", 1)[0])
     if problem := sqlite_file_problem(url, study=False):
         return problem.replace("; give a new or existing .db file", "; give the .db file of a study")
     if path.stat().st_size == 0:
@@ -1287,7 +1285,7 @@ def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str |
         url = override
     elif spec.storage is None:
         folder = spec_path.parent if spec_path is not None else Path.cwd()
-        return f"sqlite:///{(folder / f'{spec.name}.db').resolve()}"
+        return sqlite_url((folder / f"{spec.name}.db").resolve())
     elif spec.storage.startswith("sqlite:///") and spec_path is not None:
         path = spec.storage.removeprefix("sqlite:///")
         url = spec.storage

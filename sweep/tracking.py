@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 from sweep.outcomes import ATTR_CONFIG, ATTR_FAIL, ATTR_REPRO, SPEC_ATTR
 from sweep.schema import TrackingSpec, short_repr
-from sweep.urls import SQLITE_URL, mask_url, mask_urls, redact, sqlite_path
+from sweep.urls import SQLITE_URL, mask_url, mask_urls, redact, sqlite_path, sqlite_url
 
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
@@ -97,7 +97,7 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
     elif tensorboard.enabled and tensorboard.dir is not None and not Path(tensorboard.dir).expanduser().is_absolute():
         tensorboard = tensorboard.model_copy(update={"dir": str(folder / tensorboard.dir)})
     if mlflow.enabled and mlflow.tracking_uri is None and server:
-        mlflow = mlflow.model_copy(update={"tracking_uri": f"sqlite:///{folder / 'sweep-mlflow.db'}"})
+        mlflow = mlflow.model_copy(update={"tracking_uri": sqlite_url(folder / 'sweep-mlflow.db')})
     elif mlflow.enabled and mlflow.tracking_uri is not None and \
             (found := SQLITE_URL.fullmatch(mlflow.tracking_uri)) and not found["path"].startswith("/"):
         # A path not from / (a `~` is a folder's name to SQLite, as in the study's own storage URL): the file's.
@@ -146,7 +146,7 @@ def destination_problems(spec: StudySpec, storage_url: str | None = None) -> lis
         scheme, _, rest = uri.partition(":")
         scheme = scheme.split("+")[0].lower()  # sqlite+pysqlite:///FILE.db is SQLite's too
         file = sqlite_path(uri)  # with or without its driver's name: the same file
-        if problem := sqlite_file_problem(uri if file is None else f"sqlite:///{file}", study=False):
+        if problem := sqlite_file_problem(uri if file is None else sqlite_url(file), study=False):
             problems.append((key, f"MLflow's store: {problem}"))
         elif scheme == "sqlite" and sqlite_path(f"sqlite:{rest}") is None:
             problems.append((key, "MLflow's SQLite store is sqlite:///FILE.db (three slashes, then the file's path; "
@@ -272,7 +272,7 @@ def mlflow_location(tracking: TrackingSpec, storage_url: str | None, study_name:
         store, artifacts = path.with_suffix(".mlflow.db"), path.with_suffix(".mlflow-artifacts")
     else:
         store, artifacts = Path("sweep-mlflow.db"), Path("sweep-mlflow-artifacts")
-    return f"sqlite:///{store.resolve()}", experiment, artifacts.resolve().as_uri()
+    return sqlite_url(store.resolve()), experiment, artifacts.resolve().as_uri()
 
 
 # Database tracking URIs (`postgresql://`, `mysql+pymysql://`, ...): MLflow's client retries one it cannot reach in a
@@ -353,7 +353,7 @@ def _build_store(uri: str) -> None:
         stale.unlink(missing_ok=True)
     building = path.with_name(f".{path.name}.{os.getpid()}.building")
     try:
-        MlflowClient(tracking_uri=f"sqlite:///{building}")  # makes the store's tables, at its creation
+        MlflowClient(tracking_uri=sqlite_url(building))  # makes the store's tables, at its creation
         os.replace(building, path)
     finally:
         for left in (building, *(building.with_name(building.name + s) for s in ("-journal", "-wal", "-shm"))):

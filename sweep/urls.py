@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, unquote_plus
 
-__all__ = ["MASK", "SQLITE_URL", "mask_url", "mask_urls", "plain_folder_name", "redact", "sqlite_path", "url_secrets"]
+__all__ = ["MASK", "SQLITE_URL", "mask_url", "mask_urls", "plain_folder_name", "redact", "sqlite_path", "sqlite_url",
+           "url_secrets"]
 
 MASK = "***"
 
@@ -141,7 +142,13 @@ def sqlite_path(url: str) -> Path | None:
     """The database file of a `sqlite:///` URL (or `sqlite+DRIVER:///`; a query string is not the file's), or None
     for anything else (a server's URL, an in-memory database)."""
     found = SQLITE_URL.fullmatch(url)
-    return None if found is None else Path(found["path"])
+    return None if found is None else Path(unquote(found["path"]))  # decoded, as SQLAlchemy opens it
+
+
+def sqlite_url(path: str | Path) -> str:
+    """The `sqlite:///` URL of the file `path`. SQLAlchemy decodes `%XX` in a URL's path and ends it at a `?`: a
+    folder named `exp%41` or `a?b` would otherwise put the database in `expA` or open `a`."""
+    return "sqlite:///" + str(path).replace("%", "%25").replace("?", "%3F")
 
 
 def plain_folder_name(name: str) -> bool:

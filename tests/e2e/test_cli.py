@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 from sweep.spec import load_spec
 from sweep.study import definition_note, open_study
-from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, changed, run_cli, sweep_cli, write_study
 
 
 def load(path: Path, name: str = "tiny") -> optuna.Study:
@@ -1187,3 +1187,22 @@ def test_a_key_holding_a_terminal_escape_sequence_is_printed_escaped(tmp_path: P
     assert "study.yaml: \\x1b]0;pwned\\x07: unknown key" in done.stderr, done.stderr
     assert not (tmp_path / "t.db").exists()
 
+
+
+@pytest.mark.parametrize("folder", ["exp%41", "what?", "a%20b"])
+def test_a_study_in_a_folder_whose_name_reads_as_url_escapes_keeps_all_its_files_there(tmp_path: Path,
+                                                                                     folder: str) -> None:
+    """Found by review: the default storage's URL was the folder's path as written, and SQLAlchemy decodes `%41`
+    and ends the path at `?`: a study in `exp%41/` put its database in `expA/` (an existing folder) and its lock and
+    checkpoints in `exp%41/`, and `sweep status` then found no study there."""
+    (tmp_path / "expA").mkdir()
+    (tmp_path / "a b").mkdir()
+    (tmp_path / folder).mkdir()
+    path = write_study(tmp_path / folder, changed(n_trials=1, checkpoints={"every_steps": 10}))
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    assert (path.parent / "tiny.db").is_file(), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert not any((tmp_path / other / "tiny.db").exists() for other in ("expA", "a b", "what"))
+    assert list((path.parent / "tiny.checkpoints").rglob("*.pt")), done.stdout
+    shown = sweep_cli("status", path)
+    assert shown.returncode == 0 and "1/1" in shown.stdout, shown.stdout + shown.stderr
