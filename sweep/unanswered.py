@@ -3,8 +3,9 @@ disk while its machine is up. Its kernel acknowledges every packet, so neither T
 ever end the wait, and libpq has no timeout of its own for a query in flight: without this, a worker waited without a
 word for as long as the server hung, past any `storage_patience`.
 
-Each storage call of the `Boundary` is timed here (`watch`). One that has waited `tcp_user_timeout` (the same bound the
-kernel puts on a peer that stopped acknowledging; 60 s unless the URL says otherwise; 0 turns this off) has every open
+Each storage call of the `Boundary` is timed here (`watch`), from its start or the server's last answer to it (a
+call may be many statements). One that has waited `tcp_user_timeout` (the bound the kernel puts on a peer that stopped
+acknowledging; 60 s unless the URL says otherwise; 0 turns this off) without an answer has every open
 connection of that engine cut under it (`shutdown` of its socket): the call fails with a lost connection, which the
 boundary waits out as any outage, on new connections that give up after `connect_timeout`, and names as a server that
 did not answer. Only PostgreSQL's connections (psycopg, psycopg2) are watched; SQLite's calls wait on locks, not on a
@@ -59,7 +60,20 @@ def watch_engine(engine: Engine, limit_s: float) -> None:
         with _lock:
             _connections[dbapi_connection] = limit_s
 
+    # A statement answered, even with an error (a lock's turn ran out), is the server answering: a call made of
+    # many of them (waiting for the study's lock a second at a time) is timed from its last answer.
+    event.listen(engine, "after_cursor_execute", lambda *_: _answered())
+    event.listen(engine, "handle_error", lambda *_: _answered())
     engine.pool.dispose()
+    with _lock:
+        if _thread is None:
+            _start()
+
+
+def _answered() -> None:
+    call = _calls.get(threading.get_ident())
+    if call is not None:
+        call.started = time.monotonic()
 
 
 @contextlib.contextmanager
@@ -71,8 +85,6 @@ def watch() -> Iterator[Call]:
         call = outer if outer is not None else Call()
         if outer is None:
             _calls[ident] = call
-        if _connections and _thread is None:
-            _start()
     try:
         yield call
     finally:
@@ -88,10 +100,17 @@ def _start() -> None:
 
 
 def _patrol() -> None:
+    last = time.monotonic()
     while True:
         time.sleep(_CHECK_EVERY_S)
         now = time.monotonic()
         with _lock:
+            if (overslept := now - last - _CHECK_EVERY_S) > _CHECK_EVERY_S:
+                # This process was stopped (Ctrl-Z, SIGSTOP, a frozen container) or starved meanwhile: the time
+                # was not the server's to answer in, and an answer may be waiting in the socket.
+                for call in _calls.values():
+                    call.started += overslept
+            last = now
             waiting = [call for call in _calls.values() if call.cut_after is None]
             if not waiting:
                 continue

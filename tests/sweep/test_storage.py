@@ -809,3 +809,78 @@ def test_a_role_out_of_its_own_connection_limit_is_named_not_the_servers_max_con
     assert 'too many connections for role "limited"' in lines[0], lines
     assert "the role's CONNECTION LIMIT (ALTER ROLE ... CONNECTION LIMIT); raise it" in lines[0], lines
     assert "max_connections" not in lines[0], lines
+
+
+def test_a_wait_for_the_study_s_lock_that_the_server_answers_is_not_taken_for_a_server_that_stopped(
+        postgres_url: str) -> None:
+    """Found by review: the watchdog for a server that stops answering (`sweep.unanswered`) timed the whole call, and
+    waiting for the study's lock is one call of many one-second turns, each answered: a wait longer than
+    `tcp_user_timeout` was cut as a server that stopped, with an outage line, and a short `storage_patience` then
+    ended a healthy worker. A call is timed from the server's last answer."""
+    import hashlib
+    import time
+
+    import psycopg
+    from sqlalchemy import make_url
+
+    from sweep.storage import Boundary
+
+    name = f"held-{time.monotonic_ns()}"
+    key = int.from_bytes(hashlib.sha256(f"sweep:{name}".encode()).digest()[:8], "big", signed=True)
+    parsed = make_url(postgres_url)
+    holder = psycopg.connect(dbname=parsed.database, user=parsed.username, host=parsed.query["host"], autocommit=True)
+    heard: list[str] = []
+    url = f"{postgres_url}&tcp_user_timeout=2000"
+    boundary = Boundary(3, label="storage", notify=heard.append, reached=True)
+    try:
+        with ask_lock(url, name, boundary, stale_after=60):  # taken at once: the worker's connection is open
+            pass
+        holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+        release = threading.Timer(8.0, lambda: holder.execute("SELECT pg_advisory_unlock(%s)", (key,)))
+        release.start()
+        started = time.monotonic()
+        with ask_lock(url, name, boundary, stale_after=60):
+            waited = time.monotonic() - started
+        release.join()
+    finally:
+        holder.close()
+    assert waited >= 7.0 and not heard, (waited, heard)
+
+
+_PAUSED_WORKER = """
+import sys, time
+from sqlalchemy import text
+from sweep.storage import Boundary, open_engine
+engine = open_engine(sys.argv[1])
+boundary = Boundary(600, label="storage", notify=lambda line: print(line, flush=True), reached=True)
+def query(seconds):
+    with engine.connect() as connection:
+        return connection.execute(text(f"SELECT pg_sleep({seconds}), 1")).scalar()
+boundary.call(query, 0)
+print("go", flush=True)
+for _ in range(24):
+    boundary.call(query, 0.5)
+print("done", flush=True)
+"""
+
+
+def test_a_worker_paused_and_continued_does_not_take_its_own_pause_for_the_server_s(postgres_url: str) -> None:
+    """Found by review: the watchdog's clock runs on while the worker's own process is stopped (Ctrl-Z, a frozen
+    container), and on SIGCONT its thread cut the connections of a call whose answer was already waiting: an outage
+    line for a server that was up throughout. A pause of the watchdog itself is not counted against the server."""
+    import signal
+    import time
+
+    worker = subprocess.Popen([sys.executable, "-c", _PAUSED_WORKER, f"{postgres_url}&tcp_user_timeout=3000"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "go", worker.communicate()
+        for _ in range(3):  # each pause long past the watchdog's bound, a call in flight across most of them
+            time.sleep(1.3)
+            worker.send_signal(signal.SIGSTOP)
+            time.sleep(5)
+            worker.send_signal(signal.SIGCONT)
+        out, err = worker.communicate(timeout=240)
+    finally:
+        worker.kill()
+    assert worker.returncode == 0 and out.strip().splitlines() == ["done"], out + err
