@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from pydantic import (
     AfterValidator,
@@ -1290,7 +1290,7 @@ def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str |
         path = spec.storage.removeprefix("sqlite:///")
         url = spec.storage
         if path and not path.startswith("/") and path != ":memory:":
-            return f"sqlite:///{(spec_path.parent / path).resolve()}"
+            return sqlite_url((spec_path.parent / unquote(path)).resolve())  # the folder's name as it is
     else:
         url = spec.storage
     return _with_password(url, spec, spec_path)

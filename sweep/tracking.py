@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from sweep.outcomes import ATTR_CONFIG, ATTR_FAIL, ATTR_REPRO, SPEC_ATTR
 from sweep.schema import TrackingSpec, short_repr
@@ -101,8 +101,8 @@ def resolve_tracking(spec: StudySpec, spec_path: Path | None, storage_url: str) 
     elif mlflow.enabled and mlflow.tracking_uri is not None and \
             (found := SQLITE_URL.fullmatch(mlflow.tracking_uri)) and not found["path"].startswith("/"):
         # A path not from / (a `~` is a folder's name to SQLite, as in the study's own storage URL): the file's.
-        mlflow = mlflow.model_copy(update={"tracking_uri": f"{found['scheme']}{folder / found['path']}"
-                                                           f"{found['query']}"})
+        file = sqlite_url(folder / unquote(found["path"])).removeprefix("sqlite:///")  # the folder's name as it is
+        mlflow = mlflow.model_copy(update={"tracking_uri": f"{found['scheme']}{file}{found['query']}"})
     if tensorboard is spec.tracking.tensorboard and mlflow is spec.tracking.mlflow:
         return spec
     tracking = spec.tracking.model_copy(update={"tensorboard": tensorboard, "mlflow": mlflow})

@@ -1189,16 +1189,18 @@ def test_a_key_holding_a_terminal_escape_sequence_is_printed_escaped(tmp_path: P
 
 
 
+@pytest.mark.parametrize("storage", [None, "sqlite:///tiny.db"])
 @pytest.mark.parametrize("folder", ["exp%41", "what?", "a%20b"])
-def test_a_study_in_a_folder_whose_name_reads_as_url_escapes_keeps_all_its_files_there(tmp_path: Path,
-                                                                                     folder: str) -> None:
+def test_a_study_in_a_folder_whose_name_reads_as_url_escapes_keeps_all_its_files_there(
+        tmp_path: Path, folder: str, storage: str | None) -> None:
     """Found by review: the default storage's URL was the folder's path as written, and SQLAlchemy decodes `%41`
     and ends the path at `?`: a study in `exp%41/` put its database in `expA/` (an existing folder) and its lock and
     checkpoints in `exp%41/`, and `sweep status` then found no study there."""
     (tmp_path / "expA").mkdir()
     (tmp_path / "a b").mkdir()
     (tmp_path / folder).mkdir()
-    path = write_study(tmp_path / folder, changed(n_trials=1, checkpoints={"every_steps": 10}))
+    path = write_study(tmp_path / folder, changed(n_trials=1, checkpoints={"every_steps": 10},
+                                                  **({"storage": storage} if storage else {})))
     done = sweep_cli("run", path)
     assert done.returncode == 0, done.stderr
     assert (path.parent / "tiny.db").is_file(), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
