@@ -129,6 +129,16 @@ def prepare_process(spec: StudySpec) -> None:
         deterministic_cublas()
 
 
+def worker_python() -> list[str]:
+    """The interpreter a worker runs under, importing what this process imports. `python -m` puts the working
+    folder first on `sys.path`, where a `sweep` command (a console script) has none: a `train.py` in the working
+    folder would be the workers' task or loop, while this process took the one beside the study file. `-P` (Python
+    3.11 and later) leaves it out, as here; the flag is the worker's alone (`PYTHONSAFEPATH` would reach a `command:`
+    trial's `python train.py` and break its imports of the modules beside it)."""
+    cwd_first = bool(sys.path) and sys.path[0] in ("", os.getcwd())
+    return [sys.executable] if cwd_first or sys.version_info < (3, 11) else [sys.executable, "-P"]
+
+
 def run_local_workers(study_file: Path, spec: StudySpec, url: str, n_workers: int, *, timeout: float | None,
                       overrides: Sequence[str]) -> list[int]:
     """`sweep run --workers N`: the same `sweep run` in N processes on this study's storage (the study exists
@@ -159,7 +169,7 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
                       WORKER_ENV: str(index), LAUNCHED_ENV: launched, LAUNCHER_ENV: str(os.getpid())}
         if groups:
             worker_env["CUDA_VISIBLE_DEVICES"] = groups[index]
-        processes.append(subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", *run_args], env=worker_env))
+        processes.append(subprocess.Popen([*worker_python(), "-m", "sweep.cli", "run", *run_args], env=worker_env))
     try:
         while any(process.poll() is None for process in processes):
             raise_pending()  # Ctrl-C or SIGTERM sent to this process alone: passed on below

@@ -516,3 +516,22 @@ def test_report_is_one_self_contained_html_file(tmp_path: Path) -> None:
     assert "python -m trainer" in text and "Plotly.newPlot" in text
     assert "Not available" not in text  # every figure was drawn (a missing plotly would say so here)
     assert "<script src=" not in text  # nothing to fetch: plotly.js is inlined
+
+
+def test_workers_import_the_loop_beside_the_study_not_a_same_named_module_in_the_working_folder(
+        tmp_path: Path) -> None:
+    """Found by review: `--workers N` started each worker as `python -m sweep.cli`, which puts the working folder
+    first on sys.path; `sweep run ../b/study.yaml --workers 2` from a folder with its own `train.py` trained that one
+    in every worker, while one process trained the `train.py` beside the study file: a best value from another
+    project's code."""
+    for folder, value in (("a", 0.5), ("b", 1.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "train.py").write_text(f"def main(config, run):\n    run.report(1, val_loss={value})\n")
+    study = {"name": "beside", "n_trials": 4, "sampler": {"type": "random"}, "pruner": "none", "loop": "train:main",
+             "checkpoints": False, "fixed": {"max_steps": 1, "eval_every_steps": 1},
+             "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}}}
+    path = write_study(tmp_path / "b", study)
+    done = sweep_cli("run", path, "--workers", "2", cwd=tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="beside", storage=f"sqlite:///{tmp_path / 'b' / 'beside.db'}").trials
+    assert sorted(t.value for t in trials) == [1.0] * 4, [(t.number, t.value) for t in trials]
