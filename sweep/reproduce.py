@@ -430,7 +430,9 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     if command is None:
         now = reproducibility_record(0, device, data=data)
     else:  # the command ran again in its own folder (`cwd`), whose commit counts
-        now = {**command_record([], None), **({} if cwd is None else {"workdir_git_commit": git_commit(cwd)})}
+        # A folder gone since (moved, deleted): the command ran in this one instead, named with a difference.
+        now = {**command_record([], None), "workdir": str(cwd) if cwd is not None else os.getcwd(),
+               **({} if cwd is None else {"workdir_git_commit": git_commit(cwd)})}
     return Comparison(number, compared, tolerance, difference, largest, final_only, unfinished, recorder.raised,
                       final, changes_since(trial.user_attrs.get(ATTR_REPRO), now))
 
@@ -438,7 +440,8 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
 # What may change a replay's values, as a reproducibility record names it (`trainer.seeding`), and how to say so.
 _RECORDED = {"data": "the task's data (fingerprint)", "torch": "torch", "numpy": "numpy", "python": "Python",
              "cuda": "CUDA", "cudnn": "cuDNN", "device": "device", "sweep_version": "sweep",
-             "git_commit": "sweep's commit", "workdir_git_commit": "the command's folder's commit"}
+             "git_commit": "sweep's commit", "workdir": "the command's folder",
+             "workdir_git_commit": "the command's folder's commit"}
 
 
 def changes_since(stored: object, now: Mapping[str, Any]) -> tuple[str, ...]:

@@ -621,3 +621,19 @@ def test_a_command_reproduces_and_is_written_out_under_the_thread_count_its_work
     assert again.returncode == 0, again.stderr
     best = sweep_cli("best", path, cwd=tmp_path, env={"OMP_NUM_THREADS": None})
     assert best.returncode == 0 and f"#   OMP_NUM_THREADS=1 {sys.executable} train.py\n" in best.stdout, best.stdout
+
+
+def test_a_command_replayed_after_its_folder_moved_names_the_folder_it_ran_in_instead(tmp_path: Path) -> None:
+    """Found by review: a command's folder gone (moved, deleted) since its trial ran, `sweep reproduce` ran the
+    `train.py` of the working folder instead, and a difference it found listed nothing as changed."""
+    (tmp_path / "project").mkdir()
+    script = "from sweep import client\nclient.report(1, val_loss={value})\n"
+    path = command_study(tmp_path / "project", script.format(value=1.0), "train.py", pruner="none")
+    assert sweep_cli("run", path, cwd=path.parent).returncode == 0
+    moved = tmp_path / "moved"
+    path.parent.rename(moved)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "train.py").write_text(script.format(value=2.0))
+    again = sweep_cli("reproduce", moved / path.name, "0", "--trust-task", cwd=tmp_path / "elsewhere")
+    assert again.returncode == 1, again.stderr
+    assert f"the command's folder {path.parent} then, {tmp_path / 'elsewhere'} now" in again.stderr, again.stderr
