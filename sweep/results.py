@@ -30,6 +30,7 @@ from sweep.outcomes import (
     count_key,
 )
 from sweep.progress import outcome_text
+from sweep.storage import clock_offset
 
 __all__ = ["ForeignStudyError", "best_config", "best_trial", "confirm_count", "failed_run", "finished_since",
            "lineage_label", "made_by_sweep", "no_best_line", "require_sweep_study", "state_counts", "steps_trained",
@@ -55,9 +56,10 @@ def finished_since(study: optuna.Study, before: Mapping[int, TrialState]) -> Cou
 
 
 def stop_requested_since(study: optuna.Study, since: float) -> bool:
-    """Whether `sweep stop` asked the study's workers to stop after `since` (a time.time())."""
+    """Whether `sweep stop` asked the study's workers to stop after `since` (a time.time() of this machine; the stop
+    is stored by the storage's clock, `request_stop`)."""
     requested = study.user_attrs.get(STOP_ATTR)
-    return requested is not None and requested > since
+    return requested is not None and requested - clock_offset(study._storage) > since  # noqa: SLF001
 
 
 def failed_run(counts: Mapping[str, int]) -> str | None:

@@ -66,6 +66,7 @@ __all__ = [
     "StorageUnavailable",
     "ask_lock",
     "bad_url_option",
+    "clock_offset",
     "engine_options",
     "is_transient",
     "load_existing_study",
@@ -290,6 +291,33 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     _ENGINES.add(storage.engine)
     watch_engine(storage.engine, unanswered_after(url))
     return storage
+
+
+_OFFSETS: dict[str, float] = {}
+
+
+def clock_offset(storage: BaseStorage) -> float:
+    """Seconds the storage's clock runs ahead of this machine's: its server's, on PostgreSQL, which workers on many
+    machines share. A wall time that a process on another machine compares (a `sweep stop`, a Slurm job's
+    submission) is stored by the storage's clock and read back on this one's, whatever each machine's clock says.
+    0 for SQLite (one machine's file) and wherever the server's clock cannot be read; measured once per process."""
+    backend: Any = storage.backend if isinstance(storage, PatientStorage) else storage
+    backend = getattr(backend, "_backend", backend)  # Optuna's cache in front of an RDB storage
+    engine = getattr(backend, "engine", None)
+    if not isinstance(engine, Engine) or engine.dialect.name != "postgresql":
+        return 0.0
+    key = engine.url.render_as_string(hide_password=True)
+    if key not in _OFFSETS:
+        def read() -> float:
+            with engine.connect() as connection:
+                before = time.time()
+                server = connection.execute(text("SELECT EXTRACT(EPOCH FROM clock_timestamp())")).scalar()
+                return float(server) - (before + time.time()) / 2  # type: ignore[arg-type]
+        try:
+            _OFFSETS[key] = storage.boundary.call(read) if isinstance(storage, PatientStorage) else read()
+        except (sqlalchemy.exc.SQLAlchemyError, StorageUnavailable):
+            return 0.0
+    return _OFFSETS[key]
 
 
 def never_lost() -> bool:

@@ -68,6 +68,7 @@ from sweep.storage import (
     StorageAway,
     StorageUnavailable,
     ask_lock,
+    clock_offset,
     error_line,
     is_transient,
     never_lost,
@@ -161,8 +162,9 @@ class RunSummary:
 
 
 def request_stop(study: optuna.Study) -> None:
-    """Ask every worker running now to finish its current trial and exit; a later `sweep run` resumes."""
-    study.set_user_attr(STOP_ATTR, time.time())
+    """Ask every worker running now to finish its current trial and exit; a later `sweep run` resumes. Stamped by the
+    storage's clock (`clock_offset`): each worker, on its own machine, reads it back on its own clock."""
+    study.set_user_attr(STOP_ATTR, time.time() + clock_offset(study._storage))  # noqa: SLF001
 
 
 
@@ -787,7 +789,7 @@ class Worker:
 
     def _stop_requested(self, since: float) -> bool:
         requested = self.study.user_attrs.get(STOP_ATTR)
-        return requested is not None and requested > since
+        return requested is not None and requested - clock_offset(self.storage) > since
 
     def _summary(self, **flags: bool) -> RunSummary:
         used = budget_counts(self.study.get_trials(deepcopy=False))[0]

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sweep.outcomes import SLURM_JOBS_ATTR
+from sweep.storage import clock_offset
 from sweep.urls import mask_url, mask_urls, url_secrets
-from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV, WORKER_ENV, worker_args, write_storage_file
+from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV, WORKER_ENV, worker_args, worker_python, write_storage_file
 from trainer.messages import has_control
 
 if TYPE_CHECKING:
@@ -134,7 +135,9 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, url: s
             raise ValueError(f"a batch script cannot hold the path {str(path)!r}: it {problem}")
     gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
     workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (sweep.workers.gpus_problem)
-    run = [python, "-m", "sweep.cli", "run", *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
+    flags = worker_python()[1:] if python == sys.executable else []  # after `cd WORKDIR`, as on this machine
+    run = [python, *flags, "-m", "sweep.cli", "run",
+           *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
            *(["--workers", str(workers)] if workers > 1 else [])]
     # sweep's own options (the values are checked by the schema; the log folder is any path), then the user's.
     own = [f"--job-name=sweep-{spec.name}", f"--array=0-{options.workers - 1}",
@@ -220,6 +223,7 @@ def record_job(study: optuna.Study, job_id: str, options: SlurmSpec, folder: Pat
     """Remember the job array on the study, for `sweep status` and `sweep stop` on any machine; `submitted_at` (a
     time.time() taken before sbatch was called) is when its tasks count a `sweep stop` from (`submitted_at`)."""
     jobs = list(study.user_attrs.get(SLURM_JOBS_ATTR, []))
+    submitted_at += clock_offset(study._storage)  # noqa: SLF001 - by the storage's clock: tasks run on other machines
     jobs.append({"job_id": job_id, "tasks": options.workers, "log_dir": str(folder), "submitted_at": submitted_at})
     study.set_user_attr(SLURM_JOBS_ATTR, jobs)
 
@@ -235,7 +239,8 @@ def submitted_at(study: optuna.Study, environ: Mapping[str, str] = os.environ) -
     times = [float(record["submitted_at"]) for record in study.user_attrs.get(SLURM_JOBS_ATTR, [])
              if isinstance(record, dict) and str(record.get("job_id")) == job
              and isinstance(record.get("submitted_at"), (int, float))]
-    return min(times, default=None)
+    # By this machine's clock, as its own start is (stored by the storage's: the submitting machine's may differ).
+    return None if not times else min(times) - clock_offset(study._storage)  # noqa: SLF001
 
 
 @dataclasses.dataclass(frozen=True)

@@ -535,3 +535,46 @@ def test_workers_import_the_loop_beside_the_study_not_a_same_named_module_in_the
     assert done.returncode == 0, done.stderr
     trials = optuna.load_study(study_name="beside", storage=f"sqlite:///{tmp_path / 'b' / 'beside.db'}").trials
     assert sorted(t.value for t in trials) == [1.0] * 4, [(t.number, t.value) for t in trials]
+
+
+_FAST_CLOCK = """
+import time
+_time, _time_ns = time.time, time.time_ns
+time.time = lambda: _time() + 600  # this machine's clock, ten minutes fast
+time.time_ns = lambda: _time_ns() + 600_000_000_000
+"""
+
+
+def test_sweep_stop_reaches_a_worker_whose_machine_clock_runs_fast(tmp_path: Path, postgres_url: str) -> None:
+    """Found by review: `sweep stop` stamped its request with the wall clock of the machine it ran on, and each
+    worker compared that with its own machine's: a worker whose clock ran ten minutes fast took every stop of the
+    next ten minutes for one given before it started, and trained its whole budget. The stop is stamped by the
+    database server's clock now, and each worker reads it back on its own."""
+    (tmp_path / "clock").mkdir()
+    (tmp_path / "clock" / "sitecustomize.py").write_text(_FAST_CLOCK)
+    document = copy.deepcopy(TINY_STUDY) | {"name": f"skew-{tmp_path.name}", "n_trials": 40, "checkpoints": False}
+    document["fixed"] = {**document["fixed"], "max_steps": 300, "eval_every_steps": 100, "log_every_steps": 100}
+    path = write_study(tmp_path, document)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "clock"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    runner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--storage", postgres_url],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(t.state == TrialState.COMPLETE for t in _trials(document["name"], postgres_url)):
+            assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+            time.sleep(0.3)
+        stopped = sweep_cli("stop", path, "--storage", postgres_url)
+        assert stopped.returncode == 0, stopped.stderr
+        _, stderr = runner.communicate(timeout=240)
+    finally:
+        runner.kill()
+    assert runner.returncode == 0 and "stopped by `sweep stop`" in stderr, stderr
+    assert len(_trials(document["name"], postgres_url)) < 40
+
+
+def _trials(name: str, url: str) -> list[optuna.trial.FrozenTrial]:
+    try:
+        return optuna.load_study(study_name=name, storage=url).get_trials()
+    except KeyError:  # not made yet
+        return []
