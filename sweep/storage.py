@@ -315,7 +315,7 @@ def clock_offset(storage: BaseStorage) -> float:
                 return float(server) - (before + time.time()) / 2  # type: ignore[arg-type]
         try:
             _OFFSETS[key] = storage.boundary.call(read) if isinstance(storage, PatientStorage) else read()
-        except (sqlalchemy.exc.SQLAlchemyError, StorageUnavailable):
+        except (sqlalchemy.exc.SQLAlchemyError, StorageUnavailable, StorageAway):  # read again next time
             return 0.0
     return _OFFSETS[key]
 
