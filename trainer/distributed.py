@@ -359,6 +359,12 @@ def _remove_stale_rank_folders() -> None:
             continue
 
 
+# A rank imports what rank 0 imports: its `sys.path`, in its order, is the PYTHONPATH each rank is given, and `-P`
+# (Python 3.11 and later) keeps `python -m` from putting the working folder before it, where a same-named task module
+# (a `tasks.py` there as well as beside the study) would be another rank's data and model.
+_RANK_PYTHON = [sys.executable, "-P"] if sys.version_info >= (3, 11) else [sys.executable]
+
+
 @contextlib.contextmanager
 def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None = None,
                 warm: TrainState | None = None, warm_optimizer: bool = False,
@@ -404,7 +410,7 @@ def local_ranks(config: TrainingConfig, world: int, *, resume: TrainState | None
                    PARENT_ENV: str(os.getpid())}
             logs.append(folder / f"rank{rank}.log")
             with open(logs[-1], "wb") as log:
-                children.append(subprocess.Popen([sys.executable, "-m", "trainer.rank", *args], env=env, stdout=log,
+                children.append(subprocess.Popen([*_RANK_PYTHON, "-m", "trainer.rank", *args], env=env, stdout=log,
                                                  stderr=subprocess.STDOUT, start_new_session=True))
         _wait_started(store, children, logs, timeout_s)
         with _ended_on(end_on, children):

@@ -356,3 +356,22 @@ def test_a_rank_s_failure_is_named_by_its_exception_not_by_the_advice_after_it()
                                            "does not use, which DDP cannot train on several ranks: leave them out of "
                                            "the model, or give them a part in the loss")
     assert str(RankFailed(1, 1, "no exception here\nits last line")) == "rank 1 exited with code 1: its last line"
+
+
+def test_every_rank_imports_the_task_beside_the_study_not_a_same_named_module_in_the_working_folder(
+        tmp_path: Path) -> None:
+    """Found by review: ranks 1 and up started as `python -m trainer.rank`, which puts the working folder before the
+    PYTHONPATH they are given (rank 0's sys.path): with a same-named task module in the working folder and beside the
+    study, rank 0 trained on the one and the other ranks on the other, in one group, and nothing said so."""
+    module = ("import os\nfrom pathlib import Path\nfrom trainer.tasks import digits\n"
+              "with open(Path(__file__).parent.parent / 'seen.txt', 'a') as seen:\n"
+              "    seen.write(f\"{Path(__file__).parent.name} {os.environ.get('RANK', '0')}\\n\")\n"
+              "def task():\n    return digits()\n")
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "shadowed.py").write_text(module)
+    path = ddp_study(tmp_path / "b", n_trials=1, task="shadowed:task", checkpoints=False)
+    done = sweep_cli("run", path, cwd=tmp_path / "a")
+    assert done.returncode == 0, done.stderr
+    seen = set((tmp_path / "seen.txt").read_text().split("\n")) - {""}
+    assert {line.split()[0] for line in seen} == {"b"} and {line.split()[1] for line in seen} >= {"0", "1"}, seen
