@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperGroup
 
+from sweep.__main__ import interrupted_at_start
 from sweep.schema import (
     StudyFileError,
     folder_problem,
@@ -246,7 +247,6 @@ def run(
     """Create or resume the study and run trials until its n_trials are used. Exits 1 when every trial it finished
     failed."""
     from sweep.signals import Preempted, graceful_signals, stop_requested
-    from sweep.storage import StorageUnavailable
     from sweep.workers import LAUNCHED_ENV
 
     # From the first line: a Ctrl-C or SIGTERM while torch imports and the study opens is a request, honoured once the
@@ -255,6 +255,8 @@ def run(
     # a launcher's workers starting): the workers count from this moment, a launched one from its launcher's.
     began: list[bool] = []  # the run itself began (`_run_outcomes` says what became of its trials)
     with _environment(LAUNCHED_ENV, os.environ.get(LAUNCHED_ENV) or repr(time.time())), graceful_signals():
+        from sweep.storage import StorageUnavailable  # Optuna's import: a Ctrl-C meanwhile is a request too
+
         try:
             _run(study_file, storage, n_trials, timeout, study_name, set_, workers, cohort, began)
         except (KeyboardInterrupt, Preempted, StorageUnavailable) as exc:  # asked twice, or while the storage was
@@ -1536,16 +1538,14 @@ def _cell(value: object) -> str:
 
 def main() -> None:
     from sweep.private import private_umask
+    from sweep.workers import prepare_worker
 
-    if os.environ.get("SWEEP_WORKER") is not None:  # a launcher's worker (sweep.workers.WORKER_ENV): its stop
-        from sweep.signals import record_forwarded  # requests are recorded from now, not only once torch is imported
-        from sweep.workers import arm_launcher_death
-
-        record_forwarded()
-        arm_launcher_death()
+    prepare_worker()  # a launcher's worker: its stop requests count from now, not only once torch is imported
     private_umask()  # what sweep writes is owner-only (see sweep.private)
     try:
         app()
+    except KeyboardInterrupt:  # while typer builds the commands, before any runs (within one, typer exits 130 itself)
+        interrupted_at_start()
     except Exception as exc:
         line, code = _storage_error(exc)
         if line is None:

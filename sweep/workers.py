@@ -50,6 +50,22 @@ STORAGE_FILE_ENV = "SWEEP_STORAGE_URL_FILE"  # or the path of an owner-only file
 SECRET_ENV_NAMES = ("PGPASSWORD", STORAGE_ENV, "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
+_prepared: list[bool] = []
+
+
+def prepare_worker() -> None:
+    """In a worker a launcher started (`WORKER_ENV` set), before its slow imports and once: its launcher's forwarded
+    requests are recorded from now on (`record_forwarded`), and its launcher's death reaches it as one
+    (`arm_launcher_death`). Nothing elsewhere."""
+    if os.environ.get(WORKER_ENV) is None or _prepared:
+        return
+    from sweep.signals import record_forwarded
+
+    _prepared.append(True)
+    record_forwarded()
+    arm_launcher_death()
+
+
 def arm_launcher_death() -> None:
     """In a worker a launcher started (`LAUNCHER_ENV`), before its slow imports: its launcher's death, by SIGKILL too,
     reaches it as the launcher's forwarded SIGTERM (a preemption: its running trials are marked and queued again).
@@ -169,7 +185,7 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
                       WORKER_ENV: str(index), LAUNCHED_ENV: launched, LAUNCHER_ENV: str(os.getpid())}
         if groups:
             worker_env["CUDA_VISIBLE_DEVICES"] = groups[index]
-        processes.append(subprocess.Popen([*worker_python(), "-m", "sweep.cli", "run", *run_args], env=worker_env))
+        processes.append(subprocess.Popen([*worker_python(), "-m", "sweep", "run", *run_args], env=worker_env))
     try:
         while any(process.poll() is None for process in processes):
             raise_pending()  # Ctrl-C or SIGTERM sent to this process alone: passed on below

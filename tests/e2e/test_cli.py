@@ -336,6 +336,41 @@ def test_ctrl_c_marks_the_trial_and_the_next_run_continues(tmp_path: Path) -> No
     assert trials[1].params == first.params and trials[1].user_attrs["retry_of"] == 0
 
 
+# A real SIGINT (or INTERRUPT_SIGNAL), sent by the process to itself as it starts importing one module
+# (INTERRUPT_AT_IMPORT): a Ctrl-C given at that moment of the command's start, a moment a test can choose.
+_INTERRUPT_AT_IMPORT = """import os, signal, sys
+class _Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ.get("INTERRUPT_AT_IMPORT"):
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), int(os.environ.get("INTERRUPT_SIGNAL", signal.SIGINT)))
+        return None
+sys.meta_path.insert(0, _Interrupt())
+"""
+
+
+@pytest.mark.parametrize(("module", "signum", "code", "line"), [
+    ("typer", signal.SIGINT, 130, "interrupted as the command started: nothing was done."),
+    ("typer", signal.SIGTERM, 143, "preempted (SIGTERM) as the command started: nothing was done."),
+    ("optuna", signal.SIGINT, 130, "interrupted before the run began; no trial was started")])
+def test_a_ctrl_c_as_the_command_starts_is_one_line_not_a_traceback(tmp_path: Path, module: str, signum: int,
+                                                                     code: int, line: str) -> None:
+    """A Ctrl-C in `sweep run`'s first few tenths of a second printed a traceback from deep inside typing or click
+    (typer being imported), and a little later ended the command without a word (Optuna being imported, before the
+    run's own handling of signals began); a SIGTERM as it started ended it without a word."""
+    path = write_study(tmp_path, TINY_STUDY)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_INTERRUPT_AT_IMPORT)
+    env = {**os.environ, "INTERRUPT_AT_IMPORT": module, "INTERRUPT_SIGNAL": str(int(signum)),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-m", "sweep", "run", str(path)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    # the code, or killed by the SIGINT itself: CPython does that when a Ctrl-C landed in code a C library ran itself
+    assert done.returncode in (code, -signum), done.stderr
+    assert "Traceback" not in done.stderr and line in done.stderr, done.stderr
+    assert not (tmp_path / "tiny.db").exists() or not load(tmp_path / "tiny.db").get_trials()
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler of its own for `signum` (its SigCgt mask in /proc)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -1,0 +1,54 @@
+"""The `sweep` command's entry point (and `python -m sweep`), light on purpose: it imports the command line
+(`sweep.cli`: typer, rich, YAML) only once it can answer a Ctrl-C or SIGTERM given while those imports run.
+
+A Ctrl-C in the command's first few tenths of a second landed in whatever module was importing and printed a
+traceback from deep inside typing or click, and a SIGTERM ended it without a word; nothing had started, so each is now
+one line, and exit 130 or 143. A launcher's worker records its launcher's forwarded requests from here on, before
+any slow import (`sweep.workers.prepare_worker`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+
+class _TerminatedAtStart(BaseException):
+    """SIGTERM while the command loads."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise _TerminatedAtStart()
+
+
+def main() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    if before is signal.SIG_DFL:  # (one ignored, or handled by whoever embeds this, stays so)
+        signal.signal(signal.SIGTERM, _terminated)
+    try:
+        from sweep.workers import prepare_worker
+
+        prepare_worker()
+        from sweep import cli
+    except KeyboardInterrupt:
+        interrupted_at_start()
+    except _TerminatedAtStart:
+        interrupted_at_start(preempted=True)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    cli.main()
+
+
+def interrupted_at_start(*, preempted: bool = False) -> None:
+    """A Ctrl-C (or SIGTERM) before the command began: one line, exit 130 (143)."""
+    worker = os.environ.get("SWEEP_WORKER")
+    what = "preempted (SIGTERM)" if preempted else "interrupted"
+    sys.stderr.write(f"{'' if worker is None else f'[worker {worker}] '}{what} as the command started: nothing was "
+                     "done.\n")
+    raise SystemExit(143 if preempted else 130) from None
+
+
+if __name__ == "__main__":
+    main()
