@@ -49,7 +49,7 @@ from sweep.schema import (
     sqlite_write_problem,
     storage_url_problem,
 )
-from sweep.urls import mask_url, mask_urls, redact, sqlite_path, sqlite_url
+from sweep.urls import expand_home, mask_url, mask_urls, redact, sqlite_path, sqlite_url
 from trainer.messages import has_control
 from trainer.yaml_file import printable, short_repr
 
@@ -887,7 +887,7 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
             raise _fail(StudyFileError(target, exc.problems).lines(), 2) from None
         name = name or spec.name
     elif storage:
-        url, name = storage, name or (target or None)
+        url, name = expand_home(storage), name or (target or None)
     elif path is not None and path.exists():
         url = sqlite_url(path.resolve())  # checked below, as every SQLite file a command reads
     else:

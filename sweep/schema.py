@@ -37,7 +37,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sweep.urls import mask_url, mask_urls, sqlite_path, sqlite_url
+from sweep.urls import SQLITE_URL, expand_home, mask_url, mask_urls, sqlite_path, sqlite_url
 from trainer import yaml_file
 from trainer.config import FastFailConfig, TrainingConfig, clash, flatten, magnitude, nest, number_from_text
 from trainer.messages import has_control
@@ -1282,17 +1282,13 @@ def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str |
     password takes it from the environment variable `storage_password_env` names, when the file names one (raises
     `StudyFileError` when that variable is not set)."""
     if override:
-        url = override
+        url = expand_home(override)
     elif spec.storage is None:
         folder = spec_path.parent if spec_path is not None else Path.cwd()
         return sqlite_url((folder / f"{spec.name}.db").resolve())
-    elif spec.storage.startswith("sqlite:///") and spec_path is not None:
-        path = spec.storage.removeprefix("sqlite:///")
-        url = spec.storage
-        if path and not path.startswith("/") and path != ":memory:":
-            return sqlite_url((spec_path.parent / unquote(path)).resolve())  # the folder's name as it is
-    else:
-        url = spec.storage
+    elif (found := SQLITE_URL.fullmatch(url := expand_home(spec.storage))) and spec_path is not None:
+        if not found["path"].startswith("/"):  # the folder's name as it is; a query (`?timeout=30`) stays one
+            return sqlite_url((spec_path.parent / unquote(found["path"])).resolve(), like=url)
     return _with_password(url, spec, spec_path)
 
 

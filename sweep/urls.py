@@ -8,6 +8,7 @@ libpq accepts, as do `sslpassword` and friends). A libpq `key=value` string is m
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from urllib.parse import unquote, unquote_plus
@@ -145,10 +146,23 @@ def sqlite_path(url: str) -> Path | None:
     return None if found is None else Path(unquote(found["path"]))  # decoded, as SQLAlchemy opens it
 
 
-def sqlite_url(path: str | Path) -> str:
-    """The `sqlite:///` URL of the file `path`. SQLAlchemy decodes `%XX` in a URL's path and ends it at a `?`: a
-    folder named `exp%41` or `a?b` would otherwise put the database in `expA` or open `a`."""
-    return "sqlite:///" + str(path).replace("%", "%25").replace("?", "%3F")
+def sqlite_url(path: str | Path, like: str | None = None) -> str:
+    """The `sqlite:///` URL of the file `path` (with the driver and the query of the SQLite URL `like`, when given).
+    SQLAlchemy decodes `%XX` in a URL's path and ends it at a `?`: a folder named `exp%41` or `a?b` would otherwise
+    put the database in `expA` or open `a`."""
+    found = None if like is None else SQLITE_URL.fullmatch(like)
+    return ("sqlite:///" if found is None else found["scheme"]) + str(path).replace("%", "%25").replace("?", "%3F") + (
+        "" if found is None else found["query"])
+
+
+def expand_home(url: str) -> str:
+    """A `sqlite:///~/x.db` (or `~user/`) URL with its home folder spelled out, as a checkpoint store's `~/ckpts` is;
+    any other URL as it is. SQLAlchemy would open a folder named `~` in the working folder."""
+    found = SQLITE_URL.fullmatch(url)
+    if found is None or not found["path"].startswith("~"):
+        return url
+    home = os.path.expanduser(unquote(found["path"]))
+    return url if home.startswith("~") else sqlite_url(home, like=url)
 
 
 def plain_folder_name(name: str) -> bool:

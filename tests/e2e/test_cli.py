@@ -1224,6 +1224,27 @@ def test_a_key_holding_a_terminal_escape_sequence_is_printed_escaped(tmp_path: P
 
 
 
+def test_a_sqlite_storage_under_the_home_folder_opens_the_home_folder_s_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sqlite:///~/studies/x.db` is the home folder's file, as a checkpoint store's `~/ckpts` is (SQLAlchemy opened
+    a folder named `~` in the working folder, and the run refused it as missing), in a study file, in `--storage`
+    and in a reading command's `--storage`."""
+    home = tmp_path / "home"
+    (home / "studies").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    path = write_study(tmp_path, changed(n_trials=1, storage="sqlite:///~/studies/tiny.db"))
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    assert (home / "studies" / "tiny.db").is_file() and not (tmp_path / "work" / "~").exists()
+    for args in (["--storage", "sqlite:///~/studies/tiny.db", "--n-trials", "2"], []):
+        done = sweep_cli("run", path, *args)
+        assert done.returncode == 0, done.stderr
+    shown = sweep_cli("status", "--storage", "sqlite:///~/studies/tiny.db", "--study-name", "tiny")
+    assert shown.returncode == 0 and "2/1 trials" in shown.stdout, shown.stdout + shown.stderr  # the file's budget
+
+
 @pytest.mark.parametrize("storage", [None, "sqlite:///tiny.db"])
 @pytest.mark.parametrize("folder", ["exp%41", "what?", "a%20b"])
 def test_a_study_in_a_folder_whose_name_reads_as_url_escapes_keeps_all_its_files_there(
