@@ -24,6 +24,9 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> None:
+    from sweep.streams import guard_streams
+
+    guard_streams()  # before anything prints, or opens a file that could take a closed stream's number
     before = signal.getsignal(signal.SIGTERM)
     if before is signal.SIG_DFL:  # (one ignored, or handled by whoever embeds this, stays so)
         signal.signal(signal.SIGTERM, _terminated)

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Optional
 import typer
 import yaml
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from typer.core import TyperGroup
 
 from sweep.__main__ import interrupted_at_start
@@ -49,6 +49,7 @@ from sweep.schema import (
     sqlite_write_problem,
     storage_url_problem,
 )
+from sweep.streams import guard_streams, output_failure
 from sweep.urls import expand_home, mask_url, mask_urls, redact, sqlite_path, sqlite_url
 from trainer.messages import has_control
 from trainer.yaml_file import printable, short_repr
@@ -88,8 +89,10 @@ class _Commands(TyperGroup):
 
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Hyperparameter sweeps for neural-network research: Optuna studies of PyTorch trials.")
-# Piped output (a file, CI, `less`) has no width: let tables be as wide as they need rather than 80 columns.
-out = Console(highlight=False, emoji=False, markup=False, width=None if sys.stdout.isatty() else 240)
+# Piped output (a file, CI, `less`) has no width: let tables be as wide as they need rather than 80 columns, unless
+# COLUMNS says how wide.
+out = Console(highlight=False, emoji=False, markup=False,
+              width=None if (sys.stdout is not None and sys.stdout.isatty()) or os.environ.get("COLUMNS") else 240)
 err = Console(stderr=True, highlight=False, emoji=False, markup=False, soft_wrap=True)
 
 StorageOpt = Annotated[Optional[str], typer.Option("--storage", help="Storage URL (sqlite:///file.db, "
@@ -1056,7 +1059,7 @@ def best(
     target: Target = "",
     storage: StorageOpt = None,
     study_name: NameOpt = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the YAML here.")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the YAML here (-: stdout).")] = None,
     trust_task: TrustOpt = False,
 ) -> None:
     """The best trial's full TrainingConfig as YAML: `python -m trainer best.yaml` trains it again. For a `loop` or
@@ -1065,6 +1068,8 @@ def best(
     from sweep.confirm import is_warm
     from sweep.reproduce import UntrustedCode, refuse_untrusted_code
 
+    if output is not None and str(output) == "-":  # stdout, as without -o (not a file named `-`)
+        output = None
     if output is not None and output.suffix.lower() == ".json":
         raise _fail(f"-o: {output}: sweep best writes YAML, and python -m trainer reads a .json file as JSON; name "
                     f"it {output.with_suffix('.yaml').name}", 2)
@@ -1153,7 +1158,11 @@ def trials(
                          for row in rows)
         sys.stdout.write(buffer.getvalue())
     else:
-        table = Table(*map(printable, columns))  # a param's name is a study's own text, as stored
+        # A column no trial has a value in (no warm start, no cohort) is left out of the table, to leave its width
+        # to the values; CSV and JSON keep every column.
+        columns = [c for c in columns if any(row.get(c) not in (None, "") for row in rows)] or columns
+        # A param's name is a study's own text, as stored; a cell too wide for a narrow terminal wraps, never cut.
+        table = Table(*(Column(printable(c), overflow="fold") for c in columns))
         for row in rows:
             table.add_row(*(_cell(row.get(c)) for c in columns))
         out.print(table)
@@ -1265,12 +1274,16 @@ def report(
     target: Target = "",
     storage: StorageOpt = None,
     study_name: NameOpt = None,
-    output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write.")] = Path("report.html"),
+    output: Annotated[Path, typer.Option("-o", "--output", help="The HTML file to write (-: stdout).")] = Path(
+        "report.html"),
 ) -> None:
     """One self-contained HTML file to share: history, intermediate values, importances, infeasible trials, best."""
     from sweep.report import render_report
 
-    study = _open(target, storage, study_name, "report", output=output)
+    study = _open(target, storage, study_name, "report", output=None if str(output) == "-" else output)
+    if str(output) == "-":  # stdout, not a file named `-`
+        sys.stdout.write(render_report(study))
+        return
     _write_output(output, render_report(study))
     err.print(f"wrote {output}")
 
@@ -1540,12 +1553,18 @@ def main() -> None:
     from sweep.private import private_umask
     from sweep.workers import prepare_worker
 
+    guard_streams()  # (done already when started as `sweep`)
     prepare_worker()  # a launcher's worker: its stop requests count from now, not only once torch is imported
     private_umask()  # what sweep writes is owner-only (see sweep.private)
     try:
         app()
     except KeyboardInterrupt:  # while typer builds the commands, before any runs (within one, typer exits 130 itself)
         interrupted_at_start()
+    except SystemExit as exc:  # how typer ends every command
+        if (lost := output_failure()) is not None and exc.code in (0, None):
+            err.print(f"error: {lost}", markup=False)
+            raise SystemExit(1) from None
+        raise
     except Exception as exc:
         line, code = _storage_error(exc)
         if line is None:

@@ -1264,3 +1264,48 @@ def test_a_study_in_a_folder_whose_name_reads_as_url_escapes_keeps_all_its_files
     assert list((path.parent / "tiny.checkpoints").rglob("*.pt")), done.stdout
     shown = sweep_cli("status", path)
     assert shown.returncode == 0 and "1/1" in shown.stdout, shown.stdout + shown.stderr
+
+
+def _sweep(args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`sweep ARGS` in a shell (for its redirections), as a user types it."""
+    return subprocess.run(f"{shlex.quote(sys.executable)} -m sweep {args}", shell=True, capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **env}, timeout=300)
+
+
+def test_the_command_s_output_streams_never_stop_it_nor_are_blamed_on_the_database(tmp_path: Path) -> None:
+    """Found by review: a reading command whose stdout was a full disk, or could not encode the table's `…`, said
+    the database could not be read ("was the database edited by hand?"); `sweep run` with stdout on a full disk
+    printed a traceback after its trials; with stdout closed every command failed as it loaded (`best -o FILE` too,
+    which needs no stdout); `best -o -` wrote a file named `-`; and the trials table kept columns empty in every row."""
+    path = write_study(tmp_path, changed(n_trials=2))
+    assert sweep_cli("run", path).returncode == 0
+    if Path("/dev/full").exists():
+        for command in ("status study.yaml", "trials study.yaml", "best study.yaml", "run study.yaml"):
+            done = _sweep(f"{command} > /dev/full", tmp_path)
+            assert done.returncode == 1, (command, done.stderr)
+            assert "error: cannot write the output to stdout: No space left on device" in done.stderr, done.stderr
+            assert "Traceback" not in done.stderr and "cannot read the study" not in done.stderr, done.stderr
+    done = _sweep("trials study.yaml", tmp_path, PYTHONIOENCODING="ascii", COLUMNS="300")
+    assert done.returncode == 0 and "number" in done.stdout, done.stderr
+    done = _sweep("best study.yaml -o best.yaml >&-", tmp_path)
+    assert done.returncode == 0 and (tmp_path / "best.yaml").is_file(), done.stderr
+    done = _sweep("best study.yaml -o -", tmp_path)
+    assert done.returncode == 0 and yaml.safe_load(done.stdout)["task"] == "digits", done.stderr
+    assert not (tmp_path / "-").exists()
+    shown = sweep_cli("trials", path)
+    assert shown.returncode == 0 and "warm_start_from" not in shown.stdout and "cohort" not in shown.stdout
+    listed = sweep_cli("trials", path, "--format", "csv")
+    assert "warm_start_from" in listed.stdout.splitlines()[0]  # CSV keeps its columns
+
+
+def test_a_run_whose_progress_reader_left_trains_its_whole_budget(tmp_path: Path) -> None:
+    """Found by review: `sweep run ... 2>&1 | head -2` stopped the run at the first line written after `head` left,
+    silently, with exit 1 and trials untrained."""
+    path = write_study(tmp_path, changed(n_trials=4))
+    process = subprocess.Popen([sys.executable, "-m", "sweep", "run", str(path)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert process.stderr is not None
+    process.stderr.readline()  # the first line, then the reader leaves
+    process.stderr.close()
+    assert process.wait(timeout=300) == 0
+    assert [t.state for t in load(tmp_path / "tiny.db").get_trials()] == [TrialState.COMPLETE] * 4
