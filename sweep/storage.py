@@ -585,13 +585,16 @@ def _take_advisory_lock(connection: Any, key: int, stale_after: float | None) ->
             warned = True
 
 
-_LOCK_ENGINES: dict[str, Engine] = {}
+_LOCK_ENGINES: dict[str, Engine] = {}  # by URL, the most recently used last
+_LOCK_ENGINES_KEPT = 4  # a process that runs studies on many databases (a notebook) keeps a connection to so many
 
 
 def _lock_engine(url: str) -> Engine:
-    if url not in _LOCK_ENGINES:
-        _LOCK_ENGINES[url] = open_engine(url, pool_size=1)
-    return _LOCK_ENGINES[url]
+    engine = _LOCK_ENGINES.pop(url, None) or open_engine(url, pool_size=1)
+    _LOCK_ENGINES[url] = engine
+    while len(_LOCK_ENGINES) > _LOCK_ENGINES_KEPT:
+        _LOCK_ENGINES.pop(next(iter(_LOCK_ENGINES))).dispose()  # a lock it holds now stays held: only idle ones go
+    return engine
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,15 @@ from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
 from sweep.registry import default_store
 from sweep.schema import StudySpec, resolve_storage_url
 from sweep.signals import graceful_signals
-from sweep.storage import Boundary, PatientStorage, load_existing_study, lock_wait, make_storage, mask_url
+from sweep.storage import (
+    Boundary,
+    PatientStorage,
+    load_existing_study,
+    lock_wait,
+    make_storage,
+    mask_url,
+    release_idle_connections,
+)
 from sweep.worker import Events, InfrastructureError, Preempted, RunSummary, StudyBrokenError, Worker, request_stop
 from trainer.config import nest
 from trainer.seeding import kept_global_state
@@ -207,17 +215,21 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     running trials honour at their next optimizer step or a loop's next report (marked interrupted, queued again),
     then raised to the caller (KeyboardInterrupt, `sweep.signals.Preempted`); a second Ctrl-C raises at once.
     Python's, numpy's and torch's global generators and torch's determinism switches are the caller's again
-    afterwards."""
+    afterwards, and the database connections it leaves idle are closed (a notebook's process holds no server session
+    between runs, nor one per database it ran on)."""
     storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
     boundary = storage.boundary if isinstance(storage, PatientStorage) else Boundary(spec.storage_patience)
     with graceful_signals(), kept_global_state():
-        worker = Worker(study, spec, storage_url=storage_url, boundary=boundary, events=events, n_trials=n_trials,
-                        timeout=timeout)
-        if worker.cohort_size != 1 and spec.task is not None:  # 0: as many as the device's memory holds
-            from sweep.cohort import CohortLoop
+        try:
+            worker = Worker(study, spec, storage_url=storage_url, boundary=boundary, events=events,
+                            n_trials=n_trials, timeout=timeout)
+            if worker.cohort_size != 1 and spec.task is not None:  # 0: as many as the device's memory holds
+                from sweep.cohort import CohortLoop
 
-            return CohortLoop(worker, worker.cohort_size).run(worker.begin())
-        return worker.run()
+                return CohortLoop(worker, worker.cohort_size).run(worker.begin())
+            return worker.run()
+        finally:
+            release_idle_connections()
 
 
 def budget_used(study: optuna.Study) -> int:

@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -884,3 +885,37 @@ def test_a_worker_paused_and_continued_does_not_take_its_own_pause_for_the_serve
     finally:
         worker.kill()
     assert worker.returncode == 0 and out.strip().splitlines() == ["done"], out + err
+
+
+def test_runs_on_many_databases_from_one_process_leave_no_server_sessions_behind(
+        tmp_path: Path, postgres_url: str) -> None:
+    """Found by review: each storage URL a process ran a study on (a notebook looping over databases, or over a
+    URL option) kept an engine for the study's lock, holding a server session for good: 20 runs, 21 idle sessions,
+    and the database could not be dropped. Now `run_study` closes the connections it leaves idle, and a process keeps
+    lock engines for its few most recent URLs."""
+    from sqlalchemy import text
+
+    from sweep.storage import open_engine
+    from sweep.study import run_study
+
+    path = write_study(tmp_path, {**TINY_STUDY, "n_trials": 1, "fixed": {**TINY_STUDY["fixed"], "max_steps": 10}})
+    spec, _ = load_spec(path)
+    admin = open_engine(postgres_url)
+
+    def sessions() -> int:
+        with admin.connect() as connection:
+            return int(connection.execute(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'notebook-run-%'")).scalar_one())
+
+    def sessions_end() -> int:  # a session closed by its client leaves the server's view a moment later
+        deadline = time.monotonic() + 60
+        while (count := sessions()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return count
+
+    for run in range(8):
+        url = f"{postgres_url}&application_name=notebook-run-{run}"
+        summary = run_study(open_study(spec, url), spec, storage_url=url)
+        assert summary.budget_used == 1
+        assert sessions_end() == 0, run
+    admin.dispose()
