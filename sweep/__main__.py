@@ -9,9 +9,7 @@ any slow import (`sweep.workers.prepare_worker`).
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 from types import FrameType
 
 
@@ -24,6 +22,7 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> None:
+    from sweep.signals import interrupted_at_start
     from sweep.streams import guard_streams
 
     guard_streams()  # before anything prints, or opens a file that could take a closed stream's number
@@ -42,15 +41,6 @@ def main() -> None:
     finally:
         signal.signal(signal.SIGTERM, before)
     cli.main()
-
-
-def interrupted_at_start(*, preempted: bool = False) -> None:
-    """A Ctrl-C (or SIGTERM) before the command began: one line, exit 130 (143)."""
-    worker = os.environ.get("SWEEP_WORKER")
-    what = "preempted (SIGTERM)" if preempted else "interrupted"
-    sys.stderr.write(f"{'' if worker is None else f'[worker {worker}] '}{what} as the command started: nothing was "
-                     "done.\n")
-    raise SystemExit(143 if preempted else 130) from None
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from rich.console import Console
 from rich.table import Column, Table
 from typer.core import TyperGroup
 
-from sweep.__main__ import interrupted_at_start
 from sweep.schema import (
     StudyFileError,
     folder_problem,
@@ -49,6 +48,7 @@ from sweep.schema import (
     sqlite_write_problem,
     storage_url_problem,
 )
+from sweep.signals import interrupted_at_start
 from sweep.streams import guard_streams, output_failure
 from sweep.urls import expand_home, mask_url, mask_urls, redact, sqlite_path, sqlite_url
 from trainer.messages import has_control

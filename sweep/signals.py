@@ -17,13 +17,16 @@ every process of a task) is still one request.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
-__all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "is_unmarked", "mark_unmarked", "raise_pending",
-           "raise_stop", "raised_at_once", "record_forwarded", "stop_requested"]
+__all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "interrupted_at_start", "is_unmarked",
+           "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once", "record_forwarded", "stop_requested"]
 
 
 class Preempted(BaseException):
@@ -141,3 +144,12 @@ def graceful_signals() -> Iterator[None]:
             signal.signal(signum, before)
         _pending = _direct = _requested = None
         _raised = 0
+
+
+def interrupted_at_start(*, preempted: bool = False) -> NoReturn:
+    """A Ctrl-C (or SIGTERM) before the command began: one line, exit 130 (143)."""
+    worker = os.environ.get("SWEEP_WORKER")
+    what = "preempted (SIGTERM)" if preempted else "interrupted"
+    sys.stderr.write(f"{'' if worker is None else f'[worker {worker}] '}{what} as the command started: nothing was "
+                     "done.\n")
+    raise SystemExit(143 if preempted else 130) from None
