@@ -7,9 +7,9 @@ silently and with exit 1; a reading command blamed the database for its own outp
 anything printed would land in it.
 
 So (`guard_streams`, once, as the command starts): a closed descriptor 0, 1 or 2 is opened on the null device; and
-stdout and stderr write through `Guarded`, which keeps the first error a write meets (`Guarded.error`) and sends the
-rest, and what the stream still buffers, to the null device: the command goes on and decides its exit code as before
-(`output_failure` says whether its stdout's output was lost to anything but a reader that left).
+stdout and stderr write through `DroppingStream`, which keeps the first error a write meets (its `error`) and sends
+the rest, and what the stream still buffers, to the null device: the command goes on and decides its exit code as
+before (`output_failure` says whether its stdout's output was lost to anything but a reader that left).
 A character the stream's encoding lacks is written as a backslash escape.
 """
 
@@ -20,10 +20,10 @@ import os
 import sys
 from typing import Any, TextIO
 
-__all__ = ["Guarded", "guard_streams", "output_failure"]
+__all__ = ["DroppingStream", "guard_streams", "output_failure"]
 
 
-class Guarded:
+class DroppingStream:
     """A text stream whose write errors are kept (`error`), not raised: the stream then writes to the null device."""
 
     def __init__(self, stream: TextIO) -> None:
@@ -66,7 +66,7 @@ class Guarded:
 
 
 def guard_streams() -> None:
-    """Open the null device on a closed standard descriptor, and wrap stdout and stderr in `Guarded` (once)."""
+    """Open the null device on a closed standard descriptor, and wrap stdout and stderr in `DroppingStream` (once)."""
     for fd in (0, 1, 2):
         try:
             os.fstat(fd)
@@ -78,16 +78,16 @@ def guard_streams() -> None:
     for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
         if getattr(sys, name) is None:  # closed as Python started: a stream on what is there now
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False, encoding="utf-8"))
-    if not isinstance(sys.stdout, Guarded):
-        sys.stdout = Guarded(sys.stdout)
-    if not isinstance(sys.stderr, Guarded):
-        sys.stderr = Guarded(sys.stderr)
+    if not isinstance(sys.stdout, DroppingStream):
+        sys.stdout = DroppingStream(sys.stdout)
+    if not isinstance(sys.stderr, DroppingStream):
+        sys.stderr = DroppingStream(sys.stderr)
 
 
 def output_failure() -> str | None:
     """Why the command's output to stdout was lost, as one line; None when it was all written, or when its reader
     left (a pipe closed early, `| head`: it had read what it wanted)."""
-    error = sys.stdout.error if isinstance(sys.stdout, Guarded) else None
+    error = sys.stdout.error if isinstance(sys.stdout, DroppingStream) else None
     if error is None or error.errno == errno.EPIPE:
         return None
     return f"cannot write the output to stdout: {error.strerror or error}"
