@@ -80,8 +80,10 @@ def made_by_sweep(study: optuna.Study) -> bool:
 def require_sweep_study(study: optuna.Study, doing: str) -> None:
     """Raise `ForeignStudyError` (saying what could not be done) unless sweep created the study."""
     if not made_by_sweep(study):
+        reads = ("`sweep status` and `sweep trials`" if len(study.directions) == 1 else  # they read one objective
+                 "`sweep dashboard`")
         raise ForeignStudyError(f"study {study.study_name!r} was not created by sweep (it holds no {SPEC_ATTR!r}), so "
-                                f"sweep cannot {doing}; it reads such a study with `sweep status` and `sweep trials`")
+                                f"sweep cannot {doing}; it reads such a study with {reads}")
 
 
 def state_counts(study: optuna.Study) -> dict[str, int]:

@@ -217,6 +217,13 @@ def run_study(study: optuna.Study, spec: StudySpec, *, n_trials: int | None = No
     Python's, numpy's and torch's global generators and torch's determinism switches are the caller's again
     afterwards, and the database connections it leaves idle are closed (a notebook's process holds no server session
     between runs, nor one per database it ran on)."""
+    directions = [direction.name.lower() for direction in study.directions]
+    if directions != [spec.direction]:  # a study `open_study` did not open: every trial would fail, or rank wrongly
+        raise StudyMismatchError(
+            f"study {study.study_name!r} " + (f"has {len(directions)} objectives ({', '.join(directions)}); sweep runs "
+                                              "single-objective studies" if len(directions) != 1 else
+                                              f"is to {directions[0]}, the spec's metric {spec.metric!r} to "
+                                              f"{spec.direction}") + ": open it with sweep.open_study(spec, url)")
     storage = study._storage  # noqa: SLF001 - Optuna has no public handle on a study's storage
     boundary = storage.boundary if isinstance(storage, PatientStorage) else Boundary(spec.storage_patience)
     with graceful_signals(), kept_global_state():

@@ -300,6 +300,15 @@ def returned_value(returned: Any, metric: str) -> float | None:
     return None
 
 
+def _several_numbers(returned: Any) -> bool:
+    """Whether `main` returned what reads as several objectives' values (Optuna's multi-objective return): a tuple
+    or list of two numbers or more, or a tensor or array of more than one."""
+    if isinstance(returned, (torch.Tensor, np.ndarray)):
+        return (returned.numel() if isinstance(returned, torch.Tensor) else returned.size) > 1
+    return isinstance(returned, (tuple, list)) and len(returned) > 1 and all(
+        isinstance(item, (numbers.Real, np.number)) and not isinstance(item, (bool, np.bool_)) for item in returned)
+
+
 class LoopExit(RuntimeError):
     """The loop called `sys.exit` (or its argparse did, on arguments meant for `sweep`): that trial fails, the study
     goes on."""
@@ -390,6 +399,10 @@ class LoopTrial(TrialRun):
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
         value = loop_value(returned, run)
+        if value is not None and returned_value(returned, spec.metric) is None and _several_numbers(returned):
+            warnings.warn(f"trial {trial.number}: the loop returned several numbers ({short_repr(returned)}), and a "
+                          f"sweep study has one objective: its value is the last reported {spec.metric!r}, "
+                          f"{value:g}", stacklevel=1)
         if value is None and run.first_step is None and start.resume is not None:
             saved = start.resume.metrics  # resumed at its end: the value its last save holds
             value = metric_value(saved, spec.metric) if spec.metric in saved else None

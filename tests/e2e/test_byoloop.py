@@ -1039,3 +1039,27 @@ def test_a_retry_s_loss_rules_go_on_from_its_lineage_s_val_loss_curve(tmp_path: 
     assert stopped.state.name == "FAIL" and retry.user_attrs["resumed_from"] == {"trial": 0, "step": 30}
     assert retry.state.name == "COMPLETE", retry.user_attrs.get("prune_reason")
     assert retry.user_attrs["loss_curve"][:5] == [[10, 2.3], [20, 1.0], [30, 0.3], [40, 0.28], [50, 4.0]]
+
+
+def test_a_loop_that_returns_several_objectives_is_warned_that_the_study_has_one(tmp_path: Path) -> None:
+    """Found by review: a loop written for Optuna's multi-objective studies (`return loss, latency`) ran with its
+    tuple silently ignored; its value is the last reported metric, and now one warning says so. A loop that returns
+    something else (its model) is not warned of."""
+    (tmp_path / "twoobj.py").write_text(
+        "import torch\n"
+        "def main(config, run):\n"
+        "    run.report(1, val_loss=0.5 + config['x'])\n"
+        "    return torch.nn.Linear(1, 1) if config['x'] > 2 else (0.001, 1.0 / (1 + config['x']))\n")
+    path = write_study(tmp_path, {"name": "twoobj", "n_trials": 1, "loop": "twoobj:main",
+                                  "space": {"x": {"type": "float", "low": 0, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    [trial] = trials_of(path, "twoobj")
+    assert trial.state.name == "COMPLETE" and trial.value == trial.intermediate_values[1]
+    assert ("trial 0: the loop returned several numbers ((0.001, " in done.stderr
+            and "a sweep study has one objective: its value is the last reported 'val_loss'" in done.stderr)
+
+    path = write_study(tmp_path, {"name": "model", "n_trials": 1, "loop": "twoobj:main",
+                                  "space": {"x": {"type": "float", "low": 3, "high": 4}}}, "model.yaml")
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0 and "several numbers" not in done.stderr, done.stderr

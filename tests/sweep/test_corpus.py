@@ -1648,6 +1648,8 @@ def test_another_tool_s_text_is_shown_as_stored_and_its_failures_as_failed(tmp_p
         assert done.stderr.strip().splitlines() == [
             f"error: study 'two' has 2 objectives (minimize, maximize); `sweep {command}` reads single-objective "
             "studies: `sweep dashboard` shows this one"], done.stderr
+    done = sweep_cli("stop", "two.db", cwd=tmp_path)  # (it named status and trials, which refuse this one: review)
+    assert done.returncode == 2 and done.stderr.rstrip().endswith("it reads such a study with `sweep dashboard`")
 
 
 def test_a_best_trial_s_attr_that_is_no_json_is_one_line_saying_where(tmp_path: Path) -> None:

@@ -919,3 +919,19 @@ def test_runs_on_many_databases_from_one_process_leave_no_server_sessions_behind
         assert summary.budget_used == 1
         assert sessions_end() == 0, run
     admin.dispose()
+
+
+@pytest.mark.parametrize("directions", [["minimize", "maximize"], ["maximize"]])
+def test_run_study_refuses_a_study_whose_objectives_are_not_the_spec_s_before_any_trial(
+        tmp_path: Path, directions: list[str]) -> None:
+    """Found by review: `run_study` took any Optuna study. With two objectives every trial failed on Optuna's
+    `Trial.report` and the run then blamed the code ("5 trials in a row failed the same way"); one to maximize with
+    a spec minimizing val_loss ran its whole budget, and the study's best was its worst trial."""
+    from sweep.study import run_study
+
+    spec, _ = load_spec(write_study(tmp_path, TINY_STUDY))
+    study = optuna.create_study(directions=directions, storage=f"sqlite:///{tmp_path / 'theirs.db'}")
+    with pytest.raises(StudyMismatchError, match="objectives \\(minimize, maximize\\); sweep runs single-objective"
+                       if len(directions) == 2 else "is to maximize, the spec's metric 'val_loss' to minimize"):
+        run_study(study, spec)
+    assert study.get_trials() == []
