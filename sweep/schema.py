@@ -79,6 +79,11 @@ class StudyFileError(Exception):
             other = "fixed" if head == "space" else "space"
             inside += [k for k in overridden if head in ("space", "fixed") and k not in inside and rest and (
                 k == other or (k.startswith(f"{other}.") and _holds(k.partition(".")[2], rest)))]
+            # A rule across keys names the other one (`fixed.warmup_steps: expected at most max_steps (20)`), where a
+            # list of the keys there are does not count.
+            rule = re.split(r"expected one of|did you mean", message)[0]
+            inside += [k for k in overridden if k not in inside and key and k != key and not key.startswith("-")
+                       and re.search(rf"(?<![\w.]){re.escape(k.rpartition('.')[2])}(?!\w)", rule)]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key, message)}: {message}" for key, message in self.problems]
