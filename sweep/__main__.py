@@ -22,22 +22,21 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> None:
-    from sweep.signals import interrupted_at_start
-    from sweep.streams import guard_streams
-
-    guard_streams()  # before anything prints, or opens a file that could take a closed stream's number
     before = signal.getsignal(signal.SIGTERM)
     if before is signal.SIG_DFL:  # (one ignored, or handled by whoever embeds this, stays so)
         signal.signal(signal.SIGTERM, _terminated)
     try:
+        from sweep.streams import guard_streams
+
+        guard_streams()  # before anything prints, or opens a file that could take a closed stream's number
         from sweep.workers import prepare_worker
 
         prepare_worker()
         from sweep import cli
-    except KeyboardInterrupt:
-        interrupted_at_start()
-    except _TerminatedAtStart:
-        interrupted_at_start(preempted=True)
+    except (KeyboardInterrupt, _TerminatedAtStart) as exc:
+        from sweep.signals import interrupted_at_start
+
+        interrupted_at_start(preempted=isinstance(exc, _TerminatedAtStart))
     finally:
         signal.signal(signal.SIGTERM, before)
     cli.main()

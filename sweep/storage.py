@@ -174,7 +174,14 @@ def release_idle_connections() -> None:
     of a full server, hold no idle one: otherwise workers that each hold some of the slots wait for each other
     forever."""
     for engine in list(_ENGINES):
-        engine.pool.dispose()
+        if not in_memory(engine):
+            engine.pool.dispose()
+
+
+def in_memory(engine: Engine) -> bool:
+    """Whether `engine`'s database lives in its one connection (SQLite's `:memory:`): closing it deletes the study."""
+    return engine.url.get_backend_name() == "sqlite" and (
+        engine.url.database in (None, "", ":memory:") or engine.url.query.get("mode") == "memory")
 
 
 # The server's words for a connection refused because all its slots are taken (PostgreSQL's `max_connections`,

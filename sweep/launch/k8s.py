@@ -73,7 +73,7 @@ def job_manifest(spec: StudySpec, spec_path: Path, options: K8sSpec, *, timeout:
     key = config_map_key(spec_path.name)
     study_file = f"{STUDY_MOUNT}/{key}"
     workers = options.gpus_per_worker // spec.resources.devices_per_trial  # one per trial's GPUs (gpus_problem)
-    command = ["python", "-m", "sweep.cli", "run",
+    command = ["python", "-m", "sweep", "run",
                *worker_args(Path(study_file), spec, timeout=timeout, overrides=overrides),
                *(["--workers", str(workers)] if workers > 1 else [])]
     resources: dict[str, Any] = {}

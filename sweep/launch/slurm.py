@@ -136,7 +136,7 @@ def batch_script(spec: StudySpec, spec_path: Path, options: SlurmSpec, *, url: s
     gpus, per_trial = options.gpus_per_task, spec.resources.devices_per_trial
     workers = gpus // per_trial  # one worker per `devices_per_trial` GPUs (sweep.workers.gpus_problem)
     flags = worker_python()[1:] if python == sys.executable else []  # after `cd WORKDIR`, as on this machine
-    run = [python, *flags, "-m", "sweep.cli", "run",
+    run = [python, *flags, "-m", "sweep", "run",
            *worker_args(spec_path, spec, timeout=timeout, overrides=overrides),
            *(["--workers", str(workers)] if workers > 1 else [])]
     # sweep's own options (the values are checked by the schema; the log folder is any path), then the user's.

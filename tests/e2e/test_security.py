@@ -187,7 +187,7 @@ def test_workers_never_show_the_storage_password_on_their_command_lines(tmp_path
     deadline = time.monotonic() + 120
     while parent.poll() is None and time.monotonic() < deadline:
         for pid in _children(parent.pid):
-            if "sweep.cli" in (line := _cmdline(pid)) and "run" in line:
+            if "-m sweep run" in (line := _cmdline(pid)):  # a worker (its launcher runs -m sweep.cli)
                 seen[pid] = line
         if len(seen) == 2:
             break

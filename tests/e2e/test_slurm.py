@@ -113,7 +113,7 @@ def test_submitted_workers_finish_the_study_with_exact_counts_and_no_password_in
     assert environments and all(b"SLURM_CONF=" in p.read_bytes() for p in environments)
     shown = slurm_cluster.run("scontrol", "show", "job", "-dd", job).stdout
     script = slurm_cluster.run("scontrol", "write", "batch_script", f"{job}_0", "-").stdout
-    assert "sweep.cli run" in script and "SWEEP_STORAGE_URL_FILE" in script
+    assert "-m sweep run" in script and "SWEEP_STORAGE_URL_FILE" in script
     for secret in (PASSWORD, LIBPQ_PASSWORD):
         assert secret not in shown and secret not in script
         assert files_holding(slurm_cluster.folder, secret) == []  # state, spool, daemon logs

@@ -50,7 +50,7 @@ def test_dry_run_prints_a_plain_script_naming_every_option_and_creates_nothing(t
     assert PASSWORD not in script and "db.example" not in script  # the URL is in the storage file, not here
     assert re.search(rf"^export {STORAGE_FILE_ENV}={tmp_path}/tiny.slurm/storage-[0-9a-f]{{12}}\.json$", script, re.M)
     # The worker: the ordinary `sweep run` of this study, with its name and budget, two workers for two GPUs.
-    assert f"-m sweep.cli run {path} --study-name tiny --n-trials {document['n_trials']} --workers 2 &" in script
+    assert f"-m sweep run {path} --study-name tiny --n-trials {document['n_trials']} --workers 2 &" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0  # valid shell
 
 
@@ -319,7 +319,7 @@ def test_k8s_manifest_is_an_indexed_job_the_kubernetes_models_accept(tmp_path: P
     assert pod["terminationGracePeriodSeconds"] == 120 and pod["restartPolicy"] == "Never"
     [container] = pod["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    assert container["command"][:5] == ["python", "-m", "sweep.cli", "run", "/etc/sweep/study.yaml"]
+    assert container["command"][:5] == ["python", "-m", "sweep", "run", "/etc/sweep/study.yaml"]
     env = {item["name"]: item["valueFrom"] for item in container["env"]}
     assert env["SWEEP_STORAGE_URL"] == {"secretKeyRef": {"name": "sweep-storage", "key": "url"}}
     assert "job-completion-index" in env["SWEEP_WORKER"]["fieldRef"]["fieldPath"]

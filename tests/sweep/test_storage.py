@@ -898,7 +898,7 @@ def test_runs_on_many_databases_from_one_process_leave_no_server_sessions_behind
     from sweep.storage import open_engine
     from sweep.study import run_study
 
-    path = write_study(tmp_path, {**TINY_STUDY, "n_trials": 1, "fixed": {**TINY_STUDY["fixed"], "max_steps": 10}})
+    path = write_study(tmp_path, {**TINY_STUDY, "name": "notebook", "n_trials": 1})  # the server's other tests' too
     spec, _ = load_spec(path)
     admin = open_engine(postgres_url)
 
@@ -935,3 +935,14 @@ def test_run_study_refuses_a_study_whose_objectives_are_not_the_spec_s_before_an
                        if len(directions) == 2 else "is to maximize, the spec's metric 'val_loss' to minimize"):
         run_study(study, spec)
     assert study.get_trials() == []
+
+
+def test_a_study_in_an_in_memory_database_outlives_its_run(tmp_path: Path) -> None:
+    """Found by review: closing the connections a run left idle closed an in-memory SQLite database's only one,
+    and the study with it (`no such table: studies` at the next read)."""
+    from sweep.study import run_study
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "n_trials": 2}))
+    study = open_study(spec, "sqlite:///:memory:")
+    assert run_study(study, spec).budget_used == 2
+    assert len(study.trials) == 2 and study.best_value is not None
