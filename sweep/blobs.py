@@ -111,11 +111,17 @@ def artifact_store_at(location: str, *, create: bool = True) -> Any:
 
 class _FolderArtifacts(optuna.artifacts.FileSystemArtifactStore):
     """Optuna's folder store, which makes its folder again when it is gone (the store removed while the study runs:
-    every later trial's artifact failed, and the dashboard showed none)."""
+    every later trial's artifact failed, and the dashboard showed none), and removes what a write that failed left
+    (a full disk left a truncated copy that nothing named, its space never given back)."""
 
     def write(self, artifact_id: str, content_body: BinaryIO) -> None:
         Path(self._base_path).mkdir(parents=True, exist_ok=True)
-        super().write(artifact_id, content_body)
+        try:
+            super().write(artifact_id, content_body)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                (Path(self._base_path) / artifact_id).unlink(missing_ok=True)
+            raise
 
 
 class BlobScope:

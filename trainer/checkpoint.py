@@ -378,7 +378,9 @@ def _write_error(path: Path, exc: OSError | RuntimeError, size: int) -> Checkpoi
     own = exc.errno if isinstance(exc, OSError) else None
     space = "free space unknown" if free is None else f"{_bytes(free)} free"
     code: int | None
-    if own == errno.ENOSPC or (own is None and free is not None and free < size):
+    if own == errno.ENOSPC and _free_files(path.parent) == 0:  # the file system's inodes, not its bytes, ran out
+        code, reason = errno.ENOSPC, f"no free inodes left on its file system (no new file can be made there; {space})"
+    elif own == errno.ENOSPC or (own is None and free is not None and free < size):
         code, reason = errno.ENOSPC, f"no space left on device ({space}; the checkpoint needs at least {_bytes(size)})"
     elif own in (errno.EEXIST, errno.ENOTDIR) and (blocked := _file_in_the_way(path.parent)) is not None:
         code, reason = own, f"{blocked} is a file, not a folder"  # mkdir's "file exists" named neither
@@ -400,6 +402,20 @@ def _free_bytes(folder: Path) -> int | None:
             continue
         except OSError:
             return None
+    return None
+
+
+def _free_files(folder: Path) -> int | None:
+    """Free inodes for an unprivileged writer on the file system of `folder` (or of its nearest existing parent); None
+    where it cannot say (a file system that counts none reports 0 files in all: None too)."""
+    for candidate in (folder, *folder.parents):
+        try:
+            stats = os.statvfs(candidate)
+        except FileNotFoundError:
+            continue
+        except (OSError, AttributeError):
+            return None
+        return stats.f_favail if stats.f_files else None
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,3 +143,33 @@ def test_the_dashboard_artifact_folder_is_made_again_when_it_was_removed(tmp_pat
     store.write("a1", io.BytesIO(b"checkpoint"))
     with store.open_reader("a1") as reader:
         assert reader.read() == b"checkpoint"
+
+
+def test_an_artifact_upload_that_fails_midway_leaves_no_partial_copy(tmp_path: Path) -> None:
+    """Found by review (a store on a full tmpfs): a best checkpoint's upload that met ENOSPC left a truncated copy in
+    `_artifacts/` that nothing named or removed, its space never given back."""
+    import errno
+    import io
+
+    from sweep.blobs import artifact_store_at
+
+    class FailsAfterOneChunk(io.RawIOBase):  # the copy's first chunk lands, then the disk is full
+        def __init__(self) -> None:
+            self.sent = 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            if self.sent:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.sent = len(buffer)
+            buffer[:] = b"x" * len(buffer)
+            return len(buffer)
+
+    store = artifact_store_at(str(tmp_path / "_artifacts"))
+    with pytest.raises(OSError, match="No space left"):
+        store.write("a1", FailsAfterOneChunk())
+    assert list((tmp_path / "_artifacts").iterdir()) == []
+    store.write("a2", io.BytesIO(b"whole"))
+    assert (tmp_path / "_artifacts" / "a2").read_bytes() == b"whole"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -222,6 +223,23 @@ def test_a_full_disk_is_a_checkpoint_write_error_and_the_previous_checkpoint_sta
     assert sorted(p.name for p in small_disk.iterdir()) == ["latest.pt"]  # the temporary file is gone...
     assert shutil.disk_usage(small_disk).free == free  # ...and so is the space it took
     assert load_checkpoint(path, sha256=before.sha256).step == 1
+
+
+def test_a_disk_out_of_inodes_is_named_so_not_out_of_space(small_disk: Path) -> None:
+    """Found by review: a file system with bytes free but no inode left was reported as out of space, "35.2 MiB
+    free; the checkpoint needs at least 174.5 KiB", which contradicts itself."""
+    subprocess.run(["mount", "-o", "remount,nr_inodes=4", str(small_disk)], capture_output=True, check=True)
+    made = 0
+    with contextlib.suppress(OSError):
+        while made < 16:
+            (small_disk / f"filler{made}").touch()
+            made += 1
+    path = small_disk / "latest.pt"
+    with pytest.raises(CheckpointWriteError) as info:
+        save_checkpoint(path, weights(1, 1_000))
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value).startswith(f"cannot write checkpoint {path}: no free inodes left on its file system"), \
+        str(info.value)
 
 
 def test_a_read_only_disk_is_a_checkpoint_write_error_with_its_own_errno(small_disk: Path) -> None:
