@@ -1219,16 +1219,33 @@ def _foreign_tables_problem(path: Path) -> str | None:
     try:
         tables = _sqlite_tables(path, timeout=10)
     except sqlite3.OperationalError as exc:
-        if "locked" in str(exc) or "busy" in str(exc) or not os.access(path.parent, os.W_OK | os.X_OK):
+        if "locked" in str(exc) or "busy" in str(exc) or not os.access(path.parent, os.W_OK | os.X_OK) \
+                or _full(path.parent):  # a full disk is waited out by the storage, with its line, as mid-run
             return None
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     except sqlite3.DatabaseError as exc:
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
-    if tables and not OPTUNA_TABLES <= tables:
+    if tables and not OPTUNA_TABLES <= tables and not _cut_short(path, tables):
         shown = ", ".join(sorted(tables)[:3]) + (", ..." if len(tables) > 3 else "")
         return (f"{path} is a SQLite database of another program (tables {shown}; no Optuna tables), and a study "
                 "would be written into it; give a new or existing study .db file")
     return None
+
+
+def _cut_short(path: Path, tables: set[str]) -> bool:
+    """Whether the database holds only some of Optuna's own tables, all empty: a first run's creation of them cut
+    short (a disk that filled as the first `studies` table was written). Optuna creates the rest when it opens it."""
+    import sqlite3
+
+    from optuna.storages._rdb.models import BaseModel  # (Optuna's tables, by name: no public list of them)
+
+    if not tables <= {*BaseModel.metadata.tables, "alembic_version"}:
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
+            return not any(connection.execute(f'SELECT 1 FROM "{table}" LIMIT 1').fetchone() for table in tables)
+    except sqlite3.Error:
+        return False
 
 
 def sqlite_write_problem(url: str) -> str | None:
@@ -1247,6 +1264,17 @@ def sqlite_write_problem(url: str) -> str | None:
         return f"cannot write {path}: its folder {path.parent} is not writable, and SQLite creates the file and its " \
                "-wal and -shm files there"
     return None
+
+
+def _full(folder: Path) -> str | None:
+    """What the file system of `folder` has run out of ("no space left", "no free inodes left"), or None."""
+    try:
+        stats = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    if stats.f_bavail == 0:
+        return "no space left"
+    return "no free inodes left" if stats.f_files and stats.f_favail == 0 else None
 
 
 def _read_only_filesystem(folder: Path) -> bool:
@@ -1274,6 +1302,9 @@ def sqlite_study_problem(url: str) -> str | None:
         if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is fine: SQLite writes its -shm beside it
             return (f"cannot read {path}: its folder {path.parent} is not writable, and SQLite writes its -wal and "
                     "-shm files beside the database; make the folder writable, or copy the .db to one that is")
+        if full := _full(path.parent):
+            return (f"cannot read {path} ({exc}): its file system has {full}, and SQLite writes its -wal and -shm "
+                    "files beside the database; free some, or copy the .db to another file system")
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     if not OPTUNA_TABLES <= tables:
         return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "

@@ -1309,3 +1309,28 @@ def test_a_run_whose_progress_reader_left_trains_its_whole_budget(tmp_path: Path
     process.stderr.close()
     assert process.wait(timeout=300) == 0
     assert [t.state for t in load(tmp_path / "tiny.db").get_trials()] == [TrialState.COMPLETE] * 4
+
+
+def test_a_database_whose_first_run_was_cut_short_is_finished_not_refused(tmp_path: Path) -> None:
+    """Found by review: a first run that gave up on a full disk left a database holding only Optuna's `studies`
+    table, and every rerun refused it as "a SQLite database of another program". Optuna's tables, all empty, are a
+    creation cut short: the rerun creates the rest. A `studies` table with rows is another program's still."""
+    from optuna.storages._rdb.models import BaseModel
+    from sqlalchemy import create_engine
+
+    path = write_study(tmp_path, changed(n_trials=1))
+    engine = create_engine(f"sqlite:///{tmp_path / 'tiny.db'}")
+    BaseModel.metadata.tables["studies"].create(engine)
+    engine.dispose()
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    assert load(tmp_path / "tiny.db").get_trials()[0].state == TrialState.COMPLETE
+
+    (tmp_path / "theirs").mkdir()
+    path = write_study(tmp_path / "theirs", changed(n_trials=1))
+    with contextlib.closing(sqlite3.connect(tmp_path / "theirs" / "tiny.db")) as connection:
+        connection.execute("CREATE TABLE studies (id INTEGER, title TEXT)")
+        connection.execute("INSERT INTO studies VALUES (1, 'their own')")
+        connection.commit()
+    done = sweep_cli("run", path)
+    assert done.returncode == 2 and "a SQLite database of another program" in done.stderr, done.stderr

@@ -624,6 +624,37 @@ def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_reru
         found.check()
 
 
+def test_a_study_database_on_a_filesystem_already_full_is_not_called_damaged(tmp_path: Path) -> None:
+    """Found by review: a healthy study database on a file system with no space left was "cannot be read as a SQLite
+    database (disk I/O error); is the file damaged?", exit 2, from `sweep run` (which waits out a disk that fills
+    mid-run), `status` and `check`. Now a run waits it out as an outage, and a reading command names the full file
+    system; once there is room, the rerun finishes."""
+    from tests.conftest import sweep_cli
+
+    folder = tmp_path / "db"
+    with tmpfs(folder, "16m"):
+        document = copy.deepcopy(FULL_STORE_STUDY) | {"name": "filled", "n_trials": 1, "storage_patience": 3,
+                                                      "checkpoints": False}
+        path = write_study(tmp_path, document)
+        url = f"sqlite:///{folder / 'filled.db'}"
+        assert sweep_run(path, "--storage", url, log=tmp_path / "setup.log", timeout=300) == 0
+        filler = folder / "filler"
+        with open(filler, "wb") as handle:
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(handle.fileno(), 0, shutil.disk_usage(folder).free)
+        assert shutil.disk_usage(folder).free == 0
+        shown = sweep_cli("status", "--storage", url, "--study-name", "filled")
+        assert shown.returncode != 0 and "damaged" not in shown.stderr, shown.stderr
+        assert "its file system has no space left" in shown.stderr, shown.stderr
+        log = tmp_path / "full.log"
+        code = sweep_run(path, "--storage", url, "--n-trials", "2", log=log, timeout=300)
+        assert code == 1 and "damaged" not in tail(log) and "unreachable" in tail(log), tail(log)
+        filler.unlink()
+        code = sweep_run(path, "--storage", url, "--n-trials", "2", log=tmp_path / "rerun.log", timeout=300)
+        assert code == 0, tail(tmp_path / "rerun.log")
+        assert len(counted(load_trials(url, "filled"))) == 2
+
+
 # =====================================================================================================================
 # 4. A corrupt newest checkpoint.
 
