@@ -220,6 +220,9 @@ def _outage_hint(exc: BaseException) -> str:
                 f"N workers need up to {CONNECTIONS_PER_WORKER}N of {limit}; raise it or run fewer workers)")
     if _driver_says(exc, _DISK_FULL):
         return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
+    if _driver_says(exc, ("disk i/o error",)):  # SQLite's word when its -shm file cannot grow on a full disk too
+        return (" (SQLite could not read or write the file or its -wal and -shm files beside it: is that disk full or "
+                "out of inodes? The worker goes on by itself once it can)")
     for setting in ("statement", "lock"):
         if _driver_says(exc, (f"canceling statement due to {setting} timeout",)):
             return (f" (the server cancels statements that {'run' if setting == 'statement' else 'wait for a lock'} "

@@ -649,6 +649,7 @@ def test_a_study_database_on_a_filesystem_already_full_is_not_called_damaged(tmp
         log = tmp_path / "full.log"
         code = sweep_run(path, "--storage", url, "--n-trials", "2", log=log, timeout=300)
         assert code == 1 and "damaged" not in tail(log) and "unreachable" in tail(log), tail(log)
+        assert "is that disk full or out of inodes?" in tail(log), tail(log)
         filler.unlink()
         code = sweep_run(path, "--storage", url, "--n-trials", "2", log=tmp_path / "rerun.log", timeout=300)
         assert code == 0, tail(tmp_path / "rerun.log")
