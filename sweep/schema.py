@@ -79,11 +79,6 @@ class StudyFileError(Exception):
             other = "fixed" if head == "space" else "space"
             inside += [k for k in overridden if head in ("space", "fixed") and k not in inside and rest and (
                 k == other or (k.startswith(f"{other}.") and _holds(k.partition(".")[2], rest)))]
-            # A rule across keys names the other one (`fixed.warmup_steps: expected at most max_steps (20)`), where a
-            # list of the keys there are does not count.
-            rule = re.split(r"expected one of|did you mean", message)[0]
-            inside += [k for k in overridden if k not in inside and key and k != key and not key.startswith("-")
-                       and re.search(rf"(?<![\w.]){re.escape(k.rpartition('.')[2])}(?!\w)", rule)]
             return f"{self.source}: {key}{f' (with --set {inside[0]})' if inside else ''}" if key else self.source
 
         return [f"{where(key, message)}: {message}" for key, message in self.problems]
@@ -1239,11 +1234,15 @@ def _cut_short(path: Path, tables: set[str]) -> bool:
 
     from optuna.storages._rdb.models import BaseModel  # (Optuna's tables, by name: no public list of them)
 
-    if not tables <= {*BaseModel.metadata.tables, "alembic_version"}:
+    columns = {name: set(table.columns.keys()) for name, table in BaseModel.metadata.tables.items()}
+    columns["alembic_version"] = {"version_num"}
+    if not tables <= set(columns):
         return False
     try:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as connection:
-            return not any(connection.execute(f'SELECT 1 FROM "{table}" LIMIT 1').fetchone() for table in tables)
+            return all(  # Optuna's own table, column for column (another program's `studies` is not), and empty
+                {row[1] for row in connection.execute(f'PRAGMA table_info("{table}")')} == columns[table]
+                and connection.execute(f'SELECT 1 FROM "{table}" LIMIT 1').fetchone() is None for table in tables)
     except sqlite3.Error:
         return False
 
@@ -1272,7 +1271,7 @@ def _full(folder: Path) -> str | None:
         stats = os.statvfs(folder)
     except (OSError, AttributeError):
         return None
-    if stats.f_bavail == 0:
+    if stats.f_blocks and stats.f_bavail == 0:  # (one that counts no blocks has no limit: a tmpfs of size=0)
         return "no space left"
     return "no free inodes left" if stats.f_files and stats.f_favail == 0 else None
 
@@ -1302,7 +1301,7 @@ def sqlite_study_problem(url: str) -> str | None:
         if not os.access(path.parent, os.W_OK | os.X_OK):  # the file is fine: SQLite writes its -shm beside it
             return (f"cannot read {path}: its folder {path.parent} is not writable, and SQLite writes its -wal and "
                     "-shm files beside the database; make the folder writable, or copy the .db to one that is")
-        if full := _full(path.parent):
+        if isinstance(exc, sqlite3.OperationalError) and (full := _full(path.parent)):  # (a damaged file: below)
             return (f"cannot read {path} ({exc}): its file system has {full}, and SQLite writes its -wal and -shm "
                     "files beside the database; free some, or copy the .db to another file system")
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"

@@ -1326,11 +1326,17 @@ def test_a_database_whose_first_run_was_cut_short_is_finished_not_refused(tmp_pa
     assert done.returncode == 0, done.stderr
     assert load(tmp_path / "tiny.db").get_trials()[0].state == TrialState.COMPLETE
 
-    (tmp_path / "theirs").mkdir()
-    path = write_study(tmp_path / "theirs", changed(n_trials=1))
-    with contextlib.closing(sqlite3.connect(tmp_path / "theirs" / "tiny.db")) as connection:
-        connection.execute("CREATE TABLE studies (id INTEGER, title TEXT)")
-        connection.execute("INSERT INTO studies VALUES (1, 'their own')")
-        connection.commit()
-    done = sweep_cli("run", path)
-    assert done.returncode == 2 and "a SQLite database of another program" in done.stderr, done.stderr
+    for rows, columns in ((["(1, 'their own')"], "study_id INTEGER, study_name TEXT"), ([], "id INTEGER, title TEXT")):
+        folder = tmp_path / f"theirs{len(rows)}"  # theirs: a row in it, or columns of their own (review: empty)
+        folder.mkdir()
+        path = write_study(folder, changed(n_trials=1))
+        with contextlib.closing(sqlite3.connect(folder / "tiny.db")) as connection:
+            connection.execute(f"CREATE TABLE studies ({columns})")
+            for row in rows:
+                connection.execute(f"INSERT INTO studies VALUES {row}")
+            connection.commit()
+        done = sweep_cli("run", path)
+        assert done.returncode == 2 and "a SQLite database of another program" in done.stderr, done.stderr
+        with contextlib.closing(sqlite3.connect(folder / "tiny.db")) as connection:
+            assert [row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] \
+                == ["studies"]  # nothing written into it

@@ -804,10 +804,6 @@ CLI = [
              "fixed={learning_rate: 0.5}"), f"{STUDY}: space.learning_rate (with --set fixed): ", "is both fixed"),
     bad_args("cli values", "set-beside-an-unknown-key", ("run", STUDY, "--set", "n_trials=5"),
              f"{STUDY}: prunr: ", "unknown key", document={**TINY_STUDY, "prunr": "median"}),  # not "(with --set ...)"
-    # A rule across two keys: the file's key is named with the --set that broke it (it was named alone).
-    bad_args("cli values", "set-breaks-a-rule-across-keys", ("run", STUDY, "--set", "fixed.max_steps=10"),
-             f"{STUDY}: fixed.warmup_steps (with --set fixed.max_steps): ", "expected at most max_steps (10), got 15",
-             document=changed(fixed__warmup_steps=15)),
     bad_args("cli values", "set-key-with-spaces", ("run", STUDY, "--set", " n_trials =true"),
              "command line: --set n_trials: ", "got True"),  # blamed on the file's key 'n_trials ' before
     bad_args("cli values", "set-a-range-s-type", ("run", STUDY, "--set", "space.learning_rate.type=int"),
