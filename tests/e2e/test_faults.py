@@ -338,8 +338,14 @@ def test_three_workers_ride_out_five_postgresql_restarts(tmp_path: Path) -> None
                     if t.state != TrialState.COMPLETE]
     found.expect(not not_complete, f"counted trials that did not complete (an outage is no config's fault): "
                                    f"{not_complete}")
-    roots = [t for t in trials if t.user_attrs.get("retry_of") is None]
-    for root in roots:  # each sampled config counts once, however often it was retried
+    # each sampled config counts once, however often it was retried; a trial withdrawn untrained (asked beyond the
+    # budget while the server restarted) is no sampled config and counts zero times
+    roots = [t for t in trials if t.user_attrs.get("retry_of") is None and "withdrawn" not in t.user_attrs]
+    withdrawn = [t for t in trials if "withdrawn" in t.user_attrs]
+    found.expect(all(t.state == TrialState.FAIL and not t.intermediate_values and not descendants(trials, t.number)[1:]
+                     for t in withdrawn),
+                 f"a withdrawn trial trained or was retried: {[(t.number, t.state.name) for t in withdrawn]}")
+    for root in roots:
         lineage = descendants(trials, root.number)
         in_budget = [t.number for t in lineage if t.number in {u.number for u in used}]
         found.expect(len(in_budget) == 1, f"lineage of #{root.number} counted {len(in_budget)} times: {in_budget}")
