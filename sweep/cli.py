@@ -955,6 +955,7 @@ def _storage_failure(url: str, exc: Exception, where: str = "") -> typer.Exit:
     the URL that the driver calls invalid is bad input (exit 2); `where`: the file and key that gave the URL."""
     from optuna.exceptions import StorageInternalError
 
+    from sweep.schema import sqlite_damage
     from sweep.storage import bad_url_option, error_line, refusal_line
 
     if (option := bad_url_option(exc)) is not None:
@@ -965,6 +966,11 @@ def _storage_failure(url: str, exc: Exception, where: str = "") -> typer.Exit:
         said = str(exc).split(". Please", 1)[0]  # not its advice: `optuna storage upgrade` would write the file
         return _fail(f"{where}cannot open storage {mask_url(url)}: its tables are of a schema Optuna "
                      f"{optuna.__version__} does not read ({said}); open it with the Optuna version that made it", 2)
+    if (path := sqlite_path(url)) is not None and (damage := sqlite_damage(path)) is not None:
+        # Damage past the pages the opening check reads: SQLite's "malformed", or Optuna's reading of a garbled
+        # page ("Record does not exist"), said as the damaged file it is, bad input as a file cut short is (review)
+        return _fail(f"{where}{path} cannot be read as a SQLite database ({redact(damage, url)}); is the file "
+                     "damaged?", 2)
     if (refused := refusal_line(exc)) is not None:  # the role's rights or the database's state: the driver's words
         detail = refused
     elif isinstance(exc, StorageInternalError) and exc.__cause__ is not None:  # Optuna's "invalid data" wrapper

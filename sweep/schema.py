@@ -1206,6 +1206,28 @@ def _sqlite_tables(path: Path, timeout: float = 5.0) -> set[str]:
     return tables("ro" if path.is_file() and not os.access(path, os.W_OK) else "rw")
 
 
+def sqlite_damage(path: Path) -> str | None:
+    """Why the SQLite file at `path` is damaged (SQLite's `PRAGMA quick_check`, read-only), or None when it is sound
+    or cannot be checked (missing, busy, unreadable): for a storage that failed to open, whose error may be Optuna's
+    reading of a garbled page (a missing row, say) rather than SQLite's own word for it."""
+    import sqlite3
+
+    if not path.is_file():
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                                                timeout=10)) as connection:
+            found = [row[0] for row in connection.execute("PRAGMA quick_check(3)")]
+    except sqlite3.OperationalError:  # busy, locked, unreadable: not known to be damaged
+        return None
+    except sqlite3.DatabaseError as exc:  # "database disk image is malformed", "file is not a database"
+        return str(exc)
+    if found == ["ok"]:
+        return None
+    said = [line for row in found for line in str(row).splitlines() if line.strip() and not line.startswith("***")]
+    return said[0] if said else "database disk image is malformed"  # the first fault, not its "*** in main ***"
+
+
 def _foreign_tables_problem(path: Path) -> str | None:
     """A SQLite database with tables, none of them Optuna's: another program's, which a study would be written into.
     A database busy with another worker's write is left to the storage, which waits for it."""

@@ -1106,26 +1106,32 @@ def test_a_garbled_owner_file_refuses_the_folder_to_every_study_until_it_is_rest
     assert json.loads(mark.read_text())["study"] == "tiny"
 
 
-def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("table", "fill"), [("trial_values", 0), ("studies", 0xAA), ("version_info", 0xAA)])
+def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(
+        tmp_path: Path, table: str, fill: int) -> None:
     """Damage that the opening check does not read (it reads the schema) came out of every command as a 120-line
-    traceback ending in Optuna's "invalid data in the commit"."""
+    traceback ending in Optuna's "invalid data in the commit". Found by review: a page Optuna reads as it opens the
+    storage, garbled, was "cannot open storage ...: DatabaseError: database disk image is malformed" (or `run`'s
+    "KeyError: 'Record does not exist.'") with exit 1, where a file cut short is "is the file damaged?", exit 2."""
     path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 3})
     assert sweep_cli("run", path).returncode == 0
     db = tmp_path / "tiny.db"
-    with contextlib.closing(sqlite3.connect(db)) as connection:  # the page that holds the trials' values
+    with contextlib.closing(sqlite3.connect(db)) as connection:  # the page that holds the table's rows
         connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the file itself
-        [(root,)] = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'trial_values'").fetchall()
+        [(root,)] = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchall()
         [(size,)] = connection.execute("PRAGMA page_size").fetchall()
     data = bytearray(db.read_bytes())
     start = (root - 1) * size
-    data[start + 8:start + size] = bytes(size - 8)  # its cells gone, its header kept
+    data[start + 8:start + size] = bytes([fill]) * (size - 8)  # its cells gone or garbled, its header kept
     db.write_bytes(bytes(data))
+    before = db.read_bytes()
     for command in (("status", db), ("trials", db), ("best", db), ("run", path)):
         done = run_cli(*command)  # a process of its own: this one's SQLite connections cache the pages as they were
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2, (command, done.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and "tiny.db" in lines[0], (command, done.stderr)
-        assert "cannot be read (database disk image is malformed); is the file damaged?" in lines[0], lines
+        assert "cannot be read" in lines[0] and lines[0].endswith("; is the file damaged?"), lines
+    assert db.read_bytes() == before  # nothing written into the damaged file
 
 
 def test_a_sqlite_error_that_is_no_damage_is_not_called_damage() -> None:
