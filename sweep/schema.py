@@ -39,7 +39,16 @@ from pydantic_core import PydanticCustomError
 
 from sweep.urls import SQLITE_URL, expand_home, mask_url, mask_urls, sqlite_path, sqlite_url
 from trainer import yaml_file
-from trainer.config import FastFailConfig, TrainingConfig, clash, flatten, magnitude, nest, number_from_text
+from trainer.config import (
+    FastFailConfig,
+    TrainingConfig,
+    clash,
+    flatten,
+    magnitude,
+    nest,
+    number_from_text,
+    overrides_clash,
+)
 from trainer.messages import has_control
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
@@ -834,6 +843,7 @@ def _make_room(fixed: dict[Any, Any], path: list[str]) -> None:
 def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`--set key.path=value`: the value is read as YAML (`3`, `1e-3`, `[a, b]`, `true`), as strictly as a file."""
     problems = []
+    given: list[tuple[str, Any]] = []
     for item in overrides:
         try:
             item.encode("utf-8")
@@ -856,6 +866,7 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
                           else f"expected a YAML value, but {short_repr(raw)} is not one ({message})")
                          for where, message in exc.problems]
             continue
+        given.append((key, copy.deepcopy(value)))  # as given: the document it goes into changes it
         node = document
         parts = key.split(".")
         if parts[0] == "space" and len(parts) > 1:
@@ -883,9 +894,12 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
             node = node.setdefault(part, {})
         else:
             node[leaf] = value
+    if not problems and (problem := overrides_clash(given)) is not None:  # the later would silently win (review)
+        problems.append(("", problem))
     if problems:
         raise StudyFileError("command line", problems)
     return document
+
 
 def read_spec(path: str | Path, overrides: Sequence[str] = ()) -> tuple[StudySpec, Path]:
     """Read, override and type-check a study file, without the checks that need the trainer (`sweep.spec.load_spec`

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest
+from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest, overrides_clash
 from trainer.distributed import RankEnvironmentError
 from trainer.loop import NullReporter, TrainResult, train
 from trainer.messages import strict_json
@@ -103,7 +103,8 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     YAML, by the rules a config file's values are read by (`1e3` a whole number, `1e-400` refused); any other word
     is the string it spells (`mixed_precision=off`, `data=*.npy`), as a shell user means it. Raises
     `YamlFileError` (source: the command line) for a value that is not one."""
-    out = {}
+    out: dict[str, Any] = {}
+    given: list[tuple[str, Any]] = []
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -112,6 +113,9 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
             raise ValueError(f"expected a dotted key path with no empty part (model.hidden=64), got {key!r}")
         parsed = raw[:1] in "[{\"'" or raw in ("true", "false", "null", "~") or NUMBER_TEXT.fullmatch(raw.strip())
         out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if parsed else raw
+        given.append((key, out[key]))
+    if (problem := overrides_clash(given)) is not None:  # the later would silently win (review)
+        raise ValueError(problem)
     return out
 
 
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             print(printable(f"{key}: {message}" if key else f"--set: {message}"), file=sys.stderr)
         return 2
     except ValueError as exc:
-        print(printable(f"--set: {exc}"), file=sys.stderr)
+        print(printable(str(exc) if str(exc).startswith("--set ") else f"--set: {exc}"), file=sys.stderr)
         return 2
     configs: list[TrainingConfig] = []
     refused: dict[str, None] = {}  # every file's problems, then exit 2 (review: only the first bad file was named)

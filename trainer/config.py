@@ -20,7 +20,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -280,6 +280,30 @@ def clash(values: Mapping[str, Any], prefix: str = "") -> str | None:
                 inner, outer = sorted((other, dotted), key=len, reverse=True)
                 return f"{inner} is inside {outer} ({keys}), and a config cannot hold both; keep one of them"
             given[dotted] = key
+    return None
+
+
+def overrides_clash(overrides: Sequence[tuple[str, Any]]) -> str | None:
+    """Two `--set` options, in the order given, where the later sets a value the earlier set too (`learning_rate`
+    twice, `model.hidden=8` then `model={hidden: 4}`) or replaces a mapping the earlier set a key in
+    (`model.hidden=8` then `model=3`): the later would silently win, where a file holding the same is refused. The
+    message naming both, or None. A key set inside one an earlier option gave is the way to adjust it
+    (`pruner=median` then `pruner.n_startup_trials=3`)."""
+    given: list[tuple[str, str, Any]] = []  # (every dotted value an option set, that option's key and value)
+    for key, value in overrides:
+        if any(by == key and type(was) is type(value) and was == value for _, by, was in given):
+            continue  # the same again (a worker's `--n-trials N` beside its launcher's `--set n_trials=N`): no change
+        leaves = [dotted for dotted, leaf in flatten({key: value}).items() if leaf != {}] if isinstance(
+            value, Mapping) else [key]
+        for dotted in leaves or [key]:
+            for earlier, by, was in given:
+                if by == key:
+                    return f"{key} is set twice ({short_repr(was)} and {short_repr(value)}); keep one of them"
+                if earlier == dotted:
+                    return f"--set {by} and --set {key} both set {dotted}; keep one of them"
+                if earlier.startswith(f"{key}."):
+                    return f"--set {key} would replace {earlier}, which --set {by} set before it; keep one of them"
+        given += [(dotted, key, value) for dotted in leaves or [key]]
     return None
 
 

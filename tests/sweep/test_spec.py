@@ -213,6 +213,46 @@ def test_an_override_that_is_not_yaml_is_a_one_line_error(tmp_path: Path) -> Non
     assert not (tmp_path / "tiny.db").exists()
 
 
+@pytest.mark.parametrize(("items", "line"), [
+    (["n_trials=3", "n_trials=4"], "n_trials is set twice (3 and 4); keep one of them"),
+    (["fixed.model.hidden=8", "fixed.model={hidden: 4}"],
+     "--set fixed.model.hidden and --set fixed.model both set fixed.model.hidden; keep one of them"),
+    (["pruner.n_startup_trials=1", "pruner=median"],
+     "--set pruner would replace pruner.n_startup_trials, which --set pruner.n_startup_trials set before it; keep one "
+     "of them"),
+], ids=["twice", "same-value", "replaced"])
+def test_two_sets_of_one_value_are_refused_as_a_file_s_two_keys_are(tmp_path: Path, items: list[str],
+                                                                     line: str) -> None:
+    """Found by review: the later `--set` silently won (a study trained `model: {hidden: 4}` with `--set
+    fixed.model.hidden=8` on its command line), where a file setting one value twice is refused."""
+    path = write_study(tmp_path, TINY_STUDY)
+    done = sweep_cli("run", path, *[arg for item in items for arg in ("--set", item)])
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"error: command line: {line}"]
+    assert not (tmp_path / "tiny.db").exists()
+
+
+def test_a_set_and_an_option_giving_one_value_agree_or_are_refused(tmp_path: Path) -> None:
+    """A `--workers` worker is given `--n-trials N` beside the `--set n_trials=N` its launcher was given: the same
+    value twice is no clash. Two different budgets are."""
+    path = write_study(tmp_path, TINY_STUDY)
+    refused = sweep_cli("run", path, "--set", "n_trials=3", "--n-trials", "1")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: command line: n_trials is set twice (3 and 1); keep one of them"], refused.stderr
+    assert not (tmp_path / "tiny.db").exists()
+    done = sweep_cli("run", path, "--set", "n_trials=1", "--n-trials", "1")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_set_inside_a_value_an_earlier_set_gave_adjusts_it(tmp_path: Path) -> None:
+    path = write_study(tmp_path, TINY_STUDY)
+    spec, _ = load_spec(path, ["pruner=percentile", "pruner.percentile=40", "space.model.hidden={type: int, low: 8, "
+                               "high: 16}", "space.model.hidden.log=true"])
+    assert spec.pruner.type == "percentile" and spec.pruner.args.get("percentile") == 40
+    assert (spec.space["model.hidden"].low, spec.space["model.hidden"].high, spec.space["model.hidden"].log) == (
+        8, 16, True)
+
+
 def test_yaml_exponents_without_a_dot_work_as_numbers(tmp_path: Path) -> None:
     path = write_study(tmp_path, TINY_STUDY)
     text = path.read_text().replace("low: 0.001", "low: 1e-3")

@@ -256,6 +256,29 @@ def test_a_set_value_is_read_as_a_file_s_value_and_its_problem_names_the_option(
     assert len(lines) == 1 and lines[0].startswith(line), lines
 
 
+@pytest.mark.parametrize(("items", "line"), [
+    (["learning_rate=0.1", "learning_rate=0.2"], "--set: learning_rate is set twice (0.1 and 0.2); keep one of them"),
+    (["model.hidden=8", "model={hidden: 4}"],
+     "--set model.hidden and --set model both set model.hidden; keep one of them"),
+    (["model.hidden=8", "model={depth: 2}"],
+     "--set model would replace model.hidden, which --set model.hidden set before it; keep one of them"),
+], ids=["twice", "same-value", "replaced"])
+def test_two_sets_of_one_value_are_refused(tmp_path: Path, items: list[str], line: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # Found by review: the later one silently won (`hidden: 4` trained), where a file setting one value twice is
+    # refused.
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 4\n")
+    assert main([str(config), *[arg for item in items for arg in ("--set", item)]]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_a_set_inside_a_value_an_earlier_set_gave_adjusts_it() -> None:
+    from trainer.__main__ import _parse_set
+
+    assert _parse_set(["model={hidden: 8}", "model.depth=2"]) == {"model": {"hidden": 8}, "model.depth": 2}
+
+
 def test_a_set_whole_number_in_exponent_form_is_an_integer(tmp_path: Path) -> None:
     from trainer.__main__ import _parse_set
 
