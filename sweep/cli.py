@@ -1572,7 +1572,11 @@ def main() -> None:
             raise SystemExit(1) from None
         raise
     except Exception as exc:
+        from sweep.outcomes import limit_reached
+
         line, code = _storage_error(exc)
+        if line is None and (limit := limit_reached(exc)) is not None:  # a thread the worker starts (review: a
+            line, code = f"{limit.reason}: {limit.fix}", 1  # 60-line traceback under `ulimit -u`)
         if line is None:
             line, code = _unreadable(exc)
         if line is None:

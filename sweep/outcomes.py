@@ -31,6 +31,11 @@ from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import DeviceUnavailable
 
+try:
+    import resource  # POSIX: the process limits a fault may name (imported now: with no descriptor left, it cannot be)
+except ImportError:  # pragma: no cover - Windows
+    resource = None  # type: ignore[assignment]
+
 __all__ = [
     "ATTR_CONFIG",
     "OBJECT_STORE_CLIENTS",
@@ -43,10 +48,12 @@ __all__ = [
     "failure_signature",
     "infrastructure_fault",
     "jsonable",
+    "limit_reached",
     "lineage",
     "lost_in_a_cohort",
     "lost_in_a_row",
     "outcome_of",
+    "process_limit",
     "retried_numbers",
 ]
 
@@ -296,6 +303,56 @@ _UNDER_OWN_FOLDERS = {errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.EACCES, e
 
 
 FOLDER_FIX = "free space, remount or recreate the folder"
+# A limit of the process (`ulimit`) that a resource error hit, not the config's doing: errno, the limit's
+# `resource` name, its `ulimit` option and what it counts.
+_LIMITS = {errno.EMFILE: ("RLIMIT_NOFILE", "-n", "open-files"), errno.EFBIG: ("RLIMIT_FSIZE", "-f", "file-size")}
+_NO_THREAD = "can't start new thread"  # CPython's words when the process or thread limit (`ulimit -u`) is reached
+
+
+def _limit(name: str, option: str, what: str) -> str:
+    """The process's soft limit on `what`, in words: "the open-files limit, ulimit -n, is 64"."""
+    try:  # `resource` imported already: with no descriptor left, importing it fails
+        soft = resource.getrlimit(getattr(resource, name))[0]
+        shown = "unlimited" if soft == resource.RLIM_INFINITY else (
+            f"{soft} bytes" if name == "RLIMIT_FSIZE" else str(soft))
+    except (AttributeError, ValueError, OSError):
+        shown = "reached"
+    return f"the {what} limit, ulimit {option}, is {shown}"
+
+
+def process_limit(exc: BaseException) -> tuple[BaseException, str, str] | None:
+    """The error in `exc`'s chain that a process limit caused, the limit in words and its `ulimit` option: too many
+    open files (EMFILE; ENFILE, the system's), a file over the file-size limit (EFBIG), a thread that could not
+    start (the process limit); None for any other error."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (*_LIMITS, errno.ENFILE):
+            name, option, what = _LIMITS.get(error.errno, ("", "-n", ""))
+            return error, _limit(name, option, what) if name else "the system's open-files limit is reached", option
+        if isinstance(error, RuntimeError) and _NO_THREAD in str(error):
+            return error, _limit("RLIMIT_NPROC", "-u", "process"), "-u"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def limit_reached(exc: BaseException) -> Fault | None:
+    """The fault when `exc`, or an error it was raised from, hit a process limit (`process_limit`); None for any
+    other error. A limit is the machine's, not the config's: the same config trains where it is higher."""
+    if (found := process_limit(exc)) is None:
+        return None
+    error, limit, option = found
+    if isinstance(error, RuntimeError):
+        return Fault(f"cannot start a thread ({limit})", "no thread: a process limit",
+                     "raise that limit where the workers start (ulimit -u), or run fewer workers")
+    assert isinstance(error, OSError)
+    named = exc if isinstance(exc, OSError) and exc.filename is not None else error  # a checkpoint's own words
+    said = str(named) if named.filename is None or str(named.filename) in str(named) \
+        else f"{named.strerror}: {named.filename}"
+    said = said.rsplit(" (", 1)[0] if said.endswith(" free)") else said  # not the space left: no disk's doing
+    return Fault(f"{said} ({limit})", f"{errno.errorcode.get(error.errno or 0, 'limit')}: a process limit",
+                 f"raise that limit where the workers start (ulimit {option}), or lower what the trials use")
 RANK_FIX = ("find what kills or stalls the trial's rank processes (the out-of-memory killer, a GPU fault, a batch "
             "system), or raise resources.collective_timeout_s if a rank is only slow")
 
@@ -314,6 +371,8 @@ class Fault:
 def infrastructure_fault(exc: BaseException, own_folders: Iterable[str | PurePath] = ()) -> Fault | None:
     """The fault, with a reason naming the path (and, for a full disk, the space left there), when `exc`, or an error
     it was raised from, is a fault of the machine; None when it is the config's."""
+    if (limit := limit_reached(exc)) is not None:
+        return limit
     seen: set[int] = set()
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:

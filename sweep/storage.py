@@ -52,6 +52,7 @@ from sqlalchemy import create_engine, event, make_url, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from sweep.outcomes import process_limit
 from sweep.signals import stop_requested
 from sweep.unanswered import watch, watch_engine
 from sweep.urls import mask_url, mask_urls, sqlite_path
@@ -222,7 +223,7 @@ def _outage_hint(exc: BaseException) -> str:
         return " (its disk is full: free space there, and the worker goes on by itself once the write succeeds)"
     if _driver_says(exc, ("disk i/o error",)):  # SQLite's word when its -shm file cannot grow on a full disk too
         return (" (SQLite could not read or write the file or its -wal and -shm files beside it: is that disk full or "
-                "out of inodes? The worker goes on by itself once it can)")
+                f"out of inodes{_file_size_limit()}? The worker goes on by itself once it can)")
     for setting in ("statement", "lock"):
         if _driver_says(exc, (f"canceling statement due to {setting} timeout",)):
             return (f" (the server cancels statements that {'run' if setting == 'statement' else 'wait for a lock'} "
@@ -230,6 +231,19 @@ def _outage_hint(exc: BaseException) -> str:
                     "the database below what one of sweep's statements takes never does; raise it: ALTER ROLE ... "
                     f"SET {setting}_timeout = ...)")
     return ""
+
+
+def _file_size_limit() -> str:
+    """", or are they at this process's file-size limit (ulimit -f ...)" where it has one (SQLite's writes past it
+    fail as I/O errors, which no waiting ends: the limit stays for the process's life), else ""."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return ""
+    return "" if soft == resource.RLIM_INFINITY else (f", or at this process's file-size limit (ulimit -f: {soft} "
+                                                     "bytes, which lasts as long as the process)")
 
 
 def engine_options(url: str, *, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -> dict[str, Any]:
@@ -457,8 +471,10 @@ def _take_file_lock(lock_file: Path, stale_after: float | None) -> Any:
         try:
             handle = open(lock_file, "a+")  # returned open: `ask_lock` closes it
         except OSError as exc:  # the database's folder made read-only, or taken away: the storage's refusal
-            setattr(exc, _REFUSED, (f"the storage refused: cannot open the study's lock file {lock_file} "
-                                    f"({exc.strerror or exc})", "storage refused: lock file"))
+            limit = process_limit(exc)  # a process limit (`ulimit -n`), said as one (review)
+            why = f"{exc.strerror or exc}" + ("" if limit is None else f": {limit[1]}")
+            setattr(exc, _REFUSED, (f"the storage refused: cannot open the study's lock file {lock_file} ({why})",
+                                    "storage refused: lock file"))
             raise
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

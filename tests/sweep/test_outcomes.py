@@ -358,3 +358,55 @@ def test_trials_asked_for_a_cohort_that_never_joined_it_get_their_lines(tmp_path
                                      _interrupted("preempted (SIGTERM)", Outcome.PREEMPTED))
     assert lines.ended == [(0, "preempted (SIGTERM)"), (1, "preempted (SIGTERM)")]
     assert [(t.state, t.user_attrs["outcome"]) for t in study.get_trials()[:2]] == [(TrialState.FAIL, "preempted")] * 2
+
+
+def test_a_process_limit_hit_by_a_checkpoint_is_the_machine_s_fault_naming_the_limit(tmp_path: Path) -> None:
+    """Found by review: under `ulimit -n 10` a cohort's checkpoints failed with "too many open files" as their
+    configs' faults, counted in `n_trials` (9 of 16), and the worker never stopped. The real writer, under a real
+    limit: this process's open-files limit lowered to the files it has open, for the write alone."""
+    import os
+    import resource
+
+    import torch
+
+    from trainer.checkpoint import CheckpointWriteError, TrainState, save_checkpoint
+
+    state = TrainState(step=1, model={"w": torch.zeros(4)}, optimizer={}, scaler={}, rng={}, data={})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now, hard))
+    try:
+        with pytest.raises(CheckpointWriteError) as raised:
+            save_checkpoint(tmp_path / "a.pt", state)
+        fault = infrastructure_fault(raised.value)  # under the limit, as a worker judges it
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert raised.value.errno == errno.EMFILE
+    assert fault is not None
+    assert str(tmp_path / "a.pt") in fault.reason
+    assert f"too many open files (the open-files limit, ulimit -n, is {open_now})" in fault.reason
+    assert " free" not in fault.reason  # no disk's doing: the space left is not said
+    assert "ulimit -n" in fault.fix
+    # the same limit on another file is the same fault: three in a row stop the worker
+    assert infrastructure_fault(CheckpointWriteError(errno.EMFILE, "cannot write checkpoint /x/b.pt: too many open "
+                                                     "files", "/x/b.pt")).kind == fault.kind
+    # a checkpoint past the file-size limit (ulimit -f; Python ignores SIGXFSZ, so the write fails: torch's writer
+    # says it in its words, with the EFBIG as its cause)
+    big = TrainState(step=1, model={"w": torch.zeros(100_000)}, optimizer={}, scaler={}, rng={}, data={})
+    size_soft, size_hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, size_hard))
+    try:
+        with pytest.raises(CheckpointWriteError) as too_big:
+            save_checkpoint(tmp_path / "big.pt", big)
+        fault = infrastructure_fault(too_big.value)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size_soft, size_hard))
+    assert fault is not None and fault.kind == "EFBIG: a process limit"
+    assert str(tmp_path / "big.pt") in fault.reason
+    assert "the file-size limit, ulimit -f, is 100000 bytes" in fault.reason
+    assert not list(tmp_path.glob("*big.pt*"))  # nothing half-written left
+    # CPython's words when the process limit (ulimit -u) keeps a thread from starting: the checkpoint writer's pool,
+    # a data loader's workers
+    thread = infrastructure_fault(RuntimeError("can't start new thread"))
+    assert thread is not None and "ulimit -u" in thread.reason and "ulimit -u" in thread.fix
+    assert infrastructure_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
