@@ -1230,9 +1230,9 @@ def sqlite_damage(path: Path) -> str | None:
         return None
     try:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
-                                                timeout=10)) as connection:
+                                                timeout=2)) as connection:
             found = [row[0] for row in connection.execute("PRAGMA quick_check(3)")]
-    except sqlite3.OperationalError:  # busy, locked, unreadable: not known to be damaged
+    except sqlite3.OperationalError:  # busy, locked (2 s: the command fails already), unreadable: not known damaged
         return None
     except sqlite3.DatabaseError as exc:  # "database disk image is malformed", "file is not a database"
         return str(exc)
