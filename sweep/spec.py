@@ -23,6 +23,7 @@ from typing import Any
 from sweep.components import component_problems
 from sweep.outcomes import SPEC_ATTR
 from sweep.schema import (
+    PARAM_FIELDS,
     CategoricalParam,
     Component,
     FloatParam,
@@ -112,6 +113,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         problems.append(("fixed.fast_fail", "configure fast-fail on the pruner: `pruner: {type: fastfail, ...}`"))
     problems += _heartbeat_problems(spec)
     problems += _direction_problems(spec)
+    if ranges := _ranges_in_fixed(spec.fixed):  # the configs built below would each say "expected a number"
+        return problems + ranges
     base = spec.base_config()
     builtin = spec.task.name in BUILTIN_TASKS  # a user's model builder may do anything: not called here
     base_problems = _config_problems(base, task, builtin)
@@ -258,6 +261,7 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += _max_steps_problems(spec)
     problems += _heartbeat_problems(spec)
     problems += _direction_problems(spec)
+    problems += _ranges_in_fixed(spec.fixed)
     problems += _warm_start_problems(spec)
     problems += component_problems(spec)
     problems += tracking_problems(spec)  # a loop's and a command's reports are tracked too
@@ -349,6 +353,24 @@ def _pruners(component: Any) -> set[str]:
     return ({kind} if isinstance(kind, str) else set()).union(*(_pruners(c) for c in inner))
 
 
+def _ranges_in_fixed(fixed: Mapping[str, Any], prefix: str = "fixed.") -> list[tuple[str, str]]:
+    """A search range written under `fixed:` (`weight_decay: {type: float, low: 1e-6, high: 0.1}`): a fixed value is
+    passed as it is, so a loop's or command's trials got the mapping itself (found by review), and the built-in
+    trainer's check said only "expected a number"."""
+    found = []
+    for key, value in fixed.items():
+        if not isinstance(value, Mapping):
+            continue
+        if value.get("type") in ("float", "int", "categorical") and set(value) <= PARAM_FIELDS and (
+                {"low", "high"} <= set(value) or "choices" in value):
+            found.append((f"{prefix}{key}", f"a search range (type: {value['type']}) under fixed:, whose values "
+                          "are passed to the trials as they are: move it under space: as "
+                          f"{prefix.removeprefix('fixed.')}{key} to search it"))
+        else:
+            found += _ranges_in_fixed(value, f"{prefix}{key}.")
+    return found
+
+
 def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if spec.heartbeat_grace_period >= 2 * spec.heartbeat_interval:
         return []
@@ -357,13 +379,23 @@ def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
              "trains it")]
 
 
-# A metric named as a loss: minimised by every trainer that reports one (`val_loss`, a loop's `train_loss`, `loss`).
-_LOSS = re.compile(r"((val|valid|validation|train|training|eval|test)_)?loss", re.IGNORECASE)
+# What a metric's name says of its direction, from its words (split at anything but letters and digits: `val_loss`,
+# `val/acc`, `loss/val`, `eval-accuracy`, `mean_accuracy`, `episode_reward_mean`): lower is better for a loss or an
+# error, higher for a score. A name holding words of both kinds, or a negation (`neg_loss`), says nothing.
+_LOSS_WORDS = re.compile(r"loss|nll|perplexity|ppl|mse|rmse|mae|error|err|cer|wer")
+_SCORE_WORDS = re.compile(r"acc|accuracy|top[15]?|f1|auc|auroc|m?ap\d*|bleu|rouge\w*|m?iou|dice|r2|precision|recall"
+                          r"|reward|return|psnr|ssim|ndcg\w*")
+_NEGATED = frozenset({"neg", "negative", "minus", "inv", "inverse", "1"})
 
 
-# A metric named as a score, higher is better (`val_accuracy`, `top1`, `f1`, `auc`, `bleu`, `iou`, ...).
-_SCORE = re.compile(r"((val|valid|validation|train|training|eval|test)_)?(acc|accuracy|top_?[15](_acc(uracy)?)?|f1"
-                    r"(_score)?|(roc_)?auc|auroc|m?ap|bleu|rouge\w*|m?iou|dice|r2|precision|recall)", re.IGNORECASE)
+def _metric_kind(name: str) -> str | None:
+    """"loss" (lower is better), "score" (higher is better) or None, as the metric's name says."""
+    words = [word for word in re.split(r"[^0-9a-z]+", name.lower()) if word]
+    if _NEGATED.intersection(words):
+        return None
+    loss = any(_LOSS_WORDS.fullmatch(word) for word in words)
+    score = any(_SCORE_WORDS.fullmatch(word) for word in words)
+    return None if loss == score else "loss" if loss else "score"
 
 
 def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:
@@ -372,12 +404,13 @@ def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:
     default direction, minimize, of a score such as `val_accuracy`: almost always a `direction:` forgotten, and
     fast-fail's rules would take a rising accuracy for an explosion (a minimised score stays, given explicitly)."""
     fast_fail = "fastfail" in _pruners(spec.pruner)
-    if spec.direction == "minimize" and "direction" not in spec.model_fields_set and _SCORE.fullmatch(spec.metric):
+    kind = _metric_kind(spec.metric)
+    if spec.direction == "minimize" and "direction" not in spec.model_fields_set and kind == "score":
         pruned = ", and fast-fail would prune the ones that learn" if fast_fail else ""
         return [("direction", f"minimize (the default) with metric {short_repr(spec.metric)} keeps the trials whose "
                               f"score is lowest{pruned}; set direction: maximize (or direction: minimize if the "
                               "lowest is what you want)")]
-    if spec.direction != "maximize" or not _LOSS.fullmatch(spec.metric):
+    if spec.direction != "maximize" or kind != "loss":
         return []
     given = "" if "metric" in spec.model_fields_set else " (the default metric)"
     pruned = ", and fast-fail would prune the ones whose loss falls" if fast_fail else ""

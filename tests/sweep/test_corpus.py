@@ -159,6 +159,14 @@ TYPES = [
     bad_file("values", "minimize-a-score-by-default", changed(metric="val_accuracy", pruner="fastfail"), "direction",
              "minimize (the default) with metric 'val_accuracy' keeps the trials whose score is lowest, and fast-fail "
              "would prune the ones that learn; set direction: maximize"),
+    # Found by review: names as W&B, Lightning and Ray Tune write them were not read as a loss or a score (a Ray
+    # Tune study of `mean_accuracy` ran minimised, its learning trials pruned on a "plateau").
+    bad_file("values", "maximize-a-slashed-loss", changed(direction="maximize", metric="loss/val"),
+             ("direction", "metric"), "maximize with metric 'loss/val' keeps the trials whose loss is highest"),
+    bad_file("values", "minimize-a-tune-score", changed(metric="mean_accuracy"), ("direction", "metric"),
+             "minimize (the default) with metric 'mean_accuracy' keeps the trials whose score is lowest"),
+    bad_file("values", "minimize-a-slashed-score", changed(metric="val/acc"), ("direction", "metric"),
+             "minimize (the default) with metric 'val/acc' keeps the trials whose score is lowest"),
     bad_file("types", "low-word", changed(space__learning_rate={**FLOAT, "low": "abc"}), f"{LR}.low",
              "valid number"),
     bad_file("types", "low-bool", changed(space__learning_rate={**FLOAT, "low": True}), f"{LR}.low",
@@ -198,6 +206,15 @@ TYPES = [
     bad_file("types", "storage_patience-bool", changed(storage_patience=True), "storage_patience",
              "expected a number"),
     bad_file("types", "fixed-int-bool", changed(fixed__batch_size=True), "fixed.batch_size", "expected an integer"),
+    # Found by review: a search range written under `fixed:` reached a loop's trials as the mapping itself, and the
+    # built-in trainer's check said "expected a number" for it (once per config the checks built).
+    bad_file("values", "range-under-fixed", changed(fixed__weight_decay={"type": "float", "low": 1e-6, "high": 0.1,
+                                                                         "log": True}),
+             "fixed.weight_decay", "a search range (type: float) under fixed:, whose values are passed to the trials "
+             "as they are: move it under space: as weight_decay to search it"),
+    bad_file("values", "range-under-a-loop-s-fixed", changed(task=..., loop="mypkg.train:main",
+                                                             fixed__dropout={"type": "categorical", "choices": [0, 1]}),
+             ("loop", "fixed.dropout"), "a search range (type: categorical) under fixed:"),  # (no mypkg here)
     bad_file("types", "sampler-number", changed(sampler=5), "sampler", "valid dictionary"),
     bad_file("types", "top-level-list", "- name: x\n- n_trials: 3\n", "", "expected a mapping of study keys"),
     bad_file("types", "top-level-scalar", "just a sentence\n", "", "expected a mapping of study keys, got str"),

@@ -339,3 +339,19 @@ def test_an_override_reaches_into_a_pruner_or_sampler_named_by_a_word_or_left_at
     path = write_study(tmp_path, changed(pruner=...))
     spec, _ = load_spec(path, ["pruner.then.n_startup_trials=3"])
     assert spec.pruner.type == "fastfail" and spec.pruner.args["then"] == {"type": "median", "n_startup_trials": 3}
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("val_loss", "loss"), ("loss/val", "loss"), ("val_nll", "loss"), ("perplexity", "loss"), ("val_error", "loss"),
+    ("val_accuracy", "score"), ("val/acc", "score"), ("eval-accuracy", "score"), ("mean_accuracy", "score"),
+    ("accuracy_top1", "score"), ("f1_macro", "score"), ("map50", "score"), ("episode_reward_mean", "score"),
+    ("ndcg@10", "score"),
+    ("neg_loss", None), ("top1_error", None), ("samples_per_s", None), ("wall_time", None), ("lossless_bits", None),
+])
+def test_a_metric_s_direction_is_read_from_the_words_of_its_name(name: str, kind: str | None) -> None:
+    """Found by review: only `val_loss`-like names (a prefix, an underscore, the word) were read, so `mean_accuracy`
+    (Ray Tune's), `val/acc` (W&B's and Lightning's) ran minimised and `loss/val` maximised, without a word."""
+    from sweep.spec import _metric_kind
+
+    assert _metric_kind(name) == kind
+
