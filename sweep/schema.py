@@ -773,9 +773,44 @@ class StudySpec(_Model):
 # Reading a study file: bytes, then YAML (`trainer.yaml_file`, the rules `python -m trainer` reads its config by
 # too), then the schema.
 
+# Words of other sweep tools (W&B sweeps, Ray Tune, Optuna's API and class names) for what sweep names otherwise: a
+# study file written from habit is told sweep's word. Each maps to the candidates, the first of which that the place
+# accepts is suggested (`max` is `high` in a range, `maximize` as a direction).
+_OTHER_TOOLS: dict[str, tuple[str, ...]] = {
+    "method": ("sampler",), "parameters": ("space",), "params": ("space",), "search_space": ("space",),
+    "param_space": ("space",), "early_terminate": ("pruner",), "num_samples": ("n_trials",),
+    "max_trials": ("n_trials",), "trials": ("n_trials",), "count": ("n_trials",), "goal": ("direction",),
+    "mode": ("direction",), "min": ("low", "minimize"), "max": ("high", "maximize"), "lower": ("low",),
+    "upper": ("high",), "values": ("choices",), "options": ("choices",), "q": ("step",), "maximise": ("maximize",),
+    "minimise": ("minimize",), "loguniform": ("float",), "log_uniform": ("float",), "log_uniform_values": ("float",),
+    "uniform": ("float",), "quniform": ("float",), "qloguniform": ("float",), "suggest_float": ("float",),
+    "randint": ("int",), "qrandint": ("int",), "int_uniform": ("int",), "suggest_int": ("int",),
+    "choice": ("categorical",), "grid_search": ("categorical",), "suggest_categorical": ("categorical",),
+    "bayes": ("tpe",), "bayesian": ("tpe",), "min_iter": ("min_resource",), "max_iter": ("max_resource",),
+    "eta": ("reduction_factor",),
+}
+_WITH = {"loguniform": " with log: true", "log_uniform": " with log: true", "log_uniform_values": " with log: true",
+         "qloguniform": " with log: true and step", "quniform": " with step", "qrandint": " with step",
+         "grid_search": " with choices: [...]"}
+
+
 def did_you_mean(word: str, options: Iterable[str]) -> str:
-    """`" (did you mean 'n_trials'?)"` for a close match among `options`, or ''."""
-    matches = difflib.get_close_matches(word, [option for option in options if option != word], n=1, cutoff=0.75)
+    """`" (did you mean 'n_trials'?)"` for a close match among `options`, or '': another tool's word for it
+    (`num_samples`, `loguniform`, `TPESampler`), the same name in other case or without `_`, a unique option the word
+    begins (`n_startup` of `n_startup_trials`), or a close spelling."""
+    options = [option for option in options if option != word]
+    folded = word.lower().replace("-", "_")
+    for target in _OTHER_TOOLS.get(folded, ()):
+        if target in options:
+            return f" (did you mean {target!r}{_WITH.get(folded, '')}?)"
+    by_fold = {option.lower().replace("_", ""): option for option in options}
+    for bare in (folded, re.sub(r"_?(sampler|pruner)$", "", folded)):  # Optuna's class names: TPESampler, ...
+        if bare.replace("_", "") in by_fold:
+            return f" (did you mean {by_fold[bare.replace('_', '')]!r}?)"
+    begun = [option for option in options if len(folded) >= 4 and option.lower().startswith(folded)]
+    if len(begun) == 1:
+        return f" (did you mean {begun[0]!r}?)"
+    matches = difflib.get_close_matches(word, options, n=1, cutoff=0.75)
     return f" (did you mean {matches[0]!r}?)" if matches else ""
 
 
@@ -992,7 +1027,12 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'")
         tags = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected_tags", ""))) or list(_TAGS)
         if error["type"] == "union_tag_not_found":
-            return _dotted(loc), f"missing {field!r} (expected one of {', '.join(tags)})"
+            given = set(error["input"]) if isinstance(error.get("input"), dict) else set()
+            hint = ("; a list of values to choose from is type: categorical, choices: [...]"
+                    if {"values", "choices", "grid_search", "options"} & given else
+                    "; a range is type: float (or int), low: ..., high: ... (log: true for a log scale)"
+                    if {"low", "high", "min", "max", "lower", "upper", "distribution"} & given else "")
+            return _dotted(loc), f"missing {field!r} (expected one of {', '.join(tags)}){hint}"
         tag = str(error["ctx"]["tag"])
         return _dotted([*loc, field]), (f"unknown {field} {short_repr(tag)}{did_you_mean(tag, tags)}; expected one "
                                         f"of {', '.join(tags)}")
@@ -1005,6 +1045,13 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         message = f"expected a finite number, got {error['input']!r}"  # not "greater than 0, got nan"
     elif "input" in error and error["type"] not in ("value_error",) and not isinstance(error["input"], dict):
         message = f"{message}, got {short_repr(error['input'])}"
+        if error["type"] == "literal_error" and isinstance(error["input"], str):  # `direction: maximise`
+            message += did_you_mean(error["input"], re.findall(r"'([^']*)'", str(error.get("ctx", {}).get(
+                "expected", ""))))
+    elif loc == ["metric"] and isinstance(error.get("input"), dict) and isinstance(error["input"].get("name"), str):
+        goal = str(error["input"].get("goal", "minimize")).lower()  # W&B's `metric: {name: ..., goal: ...}`
+        message = (f"{message}, got a mapping; write the metric's name, metric: {error['input']['name']}, and "
+                   f"direction: {'maximize' if goal.startswith('max') else 'minimize'}")
     return _dotted(loc), message
 
 

@@ -215,6 +215,27 @@ TYPES = [
     bad_file("values", "range-under-a-loop-s-fixed", changed(task=..., loop="mypkg.train:main",
                                                              fixed__dropout={"type": "categorical", "choices": [0, 1]}),
              ("loop", "fixed.dropout"), "a search range (type: categorical) under fixed:"),  # (no mypkg here)
+    # Found by review: a study file written from another tool's habits (W&B sweeps, Ray Tune, Optuna's classes) was
+    # refused without sweep's word for what it meant.
+    bad_file("habits", "wandb-method", changed(method="bayes"), "method", "unknown key (did you mean 'sampler'?)"),
+    bad_file("habits", "wandb-metric-mapping", changed(metric={"name": "val_accuracy", "goal": "maximize"}), "metric",
+             "got a mapping; write the metric's name, metric: val_accuracy, and direction: maximize"),
+    bad_file("habits", "ray-num-samples", changed(num_samples=10), "num_samples",
+             "unknown key (did you mean 'n_trials'?)"),
+    bad_file("habits", "british-direction", changed(direction="maximise", metric="val_accuracy"), "direction",
+             "got 'maximise' (did you mean 'maximize'?)"),
+    bad_file("habits", "optuna-sampler-class", changed(sampler="TPESampler"), "sampler.type",
+             "unknown sampler 'TPESampler' (did you mean 'tpe'?)"),
+    bad_file("habits", "optuna-pruner-class", changed(pruner="MedianPruner"), "pruner.type",
+             "unknown pruner 'MedianPruner' (did you mean 'median'?)"),
+    bad_file("habits", "ray-loguniform", changed(space__learning_rate={"type": "loguniform", "low": 1e-4,
+                                                                       "high": 0.1}),
+             f"{LR}.type", "unknown type 'loguniform' (did you mean 'float' with log: true?)"),
+    bad_file("habits", "wandb-values", changed(space__learning_rate={"values": [0.1, 0.01]}), LR,
+             "missing 'type' (expected one of float, int, categorical); a list of values to choose from is type: "
+             "categorical, choices: [...]"),
+    bad_file("habits", "hyperband-min-iter", changed(pruner={"type": "hyperband", "min_iter": 3}), "pruner.min_iter",
+             "(did you mean 'min_resource'?)"),
     bad_file("types", "sampler-number", changed(sampler=5), "sampler", "valid dictionary"),
     bad_file("types", "top-level-list", "- name: x\n- n_trials: 3\n", "", "expected a mapping of study keys"),
     bad_file("types", "top-level-scalar", "just a sentence\n", "", "expected a mapping of study keys, got str"),
