@@ -787,7 +787,7 @@ _OTHER_TOOLS: dict[str, tuple[str, ...]] = {
     "randint": ("int",), "qrandint": ("int",), "int_uniform": ("int",), "suggest_int": ("int",),
     "choice": ("categorical",), "grid_search": ("categorical",), "suggest_categorical": ("categorical",),
     "bayes": ("tpe",), "bayesian": ("tpe",), "min_iter": ("min_resource",), "max_iter": ("max_resource",),
-    "eta": ("reduction_factor",),
+    "eta": ("reduction_factor",), "lr": ("learning_rate",), "wd": ("weight_decay",), "bs": ("batch_size",),
 }
 _WITH = {"loguniform": " with log: true", "log_uniform": " with log: true", "log_uniform_values": " with log: true",
          "qloguniform": " with log: true and step", "quniform": " with step", "qrandint": " with step",
@@ -1031,7 +1031,10 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
             hint = ("; a list of values to choose from is type: categorical, choices: [...]"
                     if {"values", "choices", "grid_search", "options"} & given else
                     "; a range is type: float (or int), low: ..., high: ... (log: true for a log scale)"
-                    if {"low", "high", "min", "max", "lower", "upper", "distribution"} & given else "")
+                    if {"low", "high", "min", "max", "lower", "upper", "distribution"} & given else
+                    f"; a key inside another is searched by its dotted name ({loc[-1]}.{sorted(given)[0]}: "
+                    "{type: ...})" if given and loc[:1] == ["space"] and all(
+                        isinstance(value, dict) for value in error["input"].values()) else "")
             return _dotted(loc), f"missing {field!r} (expected one of {', '.join(tags)}){hint}"
         tag = str(error["ctx"]["tag"])
         return _dotted([*loc, field]), (f"unknown {field} {short_repr(tag)}{did_you_mean(tag, tags)}; expected one "

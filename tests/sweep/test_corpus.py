@@ -234,6 +234,10 @@ TYPES = [
     bad_file("habits", "wandb-values", changed(space__learning_rate={"values": [0.1, 0.01]}), LR,
              "missing 'type' (expected one of float, int, categorical); a list of values to choose from is type: "
              "categorical, choices: [...]"),
+    bad_file("habits", "nested-space-key", changed(space__model={"hidden": {"type": "int", "low": 8, "high": 16}}),
+             "space.model", "a key inside another is searched by its dotted name (model.hidden: {type: ...})"),
+    bad_file("habits", "lr-for-learning-rate", changed(space__lr={"type": "float", "low": 1e-3, "high": 0.1}),
+             "space.lr", "not a searchable TrainingConfig key (did you mean 'learning_rate'?)"),
     bad_file("habits", "hyperband-min-iter", changed(pruner={"type": "hyperband", "min_iter": 3}), "pruner.min_iter",
              "(did you mean 'min_resource'?)"),
     bad_file("types", "sampler-number", changed(sampler=5), "sampler", "valid dictionary"),
