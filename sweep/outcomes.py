@@ -309,6 +309,13 @@ _LIMITS = {errno.EMFILE: ("RLIMIT_NOFILE", "-n", "open-files"), errno.EFBIG: ("R
 _NO_THREAD = "can't start new thread"  # CPython's words when the process or thread limit (`ulimit -u`) is reached
 
 
+def _unlimited(name: str) -> bool:
+    try:
+        return bool(resource.getrlimit(getattr(resource, name))[0] == resource.RLIM_INFINITY)
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def _limit(name: str, option: str, what: str) -> str:
     """The process's soft limit on `what`, in words: "the open-files limit, ulimit -n, is 64"."""
     try:  # `resource` imported already: with no descriptor left, importing it fails
@@ -328,10 +335,11 @@ def process_limit(exc: BaseException) -> tuple[BaseException, str, str] | None:
     error: BaseException | None = exc
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (*_LIMITS, errno.ENFILE):
+        if isinstance(error, OSError) and error.errno in (*_LIMITS, errno.ENFILE) and not (
+                error.errno == errno.EFBIG and _unlimited("RLIMIT_FSIZE")):  # else the file system's own cap
             name, option, what = _LIMITS.get(error.errno, ("", "-n", ""))
             return error, _limit(name, option, what) if name else "the system's open-files limit is reached", option
-        if isinstance(error, RuntimeError) and _NO_THREAD in str(error):
+        if isinstance(error, RuntimeError) and str(error).startswith(_NO_THREAD):  # CPython's own words, alone
             return error, _limit("RLIMIT_NPROC", "-u", "process"), "-u"
         error = error.__cause__ or error.__context__
     return None

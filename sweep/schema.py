@@ -788,6 +788,7 @@ _OTHER_TOOLS: dict[str, tuple[str, ...]] = {
     "choice": ("categorical",), "grid_search": ("categorical",), "suggest_categorical": ("categorical",),
     "bayes": ("tpe",), "bayesian": ("tpe",), "min_iter": ("min_resource",), "max_iter": ("max_resource",),
     "eta": ("reduction_factor",), "lr": ("learning_rate",), "wd": ("weight_decay",), "bs": ("batch_size",),
+    "num_workers": ("loader_workers",),
 }
 _WITH = {"loguniform": " with log: true", "log_uniform": " with log: true", "log_uniform_values": " with log: true",
          "qloguniform": " with log: true and step", "quniform": " with step", "qrandint": " with step",
@@ -796,8 +797,8 @@ _WITH = {"loguniform": " with log: true", "log_uniform": " with log: true", "log
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
     """`" (did you mean 'n_trials'?)"` for a close match among `options`, or '': another tool's word for it
-    (`num_samples`, `loguniform`, `TPESampler`), the same name in other case or without `_`, a unique option the word
-    begins (`n_startup` of `n_startup_trials`), or a close spelling."""
+    (`num_samples`, `loguniform`, `TPESampler`), the same name in other case or without `_`, a unique option whose
+    first words the word is (`n_startup` of `n_startup_trials`; not `data` of `data_loader`), or a close spelling."""
     options = [option for option in options if option != word]
     folded = word.lower().replace("-", "_")
     for target in _OTHER_TOOLS.get(folded, ()):
@@ -807,7 +808,7 @@ def did_you_mean(word: str, options: Iterable[str]) -> str:
     for bare in (folded, re.sub(r"_?(sampler|pruner)$", "", folded)):  # Optuna's class names: TPESampler, ...
         if bare.replace("_", "") in by_fold:
             return f" (did you mean {by_fold[bare.replace('_', '')]!r}?)"
-    begun = [option for option in options if len(folded) >= 4 and option.lower().startswith(folded)]
+    begun = [option for option in options if "_" in folded.strip("_") and option.lower().startswith(f"{folded}_")]
     if len(begun) == 1:
         return f" (did you mean {begun[0]!r}?)"
     matches = difflib.get_close_matches(word, options, n=1, cutoff=0.75)

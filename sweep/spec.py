@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
@@ -261,7 +262,9 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     problems += _max_steps_problems(spec)
     problems += _heartbeat_problems(spec)
     problems += _direction_problems(spec)
-    problems += _ranges_in_fixed(spec.fixed)
+    for where, said in _ranges_in_fixed(spec.fixed):  # the loop's or command's own value, maybe: said, not refused
+        warnings.warn(f"{where}: {said}, or ignore this if the trials sample from it themselves", RangeInFixed,
+                      stacklevel=2)
     problems += _warm_start_problems(spec)
     problems += component_problems(spec)
     problems += tracking_problems(spec)  # a loop's and a command's reports are tracked too
@@ -353,6 +356,10 @@ def _pruners(component: Any) -> set[str]:
     return ({kind} if isinstance(kind, str) else set()).union(*(_pruners(c) for c in inner))
 
 
+class RangeInFixed(UserWarning):
+    """A loop's or command's fixed value shaped as a search range: maybe the trials' own, maybe meant for `space:`."""
+
+
 def _ranges_in_fixed(fixed: Mapping[str, Any], prefix: str = "fixed.") -> list[tuple[str, str]]:
     """A search range written under `fixed:` (`weight_decay: {type: float, low: 1e-6, high: 0.1}`): a fixed value is
     passed as it is, so a loop's or command's trials got the mapping itself (found by review), and the built-in
@@ -381,21 +388,25 @@ def _heartbeat_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
 # What a metric's name says of its direction, from its words (split at anything but letters and digits: `val_loss`,
 # `val/acc`, `loss/val`, `eval-accuracy`, `mean_accuracy`, `episode_reward_mean`): lower is better for a loss or an
-# error, higher for a score. A name holding words of both kinds, or a negation (`neg_loss`), says nothing.
+# error, higher for a score. Only a name made of such words and qualifiers (a split, a statistic, a number) says
+# it: `loss_reduction`, `time_to_accuracy`, `neg_loss` or `top1_error` say nothing, and are taken as given.
 _LOSS_WORDS = re.compile(r"loss|nll|perplexity|ppl|mse|rmse|mae|error|err|cer|wer")
-_SCORE_WORDS = re.compile(r"acc|accuracy|top[15]?|f1|auc|auroc|m?ap\d*|bleu|rouge\w*|m?iou|dice|r2|precision|recall"
+_SCORE_WORDS = re.compile(r"acc|accuracy|top[15]|f1|auc|auroc|m?ap\d*|bleu|rouge\w*|m?iou|dice|r2|precision|recall"
                           r"|reward|return|psnr|ssim|ndcg\w*")
-_NEGATED = frozenset({"neg", "negative", "minus", "inv", "inverse", "1"})
+_QUALIFIERS = re.compile(r"val|valid|validation|train|training|eval|evaluation|test|dev|mean|avg|average|final|best|"
+                         r"last|total|overall|epoch|step|episode|macro|micro|weighted|top|at|\d+")
 
 
 def _metric_kind(name: str) -> str | None:
     """"loss" (lower is better), "score" (higher is better) or None, as the metric's name says."""
     words = [word for word in re.split(r"[^0-9a-z]+", name.lower()) if word]
-    if _NEGATED.intersection(words):
-        return None
     loss = any(_LOSS_WORDS.fullmatch(word) for word in words)
-    score = any(_SCORE_WORDS.fullmatch(word) for word in words)
-    return None if loss == score else "loss" if loss else "score"
+    score = any(_SCORE_WORDS.fullmatch(word) for word in words) or (
+        "top" in words and words[words.index("top") + 1:words.index("top") + 2] in (["1"], ["5"]))  # top_1
+    if loss == score or not all(_LOSS_WORDS.fullmatch(word) or _SCORE_WORDS.fullmatch(word)
+                                or _QUALIFIERS.fullmatch(word) for word in words):
+        return None
+    return "loss" if loss else "score"
 
 
 def _direction_problems(spec: StudySpec) -> list[tuple[str, str]]:

@@ -119,10 +119,12 @@ def storage_from_environment() -> str | None:
 def worker_args(study_file: Path, spec: StudySpec, *, timeout: float | None, overrides: Sequence[str]) -> list[str]:
     """The arguments of `sweep run` in a worker of a study that exists already: the study file, its name and budget
     (so that no worker creates another study), `--set` overrides but never `--set storage=...` (the URL goes by
-    `STORAGE_ENV` or `STORAGE_FILE_ENV`, and may hold a password)."""
+    `STORAGE_ENV` or `STORAGE_FILE_ENV`, and may hold a password), nor a `--set` of the name or the budget, which the
+    options give (a worker refuses both, as `sweep run` does)."""
     return [str(study_file), "--study-name", spec.name, "--n-trials", str(spec.n_trials),
             *(["--timeout", str(timeout)] if timeout else []),
-            *(f"--set={item}" for item in overrides if item.partition("=")[0].strip() != "storage")]
+            *(f"--set={item}" for item in overrides  # the name and budget go as the options above, with their values
+              if item.partition("=")[0].strip() not in ("storage", "name", "n_trials"))]
 
 
 def visible_gpus() -> list[str]:

@@ -206,15 +206,12 @@ TYPES = [
     bad_file("types", "storage_patience-bool", changed(storage_patience=True), "storage_patience",
              "expected a number"),
     bad_file("types", "fixed-int-bool", changed(fixed__batch_size=True), "fixed.batch_size", "expected an integer"),
-    # Found by review: a search range written under `fixed:` reached a loop's trials as the mapping itself, and the
-    # built-in trainer's check said "expected a number" for it (once per config the checks built).
+    # Found by review: the built-in trainer's check said "expected a number" for a search range written under
+    # `fixed:` (once per config the checks built). A loop's is warned of (test_spec).
     bad_file("values", "range-under-fixed", changed(fixed__weight_decay={"type": "float", "low": 1e-6, "high": 0.1,
                                                                          "log": True}),
              "fixed.weight_decay", "a search range (type: float) under fixed:, whose values are passed to the trials "
              "as they are: move it under space: as weight_decay to search it"),
-    bad_file("values", "range-under-a-loop-s-fixed", changed(task=..., loop="mypkg.train:main",
-                                                             fixed__dropout={"type": "categorical", "choices": [0, 1]}),
-             ("loop", "fixed.dropout"), "a search range (type: categorical) under fixed:"),  # (no mypkg here)
     # Found by review: a study file written from another tool's habits (W&B sweeps, Ray Tune, Optuna's classes) was
     # refused without sweep's word for what it meant.
     bad_file("habits", "wandb-method", changed(method="bayes"), "method", "unknown key (did you mean 'sampler'?)"),

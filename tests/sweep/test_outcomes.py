@@ -363,7 +363,7 @@ def test_trials_asked_for_a_cohort_that_never_joined_it_get_their_lines(tmp_path
 def test_a_process_limit_hit_by_a_checkpoint_is_the_machine_s_fault_naming_the_limit(tmp_path: Path) -> None:
     """Found by review: under `ulimit -n 10` a cohort's checkpoints failed with "too many open files" as their
     configs' faults, counted in `n_trials` (9 of 16), and the worker never stopped. The real writer, under a real
-    limit: this process's open-files limit lowered to the files it has open, for the write alone."""
+    limit: this process's open-files limit lowered to its lowest free descriptor, for the write alone."""
     import os
     import resource
 
@@ -373,8 +373,10 @@ def test_a_process_limit_hit_by_a_checkpoint_is_the_machine_s_fault_naming_the_l
 
     state = TrainState(step=1, model={"w": torch.zeros(4)}, optimizer={}, scaler={}, rng={}, data={})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    open_now = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
-    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now, hard))
+    probe = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: the next file opened would take it
+    os.close(probe)
+    open_now = probe  # the limit bounds descriptors' numbers: at this one, no file can open (diff review: the count
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now, hard))  # of open ones left holes below it after other tests)
     try:
         with pytest.raises(CheckpointWriteError) as raised:
             save_checkpoint(tmp_path / "a.pt", state)
@@ -410,3 +412,8 @@ def test_a_process_limit_hit_by_a_checkpoint_is_the_machine_s_fault_naming_the_l
     thread = infrastructure_fault(RuntimeError("can't start new thread"))
     assert thread is not None and "ulimit -u" in thread.reason and "ulimit -u" in thread.fix
     assert infrastructure_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    # diff review: another error that mentions it, or a file system's own cap on a file's size (EFBIG with no
+    # ulimit -f), is no process limit
+    assert infrastructure_fault(RuntimeError("config error: can't start new thread pool with workers=-1")) is None
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY:
+        assert infrastructure_fault(OSError(errno.EFBIG, "File too large", str(tmp_path / "huge.bin"))) is None

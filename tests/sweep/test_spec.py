@@ -232,16 +232,22 @@ def test_two_sets_of_one_value_are_refused_as_a_file_s_two_keys_are(tmp_path: Pa
     assert not (tmp_path / "tiny.db").exists()
 
 
-def test_a_set_and_an_option_giving_one_value_agree_or_are_refused(tmp_path: Path) -> None:
-    """A `--workers` worker is given `--n-trials N` beside the `--set n_trials=N` its launcher was given: the same
-    value twice is no clash. Two different budgets are."""
+def test_a_set_and_an_option_giving_one_value_are_refused_and_workers_get_the_option_alone(tmp_path: Path) -> None:
+    """`--set n_trials=3 --n-trials 1`: the option silently won. Refused, naming both (diff review: "n_trials is
+    set twice" named a --set given once). A `--workers` worker is given the budget and name as options, so a
+    launcher's `--set n_trials=N` reaches it once."""
     path = write_study(tmp_path, TINY_STUDY)
-    refused = sweep_cli("run", path, "--set", "n_trials=3", "--n-trials", "1")
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: command line: n_trials is set twice (3 and 1); keep one of them"], refused.stderr
+    for items, option in ((["--set", "n_trials=3", "--n-trials", "1"], "--n-trials"),
+                          (["--set", "n_trials=1", "--n-trials", "1"], "--n-trials"),
+                          (["--study-name", "b", "--set", "name=a"], "--study-name")):
+        refused = sweep_cli("run", path, *items)
+        key = "n_trials" if option == "--n-trials" else "name"
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            f"error: --set {key} and {option} both set {key}; keep one of them"], refused.stderr
     assert not (tmp_path / "tiny.db").exists()
-    done = sweep_cli("run", path, "--set", "n_trials=1", "--n-trials", "1")
+    done = run_cli("run", path, "--workers", "2", "--set", "n_trials=2")
     assert done.returncode == 0, done.stderr
+    assert sweep_cli("status", path).stdout.count("2/2 trials") == 1
 
 
 def test_a_set_inside_a_value_an_earlier_set_gave_adjusts_it(tmp_path: Path) -> None:
@@ -346,7 +352,11 @@ def test_an_override_reaches_into_a_pruner_or_sampler_named_by_a_word_or_left_at
     ("val_accuracy", "score"), ("val/acc", "score"), ("eval-accuracy", "score"), ("mean_accuracy", "score"),
     ("accuracy_top1", "score"), ("f1_macro", "score"), ("map50", "score"), ("episode_reward_mean", "score"),
     ("ndcg@10", "score"),
+    ("val_top_1_acc", "score"), ("top_5", "score"), ("total_loss", "loss"),
     ("neg_loss", None), ("top1_error", None), ("samples_per_s", None), ("wall_time", None), ("lossless_bits", None),
+    # words that are no qualifier make the name say nothing (diff review: `loss_reduction` maximised was refused)
+    ("loss_reduction", None), ("nll_improvement", None), ("time_to_accuracy", None), ("acc_gap", None),
+    ("reward_std", None),
 ])
 def test_a_metric_s_direction_is_read_from_the_words_of_its_name(name: str, kind: str | None) -> None:
     """Found by review: only `val_loss`-like names (a prefix, an underscore, the word) were read, so `mean_accuracy`
@@ -354,4 +364,28 @@ def test_a_metric_s_direction_is_read_from_the_words_of_its_name(name: str, kind
     from sweep.spec import _metric_kind
 
     assert _metric_kind(name) == kind
+
+
+def test_a_search_range_under_a_loop_s_fixed_is_warned_of_not_refused() -> None:
+    """Found by review: a loop study's trials got a range written under `fixed:` as the mapping itself, without a
+    word. It may be the loop's own (a range it samples from itself, found by the diff review), so it is said, once,
+    and the study runs."""
+    from sweep.spec import RangeInFixed
+
+    study = Path(__file__).parents[2] / "studies" / "loop.yaml"
+    with pytest.warns(RangeInFixed, match=r"fixed\.augment\.scale: a search range \(type: float\) under fixed:.* "
+                                          r"move it under space: as augment\.scale"):
+        spec, _ = load_spec(study, ["fixed.augment={scale: {type: float, low: 0.8, high: 1.2}}"])
+    assert spec.fixed["augment"] == {"scale": {"type": "float", "low": 0.8, "high": 1.2}}
+
+
+def test_did_you_mean_suggests_another_tool_s_word_and_no_key_a_short_word_begins() -> None:
+    from sweep.schema import did_you_mean
+
+    assert did_you_mean("num_samples", ["n_trials", "seed"]) == " (did you mean 'n_trials'?)"
+    assert did_you_mean("max", ["low", "high"]) == " (did you mean 'high'?)"
+    assert did_you_mean("max", ["minimize", "maximize"]) == " (did you mean 'maximize'?)"
+    assert did_you_mean("CmaEsSampler", ["tpe", "cmaes"]) == " (did you mean 'cmaes'?)"
+    assert did_you_mean("n_startup", ["n_startup_trials", "seed"]) == " (did you mean 'n_startup_trials'?)"
+    assert did_you_mean("data", ["data_loader", "seed"]) == ""  # a data path is no loader (diff review)
 
