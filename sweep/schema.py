@@ -795,10 +795,14 @@ _WITH = {"loguniform": " with log: true", "log_uniform": " with log: true", "log
          "grid_search": " with choices: [...]"}
 
 
+_FALSE_FRIENDS = frozenset({"data"})  # `data` (a path, say) is not `data_loader` (a choice of loader)
+
+
 def did_you_mean(word: str, options: Iterable[str]) -> str:
     """`" (did you mean 'n_trials'?)"` for a close match among `options`, or '': another tool's word for it
     (`num_samples`, `loguniform`, `TPESampler`), the same name in other case or without `_`, a unique option whose
-    first words the word is (`n_startup` of `n_startup_trials`; not `data` of `data_loader`), or a close spelling."""
+    first whole words the word is (`warmup` of `warmup_steps`, `n_startup` of `n_startup_trials`; not `data` of
+    `data_loader`), or a close spelling."""
     options = [option for option in options if option != word]
     folded = word.lower().replace("-", "_")
     for target in _OTHER_TOOLS.get(folded, ()):
@@ -808,7 +812,8 @@ def did_you_mean(word: str, options: Iterable[str]) -> str:
     for bare in (folded, re.sub(r"_?(sampler|pruner)$", "", folded)):  # Optuna's class names: TPESampler, ...
         if bare.replace("_", "") in by_fold:
             return f" (did you mean {by_fold[bare.replace('_', '')]!r}?)"
-    begun = [option for option in options if "_" in folded.strip("_") and option.lower().startswith(f"{folded}_")]
+    begun = [option for option in options if len(folded) >= 4 and folded not in _FALSE_FRIENDS
+             and option.lower().startswith(folded if folded.endswith("_") else f"{folded}_")]
     if len(begun) == 1:
         return f" (did you mean {begun[0]!r}?)"
     matches = difflib.get_close_matches(word, options, n=1, cutoff=0.75)
@@ -1033,8 +1038,8 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
                     if {"values", "choices", "grid_search", "options"} & given else
                     "; a range is type: float (or int), low: ..., high: ... (log: true for a log scale)"
                     if {"low", "high", "min", "max", "lower", "upper", "distribution"} & given else
-                    f"; a key inside another is searched by its dotted name ({loc[-1]}.{sorted(given)[0]}: "
-                    "{type: ...})" if given and loc[:1] == ["space"] and all(
+                    f"; a key inside another is searched by its dotted name ({_first_range(loc[-1], error['input'])}"
+                    ": {type: ...})" if given and loc[:1] == ["space"] and all(
                         isinstance(value, dict) for value in error["input"].values()) else "")
             return _dotted(loc), f"missing {field!r} (expected one of {', '.join(tags)}){hint}"
         tag = str(error["ctx"]["tag"])
@@ -1057,6 +1062,17 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         message = (f"{message}, got a mapping; write the metric's name, metric: {error['input']['name']}, and "
                    f"direction: {'maximize' if goal.startswith('max') else 'minimize'}")
     return _dotted(loc), message
+
+
+def _first_range(key: str, nested: Mapping[str, Any]) -> str:
+    """The dotted name of the first range inside `nested` (`model: {hidden: {type: int, ...}}`: `model.hidden`),
+    however deep; as deep as mappings go where none has a `type`."""
+    path, node = [key], nested
+    while isinstance(node, Mapping) and node and "type" not in node and all(
+            isinstance(value, Mapping) for value in node.values()):
+        first = sorted(node, key=str)[0]
+        path, node = [*path, str(first)], node[first]
+    return ".".join(path)
 
 
 def _dotted(loc: Sequence[str]) -> str:

@@ -400,6 +400,8 @@ _QUALIFIERS = re.compile(r"val|valid|validation|train|training|eval|evaluation|t
 def _metric_kind(name: str) -> str | None:
     """"loss" (lower is better), "score" (higher is better) or None, as the metric's name says."""
     words = [word for word in re.split(r"[^0-9a-z]+", name.lower()) if word]
+    if not words or words[0].isdigit():  # `1-accuracy`: one minus a score, an error
+        return None
     loss = any(_LOSS_WORDS.fullmatch(word) for word in words)
     score = any(_SCORE_WORDS.fullmatch(word) for word in words) or (
         "top" in words and words[words.index("top") + 1:words.index("top") + 2] in (["1"], ["5"]))  # top_1

@@ -356,7 +356,7 @@ def test_an_override_reaches_into_a_pruner_or_sampler_named_by_a_word_or_left_at
     ("neg_loss", None), ("top1_error", None), ("samples_per_s", None), ("wall_time", None), ("lossless_bits", None),
     # words that are no qualifier make the name say nothing (diff review: `loss_reduction` maximised was refused)
     ("loss_reduction", None), ("nll_improvement", None), ("time_to_accuracy", None), ("acc_gap", None),
-    ("reward_std", None),
+    ("reward_std", None), ("1-accuracy", None), ("1_auc", None),  # one minus a score (second diff review)
 ])
 def test_a_metric_s_direction_is_read_from_the_words_of_its_name(name: str, kind: str | None) -> None:
     """Found by review: only `val_loss`-like names (a prefix, an underscore, the word) were read, so `mean_accuracy`
@@ -388,4 +388,6 @@ def test_did_you_mean_suggests_another_tool_s_word_and_no_key_a_short_word_begin
     assert did_you_mean("CmaEsSampler", ["tpe", "cmaes"]) == " (did you mean 'cmaes'?)"
     assert did_you_mean("n_startup", ["n_startup_trials", "seed"]) == " (did you mean 'n_startup_trials'?)"
     assert did_you_mean("data", ["data_loader", "seed"]) == ""  # a data path is no loader (diff review)
+    assert did_you_mean("warmup", ["warmup_steps", "seed"]) == " (did you mean 'warmup_steps'?)"
+    assert did_you_mean("reduction", ["reduction_factor"]) == " (did you mean 'reduction_factor'?)"
 
