@@ -46,6 +46,7 @@ __all__ = [
     "TrialResult",
     "budget_counts",
     "failure_signature",
+    "file_size_limit",
     "infrastructure_fault",
     "jsonable",
     "limit_reached",
@@ -361,6 +362,14 @@ def limit_reached(exc: BaseException) -> Fault | None:
     said = said.rsplit(" (", 1)[0] if said.endswith(" free)") else said  # not the space left: no disk's doing
     return Fault(f"{said} ({limit})", f"{errno.errorcode.get(error.errno or 0, 'limit')}: a process limit",
                  f"raise that limit where the workers start (ulimit {option}), or lower what the trials use")
+
+
+def file_size_limit() -> str | None:
+    """This process's file-size limit in words ("the file-size limit, ulimit -f, is 153600 bytes"), or None where
+    it has none."""
+    return None if _unlimited("RLIMIT_FSIZE") else _limit("RLIMIT_FSIZE", "-f", "file-size")
+
+
 RANK_FIX = ("find what kills or stalls the trial's rank processes (the out-of-memory killer, a GPU fault, a batch "
             "system), or raise resources.collective_timeout_s if a rank is only slow")
 

@@ -52,7 +52,7 @@ from sqlalchemy import create_engine, event, make_url, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from sweep.outcomes import process_limit
+from sweep.outcomes import file_size_limit, process_limit
 from sweep.signals import stop_requested
 from sweep.unanswered import watch, watch_engine
 from sweep.urls import mask_url, mask_urls, sqlite_path
@@ -234,16 +234,10 @@ def _outage_hint(exc: BaseException) -> str:
 
 
 def _file_size_limit() -> str:
-    """", or are they at this process's file-size limit (ulimit -f ...)" where it has one (SQLite's writes past it
-    fail as I/O errors, which no waiting ends: the limit stays for the process's life), else ""."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    except (ImportError, OSError, ValueError):
-        return ""
-    return "" if soft == resource.RLIM_INFINITY else (f", or at this process's file-size limit (ulimit -f: {soft} "
-                                                     "bytes, which lasts as long as the process)")
+    """", or has it reached this process's limit (...)" where it has a file-size limit (SQLite's writes past it fail
+    as I/O errors, which no waiting ends: the limit stays for the process's life), else ""."""
+    limit = file_size_limit()
+    return "" if limit is None else f", or has it reached this process's limit ({limit}, for as long as it runs)"
 
 
 def engine_options(url: str, *, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -> dict[str, Any]:

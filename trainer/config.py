@@ -292,7 +292,7 @@ def overrides_clash(overrides: Sequence[tuple[str, Any]]) -> str | None:
     given: list[tuple[str, str, Any]] = []  # (every dotted value an option set, that option's key and value)
     for key, value in overrides:
         if any(by == key and type(was) is type(value) and was == value for _, by, was in given):
-            continue  # the same again (a worker's `--n-trials N` beside its launcher's `--set n_trials=N`): no change
+            continue  # the same key with the same value again changes nothing
         leaves = [dotted for dotted, leaf in flatten({key: value}).items() if leaf != {}] if isinstance(
             value, Mapping) else [key]
         for dotted in leaves or [key]:
