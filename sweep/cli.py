@@ -1584,6 +1584,11 @@ def main() -> None:
         line, code = _storage_error(exc)
         if line is None and (limit := limit_reached(exc)) is not None:  # a thread the worker starts (review: a
             line, code = f"{limit.reason}: {limit.fix}", 1  # 60-line traceback under `ulimit -u`)
+        if line is None and isinstance(exc, MemoryError):  # this process's own, not a trial's (a trial's fails it):
+            from trainer.precision import memory_limit, out_of_memory_words  # under `ulimit -v`, say (review)
+
+            fix = "raise that limit where sweep runs" if memory_limit() is not None else "free memory on this machine"
+            line, code = f"{out_of_memory_words(exc)}; {fix}", 1
         if line is None:
             line, code = _unreadable(exc)
         if line is None:

@@ -74,7 +74,7 @@ from sweep.signals import Preempted, raise_pending
 from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
-from trainer.precision import out_of_memory
+from trainer.precision import out_of_memory, out_of_memory_words
 
 if TYPE_CHECKING:
     from sweep.schema import Param, StudySpec
@@ -145,11 +145,6 @@ def _signalled(exc: BaseException) -> tuple[str, Outcome]:
     """How a trial stopped by Ctrl-C or SIGTERM ends: its reason and outcome."""
     return ("preempted (SIGTERM)", Outcome.PREEMPTED) if isinstance(exc, Preempted) else ("interrupted",
                                                                                             Outcome.INTERRUPTED)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 def _interrupted(reason: str, outcome: Outcome) -> TrialResult:
@@ -245,8 +240,9 @@ class CohortLoop:
         self.building = 0
         self.size = smaller
         reason = f"interrupted: its cohort of {size} ran out of memory at step {step}; retried in a cohort of {smaller}"
-        warnings.warn(f"execution.cohort: a cohort of {size} ran out of memory ({_first_line(exc)}); its trials are "
-                      f"retried from their checkpoints, and this worker's cohorts hold {smaller} from now on",
+        warnings.warn(f"execution.cohort: a cohort of {size} ran out of memory ({out_of_memory_words(exc)}); its "
+                      f"trials are retried from their checkpoints, and this worker's cohorts hold {smaller} from "
+                      "now on",
                       stacklevel=2)
         gc.collect()
         if torch.cuda.is_available():

@@ -77,6 +77,7 @@ from sweep.storage import (
 from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
 from trainer.messages import message, unreadable
+from trainer.precision import out_of_memory, out_of_memory_words
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
            "request_stop"]
@@ -458,7 +459,7 @@ class Worker:
             kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(raised))[-4000:]} if refusal else {}
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept},
                                fault=fault)
-        reason = f"{type(raised).__name__}: {exc}"
+        reason = out_of_memory_words(exc) if out_of_memory(exc) else f"{type(raised).__name__}: {exc}"
         if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
             reason = f"{reason.strip()} ({error_line(exc)})"  # the database's words, not a guess
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: reason,

@@ -28,7 +28,7 @@ from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest
 from trainer.distributed import RankEnvironmentError
 from trainer.loop import NullReporter, TrainResult, train
 from trainer.messages import strict_json
-from trainer.precision import DeviceUnavailable, out_of_memory, resolve_device
+from trainer.precision import DeviceUnavailable, out_of_memory, out_of_memory_words, resolve_device
 from trainer.tasks import TaskError
 from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, short_repr
 
@@ -258,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except _NotMain:
         return 0
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
         if not out_of_memory(exc):
             raise
         # The config's model and batch size do not fit this machine: one line, not PyTorch's traceback.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         files = ", ".join(map(str, args.config))  # of several trained together, their cohort ran out
-        print(f"{files}: out of memory: {first[:300]} (a smaller model or batch_size fits)", file=sys.stderr)
+        print(printable(f"{files}: out of memory: {out_of_memory_words(exc)} (a smaller model or batch_size fits)"),
+              file=sys.stderr)
         return 1
     for path, result in zip(args.config, results):
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,

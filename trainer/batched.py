@@ -75,7 +75,7 @@ from trainer.data import choose_data_loader
 from trainer.fast_fail import FastFailConfig, in_stage_grace
 from trainer.loop import Checkpointer, FastFailReporter, Reporter, TrainResult, deciding, ended, train
 from trainer.optim import build_optimizer, lr_at
-from trainer.precision import allow_tf32, resolve_device, resolve_precision
+from trainer.precision import allow_tf32, out_of_memory, resolve_device, resolve_precision
 from trainer.seeding import kept_global_state, reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
 from trainer.tasks import Task, cross_entropy, load_task
@@ -304,7 +304,9 @@ def _model_problem(config: TrainingConfig, task: Task) -> str | None:
         with torch.no_grad():
             vmap(_forward(template), in_dims=(0, 0, None), randomness="error")(
                 params, buffers, task.val[0][:config.eval_batch_size].to(device))
-    except Exception as exc:  # noqa: BLE001 - whatever vmap refuses, the ordinary loop trains
+    except Exception as exc:  # whatever vmap refuses, the ordinary loop trains
+        if out_of_memory(exc):  # no answer: the machine's memory ran out (a process limit, say), not vmap's rules
+            raise
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return f"vmap cannot batch this model ({type(exc).__name__}: {first_line})"
     return None

@@ -4,6 +4,7 @@ disabled objects that do nothing, so the loop has no precision branches."""
 from __future__ import annotations
 
 import contextlib
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,8 @@ import torch
 from trainer.config import DeviceUnavailable
 from trainer.messages import message
 
-__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "out_of_memory", "resolve_device", "resolve_precision"]
+__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "memory_limit", "out_of_memory", "out_of_memory_words",
+           "resolve_device", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,37 @@ def allow_tf32(device: torch.device, deterministic: bool) -> None:
 
 
 def out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` is PyTorch running out of memory: its own error on CUDA, a RuntimeError of the CPU allocator."""
+    """Whether `exc` is running out of memory: PyTorch's own error on CUDA, a RuntimeError of its CPU allocator,
+    Python's MemoryError (numpy's too)."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
     text = message(exc) or ""  # a user's exception class whose __str__ is broken: no allocator's message
-    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
+    return "can't allocate memory" in text or "out of memory" in text
+
+
+# The limits a process's memory may be under, as `resource` names them, with their `ulimit` option and what they count.
+_MEMORY_LIMITS = (("RLIMIT_AS", "-v", "address-space"), ("RLIMIT_DATA", "-d", "data-size"))
+
+
+def memory_limit() -> str | None:
+    """This process's limit on its memory in words ("the address-space limit, ulimit -v, is 1000000 KiB"), or None
+    where it has none: under one, host memory runs out at the limit (a MemoryError, the CPU allocator's error), not
+    where the machine's memory ends."""
+    for name, option, what in _MEMORY_LIMITS:
+        try:
+            soft = resource.getrlimit(getattr(resource, name))[0]
+        except (AttributeError, ValueError, OSError):
+            continue
+        if soft != resource.RLIM_INFINITY:
+            return f"the {what} limit, ulimit {option}, is {soft // 1024} KiB"
+    return None
+
+
+def out_of_memory_words(exc: BaseException) -> str:
+    """`exc`, an error `out_of_memory` accepts, in one line: its type and first line ("out of memory" where it has
+    none: a bare MemoryError), and the process's memory limit where it has one, which is where it ran out."""
+    lines = (message(exc) or "").strip().splitlines()
+    said = f"{type(exc).__name__}: {lines[0][:300] if lines else 'out of memory'}"
+    gpu = isinstance(exc, torch.OutOfMemoryError) or "CUDA" in said  # a GPU's memory is no ulimit's
+    limit = None if gpu else memory_limit()
+    return said if limit is None else f"{said} ({limit})"

@@ -213,6 +213,51 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path) -> No
     assert "failed: RuntimeError" in done.stderr
 
 
+def test_a_trial_out_of_memory_under_a_memory_limit_says_the_limit(tmp_path: Path) -> None:
+    """Review: under `ulimit -v` a trial that ran out of memory failed as "MemoryError: " (Python's bare error has no
+    words), or as the CPU allocator's words alone, and the limit that set where memory ends went unsaid; the
+    trainer's command line said the same. A real limit on real processes: the address space capped at 8 GiB, one
+    weight of the config's model needs 16 GiB (it fails with or without the limit on this machine; the limit is
+    what the line must name)."""
+    import resource
+
+    limit = 8 << 30
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        pytest.skip("this machine's hard address-space limit is below the test's")
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+    def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=300, env={**os.environ, "NO_COLOR": "1"}, preexec_fn=capped)
+
+    document = changed(n_trials=2, fixed__model={"hidden": 65536})
+    del document["space"]["model.hidden"]
+    path = write_study(tmp_path, document)
+    done = run("-m", "sweep.cli", "run", path)
+    assert done.returncode == 1, done.stderr  # every trial failed
+    words = f"(the address-space limit, ulimit -v, is {limit // 1024} KiB)"
+    trials = load(tmp_path / "tiny.db").get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL] * 2
+    for trial in trials:
+        reason = trial.user_attrs["fail_reason"]
+        assert reason.startswith("RuntimeError: ") and "can't allocate memory" in reason, reason
+        assert reason.endswith(words), reason
+    assert "failed: RuntimeError: " in done.stderr and words in done.stderr
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(trials[0].user_attrs["config"]))
+    alone = run("-m", "trainer", "config.yaml")
+    assert alone.returncode == 1
+    lines = alone.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config.yaml: out of memory: RuntimeError: "), alone.stderr
+    assert words in lines[0]
+    from trainer.precision import out_of_memory, out_of_memory_words  # Python's own error, which has no words
+
+    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        assert out_of_memory(MemoryError()) and out_of_memory_words(MemoryError()) == "MemoryError: out of memory"
+
+
 @pytest.mark.parametrize("how", [[], ["--cohort", "2"], ["--workers", "2"]], ids=["alone", "cohort", "workers"])
 def test_a_rerun_of_a_finished_grid_trains_no_copy_of_its_points(tmp_path: Path, how: list[str]) -> None:
     """Every point of a bruteforce grid trained, a rerun with budget left drew a copy of a finished point (Optuna's
