@@ -321,11 +321,19 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
             except ValueError as exc:  # fewer GPUs than one trial needs
                 raise _fail(str(exc), 2) from None
             _print_status(study)
-            lost = [f"worker {k} {_exit_words(code)}" for k, code in enumerate(codes) if code != 0]
+            used, running = budget_counts(study.get_trials(deepcopy=False))
+            # A worker preempted on its own (SIGTERM to it alone: 143, or its default death before its handler) while
+            # the others spent the budget, its queued trial too: the study is done, and the run says so (review: a
+            # lone preempted worker made a finished run exit 1, and `sweep run ... && sweep best` stop there).
+            preempted = {k for k, code in enumerate(codes) if code in (143, -signal.SIGTERM)}
+            lost = [f"worker {k} {_exit_words(code)}" for k, code in enumerate(codes)
+                    if code != 0 and (k not in preempted or used < spec.n_trials or len(preempted) == len(codes))]
             if lost:
                 raise _fail(lost, 1)
+            for k in sorted(preempted):
+                err.print(f"worker {k} stopped on a SIGTERM (exit code {codes[k]}); the other workers spent the "
+                          "budget", markup=False)
             stopped = results.stop_requested_since(study, started)
-            used, running = budget_counts(study.get_trials(deepcopy=False))
             if stopped:
                 err.print(_stop_line(used, spec.n_trials))
             elif (limit := timeout if timeout is not None else spec.timeout) is not None and used < spec.n_trials \

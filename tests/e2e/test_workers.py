@@ -203,6 +203,43 @@ def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path:
     assert retry.user_attrs["retry_reason"] == "worker lost: no heartbeat"
 
 
+def test_a_worker_preempted_alone_while_the_others_spend_the_budget_is_no_failed_run(tmp_path: Path) -> None:
+    """Review: a SIGTERM to one worker of `--workers 2` (a node's job killed, a spot instance of several) queued its
+    trial, which the other worker trained, and the study ended complete; the launcher still exited 1 ("worker 1
+    exited with code 143"), so `sweep run ... && sweep best` stopped there. It now says which worker stopped and
+    exits 0."""
+    path = busy_study(tmp_path, 6, max_steps=800, eval_every_steps=400, log_every_steps=400)
+    db = tmp_path / "tiny.db"
+    parent = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            try:
+                running = [t for t in optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+                           if t.state == TrialState.RUNNING]
+            except Exception:  # noqa: BLE001 - not created yet
+                continue
+            if len(running) == 2 and all(t.params for t in running) and len(children(parent.pid)) == 2:
+                victim = children(parent.pid)[1]
+        assert victim is not None
+        os.kill(victim, signal.SIGTERM)
+        _, stderr = parent.communicate(timeout=300)
+    finally:
+        parent.kill()
+    assert parent.returncode == 0, stderr
+    assert re.search(r"^worker [01] stopped on a SIGTERM \(exit code 143\); the other workers spent the budget$",
+                     stderr, re.MULTILINE), stderr
+    assert "error:" not in stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 6
+    [preempted] = [t for t in trials if t.user_attrs.get("fail_reason") == "preempted (SIGTERM)"]
+    [retry] = [t for t in trials if t.user_attrs.get("retry_of") == preempted.number]
+    assert retry.state == TrialState.COMPLETE and retry.params == preempted.params
+
+
 def test_sweep_stop_lets_workers_finish_their_trial_and_exit(tmp_path: Path) -> None:
     path = busy_study(tmp_path, 50, max_steps=300, eval_every_steps=100, log_every_steps=100)
     runner = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
