@@ -522,9 +522,42 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                        f"rung is step {first}, not below every trial's max_steps "
                                                        f"({budget}): its trials would never be judged; expected "
                                                        f"under {limit} (min_resource x reduction_factor^k), or auto"))
+        warmup = args.get("n_warmup_steps")
+        if kind in ("median", "percentile", "threshold") and isinstance(warmup, int) and not isinstance(warmup, bool) \
+                and warmup >= budget:  # the same silence (review): a trial is asked before its last step only
+            problems.append((f"{where}.n_warmup_steps", f"{warmup} is not below every trial's max_steps ({budget}): "
+                                                        "no trial would be judged (at its last step a trial "
+                                                        f"completes), and nothing would be pruned; expected under "
+                                                        f"{budget}"))
+        startup = args.get("n_startup_steps", 2) if kind == "wilcoxon" else None  # Optuna's default: 2
+        if isinstance(startup, int) and not isinstance(startup, bool) \
+                and (asked := _evaluations_asked(spec, budget)) is not None and max(2, startup) > asked:
+            # Wilcoxon compares a trial with the best one on the steps both reported, and judges no trial with fewer
+            # of them than n_startup_steps, nor fewer than 2 (review: n_startup_steps 50 in trials of 4 evaluations)
+            reported = (f"{asked} evaluation{'s' if asked != 1 else ''} a trial reports before its last step (one "
+                        f"every eval_every_steps, of max_steps {budget}): nothing would be pruned")
+            if asked >= 2:
+                problems.append((f"{where}.n_startup_steps", f"{startup} is more than the {reported}; expected at "
+                                                             f"most {asked}"))
+            else:
+                problems.append((f"{where}.n_startup_steps" if "n_startup_steps" in args else where,
+                                 f"Wilcoxon judges a trial once it has reported 2 evaluations, more than the "
+                                 f"{reported}; evaluate more often (fixed.eval_every_steps)"))
         key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
         component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
     return problems
+
+
+def _evaluations_asked(spec: StudySpec, budget: int) -> int | None:
+    """How many evaluations a trial of `budget` steps reports to its pruner before its last step (every
+    `eval_every_steps`, the last one's report completing it); None where `eval_every_steps` is searched or unknown."""
+    if "eval_every_steps" in spec.space:
+        return None
+    try:
+        every = TrainingConfig.from_dict(_example_config(spec, 0)).eval_every_steps
+    except ConfigError:
+        return None
+    return (budget - 1) // every if every >= 1 else None
 
 
 def _top_bracket_rung(args: Mapping[str, Any]) -> tuple[int, int, int] | None:

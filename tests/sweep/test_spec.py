@@ -96,6 +96,21 @@ BAD_FILES = [
     # A trial's last step is never judged (it completes): a first rung there is one no trial is judged at.
     pytest.param(changed(pruner={"type": "successive_halving", "min_resource": 20}), "pruner.min_resource",
                  "20 is not below every trial's max_steps (20)", id="halving-rung-at-the-last-step"),
+    # Review: the other pruners' warmups, past every trial's last step, were accepted and pruned nothing either.
+    pytest.param(changed(pruner={"type": "threshold", "upper": 1.0, "n_warmup_steps": 100}), "pruner.n_warmup_steps",
+                 "100 is not below every trial's max_steps (20): no trial would be judged", id="threshold-warmup"),
+    pytest.param(changed(pruner={"type": "median", "n_warmup_steps": 20}), "pruner.n_warmup_steps",
+                 "nothing would be pruned; expected under 20", id="median-warmup-at-the-last-step"),
+    pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "patient", "patience": 2, "wrapped": {
+        "type": "percentile", "percentile": 50.0, "n_warmup_steps": 500}}}),
+        "pruner.then.wrapped.n_warmup_steps", "500 is not below every trial's max_steps (20)",
+        id="percentile-warmup-wrapped-twice"),
+    pytest.param(changed(fixed__eval_every_steps=5, pruner={"type": "wilcoxon", "n_startup_steps": 50}),
+                 "pruner.n_startup_steps", "50 is more than the 3 evaluations a trial reports before its last step "
+                 "(one every eval_every_steps, of max_steps 20): nothing would be pruned; expected at most 3",
+                 id="wilcoxon-startup-past-the-evaluations"),
+    pytest.param(changed(pruner={"type": "wilcoxon"}), "pruner", "Wilcoxon judges a trial once it has reported 2 "
+                 "evaluations, more than the 1 evaluation a trial reports", id="wilcoxon-one-evaluation"),
     pytest.param(changed(fixed__max_steps=243, pruner={"type": "hyperband", "max_resource": 729}),
                  "pruner.max_resource", "first rung is step 729, not below every trial's max_steps (243): its trials "
                  "would never be judged; expected under 243", id="hyperband-budget-a-power-of-eta"),
