@@ -330,9 +330,10 @@ def _run(study_file: str, storage: str | None, n_trials: int | None, timeout: fl
                     if code != 0 and (k not in preempted or used < spec.n_trials or len(preempted) == len(codes))]
             if lost:
                 raise _fail(lost, 1)
+            others = "the other worker" if len(codes) - len(preempted) == 1 else "the other workers"
             for k in sorted(preempted):
-                err.print(f"worker {k} stopped on a SIGTERM (exit code {codes[k]}); the other workers spent the "
-                          "budget", markup=False)
+                err.print(f"worker {k} stopped on a SIGTERM (exit code {codes[k]}); {others} spent the budget",
+                          markup=False)
             stopped = results.stop_requested_since(study, started)
             if stopped:
                 err.print(_stop_line(used, spec.n_trials))

@@ -492,6 +492,10 @@ def largest_budget(spec: StudySpec) -> int | None:
     return max(budgets) if budgets else None
 
 
+# The pruners that judge no step below their `n_warmup_steps` (Optuna's and sweep's own).
+_WARMUP_PRUNERS = frozenset({"median", "percentile", "threshold", "leaders", "forecast"})
+
+
 def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
     """Successive halving's or Hyperband's `min_resource` at or above every trial's `max_steps` (which Hyperband's
     `max_resource: auto` becomes): no trial is judged at the first rung (at its last step a trial completes, its
@@ -523,8 +527,8 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                        f"({budget}): its trials would never be judged; expected "
                                                        f"under {limit} (min_resource x reduction_factor^k), or auto"))
         warmup = args.get("n_warmup_steps")
-        if kind in ("median", "percentile", "threshold") and isinstance(warmup, int) and not isinstance(warmup, bool) \
-                and warmup >= budget:  # the same silence (review): a trial is asked before its last step only
+        # The same silence (review): a trial is asked before its last step only.
+        if kind in _WARMUP_PRUNERS and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= budget:
             problems.append((f"{where}.n_warmup_steps", f"{warmup} is not below every trial's max_steps ({budget}): "
                                                         "no trial would be judged (at its last step a trial "
                                                         f"completes), and nothing would be pruned; expected under "

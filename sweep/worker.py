@@ -77,7 +77,7 @@ from sweep.storage import (
 from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
 from trainer.messages import message, unreadable
-from trainer.precision import out_of_memory, out_of_memory_words
+from trainer.precision import host_memory_limit
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
            "request_stop"]
@@ -459,7 +459,10 @@ class Worker:
             kept = {ATTR_TRACEBACK: "".join(traceback.format_exception(raised))[-4000:]} if refusal else {}
             return TrialResult(Outcome.INFRASTRUCTURE, None, {ATTR_FAIL: f"infrastructure: {fault.reason}", **kept},
                                fault=fault)
-        reason = out_of_memory_words(exc) if out_of_memory(exc) else f"{type(raised).__name__}: {exc}"
+        said = str(exc) or ("out of memory" if isinstance(exc, MemoryError) else "")  # Python's own has no words
+        reason = f"{type(raised).__name__}: {said}"
+        if (limit := host_memory_limit(exc)) is not None:  # where it ran out: the process's limit (ulimit -v)
+            reason = f"{reason} ({limit})"
         if isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
             reason = f"{reason.strip()} ({error_line(exc)})"  # the database's words, not a guess
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: reason,

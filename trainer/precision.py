@@ -12,8 +12,8 @@ import torch
 from trainer.config import DeviceUnavailable
 from trainer.messages import message
 
-__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "memory_limit", "out_of_memory", "out_of_memory_words",
-           "resolve_device", "resolve_precision"]
+__all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "host_memory_limit", "memory_limit", "out_of_memory",
+           "out_of_memory_words", "resolve_device", "resolve_precision"]
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,18 @@ def memory_limit() -> str | None:
     return None
 
 
+def host_memory_limit(exc: BaseException) -> str | None:
+    """This process's memory limit in words (`memory_limit`) when `exc` is host memory running out under one (Python's
+    MemoryError, the CPU allocator's error): where it ran out. None for any other error, a GPU's memory too."""
+    if isinstance(exc, MemoryError) or "can't allocate memory" in (message(exc) or ""):
+        return memory_limit()
+    return None
+
+
 def out_of_memory_words(exc: BaseException) -> str:
     """`exc`, an error `out_of_memory` accepts, in one line: its type and first line ("out of memory" where it has
-    none: a bare MemoryError), and the process's memory limit where it has one, which is where it ran out."""
+    none: a bare MemoryError), and the process's memory limit where host memory ran out under one."""
     lines = (message(exc) or "").strip().splitlines()
     said = f"{type(exc).__name__}: {lines[0][:300] if lines else 'out of memory'}"
-    gpu = isinstance(exc, torch.OutOfMemoryError) or "CUDA" in said  # a GPU's memory is no ulimit's
-    limit = None if gpu else memory_limit()
+    limit = host_memory_limit(exc)
     return said if limit is None else f"{said} ({limit})"

@@ -252,10 +252,27 @@ def test_a_trial_out_of_memory_under_a_memory_limit_says_the_limit(tmp_path: Pat
     lines = alone.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config.yaml: out of memory: RuntimeError: "), alone.stderr
     assert words in lines[0]
-    from trainer.precision import out_of_memory, out_of_memory_words  # Python's own error, which has no words
+    import torch
 
-    if resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+    from trainer.precision import host_memory_limit, out_of_memory, out_of_memory_words
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:  # Python's own error, which has no words
         assert out_of_memory(MemoryError()) and out_of_memory_words(MemoryError()) == "MemoryError: out of memory"
+        assert host_memory_limit(MemoryError()) is None
+    # Diff review: only host memory runs out at the limit; an error that only says so, or a GPU's, is not its doing.
+    # (A limit far above what this process maps, for the calls alone.)
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 50, hard))
+    try:
+        host = host_memory_limit(MemoryError())
+        others = [host_memory_limit(error) for error in (
+            ValueError("batch rejected: the model ran out of memory budget"),
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))]
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert host == f"the address-space limit, ulimit -v, is {(1 << 50) // 1024} KiB"
+    assert others == [None, None, None]
 
 
 @pytest.mark.parametrize("how", [[], ["--cohort", "2"], ["--workers", "2"]], ids=["alone", "cohort", "workers"])

@@ -230,7 +230,7 @@ def test_a_worker_preempted_alone_while_the_others_spend_the_budget_is_no_failed
     finally:
         parent.kill()
     assert parent.returncode == 0, stderr
-    assert re.search(r"^worker [01] stopped on a SIGTERM \(exit code 143\); the other workers spent the budget$",
+    assert re.search(r"^worker [01] stopped on a SIGTERM \(exit code 143\); the other worker spent the budget$",
                      stderr, re.MULTILINE), stderr
     assert "error:" not in stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()

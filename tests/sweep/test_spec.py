@@ -99,6 +99,9 @@ BAD_FILES = [
     # Review: the other pruners' warmups, past every trial's last step, were accepted and pruned nothing either.
     pytest.param(changed(pruner={"type": "threshold", "upper": 1.0, "n_warmup_steps": 100}), "pruner.n_warmup_steps",
                  "100 is not below every trial's max_steps (20): no trial would be judged", id="threshold-warmup"),
+    pytest.param(changed(pruner={"type": "patient", "patience": 1,
+                                 "wrapped": {"type": "leaders", "n_warmup_steps": 20}}),
+                 "pruner.wrapped.n_warmup_steps", "20 is not below every trial's max_steps (20)", id="leaders-warmup"),
     pytest.param(changed(pruner={"type": "median", "n_warmup_steps": 20}), "pruner.n_warmup_steps",
                  "nothing would be pruned; expected under 20", id="median-warmup-at-the-last-step"),
     pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "patient", "patience": 2, "wrapped": {
