@@ -169,9 +169,11 @@ def test_a_worker_paused_while_it_holds_the_study_s_lock_stalls_nobody_past_the_
         holder.wait()
 
 
-def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path: Path) -> None:
-    path = busy_study(tmp_path, 6, max_steps=800, eval_every_steps=400, log_every_steps=400)
-    db = tmp_path / "tiny.db"
+def signal_one_worker_mid_trial(folder: Path, signum: int) -> tuple[int, str, list[optuna.trial.FrozenTrial]]:
+    """`sweep run --workers 2` on 6 trials, one worker sent `signum` once both train a sampled trial: the launcher's
+    exit code and stderr, and the study's trials once it ended."""
+    path = busy_study(folder, 6, max_steps=800, eval_every_steps=400, log_every_steps=400)
+    db = folder / "tiny.db"
     parent = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -185,17 +187,20 @@ def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path:
             except Exception:  # noqa: BLE001 - not created yet
                 continue
             # Both trials sampled and training (a trial killed between its ask and its params has no config yet:
-            # its retry draws one, and the comparison below would mean nothing).
+            # its retry draws one, and the comparison of params would mean nothing).
             if len(running) == 2 and all(t.params for t in running) and len(children(parent.pid)) == 2:
                 victim = children(parent.pid)[0]
         assert victim is not None
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signum)
         _, stderr = parent.communicate(timeout=300)
     finally:
         parent.kill()
-    assert parent.returncode == 1 and "was killed by SIGKILL (exit code -9)" in stderr  # a worker died, it says...
-    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}")
-    trials = study.get_trials()
+    return parent.returncode, stderr, optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
+
+
+def test_a_worker_killed_mid_trial_is_replaced_and_the_study_completes(tmp_path: Path) -> None:
+    code, stderr, trials = signal_one_worker_mid_trial(tmp_path, signal.SIGKILL)
+    assert code == 1 and "was killed by SIGKILL (exit code -9)" in stderr  # a worker died, it says...
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 6  # ...and the study still has all its trials
     [lost] = [t for t in trials if t.state == TrialState.FAIL]
     [retry] = [t for t in trials if t.user_attrs.get("retry_of") == lost.number]
@@ -208,32 +213,11 @@ def test_a_worker_preempted_alone_while_the_others_spend_the_budget_is_no_failed
     trial, which the other worker trained, and the study ended complete; the launcher still exited 1 ("worker 1
     exited with code 143"), so `sweep run ... && sweep best` stopped there. It now says which worker stopped and
     exits 0."""
-    path = busy_study(tmp_path, 6, max_steps=800, eval_every_steps=400, log_every_steps=400)
-    db = tmp_path / "tiny.db"
-    parent = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path), "--workers", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            time.sleep(0.3)
-            try:
-                running = [t for t in optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
-                           if t.state == TrialState.RUNNING]
-            except Exception:  # noqa: BLE001 - not created yet
-                continue
-            if len(running) == 2 and all(t.params for t in running) and len(children(parent.pid)) == 2:
-                victim = children(parent.pid)[1]
-        assert victim is not None
-        os.kill(victim, signal.SIGTERM)
-        _, stderr = parent.communicate(timeout=300)
-    finally:
-        parent.kill()
-    assert parent.returncode == 0, stderr
+    code, stderr, trials = signal_one_worker_mid_trial(tmp_path, signal.SIGTERM)
+    assert code == 0, stderr
     assert re.search(r"^worker [01] stopped on a SIGTERM \(exit code 143\); the other worker spent the budget$",
                      stderr, re.MULTILINE), stderr
     assert "error:" not in stderr
-    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 6
     [preempted] = [t for t in trials if t.user_attrs.get("fail_reason") == "preempted (SIGTERM)"]
     [retry] = [t for t in trials if t.user_attrs.get("retry_of") == preempted.number]
