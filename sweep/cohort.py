@@ -48,6 +48,7 @@ import math
 import os
 import socket
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -237,6 +238,10 @@ class CohortLoop:
         smaller = (size + 1) // 2
         finished = {m: own for m in self.members if (own := self._finished(m)) is not None}
         self.cohort = cohort = None  # its stacked tensors go before the next cohort is made
+        # ...and so do the frames the error came up through, which the error holds while it is handled: their locals
+        # hold the cohort and its step's tensors (review: under `ulimit -v`, a halved cohort that fits in a fresh
+        # process ran out again beside the old one's memory, and then a cohort of one did).
+        traceback.clear_frames(exc.__traceback__)
         self.building = 0
         self.size = smaller
         reason = f"interrupted: its cohort of {size} ran out of memory at step {step}; retried in a cohort of {smaller}"
