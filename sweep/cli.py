@@ -395,12 +395,13 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
               timeout: float | None, workers: int, set_: list[str]) -> tuple[Any, str]:
     """The validated spec and the storage URL of `sweep run`, every problem of the options and the file reported
     together (exit 2), and nothing created before they are all fine."""
-    from sweep.spec import RangeInFixed, load_spec, store_problems
+    from sweep.spec import InertPruner, RangeInFixed, load_spec, store_problems
     from sweep.workers import LAUNCHER_ENV
 
     warnings.showwarning = _show_warning  # the file's warnings, as one line each
     if LAUNCHER_ENV in os.environ:  # the launcher, which read the same file, said them
         warnings.simplefilter("ignore", RangeInFixed)
+        warnings.simplefilter("ignore", InertPruner)
     problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                 workers=workers)
     for option, value, key in (("--study-name", study_name, "name"), ("--n-trials", n_trials, "n_trials")):

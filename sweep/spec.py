@@ -16,7 +16,7 @@ import re
 import shutil
 import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -217,6 +217,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                f"needs metric val_loss, got {short_repr(spec.metric)}"))
     problems += component_problems(spec)
     problems += [problem for problem in _rung_problems(spec) if problem[0] not in {key for key, _ in problems}]
+    for where, said in _inert_pruners(spec):  # a short run's (a smoke test's) pruner: said, not refused
+        warnings.warn(f"{where}: {said}", InertPruner, stacklevel=2)
     problems += tracking_problems(spec)
     return _unique(problems)
 
@@ -502,12 +504,10 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
     pruner not asked), so the pruner never prunes, without a word; and Hyperband's `max_resource` laying out a
     bracket whose first rung is there, which leaves that bracket's trials unjudged."""
     budget = largest_budget(spec)
+    if budget is None:
+        return []
     problems: list[tuple[str, str]] = []
-    component: Any = spec.pruner
-    where = "pruner"
-    while component is not None and budget is not None:
-        kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
-        args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
+    for where, kind, args in _pruner_components(spec):
         low = args.get("min_resource")
         if kind in ("hyperband", "successive_halving") and isinstance(low, int) and not isinstance(low, bool) \
                 and low >= budget:
@@ -526,42 +526,74 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                        f"rung is step {first}, not below every trial's max_steps "
                                                        f"({budget}): its trials would never be judged; expected "
                                                        f"under {limit} (min_resource x reduction_factor^k), or auto"))
-        warmup = args.get("n_warmup_steps")
-        # The same silence (review): a trial is asked before its last step only.
-        if kind in _WARMUP_PRUNERS and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= budget:
-            problems.append((f"{where}.n_warmup_steps", f"{warmup} is not below every trial's max_steps ({budget}): "
-                                                        "no trial would be judged (at its last step a trial "
-                                                        f"completes), and nothing would be pruned; expected under "
-                                                        f"{budget}"))
-        startup = args.get("n_startup_steps", 2) if kind == "wilcoxon" else None  # Optuna's default: 2
-        if isinstance(startup, int) and not isinstance(startup, bool) \
-                and (asked := _evaluations_asked(spec, budget)) is not None and max(2, startup) > asked:
-            # Wilcoxon compares a trial with the best one on the steps both reported, and judges no trial with fewer
-            # of them than n_startup_steps, nor fewer than 2 (review: n_startup_steps 50 in trials of 4 evaluations)
-            reported = (f"{asked} evaluation{'s' if asked != 1 else ''} a trial reports before its last step (one "
-                        f"every eval_every_steps, of max_steps {budget}): nothing would be pruned")
-            if asked >= 2:
-                problems.append((f"{where}.n_startup_steps", f"{startup} is more than the {reported}; expected at "
-                                                             f"most {asked}"))
-            else:
-                problems.append((f"{where}.n_startup_steps" if "n_startup_steps" in args else where,
-                                 f"Wilcoxon judges a trial once it has reported 2 evaluations, more than the "
-                                 f"{reported}; evaluate more often (fixed.eval_every_steps)"))
-        key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
-        component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
     return problems
 
 
-def _evaluations_asked(spec: StudySpec, budget: int) -> int | None:
-    """How many evaluations a trial of `budget` steps reports to its pruner before its last step (every
-    `eval_every_steps`, the last one's report completing it); None where `eval_every_steps` is searched or unknown."""
+def _pruner_components(spec: StudySpec) -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
+    """The study's pruner and each it wraps (`then:`, `wrapped:`): where it is written, its type and arguments."""
+    component: Any = spec.pruner
+    where = "pruner"
+    while component is not None:
+        kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
+        args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
+        yield where, kind, args
+        key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
+        component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
+
+
+class InertPruner(UserWarning):
+    """A pruner of the study that can judge none of its trials: a warmup past every trial's last step. Said, not
+    refused: a short run of a study (`--set fixed.max_steps=50`, a smoke test) leaves its pruner nothing to do."""
+
+
+def _inert_pruners(spec: StudySpec) -> list[tuple[str, str]]:
+    """A warmup no trial of this study gets past (review: such a pruner ran the study to the end and pruned nothing,
+    without a word): `n_warmup_steps` (median, percentile, threshold, leaders, forecast) at or past every trial's
+    `max_steps`, whose last step is never judged (the trial completes there); Wilcoxon's `n_startup_steps` (2 at
+    least) past the evaluations a trial reports before its last step. Wrapped ones too."""
+    budget = largest_budget(spec)
+    if budget is None:
+        return []
+    every = _evaluation_every(spec)
+    # The last step a trial is asked about: its last evaluation before its last step (unknown with eval_every_steps
+    # searched: the step before its last, at most).
+    asked = None if every is None else (budget - 1) // every
+    last = budget - 1 if every is None else (asked or 0) * every
+    judged = (f"evaluations every {every} steps, the last step, {budget}, completing the trial" if every is not None
+              else f"the last step, {budget}, completes the trial")
+    found: list[tuple[str, str]] = []
+    for where, kind, args in _pruner_components(spec):
+        warmup = args.get("n_warmup_steps")
+        if kind in _WARMUP_PRUNERS and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup > last >= 1:
+            found.append((f"{where}.n_warmup_steps", f"{warmup} is past the last step a trial is judged at ({last}: "
+                                                     f"{judged}): {kind} will prune nothing; set it to at most "
+                                                     f"{last} for it to judge"))
+        startup = args.get("n_startup_steps", 2) if kind == "wilcoxon" else None  # Optuna's default: 2
+        if isinstance(startup, int) and not isinstance(startup, bool) and asked is not None \
+                and max(2, startup) > asked:
+            # Wilcoxon compares a trial with the best one on the steps both reported, and judges no trial with fewer
+            # of them than n_startup_steps, nor fewer than 2
+            reported = (f"{asked} evaluation{'s' if asked != 1 else ''} a trial reports before its last step (one "
+                        f"every eval_every_steps, of max_steps {budget}): wilcoxon will prune nothing")
+            if asked >= 2:
+                found.append((f"{where}.n_startup_steps", f"{startup} is more than the {reported}; set it to at "
+                                                          f"most {asked} for it to judge"))
+            else:
+                found.append((f"{where}.n_startup_steps" if "n_startup_steps" in args else where,
+                              f"Wilcoxon judges a trial once it has reported 2 evaluations, more than the "
+                              f"{reported}; evaluate more often (fixed.eval_every_steps) for it to judge"))
+    return found
+
+
+def _evaluation_every(spec: StudySpec) -> int | None:
+    """The study's `eval_every_steps`; None where it is searched or unknown."""
     if "eval_every_steps" in spec.space:
         return None
     try:
         every = TrainingConfig.from_dict(_example_config(spec, 0)).eval_every_steps
     except ConfigError:
         return None
-    return (budget - 1) // every if every >= 1 else None
+    return every if every >= 1 else None
 
 
 def _top_bracket_rung(args: Mapping[str, Any]) -> tuple[int, int, int] | None:

@@ -96,24 +96,6 @@ BAD_FILES = [
     # A trial's last step is never judged (it completes): a first rung there is one no trial is judged at.
     pytest.param(changed(pruner={"type": "successive_halving", "min_resource": 20}), "pruner.min_resource",
                  "20 is not below every trial's max_steps (20)", id="halving-rung-at-the-last-step"),
-    # Review: the other pruners' warmups, past every trial's last step, were accepted and pruned nothing either.
-    pytest.param(changed(pruner={"type": "threshold", "upper": 1.0, "n_warmup_steps": 100}), "pruner.n_warmup_steps",
-                 "100 is not below every trial's max_steps (20): no trial would be judged", id="threshold-warmup"),
-    pytest.param(changed(pruner={"type": "patient", "patience": 1,
-                                 "wrapped": {"type": "leaders", "n_warmup_steps": 20}}),
-                 "pruner.wrapped.n_warmup_steps", "20 is not below every trial's max_steps (20)", id="leaders-warmup"),
-    pytest.param(changed(pruner={"type": "median", "n_warmup_steps": 20}), "pruner.n_warmup_steps",
-                 "nothing would be pruned; expected under 20", id="median-warmup-at-the-last-step"),
-    pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "patient", "patience": 2, "wrapped": {
-        "type": "percentile", "percentile": 50.0, "n_warmup_steps": 500}}}),
-        "pruner.then.wrapped.n_warmup_steps", "500 is not below every trial's max_steps (20)",
-        id="percentile-warmup-wrapped-twice"),
-    pytest.param(changed(fixed__eval_every_steps=5, pruner={"type": "wilcoxon", "n_startup_steps": 50}),
-                 "pruner.n_startup_steps", "50 is more than the 3 evaluations a trial reports before its last step "
-                 "(one every eval_every_steps, of max_steps 20): nothing would be pruned; expected at most 3",
-                 id="wilcoxon-startup-past-the-evaluations"),
-    pytest.param(changed(pruner={"type": "wilcoxon"}), "pruner", "Wilcoxon judges a trial once it has reported 2 "
-                 "evaluations, more than the 1 evaluation a trial reports", id="wilcoxon-one-evaluation"),
     pytest.param(changed(fixed__max_steps=243, pruner={"type": "hyperband", "max_resource": 729}),
                  "pruner.max_resource", "first rung is step 729, not below every trial's max_steps (243): its trials "
                  "would never be judged; expected under 243", id="hyperband-budget-a-power-of-eta"),
@@ -128,6 +110,60 @@ def test_bad_study_file_is_refused_in_process(tmp_path: Path, document: dict, ke
     assert [k for k, _ in info.value.problems] == [key], info.value.problems
     assert fragment in info.value.problems[0][1]
     assert info.value.lines()[0].startswith(f"{path}: {key}: ")
+
+
+@pytest.mark.parametrize(("document", "line"), [
+    pytest.param(changed(pruner={"type": "threshold", "upper": 1.0, "n_warmup_steps": 100}),
+                 "pruner.n_warmup_steps: 100 is past the last step a trial is judged at (10: evaluations every 10 "
+                 "steps, the last step, 20, completing the trial): threshold will prune nothing; set it to at most 10 "
+                 "for it to judge",
+                 id="threshold-warmup"),
+    pytest.param(changed(pruner={"type": "median", "n_warmup_steps": 20}), "pruner.n_warmup_steps: 20 is past",
+                 id="median-warmup-at-the-last-step"),
+    # Diff review: evaluations at 5, 10, 15 of 20 steps: a warmup of 16 judges none of them either.
+    pytest.param(changed(fixed__eval_every_steps=5, pruner={"type": "median", "n_warmup_steps": 16}),
+                 "pruner.n_warmup_steps: 16 is past the last step a trial is judged at (15: evaluations every 5",
+                 id="median-warmup-past-the-last-evaluation"),
+    pytest.param(changed(pruner={"type": "patient", "patience": 1,
+                                 "wrapped": {"type": "leaders", "n_warmup_steps": 20}}),
+                 "pruner.wrapped.n_warmup_steps: 20 is past", id="leaders-warmup"),
+    pytest.param(changed(pruner={"type": "fastfail", "then": {"type": "patient", "patience": 2, "wrapped": {
+        "type": "percentile", "percentile": 50.0, "n_warmup_steps": 500}}}),
+        "pruner.then.wrapped.n_warmup_steps: 500 is past", id="percentile-warmup-wrapped-twice"),
+    pytest.param(changed(fixed__eval_every_steps=5, pruner={"type": "wilcoxon", "n_startup_steps": 50}),
+                 "pruner.n_startup_steps: 50 is more than the 3 evaluations a trial reports before its last step (one "
+                 "every eval_every_steps, of max_steps 20): wilcoxon will prune nothing; set it to at most 3 for it "
+                 "to judge", id="wilcoxon-startup-past-the-evaluations"),
+    pytest.param(changed(pruner={"type": "wilcoxon"}), "pruner: Wilcoxon judges a trial once it has reported 2 "
+                 "evaluations, more than the 1 evaluation a trial reports", id="wilcoxon-one-evaluation"),
+])
+def test_a_pruner_that_can_judge_no_trial_is_warned_of(tmp_path: Path, document: dict, line: str) -> None:
+    """Review: a warmup past every trial's last step ran the study to the end and pruned nothing, without a word.
+    Said, not refused: a short run of a study (`--set fixed.max_steps=50`, a smoke test) leaves its pruner nothing to
+    do, and runs."""
+    from sweep.spec import InertPruner
+
+    with pytest.warns(InertPruner) as said:
+        load_spec(write_study(tmp_path, document))
+    [message] = [str(w.message) for w in said if w.category is InertPruner]
+    assert message.startswith(line), message
+
+
+@pytest.mark.parametrize("pruner", [
+    {"type": "median", "n_warmup_steps": 15}, {"type": "wilcoxon"},
+    {"type": "fastfail", "then": {"type": "percentile", "percentile": 50.0, "n_warmup_steps": 15}}])
+def test_a_pruner_that_judges_at_the_last_evaluation_before_the_end_is_not_warned_of(
+        tmp_path: Path, pruner: dict) -> None:
+    import warnings
+
+    from sweep.spec import InertPruner
+
+    # max_steps 20, evaluations at 5, 10, 15 (20 completes the trial): a warmup of 15 judges the last of them, and
+    # Wilcoxon has its 2 evaluations.
+    document = changed(pruner=pruner, fixed__eval_every_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InertPruner)
+        load_spec(write_study(tmp_path, document))
 
 
 @pytest.mark.parametrize(
