@@ -542,15 +542,16 @@ def _pruner_components(spec: StudySpec) -> Iterator[tuple[str, Any, Mapping[str,
 
 
 class InertPruner(UserWarning):
-    """A pruner of the study that can judge none of its trials: a warmup past every trial's last step. Said, not
-    refused: a short run of a study (`--set fixed.max_steps=50`, a smoke test) leaves its pruner nothing to do."""
+    """A pruner of the study that can judge none of its trials: a warmup past the last evaluation before a trial's
+    last step. Said, not refused: a short run of a study (`--set fixed.max_steps=50`, a smoke test) leaves its pruner
+    nothing to do."""
 
 
 def _inert_pruners(spec: StudySpec) -> list[tuple[str, str]]:
     """A warmup no trial of this study gets past (review: such a pruner ran the study to the end and pruned nothing,
-    without a word): `n_warmup_steps` (median, percentile, threshold, leaders, forecast) at or past every trial's
-    `max_steps`, whose last step is never judged (the trial completes there); Wilcoxon's `n_startup_steps` (2 at
-    least) past the evaluations a trial reports before its last step. Wrapped ones too."""
+    without a word): `n_warmup_steps` (median, percentile, threshold, leaders, forecast) past the last evaluation
+    before the last step of the longest trial (its last step is never judged: the trial completes there); Wilcoxon's
+    `n_startup_steps` (2 at least) past the number of those evaluations. Wrapped ones too."""
     budget = largest_budget(spec)
     if budget is None:
         return []
