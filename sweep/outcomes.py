@@ -30,11 +30,7 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import DeviceUnavailable
-
-try:
-    import resource  # POSIX: the process limits a fault may name (imported now: with no descriptor left, it cannot be)
-except ImportError:  # pragma: no cover - Windows
-    resource = None  # type: ignore[assignment]
+from trainer.precision import limit_words, soft_limit  # and `resource`, now: with no descriptor left, it cannot be
 
 __all__ = [
     "ATTR_CONFIG",
@@ -310,24 +306,6 @@ _LIMITS = {errno.EMFILE: ("RLIMIT_NOFILE", "-n", "open-files"), errno.EFBIG: ("R
 _NO_THREAD = "can't start new thread"  # CPython's words when the process or thread limit (`ulimit -u`) is reached
 
 
-def _unlimited(name: str) -> bool:
-    try:
-        return bool(resource.getrlimit(getattr(resource, name))[0] == resource.RLIM_INFINITY)
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-def _limit(name: str, option: str, what: str) -> str:
-    """The process's soft limit on `what`, in words: "the open-files limit, ulimit -n, is 64"."""
-    try:  # `resource` imported already: with no descriptor left, importing it fails
-        soft = resource.getrlimit(getattr(resource, name))[0]
-        shown = "unlimited" if soft == resource.RLIM_INFINITY else (
-            f"{soft} bytes" if name == "RLIMIT_FSIZE" else str(soft))
-    except (AttributeError, ValueError, OSError):
-        shown = "reached"
-    return f"the {what} limit, ulimit {option}, is {shown}"
-
-
 def process_limit(exc: BaseException) -> tuple[BaseException, str, str] | None:
     """The error in `exc`'s chain that a process limit caused, the limit in words and its `ulimit` option: too many
     open files (EMFILE; ENFILE, the system's), a file over the file-size limit (EFBIG), a thread that could not
@@ -337,11 +315,12 @@ def process_limit(exc: BaseException) -> tuple[BaseException, str, str] | None:
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (*_LIMITS, errno.ENFILE) and not (
-                error.errno == errno.EFBIG and _unlimited("RLIMIT_FSIZE")):  # else the file system's own cap
+                error.errno == errno.EFBIG and soft_limit("RLIMIT_FSIZE") == math.inf):  # else the file system's cap
             name, option, what = _LIMITS.get(error.errno, ("", "-n", ""))
-            return error, _limit(name, option, what) if name else "the system's open-files limit is reached", option
+            said = limit_words(name, option, what) if name else "the system's open-files limit is reached"
+            return error, said, option
         if isinstance(error, RuntimeError) and str(error).startswith(_NO_THREAD):  # CPython's own words, alone
-            return error, _limit("RLIMIT_NPROC", "-u", "process"), "-u"
+            return error, limit_words("RLIMIT_NPROC", "-u", "process"), "-u"
         error = error.__cause__ or error.__context__
     return None
 
@@ -367,7 +346,7 @@ def limit_reached(exc: BaseException) -> Fault | None:
 def file_size_limit() -> str | None:
     """This process's file-size limit in words ("the file-size limit, ulimit -f, is 153600 bytes"), or None where
     it has none."""
-    return None if _unlimited("RLIMIT_FSIZE") else _limit("RLIMIT_FSIZE", "-f", "file-size")
+    return None if soft_limit("RLIMIT_FSIZE") == math.inf else limit_words("RLIMIT_FSIZE", "-f", "file-size")
 
 
 RANK_FIX = ("find what kills or stalls the trial's rank processes (the out-of-memory killer, a GPU fault, a batch "

@@ -4,6 +4,7 @@ disabled objects that do nothing, so the loop has no precision branches."""
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 from dataclasses import dataclass
 
@@ -84,6 +85,27 @@ def out_of_memory(exc: BaseException) -> bool:
 
 # The limits a process's memory may be under, as `resource` names them, with their `ulimit` option and what they count.
 _MEMORY_LIMITS = (("RLIMIT_AS", "-v", "address-space"), ("RLIMIT_DATA", "-d", "data-size"))
+_IN_KIB = {"RLIMIT_AS", "RLIMIT_DATA"}
+
+
+def soft_limit(name: str) -> float | None:
+    """This process's soft limit `name` (`resource`'s RLIMIT_* name): `math.inf` where there is none, None where this
+    system cannot say (no such limit)."""
+    try:
+        soft = resource.getrlimit(getattr(resource, name))[0]
+    except (AttributeError, ValueError, OSError):
+        return None
+    return math.inf if soft == resource.RLIM_INFINITY else soft
+
+
+def limit_words(name: str, option: str, what: str) -> str:
+    """The soft limit `name` in words: "the open-files limit, ulimit -n, is 64" (memory in KiB, a file's size in
+    bytes; "unlimited", or "reached" where this system cannot say)."""
+    soft = soft_limit(name)
+    shown = "reached" if soft is None else "unlimited" if soft == math.inf else (
+        f"{int(soft) // 1024} KiB" if name in _IN_KIB else f"{int(soft)} bytes" if name == "RLIMIT_FSIZE"
+        else str(int(soft)))
+    return f"the {what} limit, ulimit {option}, is {shown}"
 
 
 def memory_limit() -> str | None:
@@ -91,12 +113,8 @@ def memory_limit() -> str | None:
     where it has none: under one, host memory runs out at the limit (a MemoryError, the CPU allocator's error), not
     where the machine's memory ends."""
     for name, option, what in _MEMORY_LIMITS:
-        try:
-            soft = resource.getrlimit(getattr(resource, name))[0]
-        except (AttributeError, ValueError, OSError):
-            continue
-        if soft != resource.RLIM_INFINITY:
-            return f"the {what} limit, ulimit {option}, is {soft // 1024} KiB"
+        if soft_limit(name) not in (None, math.inf):
+            return limit_words(name, option, what)
     return None
 
 
