@@ -350,12 +350,7 @@ def _max_steps_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
 def _pruners(component: Any) -> set[str]:
     """The pruner's type and those it wraps (`then:`, `wrapped:`), as far as the file spells them out."""
-    if isinstance(component, str):
-        return {component}
-    kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
-    args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
-    inner = [args.get(key) for key in ("then", "wrapped") if args.get(key) is not None]
-    return ({kind} if isinstance(kind, str) else set()).union(*(_pruners(c) for c in inner))
+    return {kind for _, kind, _ in _pruner_components(component) if isinstance(kind, str)}
 
 
 class RangeInFixed(UserWarning):
@@ -507,7 +502,7 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
     if budget is None:
         return []
     problems: list[tuple[str, str]] = []
-    for where, kind, args in _pruner_components(spec):
+    for where, kind, args in _pruner_components(spec.pruner):
         low = args.get("min_resource")
         if kind in ("hyperband", "successive_halving") and isinstance(low, int) and not isinstance(low, bool) \
                 and low >= budget:
@@ -529,16 +524,20 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return problems
 
 
-def _pruner_components(spec: StudySpec) -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
-    """The study's pruner and each it wraps (`then:`, `wrapped:`): where it is written, its type and arguments."""
-    component: Any = spec.pruner
-    where = "pruner"
-    while component is not None:
-        kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
-        args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
-        yield where, kind, args
-        key = next((k for k in ("then", "wrapped") if isinstance(args, dict) and args.get(k) is not None), None)
-        component, where = (args.get(key), f"{where}.{key}") if key else (None, where)
+def _pruner_components(component: Any, where: str = "pruner") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
+    """A pruner (`spec.pruner`, or a name) and each it wraps (`then:`, `wrapped:`): where it is written, its type and
+    arguments."""
+    if component is None:
+        return
+    if isinstance(component, str):
+        yield where, component, {}
+        return
+    kind = getattr(component, "type", None) or (component.get("type") if isinstance(component, dict) else None)
+    args = getattr(component, "args", None) or (component if isinstance(component, dict) else {})
+    yield where, kind, args
+    if isinstance(args, dict):
+        for key in ("then", "wrapped"):
+            yield from _pruner_components(args.get(key), f"{where}.{key}")
 
 
 class InertPruner(UserWarning):
@@ -563,7 +562,7 @@ def _inert_pruners(spec: StudySpec) -> list[tuple[str, str]]:
     judged = (f"evaluations every {every} steps, the last step, {budget}, completing the trial" if every is not None
               else f"the last step, {budget}, completes the trial")
     found: list[tuple[str, str]] = []
-    for where, kind, args in _pruner_components(spec):
+    for where, kind, args in _pruner_components(spec.pruner):
         warmup = args.get("n_warmup_steps")
         if kind in _WARMUP_PRUNERS and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup > last >= 1:
             found.append((f"{where}.n_warmup_steps", f"{warmup} is past the last step a trial is judged at ({last}: "
