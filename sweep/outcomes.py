@@ -41,6 +41,7 @@ __all__ = [
     "TimedOut",
     "TrialResult",
     "budget_counts",
+    "failure_reason",
     "failure_signature",
     "file_size_limit",
     "infrastructure_fault",
@@ -269,15 +270,34 @@ def lost_in_a_cohort(trials: Mapping[int, FrozenTrial], number: int) -> int:
                for n in lineage(trials, number) if (trial := trials.get(n)) is not None)
 
 
+# How a trial that ran out of memory says so (`trainer.precision.out_of_memory`, in its stored reason's words).
+_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "MemoryError")
 _SQL_DETAILS = re.compile(r"\s*(\[SQL: .*|\(Background on this error at: [^)]*\))$", re.DOTALL)
 
 
+# A number in an error's message: a shape, a value, an index. A broken model or loop raises the same error for every
+# config with the config's own numbers in it ("mat1 and mat2 shapes cannot be multiplied (64x143 and 128x10)").
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def failure_reason(trial: FrozenTrial) -> str:
+    """A failed trial's reason as the study's stop line shows it: less what SQLAlchemy appends (the statement and its
+    parameters, which differ per trial)."""
+    return _SQL_DETAILS.sub("", str(trial.user_attrs.get(ATTR_FAIL)))
+
+
 def failure_signature(trial: FrozenTrial) -> str | None:
-    """What makes two failures "the same way": the same exception and message, or NaN/Inf at the same step. A
-    divergence at different steps, or an explosion, is a property of the configs and has no signature."""
+    """What makes two failures "the same way": the same exception and message but for the numbers in it (review: a
+    loop's bug whose message held each trial's own value, or a model whose shapes fail for every width, failed all 200
+    trials of a study, none "the same way"), or NaN/Inf at the same step. A divergence at different steps, an
+    explosion, or running out of memory at different sizes is a property of the configs: its numbers are kept, and a
+    divergence before the end has no signature."""
     outcome = outcome_of(trial)
-    if outcome == Outcome.FAILED:  # less what SQLAlchemy appends: the statement and the parameters differ per trial
-        return _SQL_DETAILS.sub("", str(trial.user_attrs.get(ATTR_FAIL)))
+    if outcome == Outcome.FAILED:
+        said = failure_reason(trial)
+        if said.startswith("diverged: ") or any(words in said for words in _OUT_OF_MEMORY):
+            return said
+        return _NUMBER.sub("#", said)
     reason = trial.user_attrs.get(ATTR_PRUNE) or {}
     if outcome == Outcome.PRUNED and reason.get("rule") in ("nan", "inf"):
         return f"{reason['rule']} at step {reason.get('step')}"

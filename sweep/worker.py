@@ -51,6 +51,7 @@ from sweep.outcomes import (
     TimedOut,
     TrialResult,
     budget_counts,
+    failure_reason,
     failure_signature,
     infrastructure_fault,
     jsonable,
@@ -662,8 +663,9 @@ class Worker:
                     count += 1
         self._trim_ended_ways(min(in_flight, default=None))
         if count >= self.spec.max_repeated_failures:
-            assert signature is not None
-            raise StudyBrokenError(count, signature, self.n_trials,
+            assert signature is not None  # shown as this trial failed, its numbers too
+            shown = failure_reason(frozen) if outcome_of(frozen) is Outcome.FAILED else signature
+            raise StudyBrokenError(count, shown, self.n_trials,
                                    budget_counts(self.study.get_trials(deepcopy=False))[0])
 
     def _trim_ended_ways(self, lowest_in_flight: int | None) -> None:

@@ -122,6 +122,30 @@ def test_nan_in_the_data_stops_the_study_instead_of_burning_its_budget(tmp_path:
             "rerun alone trains nothing.") in done.stderr, done.stderr
 
 
+def test_a_broken_model_whose_error_holds_each_config_s_numbers_stops_the_study(tmp_path: Path) -> None:
+    """Found by review: a bug that fails every config with the config's own numbers in its message (here a layer one
+    input short, whose shape error names each trial's width) was never "the same way" twice, so the study spent its
+    whole budget failing. The numbers are left out of the comparison; the line shows the last failure as it was."""
+    (tmp_path / "shapebug.py").write_text(  # a module name of its own: tests in this process imported "broken"
+        "import dataclasses\n"
+        "from torch import nn\n"
+        "from trainer.tasks import digits\n"
+        "def task():\n"
+        "    def build(cfg):  # its first layer takes 63 inputs, where digits' samples have 64\n"
+        "        return nn.Sequential(nn.Linear(63, cfg['hidden']), nn.ReLU(), nn.Linear(cfg['hidden'], 10))\n"
+        "    return dataclasses.replace(digits(), build_model=build)\n")
+    document = copy.deepcopy(TINY_STUDY) | {"task": "shapebug:task", "n_trials": 10, "max_repeated_failures": 3}
+    done = sweep(write_study(tmp_path, document), pythonpath=tmp_path)
+    assert done.returncode == 1, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert len(trials) == 3 and all(t.state == TrialState.FAIL for t in trials)
+    widths = {t.params["model.hidden"] for t in trials}
+    assert len(widths) > 1, widths  # messages that differ: RuntimeError: ... (32x64 and 63xWIDTH)
+    last = trials[-1].user_attrs["fail_reason"]
+    assert last.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), last
+    assert f"3 trials in a row failed the same way ({last}); the code or the data is likely broken" in done.stderr
+
+
 def test_the_trainer_alone_applies_the_same_rules(tmp_path: Path) -> None:
     result = train(TrainingConfig.from_dict({**DIVERGING, "max_steps": 400, "eval_every_steps": 100,
                                              "log_every_steps": 5, "fast_fail": {"warmup_steps": 0}}))

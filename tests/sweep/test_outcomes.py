@@ -15,7 +15,7 @@ import sqlalchemy
 import sqlalchemy.exc
 from optuna.trial import TrialState
 
-from sweep.outcomes import Outcome, budget_counts, infrastructure_fault, lineage, outcome_of
+from sweep.outcomes import Outcome, budget_counts, failure_signature, infrastructure_fault, lineage, outcome_of
 from sweep.storage import Boundary, PatientStorage, StorageAway, StorageUnavailable, is_transient, make_storage
 
 
@@ -417,3 +417,27 @@ def test_a_process_limit_hit_by_a_checkpoint_is_the_machine_s_fault_naming_the_l
     assert infrastructure_fault(RuntimeError("config error: can't start new thread pool with workers=-1")) is None
     if resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY:
         assert infrastructure_fault(OSError(errno.EFBIG, "File too large", str(tmp_path / "huge.bin"))) is None
+
+
+def test_failures_are_the_same_way_but_for_their_numbers_unless_the_numbers_are_the_config_s() -> None:
+    """An error's numbers (a shape, a value) differ from config to config when the code is broken for all of them;
+    a divergence's step and an allocation's size are the config's own, and keep telling failures apart."""
+    def failed(reason: str) -> optuna.trial.FrozenTrial:
+        return optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"fail_reason": reason})
+
+    def same(a: str, b: str) -> bool:
+        return failure_signature(failed(a)) == failure_signature(failed(b))
+
+    assert same("RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x64 and 63x25)",
+                "RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x64 and 63x21)")
+    assert same("LoopError: run.report at step 1: expected the metrics as a mapping, got float 1.0040038762508408",
+                "LoopError: run.report at step 1: expected the metrics as a mapping, got float 9.9e-05")
+    assert not same("RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x64 and 63x25)",
+                    "ValueError: mat1 and mat2 shapes cannot be multiplied (32x64 and 63x25)")
+    assert not same("diverged: val_loss is nan at step 20", "diverged: val_loss is nan at step 30")
+    assert not same("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                    "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB")
+    assert not same("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                    "memory: you tried to allocate 800000000 bytes", "RuntimeError: [enforce fail at "
+                    "alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                    "900000000 bytes")
