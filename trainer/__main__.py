@@ -18,6 +18,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import torch
 from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest, overrides_clash
 from trainer.distributed import RankEnvironmentError
 from trainer.loop import NullReporter, TrainResult, train
-from trainer.messages import strict_json
+from trainer.messages import message, strict_json
 from trainer.precision import DeviceUnavailable, out_of_memory, out_of_memory_words, resolve_device
 from trainer.tasks import TaskError
 from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, short_repr
@@ -237,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print("\n".join(refused), file=sys.stderr)
         return 2
+    failed: dict[int, Exception] = {}  # of several trained together, the ones whose training raised
     try:
         if args.batched:
             from trainer.batched import CohortMember, train_batched  # loads torch.func only when asked
 
             labels = [printable(str(path)) for path in args.config]
             results = train_batched([CohortMember(config, reporter=PrintReporter(f"{label}: "))
-                                     for config, label in zip(configs, labels)], labels=labels)
+                                     for config, label in zip(configs, labels)], labels=labels, failed=failed)
         else:
             results = [_train_one(configs[0])]
     except (ConfigError, TaskError) as exc:
@@ -266,12 +268,29 @@ def main(argv: list[str] | None = None) -> int:
         print(printable(f"{files}: out of memory: {out_of_memory_words(exc)} (a smaller model or batch_size fits)"),
               file=sys.stderr)
         return 1
-    for path, result in zip(args.config, results):
+    trained = iter(results)
+    for index, path in enumerate(args.config):
+        if index in failed:  # the others trained on: their lines follow, and the command exits 1
+            error = failed[index]
+            said = (f"out of memory: {out_of_memory_words(error)} (a smaller model or batch_size fits)"
+                    if out_of_memory(error) else _error_words(error))
+            if not out_of_memory(error):  # a bug of the task's code, as alone: its traceback, then its line
+                traceback.print_exception(error, file=sys.stderr)
+            print(printable(f"{path}: failed: {said}"), file=sys.stderr)
+            print(json.dumps(strict_json({"config": str(path), "status": "failed", "error": said}), allow_nan=False))
+            continue
+        result = next(trained)
         line = {"status": result.status, "steps": result.steps, "metrics": result.metrics,
                 **({"stop_reason": result.stop_reason} if result.stop_reason else {}),
                 "wall_time_s": round(result.wall_time_s, 3), "reproducibility": result.reproducibility}
         print(json.dumps(strict_json({"config": str(path), **line} if args.batched else line), allow_nan=False))
-    return 0
+    return 1 if failed else 0
+
+
+def _error_words(exc: BaseException) -> str:
+    """An error in one line: its type and its message's first line."""
+    lines = (message(exc) or "").strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _culprit(paths: list[Path], configs: list[TrainingConfig], fails: Callable[[TrainingConfig], bool]) -> str:

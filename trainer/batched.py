@@ -69,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainer.batched_ops import dropout_rates, member_randomness, prepare_template, stacked_attention, stacked_chain
 from trainer.batched_optim import OPTIMIZER_STATES, ClipPlan, StackedOptimizer, clip_stacked, host_scalars
 from trainer.checkpoint import CheckpointWriteError, LoopState, TrainState, WarmStart, save_checkpoints
-from trainer.config import TrainingConfig
+from trainer.config import ConfigError, DeviceUnavailable, TrainingConfig
 from trainer.curriculum import CurriculumSampler, build_sampler, stage_starts
 from trainer.data import choose_data_loader
 from trainer.fast_fail import FastFailConfig, in_stage_grace
@@ -78,7 +78,7 @@ from trainer.optim import build_optimizer, lr_at
 from trainer.precision import allow_tf32, out_of_memory, resolve_device, resolve_precision
 from trainer.seeding import kept_global_state, reproducibility_record, seed_everything
 from trainer.sync import allowed_sync
-from trainer.tasks import Task, cross_entropy, load_task
+from trainer.tasks import Task, TaskError, cross_entropy, load_task
 from trainer.tasks.arrays import class_cross_entropy
 from trainer.tasks.base import as_fp32, out_of_classes
 
@@ -1193,12 +1193,19 @@ class MemberFailures(Exception):
 @kept_global_state()
 def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task | None = None, *,
                   capacity: int | None = None, say: Callable[[str], None] | None = None,
-                  labels: Sequence[str] | None = None) -> list[TrainResult]:
+                  labels: Sequence[str] | None = None,
+                  failed: dict[int, Exception] | None = None) -> list[TrainResult]:
     """Train every member; results in the order given. Members that share a batch signature train together, up to
     `capacity` at a time (default: as many as fit the free memory; a larger request is cut, with a message); a
     finished member's slot is refilled from the queue at the next evaluation boundary. A member that cannot be
     batched (`batch_problem`) is trained by the ordinary loop, with a message. `say` receives the messages
-    (default: stderr); `labels` name the members in them (their files; default `config I`, from 0)."""
+    (default: stderr); `labels` name the members in them (their files; default `config I`, from 0).
+
+    An error of training raises, unless `failed` is given: then a member trained alone that raises is entered
+    there by its index, and so is every member of a cohort whose step raised that had not finished (one stacked
+    model: the error is all of theirs), and the other members train on. The results then hold only the members
+    that did not fail, in the order given. The config's own mistakes (`ConfigError`, `TaskError`, a device this
+    machine lacks) raise whatever `failed` is: they are the input's, not a member's training's."""
     say = say if say is not None else (lambda message: print(message, file=sys.stderr))
     named = list(labels) if labels is not None else [f"config {i}" for i in range(len(members))]
     items = [m if isinstance(m, CohortMember) else CohortMember(m) for m in members]
@@ -1214,8 +1221,15 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         problem = _problem_probed(item.config, member_task, signature, probes)
         if problem is not None:
             say(f"{named[i]}: not batched, trained alone: {problem}")
-            results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
-                               warm_start=item.warm_start, checkpointer=item.checkpointer)
+            try:
+                results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
+                                   warm_start=item.warm_start, checkpointer=item.checkpointer)
+            except (ConfigError, TaskError, DeviceUnavailable):
+                raise
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed[i] = exc
             continue
         groups.setdefault(f"{key}/{signature}", []).append(i)
     for indices in groups.values():
@@ -1227,12 +1241,23 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         if size > fits:
             say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
             size = fits
-        results.update(_run_queue(group_task, [items[i] for i in indices], indices, size, probes))
-    return [results[i] for i in range(len(items))]
+        done: dict[int, TrainResult] = {}
+        try:
+            _run_queue(group_task, [items[i] for i in indices], indices, size, probes, done)
+        except (ConfigError, TaskError, DeviceUnavailable):
+            raise
+        except Exception as exc:
+            if failed is None:
+                raise
+            failed.update((i, exc) for i in indices if i not in done)
+        results.update(done)
+    return [results[i] for i in range(len(items)) if i in results]
 
 
 def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int,
-               probes: dict[str, str | None]) -> dict[int, TrainResult]:
+               probes: dict[str, str | None], done: dict[int, TrainResult]) -> None:
+    """Train `members` (the inputs `indices`) in one cohort of `size`, refilled from the queue; each result enters
+    `done` by its input index as the cohort finishes it (before an error of a later step)."""
     cohort = Cohort(task, members[0].config, size, probes)
     queue = list(zip(indices, members))
     placed: dict[int, int] = {}  # member id -> input index
@@ -1244,9 +1269,14 @@ def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size
         if not queue and c.active and len(c.active) <= c.capacity // 2:  # the tail: half the slots train nothing
             c.shrink()
 
+    def run() -> None:
+        try:
+            cohort.run(on_boundary=refill)
+        finally:
+            done.update((placed[member_id], result) for member_id, result in cohort.results.items())
+
     refill(cohort)
-    cohort.run(on_boundary=refill)
+    run()
     while queue:  # every member stopped before the first boundary: start the next ones
         refill(cohort)
-        cohort.run(on_boundary=refill)
-    return {placed[member_id]: result for member_id, result in cohort.results.items()}
+        run()

@@ -78,6 +78,69 @@ def test_batched_members_print_their_progress_and_messages_under_their_file_name
             assert f"{path}: {line}" in err, err
 
 
+UNLUCKY_TASK = """
+import dataclasses
+import torch
+from torch import nn
+from trainer.tasks import digits
+
+CALLS = {}  # forwards by width: kept outside the module, which a cohort's members share
+
+
+class Net(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden = hidden
+        self.a, self.b = nn.Linear(64, hidden), nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        CALLS[self.hidden] = calls = CALLS.get(self.hidden, 0) + 1
+        if self.hidden == 13:
+            raise RuntimeError("unlucky width 13")
+        if self.hidden == 17 and calls > 12:  # after a few steps: in the middle of its cohort's training
+            raise ValueError("width 17 broke at call " + str(calls))
+        return self.b(torch.relu(self.a(x)))
+
+def task():
+    return dataclasses.replace(digits(), build_model=lambda cfg: Net(cfg["hidden"]))
+"""
+
+
+def test_batched_members_whose_training_raises_fail_alone_and_the_others_train_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Carried over from review: with `--batched`, a member trained alone that raised ended the command with its
+    traceback, and the other files were never trained or printed. Now each file gets its line: a member that
+    raised fails (its traceback and one line on stderr), one whose cohort's step raised fails with it, the others
+    complete, and the command exits 1."""
+    (tmp_path / "unlucky.py").write_text(UNLUCKY_TASK)
+    files = {}
+    for name, hidden, seed in (("good", 16, 0), ("alone", 13, 0), ("late1", 17, 0), ("late2", 17, 1),
+                               ("also_good", 16, 1)):
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(f"task: unlucky:task\nmax_steps: 20\neval_every_steps: 10\nlog_every_steps: 10\n"
+                               f"seed: {seed}\nmodel: {{hidden: {hidden}}}\n")
+    assert main([str(path) for path in files.values()] + ["--batched"]) == 1
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["config"] for line in lines] == [str(path) for path in files.values()]  # one per file, in order
+    by_name = dict(zip(files, lines))
+    for name in ("good", "also_good"):
+        assert by_name[name]["status"] == "completed" and by_name[name]["steps"] == 20, by_name[name]
+    assert by_name["alone"] == {"config": str(files["alone"]), "status": "failed",
+                                "error": "RuntimeError: unlucky width 13"}
+    for name in ("late1", "late2"):
+        assert by_name[name]["status"] == "failed", by_name[name]
+        assert by_name[name]["error"].startswith("ValueError: width 17 broke at call"), by_name[name]
+        assert f"{files[name]}: failed: ValueError: width 17 broke at call" in captured.err
+    assert f"{files['alone']}: failed: RuntimeError: unlucky width 13" in captured.err
+    assert "Traceback (most recent call last)" in captured.err  # the task's bug, with where it is
+    assert f"{files['late1']}: not batched" not in captured.err  # its cohort's step raised, not a lone run
+    # The members that trained are the same as alone: their values match a run of the good files only.
+    assert main([str(files["good"]), str(files["also_good"]), "--batched"]) == 0
+    again = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["metrics"] for line in again] == [by_name["good"]["metrics"], by_name["also_good"]["metrics"]]
+
+
 def test_every_bad_file_of_several_is_named_and_a_bad_set_once(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # Review: of several bad files given with --batched, only the first was named.
