@@ -122,6 +122,7 @@ class InfrastructureError(Exception):
 
 
 BLOCKED_BEAT_S = 1.0  # the least wait of a heartbeat write taken for the database being blocked (`_blocked_s`)
+OUTSIDE_TELL_WAIT_S = 2.0  # a refused trial's end waits this long for a lost trial's reason (else: told from outside)
 
 
 class Beats:
@@ -479,6 +480,10 @@ class Worker:
         try:
             frozen = self._tell(trial, result)
         except optuna.exceptions.UpdateFinishedTrialError:
+            if (told := self._ended_from_outside(trial)) is not None:
+                warnings.warn(f"trial {trial.number} was {told} while this worker trained it; not retried",
+                              stacklevel=1)
+                return None
             # No heartbeat within the grace period (a paused machine, a storage outage longer than the grace period):
             # another worker failed it and queued a retry, which trains it again. This worker goes on.
             warnings.warn(f"trial {trial.number} was declared lost while this worker trained it (another worker "
@@ -491,6 +496,25 @@ class Worker:
                 self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE,
                             counted=counted)
         return frozen
+
+    def _ended_from_outside(self, trial: optuna.Trial) -> str | None:
+        """How a trial this worker trained was ended by another program (optuna-dashboard's buttons, `Study.tell`),
+        in words, or None when a worker of the study declared it lost. Such a tell writes no outcome, where a worker
+        that fails a lost trial writes its reason just after (review: a trial failed by hand was taken for lost,
+        "worker lost: no heartbeat" written over it, and its config trained again). A FAIL told from outside is the
+        user's decision: it is stored as failed, with that reason, and never retried."""
+        if not isinstance(self.storage, PatientStorage):
+            return None
+        trial_id = trial._trial_id  # noqa: SLF001 - Optuna has no public id of a running trial
+        for wait in (0.0, OUTSIDE_TELL_WAIT_S):  # the lost trial's reason follows its state within milliseconds
+            time.sleep(wait)
+            ended = self.storage.get_trial(trial_id)
+            if ATTR_OUTCOME in ended.user_attrs or ATTR_FAIL in ended.user_attrs or not ended.state.is_finished():
+                return None
+        told = f"told {ended.state.name} from outside (optuna-dashboard, Study.tell)"
+        if ended.state == TrialState.FAIL:
+            self.storage.record_lost(trial_id, f"failed: {told} while it trained", outcome=Outcome.FAILED.value)
+        return told
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:
         attrs = {key: jsonable(value) for key, value in {**result.attrs, ATTR_OUTCOME: result.outcome.value}.items()}

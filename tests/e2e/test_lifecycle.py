@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -258,3 +259,48 @@ def test_a_trial_another_tool_failed_in_the_study_counts_as_failed_and_is_neithe
     assert budget_counts(everything) == (4, 0)
     listed = sweep_cli("trials", path, "--format", "json")
     assert [row["outcome"] for row in json.loads(listed.stdout)][2] == "failed", listed.stdout
+
+
+def test_a_trial_failed_from_outside_while_it_trains_stays_failed_and_is_not_retried(tmp_path: Path) -> None:
+    """Found by review: a trial a person failed while it trained (optuna-dashboard's buttons, `Study.tell`) was taken
+    for lost: "worker lost: no heartbeat" was written over it, and after a grace period its config trained again.
+    Now its worker stops it, says so, and stores it as failed from outside, never retried."""
+    document = copy.deepcopy(TINY_STUDY) | {"name": "told", "n_trials": 1, "heartbeat_interval": 1,
+                                            "heartbeat_grace_period": 2}
+    document["fixed"] = {**document["fixed"], "max_steps": 100_000, "eval_every_steps": 10}
+    path = write_study(tmp_path, document)
+    told: list[int] = []
+
+    def tell_fail_once_it_reports() -> None:
+        storage = f"sqlite:///{tmp_path / 'told.db'}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                study = optuna.load_study(study_name="told", storage=storage)
+                running = [t for t in study.get_trials() if t.state == TrialState.RUNNING and t.intermediate_values]
+            except KeyError:  # not created yet
+                running = []
+            if running:
+                study.tell(running[0].number, state=TrialState.FAIL)
+                told.append(running[0].number)
+                return
+            time.sleep(0.05)
+
+    teller = threading.Thread(target=tell_fail_once_it_reports)
+    teller.start()
+    done = sweep_cli("run", path)
+    teller.join()
+    assert told == [0]
+    assert done.returncode == 0, done.stderr  # the study's one trial ended as a person decided: no failed run
+    assert "trial 0 was told FAIL from outside (optuna-dashboard, Study.tell) while this worker trained it; not " \
+           "retried" in done.stderr, done.stderr
+    assert "declared lost" not in done.stderr and "no heartbeat" not in done.stderr, done.stderr
+    time.sleep(2.5)  # past the grace period: a trial taken for lost would now be retried by the next run
+    again = sweep_cli("run", path)
+    assert again.returncode == 0, again.stderr
+    [trial] = trials(path, "told")  # no retry: the budget of one is spent by the trial the person failed
+    assert trial.state == TrialState.FAIL
+    assert trial.user_attrs["outcome"] == "failed", trial.user_attrs
+    assert trial.user_attrs["fail_reason"] == ("failed: told FAIL from outside (optuna-dashboard, Study.tell) while "
+                                               "it trained"), trial.user_attrs
+    assert trial.last_step is not None and trial.last_step < 100_000  # its worker stopped training it
