@@ -1107,6 +1107,10 @@ def best(
 
     chosen = results.best_trial(study)
     assert chosen is not None  # best_config found one
+    if (foreign := results.added_from_outside(study)) is not None:
+        err.print(f"note: trial {foreign.number}'s value {foreign.value:.6g} is better, but it was added to the study "
+                  f"from outside (Study.add_trial: it holds no config to train); trial {chosen.number} is the best "
+                  "trial sweep ran", markup=False)
     stored = study.user_attrs.get(SPEC_ATTR, {})
     if stored.get("loop") is not None:  # the user's own config: nothing here runs it
         text = (f"# best trial of study {study.study_name!r}: its config, as {stored['loop']}(config, run) "
@@ -1586,7 +1590,9 @@ def main() -> None:
     except SystemExit as exc:  # how typer ends every command
         if (lost := output_failure()) is not None and exc.code in (0, None):
             err.print(f"error: {lost}", markup=False)
+            _leave_promptly(1)
             raise SystemExit(1) from None
+        _leave_promptly(exc.code)
         raise
     except Exception as exc:
         from sweep.outcomes import limit_reached
@@ -1605,6 +1611,44 @@ def main() -> None:
             raise
         err.print(f"error: {printable(line)}", markup=False)
         raise SystemExit(code) from None
+
+
+EXIT_GRACE_S = 30.0  # how long a command may take to exit once done (SWEEP_EXIT_GRACE_S), the trials' leftovers too
+SIGNALLED_EXIT_GRACE_S = 5.0  # ... once stopped by Ctrl-C or SIGTERM: a scheduler's grace is short
+
+
+def _leave_promptly(code: object) -> None:
+    """Exit with `code` within a grace period whatever a trial's code left behind (review): a thread that is not a
+    daemon, which the interpreter waits for at exit, and a multiprocessing pool whose worker the SIGTERM killed, whose
+    exit handler then waits forever on a lock that worker held. Both kept `sweep run` alive with its study done.
+    A thread it waits for is named in a note; past the grace the process leaves with its code, saying so."""
+    import threading
+
+    status = code if isinstance(code, int) else 0 if code is None else 1
+    try:
+        grace = float(os.environ.get("SWEEP_EXIT_GRACE_S", "")) if os.environ.get("SWEEP_EXIT_GRACE_S") else (
+            SIGNALLED_EXIT_GRACE_S if status in (130, 143) else EXIT_GRACE_S)
+    except ValueError:
+        grace = EXIT_GRACE_S
+    main = threading.main_thread()
+    lingering = [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+    if lingering:
+        err.print(f"note: the trials' code left {len(lingering)} thread{'s' if len(lingering) > 1 else ''} running "
+                  f"({', '.join(map(printable, lingering))}; not daemon threads): waiting up to {grace:g} s for "
+                  f"{'them' if len(lingering) > 1 else 'it'} before exiting", markup=False)
+
+    def leave() -> None:
+        with contextlib.suppress(Exception):
+            err.print(f"note: exited {grace:g} s after the command ended, without waiting longer for what the trials' "
+                      "code left running (a thread, a process pool)", markup=False)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(status)
+
+    with contextlib.suppress(RuntimeError):  # no thread to be had (`ulimit -u`): exit as Python does
+        timer = threading.Timer(grace, leave)
+        timer.daemon = True
+        timer.start()
 
 
 # The commands that only read a study: an error they let out comes from what the database holds (a study edited by

@@ -71,7 +71,7 @@ from sweep.outcomes import (
     lost_in_a_cohort,
 )
 from sweep.pruners import startup_trials
-from sweep.signals import Preempted, raise_pending
+from sweep.signals import Preempted, raise_pending, stop_behind, trial_children
 from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
@@ -190,7 +190,15 @@ class CohortLoop:
         with worker.beating() as beats:
             while True:  # a cohort that fails is ended, member by member, and the loop goes on with the next one
                 try:
-                    return self._loop(beats, started_wall)
+                    try:
+                        with trial_children():
+                            return self._loop(beats, started_wall)
+                    except (StorageUnavailable, TimedOut, StudyBrokenError, InfrastructureError):
+                        raise
+                    except Exception as exc:  # raised by what the signal did to the trials' processes, say
+                        if (asked := stop_behind(exc)) is not None:
+                            raise asked from exc
+                        raise
                 except (KeyboardInterrupt, Preempted, TimedOut) as exc:
                     with unmarked_if_away("the cohort's trials", exc):
                         self._interrupt_all(beats, *_signalled(exc))
@@ -602,7 +610,9 @@ class CohortLoop:
             timed_out = self.timed_out = True  # the members left are interrupted at the loop's next boundary
         except (KeyboardInterrupt, Preempted, StorageUnavailable):
             raise
-        except BaseException as exc:  # noqa: BLE001 - a failing trial must never take the study down
+        except BaseException as exc:  # a failing trial must never take the study down
+            if (stop := stop_behind(exc)) is not None:  # the signal's doing (`Worker._run_one`)
+                raise stop from exc
             result = worker._failure(exc)  # noqa: SLF001
         finally:
             beats.discard(trial)

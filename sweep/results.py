@@ -17,8 +17,10 @@ from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_LOG,
+    ATTR_OUTCOME,
     ATTR_REPRO,
     ATTR_RESUMED_FROM,
+    ATTR_RETRY_OF,
     ATTR_SPEED,
     ATTR_STEPS,
     ATTR_STEPS_TRAINED,
@@ -125,15 +127,44 @@ def silent_running(study: optuna.Study) -> dict[int, float]:
 
 def best_trial(study: optuna.Study) -> FrozenTrial | None:
     """The study's best trial as sweep reports it (`sweep.confirm.study_best`): with `warm_start.confirm` on, the best
-    trial trained cold; otherwise the best complete trial, warm or not. None while no trial has completed."""
-    return study_best(study.get_trials(deepcopy=False), study.direction == StudyDirection.MAXIMIZE,
-                      confirm=confirm_count(study))
+    trial trained cold; otherwise the best complete trial, warm or not. None while no trial has completed. In a
+    study sweep made, only the trials it ran count (`ran_by_sweep`)."""
+    return study_best(_ranked_trials(study), study.direction == StudyDirection.MAXIMIZE, confirm=confirm_count(study))
 
 
 def no_best_line(study: optuna.Study) -> str:
     """Why `best_trial` is None (`sweep.confirm.no_best`)."""
-    return no_best(study.get_trials(deepcopy=False), study.direction == StudyDirection.MAXIMIZE,
-                   confirm=confirm_count(study))
+    return no_best(_ranked_trials(study), study.direction == StudyDirection.MAXIMIZE, confirm=confirm_count(study))
+
+
+# What a worker of sweep writes on every trial it trains (its config, its outcome), or asks (a retry, a confirmation).
+_RAN_MARKS = (ATTR_CONFIG, ATTR_OUTCOME, ATTR_RETRY_OF, ATTR_CONFIRMS, ATTR_WARM_START)
+
+
+def ran_by_sweep(trial: FrozenTrial) -> bool:
+    """Whether a worker of sweep trained the trial. A trial added to the study from outside (`Study.add_trial`, a
+    baseline's known value) holds none of what a worker writes, its config first: nothing could train it again."""
+    return any(key in trial.user_attrs for key in _RAN_MARKS)
+
+
+def added_from_outside(study: optuna.Study) -> FrozenTrial | None:
+    """The best complete trial added to a study sweep made from outside, when it beats every trial sweep ran (review:
+    it became the study's best, and `sweep best`, which writes the best trial's config, refused the study); else
+    None."""
+    if not made_by_sweep(study):
+        return None
+    foreign = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE and not ran_by_sweep(t)]
+    top = study_best(foreign, study.direction == StudyDirection.MAXIMIZE)
+    ours = best_trial(study)
+    if top is None or ours is None:
+        return top
+    return top if study_best([top, ours], study.direction == StudyDirection.MAXIMIZE) is top else None
+
+
+def _ranked_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The trials the study's best is chosen from: in a study sweep made, those it ran."""
+    trials = study.get_trials(deepcopy=False)
+    return [t for t in trials if ran_by_sweep(t)] if made_by_sweep(study) else trials
 
 
 def confirm_count(study: optuna.Study) -> int:

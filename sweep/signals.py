@@ -26,7 +26,8 @@ from types import FrameType
 from typing import NoReturn
 
 __all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "interrupted_at_start", "is_unmarked",
-           "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once", "record_forwarded", "stop_requested"]
+           "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once", "record_forwarded", "stop_behind",
+           "stop_requested", "trial_children"]
 
 
 class Preempted(BaseException):
@@ -91,6 +92,42 @@ def caught_stop(since: int) -> BaseException | None:
     """The stop a second signal has raised at once since `since` (`raised_at_once()` as a user's code began), which
     that code may have caught, as an exception to raise; None if none was."""
     return (stop_requested() or KeyboardInterrupt)() if raised_at_once() != since else None
+
+
+def stop_behind(error: BaseException) -> BaseException | None:
+    """The stop to raise in place of `error`, a trial's error while Ctrl-C or SIGTERM had asked to stop (the pending
+    request, taken now; or the one raised before), or None when none had. A scheduler signals every process of a job:
+    the trial's own processes (a DataLoader's workers) die of it and raise in the trial before its next clean point
+    (review: the trial was stored as its config's failure, "DataLoader worker ... is killed by signal: Terminated",
+    never retried). Such an error is the stop's doing, not the config's."""
+    if isinstance(error, (KeyboardInterrupt, Preempted)) or (kind := _requested) is None:
+        return None
+    try:
+        raise_pending()
+    except (KeyboardInterrupt, Preempted) as pending:
+        return pending
+    return kind()
+
+
+@contextlib.contextmanager
+def trial_children() -> Iterator[None]:
+    """A trial's code, whose SIGCHLD handler ends with it. PyTorch's DataLoader sets one, once per process, that raises
+    in the main thread wherever it is when a worker of a loader still alive dies: a SIGTERM to the whole job killed
+    the workers of a loader the stopped trial's frames still held, and the handler raised in the middle of storing
+    that trial's end (review: a traceback, exit 1 where 143 was due). Put back as it was when the trial ends, and
+    PyTorch told to set it again for the next trial's loader."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGCHLD"):
+        yield
+        return
+    before = signal.getsignal(signal.SIGCHLD)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGCHLD) is not before:
+            signal.signal(signal.SIGCHLD, before if before is not None else signal.SIG_DFL)
+            handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+            if handling is not None and hasattr(handling, "_SIGCHLD_handler_set"):
+                setattr(handling, "_SIGCHLD_handler_set", False)  # noqa: B010 - PyTorch's flag: its next loader sets it
 
 
 def raise_pending() -> None:

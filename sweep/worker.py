@@ -62,7 +62,7 @@ from sweep.outcomes import (
 from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
-from sweep.signals import Preempted, mark_unmarked, raise_pending
+from sweep.signals import Preempted, mark_unmarked, raise_pending, stop_behind, trial_children
 from sweep.storage import (
     Boundary,
     PatientStorage,
@@ -197,6 +197,20 @@ def readable(exc: BaseException) -> BaseException:
     """`exc`, or a stand-in when its `str()` raises (a user's exception class whose `__str__` is broken): the reason
     and every check of it (transient? the storage's refusal?) read it, and the study must not end there."""
     return exc if message(exc) is not None else _Unreadable(unreadable(exc))
+
+
+def _trained(runner: Runner) -> TrialResult:
+    """`runner.run()`, its SIGCHLD handler put back as it ends (`trial_children`); an error raised once Ctrl-C or
+    SIGTERM had asked to stop is that stop (`stop_behind`), its error its cause, also one raised as the trial ends."""
+    try:
+        with trial_children():
+            return runner.run()
+    except (StorageUnavailable, TimedOut):
+        raise
+    except Exception as exc:  # raised by what the signal did to the trial's own processes, say
+        if (stop := stop_behind(exc)) is not None:
+            raise stop from exc
+        raise
 
 
 class Worker:
@@ -427,11 +441,14 @@ class Worker:
                             storage_url=self.url)
         try:
             with self._heartbeat(trial):
-                result = runner.run()
+                result = _trained(runner)
         except (KeyboardInterrupt, Preempted, TimedOut) as exc:
             outcome = Outcome.PREEMPTED if isinstance(exc, Preempted) else Outcome.INTERRUPTED
             reason = ("preempted (SIGTERM)" if isinstance(exc, Preempted) else
                       self.timed_out_reason if isinstance(exc, TimedOut) else "interrupted")
+            if (error := exc.__cause__) is not None and not isinstance(exc, TimedOut):  # `stop_behind`'s
+                said = (message(error) or "").strip().splitlines()
+                reason = f"{reason}; the trial then raised {type(error).__name__}: {said[0][:300] if said else ''}"
             with unmarked_if_away(f"trial {trial.number}", exc):
                 ended = self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}),
                                   runner)

@@ -1063,3 +1063,88 @@ def test_a_loop_that_returns_several_objectives_is_warned_that_the_study_has_one
                                   "space": {"x": {"type": "float", "low": 3, "high": 4}}}, "model.yaml")
     done = sweep_cli("run", path, pythonpath=tmp_path)
     assert done.returncode == 0 and "several numbers" not in done.stderr, done.stderr
+
+
+LOADER_LOOP = '''
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main(config, run):
+    run.seed_everything()
+    data = TensorDataset(torch.randn(4096, 8), torch.randn(4096, 1))
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["learning_rate"])
+    loader = DataLoader(data, batch_size=32, shuffle=True, num_workers=2, persistent_workers=True)
+    step = 0
+    while True:
+        for x, y in loader:
+            step += 1
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % 5 == 0:
+                if run.report(step, {"val_loss": loss.item()}):
+                    return
+                Path(config["reported"]).touch()
+            if step >= config["max_steps"]:
+                return
+'''
+
+
+def test_a_sigterm_to_the_whole_job_preempts_a_trial_whose_data_loader_workers_it_killed(tmp_path: Path) -> None:
+    """Found by review: a scheduler's SIGTERM reaches every process of the job, the loop's DataLoader workers too;
+    they die of it and the loop raises "DataLoader worker (pid N) is killed by signal: Terminated" before its next
+    report. The trial was stored as its config's failure, never retried. It is preempted, and queued again."""
+    (tmp_path / "loader_loop.py").write_text(LOADER_LOOP)
+    reported = tmp_path / "reported"
+    path = write_study(tmp_path, {
+        "name": "loaders", "n_trials": 2, "sampler": {"type": "random"}, "pruner": "none", "loop": "loader_loop:main",
+        "fixed": {"max_steps": 10_000_000, "reported": str(reported)},
+        "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}})
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # a job's own group
+    try:
+        deadline = time.monotonic() + 180
+        while not reported.exists():
+            assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+            time.sleep(0.05)
+        os.killpg(run.pid, signal.SIGTERM)  # the scheduler: every process of the job, the loader's workers too
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL) if run.poll() is None else None
+    assert run.returncode == 143, stderr
+    trials = trials_of(path, "loaders")
+    first = trials[0]
+    assert first.state == optuna.trial.TrialState.FAIL, stderr
+    assert first.user_attrs["fail_reason"].startswith("preempted (SIGTERM)"), first.user_attrs
+    assert first.user_attrs.get("outcome") == "preempted", first.user_attrs
+    queued = [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
+    assert [t.user_attrs.get("retry_of") for t in queued] == [0], [t.user_attrs for t in trials]
+
+
+def test_a_thread_the_loop_leaves_running_does_not_keep_sweep_run_from_exiting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a loop that starts a thread (not a daemon) and never ends it kept `sweep run` alive forever
+    after the study was done and its summary printed, without a word. It names the thread and exits with the run's
+    own code once the grace period (SWEEP_EXIT_GRACE_S) has passed."""
+    (tmp_path / "threader.py").write_text(
+        "import threading\n"
+        "def main(config, run):\n"
+        "    threading.Thread(target=threading.Event().wait, name='forgotten-waiter').start()\n"
+        "    run.report(1, {'val_loss': config['learning_rate']})\n")
+    path = write_study(tmp_path, {
+        "name": "threads", "n_trials": 1, "sampler": {"type": "random"}, "pruner": "none", "loop": "threader:main",
+        "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}})
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("SWEEP_EXIT_GRACE_S", "2")
+    done = run_cli("run", path, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert ("note: the trials' code left 1 thread running (forgotten-waiter; not daemon threads): waiting up to 2 s "
+            "for it before exiting") in done.stderr, done.stderr
+    assert "note: exited 2 s after the command ended" in done.stderr, done.stderr
+    assert [t.state for t in trials_of(path, "threads")] == [optuna.trial.TrialState.COMPLETE]

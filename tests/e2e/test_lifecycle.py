@@ -304,3 +304,25 @@ def test_a_trial_failed_from_outside_while_it_trains_stays_failed_and_is_not_ret
     assert trial.user_attrs["fail_reason"] == ("failed: told FAIL from outside (optuna-dashboard, Study.tell) while "
                                                "it trained"), trial.user_attrs
     assert trial.last_step is not None and trial.last_step < 100_000  # its worker stopped training it
+
+
+def test_a_trial_added_from_outside_is_never_the_best_sweep_writes(tmp_path: Path) -> None:
+    """Found by review: a baseline added with `Study.add_trial` (no config, a better value) became the study's best,
+    and `sweep best` refused the study (exit 2: "holds no recorded config"). The best is the best trial sweep ran,
+    and `sweep best` says which better trial it passed over."""
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"name": "based", "n_trials": 2})
+    assert sweep_cli("run", path).returncode == 0
+    ran = trials(path, "based")
+    ours = min(ran, key=lambda t: t.value)
+    study = optuna.load_study(study_name="based", storage=f"sqlite:///{tmp_path / 'based.db'}")
+    study.add_trial(optuna.trial.create_trial(
+        params={"learning_rate": 0.01}, value=1e-9,
+        distributions={"learning_rate": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True)}))
+    done = sweep_cli("best", path, "-o", tmp_path / "best.yaml")
+    assert done.returncode == 0, done.stderr
+    assert "note: trial 2's value 1e-09 is better, but it was added to the study from outside" in done.stderr
+    assert f"trial {ours.number} is the best trial sweep ran" in done.stderr, done.stderr
+    written = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert written["learning_rate"] == ours.params["learning_rate"]
+    status = sweep_cli("status", path)
+    assert f"#{ours.number}" in status.stdout and "1e-09" not in status.stdout, status.stdout

@@ -153,7 +153,8 @@ def test_the_reports_best_so_far_line_passes_over_warm_values_when_the_study_con
     from sweep.report import render_report
 
     warm = {**WARM, "warm_start_from": {"trial": 0, "step": 50}}
-    rows = [(0.30, {}), (0.10, warm), (0.20, {}), (0.05, warm), (0.40, {"confirms": 3})]
+    cold = {"config": {}}  # what a worker writes on every trial it trains (a trial with none was added from outside)
+    rows = [(0.30, cold), (0.10, warm), (0.20, cold), (0.05, warm), (0.40, {**cold, "confirms": 3})]
     _trials(tmp_path, rows)
     url = f"sqlite:///{tmp_path / 'c.db'}"
     study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
