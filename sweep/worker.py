@@ -422,6 +422,14 @@ class Worker:
             raise
         except Exception:  # noqa: BLE001 - the runner's suggest raises it again, where a trial's errors go
             pass
+        queued = getattr(trial, "_fixed_params", None)  # Optuna's: the params `enqueue_trial` gave it, read at ask
+        unknown = sorted(set(queued) - set(self.spec.space)) if isinstance(queued, dict) else []
+        if unknown and ATTR_RETRY_OF not in trial.user_attrs:  # a retry's keys were searched when it first ran
+            # A typo in a queued trial's params (`study.enqueue_trial({"lr": ...})`) trained a sampled config
+            # without a word (review).
+            warnings.warn(f"trial {trial.number} was queued with {', '.join(map(repr, unknown))}, which this study "
+                          f"does not search (it searches {', '.join(map(repr, self.spec.space)) or 'nothing'}): "
+                          "ignored, and the searched keys it did not give are sampled", stacklevel=2)
 
     # -----------------------------------------------------------------------------------------------------------------
     # One trial.

@@ -326,3 +326,19 @@ def test_a_trial_added_from_outside_is_never_the_best_sweep_writes(tmp_path: Pat
     assert written["learning_rate"] == ours.params["learning_rate"]
     status = sweep_cli("status", path)
     assert f"#{ours.number}" in status.stdout and "1e-09" not in status.stdout, status.stdout
+
+
+def test_a_queued_trial_whose_params_name_a_key_the_study_does_not_search_is_warned_of(tmp_path: Path) -> None:
+    """Found by review: `study.enqueue_trial({"learnin_rate": ...})`, a typo, trained a sampled learning rate
+    without a word (Optuna ignores a queued param no suggest asks for)."""
+    path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"name": "queued", "n_trials": 1})
+    assert sweep_cli("run", path).returncode == 0
+    study = optuna.load_study(study_name="queued", storage=f"sqlite:///{tmp_path / 'queued.db'}")
+    study.enqueue_trial({"learnin_rate": 0.5, "model.hidden": 9})
+    done = sweep_cli("run", path, "--n-trials", "2")
+    assert done.returncode == 0, done.stderr
+    assert ("warning: trial 1 was queued with 'learnin_rate', which this study does not search (it searches "
+            "'learning_rate', 'model.hidden'): ignored, and the searched keys it did not give are sampled"
+            ) in done.stderr, done.stderr
+    queued = trials(path, "queued")[1]
+    assert queued.params["model.hidden"] == 9 and queued.params["learning_rate"] != 0.5  # the rest as queued
