@@ -1608,8 +1608,10 @@ def main() -> None:
         if line is None:
             line, code = _unreadable(exc)
         if line is None:
+            _leave_promptly(1)  # its traceback, exit 1
             raise
         err.print(f"error: {printable(line)}", markup=False)
+        _leave_promptly(code)
         raise SystemExit(code) from None
 
 
@@ -1621,7 +1623,8 @@ def _leave_promptly(code: object) -> None:
     """Exit with `code` within a grace period whatever a trial's code left behind (review): a thread that is not a
     daemon, which the interpreter waits for at exit, and a multiprocessing pool whose worker the SIGTERM killed, whose
     exit handler then waits forever on a lock that worker held. Both kept `sweep run` alive with its study done.
-    A thread it waits for is named in a note; past the grace the process leaves with its code, saying so."""
+    A thread it waits for is named in a note; past the grace the process leaves with its code, saying so. Armed on
+    every way `main` ends but a Ctrl-C before any command ran (nothing of a trial's is left then)."""
     import threading
 
     status = code if isinstance(code, int) else 0 if code is None else 1

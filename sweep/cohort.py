@@ -71,9 +71,9 @@ from sweep.outcomes import (
     lost_in_a_cohort,
 )
 from sweep.pruners import startup_trials
-from sweep.signals import Preempted, raise_pending, stop_behind, trial_children
+from sweep.signals import Preempted, raise_pending, stop_behind, trial_code
 from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
-from sweep.worker import InfrastructureError, StudyBrokenError, unmarked_if_away
+from sweep.worker import InfrastructureError, StudyBrokenError, signalled, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
 from trainer.precision import out_of_memory, out_of_memory_words
 
@@ -142,12 +142,6 @@ def _other_values(param: Param, value: Any) -> list[Any]:
     return [v for v in dict.fromkeys((low, high, middle)) if v != value]  # the middle: where an end is refused
 
 
-def _signalled(exc: BaseException) -> tuple[str, Outcome]:
-    """How a trial stopped by Ctrl-C or SIGTERM ends: its reason and outcome."""
-    return ("preempted (SIGTERM)", Outcome.PREEMPTED) if isinstance(exc, Preempted) else ("interrupted",
-                                                                                            Outcome.INTERRUPTED)
-
-
 def _interrupted(reason: str, outcome: Outcome) -> TrialResult:
     return TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True})
 
@@ -190,18 +184,11 @@ class CohortLoop:
         with worker.beating() as beats:
             while True:  # a cohort that fails is ended, member by member, and the loop goes on with the next one
                 try:
-                    try:
-                        with trial_children():
-                            return self._loop(beats, started_wall)
-                    except (StorageUnavailable, TimedOut, StudyBrokenError, InfrastructureError):
-                        raise
-                    except Exception as exc:  # raised by what the signal did to the trials' processes, say
-                        if (asked := stop_behind(exc)) is not None:
-                            raise asked from exc
-                        raise
+                    with trial_code(passing=(StorageUnavailable, TimedOut, StudyBrokenError, InfrastructureError)):
+                        return self._loop(beats, started_wall)
                 except (KeyboardInterrupt, Preempted, TimedOut) as exc:
                     with unmarked_if_away("the cohort's trials", exc):
-                        self._interrupt_all(beats, *_signalled(exc))
+                        self._interrupt_all(beats, *signalled(exc))
                     raise
                 except StorageUnavailable:
                     raise  # nothing can be stored: the members are found lost and retried later
@@ -400,7 +387,7 @@ class CohortLoop:
                     self._drop(trial)
                     beats.discard(trial)
                     with unmarked_if_away(f"trial {trial.number}", exc):
-                        self._end_unadmitted(trial, _interrupted(*_signalled(exc)), runner)
+                        self._end_unadmitted(trial, _interrupted(*signalled(exc)), runner)
                     raise
                 except (StorageUnavailable, StudyBrokenError, InfrastructureError):
                     raise
@@ -426,7 +413,7 @@ class CohortLoop:
                     return
         except (KeyboardInterrupt, Preempted, TimedOut) as exc:
             with unmarked_if_away("the trials asked for the cohort", exc):
-                self._give_back(beats, waiting, _interrupted(*_signalled(exc)))  # as the one that was starting
+                self._give_back(beats, waiting, _interrupted(*signalled(exc)))  # as the one that was starting
             raise
         except (StudyBrokenError, InfrastructureError):
             self._give_back(beats, waiting, _interrupted("interrupted: the worker stopped", Outcome.INTERRUPTED))

@@ -156,13 +156,6 @@ def count_key(trial: FrozenTrial) -> str:
 _OUTCOME_VALUES = frozenset(outcome.value for outcome in Outcome)
 
 
-# What a trial sweep asked holds from its first moments (`ATTR_CONFIG`, written before it trains; a queued retry's or
-# confirmation's own marks): a failed trial with none of them and no `fail_reason` was not one of sweep's. (One
-# sweep asked and lost before writing its config carries the reason the worker that failed it wrote. Only where
-# that worker was killed between those two writes, a second fault within milliseconds, does it read as failed:
-# counted, not retried. Its heartbeat cannot tell it apart: a silent trial of another tool's is beaten for once
-# too, `Worker._adopt_silent_trials`.)
-_SWEEP_MARKS = (ATTR_CONFIG, ATTR_RETRY_OF, ATTR_CONFIRMS)
 
 
 def outcome_of(trial: FrozenTrial) -> Outcome | None:
@@ -180,13 +173,14 @@ def outcome_of(trial: FrozenTrial) -> Outcome | None:
     if trial.user_attrs.get(ATTR_INTERRUPTED):
         reason = str(trial.user_attrs.get(ATTR_FAIL, ""))
         return Outcome.PREEMPTED if reason.startswith("preempted") else Outcome.INTERRUPTED
-    if ATTR_FAIL not in trial.user_attrs and not any(key in trial.user_attrs for key in _SWEEP_MARKS):
-        # Another tool's failure in this study (plain Optuna's `optimize(catch=...)`, a `tell` of FAIL): it never
-        # beat as a sweep worker's trial does, so it was not lost; it failed (review: sweep called such trials
-        # lost, wrote "worker lost" over them and trained their params again beyond the budget).
+    if ATTR_FAIL not in trial.user_attrs:
+        # Another tool's failure in this study (plain Optuna's `optimize(catch=...)`), or a trial of sweep's told
+        # FAIL from outside (optuna-dashboard, `Study.tell`): a worker that fails a lost trial writes why in the same
+        # transaction (`PatientStorage.fail_lost_trial`). It was not lost; it failed, as decided (review: sweep
+        # called such trials lost, wrote "worker lost" over them and trained their params again).
         return Outcome.FAILED
-    if ATTR_FAIL not in trial.user_attrs or trial.user_attrs[ATTR_FAIL] == LOST_REASON:
-        return Outcome.LOST  # failed as lost (by a worker that wrote its reason, or died before it could)
+    if trial.user_attrs[ATTR_FAIL] == LOST_REASON:
+        return Outcome.LOST  # failed as lost, by a worker of an older sweep that wrote no outcome
     return Outcome.FAILED
 
 
@@ -290,13 +284,17 @@ def failure_signature(trial: FrozenTrial) -> str | None:
     """What makes two failures "the same way": the same exception and message but for the numbers in it (review: a
     loop's bug whose message held each trial's own value, or a model whose shapes fail for every width, failed all 200
     trials of a study, none "the same way"), or NaN/Inf at the same step. A divergence at different steps, an
-    explosion, or running out of memory at different sizes is a property of the configs: its numbers are kept, and a
-    divergence before the end has no signature."""
+    explosion, or running out of memory at different sizes is a property of the configs: its numbers are kept (a
+    command's exit code too, and a command killed by SIGKILL, the out-of-memory killer's signal, keeps its log's), and
+    a divergence before the end has no signature."""
     outcome = outcome_of(trial)
     if outcome == Outcome.FAILED:
         said = failure_reason(trial)
         if said.startswith("diverged: ") or any(words in said for words in _OUT_OF_MEMORY):
             return said
+        if said.startswith("the command "):  # its exit code or signal, then its log's last lines (diff review)
+            how, colon, tail = said.partition(": ")
+            return said if "SIGKILL" in how else how + colon + _NUMBER.sub("#", tail)  # SIGKILL: the OOM killer's
         return _NUMBER.sub("#", said)
     reason = trial.user_attrs.get(ATTR_PRUNE) or {}
     if outcome == Outcome.PRUNED and reason.get("rule") in ("nan", "inf"):

@@ -34,7 +34,9 @@ from sweep.outcomes import (
 from sweep.results import (
     best_trial,
     confirm_count,
+    made_by_sweep,
     no_best_line,
+    ran_by_sweep,
     retraining,
     state_counts,
     steps_trained,
@@ -120,28 +122,31 @@ def focus_range(trials: list[FrozenTrial], maximize: bool) -> tuple[float, float
 
 
 def _history(study: optuna.Study, trials: list[FrozenTrial], confirm: int) -> Any:
-    """Optuna's optimisation history. With `warm_start.confirm` on, the study's best counts only trials trained cold
-    (`sweep.confirm.study_best`), so the best-so-far line does too: drawn from every complete trial, it would end on a
-    warm value that the report's best trial, `sweep status` and `sweep best` all pass over."""
+    """Optuna's optimisation history, its best-so-far line drawn from the trials the study's best is chosen from
+    (`sweep.results.best_trial`): with `warm_start.confirm` on, those trained cold; in a study sweep made, those it
+    ran (a trial added from outside, `Study.add_trial`, is passed over). Drawn from every complete trial, it would end
+    on a value that the report's best trial, `sweep status` and `sweep best` all pass over."""
     fig = optuna.visualization.plot_optimization_history(study)
-    if confirm <= 0:
+    counted = [t for t in trials if ran_by_sweep(t)] if made_by_sweep(study) else trials
+    if confirm <= 0 and len(counted) == len(trials):
         return fig
     maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
-    cold = {t.number: float(t.value) for t in trials
-            if t.state == TrialState.COMPLETE and t.value is not None and not is_warm(t)}
+    best_of = {t.number: float(t.value) for t in counted
+               if t.state == TrialState.COMPLETE and t.value is not None and not (confirm > 0 and is_warm(t))}
     for trace in fig.data:
         if trace.name != "Best Value" or trace.x is None:
             continue
         best: float | None = None
         line: list[float | None] = []
         for number in trace.x:
-            value = cold.get(int(number))
+            value = best_of.get(int(number))
             if value is not None and not math.isnan(value) and (
                     best is None or (value > best if maximize else value < best)):
                 best = value
             line.append(best)
         trace.y = line
-        trace.name = "Best Value (trained cold)"
+        if confirm > 0:
+            trace.name = "Best Value (trained cold)"
     return fig
 
 

@@ -27,7 +27,7 @@ from typing import NoReturn
 
 __all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "interrupted_at_start", "is_unmarked",
            "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once", "record_forwarded", "stop_behind",
-           "stop_requested", "trial_children"]
+           "stop_requested", "trial_code"]
 
 
 class Preempted(BaseException):
@@ -110,7 +110,7 @@ def stop_behind(error: BaseException) -> BaseException | None:
 
 
 @contextlib.contextmanager
-def trial_children() -> Iterator[None]:
+def _own_sigchld() -> Iterator[None]:
     """A trial's code, whose SIGCHLD handler ends with it. PyTorch's DataLoader sets one, once per process, that raises
     in the main thread wherever it is when a worker of a loader still alive dies: a SIGTERM to the whole job killed
     the workers of a loader the stopped trial's frames still held, and the handler raised in the middle of storing
@@ -128,6 +128,22 @@ def trial_children() -> Iterator[None]:
             handling = sys.modules.get("torch.utils.data._utils.signal_handling")
             if handling is not None and hasattr(handling, "_SIGCHLD_handler_set"):
                 setattr(handling, "_SIGCHLD_handler_set", False)  # noqa: B010 - PyTorch's flag: its next loader sets it
+
+
+@contextlib.contextmanager
+def trial_code(passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Around a trial's code (or a cohort's): its SIGCHLD handler ends with it (`_own_sigchld`), and an error it
+    raises once Ctrl-C or SIGTERM had asked to stop is that stop, raised from the error (`stop_behind`). Errors of
+    the `passing` types go through as they are (the storage gone, a timeout: each has its own way out)."""
+    try:
+        with _own_sigchld():
+            yield
+    except passing:
+        raise
+    except Exception as exc:  # raised by what the signal did to the trial's own processes, say
+        if (stop := stop_behind(exc)) is not None:
+            raise stop from exc
+        raise
 
 
 def raise_pending() -> None:

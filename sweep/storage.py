@@ -1328,28 +1328,43 @@ class PatientStorage(BaseStorage):
 
     def fail_lost_trial(self, trial_id: int, reason: str) -> bool:
         """Fail a trial whose worker stopped beating, with its reason. True for the one worker that failed it
-        (several may find it stale at once). Optuna refuses attrs on finished trials, and failing it after setting
-        the reason would let a live trial that beats again carry a failure reason: so the state changes first, the
-        row is claimed by that change, and the reason is written to Optuna's attribute table directly."""
+        (several may find it stale at once). The state, the reason and the outcome change in one transaction, the
+        trial's row locked (`_fail_as_lost`): a worker killed meanwhile leaves all of them or none, so a failed trial
+        of sweep's with no outcome was ended by someone else (`Study.tell` from outside: `Worker._ended_from_outside`).
+        Failing it after setting the reason would let a live trial that beats again carry a failure reason, and
+        setting it after failing it left a moment where a lost trial looked told from outside (diff review)."""
         self.flush_deferred()
         self._drop_snapshots()
-        if not self.boundary.call(self._fail_if_running, trial_id):
+        if not self.boundary.call(self._fail_as_lost, trial_id, {"fail_reason": reason, "outcome": "lost"}):
             return False
-        self.record_lost(trial_id, reason)
+        self._forget_finished(trial_id)
+        return True
+
+    def _fail_as_lost(self, trial_id: int, attrs: Mapping[str, Any]) -> bool:
+        """FAIL a running trial and write its user `attrs`, in one transaction; False when it had finished."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        with _create_scoped_session(self.backend.scoped_session) as session:
+            trial = models.TrialModel.find_or_raise_by_id(trial_id, session, for_update=True)
+            if trial.state.is_finished():
+                return False
+            trial.state = TrialState.FAIL
+            trial.datetime_complete = datetime.datetime.now()  # as Optuna's `set_trial_state_values` stamps it
+            for key, value in attrs.items():
+                row = models.TrialUserAttributeModel.find_by_trial_and_key(trial, key, session)
+                if row is None:
+                    row = models.TrialUserAttributeModel(trial_id=trial_id, key=key)
+                    session.add(row)
+                row.value_json = json.dumps(value)
         return True
 
     def record_lost(self, trial_id: int, reason: str, outcome: str = "lost") -> None:
-        """Write why a failed trial was lost, as `fail_lost_trial` does (Optuna refuses attrs on finished trials):
-        the reason and the outcome in one transaction, so a worker killed meanwhile leaves both or neither.
+        """Write why a failed trial ended (Optuna refuses attrs on finished trials): the reason and the outcome in
+        one transaction, so a worker killed meanwhile leaves both or neither.
         `outcome` "failed": a lost trial that will not be retried (its worker died on it too often)."""
         self.flush_deferred()
         self.boundary.call(self._write_user_attrs, trial_id, {"fail_reason": reason, "outcome": outcome})
-
-    def _fail_if_running(self, trial_id: int) -> bool:
-        try:
-            return bool(self.cached.set_trial_state_values(trial_id, TrialState.FAIL))
-        except optuna.exceptions.UpdateFinishedTrialError:
-            return False
 
     def _write_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
         """Write user attrs onto a finished trial, past Optuna (which refuses them): this process's read of the

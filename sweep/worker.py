@@ -62,7 +62,7 @@ from sweep.outcomes import (
 from sweep.progress import Events, NoEvents
 from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
-from sweep.signals import Preempted, mark_unmarked, raise_pending, stop_behind, trial_children
+from sweep.signals import Preempted, mark_unmarked, raise_pending, trial_code
 from sweep.storage import (
     Boundary,
     PatientStorage,
@@ -77,7 +77,7 @@ from sweep.storage import (
 )
 from sweep.tracking import end_lost_run
 from sweep.workers import LAUNCHED_ENV
-from trainer.messages import message, unreadable
+from trainer.messages import error_words, message, unreadable
 from trainer.precision import host_memory_limit
 
 __all__ = ["Events", "InfrastructureError", "NoEvents", "Preempted", "RunSummary", "StudyBrokenError", "Worker",
@@ -122,7 +122,6 @@ class InfrastructureError(Exception):
 
 
 BLOCKED_BEAT_S = 1.0  # the least wait of a heartbeat write taken for the database being blocked (`_blocked_s`)
-OUTSIDE_TELL_WAIT_S = 2.0  # a refused trial's end waits this long for a lost trial's reason (else: told from outside)
 
 
 class Beats:
@@ -200,17 +199,19 @@ def readable(exc: BaseException) -> BaseException:
 
 
 def _trained(runner: Runner) -> TrialResult:
-    """`runner.run()`, its SIGCHLD handler put back as it ends (`trial_children`); an error raised once Ctrl-C or
-    SIGTERM had asked to stop is that stop (`stop_behind`), its error its cause, also one raised as the trial ends."""
-    try:
-        with trial_children():
-            return runner.run()
-    except (StorageUnavailable, TimedOut):
-        raise
-    except Exception as exc:  # raised by what the signal did to the trial's own processes, say
-        if (stop := stop_behind(exc)) is not None:
-            raise stop from exc
-        raise
+    """`runner.run()` as a trial's code (`trial_code`)."""
+    with trial_code(passing=(StorageUnavailable, TimedOut)):
+        return runner.run()
+
+
+def signalled(stop: BaseException) -> tuple[str, Outcome]:
+    """How a trial stopped by Ctrl-C or SIGTERM ends: its reason and outcome. An error it raised once the signal had
+    come (`stop_behind`: the stop's cause) is kept in the reason."""
+    reason, outcome = (("preempted (SIGTERM)", Outcome.PREEMPTED) if isinstance(stop, Preempted) else
+                       ("interrupted", Outcome.INTERRUPTED))
+    if stop.__cause__ is not None:
+        reason = f"{reason}; the trial then raised {error_words(stop.__cause__)}"
+    return reason, outcome
 
 
 class Worker:
@@ -451,12 +452,8 @@ class Worker:
             with self._heartbeat(trial):
                 result = _trained(runner)
         except (KeyboardInterrupt, Preempted, TimedOut) as exc:
-            outcome = Outcome.PREEMPTED if isinstance(exc, Preempted) else Outcome.INTERRUPTED
-            reason = ("preempted (SIGTERM)" if isinstance(exc, Preempted) else
-                      self.timed_out_reason if isinstance(exc, TimedOut) else "interrupted")
-            if (error := exc.__cause__) is not None and not isinstance(exc, TimedOut):  # `stop_behind`'s
-                said = (message(error) or "").strip().splitlines()
-                reason = f"{reason}; the trial then raised {type(error).__name__}: {said[0][:300] if said else ''}"
+            reason, outcome = ((self.timed_out_reason, Outcome.INTERRUPTED) if isinstance(exc, TimedOut) else
+                               signalled(exc))
             with unmarked_if_away(f"trial {trial.number}", exc):
                 ended = self._end(trial, TrialResult(outcome, None, {ATTR_FAIL: reason, ATTR_INTERRUPTED: True}),
                                   runner)
@@ -525,17 +522,15 @@ class Worker:
     def _ended_from_outside(self, trial: optuna.Trial) -> str | None:
         """How a trial this worker trained was ended by another program (optuna-dashboard's buttons, `Study.tell`),
         in words, or None when a worker of the study declared it lost. Such a tell writes no outcome, where a worker
-        that fails a lost trial writes its reason just after (review: a trial failed by hand was taken for lost,
-        "worker lost: no heartbeat" written over it, and its config trained again). A FAIL told from outside is the
-        user's decision: it is stored as failed, with that reason, and never retried."""
+        fails a lost trial and writes why in one transaction (`PatientStorage.fail_lost_trial`; review: a trial
+        failed by hand was taken for lost, "worker lost: no heartbeat" written over it, and its config trained
+        again). A FAIL told from outside is the user's decision: stored as failed, with that reason, never retried."""
         if not isinstance(self.storage, PatientStorage):
             return None
         trial_id = trial._trial_id  # noqa: SLF001 - Optuna has no public id of a running trial
-        for wait in (0.0, OUTSIDE_TELL_WAIT_S):  # the lost trial's reason follows its state within milliseconds
-            time.sleep(wait)
-            ended = self.storage.get_trial(trial_id)
-            if ATTR_OUTCOME in ended.user_attrs or ATTR_FAIL in ended.user_attrs or not ended.state.is_finished():
-                return None
+        ended = self.storage.get_trial(trial_id)
+        if ATTR_OUTCOME in ended.user_attrs or ATTR_FAIL in ended.user_attrs or not ended.state.is_finished():
+            return None
         told = f"told {ended.state.name} from outside (optuna-dashboard, Study.tell)"
         if ended.state == TrialState.FAIL:
             self.storage.record_lost(trial_id, f"failed: {told} while it trained", outcome=Outcome.FAILED.value)
@@ -573,7 +568,7 @@ class Worker:
     def _requeue_orphans(self, trials: list[FrozenTrial]) -> tuple[bool, int]:
         """Queue the retry of every trial that ended for a reason not its config's (lost, interrupted, preempted,
         the machine's) and has none: its worker was killed between storing its end and queuing its retry, two
-        writes milliseconds apart, or between failing a lost trial and writing why. Without this the budget would
+        writes milliseconds apart, or between failing a lost trial and queuing its retry. Without this the budget would
         count the trial as used and its config would never finish. Only trials that ended more than a grace period
         ago: a live worker queues its retry at once. Returns (whether one was queued, how many younger ones wait:
         the budget counts them as running, not used, so a rerun right after the kill waits for them)."""

@@ -59,6 +59,18 @@ def changed(**edits: Any) -> dict[str, Any]:
     return document
 
 
+def declare_lost(storage: Any, trial_id: int) -> None:
+    """What another worker of the study writes on a trial it finds lost (`PatientStorage.fail_lost_trial`, in one
+    transaction): the reason and the outcome, and FAIL. A FAIL alone is a tell from outside (optuna-dashboard)."""
+    from optuna.trial import TrialState
+
+    from sweep.outcomes import LOST_REASON
+
+    storage.set_trial_user_attr(trial_id, "fail_reason", LOST_REASON)
+    storage.set_trial_user_attr(trial_id, "outcome", "lost")
+    storage.set_trial_state_values(trial_id, TrialState.FAIL)
+
+
 def write_study(folder: Path, document: dict[str, Any] | str, name: str = "study.yaml") -> Path:
     path = folder / name
     path.write_text(document if isinstance(document, str) else yaml.safe_dump(document, sort_keys=False))

@@ -28,7 +28,7 @@ import torch
 from trainer.config import NUMBER_TEXT, ConfigError, TrainingConfig, clash, nest, overrides_clash
 from trainer.distributed import RankEnvironmentError
 from trainer.loop import NullReporter, TrainResult, train
-from trainer.messages import message, strict_json
+from trainer.messages import error_words, strict_json
 from trainer.precision import DeviceUnavailable, out_of_memory, out_of_memory_words, resolve_device
 from trainer.tasks import TaskError
 from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, short_repr
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         if index in failed:  # the others trained on: their lines follow, and the command exits 1
             error = failed[index]
             said = (f"out of memory: {out_of_memory_words(error)} (a smaller model or batch_size fits)"
-                    if out_of_memory(error) else _error_words(error))
+                    if out_of_memory(error) else error_words(error))
             if not out_of_memory(error):  # a bug of the task's code, as alone: its traceback, then its line
                 traceback.print_exception(error, file=sys.stderr)
             print(printable(f"{path}: failed: {said}"), file=sys.stderr)
@@ -286,11 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(strict_json({"config": str(path), **line} if args.batched else line), allow_nan=False))
     return 1 if failed else 0
 
-
-def _error_words(exc: BaseException) -> str:
-    """An error in one line: its type and its message's first line."""
-    lines = (message(exc) or "").strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _culprit(paths: list[Path], configs: list[TrainingConfig], fails: Callable[[TrainingConfig], bool]) -> str:

@@ -1236,28 +1236,37 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         first = items[indices[0]].config
         key = json.dumps([first.task, first.task_args], sort_keys=True, default=str)
         group_task = task if task is not None else tasks[key]
-        fits = max_cohort_size(first, group_task)
-        size = min(len(indices), capacity or len(indices))
-        if size > fits:
-            say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
-            size = fits
-        done: dict[int, TrainResult] = {}
-        try:
-            _run_queue(group_task, [items[i] for i in indices], indices, size, probes, done)
-        except (ConfigError, TaskError, DeviceUnavailable):
-            raise
-        except Exception as exc:
-            if failed is None:
+        waiting = list(indices)
+        while waiting:
+            done: dict[int, TrainResult] = {}
+            started: set[int] = set()
+            try:
+                fits = max_cohort_size(first, group_task)  # a dry run: a model's error is raised here too
+                size = min(len(waiting), capacity or len(waiting))
+                if size > fits:
+                    say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
+                    size = fits
+                _run_queue(group_task, [items[i] for i in waiting], waiting, size, probes, done, started)
+            except (ConfigError, TaskError, DeviceUnavailable):
                 raise
-            failed.update((i, exc) for i in indices if i not in done)
-        results.update(done)
+            except Exception as exc:
+                if failed is None:
+                    raise
+                # The members the cohort was training, not those still queued: they go on in a cohort of their own.
+                # An error before any started (the stacked model's) is every member's, as is one that left none to
+                # blame (no progress to make).
+                hit = [i for i in waiting if i in started and i not in done] or [i for i in waiting if i not in done]
+                failed.update((i, exc) for i in hit)
+            results.update(done)
+            waiting = [i for i in waiting if i not in done and (failed is None or i not in failed)]
     return [results[i] for i in range(len(items)) if i in results]
 
 
 def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int,
-               probes: dict[str, str | None], done: dict[int, TrainResult]) -> None:
+               probes: dict[str, str | None], done: dict[int, TrainResult], started: set[int]) -> None:
     """Train `members` (the inputs `indices`) in one cohort of `size`, refilled from the queue; each result enters
-    `done` by its input index as the cohort finishes it (before an error of a later step)."""
+    `done` by its input index as the cohort finishes it (before an error of a later step), and each member enters
+    `started` as it is added (before an error of its own start)."""
     cohort = Cohort(task, members[0].config, size, probes)
     queue = list(zip(indices, members))
     placed: dict[int, int] = {}  # member id -> input index
@@ -1265,6 +1274,7 @@ def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size
     def refill(c: Cohort) -> None:
         while queue and c.free_slots:
             index, member = queue.pop(0)
+            started.add(index)
             placed[c.add(member)] = index
         if not queue and c.active and len(c.active) <= c.capacity // 2:  # the tail: half the slots train nothing
             c.shrink()

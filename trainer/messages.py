@@ -9,7 +9,7 @@ import re
 import reprlib
 from typing import Any
 
-__all__ = ["has_control", "message", "short_repr", "strict_json", "unreadable"]
+__all__ = ["error_words", "has_control", "message", "short_repr", "strict_json", "unreadable"]
 
 
 def message(exc: BaseException) -> str | None:
@@ -18,6 +18,12 @@ def message(exc: BaseException) -> str | None:
         return str(exc)
     except Exception:  # noqa: BLE001 - whatever a broken __str__ raises
         return None
+
+
+def error_words(exc: BaseException) -> str:
+    """An error in one line: its type and its message's first line (at most 300 characters)."""
+    lines = (message(exc) or "").strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def unreadable(exc: BaseException) -> str:

@@ -26,7 +26,7 @@ from sweep.outcomes import budget_counts
 from sweep.reproduce import reproduce_trial
 from sweep.schema import StudyFileError, validate_document
 from sweep.spec import parse_spec
-from tests.conftest import TINY_STUDY, run_cli, sweep_cli, write_study
+from tests.conftest import TINY_STUDY, declare_lost, run_cli, sweep_cli, write_study
 from trainer.tasks import load_task
 
 
@@ -974,7 +974,7 @@ def test_a_member_another_worker_declares_lost_leaves_its_cohort_and_donates_not
         reports.append((self.trial.number, step))
         decision = report(self, step, metrics)
         if self.trial.number == 1 and step == 20:
-            other._storage.set_trial_state_values(self.trial._trial_id, TrialState.FAIL)
+            declare_lost(other._storage, self.trial._trial_id)
         return decision
 
     monkeypatch.setattr(TrialReporter, "report", declared_lost_at_20)
@@ -1021,7 +1021,7 @@ def _member_lost_at_10(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     def lost_then_retried(self: TrialReporter, at: int, metrics: Any) -> bool:
         decision = report(self, at, metrics)
         if self.trial.number == 1 and at == 10:
-            other._storage.set_trial_state_values(self.trial._trial_id, TrialState.FAIL)
+            declare_lost(other._storage, self.trial._trial_id)
         if self.trial.number == 0 and at == retry_at:
             queue_retry_of_1(other)
         return decision

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from sweep.outcomes import budget_counts
 from tests.conftest import TINY_STUDY, sweep_cli, write_study
 
 
@@ -264,8 +265,9 @@ def test_a_trial_orphaned_before_its_first_heartbeat_is_retried_not_waited_for(t
 
 
 def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_the_next_worker(tmp_path: Path) -> None:
-    # Storing a trial's end and queuing its retry are two writes; a SIGKILL between them (or between failing a lost
-    # trial and writing why) used to leave a failed trial with no retry, counted against the budget and never trained.
+    # Storing a trial's end and queuing its retry are two writes; a SIGKILL between them used to leave a failed trial
+    # with no retry, counted against the budget and never trained. (Failing a lost trial and writing why are one
+    # transaction now: a failed trial of sweep's with no reason was told FAIL from outside, and stays failed.)
     from sweep.spec import load_spec
     from sweep.study import open_study
 
@@ -277,10 +279,10 @@ def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_th
     for key, value in {"outcome": "preempted", "fail_reason": "preempted (SIGTERM)", "interrupted": True}.items():
         preempted.set_user_attr(key, value)
     study.tell(preempted, state=TrialState.FAIL)
-    lost = study.ask()  # training (its config written), failed as lost by another worker, which died before writing
-    lost.set_user_attr("config", {})  # why and queuing the retry (without a config: another tool's failure)
-    study.tell(lost, state=TrialState.FAIL)
-    half = study.ask()  # the same, its reason written but not its outcome
+    told = study.ask()  # training (its config written), its worker dead, told FAIL from outside: a person's decision
+    told.set_user_attr("config", {})
+    study.tell(told, state=TrialState.FAIL)
+    half = study.ask()  # failed as lost by an older sweep's worker (its reason, not its outcome), which then died
     half.set_user_attr("fail_reason", "worker lost: no heartbeat")
     study.tell(half, state=TrialState.FAIL)
     # Rerun at once: younger than the grace period, their retries may still be on the way (from a live worker), so
@@ -289,12 +291,13 @@ def test_a_trial_whose_worker_died_between_its_end_and_its_retry_is_queued_by_th
     assert done.returncode == 0, done.stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()
     retries = {t.user_attrs["retry_of"]: t for t in trials if "retry_of" in t.user_attrs}
-    assert sorted(retries) == [preempted.number, lost.number, half.number]
+    assert sorted(retries) == [preempted.number, half.number]
     assert retries[preempted.number].user_attrs["retry_reason"] == "preempted (SIGTERM)"
-    assert retries[lost.number].user_attrs["retry_reason"] == "worker lost: no heartbeat"
-    assert trials[lost.number].user_attrs["outcome"] == "lost"
-    assert sum(t.state == TrialState.COMPLETE for t in trials) == 3  # the budget, exactly: no slot lost, none extra
-    assert len(trials) == 6
+    assert retries[half.number].user_attrs["retry_reason"] == "worker lost: no heartbeat"
+    assert trials[half.number].user_attrs["outcome"] == "lost"
+    assert "outcome" not in trials[told.number].user_attrs  # left as it was told: failed, counted
+    assert budget_counts(trials) == (3, 0)  # the budget, exactly: the told trial and the two retries
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2 and len(trials) == 5
 
 
 

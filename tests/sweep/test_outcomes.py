@@ -435,6 +435,12 @@ def test_failures_are_the_same_way_but_for_their_numbers_unless_the_numbers_are_
     assert not same("RuntimeError: mat1 and mat2 shapes cannot be multiplied (32x64 and 63x25)",
                     "ValueError: mat1 and mat2 shapes cannot be multiplied (32x64 and 63x25)")
     assert not same("diverged: val_loss is nan at step 20", "diverged: val_loss is nan at step 30")
+    assert same("the command exited with code 1: step 40 loss 1.93\nValueError: bad width 17",  # a broken script
+                "the command exited with code 1: step 70 loss 2.41\nValueError: bad width 33")
+    assert not same("the command exited with code 137: step 40 loss 1.93",  # diff review: another exit, another way
+                    "the command exited with code 1: step 40 loss 1.93")
+    assert not same("the command was killed by SIGKILL: step 40 loss 1.93",  # the OOM killer, at the configs' sizes
+                    "the command was killed by SIGKILL: step 70 loss 2.41")
     assert not same("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
                     "OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB")
     assert not same("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "

@@ -18,8 +18,12 @@ def test_trials_ended_by_another_tool_are_described_by_what_they_hold() -> None:
     assert outcome_text(pruned) == "pruned at step 7 (value=0.25)"
     assert outcome_text(create_trial(state=TrialState.PRUNED, params={}, distributions={})) == "pruned"
     assert outcome_text(create_trial(state=TrialState.FAIL, params={}, distributions={})) == "failed"
-    # One of sweep's (its config written as it started) failed without a reason: its worker was lost.
-    lost = create_trial(state=TrialState.FAIL, params={}, distributions={}, user_attrs={"config": {}})
+    # One of sweep's (its config written as it started) failed without a reason: told FAIL from outside (a worker
+    # that fails a lost trial writes why in the same transaction); one an older sweep failed as lost, with its reason.
+    told = create_trial(state=TrialState.FAIL, params={}, distributions={}, user_attrs={"config": {}})
+    assert outcome_text(told) == "failed"
+    lost = create_trial(state=TrialState.FAIL, params={}, distributions={},
+                        user_attrs={"config": {}, "fail_reason": "worker lost: no heartbeat"})
     assert outcome_text(lost) == "lost: worker lost: no heartbeat"
     ruled = create_trial(state=TrialState.PRUNED, intermediate_values={5: 9.0}, params={}, distributions={},
                          user_attrs={"prune_reason": {"rule": "explode", "step": 5, "value": 9.0}})

@@ -136,6 +136,9 @@ def test_bad_study_file_is_refused_in_process(tmp_path: Path, document: dict, ke
                  "to judge", id="wilcoxon-startup-past-the-evaluations"),
     pytest.param(changed(pruner={"type": "wilcoxon"}), "pruner: Wilcoxon judges a trial once it has reported 2 "
                  "evaluations, more than the 1 evaluation a trial reports", id="wilcoxon-one-evaluation"),
+    # Diff review: a wrapped pruner given by its name alone (`then: wilcoxon`) is checked as its dict form is.
+    pytest.param(changed(pruner={"type": "fastfail", "then": "wilcoxon"}), "pruner.then: Wilcoxon judges a trial "
+                 "once it has reported 2 evaluations", id="wilcoxon-by-name-wrapped"),
 ])
 def test_a_pruner_that_can_judge_no_trial_is_warned_of(tmp_path: Path, document: dict, line: str) -> None:
     """Review: a warmup past every trial's last step ran the study to the end and pruned nothing, without a word.

@@ -973,3 +973,30 @@ def test_a_loss_that_is_not_one_number_is_named_alone_and_in_a_cohort(digits: Ta
     for run in (train, lambda c, t: train_batched([c], t, say=lambda message: None)[0]):
         with pytest.raises(ValueError, match=expected):
             run(config, task)
+
+
+def test_a_cohort_whose_step_raises_fails_its_members_and_the_queued_ones_train_in_the_next(digits: Task) -> None:
+    """Diff review: the members still queued when a cohort's step raised were failed with it, though they never
+    joined it. The members the cohort trained fail; the queue goes on in a cohort of its own."""
+    calls = {"n": 0}
+
+    class Flaky(nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, hidden), nn.Linear(hidden, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            if calls["n"] == 12:  # in the first cohort's training: its members fail; the queued ones start later
+                raise ValueError(f"flaky at call {calls['n']}")
+            return self.b(torch.relu(self.a(x)))
+
+    task = dataclasses.replace(digits, build_model=lambda cfg: Flaky(cfg["hidden"]))
+    configs = [tiny(seed=s) for s in range(4)]
+    failed: dict[int, Exception] = {}
+    results = train_batched(configs, task, capacity=2, failed=failed)
+    assert sorted(failed) == [0, 1] and all("flaky at call" in str(e) for e in failed.values()), failed
+    assert len(results) == 2 and all(r.status == "completed" and r.steps == 24 for r in results)
+    calls["n"] = -10**9  # never again: the two trained alone give the same values as in that cohort
+    again = train_batched(configs[2:], task, capacity=2)
+    assert [r.evals for r in results] == [r.evals for r in again]
