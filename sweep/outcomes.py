@@ -30,7 +30,7 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import DeviceUnavailable
-from trainer.precision import limit_words, soft_limit  # and `resource`, now: with no descriptor left, it cannot be
+from trainer.limits import limit_words, soft_limit  # and `resource`, now: with no descriptor left, it cannot be
 
 __all__ = [
     "ATTR_CONFIG",

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 from dataclasses import dataclass
 
 import torch
 
 from trainer.config import DeviceUnavailable
+from trainer.limits import limit_words, soft_limit
 from trainer.messages import message
 
 __all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "host_memory_limit", "memory_limit", "out_of_memory",
@@ -85,29 +85,6 @@ def out_of_memory(exc: BaseException) -> bool:
 
 # The limits a process's memory may be under, as `resource` names them, with their `ulimit` option and what they count.
 _MEMORY_LIMITS = (("RLIMIT_AS", "-v", "address-space"), ("RLIMIT_DATA", "-d", "data-size"))
-_IN_KIB = {"RLIMIT_AS", "RLIMIT_DATA"}
-
-
-def soft_limit(name: str) -> float | None:
-    """This process's soft limit `name` (`resource`'s RLIMIT_* name): `math.inf` where there is none, None where this
-    system cannot say (no such limit)."""
-    try:
-        soft = resource.getrlimit(getattr(resource, name))[0]
-    except (AttributeError, ValueError, OSError):
-        return None
-    return math.inf if soft == resource.RLIM_INFINITY else soft
-
-
-def limit_words(name: str, option: str, what: str) -> str:
-    """The soft limit `name` in words: "the open-files limit, ulimit -n, is 64" (memory in KiB, a file's size in
-    bytes; "unlimited", or "reached" where this system cannot say)."""
-    soft = soft_limit(name)
-    shown = "reached" if soft is None else "unlimited" if soft == math.inf else (
-        f"{int(soft) // 1024} KiB" if name in _IN_KIB else f"{int(soft)} bytes" if name == "RLIMIT_FSIZE"
-        else str(int(soft)))
-    return f"the {what} limit, ulimit {option}, is {shown}"
-
-
 def memory_limit() -> str | None:
     """This process's limit on its memory in words ("the address-space limit, ulimit -v, is 1000000 KiB"), or None
     where it has none: under one, host memory runs out at the limit (a MemoryError, the CPU allocator's error), not

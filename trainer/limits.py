@@ -1,0 +1,31 @@
+"""This process's limits (`ulimit`), read and said in words. Standard library only: the commands that never import
+torch (`sweep status`, `sweep trials`) name a limit a fault hit too, through `sweep.outcomes`."""
+
+from __future__ import annotations
+
+import math
+import resource
+
+__all__ = ["limit_words", "soft_limit"]
+
+_IN_KIB = {"RLIMIT_AS", "RLIMIT_DATA"}
+
+
+def soft_limit(name: str) -> float | None:
+    """This process's soft limit `name` (`resource`'s RLIMIT_* name): `math.inf` where there is none, None where this
+    system cannot say (no such limit)."""
+    try:
+        soft = resource.getrlimit(getattr(resource, name))[0]
+    except (AttributeError, ValueError, OSError):
+        return None
+    return math.inf if soft == resource.RLIM_INFINITY else soft
+
+
+def limit_words(name: str, option: str, what: str) -> str:
+    """The soft limit `name` in words: "the open-files limit, ulimit -n, is 64" (memory in KiB, a file's size in
+    bytes; "unlimited", or "reached" where this system cannot say)."""
+    soft = soft_limit(name)
+    shown = "reached" if soft is None else "unlimited" if soft == math.inf else (
+        f"{int(soft) // 1024} KiB" if name in _IN_KIB else f"{int(soft)} bytes" if name == "RLIMIT_FSIZE"
+        else str(int(soft)))
+    return f"the {what} limit, ulimit {option}, is {shown}"
