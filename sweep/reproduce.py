@@ -45,7 +45,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     SPEC_ATTR,
 )
-from sweep.signals import Preempted, caught_stop, raise_stop, raised_at_once
+from sweep.signals import Preempted, caught_stop, raise_stop, raised_at_once, stop_taken
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.messages import message, unreadable
@@ -185,8 +185,8 @@ class _Recorder:
 
     def caught(self) -> BaseException | None:
         """The stop the replay was asked for, if its code caught it (raised and noted here, or raised at once by a
-        second signal in its own code)."""
-        return self.interrupted if self.interrupted is not None else caught_stop(self.at_once)
+        second signal in its own code) or its own signal handler took it (`sweep.signals.hear_taken`)."""
+        return self.interrupted if self.interrupted is not None else caught_stop(self.at_once) or stop_taken()
 
 
 def agree(a: float, b: float, tolerance: float) -> bool:

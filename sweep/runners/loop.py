@@ -20,8 +20,9 @@ otherwise the last value of the metric it reported. A trial told to stop is prun
 raises after that. A non-finite result fails the trial as diverged; an exception fails it (or, for a fault of the
 machine, retries it), as for the built-in trainer. A report that returned True because `--timeout` passed, and a
 Ctrl-C or SIGTERM that reached a report, stop the trial as interrupted (queued again, resumed from its newest
-save) even when the loop catches the interruption or returns a value; signal handlers the loop installs are put back
-when it returns.
+save) even when the loop catches the interruption or returns a value. So does one that a signal handler of the loop's
+own took in place of the worker's (it saves and returns, say); the handlers the loop installs are put back when it
+returns.
 
 Checkpoints go through the study's checkpoint service: a `run.save(state)` is written atomically to the study's
 checkpoint store, hash-checked and registered, and read back with `torch.load(weights_only=True)` (so a state holds
@@ -81,7 +82,16 @@ from sweep.outcomes import (
     TimedOut,
     TrialResult,
 )
-from sweep.signals import FORWARD, Preempted, caught_stop, raised_at_once
+from sweep.signals import (
+    FORWARD,
+    Preempted,
+    caught_stop,
+    hear_taken,
+    raise_pending,
+    raised_at_once,
+    stop_taken,
+    watched_handlers,
+)
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
 from trainer.imports import no_function
 from trainer.loop import Reporter
@@ -236,6 +246,7 @@ class Run:
         """A Ctrl-C or SIGTERM raised at a report is kept: a loop that catches it (or a thread of its that reported)
         still ends the trial as interrupted."""
         try:
+            hear_taken()  # a stop its own signal handler took, which the reporter raises here as any other
             # Asked to stop, and the loop caught it and went on (a second Ctrl-C raised in its own code, or one
             # raised at an earlier report): stop here, at each report from now on (review: the trial trained its
             # whole budget on).
@@ -317,7 +328,8 @@ class LoopExit(RuntimeError):
 def call_loop(function: Callable[..., Any], config: dict[str, Any], run: Run) -> Any:
     """Call the loop; a `StopTrial` it lets through is an ordinary end. `sys.exit` inside it fails the trial, as
     any exception does, instead of ending the worker with its trial left running. Signal handlers it installs are
-    put back when it returns: the worker's own answer Ctrl-C and SIGTERM again between trials."""
+    put back when it returns: the worker's own answer Ctrl-C and SIGTERM again between trials; a stop they took in
+    its place while it ran is the trial's stop all the same (`watched_handlers`)."""
     try:
         with _kept_signal_handlers():
             return function(config, run)
@@ -337,7 +349,8 @@ def _kept_signal_handlers() -> Iterator[None]:
     signums = {signal.SIGINT, signal.SIGTERM, *FORWARD.values()}
     before = {signum: signal.getsignal(signum) for signum in signums}
     try:
-        yield
+        with watched_handlers():  # a stop they take in place of the worker's is still heard
+            yield
     finally:
         for signum, handler in before.items():
             if handler is not None and signal.getsignal(signum) is not handler:
@@ -377,9 +390,11 @@ class LoopTrial(TrialRun):
                 returned = None  # what it raised once told to stop (a StopTrial it wrapped, say) changes nothing
         if run.interrupted is None:
             # A second Ctrl-C raises at once, wherever the loop is: one that landed in its own code, which caught it,
-            # still stops the trial (review: it completed at a step it never reached, and the run went on).
-            run.interrupted = caught_stop(run.at_once)
+            # still stops the trial (review: it completed at a step it never reached, and the run went on). So does
+            # one its own signal handler took, on which it returned early.
+            run.interrupted = caught_stop(run.at_once) or stop_taken()
         if run.interrupted is not None:  # the loop caught it, or a thread of its reported
+            raise_pending()  # the same stop, if not raised yet
             raise type(run.interrupted)()
         reporter.flush()
         if reporter.timed_out:  # it was told to stop for --timeout, and has saved what it chose to

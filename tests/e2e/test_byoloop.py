@@ -809,6 +809,44 @@ def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run
     assert max(stopped.intermediate_values, default=0) <= 2  # stopped at the step it was told in, not at the end
 
 
+@pytest.mark.parametrize(("signum", "behaviour"), [("SIGTERM", "returns"), ("SIGTERM", "exits"),
+                                                  ("SIGTERM", "goes on"), ("SIGINT", "returns")])
+def test_a_stop_the_loop_s_own_signal_handler_takes_still_stops_its_trial_and_the_run(
+        tmp_path: Path, signum: str, behaviour: str) -> None:
+    """Found by review: a loop that sets its own SIGTERM handler (one that sets a flag the loop saves and returns on,
+    as scripts written for a cluster's preemption do) took the signal in the worker's place: the trial was stored
+    complete at the step the loop returned on, with that step's value, and the preempted job exited 0. The stop is
+    the trial's all the same, whatever the handler does: return early, exit, or only note it."""
+    (tmp_path / "handler_loop.py").write_text(
+        "import os, signal, sys\n"
+        f"SIGNUM, BEHAVIOUR = signal.{signum}, {behaviour!r}\n"
+        "def main(config, run):\n"
+        "    asked = []\n"
+        "    def on_signal(signum, frame):\n"
+        "        asked.append(signum)\n"
+        "        if BEHAVIOUR == 'exits':\n"
+        "            sys.exit(0)\n"
+        "    signal.signal(SIGNUM, on_signal)\n"
+        "    for step in range(1, 50):\n"
+        "        if step == 3 and run.trial == 1:\n"
+        "            os.kill(os.getpid(), SIGNUM)  # a scheduler's preemption, or a Ctrl-C\n"
+        "        if asked and BEHAVIOUR == 'returns':\n"
+        "            run.save({'step': step})\n"
+        "            return 1.0 / step\n"
+        "        run.report(step, val_loss=1.0 / step)\n"
+        "    return 0.02\n")
+    path = write_study(tmp_path, {"name": "handlers", "n_trials": 3, "loop": "handler_loop:main", "pruner": "none"})
+    done = run_cli("run", path, cwd=path.parent)
+    assert done.returncode == (143 if signum == "SIGTERM" else 130), (done.returncode, done.stderr)
+    first, stopped, retry = trials_of(path, "handlers")
+    assert first.state.name == "COMPLETE" and first.value == 0.02
+    assert stopped.state.name == "FAIL", (stopped.state, stopped.value, done.stderr)
+    reason = stopped.user_attrs["fail_reason"]
+    assert reason.startswith("preempted (SIGTERM)" if signum == "SIGTERM" else "interrupted"), reason
+    assert sorted(stopped.intermediate_values) == [1, 2]
+    assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
+
+
 def test_a_study_deleted_while_it_runs_ends_the_run_with_one_line(tmp_path: Path) -> None:
     # Found by review: another user's `optuna delete-study` during a run made each worker's next write a traceback
     # ("KeyError: 'No trial with trial id 106 exists.'").
