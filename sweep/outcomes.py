@@ -30,7 +30,11 @@ from typing import Any
 from optuna.trial import FrozenTrial, TrialState
 
 from trainer.config import DeviceUnavailable
-from trainer.limits import limit_words, soft_limit  # and `resource`, now: with no descriptor left, it cannot be
+from trainer.limits import (  # and `resource`, now: with no descriptor left, it cannot be
+    OUT_OF_MEMORY_WORDS,
+    limit_words,
+    soft_limit,
+)
 
 __all__ = [
     "ATTR_CONFIG",
@@ -265,7 +269,7 @@ def lost_in_a_cohort(trials: Mapping[int, FrozenTrial], number: int) -> int:
 
 
 # How a trial that ran out of memory says so (`trainer.precision.out_of_memory`, in its stored reason's words).
-_OUT_OF_MEMORY = ("out of memory", "can't allocate memory", "MemoryError")
+_OUT_OF_MEMORY = (*OUT_OF_MEMORY_WORDS, "MemoryError")  # a reason line's words, or a bare MemoryError's type
 _SQL_DETAILS = re.compile(r"\s*(\[SQL: .*|\(Background on this error at: [^)]*\))$", re.DOTALL)
 
 

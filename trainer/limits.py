@@ -6,7 +6,11 @@ from __future__ import annotations
 import math
 import resource
 
-__all__ = ["limit_words", "soft_limit"]
+__all__ = ["OUT_OF_MEMORY_WORDS", "limit_words", "soft_limit"]
+
+# What an allocator's error says when memory ran out: PyTorch's (CUDA's, its CPU allocator's), and the operating
+# system's (ENOMEM's text).
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory")
 
 _IN_KIB = {"RLIMIT_AS", "RLIMIT_DATA"}
 

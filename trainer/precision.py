@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import DeviceUnavailable
-from trainer.limits import limit_words, soft_limit
+from trainer.limits import OUT_OF_MEMORY_WORDS, limit_words, soft_limit
 from trainer.messages import message
 
 __all__ = ["DeviceUnavailable", "Precision", "allow_tf32", "host_memory_limit", "memory_limit", "out_of_memory",
@@ -80,7 +80,7 @@ def out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError | torch.OutOfMemoryError):
         return True
     text = message(exc) or ""  # a user's exception class whose __str__ is broken: no allocator's message
-    return "can't allocate memory" in text or "out of memory" in text
+    return any(words in text for words in OUT_OF_MEMORY_WORDS)
 
 
 # The limits a process's memory may be under, as `resource` names them, with their `ulimit` option and what they count.
