@@ -51,7 +51,7 @@ from sweep.outcomes import (
     TrialResult,
     lineage,
 )
-from sweep.pruners import FastFailPruner, judges_by_rungs
+from sweep.pruners import FastFailPruner, judges_by_rungs, should_prune
 from sweep.signals import FORWARD, raise_pending, stop_requested
 from sweep.storage import PatientStorage, StorageAway
 from sweep.tracking import Guarded, open_trackers
@@ -121,6 +121,8 @@ class TrialReporter:
         self.timed_out = False  # a report answered "stop" because `--timeout` passed (`answers_deadline`)
         self.metric = spec.metric
         self.maximize = spec.direction == "maximize"
+        # A loop's or command's warm trials may count their steps from 0: judged at their lineages' steps.
+        self.lineages = spec.warm_start.enabled and (spec.loop is not None or spec.command is not None)
         self.series: list[tuple[int, float]] = list(prior)
         self.steps = {step for step, _ in self.series}
         self.unsent: list[tuple[int, float]] = []
@@ -180,7 +182,7 @@ class TrialReporter:
             with self.boundary.no_wait():
                 self.flush()
                 with self._one_read():
-                    prune = self.judged and not self._last(step) and self.trial.should_prune()
+                    prune = self.judged and not self._last(step) and should_prune(self.trial, self.lineages)
                     # Which rule pruned, from the same read: its own read, outside that, met a dropped connection
                     # as the machine's fault, and a pruned trial was retried (review).
                     reason = self._explain(step, value, metrics) if prune else None

@@ -12,6 +12,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
+from sweep.confirm import counted_from_0
 from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import DIVERGED, FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
@@ -19,7 +20,7 @@ from trainer.pacing import curriculum_from_dict, stage_starts
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
-__all__ = ["FastFailPruner", "startup_trials"]
+__all__ = ["FastFailPruner", "should_prune", "startup_trials"]
 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -194,7 +195,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
             return False
         if ATTR_WARM_START in trial.user_attrs and judges_by_rungs(self.then):
             return False  # see `judges_by_rungs`
-        return self.then.prune(_StudyView(study), _without_reference(trial))  # type: ignore[arg-type]
+        return self.then.prune(_StudyView(study, _as_judged), _as_judged(trial))  # type: ignore[arg-type]
 
 
 # What the constructor takes is `__init__`'s signature (inspect would read `__new__`'s): the study file's arguments are
@@ -215,6 +216,39 @@ def _without_reference(trial: FrozenTrial) -> FrozenTrial:
     return view
 
 
+def _as_judged(trial: FrozenTrial) -> FrozenTrial:
+    """The trial as a pruner fast-fail wraps sees it: without the step-0 evaluation, at its lineage's steps."""
+    return at_lineage_steps(_without_reference(trial))
+
+
+def at_lineage_steps(trial: FrozenTrial) -> FrozenTrial:
+    """The trial with its reports at its lineage's steps. A user's loop or command may take a warm start's state and
+    count its own steps from 0 (the README's example does): its report at step s follows the donor's d steps, and
+    stands at d + s. Compared at s, with cold trials that had trained s steps, it set the median pruner's bar, and
+    good cold trials were pruned by it (review: the study's best cold config, at 10% of its budget). The trainer's
+    warm trials, and loops that count on from the donor's step, report past it: as they are."""
+    parent = trial.user_attrs.get(ATTR_WARM_START)
+    if not isinstance(parent, Mapping) or not trial.intermediate_values:
+        return trial
+    handoff = parent.get("step")
+    if not isinstance(handoff, int) or not counted_from_0(min(trial.intermediate_values), handoff):
+        return trial
+    view = copy.copy(trial)
+    view.intermediate_values = {step + handoff: value for step, value in trial.intermediate_values.items()}
+    return view
+
+
+def should_prune(trial: optuna.Trial, lineages: bool) -> bool:
+    """`trial.should_prune()`; with `lineages` (warm start on, in a study of a loop or a command, whose warm trials may
+    count their steps from 0), every trial's reports at its lineage's steps for a pruner of Optuna's or of the study
+    file's own (`at_lineage_steps`; fast-fail puts the pruner it wraps at them itself)."""
+    study = trial.study
+    if not lineages or isinstance(study.pruner, FastFailPruner) or len(study.directions) > 1:
+        return trial.should_prune()
+    latest = trial._get_latest_trial()  # noqa: SLF001 - what `should_prune` judges: the trial as reported so far
+    return study.pruner.prune(_StudyView(study, at_lineage_steps), at_lineage_steps(latest))  # type: ignore[arg-type]
+
+
 def judges_by_rungs(pruner: optuna.pruners.BasePruner | None) -> bool:
     """Whether `pruner`, or one it wraps, is successive halving's (Hyperband's brackets are too). Such a pruner never
     judges a warm trial: its first report (the first step it trained itself, past the handoff) would be written into
@@ -231,22 +265,22 @@ def judges_by_rungs(pruner: optuna.pruners.BasePruner | None) -> bool:
 
 
 class _StudyView:
-    """The study as the wrapped pruner sees it: every trial without the step-0 evaluation, as the judged trial is,
-    so that the wrapped pruner judges as it does with fast-fail off (no step 0 anywhere). Its best trial too
-    (Wilcoxon's safety compares the mean of the best trial's values with the judged trial's, and the untrained
-    model's value in one of them only made the best trial look worse), and the trials `get_trials` gives (the leaders
-    and forecast pruners read whole curves: the leaders' untrained value, kept, set a bar at the early steps that a
-    trial with the leaders' own curve missed, and it was pruned). Optuna's median and percentile pruners read other
-    trials through `_get_trials`, at the judged trial's steps only, which never include 0."""
+    """The study as a pruner sees it: every trial as the judged one is (`view`). Fast-fail's wrapped pruner sees each
+    without the step-0 evaluation, so that it judges as it does with fast-fail off (no step 0 anywhere), and at its
+    lineage's steps (`at_lineage_steps`). Its best trial too (Wilcoxon's safety compares the mean of the best trial's
+    values with the judged trial's, and the untrained model's value in one of them only made the best trial look
+    worse), and the trials `get_trials` gives (the leaders and forecast pruners read whole curves: the leaders'
+    untrained value, kept, set a bar at the early steps that a trial with the leaders' own curve missed, and it was
+    pruned; Optuna's median and percentile pruners read the completed trials' values at the judged trial's step)."""
 
-    def __init__(self, study: optuna.Study) -> None:
-        self._study = study
+    def __init__(self, study: optuna.Study, view: Callable[[FrozenTrial], FrozenTrial]) -> None:
+        self._study, self._view = study, view
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._study, name)
 
     def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
-        return [_without_reference(t) for t in self._study.get_trials(deepcopy=deepcopy, states=states)]
+        return [self._view(t) for t in self._study.get_trials(deepcopy=deepcopy, states=states)]
 
     @property
     def trials(self) -> list[FrozenTrial]:
@@ -254,11 +288,11 @@ class _StudyView:
 
     @property
     def best_trial(self) -> FrozenTrial:
-        return _without_reference(self._study.best_trial)
+        return self._view(self._study.best_trial)
 
     @property
     def best_trials(self) -> list[FrozenTrial]:
-        return [_without_reference(t) for t in self._study.best_trials]
+        return [self._view(t) for t in self._study.best_trials]
 
 
 def startup_trials(pruner: optuna.pruners.BasePruner | None) -> int:

@@ -430,3 +430,45 @@ def test_the_rule_that_pruned_is_read_from_the_pruner_s_own_read_of_the_study(tm
     assert reporter.report(10, {"val_loss": NAN})  # pruned: NaN
     assert reporter.prune_reason is not None and reporter.prune_reason["rule"] == "nan"
     assert len(reads) == 1, reads  # the study's trials, read once
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_warm_loop_trial_that_counts_its_steps_from_0_is_judged_and_judges_at_its_lineage_s_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrapped: bool) -> None:
+    """Found by review: a user's loop that takes a warm start's state and counts its steps from 0 (the README's example
+    does) reports at step 10 what its lineage reached after the donor's 100 steps and 10 more. The median pruner
+    compared that with cold trials' step-10 values, and a cold trial better than every cold one that finished was
+    pruned at 10% of its budget. Its reports stand at its lineage's steps (110) for every pruner's judgment."""
+    (tmp_path / "lineage_loop.py").write_text("def main(config, run):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = parse_spec({"name": "lineages", "n_trials": 9, "loop": "lineage_loop:main", "warm_start": {"enabled": True},
+                       "pruner": {"type": "fastfail", "then": "median"} if wrapped else "median"},
+                      tmp_path / "study.yaml")
+    median = optuna.pruners.MedianPruner(n_startup_trials=2)
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/lineages.db", study_name="lineages",
+                                pruner=FastFailPruner(then=median, enabled=False) if wrapped else median)
+    config = {"max_steps": 100}
+
+    def run(values: dict[int, float], donor_step: int | None = None) -> str:
+        trial = study.ask()
+        trial.set_user_attr("config", config)
+        if donor_step is not None:
+            trial.set_user_attr(ATTR_WARM_START, {"trial": 0, "step": donor_step})
+        reporter = TrialReporter(trial, spec, config, NoEvents(), Boundary())
+        for step, value in values.items():
+            if reporter.report(step, {"val_loss": value}):
+                study.tell(trial, state=TrialState.PRUNED)
+                return f"pruned at {step}"
+        study.tell(trial, values[max(values)])
+        return "complete"
+
+    for _ in range(2):  # cold
+        assert run({10: 0.50, 20: 0.40, 60: 0.30, 100: 0.20}) == "complete"
+    for _ in range(3):  # warm, from a donor's step 100, counting from 0: far ahead at "step 10"
+        assert run({10: 0.05, 20: 0.04, 100: 0.03}, donor_step=100) == "complete"
+    assert run({10: 0.45, 20: 0.35, 60: 0.25, 100: 0.15}) == "complete"  # cold, better than every cold one at its steps
+    # A warm trial that went on from its donor's step 50 reports past it: its steps are the lineage's already, and
+    # a value worse than the cold trials' there is pruned as one.
+    assert run({60: 0.9, 100: 0.9}, donor_step=50) == "pruned at 60"
+    # One that counts from 0 after a donor's step 10 stands at steps 20...: judged there with the cold trials.
+    assert run({10: 0.9, 20: 0.9, 100: 0.9}, donor_step=10) == "pruned at 10"
