@@ -82,8 +82,8 @@ from trainer.tasks import Task, TaskError, cross_entropy, load_task
 from trainer.tasks.arrays import class_cross_entropy
 from trainer.tasks.base import as_fp32, out_of_classes
 
-__all__ = ["Cohort", "CohortMember", "MemberFailures", "available_memory", "batch_problem", "batch_signature",
-           "max_cohort_size", "train_batched"]
+__all__ = ["Cohort", "CohortMember", "MemberFailures", "NotBatchable", "available_memory", "batch_problem",
+           "batch_signature", "max_cohort_size", "train_batched"]
 
 MEMORY_SAFETY = 0.7  # a cohort may plan on this share of the free memory; the rest is for the allocator and the OS
 MAX_STRETCH = 256  # the most steps whose learning rates and batches are planned at once
@@ -92,14 +92,20 @@ MAX_STRETCH = 256  # the most steps whose learning rates and batches are planned
 # ---------------------------------------------------------------------------------------------------------------------
 # What may share a cohort.
 
+# What every module holds (its parameters, buffers, submodules, hooks, keyed by a process-wide counter): the module's
+# machinery, not its settings.
+_MODULE_MACHINERY = frozenset(vars(nn.Module()))
+
+
 def _static_attributes(model: nn.Module) -> list[tuple[str, str, list[tuple[str, str]]]]:
-    """Each module's type and settings: every public attribute but dropout rates, which may differ per member (an
-    activation function kept as an attribute, a list of sizes, a mode string...). Two members whose modules differ in
-    any of them cannot share one template, whose modules are the first member's."""
+    """Each module's type and settings: every attribute of its own but dropout rates, which may differ per member (an
+    activation function kept as an attribute, a list of sizes, a mode string...), private ones too (review: a
+    `self._temperature` set from the config gave every member the first member's, without a word). Two members whose
+    modules differ in any of them cannot share one template, whose modules are the first member's."""
     out = []
     for name, module in model.named_modules():
         plain = sorted((k, _setting(v)) for k, v in vars(module).items()
-                       if not k.startswith("_") and k != "training" and not (type(module) is nn.Dropout and k == "p"))
+                       if k not in _MODULE_MACHINERY and not (type(module) is nn.Dropout and k == "p"))
         out.append((name, type(module).__name__, plain))
     return out
 
@@ -429,6 +435,17 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+class NotBatchable(RuntimeError):
+    """The model did what a cohort cannot batch where its probe (`batch_problem`) did not see it."""
+
+
+# The training forward runs under vmap's "same" randomness (the members' dropout draws from each member's generator
+# inside its own rule), so a random op the probe's forward never reached would draw once for every member.
+_RANDOM_LATER = ("the model drew random numbers in a training step outside nn.Dropout, which the check of its first "
+                "forward did not see (a random op reached only later): a cohort would give every member the same "
+                "draws; train it without a cohort, or draw through nn.Dropout")
 
 
 def _rng_states(device: torch.device) -> list[torch.Tensor]:
@@ -831,9 +848,12 @@ class Cohort:
         generators = [s.generator if s is not None else None for s in self.slots]
         for idx in indices:
             x, y = self.train_x[idx], self.train_y[idx]
+            drawn = _rng_states(self.device) if self.chain is None else None
             with self.precision.autocast(), member_randomness(rates, generators):
                 out = (self.chain(self.params, x, training=True) if self.chain is not None
                        else self.forward(self.params, self.buffers, x))
+            if drawn is not None and not all(map(torch.equal, drawn, _rng_states(self.device))):
+                raise NotBatchable(_RANDOM_LATER)
             # Each member's loss on its own rows (a vmapped loss sums in another order); the backward of their sum
             # gives each member the gradient of its own loss.
             if self.stacked_loss is not None:

@@ -398,6 +398,23 @@ class _Counting(nn.Module):
         return self.body(x * 0.5 if self.calls > 8 else x)
 
 
+class _NoisyLater(nn.Module):
+    """Counts its forward calls in a private attribute and adds noise to its features after the second: a random op
+    the probe's one forward never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out, self._calls = nn.Linear(64, 16), nn.Linear(16, 10), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if self.training:
+            self._calls += 1
+            if self._calls > 2:
+                h = h + 0.5 * torch.randn_like(h)
+        return self.out(h)
+
+
 class _WritesIntoInput(nn.Module):
     """Writes into a copy of its input: batched in training (each member's own batch), not in evaluation (one batch
     shared by every member, which a member's values cannot be written into)."""
@@ -431,6 +448,7 @@ class _HandNorm(nn.Module):
                                            ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced"),
                                            ("tensor", "attribute scale holds a tensor"),
                                            ("counter", "forward changes module attribute calls"),
+                                           ("noisy_later", "forward changes module attribute _calls"),
                                            ("evaluation", "vmap cannot batch"),
                                            ("noisy_loss", "loss draws random numbers"),
                                            ("hand_norm", "calls batch_norm in training mode"),
@@ -446,6 +464,7 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
     build = {"frozen": _frozen_first_layer, "float64": lambda cfg: nn.Linear(64, 10).double(),
              "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean(),
              "tensor": lambda cfg: _Scaled(), "counter": lambda cfg: _Counting(),
+             "noisy_later": lambda cfg: _NoisyLater(),
              "evaluation": lambda cfg: _WritesIntoInput(),
              "noisy_loss": lambda cfg: nn.Linear(64, 10), "hand_norm": lambda cfg: _HandNorm(),
              "instance_norm": lambda cfg: nn.Sequential(nn.Linear(64, 16), nn.Unflatten(1, (4, 4)),
@@ -512,6 +531,17 @@ class _Tempered(nn.Module):
         return out if self.training else out / self.temperature
 
 
+class _PrivateTemperature(nn.Module):
+    """Its logits divided by a temperature from the config, kept in a private attribute."""
+
+    def __init__(self, temperature: float) -> None:
+        super().__init__()
+        self.inp, self.out, self._temperature = nn.Linear(64, 16), nn.Linear(16, 10), temperature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x))) / self._temperature
+
+
 class _SharedDropout(nn.Module):
     """One dropout layer used by two residual blocks (a module under two names)."""
 
@@ -562,15 +592,17 @@ def _padded_tokens() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Ten
     return (x[:300], y[:300]), (x[300:], y[300:])
 
 
-@pytest.mark.parametrize("kind", ["unsaved buffer", "function attribute", "lambda attribute", "eval-only branch",
-                                  "shared dropout", "dropout 1", "ignore_index", "observer", "eval-only observer"])
+@pytest.mark.parametrize("kind", ["unsaved buffer", "function attribute", "lambda attribute", "private attribute",
+                                  "eval-only branch", "shared dropout", "dropout 1", "ignore_index", "observer",
+                                  "eval-only observer"])
 def test_models_a_cohort_once_trained_wrongly_give_every_member_its_solo_values(digits: Task, kind: str) -> None:
     """Found by review, each silently wrong before (or, for ignore_index, a crash of the whole cohort): a buffer left
     out of the state dict took the first member's values; an activation kept as a function attribute was the first
     member's for all; a plain MLP whose forward branches on `self.training` ran its training graph in evaluations;
     a dropout layer under two names was swapped under one only, and drew one mask for all members; a rate of 1 made
-    NaN; targets of -100 broke the stacked cross entropy; a buffer that evaluation updates in place lost the
-    update (the evaluation's forward wrote into copies), and every later value drifted from the member's own."""
+    NaN; targets of -100 broke the stacked cross entropy; a setting in a private attribute was the first member's;
+    a buffer that evaluation updates in place lost the update (the evaluation's forward wrote into copies), and
+    every later value drifted from the member's own."""
     data = _padded_tokens() if kind == "ignore_index" else (digits.train, digits.val)
     if "observer" in kind:  # validation inputs larger than any training one: each evaluation moves the maximum
         data = (digits.train, (digits.val[0] * 3, digits.val[1]))
@@ -578,6 +610,7 @@ def test_models_a_cohort_once_trained_wrongly_give_every_member_its_solo_values(
         "unsaved buffer": (lambda cfg: _Features(cfg["v"]), [1.0, 1.0, 0.1]),
         "function attribute": (lambda cfg: _Activation(cfg["v"]), ["relu", "tanh", "relu"]),
         "lambda attribute": (lambda cfg: _Lambda(cfg["v"]), ["relu", "tanh", "relu"]),
+        "private attribute": (lambda cfg: _PrivateTemperature(cfg["v"]), [1.0, 3.0, 1.0]),
         "eval-only branch": (lambda cfg: _Tempered(cfg["v"]), [2.0, 2.0, 2.0]),
         "shared dropout": (lambda cfg: _SharedDropout(cfg["v"]), [0.0, 0.3, 0.3]),
         "dropout 1": (lambda cfg: nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Dropout(cfg["v"]), nn.Linear(16, 10)),
@@ -590,7 +623,7 @@ def test_models_a_cohort_once_trained_wrongly_give_every_member_its_solo_values(
     configs = [tiny(task="t", model={"v": v}, seed=seed) for seed, v in enumerate(values)]
     assert batch_problem(configs[0], task) is None
     signatures = {batch_signature(c, task) for c in configs}
-    assert len(signatures) == (2 if "attribute" in kind else 1)  # relu and tanh cannot share a template
+    assert len(signatures) == (2 if "attribute" in kind else 1)  # relu and tanh (1 and 3) cannot share a template
     messages: list[str] = []
     together = train_batched(configs, task, say=messages.append)
     assert messages == []
@@ -1000,3 +1033,40 @@ def test_a_cohort_whose_step_raises_fails_its_members_and_the_queued_ones_train_
     calls["n"] = -10**9  # never again: the two trained alone give the same values as in that cohort
     again = train_batched(configs[2:], task, capacity=2)
     assert [r.evals for r in results] == [r.evals for r in again]
+
+
+_FORWARDS = [0]  # forward calls of `_NoisyByGlobalCount`, counted where no check of the module's looks
+
+
+class _NoisyByGlobalCount(nn.Module):
+    """A residual block that adds noise to its features from its fourth training forward on, counted in a
+    module-level list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(64, 16), nn.Linear(16, 16), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = h + torch.relu(self.mid(h))
+        if self.training:
+            _FORWARDS[0] += 1
+            if _FORWARDS[0] > 3:
+                h = h + 0.5 * torch.randn_like(h)
+        return self.out(h)
+
+
+def test_a_random_op_the_probe_never_reached_fails_the_cohort_s_members_instead_of_sharing_its_draws(
+        digits: Task) -> None:
+    """Found by review: the training forward runs under vmap's "same" randomness, so a random op that the probe's
+    one forward did not reach drew once for every member, and each trained on other numbers than alone, without a
+    word. Where no check can see it coming, the cohort's step says so, and its members fail with that line."""
+    _FORWARDS[0] = 0
+    task = Task(name="noisy", train=digits.train, val=digits.val, build_model=lambda cfg: _NoisyByGlobalCount())
+    configs = [tiny(task="noisy", model={}, seed=seed) for seed in range(2)]
+    failed: dict[int, Exception] = {}
+    messages: list[str] = []
+    results = train_batched(configs, task, say=messages.append, failed=failed)
+    assert messages == []  # the probe's forward drew nothing: batched
+    assert results == [] and sorted(failed) == [0, 1]
+    assert all("drew random numbers in a training step outside nn.Dropout" in str(exc) for exc in failed.values())
