@@ -533,7 +533,7 @@ class Worker:
             return None
         told = f"told {ended.state.name} from outside (optuna-dashboard, Study.tell)"
         if ended.state == TrialState.FAIL:
-            self.storage.record_lost(trial_id, f"failed: {told} while it trained", outcome=Outcome.FAILED.value)
+            self.storage.record_lost(trial_id, f"{told} while it trained", outcome=Outcome.FAILED.value)
         return told
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:

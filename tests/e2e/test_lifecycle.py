@@ -306,8 +306,10 @@ def test_a_trial_failed_from_outside_while_it_trains_stays_failed_and_is_not_ret
     [trial] = trials(path, "told")  # no retry: the budget of one is spent by the trial the person failed
     assert trial.state == TrialState.FAIL
     assert trial.user_attrs["outcome"] == "failed", trial.user_attrs
-    assert trial.user_attrs["fail_reason"] == ("failed: told FAIL from outside (optuna-dashboard, Study.tell) while "
-                                               "it trained"), trial.user_attrs
+    assert trial.user_attrs["fail_reason"] == ("told FAIL from outside (optuna-dashboard, Study.tell) while it "
+                                               "trained"), trial.user_attrs
+    listed = sweep_cli("trials", path, "--format", "csv")  # the outcome once, then the reason
+    assert "failed: told FAIL from outside" in listed.stdout and "failed: failed:" not in listed.stdout, listed.stdout
 
 
 def test_a_trial_added_from_outside_is_never_the_best_sweep_writes(tmp_path: Path) -> None:
