@@ -71,7 +71,7 @@ from sweep.outcomes import (
     lost_in_a_cohort,
 )
 from sweep.pruners import startup_trials
-from sweep.signals import Preempted, raise_pending, stop_behind, trial_code
+from sweep.signals import Preempted, raise_pending, trial_code
 from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
 from sweep.worker import InfrastructureError, StudyBrokenError, signalled, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
@@ -590,16 +590,15 @@ class CohortLoop:
         storage = worker.storage
         timed_out = False
         try:  # its reports stored as it trains, as any lone trial's, not with the refill's
-            with storage.writes_now() if isinstance(storage, PatientStorage) else contextlib.nullcontext():
+            with (trial_code(passing=(StorageUnavailable, TimedOut)),  # an error a signal caused is that stop
+                  storage.writes_now() if isinstance(storage, PatientStorage) else contextlib.nullcontext()):
                 result = runner.train_prepared(runner.until(prepared, worker.deadline))
         except TimedOut:  # stopped at its checkpoint after the deadline, queued as one trial at a time queues it
             result = _interrupted(worker.timed_out_reason, Outcome.INTERRUPTED)
             timed_out = self.timed_out = True  # the members left are interrupted at the loop's next boundary
         except (KeyboardInterrupt, Preempted, StorageUnavailable):
             raise
-        except BaseException as exc:  # a failing trial must never take the study down
-            if (stop := stop_behind(exc)) is not None:  # the signal's doing (`Worker._run_one`)
-                raise stop from exc
+        except BaseException as exc:  # noqa: BLE001 - a failing trial must never take the study down
             result = worker._failure(exc)  # noqa: SLF001
         finally:
             beats.discard(trial)
