@@ -605,13 +605,13 @@ def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
     except (StudyBrokenError, InfrastructureError, StorageUnavailable) as exc:
         if not isinstance(exc, StorageUnavailable):
             _print_status(study)
+        said = str(exc)
         if isinstance(exc, StudyBrokenError):  # the budget as the members that ended with the last one left it
             from sweep.outcomes import budget_counts
 
             with contextlib.suppress(Exception):
-                exc = StudyBrokenError(exc.count, exc.signature, exc.n_trials,
-                                       budget_counts(study.get_trials(deepcopy=False))[0])
-        raise _fail(f"{prefix}{exc}", 1) from None
+                said = exc.advice(budget_counts(study.get_trials(deepcopy=False))[0])
+        raise _fail(f"{prefix}{said}", 1) from None
     except Exception as exc:  # a trial's end refused by the storage (a database dropped): one line, not a traceback
         refusal = storage_refusal(exc)
         if refusal is None:

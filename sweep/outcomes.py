@@ -284,17 +284,18 @@ def failure_reason(trial: FrozenTrial) -> str:
     return _SQL_DETAILS.sub("", str(trial.user_attrs.get(ATTR_FAIL)))
 
 
-def failure_signature(trial: FrozenTrial) -> str | None:
+def failure_signature(trial: FrozenTrial, *, numbers: bool = False) -> str | None:
     """What makes two failures "the same way": the same exception and message but for the numbers in it (review: a
     loop's bug whose message held each trial's own value, or a model whose shapes fail for every width, failed all 200
     trials of a study, none "the same way"), or NaN/Inf at the same step. A divergence at different steps, an
     explosion, or running out of memory at different sizes is a property of the configs: its numbers are kept (a
     command's exit code too, and a command killed by SIGKILL, the out-of-memory killer's signal, keeps its log's), and
-    a divergence before the end has no signature."""
+    a divergence before the end has no signature. `numbers`: every message's numbers are kept (once a trial of the
+    study has trained, messages that differ in them are the configs' doing: "hidden 17 unsupported")."""
     outcome = outcome_of(trial)
     if outcome == Outcome.FAILED:
         said = failure_reason(trial)
-        if said.startswith("diverged: ") or any(words in said for words in _OUT_OF_MEMORY):
+        if numbers or said.startswith("diverged: ") or any(words in said for words in _OUT_OF_MEMORY):
             return said
         if said.startswith("the command "):  # its exit code or signal, then its log's last lines (diff review)
             how, colon, tail = said.partition(": ")

@@ -92,16 +92,30 @@ class StudyBrokenError(Exception):
     words it again with the budget used once the run has wound down: in a cohort, the members that ended at the same
     evaluation are recorded after the one that completed the row, and may spend the rest of the budget."""
 
-    def __init__(self, count: int, signature: str, n_trials: int, used: int) -> None:
-        self.count, self.signature, self.n_trials = count, signature, n_trials
+    def __init__(self, count: int, signature: str, n_trials: int, used: int, varying: str = "") -> None:
+        self.count, self.signature, self.n_trials, self.varying = count, signature, n_trials, varying
         super().__init__(self.advice(used))
 
     def advice(self, used: int) -> str:
         rerun = (f"Fix it, then rerun with a larger --n-trials: these failures spent the budget ({used}/"
                  f"{self.n_trials} trials done), so a rerun alone trains nothing" if used >= self.n_trials else
                  "Fix it and rerun, or raise max_repeated_failures")
-        return (f"{self.count} trials in a row failed the same way ({self.signature}); the code or the data is likely "
-                f"broken, not the configs. {rerun}.")
+        broken = (f"the code or the data is likely broken, or these values of {self.varying} are (no trial has "
+                  "trained yet: narrow the space if others train)" if self.varying else
+                  "the code or the data is likely broken, not the configs")
+        return f"{self.count} trials in a row failed the same way ({self.signature}); {broken}. {rerun}."
+
+
+def _varying(trials: list[FrozenTrial], row: Collection[int]) -> str:
+    """Where the failed trials of a row differ in their messages' numbers and in some searched keys' values, those
+    keys with their values ("model.hidden (17, 25, 30)"; "" where they do not): before any trial has trained, a region
+    of the search space that fails reads the same way as broken code."""
+    failed = [t for t in trials if t.number in row]
+    if len({failure_reason(t) for t in failed}) < 2:
+        return ""
+    keys = sorted(key for key in set().union(*(t.params for t in failed))
+                  if len({repr(t.params.get(key)) for t in failed}) > 1)
+    return ", ".join(f"{key} ({', '.join(str(t.params.get(key)) for t in failed)})" for key in keys[:3])
 
 
 def _twin(trial: optuna.Trial, trials: list[FrozenTrial]) -> int | None:
@@ -239,6 +253,9 @@ class Worker:
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
         self.ended_ways: dict[int, str | None] = {}
+        # Whether a trial of the study has trained (completed, or pruned by a rule other than NaN/Inf): from then on
+        # failures are "the same way" only with the same numbers in their messages (`_check_streak`).
+        self.study_trained = False
         self.given_up: set[int] = set()  # lost trials failed as killed by their config (`_killed_by_its_config`)
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
@@ -694,9 +711,9 @@ class Worker:
         is still training has not failed, so it ends the row; a trial that ended any other way ends it too."""
         if not self.spec.max_repeated_failures:
             return
-        signature = self.ended_ways[frozen.number] = failure_signature(frozen)
+        signature = self.ended_ways[frozen.number] = failure_signature(frozen, numbers=self._study_trained(frozen))
         in_flight = set(running)
-        count = 0
+        row = []
         if signature is not None:  # the row this trial's failure belongs to, both ways from it
             order = sorted({*self.ended_ways, *in_flight})
             at = order.index(frozen.number)
@@ -704,13 +721,27 @@ class Worker:
                 for number in side:
                     if number in in_flight or self.ended_ways[number] != signature:
                         break
-                    count += 1
+                    row.append(number)
         self._trim_ended_ways(min(in_flight, default=None))
-        if count >= self.spec.max_repeated_failures:
+        if len(row) >= self.spec.max_repeated_failures:
             assert signature is not None  # shown as this trial failed, its numbers too
+            trials = self.study.get_trials(deepcopy=False)
             shown = failure_reason(frozen) if outcome_of(frozen) is Outcome.FAILED else signature
-            raise StudyBrokenError(count, shown, self.n_trials,
-                                   budget_counts(self.study.get_trials(deepcopy=False))[0])
+            raise StudyBrokenError(len(row), shown, self.n_trials, budget_counts(trials)[0], _varying(trials, row))
+
+    def _study_trained(self, frozen: FrozenTrial) -> bool:
+        """Whether a trial of the study has trained: completed, or pruned by a rule other than NaN/Inf (a worker's
+        own, another's, an earlier run's). Failures that differ in their numbers then differ: the code ran, and a
+        region of the configs fails (review: "hidden 17 unsupported" for widths above 16 stopped a study of a 100
+        trials at its first five in a row, as broken code)."""
+        if not self.study_trained:
+            def trained(trial: FrozenTrial) -> bool:
+                return trial.state == TrialState.COMPLETE or (
+                    trial.state == TrialState.PRUNED and failure_signature(trial) is None)
+            self.study_trained = trained(frozen) or any(
+                trained(t) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
+                                                                                  TrialState.PRUNED)))
+        return self.study_trained
 
     def _trim_ended_ways(self, lowest_in_flight: int | None) -> None:
         """Forget the ends no row can reach again: every trial that ends from now on is one in flight or a new one,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from pathlib import Path
 
 import optuna
@@ -144,6 +145,57 @@ def test_a_broken_model_whose_error_holds_each_config_s_numbers_stops_the_study(
     last = trials[-1].user_attrs["fail_reason"]
     assert last.startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), last
     assert f"3 trials in a row failed the same way ({last}); the code or the data is likely broken" in done.stderr
+
+
+# A model that cannot be built wider than 16: one region of the search space fails, with its width in the message.
+NARROW_MODEL = (
+    "import dataclasses\n"
+    "from torch import nn\n"
+    "from trainer.tasks import digits\n"
+    "def task():\n"
+    "    def build(cfg):\n"
+    "        if cfg['hidden'] > 16:\n"
+    "            raise ValueError(f\"hidden {cfg['hidden']} unsupported\")\n"
+    "        return nn.Sequential(nn.Linear(64, cfg['hidden']), nn.ReLU(), nn.Linear(cfg['hidden'], 10))\n"
+    "    return dataclasses.replace(digits(), build_model=build)\n")
+
+
+@pytest.mark.parametrize("first", ["trains", "fails"])
+def test_a_region_of_the_space_that_fails_with_its_own_numbers_is_told_from_broken_code(
+        tmp_path: Path, first: str) -> None:
+    """Found by review: failures whose messages differ only in their numbers count as "the same way", so a model that
+    cannot be built wider than 16 ("hidden 17 unsupported") stopped the study at five such trials in a row, as broken
+    code, where half the range trains. Once a trial of the study has trained, the numbers count; before that, the
+    stop line names the searched values the failures differ in."""
+    from sweep.spec import parse_spec
+    from sweep.study import open_study
+
+    (tmp_path / "narrowmodel.py").write_text(NARROW_MODEL)
+    document = copy.deepcopy(TINY_STUDY) | {"task": "narrowmodel:task", "n_trials": 5, "max_repeated_failures": 3,
+                                            "sampler": {"type": "random"}}
+    document["space"] = {"model.hidden": {"type": "int", "low": 8, "high": 32}}
+    path = write_study(tmp_path, document)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        study = open_study(parse_spec(document, path), f"sqlite:///{tmp_path / 'tiny.db'}")
+    finally:
+        sys.path.remove(str(tmp_path))
+    widths = ([8] if first == "trains" else []) + [17, 18, 19, 20]
+    for width in widths:
+        study.enqueue_trial({"model.hidden": width})
+    done = sweep(path, pythonpath=tmp_path)
+    states = [t.state for t in optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+              .get_trials()]
+    if first == "trains":
+        assert done.returncode == 0, done.stderr
+        assert states == [TrialState.COMPLETE] + [TrialState.FAIL] * 4, states
+        assert "in a row" not in done.stderr, done.stderr
+    else:
+        assert done.returncode == 1, done.stderr
+        assert states == [TrialState.FAIL] * 3 + [TrialState.WAITING], states  # the fourth never asked
+        assert ("3 trials in a row failed the same way (ValueError: hidden 19 unsupported); the code or the data is "
+                "likely broken, or these values of model.hidden (17, 18, 19) are (no trial has trained yet: narrow "
+                "the space if others train)") in done.stderr, done.stderr
 
 
 def test_the_trainer_alone_applies_the_same_rules(tmp_path: Path) -> None:
