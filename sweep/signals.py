@@ -27,7 +27,7 @@ from typing import NoReturn
 
 __all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "hear_taken", "interrupted_at_start",
            "is_unmarked", "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once", "record_forwarded",
-           "stop_behind", "stop_requested", "stop_taken", "trial_code", "watched_handlers"]
+           "stop_behind", "stop_requested", "trial_code", "watched_handlers"]
 
 
 class Preempted(BaseException):
@@ -53,7 +53,6 @@ _requested: type[BaseException] | None = None  # the stop asked for in this bloc
 _depth = 0  # graceful_signals blocks entered (the outermost one sets the handlers)
 _raised = 0  # stops raised at once, by a second direct signal, in this block
 _watch: tuple[int, int] | None = None  # (reader, wakeup fd set before) while a trial's own handlers are watched
-_taken: type[BaseException] | None = None  # the stop a trial's own handler took, in place of the worker's
 
 # The signal a launcher sends its workers for each one it received (see the module's docstring): real-time signals
 # where there are (no library a user's loop brings uses them; Lightning, say, takes SIGUSR1 for Slurm's requeue).
@@ -156,7 +155,7 @@ def watched_handlers() -> Iterator[None]:
     whoever's handler that is (review: the trial was stored complete at the step the loop returned on, and a
     preempted job exited 0). Only in the main thread, within `graceful_signals`; a wakeup fd set before is passed
     every byte."""
-    global _watch, _taken
+    global _watch
     if not _depth or _watch is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -170,7 +169,7 @@ def watched_handlers() -> Iterator[None]:
         os.close(writer)
         yield
         return
-    _watch, _taken = (reader, previous), None
+    _watch = (reader, previous)
     try:
         yield
     finally:
@@ -186,8 +185,8 @@ def watched_handlers() -> Iterator[None]:
 def hear_taken() -> None:
     """Read what the wakeup fd heard (`watched_handlers`): a Ctrl-C or SIGTERM (or a launcher's request) that the
     worker's handler did not record, the trial's own handler took. It is recorded as a request, raised at the trial's
-    next clean point as any is, and kept as the stop the trial's code took (`stop_taken`)."""
-    global _pending, _requested, _taken
+    next clean point as any is (`stop_requested` says it came)."""
+    global _pending, _requested
     if _watch is None:
         return
     reader, previous = _watch
@@ -204,18 +203,12 @@ def hear_taken() -> None:
     for signum in heard:
         kind = _KINDS.get(signum) or _FORWARDED.get(signum)
         if kind is not None and _requested is None:
-            _pending = _requested = _taken = kind
+            _pending = _requested = kind
 
 
 def _let_handlers_run() -> None:
     """Nothing: a call into Python code runs the handlers the interpreter has pending first, so a signal the worker's
     own handler is about to record is not taken for one the trial's handler took."""
-
-
-def stop_taken() -> BaseException | None:
-    """The stop the trial's own handler took in place of the worker's (`hear_taken`), as an exception to raise; None
-    if it took none."""
-    return _taken() if _taken is not None else None
 
 
 def raise_pending() -> None:
@@ -253,7 +246,7 @@ def graceful_signals() -> Iterator[None]:
     """SIGINT becomes KeyboardInterrupt and SIGTERM `Preempted`, raised by `raise_pending`, and so do their forwarded
     forms (`FORWARD`), which never raise at once; a request recorded before (`record_forwarded`) is kept. The
     handlers in place before are restored afterwards."""
-    global _pending, _direct, _requested, _depth, _raised, _taken
+    global _pending, _direct, _requested, _depth, _raised
     if _depth or threading.current_thread() is not threading.main_thread():
         # Inside another such block (`sweep run` around `run_study`), whose requests stay its own; or on another
         # thread, which no signal handler can be set from (signals reach the main thread only).
@@ -267,7 +260,7 @@ def graceful_signals() -> Iterator[None]:
         _depth -= 1
         for signum, before in previous.items():
             signal.signal(signum, before)
-        _pending = _direct = _requested = _taken = None
+        _pending = _direct = _requested = None
         _raised = 0
 
 

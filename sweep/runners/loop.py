@@ -89,7 +89,7 @@ from sweep.signals import (
     hear_taken,
     raise_pending,
     raised_at_once,
-    stop_taken,
+    stop_requested,
     watched_handlers,
 )
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
@@ -275,6 +275,17 @@ class Run:
         return dict(self._initial.user)
 
 
+def _unraised_stop(run: Run) -> BaseException | None:
+    """The Ctrl-C or SIGTERM asked for (and not raised into the loop) by the time the loop returned, unless the loop
+    reported its last step (`max_steps`), as an exception to raise; None if none was asked for. A loop without
+    `max_steps` has no last step: its trial is stopped, and its retry resumes from its newest save."""
+    kind = stop_requested()
+    budget = run.config.get("max_steps")
+    if kind is None or (isinstance(budget, int) and not isinstance(budget, bool) and run.highest >= budget):
+        return None
+    return kind()
+
+
 def _floats(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Metric values as floats (a 0-d tensor or a numpy number too); a value that is not one fails loudly."""
     out = {}
@@ -391,8 +402,9 @@ class LoopTrial(TrialRun):
         if run.interrupted is None:
             # A second Ctrl-C raises at once, wherever the loop is: one that landed in its own code, which caught it,
             # still stops the trial (review: it completed at a step it never reached, and the run went on). So does
-            # one its own signal handler took, on which it returned early.
-            run.interrupted = caught_stop(run.at_once) or stop_taken()
+            # one that no report raised into it, where it returned short of its budget: its own signal handler took
+            # it (or chained the worker's, as Lightning's does), and it returned early.
+            run.interrupted = caught_stop(run.at_once) or _unraised_stop(run)
         if run.interrupted is not None:  # the loop caught it, or a thread of its reported
             raise_pending()  # the same stop, if not raised yet
             raise type(run.interrupted)()

@@ -810,27 +810,32 @@ def test_a_second_ctrl_c_that_the_loop_catches_still_stops_its_trial_and_the_run
 
 
 @pytest.mark.parametrize(("signum", "behaviour"), [("SIGTERM", "returns"), ("SIGTERM", "exits"),
-                                                  ("SIGTERM", "goes on"), ("SIGINT", "returns")])
+                                                  ("SIGTERM", "goes on"), ("SIGTERM", "chains"),
+                                                  ("SIGINT", "returns"), ("SIGINT", "chains")])
 def test_a_stop_the_loop_s_own_signal_handler_takes_still_stops_its_trial_and_the_run(
         tmp_path: Path, signum: str, behaviour: str) -> None:
     """Found by review: a loop that sets its own SIGTERM handler (one that sets a flag the loop saves and returns on,
     as scripts written for a cluster's preemption do) took the signal in the worker's place: the trial was stored
-    complete at the step the loop returned on, with that step's value, and the preempted job exited 0. The stop is
-    the trial's all the same, whatever the handler does: return early, exit, or only note it."""
+    complete at the step the loop returned on, with that step's value, and the preempted job exited 0. So was one
+    whose handler then calls the handler it found, as PyTorch Lightning's does. The stop is the trial's all the same,
+    whatever the handler does: return early, exit, only note it, or chain the worker's and return early."""
     (tmp_path / "handler_loop.py").write_text(
         "import os, signal, sys\n"
         f"SIGNUM, BEHAVIOUR = signal.{signum}, {behaviour!r}\n"
         "def main(config, run):\n"
         "    asked = []\n"
+        "    found = signal.getsignal(SIGNUM)\n"
         "    def on_signal(signum, frame):\n"
         "        asked.append(signum)\n"
         "        if BEHAVIOUR == 'exits':\n"
         "            sys.exit(0)\n"
+        "        if BEHAVIOUR == 'chains' and callable(found):\n"
+        "            found(signum, frame)\n"
         "    signal.signal(SIGNUM, on_signal)\n"
         "    for step in range(1, 50):\n"
         "        if step == 3 and run.trial == 1:\n"
         "            os.kill(os.getpid(), SIGNUM)  # a scheduler's preemption, or a Ctrl-C\n"
-        "        if asked and BEHAVIOUR == 'returns':\n"
+        "        if asked and BEHAVIOUR in ('returns', 'chains'):\n"
         "            run.save({'step': step})\n"
         "            return 1.0 / step\n"
         "        run.report(step, val_loss=1.0 / step)\n"
