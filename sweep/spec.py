@@ -21,6 +21,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sweep.components import component_problems
 from sweep.outcomes import SPEC_ATTR
 from sweep.schema import (
@@ -118,6 +120,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
         return problems + ranges
     base = spec.base_config()
     builtin = spec.task.name in BUILTIN_TASKS  # a user's model builder may do anything: not called here
+    if not builtin and (message := _unfinite_validation(task)):  # the built-in tasks check their own data
+        problems.append(("task", message))
     base_problems = _config_problems(base, task, builtin)
     problems += [(f"fixed.{key}", message) for key, message in base_problems]
     default_batch = TrainingConfig.__dataclass_fields__["batch_size"].default
@@ -283,6 +287,22 @@ def _raised_line(name: str, exc: BaseException) -> str:
         return f"{name} called sys.exit({exc.code!r}) while its task was built{at}"
     first = ((message(exc) or unreadable(exc)).strip().splitlines() or [""])[0][:300]
     return f"{name} raised {type(exc).__name__}: {first}{at}"
+
+
+def _unfinite_validation(task: Task) -> str | None:
+    """A user's task whose validation inputs or targets hold NaN or infinity: every trial's first evaluation would
+    be NaN, and each trial pruned for it as if its config diverged (review: nothing named the data)."""
+    for what, tensor in zip(("inputs", "targets"), task.val):
+        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+            continue
+        step = max(1, (1 << 24) // max(1, math.prod(tensor.shape[1:])))  # 16M values at a time
+        for start in range(0, len(tensor), step):
+            bad = ~torch.isfinite(tensor[start:start + step]).reshape(min(step, len(tensor) - start), -1).all(1)
+            if bool(bad.any()):
+                return (f"task {task.name!r}: its validation {what} hold NaN or infinity (sample "
+                        f"{start + int(bad.nonzero()[0])}): every trial's evaluation would be NaN, and each trial "
+                        "pruned as if its config diverged; clean the data or leave those samples out")
+    return None
 
 
 FREE_MAPPINGS = ("model", "task_args")  # fixed mappings whose keys a study may search one by one

@@ -962,6 +962,30 @@ def test_a_task_module_that_fails_at_import_is_refused_in_one_line_creating_noth
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [f"{name}.py", "study.yaml"]
 
 
+@pytest.mark.parametrize("where", ["inputs", "targets"])
+def test_a_user_task_whose_validation_data_holds_nan_is_refused_before_any_trial(tmp_path: Path, where: str) -> None:
+    """Found by review: one NaN in a user's task's validation data made every trial's first evaluation NaN, each
+    trial pruned as if its config had diverged, and nothing named the data."""
+    name = f"nan_val_{where}"
+    (tmp_path / f"{name}.py").write_text(
+        "import dataclasses\n"
+        "from trainer.tasks import blobs\n"
+        "def task():\n"
+        "    base = blobs()\n"
+        "    x, y = base.val[0].clone(), base.val[1].clone().float()\n"
+        f"    {'x[3, 1]' if where == 'inputs' else 'y[3]'} = float('nan')\n"
+        "    return dataclasses.replace(base, name='mine', val=(x, y), loss=lambda out, target: "
+        "(out[:, 0] - target).pow(2).mean())\n")
+    write_study(tmp_path, {**TINY_STUDY, "task": f"{name}:task"})
+    done = sweep_cli("run", "study.yaml", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line == (f"error: study.yaml: task: task 'mine': its validation {where} hold NaN or infinity (sample 3): "
+                    "every trial's evaluation would be NaN, and each trial pruned as if its config diverged; clean "
+                    "the data or leave those samples out"), line
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [f"{name}.py", "study.yaml"]
+
+
 def test_an_output_in_the_checkpoint_store_or_under_a_file_is_refused_and_a_users_tmp_file_is_kept(
         tmp_path: Path) -> None:
     """`-o` onto a checkpoint blob replaced it (`sweep check` then found it corrupt); `-o f/r.html` with `f` a file
