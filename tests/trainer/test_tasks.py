@@ -265,6 +265,13 @@ def test_inputs_of_another_dtype_than_the_model_are_refused_naming_the_task_both
     wrong_width = Task(name="np64", train=(x.float(), y), val=(x.float(), y), build_model=lambda cfg: _Float64(5))
     with pytest.raises(RuntimeError, match=r"^mat1 and mat2 shapes cannot be multiplied"):
         train(config, wrong_width)
+    # Integer inputs (review: int8 data gave PyTorch's words alone, where float64 data was explained).
+    small = Task(name="np64", train=((x * 10).to(torch.int8), y), val=((x * 10).to(torch.int8), y),
+                 build_model=builder)
+    with pytest.raises(TaskError, match=r"^task 'np64': its inputs are torch.int8 but its model's parameters are "
+                                        r"torch.float32: .* \(inputs.float\(\), or an nn.Embedding first where they "
+                                        r"are token ids\)"):
+        train(config, small)
 
 
 def _int_task(dtype: torch.dtype) -> object:

@@ -386,18 +386,20 @@ class Task:
         return []
 
     def explained(self, error: RuntimeError, model: nn.Module) -> TaskError | None:
-        """PyTorch's refusal of inputs whose floating dtype is not the model's (numpy's float64 data and a float32
-        model: "mat1 and mat2 must have the same dtype", which names neither) as a `TaskError` naming the task, both
-        dtypes and the fix; None when they are the same (another error)."""
+        """PyTorch's refusal of inputs whose dtype is not the model's (numpy's float64 data and a float32 model, or
+        int8 data: "mat1 and mat2 must have the same dtype", which names neither) as a `TaskError` naming the task,
+        both dtypes and the fix; None when they are the same (another error)."""
         said = (str(error).strip().splitlines() or [type(error).__name__])[0]
         if type(error) is not RuntimeError or not _DTYPE_MISMATCH.search(said):  # PyTorch's own words, nothing else
             return None
         inputs = self.train[0]
         params = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-        if not inputs.is_floating_point() or params is None or params == inputs.dtype:
+        if params is None or params == inputs.dtype:
             return None
+        fix = "e.g. inputs.float()" if inputs.is_floating_point() else \
+            "inputs.float(), or an nn.Embedding first where they are token ids"
         return TaskError(f"task {self.name!r}: its inputs are {inputs.dtype} but its model's parameters are "
-                         f"{params}: make them the same in the task's factory (e.g. inputs.float()) ({said})")
+                         f"{params}: make them the same in the task's factory ({fix}) ({said})")
 
     def build(self, model: Mapping[str, Any], device: torch.device | str | None = None) -> nn.Module:
         """The model for the config's `model` mapping, moved to `device` (None: where the builder put it, the meta
