@@ -171,11 +171,14 @@ def _code_key(code: types.CodeType) -> str:
 
 def _plain_tensors(model: nn.Module) -> str | None:
     """The first attribute of a module that holds a tensor outside its parameters and buffers (`self.scale =
-    torch.tensor(...)`, a list of tensors), as `module.attribute`, or None. A cohort's template would give every
-    member the first member's tensor there."""
+    torch.tensor(...)`, a private one too, a list of tensors), as `module.attribute`, or None. A cohort's template
+    would give every member the first member's tensor there. Lists of the module's own parameters (an RNN's
+    `_flat_weights`) are its parameters."""
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+
     def holds(value: Any, depth: int = 0) -> bool:
         if isinstance(value, torch.Tensor):
-            return True
+            return id(value) not in own
         if depth >= 4:
             return False
         if isinstance(value, (tuple, list, set, frozenset)):
@@ -189,7 +192,7 @@ def _plain_tensors(model: nn.Module) -> str | None:
 
     for name, module in model.named_modules():
         for key, value in vars(module).items():
-            if not key.startswith("_") and holds(value):
+            if key not in _MODULE_MACHINERY and holds(value):
                 return f"{name}.{key}" if name else key
     return None
 

@@ -398,9 +398,20 @@ class _Counting(nn.Module):
         return self.body(x * 0.5 if self.calls > 8 else x)
 
 
+class _PrivateScaled(nn.Module):
+    """Its output scaled by a tensor kept in a private attribute, outside its parameters and buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self._scale = nn.Linear(64, 10), torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self._scale
+
+
 class _NoisyLater(nn.Module):
-    """Counts its forward calls in a private attribute and adds noise to its features after the second: a random op
-    the probe's one forward never reaches."""
+    """Counts its forward calls in a private attribute, and adds noise to its features after the second (which the
+    probe's one forward never reaches): a forward that changes a private attribute."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -447,6 +458,7 @@ class _HandNorm(nn.Module):
 @pytest.mark.parametrize(("kind", "why"), [("frozen", "frozen (requires_grad=False)"), ("float64", "float64"),
                                            ("tuple", "returns a tuple"), ("replaced", "buffer mean is replaced"),
                                            ("tensor", "attribute scale holds a tensor"),
+                                           ("private_tensor", "attribute _scale holds a tensor"),
                                            ("counter", "forward changes module attribute calls"),
                                            ("noisy_later", "forward changes module attribute _calls"),
                                            ("evaluation", "vmap cannot batch"),
@@ -463,7 +475,8 @@ def test_models_the_cohort_would_train_wrongly_are_trained_alone_and_match_the_o
     vx, vy = digits.val
     build = {"frozen": _frozen_first_layer, "float64": lambda cfg: nn.Linear(64, 10).double(),
              "tuple": lambda cfg: _TupleOut(), "replaced": lambda cfg: _RunningMean(),
-             "tensor": lambda cfg: _Scaled(), "counter": lambda cfg: _Counting(),
+             "tensor": lambda cfg: _Scaled(), "private_tensor": lambda cfg: _PrivateScaled(),
+             "counter": lambda cfg: _Counting(),
              "noisy_later": lambda cfg: _NoisyLater(),
              "evaluation": lambda cfg: _WritesIntoInput(),
              "noisy_loss": lambda cfg: nn.Linear(64, 10), "hand_norm": lambda cfg: _HandNorm(),
