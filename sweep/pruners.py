@@ -12,7 +12,6 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from sweep.confirm import counted_from_0
 from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import DIVERGED, FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
@@ -20,7 +19,7 @@ from trainer.pacing import curriculum_from_dict, stage_starts
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
-__all__ = ["FastFailPruner", "should_prune", "startup_trials"]
+__all__ = ["FastFailPruner", "at_lineage_steps", "should_prune", "startup_trials"]
 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
@@ -226,12 +225,15 @@ def at_lineage_steps(trial: FrozenTrial) -> FrozenTrial:
     count its own steps from 0 (the README's example does): its report at step s follows the donor's d steps, and
     stands at d + s. Compared at s, with cold trials that had trained s steps, it set the median pruner's bar, and
     good cold trials were pruned by it (review: the study's best cold config, at 10% of its budget). The trainer's
-    warm trials, and loops that count on from the donor's step, report past it: as they are."""
+    warm trials report past the donor's step, and loops that count on from it report there or past it (one that
+    evaluates the donor's weights before it trains, at the donor's step: shifted, it was judged at twice that step
+    and pruned with no step of its own, diff review): as they are. Only a first report below the donor's step
+    counts from 0 here."""
     parent = trial.user_attrs.get(ATTR_WARM_START)
     if not isinstance(parent, Mapping) or not trial.intermediate_values:
         return trial
     handoff = parent.get("step")
-    if not isinstance(handoff, int) or not counted_from_0(min(trial.intermediate_values), handoff):
+    if not isinstance(handoff, int) or min(trial.intermediate_values) >= handoff:
         return trial
     view = copy.copy(trial)
     view.intermediate_values = {step + handoff: value for step, value in trial.intermediate_values.items()}
