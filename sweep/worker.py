@@ -88,9 +88,11 @@ MAX_LOST_REPEATS = 3  # a lineage lost this many times in a row without getting 
 
 
 class StudyBrokenError(Exception):
-    """Several trials in a row failed the same way: the code or the data is broken, not the configs. `advice(used)`
-    words it again with the budget used once the run has wound down: in a cohort, the members that ended at the same
-    evaluation are recorded after the one that completed the row, and may spend the rest of the budget."""
+    """Several trials in a row failed the same way: the code or the data is broken, not the configs, or (`varying`:
+    the searched keys and values the failures differ in, before any trial trained) a region of the search space.
+    `advice(used)` words it again with the budget used once the run has wound down: in a cohort, the members that
+    ended at the same evaluation are recorded after the one that completed the row, and may spend the rest of the
+    budget."""
 
     def __init__(self, count: int, signature: str, n_trials: int, used: int, varying: str = "") -> None:
         self.count, self.signature, self.n_trials, self.varying = count, signature, n_trials, varying
@@ -253,9 +255,9 @@ class Worker:
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
         self.ended_ways: dict[int, str | None] = {}
-        # Whether a trial of the study has trained (completed, or pruned by a rule other than NaN/Inf): from then on
-        # failures are "the same way" only with the same numbers in their messages (`_check_streak`).
-        self.study_trained = False
+        # Whether a trial this worker ended has trained (completed, or pruned by a rule other than NaN/Inf): from then
+        # on failures are "the same way" only with the same numbers in their messages (`_check_streak`).
+        self.trained_one = False
         self.given_up: set[int] = set()  # lost trials failed as killed by their config (`_killed_by_its_config`)
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
@@ -705,13 +707,18 @@ class Worker:
 
     def _check_streak(self, frozen: FrozenTrial, running: Collection[int] = ()) -> None:
         """Stop the study when the last `max_repeated_failures` trials this worker asked all failed the same way.
+        Once one it ended has trained, the code runs: failures whose messages differ in their numbers are a region of
+        the configs ("hidden 17 unsupported" for widths above 16), not the same way (review: a study stopped at five
+        of them in a row). Only this worker's: code edited since an earlier run may be broken for every config.
         "In a row" is in the order the trials were asked, not the order they ended: in a cohort the members that
         train on end after the ones that fail at once, so a config that fails at its start (one value of a searched
         key) would otherwise make a row of failures that one trial at a time never sees. A trial asked earlier that
         is still training has not failed, so it ends the row; a trial that ended any other way ends it too."""
         if not self.spec.max_repeated_failures:
             return
-        signature = self.ended_ways[frozen.number] = failure_signature(frozen, numbers=self._study_trained(frozen))
+        self.trained_one = self.trained_one or frozen.state == TrialState.COMPLETE or (
+            frozen.state == TrialState.PRUNED and failure_signature(frozen) is None)
+        signature = self.ended_ways[frozen.number] = failure_signature(frozen, numbers=self.trained_one)
         in_flight = set(running)
         row = []
         if signature is not None:  # the row this trial's failure belongs to, both ways from it
@@ -728,20 +735,6 @@ class Worker:
             trials = self.study.get_trials(deepcopy=False)
             shown = failure_reason(frozen) if outcome_of(frozen) is Outcome.FAILED else signature
             raise StudyBrokenError(len(row), shown, self.n_trials, budget_counts(trials)[0], _varying(trials, row))
-
-    def _study_trained(self, frozen: FrozenTrial) -> bool:
-        """Whether a trial of the study has trained: completed, or pruned by a rule other than NaN/Inf (a worker's
-        own, another's, an earlier run's). Failures that differ in their numbers then differ: the code ran, and a
-        region of the configs fails (review: "hidden 17 unsupported" for widths above 16 stopped a study of a 100
-        trials at its first five in a row, as broken code)."""
-        if not self.study_trained:
-            def trained(trial: FrozenTrial) -> bool:
-                return trial.state == TrialState.COMPLETE or (
-                    trial.state == TrialState.PRUNED and failure_signature(trial) is None)
-            self.study_trained = trained(frozen) or any(
-                trained(t) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,
-                                                                                  TrialState.PRUNED)))
-        return self.study_trained
 
     def _trim_ended_ways(self, lowest_in_flight: int | None) -> None:
         """Forget the ends no row can reach again: every trial that ends from now on is one in flight or a new one,

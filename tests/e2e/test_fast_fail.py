@@ -101,15 +101,14 @@ def test_nan_in_the_data_stops_the_study_instead_of_burning_its_budget(tmp_path:
         "from trainer.tasks import digits\n"
         "def task():\n"
         "    t = digits()\n"
-        "    t.train[0][::50] = float('nan')\n"
-        "    t.val[0][::50] = float('nan')\n"
+        "    t.train[0][:, 5] = float('nan')  # every training batch (NaN in validation data is refused at once)\n"
         "    return t\n")
     document = copy.deepcopy(TINY_STUDY) | {"task": "broken:task", "n_trials": 10, "max_repeated_failures": 3}
     del document["pruner"]  # the default: fast-fail wrapping median
     path = write_study(tmp_path, document)
     done = sweep(path, pythonpath=tmp_path)
     assert done.returncode == 1
-    assert "3 trials in a row failed the same way (nan at step 0)" in done.stderr
+    assert "3 trials in a row failed the same way (nan at step 10)" in done.stderr, done.stderr
     assert "the code or the data is likely broken" in done.stderr
     trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
     assert len(trials) == 3 and all(t.state == TrialState.PRUNED for t in trials)
@@ -150,43 +149,56 @@ def test_a_broken_model_whose_error_holds_each_config_s_numbers_stops_the_study(
 # A model that cannot be built wider than 16: one region of the search space fails, with its width in the message.
 NARROW_MODEL = (
     "import dataclasses\n"
+    "from pathlib import Path\n"
     "from torch import nn\n"
     "from trainer.tasks import digits\n"
     "def task():\n"
     "    def build(cfg):\n"
+    "        if (Path(__file__).parent / 'broken').exists():  # edited since: one input short, for every width\n"
+    "            return nn.Sequential(nn.Linear(63, cfg['hidden']), nn.ReLU(), nn.Linear(cfg['hidden'], 10))\n"
     "        if cfg['hidden'] > 16:\n"
     "            raise ValueError(f\"hidden {cfg['hidden']} unsupported\")\n"
     "        return nn.Sequential(nn.Linear(64, cfg['hidden']), nn.ReLU(), nn.Linear(cfg['hidden'], 10))\n"
     "    return dataclasses.replace(digits(), build_model=build)\n")
 
 
-@pytest.mark.parametrize("first", ["trains", "fails"])
+@pytest.mark.parametrize("first", ["trains", "fails", "trained in an earlier run"])
 def test_a_region_of_the_space_that_fails_with_its_own_numbers_is_told_from_broken_code(
         tmp_path: Path, first: str) -> None:
     """Found by review: failures whose messages differ only in their numbers count as "the same way", so a model that
     cannot be built wider than 16 ("hidden 17 unsupported") stopped the study at five such trials in a row, as broken
-    code, where half the range trains. Once a trial of the study has trained, the numbers count; before that, the
-    stop line names the searched values the failures differ in."""
+    code, where half the range trains. Once a trial of the run has trained, the numbers count; before that, the
+    stop line names the searched values the failures differ in. A trial an earlier run trained says nothing of code
+    edited since (diff review: a model broken for every width then spent the whole budget)."""
     from sweep.spec import parse_spec
     from sweep.study import open_study
 
-    (tmp_path / "narrowmodel.py").write_text(NARROW_MODEL)
-    document = copy.deepcopy(TINY_STUDY) | {"task": "narrowmodel:task", "n_trials": 5, "max_repeated_failures": 3,
+    module = f"narrow_{first.replace(' ', '_')}"
+    (tmp_path / f"{module}.py").write_text(NARROW_MODEL)
+    document = copy.deepcopy(TINY_STUDY) | {"task": f"{module}:task", "n_trials": 5, "max_repeated_failures": 3,
                                             "sampler": {"type": "random"}}
     document["space"] = {"model.hidden": {"type": "int", "low": 8, "high": 32}}
     path = write_study(tmp_path, document)
     sys.path.insert(0, str(tmp_path))
-    try:
+    try:  # (a module name of each case's own: the tests share one process's imports)
         study = open_study(parse_spec(document, path), f"sqlite:///{tmp_path / 'tiny.db'}")
     finally:
         sys.path.remove(str(tmp_path))
+    if first == "trained in an earlier run":
+        study.enqueue_trial({"model.hidden": 8})
+        assert sweep(path, "--n-trials", "1", pythonpath=tmp_path).returncode == 0
+        (tmp_path / "broken").touch()
     widths = ([8] if first == "trains" else []) + [17, 18, 19, 20]
     for width in widths:
         study.enqueue_trial({"model.hidden": width})
     done = sweep(path, pythonpath=tmp_path)
     states = [t.state for t in optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
               .get_trials()]
-    if first == "trains":
+    if first == "trained in an earlier run":
+        assert done.returncode == 1, done.stderr
+        assert states == [TrialState.COMPLETE] + [TrialState.FAIL] * 3 + [TrialState.WAITING], states
+        assert "3 trials in a row failed the same way (RuntimeError: mat1 and mat2 shapes" in done.stderr, done.stderr
+    elif first == "trains":
         assert done.returncode == 0, done.stderr
         assert states == [TrialState.COMPLETE] + [TrialState.FAIL] * 4, states
         assert "in a row" not in done.stderr, done.stderr
