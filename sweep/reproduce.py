@@ -45,7 +45,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
     SPEC_ATTR,
 )
-from sweep.signals import Preempted, caught_stop, raise_stop, raised_at_once, stop_requested
+from sweep.signals import Preempted, caught_stop, handled_by_trial, raise_stop, raised_at_once, stop_requested
 from trainer import TrainingConfig, train
 from trainer.checkpoint import CheckpointError, WarmStart
 from trainer.messages import message, unreadable
@@ -185,12 +185,14 @@ class _Recorder:
 
     def caught(self) -> BaseException | None:
         """The stop the replay was asked for, if its code caught it (raised and noted here, or raised at once by a
-        second signal in its own code), or was asked for and never raised into it (its own signal handler took it,
-        `sweep.signals.hear_taken`, or chained the one in place, and it returned early)."""
+        second signal in its own code), or was asked for and never raised into it where its code set a signal
+        handler of its own (`sweep.signals.handled_by_trial`) and it returned before its last stored step (its
+        handler heard the stop and it returned early)."""
         if self.interrupted is not None:
             return self.interrupted
         kind = stop_requested()
-        return caught_stop(self.at_once) or (kind() if kind is not None else None)
+        early = kind is not None and handled_by_trial() and not self.stopped
+        return caught_stop(self.at_once) or (kind() if early and kind is not None else None)
 
 
 def agree(a: float, b: float, tolerance: float) -> bool:

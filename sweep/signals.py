@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import NoReturn
 
-__all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "hear_taken", "interrupted_at_start",
-           "is_unmarked", "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once", "record_forwarded",
-           "stop_behind", "stop_requested", "trial_code", "watched_handlers"]
+__all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "handled_by_trial", "hear_taken",
+           "interrupted_at_start", "is_unmarked", "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once",
+           "record_forwarded", "stop_requested", "trial_code", "watched_handlers"]
 
 
 class Preempted(BaseException):
@@ -53,6 +53,7 @@ _requested: type[BaseException] | None = None  # the stop asked for in this bloc
 _depth = 0  # graceful_signals blocks entered (the outermost one sets the handlers)
 _raised = 0  # stops raised at once, by a second direct signal, in this block
 _watch: tuple[int, int] | None = None  # (reader, wakeup fd set before) while a trial's own handlers are watched
+_trial_handled = False  # the watched trial's code set a Ctrl-C or SIGTERM handler of its own (`handled_by_trial`)
 
 # The signal a launcher sends its workers for each one it received (see the module's docstring): real-time signals
 # where there are (no library a user's loop brings uses them; Lightning, say, takes SIGUSR1 for Slurm's requeue).
@@ -95,7 +96,7 @@ def caught_stop(since: int) -> BaseException | None:
     return (stop_requested() or KeyboardInterrupt)() if raised_at_once() != since else None
 
 
-def stop_behind(error: BaseException) -> BaseException | None:
+def _stop_behind(error: BaseException) -> BaseException | None:
     """The stop to raise in place of `error`, a trial's error while Ctrl-C or SIGTERM had asked to stop (the pending
     request, taken now; or the one raised before), or None when none had. A scheduler signals every process of a job:
     the trial's own processes (a DataLoader's workers) die of it and raise in the trial before its next clean point
@@ -134,7 +135,7 @@ def _own_sigchld() -> Iterator[None]:
 @contextlib.contextmanager
 def trial_code(passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """Around a trial's code (or a cohort's): its SIGCHLD handler ends with it (`_own_sigchld`), and an error it
-    raises once Ctrl-C or SIGTERM had asked to stop is that stop, raised from the error (`stop_behind`). Errors of
+    raises once Ctrl-C or SIGTERM had asked to stop is that stop, raised from the error (`_stop_behind`). Errors of
     the `passing` types go through as they are (the storage gone, a timeout: each has its own way out)."""
     try:
         with _own_sigchld():
@@ -142,7 +143,7 @@ def trial_code(passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     except passing:
         raise
     except Exception as exc:  # raised by what the signal did to the trial's own processes, say
-        if (stop := stop_behind(exc)) is not None:
+        if (stop := _stop_behind(exc)) is not None:
             raise stop from exc
         raise
 
@@ -155,7 +156,7 @@ def watched_handlers() -> Iterator[None]:
     whoever's handler that is (review: the trial was stored complete at the step the loop returned on, and a
     preempted job exited 0). Only in the main thread, within `graceful_signals`; a wakeup fd set before is passed
     every byte."""
-    global _watch
+    global _watch, _trial_handled
     if not _depth or _watch is not None or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -169,7 +170,7 @@ def watched_handlers() -> Iterator[None]:
         os.close(writer)
         yield
         return
-    _watch = (reader, previous)
+    _watch, _trial_handled = (reader, previous), False
     try:
         yield
     finally:
@@ -185,10 +186,12 @@ def watched_handlers() -> Iterator[None]:
 def hear_taken() -> None:
     """Read what the wakeup fd heard (`watched_handlers`): a Ctrl-C or SIGTERM (or a launcher's request) that the
     worker's handler did not record, the trial's own handler took. It is recorded as a request, raised at the trial's
-    next clean point as any is (`stop_requested` says it came)."""
-    global _pending, _requested
+    next clean point as any is (`stop_requested` says it came). Notes too whether the trial's code has set a handler
+    of its own (`handled_by_trial`)."""
+    global _pending, _requested, _trial_handled
     if _watch is None:
         return
+    _trial_handled = _trial_handled or any(signal.getsignal(signum) is not _handler for signum in _KINDS)
     reader, previous = _watch
     heard = bytearray()
     with contextlib.suppress(BlockingIOError):
@@ -204,6 +207,14 @@ def hear_taken() -> None:
         kind = _KINDS.get(signum) or _FORWARDED.get(signum)
         if kind is not None and _requested is None:
             _pending = _requested = kind
+            _trial_handled = True
+
+
+def handled_by_trial() -> bool:
+    """Whether the trial's code set a Ctrl-C or SIGTERM handler of its own while it was watched (seen at its reports
+    and as it ended), or one took a stop in the worker's place: then its code may have heard a stop that was never
+    raised into it (a flag its loop returns on), where code without one hears of it only at a report."""
+    return _trial_handled
 
 
 def _let_handlers_run() -> None:

@@ -222,7 +222,7 @@ def _trained(runner: Runner) -> TrialResult:
 
 def signalled(stop: BaseException) -> tuple[str, Outcome]:
     """How a trial stopped by Ctrl-C or SIGTERM ends: its reason and outcome. An error it raised once the signal had
-    come (`stop_behind`: the stop's cause) is kept in the reason."""
+    come (`sweep.signals.trial_code`: the stop's cause) is kept in the reason."""
     reason, outcome = (("preempted (SIGTERM)", Outcome.PREEMPTED) if isinstance(stop, Preempted) else
                        ("interrupted", Outcome.INTERRUPTED))
     if stop.__cause__ is not None:

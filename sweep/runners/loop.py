@@ -86,6 +86,7 @@ from sweep.signals import (
     FORWARD,
     Preempted,
     caught_stop,
+    handled_by_trial,
     hear_taken,
     raise_pending,
     raised_at_once,
@@ -186,6 +187,8 @@ class Run:
         # The highest step reached (a loop may report out of order): a resumed run's reached its save's already; a
         # warm one may count its steps from 0 (it took the donor's weights), so only what it reports counts.
         self.highest = self.start_step if self.start == "resume" else 0
+        budget = config.get("max_steps")  # a loop's config may have none, or one of its own kind
+        self.max_steps = budget if isinstance(budget, int) and not isinstance(budget, bool) else None
         self.metrics: dict[str, float] = {}  # the latest report's
         self.stopped = False  # a report returned True
         self.interrupted: BaseException | None = None  # Ctrl-C or SIGTERM that reached a report or a log
@@ -225,9 +228,8 @@ class Run:
                 warnings.warn(f"run.report: step {step} was reported already; its first value is kept", stacklevel=2)
                 return self.stopped
             self._steps.add(step)
-            budget = self.config.get("max_steps")
-            if (isinstance(budget, int) and not isinstance(budget, bool) and step > budget
-                    and not self._past_budget_warned):
+            budget = self.max_steps
+            if budget is not None and step > budget and not self._past_budget_warned:
                 self._past_budget_warned = True
                 warnings.warn(f"trial {self.trial}: run.report at step {step} is past max_steps={budget}: fast-fail's "
                               f"rules scale with max_steps, so report the steps it counts (an epoch's number where "
@@ -276,12 +278,15 @@ class Run:
 
 
 def _unraised_stop(run: Run) -> BaseException | None:
-    """The Ctrl-C or SIGTERM asked for (and not raised into the loop) by the time the loop returned, unless the loop
-    reported its last step (`max_steps`), as an exception to raise; None if none was asked for. A loop without
-    `max_steps` has no last step: its trial is stopped, and its retry resumes from its newest save."""
+    """The Ctrl-C or SIGTERM asked for (and not raised into the loop) by the time the loop returned, where the loop
+    set a handler of its own (`handled_by_trial`: it may have heard the stop and returned early on it) and did not
+    report its last step (`max_steps`), as an exception to raise; else None. A loop without `max_steps` has no last
+    step: its trial is stopped, and its retry resumes from its newest save. A loop without a handler of its own hears
+    of a stop only at a report, which raises it: one that returned without that had finished (diff review: a
+    SIGTERM during its final save threw away a finished trial)."""
     kind = stop_requested()
-    budget = run.config.get("max_steps")
-    if kind is None or (isinstance(budget, int) and not isinstance(budget, bool) and run.highest >= budget):
+    budget = run.max_steps
+    if kind is None or not handled_by_trial() or (budget is not None and run.highest >= budget):
         return None
     return kind()
 

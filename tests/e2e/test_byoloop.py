@@ -852,6 +852,33 @@ def test_a_stop_the_loop_s_own_signal_handler_takes_still_stops_its_trial_and_th
     assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
 
 
+@pytest.mark.parametrize("own_handler", [True, False])
+def test_a_loop_signalled_after_its_last_report_has_finished_and_is_stored_complete(
+        tmp_path: Path, own_handler: bool) -> None:
+    """A SIGTERM that comes after a loop's last report (`max_steps`), while it saves and returns, finds the trial
+    finished: it is stored complete, and the worker stops before the next one. Found by diff review: a finished
+    trial was thrown away and trained again when the stop came during its final save; also where the loop has a
+    handler of its own, which may return early on a stop but had nothing left to do."""
+    module = f"late_signal_{own_handler}"
+    (tmp_path / f"{module}.py").write_text(
+        "import os, signal, time\n"
+        "def main(config, run):\n"
+        + ("    signal.signal(signal.SIGTERM, lambda signum, frame: None)\n" if own_handler else "")
+        + "    for step in range(1, config['max_steps'] + 1):\n"
+        "        run.report(step, val_loss=1.0 / step)\n"
+        "    if run.trial == 1:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption, as the trial saves\n"
+        "        time.sleep(0.2)\n"
+        "    run.save({'step': config['max_steps']})\n"
+        "    return 0.02\n")
+    path = write_study(tmp_path, {"name": "late", "n_trials": 3, "loop": f"{module}:main", "pruner": "none",
+                                  "fixed": {"max_steps": 5}})
+    done = run_cli("run", path, cwd=path.parent)
+    assert done.returncode == 143, (done.returncode, done.stderr)
+    trials = trials_of(path, "late")
+    assert [(t.state.name, t.value) for t in trials] == [("COMPLETE", 0.02), ("COMPLETE", 0.02)], done.stderr
+
+
 def test_a_study_deleted_while_it_runs_ends_the_run_with_one_line(tmp_path: Path) -> None:
     # Found by review: another user's `optuna delete-study` during a run made each worker's next write a traceback
     # ("KeyError: 'No trial with trial id 106 exists.'").

@@ -55,3 +55,41 @@ def test_a_block_inside_another_leaves_the_requests_to_the_outer_one() -> None:
         with pytest.raises(KeyboardInterrupt):
             raise_pending()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_stop_the_trial_s_own_handler_takes_is_heard_and_a_wakeup_fd_set_before_gets_every_byte() -> None:
+    """`watched_handlers`: a SIGTERM that a handler of the trial's own takes in the worker's place is recorded as the
+    request, raised at the next clean point, and the trial is known to handle signals itself; one the worker's own
+    handler takes is recorded once, by it, and the trial is not taken for one that handles them. A wakeup fd set
+    before the watch (another library's) still gets each byte; outside `graceful_signals` nothing is watched."""
+    from sweep.signals import handled_by_trial, hear_taken, watched_handlers
+
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    os.set_blocking(writer, False)
+    handler = signal.getsignal(signal.SIGTERM)
+    before = signal.set_wakeup_fd(writer)
+    try:
+        with watched_handlers():  # outside graceful_signals: no watch, the fd set before stays
+            assert signal.set_wakeup_fd(writer) == writer
+        with graceful_signals():
+            with watched_handlers():
+                deliver(signal.SIGTERM)  # the worker's handler takes it
+                hear_taken()
+                assert stop_requested() is Preempted and not handled_by_trial()
+            with pytest.raises(Preempted):
+                raise_pending()
+        assert os.read(reader, 64) == bytes([signal.SIGTERM])  # passed on to the fd set before
+        with graceful_signals():
+            with watched_handlers():
+                signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the trial's own, which takes it
+                deliver(signal.SIGTERM)
+                assert stop_requested() is None  # the worker's handler never ran
+            assert stop_requested() is Preempted and handled_by_trial()  # heard as the watch ended
+            with pytest.raises(Preempted):
+                raise_pending()
+    finally:
+        signal.set_wakeup_fd(before)
+        signal.signal(signal.SIGTERM, handler)
+        os.close(reader)
+        os.close(writer)
