@@ -20,9 +20,9 @@ otherwise the last value of the metric it reported. A trial told to stop is prun
 raises after that. A non-finite result fails the trial as diverged; an exception fails it (or, for a fault of the
 machine, retries it), as for the built-in trainer. A report that returned True because `--timeout` passed, and a
 Ctrl-C or SIGTERM that reached a report, stop the trial as interrupted (queued again, resumed from its newest
-save) even when the loop catches the interruption or returns a value. So does one that no report raised into the loop
-(a signal handler of its own took it, or passed it on to the worker's, and the loop saved and returned) where the loop
-returned short of `max_steps`; the handlers the loop installs are put back when it returns.
+save) even when the loop catches the interruption or returns a value. So does one that no report raised into a loop
+with a signal handler of its own (which took it, or passed it on to the worker's, and the loop saved and returned)
+where the loop returned short of `max_steps`; the handlers the loop installs are put back when it returns.
 
 Checkpoints go through the study's checkpoint service: a `run.save(state)` is written atomically to the study's
 checkpoint store, hash-checked and registered, and read back with `torch.load(weights_only=True)` (so a state holds
