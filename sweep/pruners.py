@@ -12,6 +12,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
+from sweep.confirm import counted_from_0
 from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import DIVERGED, FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
@@ -225,15 +226,14 @@ def at_lineage_steps(trial: FrozenTrial) -> FrozenTrial:
     count its own steps from 0 (the README's example does): its report at step s follows the donor's d steps, and
     stands at d + s. Compared at s, with cold trials that had trained s steps, it set the median pruner's bar, and
     good cold trials were pruned by it (review: the study's best cold config, at 10% of its budget). The trainer's
-    warm trials report past the donor's step, and loops that count on from it report there or past it (one that
-    evaluates the donor's weights before it trains, at the donor's step: shifted, it was judged at twice that step
-    and pruned with no step of its own, diff review): as they are. Only a first report below the donor's step
-    counts from 0 here."""
+    warm trials, and loops that count on from the donor's step, report past it: as they are. A first report at the
+    donor's step is taken as counting from 0, as the trial's steps and lineage are (`counted_from_0`): the README's
+    loop after a donor pruned at its first evaluation; `should_prune` leaves that report unjudged."""
     parent = trial.user_attrs.get(ATTR_WARM_START)
     if not isinstance(parent, Mapping) or not trial.intermediate_values:
         return trial
     handoff = parent.get("step")
-    if not isinstance(handoff, int) or min(trial.intermediate_values) >= handoff:
+    if not isinstance(handoff, int) or not counted_from_0(min(trial.intermediate_values), handoff):
         return trial
     view = copy.copy(trial)
     view.intermediate_values = {step + handoff: value for step, value in trial.intermediate_values.items()}
@@ -245,9 +245,17 @@ def should_prune(trial: optuna.Trial, lineages: bool) -> bool:
     count their steps from 0), every trial's reports at its lineage's steps for a pruner of Optuna's or of the study
     file's own (`at_lineage_steps`; fast-fail puts the pruner it wraps at them itself)."""
     study = trial.study
-    if not lineages or isinstance(study.pruner, FastFailPruner) or len(study.directions) > 1:
+    if not lineages or len(study.directions) > 1:
         return trial.should_prune()
     latest = trial._get_latest_trial()  # noqa: SLF001 - what `should_prune` judges: the trial as reported so far
+    parent = latest.user_attrs.get(ATTR_WARM_START)
+    if isinstance(parent, Mapping) and list(latest.intermediate_values) == [parent.get("step")]:
+        # Its one report is at the donor's step: its own after as many steps, counted from 0, or the donor's value
+        # where it goes on from there and evaluated first (diff review: taken for its own, it was pruned with no step
+        # of its own). Not judged; its next report is.
+        return False
+    if isinstance(study.pruner, FastFailPruner):  # it puts the pruner it wraps at the lineages' steps itself
+        return study.pruner.prune(study, latest)
     return study.pruner.prune(_StudyView(study, at_lineage_steps), at_lineage_steps(latest))  # type: ignore[arg-type]
 
 

@@ -297,7 +297,9 @@ def _unfinite_validation(task: Task) -> str | None:
             continue
         step = max(1, (1 << 24) // max(1, math.prod(tensor.shape[1:])))  # 16M values at a time
         for start in range(0, len(tensor), step):
-            bad = ~torch.isfinite(tensor[start:start + step]).reshape(min(step, len(tensor) - start), -1).all(1)
+            rows = tensor[start:start + step]
+            rows = rows if rows.dtype.is_complex else rows.float()  # float8 has no isfinite of its own
+            bad = ~torch.isfinite(rows).reshape(len(rows), -1).all(1)
             if bool(bad.any()):
                 return (f"task {task.name!r}: its validation {what} hold NaN or infinity (sample "
                         f"{start + int(bad.nonzero()[0])}): every trial's evaluation would be NaN, and each trial "

@@ -108,6 +108,11 @@ class StudyBrokenError(Exception):
         return f"{self.count} trials in a row failed the same way ({self.signature}); {broken}. {rerun}."
 
 
+def _has_trained(trial: FrozenTrial) -> bool:
+    """Whether `trial` trained: completed, or pruned by a rule other than NaN/Inf (its code ran)."""
+    return trial.state == TrialState.COMPLETE or (trial.state == TrialState.PRUNED and failure_signature(trial) is None)
+
+
 def _varying(trials: list[FrozenTrial], row: Collection[int]) -> str:
     """Where the failed trials of a row differ in their messages' numbers and in some searched keys' values, those
     keys with their values ("model.hidden (17, 25, 30)"; "" where they do not): before any trial has trained, a region
@@ -255,9 +260,10 @@ class Worker:
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
         self.ended_ways: dict[int, str | None] = {}
-        # Whether a trial this worker ended has trained (completed, or pruned by a rule other than NaN/Inf): from then
-        # on failures are "the same way" only with the same numbers in their messages (`_check_streak`).
+        # Whether a trial of this run has trained (completed, or pruned by a rule other than NaN/Inf): from then on
+        # failures are "the same way" only with the same numbers in their messages (`_check_streak`).
         self.trained_one = False
+        self.started_wall = time.time()  # this run's start (`begin`: its launcher's, for a launched worker)
         self.given_up: set[int] = set()  # lost trials failed as killed by their config (`_killed_by_its_config`)
         self.infra: tuple[int, str | None] = (0, None)  # the same for faults of the machine
         self.adopted: set[int] = set()  # silent trials this worker beat once for (`_adopt_silent_trials`)
@@ -275,6 +281,7 @@ class Worker:
         started_wall = time.time()
         with contextlib.suppress(KeyError, ValueError):  # a launched worker: from its launcher's start
             started_wall = min(started_wall, float(os.environ[LAUNCHED_ENV]))
+        self.started_wall = started_wall
         if self.checkpoints is not None:
             if (gone := self.boundary.call(self.checkpoints.store_unavailable)) is not None:
                 raise InfrastructureError(gone)  # before its rows are taken for missing files and forgotten
@@ -707,17 +714,20 @@ class Worker:
 
     def _check_streak(self, frozen: FrozenTrial, running: Collection[int] = ()) -> None:
         """Stop the study when the last `max_repeated_failures` trials this worker asked all failed the same way.
-        Once one it ended has trained, the code runs: failures whose messages differ in their numbers are a region of
-        the configs ("hidden 17 unsupported" for widths above 16), not the same way (review: a study stopped at five
-        of them in a row). Only this worker's: code edited since an earlier run may be broken for every config.
+        Once a trial of this run has trained (this worker's or another's, started since the run began), the code
+        runs: failures whose messages differ in their numbers are a region of the configs ("hidden 17 unsupported"
+        for widths above 16), not the same way (review: a study stopped at five of them in a row). Not an earlier
+        run's: code edited since may be broken for every config.
         "In a row" is in the order the trials were asked, not the order they ended: in a cohort the members that
         train on end after the ones that fail at once, so a config that fails at its start (one value of a searched
         key) would otherwise make a row of failures that one trial at a time never sees. A trial asked earlier that
         is still training has not failed, so it ends the row; a trial that ended any other way ends it too."""
         if not self.spec.max_repeated_failures:
             return
-        self.trained_one = self.trained_one or frozen.state == TrialState.COMPLETE or (
-            frozen.state == TrialState.PRUNED and failure_signature(frozen) is None)
+        ended = (TrialState.COMPLETE, TrialState.PRUNED)
+        self.trained_one = self.trained_one or _has_trained(frozen) or (frozen.state == TrialState.FAIL and any(
+            _has_trained(t) for t in self.study.get_trials(deepcopy=False, states=ended)
+            if t.datetime_start is not None and t.datetime_start.timestamp() >= self.started_wall))
         signature = self.ended_ways[frozen.number] = failure_signature(frozen, numbers=self.trained_one)
         in_flight = set(running)
         row = []

@@ -468,10 +468,10 @@ def test_a_warm_loop_trial_that_counts_its_steps_from_0_is_judged_and_judges_at_
         assert run({10: 0.05, 20: 0.04, 100: 0.03}, donor_step=100) == "complete"
     # Cold, better than every cold one at its steps: judged with the cold ones alone.
     assert run({10: 0.45, 20: 0.35, 50: 0.30, 60: 0.25, 100: 0.15}) == "complete"
-    # A warm trial that goes on from its donor's step 50, and evaluates the donor's weights there first: its steps
-    # are the lineage's already, its first report as good as the cold trials' there (diff review: taken for one
-    # counting from 0, it was judged at step 100 and pruned with no step of its own) ...
-    assert run({50: 0.33, 60: 0.29, 100: 0.2}, donor_step=50) == "complete"
+    # A warm trial whose first report is at its donor's step 50 (one that goes on from there and evaluates the
+    # donor's weights first, say): that report is not judged (diff review: taken for one counting from 0, it was
+    # pruned there with no step of its own) ...
+    assert run({50: 0.9, 100: 0.2}, donor_step=50) == "complete"
     # ... and one worse than the cold trials there is pruned as one.
     assert run({60: 0.9, 100: 0.9}, donor_step=50) == "pruned at 60"
     # One that counts from 0 after a donor's step 50 stands at steps 60...: judged there with the cold trials.

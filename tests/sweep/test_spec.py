@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from sweep.spec import StudyFileError, load_spec
 from tests.conftest import TINY_STUDY, changed, run_cli, sweep_cli, write_study
@@ -448,3 +449,21 @@ def test_did_you_mean_suggests_another_tool_s_word_and_no_key_a_short_word_begin
     assert did_you_mean("warmup", ["warmup_steps", "seed"]) == " (did you mean 'warmup_steps'?)"
     assert did_you_mean("reduction", ["reduction_factor"]) == " (did you mean 'reduction_factor'?)"
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.complex64])
+def test_validation_data_of_any_floating_dtype_is_checked_for_nan(dtype: torch.dtype) -> None:
+    """Diff review: float8 validation data made the check itself raise (no `isfinite` for it); each floating dtype is
+    read as float32 (complex as it is)."""
+    from sweep.spec import _unfinite_validation
+    from trainer.tasks import Task
+
+    inputs = torch.zeros(6, 2).to(dtype)
+    inputs[4, 1] = float("nan")
+    task = Task(name="odd", train=(torch.zeros(6, 2), torch.zeros(6, dtype=torch.long)),
+                val=(inputs, torch.zeros(6, dtype=torch.long)), build_model=lambda cfg: torch.nn.Linear(2, 2))
+    said = _unfinite_validation(task)
+    assert said is not None and said.startswith("task 'odd': its validation inputs hold NaN or infinity (sample 4)")
+    clean = Task(name="odd", train=task.train, val=(torch.zeros(6, 2).to(dtype), task.val[1]),
+                 build_model=task.build_model)
+    assert _unfinite_validation(clean) is None

@@ -272,6 +272,24 @@ def test_inputs_of_another_dtype_than_the_model_are_refused_naming_the_task_both
                                         r"torch.float32: .* \(inputs.float\(\), or an nn.Embedding first where they "
                                         r"are token ids\)"):
         train(config, small)
+    # Token ids into an embedding are as they should be: a mismatch inside the model is PyTorch's to say (diff review).
+    tokens = torch.arange(64) % 5
+    inside = Task(name="np64", train=(tokens, y), val=(tokens, y), build_model=lambda cfg: _Float64Inside())
+    with pytest.raises(RuntimeError, match="dtype") as raised:
+        train(config, inside)
+    assert not isinstance(raised.value, TaskError)
+
+
+class _Float64Inside(torch.nn.Module):
+    """Token ids into an embedding, then a float64 matrix of its own (its bug, not its inputs')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.register_buffer("mix", torch.ones(4, 3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x) @ self.mix
 
 
 def _int_task(dtype: torch.dtype) -> object:
