@@ -155,7 +155,7 @@ def watched_handlers() -> Iterator[None]:
     (`hear_taken`), through Python's wakeup fd, which every signal with a Python handler writes its number to,
     whoever's handler that is (review: the trial was stored complete at the step the loop returned on, and a
     preempted job exited 0). Only in the main thread, within `graceful_signals`; a wakeup fd set before is passed
-    every byte."""
+    every byte, at the trial's reports and as it ends."""
     global _watch, _trial_handled
     if not _depth or _watch is not None or threading.current_thread() is not threading.main_thread():
         yield
