@@ -12,7 +12,6 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from sweep.confirm import counted_from_0
 from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import DIVERGED, FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
@@ -227,13 +226,16 @@ def at_lineage_steps(trial: FrozenTrial) -> FrozenTrial:
     stands at d + s. Compared at s, with cold trials that had trained s steps, it set the median pruner's bar, and
     good cold trials were pruned by it (review: the study's best cold config, at 10% of its budget). The trainer's
     warm trials, and loops that count on from the donor's step, report past it: as they are. A first report at the
-    donor's step is taken as counting from 0, as the trial's steps and lineage are (`counted_from_0`): the README's
-    loop after a donor pruned at its first evaluation; `should_prune` leaves that report unjudged."""
+    donor's step is taken as going on from there too: a loop that evaluates the donor's weights before it trains
+    makes one (diff review: shifted, its every later report was judged at twice its step, and a trial better than
+    the cold ones at each step was pruned at its first own step); `should_prune` leaves that report unjudged. The
+    README's loop after a donor pruned at its first evaluation reports there as well, and is then judged at its own
+    steps, a little ahead of the cold trials: the lesser error."""
     parent = trial.user_attrs.get(ATTR_WARM_START)
     if not isinstance(parent, Mapping) or not trial.intermediate_values:
         return trial
     handoff = parent.get("step")
-    if not isinstance(handoff, int) or not counted_from_0(min(trial.intermediate_values), handoff):
+    if not isinstance(handoff, int) or min(trial.intermediate_values) >= handoff:
         return trial
     view = copy.copy(trial)
     view.intermediate_values = {step + handoff: value for step, value in trial.intermediate_values.items()}
@@ -250,9 +252,8 @@ def should_prune(trial: optuna.Trial, lineages: bool) -> bool:
     latest = trial._get_latest_trial()  # noqa: SLF001 - what `should_prune` judges: the trial as reported so far
     parent = latest.user_attrs.get(ATTR_WARM_START)
     if isinstance(parent, Mapping) and list(latest.intermediate_values) == [parent.get("step")]:
-        # Its one report is at the donor's step: its own after as many steps, counted from 0, or the donor's value
-        # where it goes on from there and evaluated first (diff review: taken for its own, it was pruned with no step
-        # of its own). Not judged; its next report is.
+        # Its one report is at the donor's step: the donor's value, where it goes on from there and evaluated first
+        # (or its own after as many steps, counted from 0): no trial is judged with no step of its own. Its next is.
         return False
     if isinstance(study.pruner, FastFailPruner):  # it puts the pruner it wraps at the lineages' steps itself
         return study.pruner.prune(study, latest)

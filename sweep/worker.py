@@ -60,6 +60,7 @@ from sweep.outcomes import (
     retried_numbers,
 )
 from sweep.progress import Events, NoEvents
+from sweep.results import ran_by_sweep
 from sweep.runners import Runner, runner_for
 from sweep.schema import StudySpec
 from sweep.signals import Preempted, mark_unmarked, raise_pending, trial_code
@@ -109,8 +110,10 @@ class StudyBrokenError(Exception):
 
 
 def _has_trained(trial: FrozenTrial) -> bool:
-    """Whether `trial` trained: completed, or pruned by a rule other than NaN/Inf (its code ran)."""
-    return trial.state == TrialState.COMPLETE or (trial.state == TrialState.PRUNED and failure_signature(trial) is None)
+    """Whether `trial` trained: completed, or pruned by a rule other than NaN/Inf (its code ran), by a worker of
+    sweep's (a baseline's value added with `Study.add_trial` ran no code)."""
+    return ran_by_sweep(trial) and (trial.state == TrialState.COMPLETE or (
+        trial.state == TrialState.PRUNED and failure_signature(trial) is None))
 
 
 def _varying(trials: list[FrozenTrial], row: Collection[int]) -> str:

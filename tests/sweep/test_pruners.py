@@ -469,9 +469,12 @@ def test_a_warm_loop_trial_that_counts_its_steps_from_0_is_judged_and_judges_at_
     # Cold, better than every cold one at its steps: judged with the cold ones alone.
     assert run({10: 0.45, 20: 0.35, 50: 0.30, 60: 0.25, 100: 0.15}) == "complete"
     # A warm trial whose first report is at its donor's step 50 (one that goes on from there and evaluates the
-    # donor's weights first, say): that report is not judged (diff review: taken for one counting from 0, it was
-    # pruned there with no step of its own) ...
+    # donor's weights first): that report is not judged (diff review: it was pruned there with no step of its own)
+    # ...
     assert run({50: 0.9, 100: 0.2}, donor_step=50) == "complete"
+    # ... and the next ones are judged at their own steps (diff review: shifted, its step 60 was judged at 110, and a
+    # trial better than the cold ones at each step was pruned).
+    assert run({50: 0.34, 60: 0.29, 100: 0.19}, donor_step=50) == "complete"
     # ... and one worse than the cold trials there is pruned as one.
     assert run({60: 0.9, 100: 0.9}, donor_step=50) == "pruned at 60"
     # One that counts from 0 after a donor's step 50 stands at steps 60...: judged there with the cold trials.

@@ -467,3 +467,7 @@ def test_validation_data_of_any_floating_dtype_is_checked_for_nan(dtype: torch.d
     clean = Task(name="odd", train=task.train, val=(torch.zeros(6, 2).to(dtype), task.val[1]),
                  build_model=task.build_model)
     assert _unfinite_validation(clean) is None
+    huge = torch.zeros(6, 2, dtype=torch.float64)
+    huge[3, 0] = 1e300  # finite, past float32's range (second diff review: taken for infinity)
+    assert _unfinite_validation(Task(name="odd", train=task.train, val=(huge, task.val[1]),
+                                     build_model=task.build_model)) is None
