@@ -852,20 +852,21 @@ def test_a_stop_the_loop_s_own_signal_handler_takes_still_stops_its_trial_and_th
     assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 1
 
 
-@pytest.mark.parametrize("own_handler", [True, False])
+@pytest.mark.parametrize(("own_handler", "first"), [(False, 0), (True, 1)])
 def test_a_loop_signalled_after_its_last_report_has_finished_and_is_stored_complete(
-        tmp_path: Path, own_handler: bool) -> None:
-    """A SIGTERM that comes after a loop's last report (`max_steps`), while it saves and returns, finds the trial
-    finished: it is stored complete, and the worker stops before the next one. Found by diff review: a finished
-    trial was thrown away and trained again when the stop came during its final save; also where the loop has a
-    handler of its own, which may return early on a stop but had nothing left to do."""
+        tmp_path: Path, own_handler: bool, first: int) -> None:
+    """A SIGTERM that comes after a loop's last report, while it saves and returns, finds the trial finished: it is
+    stored complete, and the worker stops before the next one. Found by diff review: a finished trial was thrown
+    away and trained again when the stop came during its final save (a loop that reports steps 0 to max_steps - 1,
+    never max_steps itself): a loop without a handler of its own hears of a stop only at a report, so one that
+    returned had finished. One with a handler of its own that reported max_steps had nothing left to do either."""
     module = f"late_signal_{own_handler}"
     (tmp_path / f"{module}.py").write_text(
         "import os, signal, time\n"
         "def main(config, run):\n"
         + ("    signal.signal(signal.SIGTERM, lambda signum, frame: None)\n" if own_handler else "")
-        + "    for step in range(1, config['max_steps'] + 1):\n"
-        "        run.report(step, val_loss=1.0 / step)\n"
+        + f"    for step in range({first}, config['max_steps'] + {first}):\n"
+        "        run.report(step, val_loss=1.0 / (step + 1))\n"
         "    if run.trial == 1:\n"
         "        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption, as the trial saves\n"
         "        time.sleep(0.2)\n"
