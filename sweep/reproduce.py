@@ -191,8 +191,8 @@ class _Recorder:
         if self.interrupted is not None:
             return self.interrupted
         kind = stop_requested()
-        early = kind is not None and handled_by_trial() and not self.stopped
-        return caught_stop(self.at_once) or (kind() if early and kind is not None else None)
+        early = kind() if kind is not None and handled_by_trial() and not self.stopped else None
+        return caught_stop(self.at_once) or early
 
 
 def agree(a: float, b: float, tolerance: float) -> bool:

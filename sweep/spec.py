@@ -21,8 +21,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from sweep.components import component_problems
 from sweep.outcomes import SPEC_ATTR
 from sweep.schema import (
@@ -45,6 +43,7 @@ from trainer.config import ConfigError, TrainingConfig, coerce, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
 from trainer.messages import message, unreadable
 from trainer.tasks import BUILTIN_TASKS, Task, TaskError, argument_names, load_task, resolve_task_factory
+from trainer.tasks.base import first_unfinite
 
 __all__ = ["SPEC_ATTR", "Component", "StudyFileError", "StudySpec", "load_spec", "parse_spec",
            "store_problems", "trainer_problems"]
@@ -293,18 +292,10 @@ def _unfinite_validation(task: Task) -> str | None:
     """A user's task whose validation inputs or targets hold NaN or infinity: every trial's first evaluation would
     be NaN, and each trial pruned for it as if its config diverged (review: nothing named the data)."""
     for what, tensor in zip(("inputs", "targets"), task.val):
-        if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
-            continue
-        step = max(1, (1 << 24) // max(1, math.prod(tensor.shape[1:])))  # 16M values at a time
-        for start in range(0, len(tensor), step):
-            rows = tensor[start:start + step]
-            # As float32 where that holds them exactly (float8 has no isfinite of its own); float64's range is wider
-            rows = rows if rows.dtype.is_complex or rows.dtype == torch.float64 else rows.float()
-            bad = ~torch.isfinite(rows).reshape(len(rows), -1).all(1)
-            if bool(bad.any()):
-                return (f"task {task.name!r}: its validation {what} hold NaN or infinity (sample "
-                        f"{start + int(bad.nonzero()[0])}): every trial's evaluation would be NaN, and each trial "
-                        "pruned as if its config diverged; clean the data or leave those samples out")
+        if (sample := first_unfinite(tensor)) is not None:
+            return (f"task {task.name!r}: its validation {what} hold NaN or infinity (sample {sample}): every trial's "
+                    "evaluation would be NaN, and each trial pruned as if its config diverged; clean the data or "
+                    "leave those samples out")
     return None
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.tasks.base import Task, accuracy_sum
+from trainer.tasks.base import Task, accuracy_sum, first_unfinite
 from trainer.tasks.digits import MLP
 
 __all__ = ["arrays", "open_array"]
@@ -100,13 +100,9 @@ def arrays(train_x: str, train_y: str, val_x: str, val_y: str, classes: int) -> 
         if math.prod(inputs.shape[1:]) == 0:
             raise ValueError(f"task_args.{key}: expected samples with at least one feature, but its samples have "
                              f"shape {tuple(inputs.shape[1:])}")
-    step = max(1, (1 << 24) // math.prod(vx.shape[1:]))  # 16M values at a time: a few tens of MB of copies
-    for start in range(0, len(vx) if vx.dtype.is_floating_point else 0, step):  # moved to the device whole
-        rows = vx[start:start + step]
-        bad = ~torch.isfinite(rows.float()).reshape(len(rows), -1)
-        if bool(bad.any()):  # every trial's loss was NaN at its first evaluation, blamed on its config
-            raise ValueError(f"task_args.val_x: expected finite numbers (as float32, which the model reads), but "
-                             f"sample {start + int(bad.any(1).nonzero()[0])} holds NaN or infinity")
+    if (sample := first_unfinite(vx, as_float32=True)) is not None:  # every trial's first evaluation was NaN
+        raise ValueError(f"task_args.val_x: expected finite numbers (as float32, which the model reads), but "
+                         f"sample {sample} holds NaN or infinity")
     if x.shape[1:] != vx.shape[1:]:
         raise ValueError(f"train_x and val_x samples differ in shape: {tuple(x.shape[1:])} and {tuple(vx.shape[1:])}")
     n_in = math.prod(x.shape[1:])

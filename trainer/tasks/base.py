@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -16,7 +17,26 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from trainer.config import ConfigError, coerce
 
-__all__ = ["Task", "TaskError", "accuracy_sum", "as_fp32", "cross_entropy", "materialize", "out_of_classes"]
+__all__ = ["Task", "TaskError", "accuracy_sum", "as_fp32", "cross_entropy", "first_unfinite", "materialize",
+           "out_of_classes"]
+
+
+def first_unfinite(samples: torch.Tensor, as_float32: bool = False) -> int | None:
+    """The first sample (dimension 0) of floating or complex `samples` that holds NaN or infinity, or None, read 16M
+    values at a time (a memory-mapped set is never copied whole). Floats are read as float32, which holds float8,
+    float16 and bfloat16 exactly (float8 has no `isfinite` of its own); float64 too with `as_float32` (what a float32
+    model reads: past its range is infinity), else as float64."""
+    if not (samples.dtype.is_floating_point or samples.dtype.is_complex):
+        return None
+    step = max(1, (1 << 24) // max(1, math.prod(samples.shape[1:])))
+    for start in range(0, len(samples), step):
+        rows = samples[start:start + step]
+        if not rows.dtype.is_complex and (as_float32 or rows.dtype != torch.float64):
+            rows = rows.float()
+        bad = ~torch.isfinite(rows).reshape(len(rows), -1).all(1)
+        if bool(bad.any()):
+            return start + int(bad.nonzero()[0])
+    return None
 
 
 def as_fp32(out: Any) -> Any:
