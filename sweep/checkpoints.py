@@ -31,6 +31,7 @@ from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_bl
 from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, ATTR_RETRY_OF, Outcome, lineage
 from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
+from sweep.signals import sheltered
 from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
 from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
@@ -400,19 +401,20 @@ class TrialCheckpointer:
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         """Register the blob. While the storage is away (the trial keeps training), the registration waits in
         memory and is made with the next one, or when the trial ends; the blob is on disk meanwhile."""
-        self.last_saved_at = self.clock()
-        value = None if metrics is None else metrics.get(self.metric)
-        record = dict(study=self.study, trial_number=self.number, step=info.step, value=value, params=self.params,
-                      shape_key=self.shape_key, uri=self.store.put(info.path), size=info.size, sha256=info.sha256,
-                      coords=self.coords, cat_key=self.cat_key)
-        self.pending.append(record)
-        self.fresh = True
-        if self.deferred:
-            return  # registered with the cohort's other members after the step (`register_together`)
-        try:
-            self.flush()
-        except StorageAway:
-            self._beside_blobs()
+        with sheltered():  # a handler of the trial's code (PyTorch's for SIGCHLD) never raises mid-write
+            self.last_saved_at = self.clock()
+            value = None if metrics is None else metrics.get(self.metric)
+            record = dict(study=self.study, trial_number=self.number, step=info.step, value=value,
+                          params=self.params, shape_key=self.shape_key, uri=self.store.put(info.path), size=info.size,
+                          sha256=info.sha256, coords=self.coords, cat_key=self.cat_key)
+            self.pending.append(record)
+            self.fresh = True
+            if self.deferred:
+                return  # registered with the cohort's other members after the step (`register_together`)
+            try:
+                self.flush()
+            except StorageAway:
+                self._beside_blobs()
 
     def flush(self) -> None:
         """Register what waits and trim the trial's checkpoints to what the policy keeps (its latest, its best

@@ -52,7 +52,7 @@ from sweep.outcomes import (
     lineage,
 )
 from sweep.pruners import FastFailPruner, judges_by_rungs, should_prune
-from sweep.signals import FORWARD, raise_pending, stop_requested
+from sweep.signals import FORWARD, raise_pending, sheltered, stop_requested
 from sweep.storage import PatientStorage, StorageAway
 from sweep.tracking import Guarded, open_trackers
 from sweep.warmstart import shape_key
@@ -153,15 +153,20 @@ class TrialReporter:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self.signals:
             raise_pending()  # Ctrl-C or SIGTERM: stop here, at a clean point of the loop
-        self.events.trial_log(self.trial.number, step, metrics)
-        self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
-        self.training.log(metrics)
-        for tracker in self.trackers:
-            tracker.log(step, metrics)
+        with sheltered():
+            self.events.trial_log(self.trial.number, step, metrics)
+            self.speed = {k: round(float(metrics[k]), 1) for k in SPEED_KEYS if k in metrics}
+            self.training.log(metrics)
+            for tracker in self.trackers:
+                tracker.log(step, metrics)
 
     def report(self, step: int, metrics: Mapping[str, float]) -> bool:
         if self.signals:
             raise_pending()
+        with sheltered():  # a handler of the trial's code (PyTorch's for SIGCHLD) never raises mid-write
+            return self._report(step, metrics)
+
+    def _report(self, step: int, metrics: Mapping[str, float]) -> bool:
         if self.inherited_until is not None and step <= self.inherited_until:
             return False  # the donor's value at the handoff: its lineage's, not this trial's
         if step in self.steps:
@@ -214,6 +219,10 @@ class TrialReporter:
         return self.max_steps is not None and step == self.max_steps
 
     def flush(self) -> None:
+        with sheltered():
+            self._flush()
+
+    def _flush(self) -> None:
         if self.training_unsent:  # before the values: the pruner reads both when asked
             self.trial.set_user_attr(ATTR_TRAIN_CURVE, [list(pair) for pair in self.training.series])
             self.training_unsent = False

@@ -21,13 +21,13 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import NoReturn
 
 __all__ = ["FORWARD", "Preempted", "caught_stop", "graceful_signals", "handled_by_trial", "hear_taken",
            "interrupted_at_start", "is_unmarked", "mark_unmarked", "raise_pending", "raise_stop", "raised_at_once",
-           "record_forwarded", "stop_requested", "trial_code", "watched_handlers"]
+           "record_forwarded", "sheltered", "stop_requested", "trial_code", "watched_handlers"]
 
 
 class Preempted(BaseException):
@@ -220,6 +220,52 @@ def handled_by_trial() -> bool:
 def _let_handlers_run() -> None:
     """Nothing: a call into Python code runs the handlers the interpreter has pending first, so a signal the worker's
     own handler is about to record is not taken for one the trial's handler took."""
+
+
+_SHELTERABLE: tuple[int, ...] = tuple(sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}))
+_sheltering = False  # inside `sheltered`
+
+
+@contextlib.contextmanager
+def sheltered() -> Iterator[None]:
+    """Sweep's own bookkeeping inside a trial's code (a report's storage writes, a checkpoint's): a Python signal
+    handler that the trial's code set runs after it, not in the middle of a storage transaction or a lock's hold.
+    PyTorch's DataLoader sets one for SIGCHLD that raises in the main thread, wherever it is, once a worker of a live
+    loader has died, which a scheduler's SIGTERM to the whole job does (CI: a preempted `sweep run` hung for good,
+    silent, inside the stopped trial's last report); a loop's own handler may raise too (`sys.exit`). Each handler
+    that is not the worker's own (which only records) is swapped for one that notes the signal, and once the handlers
+    are back each signal noted is raised again (once, as the system coalesces a signal pending twice): a handler that
+    raises does so at the end of the report, a clean point, as the trial's error. Only in the main thread, which
+    alone runs Python's handlers."""
+    global _sheltering
+    if _sheltering or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    heard: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        heard.append(signum)
+
+    swapped: dict[int, Callable[[int, FrameType | None], object]] = {}
+    for signum in _SHELTERABLE:
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not _handler:
+            swapped[signum] = handler
+            signal.signal(signum, note)
+    _sheltering = True
+    try:
+        yield
+    finally:
+        _sheltering = False
+        for signum, handler in swapped.items():
+            signal.signal(signum, handler)
+        if heard:  # each raised again while blocked, then all let in at once: a handler that raises drops none
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, heard)
+            try:
+                for came in set(heard):
+                    signal.raise_signal(came)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def raise_pending() -> None:

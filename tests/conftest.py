@@ -77,6 +77,30 @@ def write_study(folder: Path, document: dict[str, Any] | str, name: str = "study
     return path
 
 
+def communicate_or_explain(process: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
+    """`process.communicate(timeout)`; past the timeout, an AssertionError that says where the process was: its
+    signal masks (a SIGTERM blocked or ignored, from /proc), the processes of its session (when it leads one) and,
+    from Python's faulthandler (set PYTHONFAULTHANDLER=1 in its environment), every thread's traceback, dumped by the
+    SIGABRT that ends it. A hang seen once in CI, never here, then leaves more than a timeout to go on."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        masks = ""
+        with contextlib.suppress(OSError):
+            masks = " ".join(line.strip() for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                             if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # its session's processes (DataLoader workers)
+            masks += "\n" + subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,args", "--sid", str(process.pid)],
+                                           capture_output=True, text=True, timeout=30).stdout
+        process.send_signal(signal.SIGABRT)
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        raise AssertionError(f"no exit within {timeout:g} s ({masks}); its output:\n{out}\n{err}") from None
+
+
 CLI_ENV = {"COLUMNS": "200"}
 
 
@@ -236,3 +260,19 @@ def another_user() -> list[str]:
     if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode != 0:
         pytest.skip("no user namespaces here (unshare --user)")
     return prefix
+
+
+_GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, *FORWARD.values())
+
+
+@pytest.fixture(autouse=True)
+def signals_left_as_found() -> Iterator[None]:
+    """Every test leaves this process's signal mask and its stop handlers as it found them: every later subprocess
+    inherits the mask (a SIGTERM blocked there never reaches a run a test preempts, which then trains on, silent),
+    and an in-process run sets and restores handlers of its own."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handlers = {signum: signal.getsignal(signum) for signum in _GUARDED_SIGNALS}
+    yield
+    now = {signum: signal.getsignal(signum) for signum in _GUARDED_SIGNALS}
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "the test left signals blocked"
+    assert now == handlers, f"the test left signal handlers changed: {now} (were {handlers})"

@@ -90,6 +90,7 @@ from sweep.signals import (
     hear_taken,
     raise_pending,
     raised_at_once,
+    sheltered,
     stop_requested,
     watched_handlers,
 )
@@ -266,7 +267,8 @@ class Run:
             return
         at = self.step if step is None else int(step)
         metrics = self.metrics if at == self.step and self.metrics else None
-        self._saver(user_checkpoint(at, state, self.config, metrics), metrics)
+        with sheltered():  # the checkpoint's file and row, whole
+            self._saver(user_checkpoint(at, state, self.config, metrics), metrics)
 
     def load(self) -> dict[str, Any] | None:
         """The saved state to start from, or None. A resume also puts every RNG back where it was at that save."""

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from sweep.confirm import lineage_label
-from tests.conftest import run_cli, sweep_cli, write_study
+from tests.conftest import communicate_or_explain, run_cli, sweep_cli, write_study
 
 # A user's own loop: a tiny regression net, its own optimizer and checkpoints; config keys of its own (`eval_every`,
 # `events`, and switches the tests use to make it crash, diverge or die).
@@ -1176,7 +1176,8 @@ def test_a_sigterm_to_the_whole_job_preempts_a_trial_whose_data_loader_workers_i
         "name": "loaders", "n_trials": 2, "sampler": {"type": "random"}, "pruner": "none", "loop": "loader_loop:main",
         "fixed": {"max_steps": 10_000_000, "reported": str(reported)},
         "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}})
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONFAULTHANDLER": "1"}
     run = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # a job's own group
     try:
@@ -1185,7 +1186,7 @@ def test_a_sigterm_to_the_whole_job_preempts_a_trial_whose_data_loader_workers_i
             assert time.monotonic() < deadline and run.poll() is None, run.communicate()
             time.sleep(0.05)
         os.killpg(run.pid, signal.SIGTERM)  # the scheduler: every process of the job, the loader's workers too
-        _, stderr = run.communicate(timeout=120)
+        _, stderr = communicate_or_explain(run, 120)
     finally:
         os.killpg(run.pid, signal.SIGKILL) if run.poll() is None else None
     assert run.returncode == 143, stderr
