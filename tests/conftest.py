@@ -262,7 +262,7 @@ def another_user() -> list[str]:
     return prefix
 
 
-_GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, *FORWARD.values())
+_GUARDED_SIGNALS = (*_WATCHED_SIGNALS, signal.SIGCHLD)
 
 
 @pytest.fixture(autouse=True)

@@ -1199,6 +1199,62 @@ def test_a_sigterm_to_the_whole_job_preempts_a_trial_whose_data_loader_workers_i
     assert [t.user_attrs.get("retry_of") for t in queued] == [0], [t.user_attrs for t in trials]
 
 
+@pytest.mark.parametrize("preempted", [False, True])
+def test_a_handler_of_the_loop_s_that_raises_during_a_report_s_write_raises_after_it(
+        tmp_path: Path, preempted: bool) -> None:
+    """CI: a preempted run whose DataLoader's workers the SIGTERM killed hung inside its trial's report. PyTorch's
+    SIGCHLD handler raises wherever the main thread is; in the middle of a report's storage write it cut the write
+    short. The signals here come in the middle of the write of step 3's value (a hook on the database's statements):
+    the loop's handler raises once the report is stored, as the loop's error (or, preempted, the stop's)."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    module = f"raising_handler_{int(preempted)}"
+    (tmp_path / f"{module}.py").write_text(
+        "import signal\n"
+        "ARMED = []\n"
+        "def boom(signum, frame):\n"
+        "    raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')\n"
+        "def main(config, run):\n"
+        "    signal.signal(signal.SIGUSR1, boom)\n"
+        "    try:\n"
+        "        for step in range(1, 6):\n"
+        "            ARMED[:] = [step] if step == 3 else []\n"
+        "            run.report(step, val_loss=1.0 / step)\n"
+        "    finally:\n"
+        "        signal.signal(signal.SIGUSR1, signal.SIG_DFL)\n"
+        "    return 0.2\n")
+    path = write_study(tmp_path, {"name": "raising", "n_trials": 1, "loop": f"{module}:main", "pruner": "none",
+                                  "sampler": {"type": "random"}})
+
+    def mid_write(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        loop = sys.modules.get(module)
+        if loop is not None and loop.ARMED and "trial_intermediate_values" in statement \
+                and statement.lstrip().upper().startswith("INSERT"):
+            loop.ARMED.clear()
+            if preempted:
+                signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGUSR1)
+
+    event.listen(Engine, "before_cursor_execute", mid_write)
+    try:
+        done = sweep_cli("run", path, pythonpath=tmp_path)
+    finally:
+        event.remove(Engine, "before_cursor_execute", mid_write)
+    (trial, *retry) = trials_of(path, "raising")
+    assert sorted(trial.intermediate_values) == [1, 2, 3], (trial.intermediate_values, done.stderr)  # stored whole
+    assert trial.state == optuna.trial.TrialState.FAIL
+    if preempted:
+        assert done.returncode == 143, done.stderr
+        assert trial.user_attrs["fail_reason"].startswith("preempted (SIGTERM)"), trial.user_attrs
+        assert [t.user_attrs.get("retry_of") for t in retry] == [0]
+    else:
+        assert done.returncode == 1, done.stderr  # its only trial failed
+        assert trial.user_attrs["fail_reason"] == (
+            "RuntimeError: DataLoader worker (pid 1) is killed by signal: Terminated."), trial.user_attrs
+        assert retry == []
+
+
 def test_a_thread_the_loop_leaves_running_does_not_keep_sweep_run_from_exiting(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by review: a loop that starts a thread (not a daemon) and never ends it kept `sweep run` alive forever
