@@ -17,6 +17,7 @@ every process of a task) is still one request.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import sys
@@ -222,17 +223,20 @@ def _let_handlers_run() -> None:
     own handler is about to record is not taken for one the trial's handler took."""
 
 
-# The signals `sheltered` defers: every one that may come from outside, at any time; not the ones a fault of the code
-# itself raises where it is (a segfault, SIGPIPE at a write). Looked up with the C function `signal.getsignal` wraps
-# (each lookup of the wrapper converts its answer to an enum, through an exception for a handler: 20 us a report).
-_SYNCHRONOUS = {getattr(signal, name) for name in ("SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGSEGV",
-                                                   "SIGPIPE", "SIGSYS", "SIGKILL", "SIGSTOP") if hasattr(signal, name)}
-_SHELTERABLE: tuple[int, ...] = tuple(sorted(int(signum) for signum in signal.valid_signals() - _SYNCHRONOUS))
+# The signals `sheltered` defers: every one that may come from outside at any time. Not the ones a fault of the code
+# itself raises where it is (a segfault, SIGPIPE at a write), nor the timers a process arms to interrupt whatever runs
+# when they fire (a timeout's SIGALRM, pytest-timeout's; a profiler's): those still interrupt a hung write. Looked up
+# with the C function `signal.getsignal` wraps, whose enum conversion costs an exception per handler (20 us a report).
+_PASSED = {getattr(signal, name) for name in ("SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGSEGV", "SIGPIPE",
+                                              "SIGSYS", "SIGKILL", "SIGSTOP", "SIGALRM", "SIGVTALRM", "SIGPROF")
+           if hasattr(signal, name)}
+_SHELTERABLE: tuple[int, ...] = tuple(sorted(int(signum) for signum in signal.valid_signals() - _PASSED))
 try:
     from _signal import getsignal as _getsignal  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # not CPython
     _getsignal = signal.getsignal
 _sheltering = False  # inside `sheltered`
+_Handler = Callable[[int, FrameType | None], object]
 
 
 @contextlib.contextmanager
@@ -242,38 +246,55 @@ def sheltered() -> Iterator[None]:
     PyTorch's DataLoader sets one for SIGCHLD that raises in the main thread, wherever it is, once a worker of a live
     loader has died, which a scheduler's SIGTERM to the whole job does (CI: a preempted `sweep run` hung for good,
     silent, inside the stopped trial's last report); a loop's own handler may raise too (`sys.exit`). Each handler
-    that is not the worker's own (which only records) is swapped for one that notes the signal, and once the handlers
-    are back each signal noted is raised again (once, as the system coalesces a signal pending twice): a handler that
-    raises does so at the end of the report, a clean point, as the trial's error. Only in the main thread, which
-    alone runs Python's handlers."""
+    that is not the worker's own (which only records) is swapped for one that notes the signal and its frame; once
+    the handlers are back, each one whose signal came is called, once, in the order they came: one that raises does
+    so at the end of the report, a clean point, as the trial's error (the last raised, the others its context), and
+    none is skipped for it. A handler set meanwhile is kept. Only in the main thread, which alone runs Python's
+    handlers. Not seen, and so undone: a `faulthandler.register(chain=True)` on a signal that has a Python handler
+    (the C handler it puts in front is invisible from Python)."""
     global _sheltering
     if _sheltering or threading.current_thread() is not threading.main_thread():
         yield
         return
-    heard: list[int] = []
+    heard: dict[int, FrameType | None] = {}
 
     def note(signum: int, frame: FrameType | None) -> None:
-        heard.append(signum)
+        heard.setdefault(signum, frame)
 
-    swapped: dict[int, Callable[[int, FrameType | None], object]] = {
+    swapped: dict[int, _Handler] = {
         signum: handler for signum in _SHELTERABLE
         if callable(handler := _getsignal(signum)) and handler is not _handler}
-    for signum in swapped:
-        signal.signal(signum, note)
     _sheltering = True
     try:
+        for signum in swapped:  # a pending handler that raises here raises before the bookkeeping: as it would
+            signal.signal(signum, note)
         yield
     finally:
         _sheltering = False
-        for signum, handler in swapped.items():
-            signal.signal(signum, handler)
-        if heard:  # each raised again while blocked, then all let in at once: a handler that raises drops none
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, heard)
+        errors = _restored(swapped, note)
+        for signum, frame in heard.items():
             try:
-                for came in set(heard):
-                    signal.raise_signal(came)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                swapped[signum](signum, frame)
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every handler has run
+                errors.append(exc)
+        for before, after in itertools.pairwise(errors):
+            after.__context__ = after.__context__ or before
+        if errors:
+            raise errors[-1]
+
+
+def _restored(swapped: dict[int, _Handler], note: _Handler) -> list[BaseException]:
+    """Put back each handler `sheltered` swapped for `note` (not one set since), whatever comes meanwhile: setting a
+    handler first runs the handlers pending, and one that raises leaves that handler unset, so it is set again.
+    Returns what the pending handlers raised."""
+    errors: list[BaseException] = []
+    for signum, handler in swapped.items():
+        while _getsignal(signum) is note:
+            try:
+                signal.signal(signum, handler)
+            except BaseException as exc:  # noqa: BLE001 - the caller raises it, once every handler is back
+                errors.append(exc)
+    return errors
 
 
 def raise_pending() -> None:
