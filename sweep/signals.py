@@ -126,6 +126,7 @@ def _own_sigchld() -> Iterator[None]:
     try:
         yield
     finally:
+        _trial_handlers_ended()
         if signal.getsignal(signal.SIGCHLD) is not before:
             signal.signal(signal.SIGCHLD, before if before is not None else signal.SIG_DFL)
             handling = sys.modules.get("torch.utils.data._utils.signal_handling")
@@ -235,8 +236,16 @@ try:
     from _signal import getsignal as _getsignal  # type: ignore[import-not-found,unused-ignore]
 except ImportError:  # not CPython
     _getsignal = signal.getsignal
-_sheltering = False  # inside `sheltered`
 _Handler = Callable[[int, FrameType | None], object]
+_sheltering = False  # inside `sheltered`
+_held: dict[int, _Handler] = {}  # the handlers `sheltered` swapped for `_note`, not put back yet
+_heard: dict[int, tuple[FrameType | None, _Handler]] = {}  # the signals `_note` took: the frame, the handler to call
+
+
+def _note(signum: int, frame: FrameType | None) -> None:
+    """`sheltered`'s stand-in for a handler: the signal, its frame and the handler it was for, kept for later."""
+    if signum in _held:
+        _heard.setdefault(signum, (frame, _held[signum]))
 
 
 @contextlib.contextmanager
@@ -246,55 +255,66 @@ def sheltered() -> Iterator[None]:
     PyTorch's DataLoader sets one for SIGCHLD that raises in the main thread, wherever it is, once a worker of a live
     loader has died, which a scheduler's SIGTERM to the whole job does (CI: a preempted `sweep run` hung for good,
     silent, inside the stopped trial's last report); a loop's own handler may raise too (`sys.exit`). Each handler
-    that is not the worker's own (which only records) is swapped for one that notes the signal and its frame; once
-    the handlers are back, each one whose signal came is called, once, in the order they came: one that raises does
-    so at the end of the report, a clean point, as the trial's error (the last raised, the others its context), and
+    that is not the worker's own (which only records) is swapped for `_note`; once the handlers are back, each one
+    whose signal came is called, once, in the order they came, with the frame it came in: one that raises does so
+    at the end of the report, a clean point, as the trial's error (the last raised, the others its context), and
     none is skipped for it. A handler set meanwhile is kept. Only in the main thread, which alone runs Python's
-    handlers. Not seen, and so undone: a `faulthandler.register(chain=True)` on a signal that has a Python handler
-    (the C handler it puts in front is invisible from Python)."""
+    handlers. A handler that `sheltered` does not defer (a second Ctrl-C's, a timer's) may still raise while it puts
+    the others back: what it left is put back as the next `sheltered` ends, or as the trial's code ends
+    (`trial_code`).
+    Not seen, and so undone: a `faulthandler.register(chain=True)` on a signal that has a Python handler (the C
+    handler it puts in front is invisible from Python)."""
     global _sheltering
     if _sheltering or threading.current_thread() is not threading.main_thread():
         yield
         return
-    heard: dict[int, FrameType | None] = {}
-
-    def note(signum: int, frame: FrameType | None) -> None:
-        heard.setdefault(signum, frame)
-
-    swapped: dict[int, _Handler] = {
-        signum: handler for signum in _SHELTERABLE
-        if callable(handler := _getsignal(signum)) and handler is not _handler}
+    found = {signum: handler for signum in _SHELTERABLE
+             if callable(handler := _getsignal(signum)) and handler is not _handler and handler is not _note}
     _sheltering = True
     try:
-        for signum in swapped:  # a pending handler that raises here raises before the bookkeeping: as it would
-            signal.signal(signum, note)
+        for signum, handler in found.items():  # a pending handler that raises here does so before the bookkeeping
+            _held[signum] = handler  # first: a swap cut short is still put back
+            signal.signal(signum, _note)
         yield
     finally:
         _sheltering = False
-        errors = _restored(swapped, note)
-        for signum, frame in heard.items():
-            try:
-                swapped[signum](signum, frame)
-            except BaseException as exc:  # noqa: BLE001 - raised below, once every handler has run
-                errors.append(exc)
-        for before, after in itertools.pairwise(errors):
-            after.__context__ = after.__context__ or before
-        if errors:
-            raise errors[-1]
+        _put_back()
 
 
-def _restored(swapped: dict[int, _Handler], note: _Handler) -> list[BaseException]:
-    """Put back each handler `sheltered` swapped for `note` (not one set since), whatever comes meanwhile: setting a
-    handler first runs the handlers pending, and one that raises leaves that handler unset, so it is set again.
-    Returns what the pending handlers raised."""
+def _put_back(*, call: bool = True) -> None:
+    """Put back each handler `sheltered` holds (not one set since), whatever comes meanwhile: setting a handler first
+    runs the handlers pending, and one that raises leaves it unset, so it is set again. Then (`call`) each handler
+    whose signal `_note` took is called; what they raised is raised once all have run."""
     errors: list[BaseException] = []
-    for signum, handler in swapped.items():
-        while _getsignal(signum) is note:
-            try:
+    while _held:
+        signum, handler = next(iter(_held.items()))
+        try:
+            if _getsignal(signum) is _note:
                 signal.signal(signum, handler)
-            except BaseException as exc:  # noqa: BLE001 - the caller raises it, once every handler is back
-                errors.append(exc)
-    return errors
+            del _held[signum]
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every handler is back
+            errors.append(exc)
+    while _heard:
+        signum, (frame, handler) = next(iter(_heard.items()))
+        try:
+            del _heard[signum]
+            if call:
+                handler(signum, frame)
+        except BaseException as exc:  # noqa: BLE001 - raised below, once every handler has run
+            errors.append(exc)
+    for before, after in itertools.pairwise(errors):
+        after.__context__ = after.__context__ or before
+    if errors and call:
+        raise errors[-1]
+
+
+def _trial_handlers_ended() -> None:
+    """As a trial's code ends: what a `sheltered` cut short left is put back, its notes dropped (the code that set
+    those handlers has ended)."""
+    global _sheltering
+    if _held or _heard or _sheltering:
+        _sheltering = False
+        _put_back(call=False)
 
 
 def raise_pending() -> None:

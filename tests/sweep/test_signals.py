@@ -192,3 +192,53 @@ def test_a_handler_that_raises_while_handlers_are_swapped_or_put_back_leaves_non
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("healed_by", ["the next shelter", "the trial's end"])
+def test_what_a_second_ctrl_c_cuts_short_as_handlers_are_put_back_is_put_back_later(healed_by: str) -> None:
+    """Review: a handler `sheltered` does not defer (a second Ctrl-C raises at once; a timer's) raising while the
+    others were put back left the noting stub on them for the process's life, their signals swallowed. What it
+    left is put back as the next `sheltered` ends (the noted handler then called once) or as the trial's code
+    ends."""
+    import sys
+
+    from sweep.signals import sheltered, trial_code
+
+    calls: list[int] = []
+
+    def requeue(signum: int, frame: object) -> None:  # Lightning's SIGUSR1, say
+        calls.append(signum)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    tearing = [False]
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if tearing[0] and event == "c_call" and arg is iter and frame.f_code.co_name == "_put_back":
+            tearing[0] = False
+            signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, as the handlers are put back
+
+    try:
+        signal.signal(signal.SIGUSR1, requeue)
+        with graceful_signals(), pytest.raises(KeyboardInterrupt):
+            with trial_code():
+                deliver(signal.SIGINT)  # the first: a request
+                with pytest.raises(KeyboardInterrupt):
+                    try:
+                        sys.setprofile(profile)
+                        with sheltered():
+                            deliver(signal.SIGUSR1)
+                            tearing[0] = True
+                    finally:
+                        sys.setprofile(None)
+                assert signal.getsignal(signal.SIGUSR1) is not requeue and calls == []  # cut short
+                if healed_by == "the next shelter":
+                    with sheltered():
+                        pass
+                    assert signal.getsignal(signal.SIGUSR1) is requeue and calls == [signal.SIGUSR1]
+                raise KeyboardInterrupt  # the trial stops
+        assert signal.getsignal(signal.SIGUSR1) is requeue  # back, as the trial's code ended
+        assert calls == ([signal.SIGUSR1] if healed_by == "the next shelter" else [])
+        deliver(signal.SIGUSR1)
+        assert calls[-1:] == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
