@@ -126,12 +126,14 @@ def _own_sigchld() -> Iterator[None]:
     try:
         yield
     finally:
-        _trial_handlers_ended()
-        if signal.getsignal(signal.SIGCHLD) is not before:
-            signal.signal(signal.SIGCHLD, before if before is not None else signal.SIG_DFL)
-            handling = sys.modules.get("torch.utils.data._utils.signal_handling")
-            if handling is not None and hasattr(handling, "_SIGCHLD_handler_set"):
-                setattr(handling, "_SIGCHLD_handler_set", False)  # noqa: B010 - PyTorch's flag: its next loader sets it
+        try:
+            if signal.getsignal(signal.SIGCHLD) is not before:
+                signal.signal(signal.SIGCHLD, before if before is not None else signal.SIG_DFL)
+                handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+                if handling is not None and hasattr(handling, "_SIGCHLD_handler_set"):
+                    setattr(handling, "_SIGCHLD_handler_set", False)  # noqa: B010 - PyTorch's: its next loader sets it
+        finally:
+            _trial_handlers_ended()
 
 
 @contextlib.contextmanager
@@ -284,33 +286,33 @@ def sheltered() -> Iterator[None]:
 def _put_back(*, call: bool = True) -> None:
     """Put back each handler `sheltered` holds (not one set since), whatever comes meanwhile: setting a handler first
     runs the handlers pending, and one that raises leaves it unset, so it is set again. Then (`call`) each handler
-    whose signal `_note` took is called; what they raised is raised once all have run."""
+    whose signal `_note` took is called (or its note dropped); what the handlers raised is raised once all have
+    run."""
     errors: list[BaseException] = []
     while _held:
         signum, handler = next(iter(_held.items()))
         try:
             if _getsignal(signum) is _note:
                 signal.signal(signum, handler)
-            del _held[signum]
+            _held.pop(signum, None)  # (a handler run meanwhile may have put it back through a shelter of its own)
         except BaseException as exc:  # noqa: BLE001 - raised below, once every handler is back
             errors.append(exc)
     while _heard:
         signum, (frame, handler) = next(iter(_heard.items()))
         try:
-            del _heard[signum]
-            if call:
+            if _heard.pop(signum, None) is not None and call:
                 handler(signum, frame)
         except BaseException as exc:  # noqa: BLE001 - raised below, once every handler has run
             errors.append(exc)
     for before, after in itertools.pairwise(errors):
         after.__context__ = after.__context__ or before
-    if errors and call:
+    if errors:
         raise errors[-1]
 
 
 def _trial_handlers_ended() -> None:
     """As a trial's code ends: what a `sheltered` cut short left is put back, its notes dropped (the code that set
-    those handlers has ended)."""
+    those handlers has ended); what a pending handler raises meanwhile (a timer's) is raised, as anywhere."""
     global _sheltering
     if _held or _heard or _sheltering:
         _sheltering = False

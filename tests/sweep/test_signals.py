@@ -242,3 +242,71 @@ def test_what_a_second_ctrl_c_cuts_short_as_handlers_are_put_back_is_put_back_la
         assert calls[-1:] == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_putting_handlers_back_loses_no_pending_handler_s_error_and_survives_a_shelter_inside_a_handler() -> None:
+    """Review: as the trial's code ended, what a pending handler raised while a cut-short shelter's handlers were put
+    back (a timeout's SIGALRM) was dropped; and a handler run meanwhile that took a shelter of its own (a requeue
+    handler that saves a checkpoint) put the others back itself, and the put-back then raised KeyError."""
+    import sys
+
+    from sweep import signals
+    from sweep.signals import sheltered
+
+    class Timeout(Exception):
+        pass
+
+    def timeout(signum: int, frame: object) -> None:
+        raise Timeout
+
+    saved: list[int] = []
+
+    def saving(signum: int, frame: object) -> None:  # Slurm's requeue signal: save, through sweep's registration
+        with sheltered():
+            saved.append(signum)
+
+    def plant(signum: int, *, at: object, within: str, nth: int = 1) -> Any:
+        """A profile function that raises `signum` at the `nth` call of the C function `at` from a `within` frame."""
+        calls = [0]
+
+        def profile(frame: Any, event: str, arg: object) -> None:
+            if event == "c_call" and arg is at and frame.f_code.co_name == within:
+                calls[0] += 1
+                if calls[0] == nth:
+                    signal.raise_signal(signum)
+        return profile
+
+    import _signal
+
+    signums = (signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2)
+    before = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        signal.signal(signal.SIGALRM, timeout)
+        signal.signal(signal.SIGUSR1, saving)
+        signal.signal(signal.SIGUSR2, saving)
+        # What a cut-short shelter leaves: SIGUSR1 held, its stub installed.
+        signals._held[signal.SIGUSR1] = saving
+        signal.signal(signal.SIGUSR1, signals._note)
+        sys.setprofile(plant(signal.SIGALRM, at=_signal.getsignal, within="_put_back"))
+        try:
+            with pytest.raises(Timeout):
+                signals._trial_handlers_ended()
+        finally:
+            sys.setprofile(None)
+        assert signal.getsignal(signal.SIGUSR1) is saving and not signals._held and not signals._sheltering
+        # Two held; the first, put back, runs (a real SIGUSR1) as the second is put back, with a shelter of its own.
+        for signum in (signal.SIGUSR1, signal.SIGUSR2):
+            signals._held[signum] = saving
+            signal.signal(signum, signals._note)
+        sys.setprofile(plant(signal.SIGUSR1, at=_signal.signal, within="signal", nth=2))
+        try:
+            signals._trial_handlers_ended()
+        finally:
+            sys.setprofile(None)
+        assert saved == [signal.SIGUSR1] and not signals._held
+        assert signal.getsignal(signal.SIGUSR1) is saving and signal.getsignal(signal.SIGUSR2) is saving
+    finally:
+        signals._held.clear()
+        signals._heard.clear()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
