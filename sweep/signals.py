@@ -263,9 +263,8 @@ def sheltered() -> Iterator[None]:
     none is skipped for it. A handler set meanwhile is kept. Only in the main thread, which alone runs Python's
     handlers. A handler that `sheltered` does not defer (a second Ctrl-C's, a timer's) may still raise while it puts
     the others back: what it left is put back as the next `sheltered` ends, or as the trial's code ends
-    (`trial_code`).
-    Not seen, and so undone: a `faulthandler.register(chain=True)` on a signal that has a Python handler (the C
-    handler it puts in front is invisible from Python)."""
+    (`trial_code`). Not seen, and so undone: a `faulthandler.register(chain=True)` on a signal that has a Python
+    handler (the C handler it puts in front is invisible from Python)."""
     global _sheltering
     if _sheltering or threading.current_thread() is not threading.main_thread():
         yield
