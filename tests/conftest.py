@@ -262,17 +262,15 @@ def another_user() -> list[str]:
     return prefix
 
 
-_GUARDED_SIGNALS = (*_WATCHED_SIGNALS, signal.SIGCHLD)
-
-
 @pytest.fixture(autouse=True)
 def signals_left_as_found() -> Iterator[None]:
     """Every test leaves this process's signal mask and its stop handlers as it found them: every later subprocess
     inherits the mask (a SIGTERM blocked there never reaches a run a test preempts, which then trains on, silent),
-    and an in-process run sets and restores handlers of its own."""
+    and an in-process run sets and restores handlers of its own. (SIGCHLD is PyTorch's once a DataLoader with
+    workers has run in this process, for the process's life, as in any other.)"""
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    handlers = {signum: signal.getsignal(signum) for signum in _GUARDED_SIGNALS}
+    handlers = {signum: signal.getsignal(signum) for signum in _WATCHED_SIGNALS}
     yield
-    now = {signum: signal.getsignal(signum) for signum in _GUARDED_SIGNALS}
+    now = {signum: signal.getsignal(signum) for signum in _WATCHED_SIGNALS}
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask, "the test left signals blocked"
     assert now == handlers, f"the test left signal handlers changed: {now} (were {handlers})"
