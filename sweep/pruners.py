@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Container, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_TRAIN_CURVE, ATTR_WARM_START
+from sweep.outcomes import ATTR_LOSS_CURVE, ATTR_PRUNE, ATTR_TRAIN_CURVE, ATTR_WARM_START
 from trainer.fast_fail_rules import DIVERGED, FastFailConfig, StudyReference, Verdict, judge, study_reference
 from trainer.pacing import curriculum_from_dict, stage_starts
 
@@ -22,6 +23,18 @@ if TYPE_CHECKING:
 __all__ = ["FastFailPruner", "at_lineage_steps", "should_prune", "startup_trials"]
 
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+
+def _diverged(trial: FrozenTrial) -> bool:
+    """Whether `trial` diverged: a NaN or an infinity among its reports or its loss curve, or fast-fail pruned it
+    as diverged. A run that diverges may first run away in the metric's good direction (a log-likelihood loss of a
+    collapsing variance: -1 to -2e7 within 300 steps, then -inf), and such values would set the study's best, the
+    scale "near its initial value" is measured on: every later trial that merely learned would be "stuck"."""
+    reason = trial.user_attrs.get(ATTR_PRUNE)
+    if isinstance(reason, Mapping) and reason.get("rule") in DIVERGED:
+        return True
+    values = [*trial.intermediate_values.values(), *(v for _, v in trial.user_attrs.get(ATTR_LOSS_CURVE, ()))]
+    return not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
 
 class FastFailPruner(optuna.pruners.BasePruner):
     """Prune a trial whose values are NaN/Inf, have exploded, or never left their initial value; otherwise ask `then`.
@@ -34,12 +47,14 @@ class FastFailPruner(optuna.pruners.BasePruner):
       `loss_explosion_factor` x the initial value. A finite value worse than the first is not pruned for that alone.
     - `plateau` and `stuck` prune only a trial that is still *near its initial value*: its best so far has covered
       less than `near_initial_pct`% of the way from its initial value to the best value the study's finished (complete
-      or pruned) trials reported. A trial that has left its initial value is never pruned by fast-fail for going
-      slowly, sitting on an intermediate plateau, being noisy or converging: that is `then`'s call, against the other
-      trials. Until a trial has finished, "near" means "improved by less than `near_initial_pct`% of the initial
-      value" (the way to zero). A trial whose best is as good as the best value the finished trials reported is
-      never near its start (one that starts there and sits there would end among them), so while no finished trial
-      has ended better than a trial's start, plateau and stuck leave it to `then`.
+      or pruned) trials reported, those that diverged excepted (a NaN or an infinity among their reports or their
+      loss, or pruned as diverged: a run that diverges may first run away in the good direction). A trial that has
+      left its initial value is never pruned by fast-fail for going slowly, sitting on an intermediate plateau, being
+      noisy or converging: that is `then`'s call, against the other trials. Until a trial has finished, "near" means
+      "improved by less than `near_initial_pct`% of the initial value" (the way to zero). A trial whose best is as
+      good as the best value the finished trials reported is never near its start (one that starts there and sits
+      there would end among them), so while no finished trial has ended better than a trial's start, plateau and
+      stuck leave it to `then`.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
       its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
     - `overfit` (off unless `overfit_gap` is set): validation worse than training by more than `overfit_gap` for
@@ -48,11 +63,12 @@ class FastFailPruner(optuna.pruners.BasePruner):
       is never pruned by it. The training values are the trial's `train_curve` user attr (`TrialReporter` writes it
       only while the rule is on).
     - `stuck`: near its initial value `learners_factor` x the `learners_quantile` quantile of the steps the study's
-      learners (finished trials that left their initial value, warm-started ones excepted) took to leave theirs,
-      counted from the end of its own learning-rate warmup or from its latest value worse than its initial one by
-      more than the near band (a spike: moving, not sitting): its patience follows from the study's own curves. Until
-      `min_learners` finished trials have left their initial value, never sooner than plateau's patience (the
-      floor; it then also stops a creeper, which plateau's `min_improvement_pct` misses); off before any has.
+      learners (finished trials that left their initial value, warm-started and diverged ones excepted) took to leave
+      theirs, counted from the end of its own learning-rate warmup or from its latest value worse than its initial
+      one by more than the near band (a spike: moving, not sitting): its patience follows from the study's own
+      curves. Until `min_learners` finished trials have left their initial value, never sooner than plateau's
+      patience (the floor; it then also stops a creeper, which plateau's `min_improvement_pct` misses); off before
+      any has.
 
     Stateless: the rules (`trainer.fast_fail_rules.judge`) are applied to the intermediate values Optuna stores for the
     trial and to the study's finished trials, so the answer is the same in any worker, after a restart, on SQLite or
@@ -120,7 +136,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
         key = (study.study_name, len(finished))
         if self._reference is None or self._reference[0] != key:
             curves = [sorted(t.intermediate_values.items()) for t in finished
-                      if t.intermediate_values and ATTR_WARM_START not in t.user_attrs]
+                      if t.intermediate_values and ATTR_WARM_START not in t.user_attrs and not _diverged(t)]
             maximize = study.direction == StudyDirection.MAXIMIZE
             self._reference = (key, study_reference(curves, self.config, maximize=maximize))
         return self._reference[1]

@@ -263,16 +263,31 @@ def optuna_url(url: str) -> str:
     return url.replace("{", "{{").replace("}", "}}")
 
 
-class _NoFallbackNotice(logging.Filter):
-    """Optuna's RDB storage says so when a read by trial ids fails and it tries a plainer query ("Caught an error
-    from sqlalchemy: ... Falling back to a slower alternative"): a multi-line SQL dump that, in a worker, comes from a
-    dropped connection, which `PatientStorage` already reports in one line and waits out."""
+class _OutageNoise(logging.Filter):
+    """A library's log line that a dropped connection causes, which `PatientStorage` already reports in one line and
+    waits out: Optuna's RDB storage when a read by trial ids fails and it tries a plainer query ("Caught an error
+    from sqlalchemy: ... Falling back to a slower alternative", a multi-line SQL dump); psycopg when the cleanup of a
+    pipeline, a copy or a rollback fails on the lost connection ("error ignored terminating <psycopg.Pipeline [BAD]
+    at 0x...>: the connection is lost", found with pg_terminate_backend during a run)."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Caught an error from sqlalchemy")
+        return not str(record.msg).startswith(self.prefixes)
 
 
-_RDB_LOGGER = logging.getLogger("optuna.storages._rdb.storage")
+# A logger's filters see only the records logged on it by name, not its children's.
+_OUTAGE_NOISE = {"optuna.storages._rdb.storage": ("Caught an error from sqlalchemy",),
+                 "psycopg": ("error ignored ",), "psycopg.transaction": ("error ignored ",)}
+
+
+def _quiet_outage_noise() -> None:
+    for name, prefixes in _OUTAGE_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OutageNoise) for f in logger.filters):
+            logger.addFilter(_OutageNoise(*prefixes))
 
 
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,
@@ -282,8 +297,7 @@ def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_perio
     a RUNNING trial whose worker has not beaten for `grace_period` seconds is failed by `fail_stale_trials` and handed
     to `stale_trial_callback`. `wal` False: a SQLite file is read in whatever journal mode it has (a command that
     reads a study must not change the file: one that sweep made is in write-ahead logging already)."""
-    if not any(isinstance(f, _NoFallbackNotice) for f in _RDB_LOGGER.filters):
-        _RDB_LOGGER.addFilter(_NoFallbackNotice())
+    _quiet_outage_noise()
     path = sqlite_path(url)
     engine_kwargs = engine_options(url, lock_wait_s=lock_wait_s)
     if wal and path is not None and path.parent.exists():

@@ -543,9 +543,14 @@ class Worker:
         if result.outcome == Outcome.INFRASTRUCTURE:
             self.fault = result.fault
         if result.outcome.retried:
-            with self._lock():  # against `_requeue_orphans` of a worker that found this one stalled past the grace
-                self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE,
-                            counted=counted)
+            try:
+                with self._lock():  # against `_requeue_orphans` of a worker that found this one stalled past the grace
+                    self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE,
+                                counted=counted)
+            except InfrastructureError:  # the same fault again, which stops the worker: this trial's line first,
+                self.ran += 1  # as the ones before it had theirs (review: the last of the three had none)
+                self.events.trial_finished(frozen)
+                raise
         return frozen
 
     def _ended_from_outside(self, trial: optuna.Trial) -> str | None:

@@ -1416,6 +1416,8 @@ def test_a_worker_without_the_gpu_the_study_asks_for_costs_no_budget_and_stops_s
     failed = [t for t in trials if t.state == TrialState.FAIL]
     assert len(failed) == 3 and all(t.user_attrs["outcome"] == "infrastructure" for t in failed), summary(trials)
     assert budget_counts(trials)[0] == 0, summary(trials)  # none of the budget spent: their retries wait
+    # Each has its line, the last one (the fault that stops the worker) too.
+    assert all(f"trial {t.number}: infrastructure: " in done.stdout + done.stderr for t in failed), done.stdout
 
 
 def test_a_config_that_kills_its_worker_is_failed_after_three_attempts_instead_of_retried_forever(

@@ -399,6 +399,57 @@ def test_a_warm_trial_whose_accuracy_sits_still_is_pruned_when_its_loss_explodes
     assert verdict.detail is not None and verdict.detail["of"] == "val_loss"
 
 
+@pytest.mark.parametrize("diverged", ["inf among its reports", "pruned as diverged"])
+def test_a_trial_that_ran_away_before_it_diverged_does_not_make_the_learners_look_stuck(
+        tmp_path: Path, diverged: str) -> None:
+    """A minimised loss that can go negative (a log-likelihood, -1 to about -45 for the learners) and a trial that
+    runs away downward (a collapsing variance: -1 to -2e7 in 300 steps) before it diverges. Its values set the study's
+    best, the scale of "near its initial value": every later learner, 40 times its start's distance from 0 below
+    it, was pruned as stuck at step 480, the best ones among them (review). A diverged trial's values now say
+    nothing about how far a run gets: an infinity among them, or fast-fail's recorded verdict (a NaN in the loss
+    of a study that reports another metric)."""
+    from sweep.outcomes import ATTR_PRUNE
+
+    def learner(end: float) -> list[tuple[int, float]]:
+        return [(s, end + (-1 - end) * math.exp(-5 * s / 1000)) for s in range(0, 1001, 10)]
+
+    study = optuna.create_study(pruner=FastFailPruner(), storage=f"sqlite:///{tmp_path / 's.db'}")
+    first = study.ask()
+    first.set_user_attr("config", CONFIG)
+    for step, value in learner(-50.0):
+        first.report(value, step)
+    study.tell(first, -50.0)
+    runaway = study.ask()
+    runaway.set_user_attr("config", CONFIG)
+    for step in range(0, 301, 10):
+        runaway.report(-1 - 1e3 * (math.exp(step / 30) - 1), step)
+    if diverged == "inf among its reports":
+        runaway.report(-INF, 310)
+    else:
+        runaway.set_user_attr(ATTR_PRUNE, {"rule": "nan", "step": 300, "detail": {"of": "val_loss"}})
+    study.tell(runaway, state=TrialState.PRUNED)
+    for end in (-48.0, -44.0, -30.0):
+        trial = study.ask()
+        trial.set_user_attr("config", CONFIG)
+        for step, value in learner(end):
+            trial.report(value, step)
+            assert not trial.should_prune(), (end, step, study.pruner.verdict(
+                [(s, v) for s, v in learner(end) if s <= step], CONFIG, False, study))
+        study.tell(trial, end)
+    # A never-learner is still stopped as stuck, on the learners' scale.
+    trial = study.ask()
+    trial.set_user_attr("config", CONFIG)
+    assert pruned_at(trial, [(s, -1.0 - 1e-4 * s) for s in range(0, 1001, 10)]) is not None
+
+
+def pruned_at(trial: optuna.Trial, values: list[tuple[int, float]]) -> int | None:
+    for step, value in values:
+        trial.report(value, step)
+        if trial.should_prune():
+            return step
+    return None
+
+
 def test_the_rule_that_pruned_is_read_from_the_pruner_s_own_read_of_the_study(tmp_path: Path) -> None:
     """Which rule pruned a trial was worked out after the decision, with a read of the study's finished trials of its
     own, outside the one read the decision shared and outside the wait for an outage: a connection dropped there (a
