@@ -47,10 +47,11 @@ class FastFailPruner(optuna.pruners.BasePruner):
       `loss_explosion_factor` x the initial value. A finite value worse than the first is not pruned for that alone.
     - `plateau` and `stuck` prune only a trial that is still *near its initial value*: its best so far has covered
       less than `near_initial_pct`% of the way from its initial value to the best value the study's finished (complete
-      or pruned) trials reported, those that diverged excepted (a NaN or an infinity among their reports or their
-      loss, or pruned as diverged: a run that diverges may first run away in the good direction). A trial that has
-      left its initial value is never pruned by fast-fail for going slowly, sitting on an intermediate plateau, being
-      noisy or converging: that is `then`'s call, against the other trials. Until a trial has finished, "near" means
+      or pruned) trials reported, those that diverged (a NaN or an infinity among their reports or their loss, or
+      pruned as diverged: a run that diverges may first run away in the good direction) or never moved (best within
+      `min_improvement_pct`% of their start: `study_reference`) excepted. A trial that has left its initial value
+      is never pruned by fast-fail for going slowly, sitting on an intermediate plateau, being noisy or converging:
+      that is `then`'s call, against the other trials. Until a trial has finished, "near" means
       "improved by less than `near_initial_pct`% of the initial value" (the way to zero). A trial whose best is as
       good as the best value the finished trials reported is never near its start (one that starts there and sits
       there would end among them), so while no finished trial has ended better than a trial's start, plateau and

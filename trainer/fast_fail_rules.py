@@ -21,14 +21,14 @@ before each evaluation); without them the rule is silent.
 
 Safe by construction: "plateau" and "stuck" judge only a run that is still *near its initial value*: its best has
 covered less than `near_initial_pct` percent of the way from its initial value to the best value the study has seen
-(`StudyReference`, derived by `study_reference` from the study's finished curves). A run that has left its initial
-value, however slowly it goes on (a two-phase learner sitting on an intermediate plateau, a noisy or converged curve),
-is never failed by these rules: comparing it with other runs is the wrapped pruner's job; nor is a run whose best is
-already as good as the study's best (one that starts there and sits there would end among the study's best). In a
-study none of whose trials has finished with a value, the way is measured to zero, the best a loss can be: "near"
-means "improved by less than `near_initial_pct` percent of the initial value". Without a study (the trainer alone),
-"near" means "improved by less than `learned_pct` percent of the initial value" (from an initial value of exactly 0:
-not improved at all).
+(`StudyReference`, derived by `study_reference` from the study's finished curves that moved). A run that has left its
+initial value, however slowly it goes on (a two-phase learner sitting on an intermediate plateau, a noisy or converged
+curve), is never failed by these rules: comparing it with other runs is the wrapped pruner's job; nor is a run whose
+best is already as good as the study's best (one that starts there and sits there would end among the study's best). In
+a study none of whose trials has finished with a value (that moved), the way is measured to zero, the best a loss can
+be: "near" means "improved by less than `near_initial_pct` percent of the initial value". Without a study (the trainer
+alone), "near" means "improved by less than `learned_pct` percent of the initial value" (from an initial value of
+exactly 0: not improved at all).
 With fewer than `min_learners` learners "stuck" waits at least plateau's patience, and with none it is off.
 
 Curricula: when a harder stage begins the run sees new data at once, and its loss may jump or stall for a while; that
@@ -309,11 +309,26 @@ def leave_step(series: Sequence[tuple[int, float]], best: float, near_initial_pc
     return next((s - start_step for s, v in finite[1:] if _gain(initial, v, maximize) >= threshold), None)
 
 
+def _moved(series: Sequence[tuple[int, float]], config: FastFailConfig, maximize: bool) -> bool:
+    """Whether a finished run's best improved on its initial value by more than noise: `min_improvement_pct`% of
+    it (from an initial value of exactly 0: at all), as plateau counts an improvement."""
+    finite = [v for _, v in series if math.isfinite(v)]
+    if len(finite) < 2:
+        return False
+    return _improved(max(finite) if maximize else min(finite), finite[0], config.min_improvement_pct, maximize)
+
+
 def study_reference(curves: Sequence[Sequence[tuple[int, float]]], config: FastFailConfig, *,
                     maximize: bool = False) -> StudyReference:
     """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value seen, and
     when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
-    (nearest rank: never below it) of the steps the learners took to leave their initial values."""
+    (nearest rank: never below it) of the steps the learners took to leave their initial values.
+
+    Only curves that moved count (`_moved`): a never-learner's noise, 0.05% below its start, would otherwise be "the
+    study's best", and every later run that wobbled as much would count as having left its start (a never-learner
+    then ran its whole budget, and its retry too: review). A study whose finished runs all sat still knows no more
+    than one with none finished."""
+    curves = [series for series in curves if _moved(series, config, maximize)]
     values = [v for series in curves for _, v in series if math.isfinite(v)]
     if not values:
         return StudyReference()

@@ -442,6 +442,24 @@ def test_a_trial_that_ran_away_before_it_diverged_does_not_make_the_learners_loo
     assert pruned_at(trial, [(s, -1.0 - 1e-4 * s) for s in range(0, 1001, 10)]) is not None
 
 
+def test_a_never_learner_s_noise_is_no_yardstick_for_the_next_never_learner(tmp_path: Path) -> None:
+    """The study's first finished trial never learned: pruned as a plateau, its best 0.06% below its start by
+    noise. Its values set the study's best, and "near its initial value" became "within 10% of that 0.0013": a second
+    never-learner that wobbled 0.04% below its start counted as having left it, ran 475 steps unjudged, and its
+    retry ran the rest of the budget (a cohort study on PostgreSQL, review). A finished trial that never moved by more
+    than plateau's `min_improvement_pct` says nothing about how far a run gets: the next never-learner is pruned at
+    plateau's patience, as the first was."""
+    wobble = [0.0, 0.0125, -0.0013, 0.0122, 0.0168, 0.0125, 0.0015, 0.0114, 0.0123, 0.0173, 0.0095, -0.0006]
+    study = optuna.create_study(pruner=FastFailPruner(), storage=f"sqlite:///{tmp_path / 's.db'}")
+    steps = {}
+    for shift in (0.0, 0.0002):
+        trial = study.ask()
+        trial.set_user_attr("config", {"max_steps": 800, "eval_every_steps": 25})
+        steps[shift] = pruned_at(trial, [(25 * i, 2.3125 + w + shift * (i > 0)) for i, w in enumerate(wobble * 3)])
+        study.tell(trial, state=TrialState.PRUNED)
+    assert steps == {0.0: 200, 0.0002: 200}
+
+
 def pruned_at(trial: optuna.Trial, values: list[tuple[int, float]]) -> int | None:
     for step, value in values:
         trial.report(value, step)
