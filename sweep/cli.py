@@ -1020,7 +1020,7 @@ def _print_status(study: Any) -> None:
     table.add_row("states", states)
     compute = f"{status['steps_trained']} steps trained"
     if status["warm_started"]:
-        compute += f"; {status['warm_started']} trials warm-started"
+        compute += f"; {status['warm_started']} trial{'s' if status['warm_started'] > 1 else ''} warm-started"
     table.add_row("compute", compute)
     if status["trials_per_hour"] is not None:
         cohorts = status["cohorts"]
