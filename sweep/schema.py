@@ -1046,7 +1046,9 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         return _dotted([*loc, field]), (f"unknown {field} {short_repr(tag)}{did_you_mean(tag, tags)}; expected one "
                                         f"of {', '.join(tags)}")
     elif error["type"] in ("model_attributes_type", "model_type"):  # pydantic's "... or instance of ExecutionSpec"
-        message = f"Input should be a valid dictionary (a mapping of keys), got {short_repr(error['input'])}"
+        forms = _shorthands(str(error.get("ctx", {}).get("class_name", "")))
+        message = (f"Input should be a valid dictionary (a mapping of keys){forms}, got {short_repr(error['input'])}"
+                   + ("; an empty value is null: write {} for the defaults" if error["input"] is None else ""))
     elif error["type"] == "missing":
         message = "required key is missing"
     elif (error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
@@ -1062,6 +1064,31 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         message = (f"{message}, got a mapping; write the metric's name, metric: {error['input']['name']}, and "
                    f"direction: {'maximize' if goal.startswith('max') else 'minimize'}")
     return _dotted(loc), message
+
+
+def _shorthands(class_name: str) -> str:
+    """The shorter forms a section of the study file takes besides a mapping, as the words of its error: `tracking:
+    {tensorboard: true}`, `checkpoints: false`, `pruner: median` (review: "got 1" named the mapping alone)."""
+    found = [cls for cls in _subclasses(_Model) if cls.__name__ == class_name]
+    if not found:
+        return ""
+    forms = [words for sample, words in ((True, "true/false"), ("x", "a name")) if _takes(found[0], sample)]
+    return f" or {' or '.join(forms)}" if forms else ""
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]
+
+
+def _takes(cls: type[_Model], sample: Any) -> bool:
+    """Whether `cls` reads `sample` as a shorter form of itself: its "before" validator turns it into a mapping
+    (a name that is not one of its choices still fails after that, on the name)."""
+    try:
+        cls.model_validate(sample)
+    except ValidationError as exc:
+        return not any(error["type"] in ("model_attributes_type", "model_type") and not error["loc"]
+                       for error in exc.errors())
+    return True
 
 
 def _first_range(key: str, nested: Mapping[str, Any]) -> str:

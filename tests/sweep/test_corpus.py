@@ -273,7 +273,13 @@ RANGES = [
     bad_file("types", "execution-number", changed(execution=4), "execution",
              "Input should be a valid dictionary (a mapping of keys), got 4"),
     bad_file("types", "warm-start-list", changed(warm_start=[0.3]), "warm_start",
-             "Input should be a valid dictionary (a mapping of keys), got [0.3]"),
+             "Input should be a valid dictionary (a mapping of keys) or true/false, got [0.3]"),
+    # The shorter forms a section takes are named, and an empty value is read as null (review: "got 1" named the
+    # mapping alone; `warm_start:` left empty, where the README's {} turns it on).
+    bad_file("wording", "tensorboard-number", changed(tracking={"tensorboard": 1}), "tracking.tensorboard",
+             "Input should be a valid dictionary (a mapping of keys) or true/false, got 1"),
+    bad_file("wording", "warm-start-empty", changed(warm_start=None), "warm_start",
+             "or true/false, got None; an empty value is null: write {} for the defaults"),
     bad_file("ranges", "devices_per_trial-zero", changed(resources={"devices_per_trial": 0}),
              "resources.devices_per_trial", "greater than or equal to 1"),
     bad_file("types", "devices_per_trial-float", changed(resources={"devices_per_trial": 2.0}),
