@@ -1076,8 +1076,9 @@ def _shorthands(class_name: str) -> str:
     return f" or {' or '.join(forms)}" if forms else ""
 
 
-def _subclasses(cls: type) -> list[type]:
-    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]
+def _subclasses(cls: type[_Model]) -> list[type[_Model]]:
+    direct: list[type[_Model]] = cls.__subclasses__()
+    return [sub for child in direct for sub in (child, *_subclasses(child))]
 
 
 def _takes(cls: type[_Model], sample: Any) -> bool:
