@@ -320,16 +320,20 @@ def _moved(series: Sequence[tuple[int, float]], config: FastFailConfig, maximize
 
 def study_reference(curves: Sequence[Sequence[tuple[int, float]]], config: FastFailConfig, *,
                     maximize: bool = False) -> StudyReference:
-    """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value seen, and
-    when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
+    """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value a run ended
+    with, and when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
     (nearest rank: never below it) of the steps the learners took to leave their initial values.
+
+    "Ended with": each curve's last finite value, not its most extreme one. One glitch in one finished trial (a
+    reward reported 1000 times too high at one step, a loss of -500 once) would otherwise be the study's best, and
+    every later run that learned would be "near its start" beside it (pruned as stuck: review).
 
     Only curves that moved count (`_moved`): a never-learner's noise, 0.05% below its start, would otherwise be "the
     study's best", and every later run that wobbled as much would count as having left its start (a never-learner
     then ran its whole budget, and its retry too: review). A study whose finished runs all sat still knows no more
     than one with none finished."""
     curves = [series for series in curves if _moved(series, config, maximize)]
-    values = [v for series in curves for _, v in series if math.isfinite(v)]
+    values = [next(v for _, v in reversed(series) if math.isfinite(v)) for series in curves]  # moved: has some
     if not values:
         return StudyReference()
     best = max(values) if maximize else min(values)
@@ -420,9 +424,18 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
             return Verdict("stuck", step, value, detail)
 
     if config.patience_steps:
-        best, best_step = initial, initial_step
+        # A run that rose clear above its start (an early spike, a learning-rate warmup's bump) and comes down again
+        # is moving: its progress is counted from its worst value since, not from its start, which it may take
+        # longer than the patience to get back to (review: a loss falling steadily from 6 to 3 after a spike from 2
+        # was a plateau at "best 2 (step 0)"). A run that sits clear above its start makes fewer and fewer new
+        # worst values, and is a plateau from the last of them.
+        rise = _near_band(initial, config, reference, maximize) if reference is not None else None
+        rise = abs(initial) * config.near_initial_pct / 100.0 if rise is None else rise
+        best, best_step, worst = initial, initial_step, initial
         for s, v in finite[1:]:
-            if _improved(v, best, config.min_improvement_pct, maximize):
+            if _gain(initial, v, maximize) < -rise and _gain(worst, v, maximize) < 0:
+                best, best_step, worst = v, s, v
+            elif _improved(v, best, config.min_improvement_pct, maximize):
                 best, best_step = v, s
         # Patience counts from the best value, the latest stage change or the end of warmup, whichever is later.
         since = max(best_step, clock if stage_start is None else max(clock, stage_start))

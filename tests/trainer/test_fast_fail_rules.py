@@ -89,9 +89,17 @@ FAMILIES = [
                  id="collapsed-to-a-constant-guess"),
     pytest.param(learner(400, 0.05), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
                  id="starts-later-than-twice-the-study-s-slowest-learners"),
+    # Moving, not sitting: its progress counts from its worst value (review: it was a plateau at 250, counted from
+    # its start, though it ends the study's best).
     pytest.param(shaped(lambda s: 2.3 + 0.4 * math.sin(math.pi * s / 300) if s <= 300
-                        else 0.05 + 2.25 * 0.97 ** ((s - 300) / 10)), REFERENCE, 0, (), (250, "plateau"),
-                 id="the-same-bump-without-its-warmup-fails-by-plateau"),  # moving (above its start): not stuck
+                        else 0.05 + 2.25 * 0.97 ** ((s - 300) / 10)), REFERENCE, 0, (), None,
+                 id="the-same-bump-without-its-warmup"),
+    pytest.param(shaped(lambda s: 2.3 if s == 0 else 0.1 + 5.9 * 0.997 ** s), REFERENCE, 0, (), None,
+                 id="an-early-spike-to-6-then-back-below-its-start-after-the-patience"),
+    pytest.param(shaped(lambda s: 2.0 if s == 0 else 0.1 + 3.9 * (1 - s / 2000) ** 3), StudyReference(), 0, (), None,
+                 id="an-early-spike-with-no-study-reference"),
+    pytest.param(shaped(lambda s: 2.3 if s == 0 else 2.7), REFERENCE, 0, (), (260, "plateau"),
+                 id="rises-clear-above-its-start-and-sits-there"),  # a plateau from its last new worst value
     pytest.param(learner(0, 0.1, rate=0.995), REFERENCE, 0, (), (STUCK_AFTER, "stuck"),
                  id="so-slow-it-would-finish-at-1.4-behind-every-learner"),
     pytest.param(then(learner(), 500, NAN), REFERENCE, 0, (), (500, "nan"), id="diverges-to-nan"),
@@ -172,6 +180,22 @@ def test_maximized_metrics_mirror_the_rules() -> None:
     two_phase_accuracy = shaped(lambda s: 0.1 + 0.3 * min(1, s / 100) + (0.5 * (1 - 0.95 ** ((s - 600) / 10))
                                                                           if s > 600 else 0))
     assert first_failure(two_phase_accuracy, reference, maximize=True) is None
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_one_glitch_in_a_finished_trial_is_not_the_study_s_best(maximize: bool) -> None:
+    """A finished trial that reported one value far past its others at one step (a loss of -500 once, a reward
+    1000 times too high) and ended as an ordinary learner: its glitch was the study's best, and every later learner
+    was "near its start" beside it, pruned as stuck though it ended the study's best (review). The reference is
+    where each finished run ended."""
+    def run(final: float, glitch: float | None = None) -> Curve:
+        start = 1.0 if maximize else 2.3
+        return [(s, glitch if s == 50 and glitch is not None else v) for s, v in learner(0, final, initial=start)]
+
+    glitched = run(50.0, glitch=50_000.0) if maximize else run(0.5, glitch=-500.0)
+    reference = study_reference([glitched], CONFIG, maximize=maximize)
+    assert reference.best == pytest.approx(glitched[-1][1])
+    assert first_failure(run(99.0) if maximize else run(0.2), reference, maximize=maximize) is None
 
 
 def test_leave_step_counts_from_the_first_finite_report() -> None:
