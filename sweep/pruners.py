@@ -47,8 +47,8 @@ class FastFailPruner(optuna.pruners.BasePruner):
       `loss_explosion_factor` x the initial value. A finite value worse than the first is not pruned for that alone.
     - `plateau` and `stuck` prune only a trial that is still *near its initial value*: its best so far has covered less
       than `near_initial_pct`% of the way from its initial value to the best value the study's finished (complete or
-      pruned) trials ended with (their last values), those that diverged (a NaN or an infinity among their reports or
-      their loss, or pruned as diverged: a run that diverges may first run away in the good direction) or never moved
+      pruned) trials reached (their second best values), those that diverged (a NaN or an infinity among their reports
+      or their loss, or pruned as diverged: a run that diverges may first run away in the good direction) or never moved
       (best within `min_improvement_pct`% of their start: `study_reference`) excepted. A trial that has left its initial
       value is never pruned by fast-fail for going slowly, sitting on an intermediate plateau, being noisy or
       converging: that is `then`'s call, against the other trials. Until a trial has finished, "near" means "improved by
@@ -57,7 +57,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
       them), so while no finished trial has ended better than a trial's start, plateau and stuck leave it to `then`.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
       its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest. A
-      trial that rose clear above its start counts its progress from its latest new worst value.
+      trial above its start restarts it at each `min_improvement_pct`% step down from its latest top.
     - `overfit` (off unless `overfit_gap` is set): validation worse than training by more than `overfit_gap` for
       `overfit_patience_steps` (None: the plateau patience), the gap growing, and validation worse than its best (by
       `min_improvement_pct`) with no new best in that window. A trial whose gap grows while validation still improves

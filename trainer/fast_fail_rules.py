@@ -320,20 +320,21 @@ def _moved(series: Sequence[tuple[int, float]], config: FastFailConfig, maximize
 
 def study_reference(curves: Sequence[Sequence[tuple[int, float]]], config: FastFailConfig, *,
                     maximize: bool = False) -> StudyReference:
-    """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value a run ended
-    with, and when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
+    """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value a run
+    reached, and when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
     (nearest rank: never below it) of the steps the learners took to leave their initial values.
 
-    "Ended with": each curve's last finite value, not its most extreme one. One glitch in one finished trial (a
-    reward reported 1000 times too high at one step, a loss of -500 once) would otherwise be the study's best, and
-    every later run that learned would be "near its start" beside it (pruned as stuck: review).
+    "Reached": each curve's second best value, not its most extreme one. One glitch in one finished trial (a reward
+    reported 1000 times too high at one step, a loss of -500 once) would otherwise be the study's best, and every
+    later run that learned would be "near its start" beside it (pruned as stuck: review). Not its last value either:
+    a trial that overfits ends near its start, and a never-learner's noise would then count as learning (review).
 
     Only curves that moved count (`_moved`): a never-learner's noise, 0.05% below its start, would otherwise be "the
     study's best", and every later run that wobbled as much would count as having left its start (a never-learner
     then ran its whole budget, and its retry too: review). A study whose finished runs all sat still knows no more
     than one with none finished."""
     curves = [series for series in curves if _moved(series, config, maximize)]
-    values = [next(v for _, v in reversed(series) if math.isfinite(v)) for series in curves]  # moved: has some
+    values = [sorted((v for _, v in series if math.isfinite(v)), reverse=maximize)[1] for series in curves]
     if not values:
         return StudyReference()
     best = max(values) if maximize else min(values)
@@ -425,20 +426,27 @@ def judge(series: Sequence[tuple[int, float]], config: FastFailConfig, *, maximi
 
     if config.patience_steps:
         # A run that rose clear above its start (an early spike, a learning-rate warmup's bump) and comes down again
-        # is moving: its progress is counted from its worst value since, not from its start, which it may take
-        # longer than the patience to get back to (review: a loss falling steadily from 6 to 3 after a spike from 2
-        # was a plateau at "best 2 (step 0)"). A run that sits clear above its start makes fewer and fewer new
-        # worst values, and is a plateau from the last of them.
+        # is moving, though it may take longer than the patience to get back to its start (review: a loss falling
+        # steadily from 6 to 3 after a spike from 2 was a plateau at "best 2 (step 0)"). Above its start, each
+        # `min_improvement_pct`% step down from its latest top (a value a band above the one before: noise is not a
+        # new top) restarts the patience; rising, or sitting up there, does not (review of the first version: a loss
+        # worsening steadily from 2 to 15 was never stopped, and one sitting in noise above its start ran twice as
+        # long, each new noisy top restarting the count).
         rise = _near_band(initial, config, reference, maximize) if reference is not None else None
         rise = abs(initial) * config.near_initial_pct / 100.0 if rise is None else rise
-        best, best_step, worst = initial, initial_step, initial
+        best, best_step, moved = initial, initial_step, initial_step
+        top: float | None = None
+        down = initial
         for s, v in finite[1:]:
-            if _gain(initial, v, maximize) < -rise and _gain(worst, v, maximize) < 0:
-                best, best_step, worst = v, s, v
-            elif _improved(v, best, config.min_improvement_pct, maximize):
-                best, best_step = v, s
+            if _improved(v, best, config.min_improvement_pct, maximize):
+                best, best_step, moved = v, s, s
+            elif _gain(initial, v, maximize) < -rise:  # clear above its start
+                if top is None or _gain(top, v, maximize) < -rise:
+                    top = down = v
+                elif _improved(v, down, config.min_improvement_pct, maximize):
+                    down, moved = v, s
         # Patience counts from the best value, the latest stage change or the end of warmup, whichever is later.
-        since = max(best_step, clock if stage_start is None else max(clock, stage_start))
+        since = max(moved, clock if stage_start is None else max(clock, stage_start))
         if step - since >= config.patience_steps:
             detail = {"best": best, "best_step": best_step, "patience_steps": config.patience_steps,
                                       "min_improvement_pct": config.min_improvement_pct}
