@@ -56,8 +56,7 @@ class FastFailPruner(optuna.pruners.BasePruner):
       value the finished trials reported is never near its start (one that starts there and sits there would end among
       them), so while no finished trial has ended better than a trial's start, plateau and stuck leave it to `then`.
     - `plateau`: near its initial value, and no `min_improvement_pct`% improvement for `patience_steps`, counted from
-      its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest. A
-      trial above its start restarts it at each `min_improvement_pct`% step down from its latest top.
+      its best, the latest curriculum stage change or the end of its learning-rate warmup, whichever is latest.
     - `overfit` (off unless `overfit_gap` is set): validation worse than training by more than `overfit_gap` for
       `overfit_patience_steps` (None: the plateau patience), the gap growing, and validation worse than its best (by
       `min_improvement_pct`) with no new best in that window. A trial whose gap grows while validation still improves
