@@ -549,15 +549,23 @@ def _param(name: str, value: Any) -> Any:
 def _error_line(exc: BaseException) -> str:
     """`exc` as one line, with what raised it first where that is another error (a store's `MlflowException` over
     "attempt to write a readonly database"); a tracking URI it quotes may hold a password."""
-    line = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    line = f"{type(exc).__name__}: {_first_line(exc)}"
     root, seen = exc, {id(exc)}
     while (below := root.__cause__ or (None if root.__suppress_context__ else root.__context__)) is not None \
             and id(below) not in seen:
         root = below
         seen.add(id(root))
     if root is not exc and str(root).strip():
-        line += f"; caused by {type(root).__name__}: {str(root).strip().splitlines()[0]}"
+        line += f"; caused by {type(root).__name__}: {_first_line(root)}"
     return mask_urls(line)
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of `exc`'s message, cut to `limit` characters (urllib3's "Max retries exceeded" holds the whole
+    request and the repr of its connection: a 450-character warning per trial, review); its cause says why."""
+    said = str(exc).strip()
+    first = said.splitlines()[0] if said else ""
+    return first if len(first) <= limit else f"{first[:limit].rstrip()}..."
 
 
 class Guarded:
