@@ -32,8 +32,11 @@ def _diverged(trial: FrozenTrial) -> bool:
     reason = trial.user_attrs.get(ATTR_PRUNE)
     if isinstance(reason, Mapping) and reason.get("rule") in DIVERGED:
         return True
-    values = [*trial.intermediate_values.values(), *(v for _, v in trial.user_attrs.get(ATTR_LOSS_CURVE, ()))]
-    return not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+    curve = trial.user_attrs.get(ATTR_LOSS_CURVE)
+    losses = [pair[1] for pair in curve if isinstance(pair, (list, tuple)) and len(pair) == 2] \
+        if isinstance(curve, (list, tuple)) else []  # written by sweep's reporter; anything else is someone else's
+    return not all(isinstance(v, (int, float)) and math.isfinite(v) for v in [*trial.intermediate_values.values(),
+                                                                               *losses])
 
 
 class FastFailPruner(optuna.pruners.BasePruner):

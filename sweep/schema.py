@@ -1046,9 +1046,11 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
         return _dotted([*loc, field]), (f"unknown {field} {short_repr(tag)}{did_you_mean(tag, tags)}; expected one "
                                         f"of {', '.join(tags)}")
     elif error["type"] in ("model_attributes_type", "model_type"):  # pydantic's "... or instance of ExecutionSpec"
-        forms = _shorthands(str(error.get("ctx", {}).get("class_name", "")))
-        message = (f"Input should be a valid dictionary (a mapping of keys){forms}, got {short_repr(error['input'])}"
-                   + ("; an empty value is null: write {} for the defaults" if error["input"] is None else ""))
+        model = _model_named(str(error.get("ctx", {}).get("class_name", "")))
+        message = (f"Input should be a valid dictionary (a mapping of keys){_shorthands(model)}, got "
+                   f"{short_repr(error['input'])}")
+        if error["input"] is None:  # `warm_start:` left empty is YAML's null
+            message += "; an empty value is null" + (": write {} for the defaults" if _defaults(model) else "")
     elif error["type"] == "missing":
         message = "required key is missing"
     elif (error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
@@ -1066,29 +1068,45 @@ def _pydantic_problem(error: Mapping[str, Any]) -> tuple[str, str]:
     return _dotted(loc), message
 
 
-def _shorthands(class_name: str) -> str:
-    """The shorter forms a section of the study file takes besides a mapping, as the words of its error: `tracking:
-    {tensorboard: true}`, `checkpoints: false`, `pruner: median` (review: "got 1" named the mapping alone)."""
-    found = [cls for cls in _subclasses(_Model) if cls.__name__ == class_name]
-    if not found:
-        return ""
-    forms = [words for sample, words in ((True, "true/false"), ("x", "a name")) if _takes(found[0], sample)]
-    return f" or {' or '.join(forms)}" if forms else ""
+def _model_named(class_name: str) -> type[BaseModel] | None:
+    """The model of this module that pydantic's error names (`ctx.class_name`), or None."""
+    found = [cls for cls in _subclasses(BaseModel) if cls.__module__ == __name__ and cls.__name__ == class_name]
+    return found[0] if found else None
 
 
-def _subclasses(cls: type[_Model]) -> list[type[_Model]]:
-    direct: list[type[_Model]] = cls.__subclasses__()
+def _subclasses(cls: type[BaseModel]) -> list[type[BaseModel]]:
+    direct: list[type[BaseModel]] = cls.__subclasses__()
     return [sub for child in direct for sub in (child, *_subclasses(child))]
 
 
-def _takes(cls: type[_Model], sample: Any) -> bool:
-    """Whether `cls` reads `sample` as a shorter form of itself: its "before" validator turns it into a mapping
+def _shorthands(model: type[BaseModel] | None) -> str:
+    """The shorter forms a section of the study file takes besides a mapping, as the words of its error: `tracking:
+    {tensorboard: true}`, `checkpoints: false`, `pruner: median` (review: "got 1" named the mapping alone)."""
+    if model is None:
+        return ""
+    forms = [words for sample, words in ((True, "true/false"), ("x", "a name")) if _takes(model, sample)]
+    return f" or {' or '.join(forms)}" if forms else ""
+
+
+def _takes(model: type[BaseModel], sample: Any) -> bool:
+    """Whether `model` reads `sample` as a shorter form of itself: its "before" validator turns it into a mapping
     (a name that is not one of its choices still fails after that, on the name)."""
     try:
-        cls.model_validate(sample)
+        model.model_validate(sample)
     except ValidationError as exc:
         return not any(error["type"] in ("model_attributes_type", "model_type") and not error["loc"]
                        for error in exc.errors())
+    return True
+
+
+def _defaults(model: type[BaseModel] | None) -> bool:
+    """Whether `model` takes an empty mapping (every key has a default): `{}` is then worth suggesting."""
+    if model is None:
+        return False
+    try:
+        model.model_validate({})
+    except ValidationError:
+        return False
     return True
 
 

@@ -268,26 +268,34 @@ class _OutageNoise(logging.Filter):
     waits out: Optuna's RDB storage when a read by trial ids fails and it tries a plainer query ("Caught an error
     from sqlalchemy: ... Falling back to a slower alternative", a multi-line SQL dump); psycopg when the cleanup of a
     pipeline, a copy or a rollback fails on the lost connection ("error ignored terminating <psycopg.Pipeline [BAD]
-    at 0x...>: the connection is lost", found with pg_terminate_backend during a run)."""
+    at 0x...>: the connection is lost", found with pg_terminate_backend during a run). `lost`: only where the error
+    it logs is one of a connection (psycopg's `OperationalError`): any other is left to reach the user."""
 
-    def __init__(self, *prefixes: str) -> None:
+    def __init__(self, *prefixes: str, lost: bool = False) -> None:
         super().__init__()
-        self.prefixes = prefixes
+        self.prefixes, self.lost = prefixes, lost
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
+        if not str(record.msg).startswith(self.prefixes):
+            return True
+        if not self.lost:
+            return False
+        psycopg = sys.modules.get("psycopg")
+        error = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+        return psycopg is None or not isinstance(error, psycopg.OperationalError)
 
 
 # A logger's filters see only the records logged on it by name, not its children's.
-_OUTAGE_NOISE = {"optuna.storages._rdb.storage": ("Caught an error from sqlalchemy",),
-                 "psycopg": ("error ignored ",), "psycopg.transaction": ("error ignored ",)}
+_OUTAGE_NOISE = {"optuna.storages._rdb.storage": _OutageNoise("Caught an error from sqlalchemy"),
+                 "psycopg": _OutageNoise("error ignored ", lost=True),
+                 "psycopg.transaction": _OutageNoise("error ignored ", lost=True)}
 
 
 def _quiet_outage_noise() -> None:
-    for name, prefixes in _OUTAGE_NOISE.items():
+    for name, noise in _OUTAGE_NOISE.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _OutageNoise) for f in logger.filters):
-            logger.addFilter(_OutageNoise(*prefixes))
+            logger.addFilter(noise)
 
 
 def make_storage(url: str, *, heartbeat_interval: int | None = None, grace_period: int | None = None,

@@ -564,7 +564,7 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of `exc`'s message, cut to `limit` characters (urllib3's "Max retries exceeded" holds the whole
     request and the repr of its connection: a 450-character warning per trial, review); its cause says why."""
     said = str(exc).strip()
-    first = said.splitlines()[0] if said else ""
+    first = mask_urls(said.splitlines()[0]) if said else ""  # before the cut: a URL cut short is not seen as one
     return first if len(first) <= limit else f"{first[:limit].rstrip()}..."
 
 

@@ -325,11 +325,15 @@ class Worker:
         whether its failure counts towards `max_repeated_failures` (a cohort's members ended by one exception are
         one failure of the code or data, not K: only the first of them counts). `running`: the numbers of the
         trials still in flight on this worker (a cohort's other members)."""
-        self.ran += 1
-        self.events.trial_finished(frozen)
+        self._said(frozen)
         if streak:
             self._check_streak(frozen, running)
         return self.sampler_stopped
+
+    def _said(self, frozen: FrozenTrial) -> None:
+        """Count an ended trial and print its line."""
+        self.ran += 1
+        self.events.trial_finished(frozen)
 
     def _ask_next(self, fixed: dict[str, Any] | None = None) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         """Under the study's lock: fail lost trials, count the budget and ask for the next trial, its searched keys
@@ -548,8 +552,7 @@ class Worker:
                     self._retry(frozen, str(result.reason), infrastructure=result.outcome == Outcome.INFRASTRUCTURE,
                                 counted=counted)
             except InfrastructureError:  # the same fault again, which stops the worker: this trial's line first,
-                self.ran += 1  # as the ones before it had theirs (review: the last of the three had none)
-                self.events.trial_finished(frozen)
+                self._said(frozen)  # as the ones before it had theirs (review: the last of the three had none)
                 raise
         return frozen
 

@@ -318,23 +318,32 @@ def _moved(series: Sequence[tuple[int, float]], config: FastFailConfig, maximize
     return _improved(max(finite) if maximize else min(finite), finite[0], config.min_improvement_pct, maximize)
 
 
+def _reached(series: Sequence[tuple[int, float]], maximize: bool) -> float:
+    """How far a finished run got: the better of its second best value and its last one. Not its best alone (one
+    glitch at one step would be it), not its last alone (a run that overfits ends near its start, and a
+    never-learner's noise would then count as learning: review), not its second best alone (a run that improved
+    only at its last report, or one of two, would have got nowhere: review)."""
+    finite = [v for _, v in series if math.isfinite(v)]
+    second = sorted(finite, reverse=maximize)[1]
+    return max(second, finite[-1]) if maximize else min(second, finite[-1])
+
+
 def study_reference(curves: Sequence[Sequence[tuple[int, float]]], config: FastFailConfig, *,
                     maximize: bool = False) -> StudyReference:
     """What finished trials' curves (`(step, value)` pairs each) say about the next run: the best value a run
     reached, and when a run still near its initial value is stuck: `learners_factor` x the `learners_quantile` quantile
     (nearest rank: never below it) of the steps the learners took to leave their initial values.
 
-    "Reached": each curve's second best value, not its most extreme one. One glitch in one finished trial (a reward
-    reported 1000 times too high at one step, a loss of -500 once) would otherwise be the study's best, and every
-    later run that learned would be "near its start" beside it (pruned as stuck: review). Not its last value either:
-    a trial that overfits ends near its start, and a never-learner's noise would then count as learning (review).
+    "Reached": `_reached`, not a curve's most extreme value. One glitch in one finished trial (a reward reported
+    1000 times too high at one step, a loss of -500 once) would otherwise be the study's best, and every later run
+    that learned would be "near its start" beside it (pruned as stuck: review).
 
     Only curves that moved count (`_moved`): a never-learner's noise, 0.05% below its start, would otherwise be "the
     study's best", and every later run that wobbled as much would count as having left its start (a never-learner
     then ran its whole budget, and its retry too: review). A study whose finished runs all sat still knows no more
     than one with none finished."""
     curves = [series for series in curves if _moved(series, config, maximize)]
-    values = [sorted((v for _, v in series if math.isfinite(v)), reverse=maximize)[1] for series in curves]
+    values = [_reached(series, maximize) for series in curves]
     if not values:
         return StudyReference()
     best = max(values) if maximize else min(values)

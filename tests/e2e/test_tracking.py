@@ -318,6 +318,23 @@ def test_an_mlflow_server_that_does_not_answer_fails_no_trial_and_warns_once_per
     assert "s3cret" not in json.dumps(stored)
 
 
+@pytest.mark.parametrize("before", [0, 150, 165, 170, 400])
+def test_a_tracker_s_error_cut_short_never_shows_a_password(before: int) -> None:
+    """The warning cuts each error line at 200 characters; cut before the URLs were masked, a URL whose `@` fell
+    past the cut was no longer read as one, and its password showed (review)."""
+    from sweep.tracking import _error_line
+
+    try:
+        try:
+            raise ConnectionRefusedError("http://bob:s3cretpassword@mlflow.example:5000 refused")
+        except ConnectionRefusedError as cause:
+            raise RuntimeError("y" * before + " API request to http://bob:s3cretpassword@mlflow.example:5000/api "
+                               "failed") from cause
+    except RuntimeError as exc:
+        line = _error_line(exc)
+    assert "s3cre" not in line and len(line) < 450, line
+
+
 def test_an_mlflow_database_that_takes_no_connection_drops_each_trial_s_tracking_at_once(tmp_path: Path) -> None:
     # MLflow's client retried a database tracking URI it could not reach for about 100 s in every trial (its own
     # loop, which MLFLOW_HTTP_REQUEST_* does not bound); one bounded connection is tried first now.

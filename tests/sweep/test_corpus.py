@@ -280,6 +280,8 @@ RANGES = [
              "Input should be a valid dictionary (a mapping of keys) or true/false, got 1"),
     bad_file("wording", "warm-start-empty", changed(warm_start=None), "warm_start",
              "or true/false, got None; an empty value is null: write {} for the defaults"),
+    bad_file("wording", "pruner-number", changed(pruner=1), "pruner",
+             "Input should be a valid dictionary (a mapping of keys) or a name, got 1"),
     bad_file("ranges", "devices_per_trial-zero", changed(resources={"devices_per_trial": 0}),
              "resources.devices_per_trial", "greater than or equal to 1"),
     bad_file("types", "devices_per_trial-float", changed(resources={"devices_per_trial": 2.0}),

@@ -460,6 +460,21 @@ def test_a_never_learner_s_noise_is_no_yardstick_for_the_next_never_learner(tmp_
     assert steps == {0.0: 200, 0.0002: 200}
 
 
+@pytest.mark.parametrize("loss_curve", [None, [2.3, 2.1], "2.3", [[0, "x"]], {"0": 2.3}])
+def test_a_finished_trial_s_odd_loss_curve_attr_leaves_the_pruner_working(tmp_path: Path, loss_curve: object) -> None:
+    """Fast-fail reads every finished trial's `loss_curve` to leave diverged ones out of its yardstick: a value that
+    sweep did not write there (a user's `set_user_attr`, a trial added by hand) raised TypeError in every later
+    trial's `should_prune` (review)."""
+    from sweep.outcomes import ATTR_LOSS_CURVE
+
+    study = optuna.create_study(pruner=FastFailPruner(), storage=f"sqlite:///{tmp_path / 's.db'}")
+    study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, intermediate_values={0: 2.3, 10: 1.0},
+                                              user_attrs={ATTR_LOSS_CURVE: loss_curve, "config": CONFIG}))
+    trial = study.ask()
+    trial.set_user_attr("config", CONFIG)
+    assert pruned_at(trial, [(0, 2.3), (10, NAN)]) == 10
+
+
 def pruned_at(trial: optuna.Trial, values: list[tuple[int, float]]) -> int | None:
     for step, value in values:
         trial.report(value, step)

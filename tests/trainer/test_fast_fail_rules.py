@@ -188,8 +188,8 @@ def test_maximized_metrics_mirror_the_rules() -> None:
 def test_one_glitch_in_a_finished_trial_is_not_the_study_s_best(maximize: bool) -> None:
     """A finished trial that reported one value far past its others at one step (a loss of -500 once, a reward
     1000 times too high) and ended as an ordinary learner: its glitch was the study's best, and every later learner
-    was "near its start" beside it, pruned as stuck though it ended the study's best (review). The reference is
-    where each finished run ended."""
+    was "near its start" beside it, pruned as stuck though it ended the study's best (review). A curve's glitch is
+    not how far it got."""
     def run(final: float, glitch: float | None = None) -> Curve:
         start = 1.0 if maximize else 2.3
         return [(s, glitch if s == 50 and glitch is not None else v) for s, v in learner(0, final, initial=start)]
@@ -198,6 +198,15 @@ def test_one_glitch_in_a_finished_trial_is_not_the_study_s_best(maximize: bool) 
     reference = study_reference([glitched], CONFIG, maximize=maximize)
     assert reference.best is not None and abs(reference.best) < 100  # not the glitch
     assert first_failure(run(99.0) if maximize else run(0.2), reference, maximize=maximize) is None
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+def test_a_finished_run_that_improved_only_at_its_last_report_got_as_far_as_that(maximize: bool) -> None:
+    """Two reports, or a run that sat at its start and improved only at its last report: its second best value is its
+    start, which made the study's yardstick "got nowhere", and no later trial was ever near its start (review)."""
+    start, end = (0.1, 0.9) if maximize else (2.3, 0.5)
+    for curve in ([(0, start), (10, end)], [(s, start) for s in range(0, 100, 10)] + [(100, end)]):
+        assert study_reference([curve], CONFIG, maximize=maximize).best == end
 
 
 def test_finished_trials_that_overfit_still_measure_how_far_a_run_gets() -> None:
