@@ -113,6 +113,16 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
         message = str(exc)
         for name, key in renamed.items():  # the constructor's own names are not the study file's
             message = message.replace(name, key)
+        # Optuna's own check names its argument in words ("Seed must be between 0 and 2**32 - 1"): the key, when
+        # the words name exactly one the file gave, and its value where they do not quote it.
+        lowered = str(exc).lower()
+        named = [name for name in args if name.lower() in lowered or name.replace("_", " ").lower() in lowered]
+        if len(named) == 1:
+            (name,) = named
+            got = short_repr(args[name])
+            message = message.removeprefix(f"{renamed.get(name, name)}: ")  # sweep's own pruners name it so
+            message += "" if got in message else f" (got {got})"
+            raise StudyFileError("", [(f"{where}.{renamed.get(name, name)}", f"{cls.__name__}: {message}")]) from exc
         raise StudyFileError("", [(where, f"{cls.__name__}: {message}")]) from exc
 
 

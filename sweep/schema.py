@@ -607,7 +607,9 @@ class StudySpec(_Model):
     heartbeat_interval: StrictInt = Field(10, ge=1, le=43_200)
     heartbeat_grace_period: StrictInt = Field(60, ge=2, le=86_400)
     storage_patience: Number = Field(600.0, gt=0)  # seconds a worker waits out an unreachable storage
-    stop_grace_period: Number = Field(10.0, gt=0)  # seconds a `command` told to stop has before its group is killed
+    # seconds a `command` told to stop has before its group is killed: at most a day (1e308 read as "never": a command
+    # that ignored SIGTERM then held --timeout and Ctrl-C forever, review)
+    stop_grace_period: Number = Field(10.0, gt=0, le=86_400)
     checkpoints: CheckpointPolicy = Field(default_factory=lambda: CheckpointPolicy.model_validate({}))
     warm_start: WarmStartSpec = Field(default_factory=lambda: WarmStartSpec.model_validate({"enabled": False}))
     tracking: TrackingSpec = Field(default_factory=lambda: TrackingSpec.model_validate({}))

@@ -103,8 +103,8 @@ class StudyBrokenError(Exception):
         rerun = (f"Fix it, then rerun with a larger --n-trials: these failures spent the budget ({used}/"
                  f"{self.n_trials} trials done), so a rerun alone trains nothing" if used >= self.n_trials else
                  "Fix it and rerun, or raise max_repeated_failures")
-        broken = (f"the code or the data is likely broken, or these values of {self.varying} are (no trial has "
-                  "trained yet: narrow the space if others train)" if self.varying else
+        broken = (f"the code or the data is likely broken, or these values of {self.varying} fail (no trial "
+                  "has trained yet: narrow the space if others train)" if self.varying else
                   "the code or the data is likely broken, not the configs")
         return f"{self.count} trials in a row failed the same way ({self.signature}); {broken}. {rerun}."
 

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import optuna
 import torch
 
 from sweep.client import as_float, whole_step
@@ -398,9 +399,12 @@ class LoopTrial(TrialRun):
                   saver=self._save if self.checkpointer is not None else None)
         seed_everything(seed)
         started = time.perf_counter()
+        pruned_itself: optuna.TrialPruned | None = None
         with self.boundary.no_wait():  # the storage going away pauses nothing: the reports wait (see TrialReporter)
             try:
                 returned = call_loop(function, config, run)
+            except optuna.TrialPruned as exc:  # Optuna's idiom for a rule of the loop's own: pruned, not failed
+                pruned_itself, returned = exc, None
             except Exception:
                 if (run.interrupted is None and raised_at_once() == run.at_once and not reporter.timed_out
                         and reporter.prune_reason is None):
@@ -432,6 +436,8 @@ class LoopTrial(TrialRun):
             attrs[ATTR_LINEAGE] = warm_lineage(parent, run.highest, run.highest if from_0 else None)
         if reporter.prune_reason is not None:
             return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: reporter.prune_reason})
+        if pruned_itself is not None:
+            return TrialResult(Outcome.PRUNED, None, {**attrs, ATTR_PRUNE: _pruned_by_the_loop(pruned_itself, run)})
         value = loop_value(returned, run)
         if value is not None and returned_value(returned, spec.metric) is None and _several_numbers(returned):
             warnings.warn(f"trial {trial.number}: the loop returned several numbers ({short_repr(returned)}), and a "
@@ -464,6 +470,17 @@ class LoopTrial(TrialRun):
         checkpointer = self.checkpointer
         assert checkpointer is not None
         checkpointer.saved(save_checkpoint(save_path(checkpointer, state.step, metrics), state), metrics)
+
+
+def _pruned_by_the_loop(exc: optuna.TrialPruned, run: Run) -> dict[str, Any]:
+    """The prune reason of a loop that raised `optuna.TrialPruned` itself (a rule of its own, as in an Optuna
+    objective): its words, at its latest report."""
+    lines = str(exc).strip().splitlines()
+    said = lines[0][:200] + ("..." if len(lines[0]) > 200 or len(lines) > 1 else "") if lines else ""
+    where = "before its first report" if run.first_step is None else f"at step {run.step}"
+    return {"rule": "loop", "step": None if run.first_step is None else run.step,
+            "value": run.metrics.get(run.metric) if run.first_step is not None else None,
+            "message": f"the loop raised TrialPruned {where}" + (f": {said}" if said else "")}
 
 
 def save_path(checkpointer: TrialCheckpointer, step: int, metrics: Mapping[str, float] | None) -> Path:

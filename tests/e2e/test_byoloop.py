@@ -1004,6 +1004,30 @@ def test_a_loop_that_wraps_the_stop_in_its_own_exception_is_pruned_not_failed(tm
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [1, 2]
 
 
+def test_a_loop_that_raises_trial_pruned_itself_is_pruned_in_its_own_words(tmp_path: Path) -> None:
+    # Optuna's idiom for a rule of the objective's own: each such trial was stored as failed ("TrialPruned: ..."),
+    # and five in a row stopped the study as broken code (review).
+    (tmp_path / "ownrule.py").write_text(
+        "import optuna\n"
+        "def main(config, run):\n"
+        "    for step in range(1, 6):\n"
+        "        run.report(step, val_loss=1.0 + config['x'] / step)\n"
+        "        if step == 3 and config['x'] > 0.2:\n"
+        "            raise optuna.TrialPruned(f\"my own rule: x {config['x']:.2f} too big\")\n")
+    path = write_study(tmp_path, {"name": "ownrule", "n_trials": 6, "loop": "ownrule:main", "pruner": "none",
+                                  "sampler": "random", "space": {"x": {"type": "float", "low": 0.3, "high": 1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = trials_of(path, "ownrule")
+    assert [t.state.name for t in trials] == ["PRUNED"] * 6
+    for trial in trials:
+        assert list(trial.intermediate_values) == [1, 2, 3] and trial.value == 1.0 + trial.params["x"] / 3
+        assert trial.user_attrs["prune_reason"]["message"] == \
+            f"the loop raised TrialPruned at step 3: my own rule: x {trial.params['x']:.2f} too big"
+    listed = sweep_cli("trials", path, "--format", "csv").stdout
+    assert "pruned: the loop raised TrialPruned at step 3: my own rule" in listed and "failed" not in listed
+
+
 def test_reports_past_max_steps_are_still_judged_and_warned_of(tmp_path: Path) -> None:
     # max_steps counts epochs, the loop reports its global batch step (epoch x 100): every report was at or past
     # max_steps, so none was judged, and a NaN at the second ran the trial to its end.

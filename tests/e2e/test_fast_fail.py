@@ -206,7 +206,7 @@ def test_a_region_of_the_space_that_fails_with_its_own_numbers_is_told_from_brok
         assert done.returncode == 1, done.stderr
         assert states == [TrialState.FAIL] * 3 + [TrialState.WAITING], states  # the fourth never asked
         assert ("3 trials in a row failed the same way (ValueError: hidden 19 unsupported); the code or the data is "
-                "likely broken, or these values of model.hidden (17, 18, 19) are (no trial has trained yet: narrow "
+                "likely broken, or these values of model.hidden (17, 18, 19) fail (no trial has trained yet: narrow "
                 "the space if others train)") in done.stderr, done.stderr
 
 

@@ -460,6 +460,25 @@ def test_a_never_learner_s_noise_is_no_yardstick_for_the_next_never_learner(tmp_
     assert steps == {0.0: 200, 0.0002: 200}
 
 
+def test_a_never_learner_whose_noise_passed_for_learning_leaves_the_next_one_its_noise_floor(tmp_path: Path) -> None:
+    """The first finished never-learner's evaluation noise took it 1.3% below its start at two evaluations: more
+    than `min_improvement_pct`, so it counts as having moved, and its values set the study's best. "Near its start"
+    was then a tenth of the way from the next never-learner's start to that best: 0.006 where that one started 2.33,
+    and its own 0.5% wobble left that band at once, so plateau and stuck never judged it and it ran its budget (5 of 8
+    never-learners with 1% evaluation noise did: review). Leaving the start takes at least `min_improvement_pct`% of
+    it, the noise plateau ignores: the next never-learner is pruned at plateau's patience."""
+    study = optuna.create_study(pruner=FastFailPruner(), storage=f"sqlite:///{tmp_path / 's.db'}")
+    first = [2.3, 2.2655, 2.27, 2.29, 2.305, 2.295, 2.31, 2.3, 2.29, 2.3, 2.305, 2.295, 2.3, 2.31, 2.3]
+    second = [2.33, 2.318, 2.325, 2.33, 2.322, 2.328, 2.335, 2.32, 2.326, 2.331] * 3
+    steps = []
+    for curve in (first, second):
+        trial = study.ask()
+        trial.set_user_attr("config", {"max_steps": 800, "eval_every_steps": 25})
+        steps.append(pruned_at(trial, [(25 * i, value) for i, value in enumerate(curve)]))
+        study.tell(trial, state=TrialState.PRUNED)
+    assert steps == [225, 200]
+
+
 @pytest.mark.parametrize("loss_curve", [None, [2.3, 2.1], "2.3", [[0, "x"]], {"0": 2.3}])
 def test_a_finished_trial_s_odd_loss_curve_attr_leaves_the_pruner_working(tmp_path: Path, loss_curve: object) -> None:
     """Fast-fail reads every finished trial's `loss_curve` to leave diverged ones out of its yardstick: a value that
