@@ -9,13 +9,12 @@ import contextlib
 import copy
 import dataclasses
 import decimal
-import difflib
 import math
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 from urllib.parse import unquote, urlparse
@@ -49,7 +48,7 @@ from trainer.config import (
     number_from_text,
     overrides_clash,
 )
-from trainer.messages import has_control
+from trainer.messages import did_you_mean, has_control
 from trainer.yaml_file import MAX_DEPTH, MAX_FILE_BYTES, MAX_VALUES, short_repr
 
 __all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_VALUES", "CategoricalParam", "CheckpointPolicy", "Component",
@@ -774,53 +773,6 @@ class StudySpec(_Model):
 # ---------------------------------------------------------------------------------------------------------------------
 # Reading a study file: bytes, then YAML (`trainer.yaml_file`, the rules `python -m trainer` reads its config by
 # too), then the schema.
-
-# Words of other sweep tools (W&B sweeps, Ray Tune, Optuna's API and class names) for what sweep names otherwise: a
-# study file written from habit is told sweep's word. Each maps to the candidates, the first of which that the place
-# accepts is suggested (`max` is `high` in a range, `maximize` as a direction).
-_OTHER_TOOLS: dict[str, tuple[str, ...]] = {
-    "method": ("sampler",), "parameters": ("space",), "params": ("space",), "search_space": ("space",),
-    "param_space": ("space",), "early_terminate": ("pruner",), "num_samples": ("n_trials",),
-    "max_trials": ("n_trials",), "trials": ("n_trials",), "count": ("n_trials",), "goal": ("direction",),
-    "mode": ("direction",), "min": ("low", "minimize"), "max": ("high", "maximize"), "lower": ("low",),
-    "upper": ("high",), "values": ("choices",), "options": ("choices",), "q": ("step",), "maximise": ("maximize",),
-    "minimise": ("minimize",), "loguniform": ("float",), "log_uniform": ("float",), "log_uniform_values": ("float",),
-    "uniform": ("float",), "quniform": ("float",), "qloguniform": ("float",), "suggest_float": ("float",),
-    "randint": ("int",), "qrandint": ("int",), "int_uniform": ("int",), "suggest_int": ("int",),
-    "choice": ("categorical",), "grid_search": ("categorical",), "suggest_categorical": ("categorical",),
-    "bayes": ("tpe",), "bayesian": ("tpe",), "min_iter": ("min_resource",), "max_iter": ("max_resource",),
-    "eta": ("reduction_factor",), "lr": ("learning_rate",), "wd": ("weight_decay",), "bs": ("batch_size",),
-    "num_workers": ("loader_workers",),
-}
-_WITH = {"loguniform": " with log: true", "log_uniform": " with log: true", "log_uniform_values": " with log: true",
-         "qloguniform": " with log: true and step", "quniform": " with step", "qrandint": " with step",
-         "grid_search": " with choices: [...]"}
-
-
-_FALSE_FRIENDS = frozenset({"data"})  # `data` (a path, say) is not `data_loader` (a choice of loader)
-
-
-def did_you_mean(word: str, options: Iterable[str]) -> str:
-    """`" (did you mean 'n_trials'?)"` for a close match among `options`, or '': another tool's word for it
-    (`num_samples`, `loguniform`, `TPESampler`), the same name in other case or without `_`, a unique option whose
-    first whole words the word is (`warmup` of `warmup_steps`, `n_startup` of `n_startup_trials`; not `data` of
-    `data_loader`), or a close spelling."""
-    options = [option for option in options if option != word]
-    folded = word.lower().replace("-", "_")
-    for target in _OTHER_TOOLS.get(folded, ()):
-        if target in options:
-            return f" (did you mean {target!r}{_WITH.get(folded, '')}?)"
-    by_fold = {option.lower().replace("_", ""): option for option in options}
-    for bare in (folded, re.sub(r"_?(sampler|pruner)$", "", folded)):  # Optuna's class names: TPESampler, ...
-        if bare.replace("_", "") in by_fold:
-            return f" (did you mean {by_fold[bare.replace('_', '')]!r}?)"
-    begun = [option for option in options if len(folded) >= 4 and folded not in _FALSE_FRIENDS
-             and option.lower().startswith(folded if folded.endswith("_") else f"{folded}_")]
-    if len(begun) == 1:
-        return f" (did you mean {begun[0]!r}?)"
-    matches = difflib.get_close_matches(word, options, n=1, cutoff=0.75)
-    return f" (did you mean {matches[0]!r}?)" if matches else ""
-
 
 def read_text(path: Path) -> str:
     """The study file as text (`trainer.yaml_file.read_text`), its problems as a `StudyFileError`."""

@@ -14,7 +14,6 @@ import only the standard library and the other torch-free modules: `trainer.paci
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import re
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainer.fast_fail_rules import FastFailConfig
-from trainer.messages import short_repr
+from trainer.messages import did_you_mean, short_repr
 from trainer.pacing import CurriculumConfig
 
 __all__ = [
@@ -331,9 +330,8 @@ def _build(cls: type, values: Mapping[str, Any], prefix: str) -> tuple[Any, list
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.75)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append((f"{prefix}{key}", f"unknown key{hint}; expected one of: {', '.join(sorted(fields))}"))
+            problems.append((f"{prefix}{key}", f"unknown key{did_you_mean(str(key), fields)}; expected one of: "
+                                               f"{', '.join(sorted(fields))}"))
             continue
         if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, Mapping):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from trainer.messages import short_repr
+from trainer.messages import did_you_mean, short_repr
 
 __all__ = ["import_callable", "no_function"]
 
@@ -44,7 +44,8 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     """The function at `package.module:function`, or `error` naming what is missing (`what`: "task", "schedule")."""
     module_name, sep, attr = path.partition(":")
     if not sep:
-        raise error(f"unknown {what} {short_repr(path)}; expected one of {', '.join(sorted(builtin))} or "
+        raise error(f"unknown {what} {short_repr(path)}{did_you_mean(path, builtin)}; expected one of "
+                    f"{', '.join(sorted(builtin))} or "
                     "'package.module:function'")
     try:
         module = importlib.import_module(module_name)

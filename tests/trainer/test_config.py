@@ -32,11 +32,12 @@ def test_defaults_are_valid() -> None:
     assert config.gradient_clip_norm is None  # clipping is off unless asked
 
 
-def test_unknown_key_names_the_key_and_the_allowed_ones() -> None:
+@pytest.mark.parametrize("typed", ["learning_rat", "lr"])  # a misspelling; another tool's word (the study file's hints)
+def test_unknown_key_names_the_key_and_the_allowed_ones(typed: str) -> None:
     with pytest.raises(ConfigError) as info:
-        TrainingConfig.from_dict({"learning_rat": 0.1})
+        TrainingConfig.from_dict({typed: 0.1})
     [(key, message)] = info.value.problems
-    assert key == "learning_rat"
+    assert key == typed
     assert "unknown key (did you mean 'learning_rate'?); expected one of: " in message
 
 

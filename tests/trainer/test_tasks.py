@@ -71,7 +71,8 @@ def test_a_user_task_by_import_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize(
     ("name", "fragment"),
-    [("mnist", "unknown task"), ("no_such_module:f", "cannot import"), ("trainer.tasks:nothing", "no function")],
+    [("mnist", "unknown task"), ("digitz", r"unknown task 'digitz' \(did you mean 'digits'\?\)"),
+     ("no_such_module:f", "cannot import"), ("trainer.tasks:nothing", "no function")],
 )
 def test_unknown_tasks_are_refused_clearly(name: str, fragment: str) -> None:
     with pytest.raises(TaskError, match=fragment):
