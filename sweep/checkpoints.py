@@ -33,7 +33,7 @@ from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
 from sweep.registry import Registry, default_store
 from sweep.signals import sheltered
 from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
-from sweep.warmstart import Donor, categorical_key, coordinates, warm_start_from
+from sweep.warmstart import Donor, DonorConfigs, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
 from trainer.yaml_file import short_repr
 
@@ -226,10 +226,10 @@ class CheckpointService:
                     _delete_in_scope(self.store.scope, record.uri, record.study)
 
     def warm_start(self, trial_number: int, params: Mapping[str, Any], config: TrainingConfig | Mapping[str, Any],
-                   key: str,
-                   handoff: int) -> tuple[WarmStart, Donor] | None:
+                   key: str, handoff: int,
+                   donor_configs: DonorConfigs | None = None) -> tuple[WarmStart, Donor] | None:
         return warm_start_from(self.registry, self.spec, self.study_name, trial_number, params, config, key, handoff,
-                               scope=self.store.scope)
+                               scope=self.store.scope, donor_configs=donor_configs)
 
     def checkpointer(self, trial_number: int, params: Mapping[str, Any], key: str, handoff: int) -> TrialCheckpointer:
         return TrialCheckpointer(self.registry, self.store, self.study_name, trial_number, params,

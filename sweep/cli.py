@@ -733,9 +733,12 @@ def submit(
     if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
         raise _fail(problem, 2)
     if slurm:
+        # A command that works from here: the storage and the name as given on this command line, by --storage
+        # and --study-name or by --set (review: `--set storage=...` was left out, and the hint read another study).
+        overridden = {item.partition("=")[0].strip() for item in set_ or []}
         status = ["sweep", "status", os.path.relpath(spec_path) if spec_path.is_relative_to(Path.cwd()) else
-                  str(spec_path), *(["--storage", mask_url(storage)] if storage else []),
-                  *(["--study-name", study_name] if study_name else [])]  # a command that works from here
+                  str(spec_path), *(["--storage", mask_url(url)] if storage or "storage" in overridden else []),
+                  *(["--study-name", spec.name] if study_name or "name" in overridden else [])]
         _submit_slurm(spec, spec_path, url, options, dry_run=dry_run, timeout=timeout, overrides=set_ or [],
                       status=shlex.join(status))
     else:

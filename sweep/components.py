@@ -117,6 +117,7 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
         # the words name exactly one the file gave, and its value where they do not quote it.
         lowered = str(exc).lower()
         named = [name for name in args if name.lower() in lowered or name.replace("_", " ").lower() in lowered]
+        named = [name for name in named if not any(name != other and name in other for other in named)]  # the longest
         if len(named) == 1:
             (name,) = named
             got = short_repr(args[name])

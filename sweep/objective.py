@@ -577,10 +577,30 @@ def _stored_curve(trial: optuna.trial.FrozenTrial, name: str, after: int, until:
     return curve
 
 
+def _stored_configs(study: optuna.Study) -> Callable[[str, int], Mapping[str, Any] | None]:
+    """A finished trial's stored config by study name and trial number, from the study's storage (another study's
+    donor: the keys its study fixed), each trial read once."""
+    storage = study._storage  # noqa: SLF001 - Optuna has no public read of one trial of another study by number
+    read: dict[tuple[str, int], Mapping[str, Any] | None] = {}
+
+    def config_of(name: str, number: int) -> Mapping[str, Any] | None:
+        if (name, number) not in read:
+            try:
+                trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(name),
+                                                                            number)
+                stored = storage.get_trial(trial_id).user_attrs.get(ATTR_CONFIG)
+            except KeyError:  # the study or the trial was deleted since its checkpoint was registered
+                stored = None
+            read[name, number] = stored if isinstance(stored, Mapping) else None
+        return read[name, number]
+
+    return config_of
+
+
 def warm_start(trial: optuna.Trial, spec: StudySpec, checkpoints: CheckpointService, params: Mapping[str, Any],
                config: TrainingConfig | Mapping[str, Any], key: str, handoff: int) -> Start | None:
     """A fresh trial's start from its nearest donor's checkpoint (recorded on the trial), or None."""
-    found = checkpoints.warm_start(trial.number, params, config, key, handoff)
+    found = checkpoints.warm_start(trial.number, params, config, key, handoff, _stored_configs(trial.study))
     if found is None:
         return None
     warm, donor = found

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,15 +116,22 @@ def _build_signature(task: Task, model_json: str) -> list[tuple[str, list[int], 
     return sorted((name, list(t.shape), str(t.dtype)) for name, t in built.state_dict().items())
 
 
+# A finished trial's config (its `config` user attr) by study name and trial number, or None where it has none.
+DonorConfigs = Callable[[str, int], "Mapping[str, Any] | None"]
+
+
 def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[str, Any],
-               config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int) -> Donor | None:
+               config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int,
+               donor_configs: DonorConfigs | None = None) -> Donor | None:
     """The nearest compatible checkpoint within `max_distance` at or before `handoff_step`, or None (of the nearest
     trial's checkpoints, the latest). One indexed query for this study (its coordinates in a box of half-width
     `max_distance`) and one for the `from_studies`, whose spaces may differ.
 
     The `match` keys are compared where the donor's params hold them; a key absent there was fixed in the donor's
-    study (for this study: to the same value; for `from_studies`, keep such keys equal across the studies).
-    `config`: the trial's `TrainingConfig`, or a user loop's config as plain data."""
+    study: for this study, to the same value; for `from_studies`, the donor's stored config says which
+    (`donor_configs`), and one that differs is no donor (review: an SGD study's trials handed their momentum to
+    AdamW trials, which failed on it alone and ignored it in a cohort). `config`: the trial's `TrainingConfig`, or a
+    user loop's config as plain data."""
     values = flatten(config, free=()) if isinstance(config, Mapping) else flatten(config.to_dict(),
                                                                                  free=("model", "task_args"))
     match = {k: values.get(k, params.get(k)) for k in must_match(spec)}
@@ -140,6 +147,8 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
             if d > radius or record.value is None or not math.isfinite(record.value):
                 continue
             if any(k in record.params and record.params[k] != v for k, v in match.items()):
+                continue
+            if record.study != study and _fixed_apart(record, match, donor_configs):
                 continue
             rank = (d, -record.step, sign * record.value)
             if best is None or rank < (best.distance, -best.record.step, sign * best.record.value):  # type: ignore[operator]
@@ -166,6 +175,19 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
 
 
 PAGE = 64
+
+
+def _fixed_apart(record: CheckpointRecord, match: Mapping[str, Any], donor_configs: DonorConfigs | None) -> bool:
+    """Whether another study's donor fixed one of the `match` keys that its params do not hold to another value than
+    this trial's, by the config it trained with."""
+    unsampled = [k for k in match if k not in record.params]
+    if not unsampled or donor_configs is None:
+        return False
+    stored = donor_configs(record.study, record.trial_number)
+    if not isinstance(stored, Mapping):
+        return False
+    values = flatten(stored)
+    return any(k in values and values[k] != match[k] for k in unsampled)
 
 
 def donorless_studies(registry: Registry, latest: int | None, names: Sequence[str]) -> dict[str, str]:
@@ -199,14 +221,14 @@ def _partial(spec: StudySpec, a: Mapping[str, Any], b: Mapping[str, Any]) -> flo
 
 def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_number: int, params: Mapping[str, Any],
                     config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int, *,
-                    scope: BlobScope) -> tuple[WarmStart, Donor] | None:
+                    scope: BlobScope, donor_configs: DonorConfigs | None = None) -> tuple[WarmStart, Donor] | None:
     """Find, pin and load a donor. A donor whose blob is missing or fails its hash is skipped with a warning, and so
     is one whose row names a blob outside its study's part of the store (`scope`: that file is neither read nor
     deleted, the row goes); a donor collected between the lookup and the pin is looked up again. None: the trial
     starts cold. Donors of `from_studies` are found in the same store, in their own study's folder or prefix."""
     refused: set[int] = set()
     for _ in range(5):
-        donor = find_donor(registry, spec, study, params, config, key, handoff_step)
+        donor = find_donor(registry, spec, study, params, config, key, handoff_step, donor_configs)
         if donor is None or donor.record.id in refused:
             return None
         if not registry.pin(donor.record.id):

@@ -21,8 +21,7 @@ before each evaluation); without them the rule is silent.
 
 Safe by construction: "plateau" and "stuck" judge only a run that is still *near its initial value*: its best has
 covered less than `near_initial_pct` percent of the way from its initial value to the best value the study has seen
-(`StudyReference`, derived by `study_reference` from the study's finished curves that moved), or less than
-`min_improvement_pct` percent of its initial value, which plateau takes for noise. A run that has left its
+(`StudyReference`, derived by `study_reference` from the study's finished curves that moved). A run that has left its
 initial value, however slowly it goes on (a two-phase learner sitting on an intermediate plateau, a noisy or converged
 curve), is never failed by these rules: comparing it with other runs is the wrapped pruner's job; nor is a run whose
 best is already as good as the study's best (one that starts there and sits there would end among the study's best). In
@@ -218,7 +217,7 @@ def _near_initial(initial: float, best: float, config: FastFailConfig, reference
             # As good as anything the study finished with (a run that starts there, and sits there): it would end
             # among the study's best, whatever its curve, so it is not going nowhere.
             return False
-        return gain < _band(initial, reference.best, config.near_initial_pct, config.min_improvement_pct, maximize)
+        return gain < _gain(initial, reference.best, maximize) * config.near_initial_pct / 100.0
     # The trainer alone: improved by less than `learned_pct`% of the initial value; from an initial value of
     # exactly 0 (an accuracy that starts at 0), not improved at all.
     return gain <= 0 if initial == 0 else gain < abs(initial) * config.learned_pct / 100.0
@@ -273,19 +272,10 @@ def _overfit(finite: Sequence[tuple[int, float]], train_series: Sequence[tuple[i
 def _near_band(initial: float, config: FastFailConfig, reference: StudyReference, maximize: bool) -> float | None:
     """How far from its initial value a run is no longer near it, as `_near_initial` measures it in a study with
     a best value better than the run's start; None otherwise."""
-    if reference.best is None or _gain(initial, reference.best, maximize) <= 0:
+    if reference.best is None:
         return None
-    return _band(initial, reference.best, config.near_initial_pct, config.min_improvement_pct, maximize)
-
-
-def _band(initial: float, best: float, near_initial_pct: float, min_improvement_pct: float, maximize: bool) -> float:
-    """How far from `initial` a run must get, towards `best`, to have left it: `near_initial_pct`% of the way, and
-    never less than `min_improvement_pct`% of `initial`, the noise plateau ignores. Without that floor, a study whose
-    best was a never-learner's noise (a finished run 1.2% below its start, 1% evaluation noise) made the band of the
-    next never-learner a tenth of that, which its own noise crossed at its first evaluation: it then counted as
-    learning, and plateau and stuck never judged it (5 of 8 such runs trained their whole budget: review)."""
-    distance = _gain(initial, best, maximize)
-    return max(distance * near_initial_pct / 100.0, abs(initial) * min_improvement_pct / 100.0)
+    distance = _gain(initial, reference.best, maximize)
+    return distance * config.near_initial_pct / 100.0 if distance > 0 else None
 
 
 def _stuck_after(reference: StudyReference | None, config: FastFailConfig) -> int | None:
@@ -306,17 +296,16 @@ def _stuck_after(reference: StudyReference | None, config: FastFailConfig) -> in
 
 
 def leave_step(series: Sequence[tuple[int, float]], best: float, near_initial_pct: float,
-               maximize: bool = False, min_improvement_pct: float = 0.0) -> int | None:
-    """Steps a run took, from its first finite report, to leave its initial value (`_band`: `near_initial_pct` of
-    the way to `best`, at least `min_improvement_pct`% of the initial value); None if it never did (or `best` is no
-    better than its start)."""
+               maximize: bool = False) -> int | None:
+    """Steps a run took, from its first finite report, to cover `near_initial_pct` of the way from its initial
+    value to `best`; None if it never did (or `best` is no better than its start)."""
     finite = [(s, v) for s, v in series if math.isfinite(v)]
     if not finite:
         return None
     start_step, initial = finite[0]
-    if _gain(initial, best, maximize) <= 0:
+    threshold = _gain(initial, best, maximize) * near_initial_pct / 100.0
+    if threshold <= 0:
         return None
-    threshold = _band(initial, best, near_initial_pct, min_improvement_pct, maximize)
     return next((s - start_step for s, v in finite[1:] if _gain(initial, v, maximize) >= threshold), None)
 
 
@@ -359,8 +348,7 @@ def study_reference(curves: Sequence[Sequence[tuple[int, float]]], config: FastF
         return StudyReference()
     best = max(values) if maximize else min(values)
     leaves = sorted(step for series in curves
-                    if (step := leave_step(series, best, config.near_initial_pct, maximize,
-                                               config.min_improvement_pct)) is not None)
+                    if (step := leave_step(series, best, config.near_initial_pct, maximize)) is not None)
     if not leaves:
         return StudyReference(best=best)
     quantile = leaves[max(0, math.ceil(config.learners_quantile * len(leaves)) - 1)]

@@ -280,8 +280,20 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
         for field in ("Comment=two words, issue#1", "Nice=10 ", "MinTmpDiskNode=100M"):
             assert field in shown, shown
         assert f"StdOut={folder / f'{name}.slurm'}/" in shown, shown  # the folder with its space
+        # The storage and the name given by --set are in it too (review: it named the file's, another study).
+        other = sweep_cli("submit", "sp ace/study.yaml", "--slurm", "--set", f"storage={url}", "--set",
+                          "name=slurm_spaces_set", "--workers", "1", "--sbatch=--hold", cwd=tmp_path,
+                          env={"SLURM_CONF": str(slurm_cluster.conf), "PGPASSWORD": LIBPQ_PASSWORD})
+        assert other.returncode == 0, other.stderr
+        assert (f"`sweep status 'sp ace/study.yaml' --storage {shlex.quote(mask_url(url))} --study-name "
+                "slurm_spaces_set` shows them") in other.stderr, other.stderr
+        status = sweep_cli("status", "sp ace/study.yaml", "--storage", url, "--study-name", "slurm_spaces_set",
+                           cwd=tmp_path)
+        assert status.returncode == 0 and "slurm_spaces_set" in status.stdout, status.stderr
     finally:
         slurm_cluster.run("scancel", job, check=False)
+        if "other" in locals() and other.stdout.strip():
+            slurm_cluster.run("scancel", other.stdout.strip(), check=False)
 
 
 @pytest.mark.parametrize("store", ["given", "default"])

@@ -343,6 +343,31 @@ def test_a_from_studies_study_run_without_warm_start_is_named_in_a_warning_and_o
     assert isinstance(donor, dict) and donor["study"] == "donor" and donor["step"] == 20
 
 
+def test_a_from_studies_donor_whose_study_fixed_another_optimizer_gives_no_optimizer_state(tmp_path: Path) -> None:
+    # Review: with `inherit: weights+optimizer`, an SGD study's trials were donors to an AdamW study's (the optimizer,
+    # fixed in both, is in neither's params): alone every trial failed on the momentum state (KeyError: 'step'), in a
+    # cohort it was ignored. The donor's stored config says what its study fixed.
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    warm = {"max_distance": 1.0, "inherit": "weights+optimizer"}
+
+    def run(name: str, optimizer: str, **extra: object) -> list[optuna.trial.FrozenTrial]:
+        document = copy.deepcopy(TINY_STUDY) | {"name": name, "n_trials": 2, "storage": storage,
+                                                "warm_start": {**warm, **extra}}
+        document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 10, "optimizer": optimizer,
+                             "model": {"hidden": 16}}
+        document["space"] = {"learning_rate": document["space"]["learning_rate"]}
+        done = sweep_cli("run", write_study(tmp_path, document, f"{name}.yaml"))
+        assert done.returncode == 0, done.stderr
+        return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+    run("sgd", "sgd")
+    adamw = run("adamw", "adamw", from_studies=["sgd"])
+    assert [t.state for t in adamw] == [TrialState.COMPLETE] * 2
+    assert not [t for t in adamw if (t.user_attrs.get("warm_start_from") or {}).get("study") == "sgd"]
+    again = run("sgd-again", "sgd", from_studies=["sgd"])  # the same optimizer: a donor, as before
+    assert (again[0].user_attrs.get("warm_start_from") or {}).get("study") == "sgd"
+
+
 def test_a_warm_trial_s_parent_whose_row_is_gone_is_no_orphan_and_still_replays(tmp_path: Path) -> None:
     # Found by review: an older sweep resuming the study deleted a pinned donor's row (it could not resolve the newer
     # relative URI); `sweep check --repair` then deleted the donor's file as an orphan, and the warm trial could no
