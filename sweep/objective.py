@@ -376,6 +376,14 @@ class TrialRun:
         """The trial has ended with `result`: its checkpoints go back to retention, and its trackers close."""
         if self.checkpoints is not None:
             self.checkpoints.release(self.trial, result.outcome, self.checkpointer)
+        if not self.trackers and not result.outcome.retried:
+            # It ended before its trackers opened (its config refused by the task or the model, a sampler's error):
+            # its run says so, as every other trial's does (review: such trials were missing from MLflow and
+            # TensorBoard alone).
+            with contextlib.suppress(Exception):  # tracking never fails a trial
+                config = self.trial.user_attrs.get(ATTR_CONFIG)
+                self.trackers = trial_trackers(self.spec, self.storage_url, self.trial, self.trial.params,
+                                               config if isinstance(config, Mapping) else {}, [])
         finish_trackers(self.trackers, result, self.checkpointer)
 
 

@@ -172,6 +172,16 @@ def _intermediate_values_by_state(study: optuna.Study) -> Any:
             state = states.get(int(match.group(1)), "RUNNING")
             trace.update(line={"color": STATE_COLOURS.get(state, "#888")}, legendgroup=state,
                          name=f"{trace.name} ({state.lower()})", opacity=0.8)
+    # Optuna draws complete, pruned and running trials only: a failed one's values (reported before it diverged, was
+    # lost or raised) would be missing from a plot whose title says red is failed (review).
+    import plotly.graph_objects as go
+
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)):
+        if trial.intermediate_values:
+            steps = sorted(trial.intermediate_values)
+            fig.add_trace(go.Scatter(x=steps, y=[trial.intermediate_values[s] for s in steps],
+                                     mode="lines+markers", name=f"Trial{trial.number} (fail)", legendgroup="FAIL",
+                                     line={"color": STATE_COLOURS.get("FAIL", "#888")}, opacity=0.8))
     fig.update_layout(title="Intermediate values (green: complete, orange: pruned, red: failed)")
     focus = focus_range(study.get_trials(deepcopy=False), study.direction == optuna.study.StudyDirection.MAXIMIZE)
     if focus is not None:

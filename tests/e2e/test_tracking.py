@@ -83,6 +83,42 @@ def test_tensorboard_holds_every_trial_every_logged_step_params_and_final_values
         assert final.step == 20
 
 
+PICKY_TASK = """
+import dataclasses
+from trainer.tasks import load_task
+
+
+def digits(**args):
+    task = load_task("digits", args)
+    build = task.build_model
+
+    def picky(cfg):
+        if cfg["hidden"] % 2:
+            raise ValueError(f"hidden {cfg['hidden']} is odd, which this model refuses")
+        return build(cfg)
+
+    return dataclasses.replace(task, build_model=picky)
+"""
+
+
+def test_a_trial_that_fails_before_it_trains_has_its_tracking_run_too(tmp_path: Path) -> None:
+    # Review: with warm start on, the model is built (for its shapes) before the trackers open; a config the model
+    # refuses failed there, and its trial had no run in TensorBoard or MLflow, where every other trial has one.
+    pytest.importorskip("tensorboard")
+    (tmp_path / "picky.py").write_text(PICKY_TASK)
+    document = copy.deepcopy(TINY_STUDY) | {"n_trials": 4, "task": "picky:digits", "tracking": {"tensorboard": True},
+                                            "warm_start": {"max_distance": 1.0}}
+    done = sweep_cli("run", write_study(tmp_path, document), pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").get_trials()
+    assert {t.state for t in trials} == {TrialState.COMPLETE, TrialState.FAIL}  # seed 0: hidden 25, 21, 24, 30
+    runs = event_runs(tmp_path / "tiny.tensorboard")
+    assert sorted(runs) == [f"tiny/trial-{t.number:05d}" for t in trials]
+    for trial in trials:
+        params, _ = session_hparams(runs[f"tiny/trial-{trial.number:05d}"])
+        assert params == pytest.approx({**trial.params, "state": trial.state.name.lower().replace("fail", "failed")})
+
+
 def test_tracking_off_writes_no_tracking_files(tmp_path: Path) -> None:
     trials, _ = tracked_study(tmp_path, {})
     assert all(t.state == TrialState.COMPLETE for t in trials)

@@ -10,7 +10,7 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from sweep.report import _intermediate_values_by_state, focus_range, render_report
+from sweep.report import STATE_COLOURS, _intermediate_values_by_state, focus_range, render_report
 
 
 def _study(tmp_path: Path, curves: list[tuple[TrialState, list[float]]], direction: str = "minimize") -> optuna.Study:
@@ -40,6 +40,16 @@ def test_the_axis_focuses_on_the_values_that_matter_and_keeps_the_full_range_a_c
     buttons = {b.label: b.args[0] for b in fig.layout.updatemenus[0].buttons}
     assert buttons == {"focus": {"yaxis.range": [low, high]}, "full range": {"yaxis.autorange": True}}
     assert '"full range"' in render_report(study)
+
+
+def test_every_trial_with_reports_is_drawn_in_its_state_s_colour_failed_ones_too(tmp_path: Path) -> None:
+    # Optuna's plot leaves failed trials out: the title said red is failed, and no trace could ever be red (review).
+    study = _study(tmp_path, [*CURVES, (TrialState.FAIL, [2.3, 1.1]), (TrialState.FAIL, [])])
+    fig = _intermediate_values_by_state(study)
+    drawn = {trace.name: (trace.line.color, list(trace.y)) for trace in fig.data}
+    assert len(drawn) == 6  # every trial that reported, the failed one that reported nothing aside
+    assert drawn["Trial5 (fail)"] == (STATE_COLOURS["FAIL"], [2.3, 1.1])
+    assert drawn["Trial0 (complete)"][0] == STATE_COLOURS["COMPLETE"]
 
 
 def test_maximised_metrics_focus_from_the_worst_finisher_up(tmp_path: Path) -> None:
