@@ -449,7 +449,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
     from sweep.signals import stop_requested
-    from sweep.storage import StorageUnavailable, ask_lock
+    from sweep.storage import StorageUnavailable, ask_lock, database_identity
     from sweep.study import StoreMismatchError, StudyMismatchError, open_study, worker_storage
     from sweep.tracking import tensorboard_root
     from sweep.workers import prepare_process
@@ -489,6 +489,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
                                             stale_after=spec.heartbeat_grace_period))
             refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
             study = open_study(spec, storage, url)
+            _OPENED_FILE[:] = [database_identity(url)]
         except StoreMismatchError as exc:
             raise _fail(f"{prefix}{source}: checkpoints.store: {exc}", 2) from None
         except StudyMismatchError as exc:
@@ -924,7 +925,9 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
         raise _fail(problem, 2)
     _OPENED[:] = [url]
     _quiet_optuna()
-    from sweep.storage import AmbiguousStudy, load_existing_study
+    from sweep.storage import AmbiguousStudy, database_identity, load_existing_study
+
+    _OPENED_FILE[:] = [database_identity(url)]
 
     try:
         study = load_existing_study(url, name)
@@ -1680,6 +1683,7 @@ def _unreadable(exc: BaseException) -> tuple[str | None, int]:
 
 
 _OPENED: list[str] = []  # the storage URL the command opened, for an error it lets out (`_storage_error`)
+_OPENED_FILE: list[Any] = []  # its SQLite file as opened (`database_identity`): deleted since, the error is that
 
 
 def _storage_error(exc: BaseException) -> tuple[str | None, int]:
@@ -1688,9 +1692,11 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     `(None, 0)` for the rest, which stays a traceback (a bug is not hidden behind a line)."""
     import sqlite3
 
-    from sweep.storage import error_chain, storage_refusal
+    from sweep.storage import database_gone, error_chain, storage_refusal
 
     url = _OPENED[0] if _OPENED else None
+    if (gone := database_gone(_OPENED_FILE[0] if _OPENED_FILE else None)) is not None:
+        return gone, 1  # what any error of its storage then means, "no such table" of a new empty file's say
     path = None if url is None else sqlite_path(url)
     where = f"the storage {mask_url(url)}" if path is None and url is not None else str(path or "the storage")
     for error in error_chain(exc):

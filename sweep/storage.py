@@ -68,6 +68,8 @@ __all__ = [
     "ask_lock",
     "bad_url_option",
     "clock_offset",
+    "database_gone",
+    "database_identity",
     "engine_options",
     "is_transient",
     "load_existing_study",
@@ -1436,3 +1438,55 @@ def load_existing_study(storage_url: str, name: str | None) -> optuna.Study:
         names = optuna.get_all_study_names(storage)
         raise KeyError(f"no study named {name!r} in {mask_url(storage_url)}; it holds: "
                        f"{', '.join(map(repr, names)) if names else 'none'}") from None
+
+
+def database_identity(url: str | None) -> tuple[Path, tuple[int, int]] | None:
+    """A SQLite storage's file and its identity now (device, inode), or None (a server's storage, an in-memory
+    one, a file that cannot be read)."""
+    path = sqlite_path(url) if url else None
+    if path is None:
+        return None
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return path, (status.st_dev, status.st_ino)
+
+
+def database_gone(opened: tuple[Path, tuple[int, int]] | None) -> str | None:
+    """Why the SQLite file opened as `opened` (`database_identity`) is no longer the one at its path (deleted, or
+    replaced by another file), in one line, or None: connections made before write on into the old file, which
+    nothing reads again, and new ones into a new empty one (review: every trial after an `rm` of the database was
+    printed as done, and all were lost)."""
+    if opened is None:
+        return None
+    path, identity = opened
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        now, empty = None, True
+    except OSError:
+        return None  # cannot tell (a permission, an I/O error): the storage's own calls say what it is
+    else:
+        now, empty = (status.st_dev, status.st_ino), status.st_size == 0
+    # A file deleted and made anew often gets its inode number back at once: an empty file (SQLite never empties a
+    # database) or one of this process's descriptors on the deleted file tells it too.
+    if now == identity and not empty and not _held_deleted(path):
+        return None
+    # Deleted, SQLite makes a new empty file at the path for the next connection: that reads as replaced.
+    return (f"{path}: the study's database was deleted or replaced while this run had it open: what the run stored "
+            "since then went with the old file, and the run stops; rerun to train those trials again")
+
+
+def _held_deleted(path: Path) -> bool:
+    """Whether this process holds `path` open as a deleted file (Linux's /proc; False where there is none)."""
+    gone = f"{path} (deleted)"
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in descriptors:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == gone:
+                return True
+    return False

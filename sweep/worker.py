@@ -71,6 +71,8 @@ from sweep.storage import (
     StorageUnavailable,
     ask_lock,
     clock_offset,
+    database_gone,
+    database_identity,
     error_line,
     is_transient,
     never_lost,
@@ -259,6 +261,7 @@ class Worker:
             raise InfrastructureError(f"cannot make the checkpoints' folders: {exc.strerror or exc}{where}; fix the "
                                       "store (checkpoints.store; an object store's outbox is under TMPDIR), then "
                                       "rerun the same command") from None
+        self.database = database_identity(storage_url)  # a SQLite study's file, as this worker opened it
         self.ran = 0
         # How each trial this worker ended (by trial number, which is the order they were asked in) counts towards
         # `max_repeated_failures`: its failure signature, or None for any other end (`_check_streak`).
@@ -343,12 +346,20 @@ class Worker:
         asked, spent, trials = self._ask_many(1, fixed)
         return (asked[0] if asked else None), spent, trials
 
+    def _database_still_there(self) -> None:
+        """Raise `InfrastructureError` when the SQLite file this worker opened is no longer the one at its path
+        (deleted, or replaced by another file): its connections write on into the old file, which nothing will read
+        again. Found by review: every trial after an `rm` of the database was printed as done, and all were lost."""
+        if (gone := database_gone(self.database)) is not None:
+            raise InfrastructureError(gone)
+
     def _ask_many(self, count: int, fixed: dict[str, Any] | None = None,
                   ) -> tuple[list[optuna.Trial], bool, list[FrozenTrial]]:
         """Up to `count` trials asked as `_ask_next` asks one, under one hold of the lock and one read of the study
         (a cohort's free slots at an evaluation boundary): each is counted against the budget and sampled knowing
         the ones asked before it, as if asked one after another. Returns the trials (fewer when the budget or the
         trials in flight elsewhere allow fewer), whether the budget is spent, and the study's trials."""
+        self._database_still_there()
         asked: list[optuna.Trial] = []
         created: list[optuna.Trial] = []  # every trial `study.ask` made, the one being sampled when it fails too
         spent, trials = False, list[FrozenTrial]()
@@ -574,6 +585,7 @@ class Worker:
         return told
 
     def _tell(self, trial: optuna.Trial, result: TrialResult) -> FrozenTrial:
+        self._database_still_there()  # not told into a file nothing reads, and printed as done
         attrs = {key: jsonable(value) for key, value in {**result.attrs, ATTR_OUTCOME: result.outcome.value}.items()}
         if isinstance(reason := attrs.get(ATTR_FAIL), str) and len(reason) > MAX_REASON:  # a user's 10 MB message
             attrs[ATTR_FAIL] = f"{reason[:MAX_REASON]}... ({len(reason) - MAX_REASON} more characters)"

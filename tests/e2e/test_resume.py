@@ -91,6 +91,27 @@ def signal_after_a_checkpoint(path: Path, db: Path, signum: int) -> tuple[int, s
     return worker.returncode, stderr
 
 
+def test_a_database_deleted_under_a_run_stops_it_before_a_trial_is_told_into_the_old_file(tmp_path: Path) -> None:
+    # Review: after an `rm` of the SQLite file every trial went on being told into the deleted file (its connections
+    # still held it) and printed as done, and all were lost; the run ended with "no such table: studies" at last.
+    path = long_study(tmp_path, n_trials=3)
+    db = tmp_path / "tiny.db"
+    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
+            time.sleep(0.2)
+        for name in ("tiny.db", "tiny.db-wal", "tiny.db-shm"):
+            (tmp_path / name).unlink(missing_ok=True)
+        _, stderr = worker.communicate(timeout=300)
+    finally:
+        worker.kill()
+    assert worker.returncode == 1, stderr
+    assert f"{db}: the study's database was deleted or replaced while this run had it open" in stderr, stderr
+    assert "complete value=" not in stderr  # trial 0 was not printed as done, nor was another asked
+
+
 def test_a_killed_trial_resumes_from_its_checkpoint_not_from_step_0(tmp_path: Path) -> None:
     path = long_study(tmp_path, n_trials=2, heartbeat_interval=1, heartbeat_grace_period=3)
     db = tmp_path / "tiny.db"
