@@ -475,6 +475,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
 
     if (database := sqlite_path(url)) is not None:
         refuse_a_folder_another_owns(database.exists)  # before the SQLite file is made
+    made_here = database is not None and not database.exists()
     # On a server database the study is compared with the file and its folders claimed in one turn of the study's
     # lock: two workers opening a new study at once from two folders (two machines' checkouts on one PostgreSQL
     # server) each found no folder of the other's yet, both ran, each with its own checkpoint store, and a later run
@@ -497,6 +498,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
         except typer.Exit:
             raise
         except Exception as exc:  # noqa: BLE001 - storage errors come in many types; show them without the password
+            if made_here and database is not None:
+                _drop_if_empty(database)  # a full disk: SQLite made the file and could write nothing in it (review)
             if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
                 raise stop() from None  # told to stop while the storage was waited for: exits as told
             raise _storage_failure(url, exc, url_from) from None
@@ -971,6 +974,16 @@ def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
         return f"-o: {output} is inside the study's checkpoint store {store}; writing there would damage the " \
                "study: choose another file"
     return None
+
+
+def _drop_if_empty(database: Path) -> None:
+    """The SQLite file this command made, with what SQLite made beside it, when nothing could be written in it: a
+    0-byte file left behind was read by every later `sweep status` as "an empty file, not a study database" (exit 2),
+    where a study never run is exit 1."""
+    with contextlib.suppress(OSError):
+        if database.stat().st_size == 0:
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                database.with_name(database.name + suffix).unlink(missing_ok=True)
 
 
 def _storage_failure(url: str, exc: Exception, where: str = "") -> typer.Exit:
@@ -1695,8 +1708,6 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     from sweep.storage import database_gone, error_chain, storage_refusal
 
     url = _OPENED[0] if _OPENED else None
-    if (gone := database_gone(_OPENED_FILE[0] if _OPENED_FILE else None)) is not None:
-        return gone, 1  # what any error of its storage then means, "no such table" of a new empty file's say
     path = None if url is None else sqlite_path(url)
     where = f"the storage {mask_url(url)}" if path is None and url is not None else str(path or "the storage")
     for error in error_chain(exc):
@@ -1711,6 +1722,8 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
                     "while this command ran (`optuna delete-study`, the dashboard)? Nothing more of it can be stored",
                     1)
     refusal = storage_refusal(exc)
+    if refusal is not None and (gone := database_gone(_OPENED_FILE[0] if _OPENED_FILE else None)) is not None:
+        return gone, 1  # what the refusal then means ("no such table" of the new empty file SQLite made there)
     return (f"{where}: {refusal[0]}", 1) if refusal is not None else (None, 0)
 
 

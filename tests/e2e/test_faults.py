@@ -630,6 +630,28 @@ def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_reru
         found.check()
 
 
+def test_a_new_study_on_a_full_filesystem_leaves_no_empty_database_behind(tmp_path: Path) -> None:
+    """Found by review: SQLite made the new study's file and could write nothing in it; the 0-byte file left behind
+    made every later `sweep status` say "an empty file, not a study database" (exit 2), where a study never run is
+    exit 1. The run says the disk is full, and leaves the folder as it found it."""
+    from tests.conftest import sweep_cli
+
+    folder = tmp_path / "db"
+    with tmpfs(folder, "1m"):
+        document = copy.deepcopy(FULL_STORE_STUDY) | {"name": "new", "n_trials": 1, "storage_patience": 3,
+                                                      "checkpoints": False}
+        path = write_study(tmp_path, document)
+        url = f"sqlite:///{folder / 'new.db'}"
+        with open(folder / "filler", "wb") as handle:
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(handle.fileno(), 0, shutil.disk_usage(folder).free)
+        log = tmp_path / "full.log"
+        assert sweep_run(path, "--storage", url, log=log, timeout=300) == 1, tail(log)
+        assert sorted(p.name for p in folder.iterdir()) == ["filler"], tail(log)
+        shown = sweep_cli("status", "--storage", url, "--study-name", "new")
+        assert shown.returncode == 1 and "no study database at" in shown.stderr, shown.stderr
+
+
 def test_a_study_database_on_a_filesystem_already_full_is_not_called_damaged(tmp_path: Path) -> None:
     """Found by review: a healthy study database on a file system with no space left was "cannot be read as a SQLite
     database (disk I/O error); is the file damaged?", exit 2, from `sweep run` (which waits out a disk that fills
