@@ -1469,24 +1469,11 @@ def database_gone(opened: tuple[Path, tuple[int, int]] | None) -> str | None:
         return None  # cannot tell (a permission, an I/O error): the storage's own calls say what it is
     else:
         now, empty = (status.st_dev, status.st_ino), status.st_size == 0
-    # A file deleted and made anew often gets its inode number back at once: an empty file (SQLite never empties a
-    # database) or one of this process's descriptors on the deleted file tells it too.
-    if now == identity and not empty and not _held_deleted(path):
+    # A file deleted and made anew often gets its inode number back at once: an empty file tells it too (SQLite never
+    # empties a database; the new one stays empty, its tables missing). Not a descriptor on the deleted file: a
+    # process that ran a study before (a notebook, the tests) may hold an old file of that name from then.
+    if now == identity and not empty:
         return None
     # Deleted, SQLite makes a new empty file at the path for the next connection: that reads as replaced.
     return (f"{path}: the study's database was deleted or replaced while this run had it open: what the run stored "
             "since then went with the old file, and the run stops; rerun to train those trials again")
-
-
-def _held_deleted(path: Path) -> bool:
-    """Whether this process holds `path` open as a deleted file (Linux's /proc; False where there is none)."""
-    gone = f"{path} (deleted)"
-    try:
-        descriptors = os.listdir("/proc/self/fd")
-    except OSError:
-        return False
-    for fd in descriptors:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}") == gone:
-                return True
-    return False
