@@ -897,7 +897,7 @@ COMPONENTS = [
     bad_file("components", "pruner-float-word", changed(pruner={"type": "threshold", "upper": "high"}),
              "pruner.upper", "takes a finite number or null"),
     bad_file("components", "pruner-percentile-range", changed(pruner={"type": "percentile", "percentile": 200}),
-             "pruner", "PercentilePruner"),
+             "pruner.percentile", "PercentilePruner"),
     bad_file("components", "patient-float", changed(pruner={"type": "patient", "patience": 1.5}),
              "pruner.patience", "takes an integer"),
     # Accepted, and its settings never reached the trainer (its loss guard off, no step-0 evaluation).
@@ -914,9 +914,10 @@ COMPONENTS = [
     bad_file("components", "fastfail-arg", changed(pruner={"type": "fastfail", "patience_steps": "x"}),
              "pruner.patience_steps", "takes an integer or null"),
     bad_file("components", "leaders-margin-range", changed(pruner={"type": "fastfail", "then": {
-        "type": "leaders", "margin_pct": 150}}), "pruner.then",
+        "type": "leaders", "margin_pct": 150}}), "pruner.then.margin_pct",
              "LeadersPruner: margin_pct must be a percentage in [0, 100), but got margin_pct=150.0"),
-    bad_file("components", "leaders-no-leaders", changed(pruner={"type": "leaders", "n_leaders": 0}), "pruner",
+    bad_file("components", "leaders-no-leaders", changed(pruner={"type": "leaders", "n_leaders": 0}),
+             "pruner.n_leaders",
              "LeadersPruner: n_leaders must be >= 1, but got n_leaders=0"),
     bad_file("components", "leaders-word", changed(pruner={"type": "leaders", "n_leaders": "five"}),
              "pruner.n_leaders", "LeadersPruner's n_leaders takes an integer, got 'five'"),
