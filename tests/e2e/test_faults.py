@@ -630,6 +630,14 @@ def test_a_full_sqlite_filesystem_is_waited_out_then_the_worker_exits_and_a_reru
         found.check()
 
 
+def fill(filler: Path) -> Path:
+    """`filler`, a file that takes every free byte of its file system."""
+    with open(filler, "wb") as handle:
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(handle.fileno(), 0, shutil.disk_usage(filler.parent).free)
+    return filler
+
+
 def test_a_new_study_on_a_full_filesystem_leaves_no_empty_database_behind(tmp_path: Path) -> None:
     """Found by review: SQLite made the new study's file and could write nothing in it; the 0-byte file left behind
     made every later `sweep status` say "an empty file, not a study database" (exit 2), where a study never run is
@@ -642,9 +650,7 @@ def test_a_new_study_on_a_full_filesystem_leaves_no_empty_database_behind(tmp_pa
                                                       "checkpoints": False}
         path = write_study(tmp_path, document)
         url = f"sqlite:///{folder / 'new.db'}"
-        with open(folder / "filler", "wb") as handle:
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(handle.fileno(), 0, shutil.disk_usage(folder).free)
+        fill(folder / "filler")
         log = tmp_path / "full.log"
         assert sweep_run(path, "--storage", url, log=log, timeout=300) == 1, tail(log)
         assert sorted(p.name for p in folder.iterdir()) == ["filler"], tail(log)
@@ -666,10 +672,7 @@ def test_a_study_database_on_a_filesystem_already_full_is_not_called_damaged(tmp
         path = write_study(tmp_path, document)
         url = f"sqlite:///{folder / 'filled.db'}"
         assert sweep_run(path, "--storage", url, log=tmp_path / "setup.log", timeout=300) == 0
-        filler = folder / "filler"
-        with open(filler, "wb") as handle:
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(handle.fileno(), 0, shutil.disk_usage(folder).free)
+        filler = fill(folder / "filler")
         assert shutil.disk_usage(folder).free == 0
         shown = sweep_cli("status", "--storage", url, "--study-name", "filled")
         assert shown.returncode != 0 and "damaged" not in shown.stderr, shown.stderr

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,21 @@ def long_study(folder: Path, **keys) -> Path:
 
 def signal_after_a_checkpoint(path: Path, db: Path, signum: int) -> tuple[int, str]:
     """Run the study in a real worker process and signal it once trial 0 has a checkpoint at step 200 or later."""
+    return after_a_checkpoint(path, db, lambda worker: worker.send_signal(signum), timeout=60)
+
+
+def after_a_checkpoint(path: Path, db: Path, act: Callable[[subprocess.Popen[str]], object],
+                       timeout: float) -> tuple[int, str]:
+    """Run the study in a real worker process, `act` on it once trial 0 has a checkpoint at step 200 or later, and
+    wait up to `timeout` seconds for it to exit: its exit code and stderr."""
     worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
             time.sleep(0.2)
-        worker.send_signal(signum)
-        _, stderr = worker.communicate(timeout=60)
+        act(worker)
+        _, stderr = worker.communicate(timeout=timeout)
     finally:
         worker.kill()
     return worker.returncode, stderr
@@ -96,18 +104,13 @@ def test_a_database_deleted_under_a_run_stops_it_before_a_trial_is_told_into_the
     # still held it) and printed as done, and all were lost; the run ended with "no such table: studies" at last.
     path = long_study(tmp_path, n_trials=3)
     db = tmp_path / "tiny.db"
-    worker = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not [s for s in checkpointed_steps(db, 0) if s >= 200]:
-            time.sleep(0.2)
+
+    def delete(_: object) -> None:
         for name in ("tiny.db", "tiny.db-wal", "tiny.db-shm"):
             (tmp_path / name).unlink(missing_ok=True)
-        _, stderr = worker.communicate(timeout=300)
-    finally:
-        worker.kill()
-    assert worker.returncode == 1, stderr
+
+    code, stderr = after_a_checkpoint(path, db, delete, timeout=300)
+    assert code == 1, stderr
     assert f"{db}: the study's database was deleted or replaced while this run had it open" in stderr, stderr
     assert "complete value=" not in stderr  # trial 0 was not printed as done, nor was another asked
 
