@@ -184,7 +184,7 @@ def _fixed_apart(record: CheckpointRecord, match: Mapping[str, Any], donor_confi
     if not unsampled or donor_configs is None:
         return False
     stored = donor_configs(record.study, record.trial_number)
-    if not isinstance(stored, Mapping):
+    if stored is None:
         return False
     values = flatten(stored)
     return any(k in values and values[k] != match[k] for k in unsampled)

@@ -477,9 +477,11 @@ def _pruned_by_the_loop(exc: optuna.TrialPruned, run: Run) -> dict[str, Any]:
     objective): its words, at its latest report."""
     lines = str(exc).strip().splitlines()
     said = lines[0][:200] + ("..." if len(lines[0]) > 200 or len(lines) > 1 else "") if lines else ""
-    where = "before its first report" if run.first_step is None else f"at step {run.step}"
-    return {"rule": "loop", "step": None if run.first_step is None else run.step,
-            "value": run.metrics.get(run.metric) if run.first_step is not None else None,
+    if run.first_step is None:
+        step, value, where = None, None, "before its first report"
+    else:
+        step, value, where = run.step, run.metrics.get(run.metric), f"at step {run.step}"
+    return {"rule": "loop", "step": step, "value": value,
             "message": f"the loop raised TrialPruned {where}" + (f": {said}" if said else "")}
 
 
