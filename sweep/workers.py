@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sweep.signals import FORWARD, raise_pending
+from trainer.limits import usable_cores
 from trainer.yaml_file import YamlFileError, read_text
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
     # Each worker's torch would start one compute thread per core: N workers then oversubscribe the CPU N times over,
     # and small models slow down several-fold. Split the cores instead, unless the user chose a thread count; a
     # data-parallel trial's ranks are processes too (they inherit the count), so each of them is given a share.
-    threads = str(max(1, (os.cpu_count() or 1) // (n_workers * devices_per_worker)))
+    threads = str(max(1, usable_cores() // (n_workers * devices_per_worker)))
     processes = []
     launched = os.environ.get(LAUNCHED_ENV) or repr(time.time())  # `sweep run`'s own start: a stop since then counts
     for index in range(n_workers):

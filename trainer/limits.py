@@ -4,15 +4,28 @@ torch (`sweep status`, `sweep trials`) name a limit a fault hit too, through `sw
 from __future__ import annotations
 
 import math
+import os
 import resource
 
-__all__ = ["OUT_OF_MEMORY_WORDS", "limit_words", "soft_limit"]
+__all__ = ["OUT_OF_MEMORY_WORDS", "limit_words", "soft_limit", "usable_cores"]
 
 # What an allocator's error says when memory ran out: PyTorch's (CUDA's, its CPU allocator's), and the operating
 # system's (ENOMEM's text).
 OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory")
 
 _IN_KIB = {"RLIMIT_AS", "RLIMIT_DATA"}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (what `taskset`, a container's cpuset or a Slurm job's
+    cgroup leaves it), at most Slurm's `--cpus-per-task` where that is set, not the machine's count: on a 64-core node
+    a job given 4 cores split 64 threads among its workers, oversubscribing its share 16 times over."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        cores = os.cpu_count() or 1
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return max(1, min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores)
 
 
 def soft_limit(name: str) -> float | None:

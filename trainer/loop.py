@@ -12,7 +12,6 @@ The trainer knows nothing of Optuna: it talks to whoever drives it through a `Re
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from trainer.distributed import Ranks
 from trainer.evaluate import evaluate
 from trainer.fast_fail import FastFailConfig, LossGuard, Verdict, judge, training_metric
 from trainer.fast_fail_rules import DIVERGED
+from trainer.limits import usable_cores
 from trainer.optim import build_optimizer, lr_at, set_lr
 from trainer.precision import Precision, allow_tf32, resolve_device, resolve_precision
 from trainer.seeding import kept_global_state, reproducibility_record, seed_everything
@@ -326,7 +326,7 @@ def _threads_of_run(resume: TrainState | None) -> Iterator[None]:
     cores; this process's count comes back afterwards."""
     before = torch.get_num_threads()
     wanted = None if resume is None else resume.loop.threads
-    if wanted is None or wanted == before or wanted > (os.cpu_count() or 1):
+    if wanted is None or wanted == before or wanted > usable_cores():
         yield
         return
     torch.set_num_threads(wanted)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from trainer.limits import usable_cores
 from trainer.seeding import THREAD_ENV, apply_threads, reproducibility_record, seed_everything, seed_worker
 
 
@@ -190,3 +191,24 @@ print(result.status, torch.backends.cuda.matmul.fp32_precision)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["completed", "tf32"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to take one away")
+def test_the_cores_a_process_may_use_are_its_affinity_and_slurm_s_share_not_the_machine_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--workers N` split `os.cpu_count()` threads among its workers: on a 64-core node a Slurm job given 4 cores
+    (its cgroup, `--cpus-per-task=4`) ran each of 2 workers on 32 threads, and a resumed run widened to the node's
+    count. The share now comes from what this process may run on."""
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    allowed = os.sched_getaffinity(0)
+    assert usable_cores() == len(allowed)
+    os.sched_setaffinity(0, {min(allowed)})  # as `taskset -c 0` or a one-core cgroup leaves it
+    try:
+        assert usable_cores() == 1 < (os.cpu_count() or 1)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert usable_cores() == 1
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "bogus")  # not Slurm's: the affinity alone
+    assert usable_cores() == len(allowed)
