@@ -1705,7 +1705,7 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     `(None, 0)` for the rest, which stays a traceback (a bug is not hidden behind a line)."""
     import sqlite3
 
-    from sweep.storage import database_gone, error_chain, storage_refusal
+    from sweep.storage import database_gone, error_chain, error_line, is_transient, refusal_line, storage_refusal
 
     url = _OPENED[0] if _OPENED else None
     path = None if url is None else sqlite_path(url)
@@ -1724,7 +1724,19 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     refusal = storage_refusal(exc)
     if refusal is not None and (gone := database_gone(_OPENED_FILE[0] if _OPENED_FILE else None)) is not None:
         return gone, 1  # what the refusal then means ("no such table" of the new empty file SQLite made there)
-    return (f"{where}: {refusal[0]}", 1) if refusal is not None else (None, 0)
+    if refusal is not None:
+        return f"{where}: {refusal[0]}", 1
+    if url is None:
+        return None, 0
+    # A command's own call, made without a worker's `Boundary` (`sweep stop`'s write, `check --repair`'s deletes):
+    # refused (a read-only standby, the role's rights) or cut off midway (the server restarted). Review: `sweep stop`
+    # on a read-only database printed 131 lines ending in Optuna's "invalid data in the commit".
+    if (refused := refusal_line(exc)) is not None:
+        return f"{where}: {redact(refused, url)}; run the command again once the storage accepts it", 1
+    if is_transient(exc):
+        return (f"{where} failed during this command ({redact(error_line(exc), url)}); run it again once the storage "
+                "is back"), 1
+    return None, 0
 
 
 _GONE_RECORD = re.compile(r"Record does not exist\.|No trial with trial id \d+ exists\.")

@@ -1411,6 +1411,37 @@ def test_a_database_read_only_for_a_while_is_waited_out_on_fresh_connections(tmp
         assert budget_counts(_trials_if_any("standby", server.url)) == (4, 0)
 
 
+@pytest.mark.skipif(not postgres_available(), reason="PostgreSQL server binaries not installed")
+def test_a_command_whose_own_write_the_storage_refuses_says_so_in_one_line(tmp_path: Path, postgres_url: str) -> None:
+    """Found by review: `sweep stop` on a database made read-only (a failover's standby) printed 131 lines of
+    traceback ending in Optuna's "invalid data in the commit". A command's own call refused, or cut off, is one line
+    naming the storage, exit 1; reading the study still works."""
+    from sqlalchemy import create_engine, text
+
+    url = postgres_url.replace("/sweep?", "/standby_stop?")
+    admin = create_engine(postgres_url.replace("/sweep?", "/postgres?"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text("CREATE DATABASE standby_stop"))
+        path = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"name": "standby", "n_trials": 1})
+        assert sweep_cli("run", path, "--storage", url).returncode == 0
+        with admin.connect() as connection:
+            connection.execute(text("ALTER DATABASE standby_stop SET default_transaction_read_only = on"))
+        stopped = run_cli("stop", path, "--storage", url)
+        assert stopped.returncode == 1, stopped.stderr
+        lines = stopped.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: the storage postgresql+psycopg://"), stopped.stderr
+        assert "read-only transaction" in lines[0] and "invalid data" not in lines[0], stopped.stderr
+        status = run_cli("status", path, "--storage", url)
+        assert status.returncode == 0 and "complete 1" in status.stdout, status.stderr
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                                    "datname = 'standby_stop'"))
+            connection.execute(text("DROP DATABASE IF EXISTS standby_stop"))
+        admin.dispose()
+
+
 def _trials_if_any(name: str, url: str) -> list[FrozenTrial]:
     """The trials of study `name` in `url`, or none before the study exists."""
     try:
