@@ -147,10 +147,12 @@ def read_text(path: Path, what: str = "study file") -> str:
 class _Node:
     """A mapping or list being read in `_structure_problems`: where it is and what it holds so far."""
 
-    def __init__(self, path: str, mapping: bool, anchor: str | None) -> None:
+    def __init__(self, path: str, mapping: bool, anchor: str | None, merge_into: _Node | None = None) -> None:
         self.path, self.mapping, self.anchor = path, mapping, anchor
         self.key: str | None = None  # a mapping's key whose value comes next; None: a key comes next
         self.keys: dict[str, int] = {}  # a mapping's keys so far, and the line of each
+        self.merged: dict[str, int] = {}  # the keys its merge keys (`<<: *defaults`) gave it, and the merge's line
+        self.merge_into = merge_into  # the mapping whose `<<` this value (or this list's items) is merged into
         self.index = 0  # a list's next item
         self.size, self.height = 1, 1  # values in it (itself too) and its depth, aliases expanded
 
@@ -178,6 +180,7 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
     are expanded. Linear in the text: the expansion is counted (an anchor's size times its uses), never done."""
     problems: list[tuple[str, str]] = []
     anchors: dict[str, tuple[int, int]] = {}  # name: (values, depth) of the anchored value
+    anchor_keys: dict[str, set[str]] = {}  # name: the keys of an anchored mapping, merged ones too
     stack: list[_Node] = []
     total, documents = 0, 0
 
@@ -212,6 +215,26 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
     def parent_path() -> str:
         return stack[-1].path if stack else ""
 
+    def merge_target() -> _Node | None:
+        """The mapping a value starting here is merged into: it is a `<<` key's value, or an item of its list."""
+        if not stack:
+            return None
+        parent = stack[-1]
+        return parent if parent.mapping and parent.key == "<<" else None if parent.mapping else parent.merge_into
+
+    def merge(target: _Node, keys: set[str]) -> None:
+        """`keys` merged into `target`. A key that two merged mappings give is refused: YAML takes the first one's
+        value, PyYAML either, by the key's hash (`<<: [{max_steps: 4}, {max_steps: 400}]` trained 400 steps). A key
+        of the mapping's own wins over a merged one, as YAML says: that is what a merge is for."""
+        for key in sorted(keys):
+            if key in target.merged:
+                first = target.merged[key]
+                lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
+                problems.append((where(f"{target.path}.{key}" if target.path else key),
+                                 f"given by two merged mappings (<<, {lines}): give it once"))
+            else:
+                target.merged[key] = line
+
     def place(event: Any) -> str | None:
         """The path of the value this event starts; None when it is a mapping's key (read here)."""
         if not stack:
@@ -222,8 +245,8 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
         if not isinstance(event, yaml.ScalarEvent) or event.anchor is not None:
             raise fatal(parent.path, f"line {line}: a key must be a plain name, not a list, a mapping or an alias")
         key = event.value
-        if key == "<<" and event.tag is None and event.implicit[0]:  # a merge key: `<<: *defaults`
-            pass
+        if key == "<<" and event.tag is None and event.implicit[0] and key not in parent.keys:  # `<<: *defaults`
+            parent.keys[key] = line
         elif event.tag is None and event.implicit[0] and (kind := _implicit_kind(key)) is not None \
                 and (kind in ("a boolean", "null") or not (parent.path or prefix)):
             # A boolean or null key is YAML 1.1's trap (`on:`, `no:`) wherever it stands; a number is a name only
@@ -267,7 +290,10 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                 if documents > 1:
                     raise fatal("", f"line {line}: a second YAML document (---); a {what} is one document")
             elif isinstance(event, yaml.AliasEvent):
+                target = merge_target()
                 path = place(event)
+                if target is not None:
+                    merge(target, anchor_keys.get(event.anchor, set()))
                 if event.anchor in {node.anchor for node in stack}:
                     raise fatal(path or "", f"line {line}: the alias *{event.anchor} refers to a value that holds it "
                                             "(a loop)")
@@ -284,15 +310,20 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                         anchors[event.anchor] = (1, 0)
                     add(1, 0, 1)
             elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                target = merge_target()
                 path = place(event) or ""
                 check_tag(event, path)
-                stack.append(_Node(path, isinstance(event, yaml.MappingStartEvent), event.anchor))
+                stack.append(_Node(path, isinstance(event, yaml.MappingStartEvent), event.anchor, target))
                 if len(stack) > MAX_DEPTH:
                     raise fatal(path, f"line {line}: nested more than {MAX_DEPTH} levels deep")
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 node = stack.pop()
+                keys = {*node.keys, *node.merged} - {"<<"} if node.mapping else set()
                 if node.anchor is not None:
                     anchors[node.anchor] = (node.size, node.height)
+                    anchor_keys[node.anchor] = keys
+                if node.mapping and node.merge_into is not None:
+                    merge(node.merge_into, keys)
                 add(node.size, node.height, 1)
             if len(problems) >= _MAX_PROBLEMS:
                 break

@@ -636,6 +636,18 @@ DUPLICATES = [
              ("seed", "seed", "checkpoints.on_best"), "duplicate key (lines 3 and 24)"),
     bad_file("duplicates", "in-task-args", yaml_with(replace=("task: digits", "task: {name: digits, args: {n: 1, "
                                                                  "n: 2}}")), "task.args.n", "duplicate key"),
+    # Two merged mappings giving one key (review): YAML takes the first, PyYAML either by the key's hash, and
+    # `<<: [{max_steps: 4}, {max_steps: 400}]` trained 400 steps with no word.
+    bad_file("duplicates", "merge-list", yaml_with(replace=("  batch_size: 32\n", "  <<: [{max_steps: 4}, "
+                                                                                  "{max_steps: 400}]\n")),
+             "fixed.max_steps", "given by two merged mappings (<<, twice on line"),
+    bad_file("duplicates", "merge-aliases", yaml_with("x-a: &a {keep_top_k: 1}",
+                                                      "x-b: &b {on_best: true, keep_top_k: 2}",
+                                                      "checkpoints: {<<: [*a, *b]}"),
+             "checkpoints.keep_top_k", "given by two merged mappings"),
+    bad_file("duplicates", "two-merge-keys", yaml_with("x-a: &a {keep_top_k: 1}",
+                                                       "checkpoints: {<<: *a, <<: {keep_top_k: 2}}"),
+             ("checkpoints.<<", "checkpoints.keep_top_k"), "twice on line 24"),
 ]
 
 
@@ -1546,6 +1558,11 @@ def test_anchors_and_merge_keys_share_values(tmp_path: Path) -> None:
 
     data = load_yaml("base: &base {low: 1, high: 2}\nlr:\n  <<: *base\n  high: 3\nsame: *base\n", "x.yaml")
     assert data == {"base": {"low": 1, "high": 2}, "lr": {"low": 1, "high": 3}, "same": {"low": 1, "high": 2}}
+    # Merged mappings that give different keys, and a key of the mapping's own over a merged one (before or after
+    # the merge: YAML's rule), are what merges are for.
+    data = load_yaml("a: &a {low: 1, log: true}\nb: &b {<<: *a, high: 2}\nlr:\n  high: 5\n  <<: [*b, {step: 1}]\n",
+                     "x.yaml")
+    assert data["lr"] == {"low": 1, "log": True, "high": 5, "step": 1}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
