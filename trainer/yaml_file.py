@@ -293,7 +293,7 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                 target = merge_target()
                 path = place(event)
                 if target is not None:
-                    merge(target, anchor_keys.get(event.anchor, set()))
+                    merge(target, anchor_keys.get(event.anchor or "", set()))
                 if event.anchor in {node.anchor for node in stack}:
                     raise fatal(path or "", f"line {line}: the alias *{event.anchor} refers to a value that holds it "
                                             "(a loop)")
