@@ -651,7 +651,7 @@ def submit(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit and create nothing.")
                        ] = False,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="--k8s: the manifest to write "
-                                                   "(default: standard output).")] = None,
+                                                   "(default, or -: standard output).")] = None,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Array tasks (--k8s: pods), one worker "
                                                    "each.")] = None,
     nodes: Annotated[Optional[int], typer.Option("--nodes", help="--slurm with --gpus-per-task G: array tasks, one "
@@ -734,6 +734,8 @@ def submit(
         raise _fail(f"{study_file}: tracking.mlflow.tracking_uri: holds a password, which {where} would carry in "
                     f"plain text; {fix}", 2)
     spec_path = study_file.resolve()
+    if output is not None and str(output) == "-":  # stdout, as without -o (review: a file named `-`, and the hint
+        output = None  # `kubectl apply -f -` then read stdin), as for `best` and `report`
     if k8s and output is not None and (problem := _output_problem(output, _protected_files(study_file, url))):
         raise _fail(problem, 2)
     if slurm:

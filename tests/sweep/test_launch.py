@@ -398,6 +398,15 @@ def test_k8s_warns_of_what_a_pod_would_write_to_its_own_disk(tmp_path: Path) -> 
     assert "warning: in a pod, tracking.mlflow.tracking_uri would be written" in done.stderr
 
 
+def test_k8s_manifest_to_dash_goes_to_stdout_as_best_s_and_report_s_do(tmp_path: Path) -> None:
+    # Review: `-o -` wrote a file named `-` and said "`kubectl apply -f -`", which reads stdin.
+    path = write_study(tmp_path, changed(storage=URL))
+    done = sweep_cli("submit", path, "--k8s", "--image", "reg/sweep:1", "-o", "-", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [d["kind"] for d in yaml.safe_load_all(done.stdout)] == ["ConfigMap", "Job"]
+    assert not (tmp_path / "-").exists() and "wrote" not in done.stderr
+
+
 def test_k8s_needs_an_image(tmp_path: Path) -> None:
     path = write_study(tmp_path, changed())
     done = sweep_cli("submit", path, "--k8s", "-o", tmp_path / "job.yaml", cwd=tmp_path)
