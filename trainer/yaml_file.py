@@ -227,13 +227,16 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
         value, PyYAML either, by the key's hash (`<<: [{max_steps: 4}, {max_steps: 400}]` trained 400 steps). A key
         of the mapping's own wins over a merged one, as YAML says: that is what a merge is for."""
         for key in sorted(keys):
-            if key in target.merged:
-                first = target.merged[key]
-                lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
-                problems.append((where(f"{target.path}.{key}" if target.path else key),
-                                 f"given by two merged mappings (<<, {lines}): give it once"))
-            else:
-                target.merged[key] = line
+            seen_once(target, target.merged, key, "given by two merged mappings (<<, {lines}): give it once")
+
+    def seen_once(node: _Node, seen: dict[str, int], key: str, twice: str) -> None:
+        """`key` of `node` read on this line: noted in `seen`, or, when `seen` has it already, a problem worded
+        `twice` (its `{lines}` says where)."""
+        if key not in seen:
+            seen[key] = line
+            return
+        lines = f"twice on line {line}" if seen[key] == line else f"lines {seen[key]} and {line}"
+        problems.append((where(f"{node.path}.{key}" if node.path else key), twice.format(lines=lines)))
 
     def place(event: Any) -> str | None:
         """The path of the value this event starts; None when it is a mapping's key (read here)."""
@@ -256,13 +259,8 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                              f"line {line}: the key {key} is read as {kind} by YAML, not as a name; quote it "
                              f"('{key}') if it is meant"))
             parent.keys.setdefault(key, line)
-        elif key in parent.keys:
-            first = parent.keys[key]
-            lines = f"twice on line {line}" if first == line else f"lines {first} and {line}"
-            problems.append((where(f"{parent.path}.{key}" if parent.path else key),
-                             f"duplicate key ({lines}): the second would silently replace the first"))
         else:
-            parent.keys[key] = line
+            seen_once(parent, parent.keys, key, "duplicate key ({lines}): the second would silently replace the first")
         parent.key = key
         return None
 
