@@ -92,6 +92,8 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     try:
         task = load_task(spec.task.name, spec.task.args)
     except TaskError as exc:
+        if os.environ.get("SWEEP_TRACEBACK") and exc.__cause__ is not None:  # its module's own code failed
+            raise
         return [("task", str(exc))]
     except (ValueError, OSError) as exc:  # the task's own function refused its arguments or found no data
         return [("task", f"{spec.task.name} raised {type(exc).__name__}: {exc}")]
@@ -237,6 +239,8 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
         try:
             load_loop(spec.loop)
         except LoopError as exc:
+            if os.environ.get("SWEEP_TRACEBACK") and exc.__cause__ is not None:  # its module's own code failed
+                raise
             problems.append(("loop", str(exc)))
     if spec.command is not None:
         from sweep.runners.command import CommandError, command_line

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from trainer.messages import did_you_mean, short_repr
 
-__all__ = ["import_callable", "no_function"]
+__all__ = ["import_callable", "import_user_module", "no_function", "raised_at"]
 
 # This package's own top-level names: a user's module of one of these names (a `trainer.py` beside the study) is
 # hidden by them, since the import finds the installed package first.
@@ -47,8 +49,28 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
         raise error(f"unknown {what} {short_repr(path)}{did_you_mean(path, builtin)}; expected one of "
                     f"{', '.join(sorted(builtin))} or "
                     "'package.module:function'")
+    module = import_user_module(module_name, what, error)
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise error(f"{what} {short_repr(path)}: {no_function(module, module_name, attr)}")
+    return function
+
+
+def raised_at(exc: BaseException) -> str:
+    """Where `exc` was raised, as " (at file.py:LINE)": the innermost frame that is not the import machinery's; ""
+    for a SyntaxError, whose message says its file and line itself, and where no frame is known."""
+    if isinstance(exc, SyntaxError):
+        return ""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen ")]
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+
+
+def import_user_module(module_name: str, what: str, error: type[ValueError] = ValueError) -> ModuleType:
+    """A user's module (`what`'s: "task", "loop"), or `error` in one line: not found (where to put it), a module it
+    imports not installed, or its own code failing as it ran (what it raised, and where: review, "importing it raised
+    ZeroDivisionError" named no file)."""
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as exc:
         missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
         ours = missing is not None and (module_name == missing or module_name.startswith(f"{missing}."))
@@ -60,8 +82,4 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     except (Exception, SystemExit) as exc:  # the module's own code failed as it ran (SyntaxError, a raise, exit())
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise error(f"cannot import {what} module {short_repr(module_name)}: importing it raised {type(exc).__name__}: "
-                    f"{detail}") from exc
-    function = getattr(module, attr, None)
-    if not callable(function):
-        raise error(f"{what} {short_repr(path)}: {no_function(module, module_name, attr)}")
-    return function
+                    f"{detail}{raised_at(exc)}") from exc

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import inspect
 import json
 import math
@@ -96,7 +95,7 @@ from sweep.signals import (
     watched_handlers,
 )
 from trainer.checkpoint import TrainState, restore_rng, save_checkpoint, user_checkpoint
-from trainer.imports import no_function
+from trainer.imports import import_user_module, no_function
 from trainer.loop import Reporter
 from trainer.precision import resolve_device
 from trainer.seeding import reproducibility_record, seed_everything
@@ -136,12 +135,7 @@ class StopTrial(Exception):
 def load_loop(name: str) -> Callable[..., Any]:
     """`package.module:function` imported, or `LoopError` in one line. It must take two arguments (config, run)."""
     module_name, _, function = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the user's module's, in one line
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise LoopError(f"cannot import {module_name!r} ({type(exc).__name__}: {first}); expected a module on the "
-                        "path or next to the study file") from None
+    module = import_user_module(module_name, "loop", LoopError)
     found = getattr(module, function, None)
     if not callable(found):
         raise LoopError(no_function(module, module_name, function))

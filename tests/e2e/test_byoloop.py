@@ -648,8 +648,14 @@ def test_a_loop_that_reports_out_of_order_reproduces(tmp_path: Path) -> None:
     ({"loop": "direct:main"}, "expected exactly one of task, loop, command (what each trial runs), got task, loop"),
     ({"task": ...}, "task: required key is missing (or give loop: package.module:function, or command: a "),
     ({"task": ..., "loop": "no colon"}, "loop: expected package.module:function, got 'no colon'"),
-    ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import 'nowhere_module' (ModuleNotFoundError"),
-    ({"task": ..., "loop": "exits_at_import:main"}, "loop: cannot import 'exits_at_import' (SystemExit: 0)"),
+    ({"task": ..., "loop": "nowhere_module:main"}, "loop: cannot import loop module 'nowhere_module': No module named "
+                                                   "'nowhere_module'; a module of your own must be importable: put it"),
+    # Where the module's own code failed (review: the line named no file, and told to move a module it had found).
+    ({"task": ..., "loop": "exits_at_import:main"}, "loop: cannot import loop module 'exits_at_import': importing it "
+                                                    "raised SystemExit: 0 (at exits_at_import.py:2)"),
+    ({"task": ..., "loop": "needs_a_package:main"}, "loop: cannot import loop module 'needs_a_package': No module "
+                                                    "named 'not_installed_xyz'; the module was found, and "
+                                                    "'not_installed_xyz'"),
     ({"task": ..., "loop": "direct:absent"}, "direct.py) has no function 'absent'"),
     # A `trainer.py` of the user's beside the study is hidden by this package's own `trainer`: the line says so.
     ({"task": ..., "loop": "trainer:main"}, "has no function 'main': 'trainer' is this package's own, and the "
@@ -667,6 +673,7 @@ def test_bad_loop_or_command_is_one_line_exit_2_and_nothing_created(tmp_path: Pa
                                         "def gen(config, run):\n    yield run.report(1, val_loss=1.0)\n\n"
                                         "async def co(config, run):\n    return 1.0\n")
     (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(0)\n")  # it ended sweep, silently, exit 0
+    (tmp_path / "needs_a_package.py").write_text("import not_installed_xyz\n")
     document: dict[str, Any] = {"name": "bad", "n_trials": 1, "task": "digits",
                                 "space": {"x": {"type": "float", "low": 0, "high": 1}}}
     for key, value in edit.items():

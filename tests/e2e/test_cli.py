@@ -957,7 +957,8 @@ def test_a_task_module_that_fails_at_import_is_refused_in_one_line_creating_noth
     done = sweep_cli("run", "study.yaml", cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
-    raised = "RuntimeError: boom at import" if "raise" in module else "SystemExit: 3"
+    raised = (f"RuntimeError: boom at import (at {name}.py:1)" if "raise" in module
+              else f"SystemExit: 3 (at {name}.py:2)")
     assert line == f"error: study.yaml: task: cannot import task module '{name}': importing it raised {raised}", line
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [f"{name}.py", "study.yaml"]
 

@@ -410,6 +410,7 @@ def test_a_user_module_that_fails_at_import_is_one_line(tmp_path: Path, module: 
     what = "task" if key == "task" else "schedule"
     assert len(lines) == 1 and lines[0].startswith(f"{config}: "), lines
     assert f"cannot import {what} module '{name}': importing it raised {raised}" in lines[0], lines
+    assert "SyntaxError" in raised or lines[0].endswith(f"(at {name}.py:{module.count(chr(10))})"), lines
 
 
 def test_configs_trained_together_name_the_file_whose_task_raised(tmp_path: Path,
