@@ -124,6 +124,28 @@ def _protected_files(study_file: str | Path | None, url: str | None) -> list[Pat
     return files
 
 
+def _precious_kind(output: Path) -> str | None:
+    """What an existing `-o` file is that no command's output may replace, or None: a SQLite database, or a study
+    file (review: `sweep best s.db -o s.yaml` wrote a config over the study file it was given no word of)."""
+    from trainer.yaml_file import YamlFileError, load_yaml
+
+    try:
+        if not output.is_file():
+            return None
+        with output.open("rb") as handle:
+            head = handle.read(16)
+        if head == b"SQLite format 3\x00":
+            return "a SQLite database"
+        if output.suffix.lower() not in (".yaml", ".yml") or output.stat().st_size > 1 << 20:
+            return None
+        document = load_yaml(output.read_text(encoding="utf-8"), output)
+    except (OSError, UnicodeDecodeError, YamlFileError):
+        return None
+    if isinstance(document, dict) and "n_trials" in document and "name" in document:
+        return f"a study file (study {document['name']!r})"
+    return None
+
+
 def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
     """What is wrong with `-o FILE` before anything is read or written, or None: a folder, '', a folder that does not
     exist or cannot be written, and the study's own files (writing there would destroy the study)."""
@@ -143,6 +165,8 @@ def _output_problem(output: Path, protected: Sequence[Path] = ()) -> str | None:
             if path.name.endswith(("-wal", "-shm", "-journal", ".lock")):
                 what = "a file of the study's database"
             return f"-o: {output} is {what}; writing there would destroy the study: choose another file"
+    if (kind := _precious_kind(output)) is not None:  # the study file or database of a study not named as TARGET
+        return f"-o: {output} is {kind}; writing there would destroy it: choose another file"
     folder = resolved.parent
     shown = output.parent if output.parent.resolve() == folder else f"{folder} (where the link {output} points)"
     if not folder.is_dir():

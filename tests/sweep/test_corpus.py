@@ -1137,6 +1137,12 @@ OUTPUTS = [
              "destroy the study"),
     bad_args("outputs", "k8s-over-the-study-file", (*K8S, "-o", STUDY), f"-o: {STUDY} is the study file",
              "destroy the study"),
+    # A study file or a database the target does not name (review: `sweep best s.db -o s.yaml` wrote over it).
+    bad_args("outputs", "best-over-a-study-file-the-target-does-not-name", ("best", "theirs.db", "-o", STUDY),
+             f"-o: {STUDY} is a study file (study 'tiny')", "writing there would destroy it", setup=_foreign_study),
+    bad_args("outputs", "report-over-another-database", ("report", "theirs.db", "-o", "notes.db"),
+             "-o: notes.db is a SQLite database", "writing there would destroy it", document=None,
+             setup=lambda folder: (_foreign_study(folder), _other_programs_database(folder / "notes.db"))),
     bad_args("outputs", "report-to-a-folder", ("report", "theirs.db", "-o", "adir"), "-o: adir is a folder",
              "expected a file to write", document=None, setup=lambda folder: (_foreign_study(folder),
                                                                              _folder("adir")(folder))),
