@@ -291,7 +291,13 @@ class Worker:
         if self.checkpoints is not None:
             if (gone := self.boundary.call(self.checkpoints.store_unavailable)) is not None:
                 raise InfrastructureError(gone)  # before its rows are taken for missing files and forgotten
-            self.checkpoints.reconcile()
+            if dropped := self.checkpoints.reconcile():  # a resume point deleted by hand, say (review: its retry
+                shown = "; ".join(problem.detail for problem in dropped[:3])  # started over with no word)
+                more = f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+                warnings.warn(f"{len(dropped)} checkpoint{'s' if len(dropped) > 1 else ''} whose file is gone "
+                              f"{'were' if len(dropped) > 1 else 'was'} dropped from the registry ({shown}{more}): a "
+                              "retry that would have resumed there resumes from an older one or starts over",
+                              stacklevel=2)
         return started_wall
 
     def run(self) -> RunSummary:

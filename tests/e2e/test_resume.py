@@ -229,6 +229,26 @@ def test_a_preempted_worker_queues_its_trial_which_resumes_from_its_checkpoint(t
     assert retry.user_attrs["resumed_from"]["step"] >= 200 and min(retry.intermediate_values) > 0
 
 
+def test_a_resume_point_whose_file_is_gone_is_said_and_the_retry_starts_over(tmp_path: Path) -> None:
+    # Review: a checkpoint file deleted by hand (its row intact) was dropped from the registry with no word, and its
+    # trial's retry trained from step 0; a damaged one was warned of.
+    path = long_study(tmp_path, n_trials=1)
+    db = tmp_path / "tiny.db"
+    assert signal_after_a_checkpoint(path, db, signal.SIGTERM)[0] == 143
+    files = sorted((tmp_path / "tiny.checkpoints" / "tiny").glob("trial00000-*.pt"))
+    assert files
+    for file in files:
+        file.unlink()
+    done = sweep_cli("run", path)
+    assert done.returncode == 0, done.stderr
+    n = len(files)
+    assert f"warning: {n} checkpoint{'s' if n > 1 else ''} whose file is gone {'were' if n > 1 else 'was'} dropped " \
+           "from the registry (checkpoint " in done.stderr, done.stderr
+    assert "resumes from an older one or starts over" in done.stderr and str(files[-1]) in done.stderr, done.stderr
+    retry = optuna.load_study(study_name="tiny", storage=f"sqlite:///{db}").get_trials()[1]
+    assert retry.state == TrialState.COMPLETE and "resumed_from" not in retry.user_attrs
+
+
 FLAKY_TASK = """
 from pathlib import Path
 
