@@ -586,7 +586,11 @@ def _flock_holder(lock_file: Path) -> str:
 
 def _take_advisory_lock(connection: Any, key: int, stale_after: float | None) -> None:
     """The study's advisory lock on `connection`'s session: waited for in the server's queue a second at a time
-    (`lock_timeout`); between turns, a holder whose session has been idle for `stale_after` seconds has it ended."""
+    (`lock_timeout`); between turns, a holder whose session has been idle for `stale_after` seconds has it ended.
+
+    A waiter gives back the connections it holds idle at each turn (review): on a server short of slots, the holder
+    may need one more to count and ask (its own idle ones given back when it was refused one), and waiters each
+    holding idle ones stalled it, and so themselves, for the holder's whole `storage_patience`."""
     warned = False
     while True:
         connection.execute(text(f"SET lock_timeout = '{int(LOCK_WAIT_S * 1000)}ms'"))
@@ -599,6 +603,7 @@ def _take_advisory_lock(connection: Any, key: int, stale_after: float | None) ->
             if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available: our turn ran out
                 raise
             connection.rollback()
+        release_idle_connections()  # this session, in use, stays
         if stale_after is None:
             continue
         holder = connection.execute(text(

@@ -25,7 +25,7 @@ def usable_cores() -> int:
     except (AttributeError, OSError):  # macOS and Windows have no affinity call
         cores = os.cpu_count() or 1
     slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
-    return max(1, min(cores, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else cores)
+    return max(1, min(cores, int(slurm)) if slurm.isascii() and slurm.isdigit() and int(slurm) > 0 else cores)
 
 
 def soft_limit(name: str) -> float | None:

@@ -410,6 +410,75 @@ def test_a_worker_whose_lock_went_with_a_server_restart_withdraws_a_trial_beyond
     assert budget_counts(trials) == (0, 1)  # b's trial alone holds the budget
 
 
+WAITER = """
+import sys
+from sweep.storage import Boundary, ask_lock, open_engine
+engine = open_engine(sys.argv[1])  # the worker's other engines, holding connections idle in their pools
+held = []
+while True:  # every slot the server has left
+    try:
+        held.append(engine.connect())
+    except Exception:
+        break
+held.pop().invalidate()  # but one, for the lock's own session (free once its server process has exited)
+for connection in held:
+    connection.close()
+with ask_lock(sys.argv[1], "slots", Boundary(120)):
+    pass
+"""
+
+
+def test_a_worker_waiting_for_the_study_s_lock_leaves_its_holder_a_connection_slot(tmp_path: Path) -> None:
+    """Found by review: three cohort workers on a server with 7 slots. The lock's holder, refused a slot to count and
+    ask, waited; the workers waiting for the lock held their idle connections the whole time, and nothing moved until
+    the holder's `storage_patience` ran out (the run exited 1 with every trial done). A waiter now gives back its idle
+    connections at each turn of its wait."""
+    import hashlib
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.pool import NullPool
+
+    from tests.pg import PostgresServer, postgres_available
+
+    if not postgres_available():
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    key = int.from_bytes(hashlib.sha256(b"sweep:slots").digest()[:8], "big", signed=True)
+    with PostgresServer(max_connections=6) as server:
+        engine = create_engine(server.url, poolclass=NullPool)
+        lock = engine.connect()
+        lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": key})
+        lock.commit()
+        waiter = subprocess.Popen([sys.executable, "-c", WAITER, server.url], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            deadline, refused = time.monotonic() + 120, 0
+            while not lock.execute(text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT "
+                                        "granted")).scalar():  # the waiter waits: the server is full
+                lock.commit()
+                assert waiter.poll() is None and time.monotonic() < deadline, waiter.communicate()[1][-2000:]
+                time.sleep(0.1)
+            lock.commit()
+            while True:  # the holder needs one more connection, to count and ask
+                try:
+                    with engine.connect() as more:
+                        more.execute(text("SELECT 1"))
+                    break
+                except OperationalError as exc:
+                    assert "too many clients" in str(exc), exc
+                    refused += 1
+                    assert time.monotonic() < deadline, "the waiter kept its idle connections"
+                    time.sleep(0.2)
+            lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+            lock.commit()
+            assert waiter.wait(timeout=60) == 0, waiter.communicate()[1][-2000:]
+            assert refused, "the server was never full: the test tested nothing"
+        finally:
+            waiter.kill()
+            lock.close()
+            engine.dispose()
+
+
 def test_workers_joining_while_retries_are_queued_draw_different_configs(tmp_path: Path) -> None:
     """A joining worker's sampler seed comes from what the study held at its first ask. Three workers resuming a study
     with three retries queued each took a retry first, which left the trial count as it was: all three drew the same

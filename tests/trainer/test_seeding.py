@@ -210,5 +210,5 @@ def test_the_cores_a_process_may_use_are_its_affinity_and_slurm_s_share_not_the_
         os.sched_setaffinity(0, allowed)
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
     assert usable_cores() == 1
-    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "bogus")  # not Slurm's: the affinity alone
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "²")  # not Slurm's (a digit to isdigit, not to int): the affinity alone
     assert usable_cores() == len(allowed)
