@@ -127,22 +127,24 @@ def _protected_files(study_file: str | Path | None, url: str | None) -> list[Pat
 def _precious_kind(output: Path) -> str | None:
     """What an existing `-o` file is that no command's output may replace, or None: a SQLite database, or a study
     file (review: `sweep best s.db -o s.yaml` wrote a config over the study file it was given no word of)."""
-    from trainer.yaml_file import YamlFileError, load_yaml
-
     try:
         if not output.is_file():
             return None
         with output.open("rb") as handle:
-            head = handle.read(16)
-        if head == b"SQLite format 3\x00":
-            return "a SQLite database"
-        if output.suffix.lower() not in (".yaml", ".yml") or output.stat().st_size > 1 << 20:
-            return None
-        document = load_yaml(output.read_text(encoding="utf-8"), output)
-    except (OSError, UnicodeDecodeError, YamlFileError):
+            head = handle.read(1 << 20)
+    except OSError:
         return None
-    if isinstance(document, dict) and "n_trials" in document and "name" in document:
-        return f"a study file (study {document['name']!r})"
+    if head.startswith(b"SQLite format 3\x00"):
+        return "a SQLite database"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    # A study file by its top-level keys, whatever its name ends in (`sweep run` takes any) and even mid-edit (one
+    # YAML cannot read yet); not a page (a report shows its study's definition).
+    keys = ("name", "n_trials")
+    if not text.lstrip().startswith("<") and all(re.search(rf"(?m)^{key}[ \t]*:", text) for key in keys):
+        return "a study file"
     return None
 
 

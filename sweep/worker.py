@@ -295,8 +295,9 @@ class Worker:
                 shown = "; ".join(problem.detail for problem in dropped[:3])  # started over with no word)
                 more = f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
                 warnings.warn(f"{len(dropped)} checkpoint{'s' if len(dropped) > 1 else ''} whose file is gone "
-                              f"{'were' if len(dropped) > 1 else 'was'} dropped from the registry ({shown}{more}): a "
-                              "retry that would have resumed there resumes from an older one or starts over",
+                              f"{'were' if len(dropped) > 1 else 'was'} dropped from the registry ({shown}{more}): no "
+                              "trial warm-starts from it, and a retry that would have resumed there resumes from an "
+                              "older one or starts over",
                               stacklevel=2)
         return started_wall
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -57,12 +58,16 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
 
 
 def raised_at(exc: BaseException) -> str:
-    """Where `exc` was raised, as " (at file.py:LINE)": the innermost frame that is not the import machinery's; ""
-    for a SyntaxError, whose message says its file and line itself, and where no frame is known."""
+    """Where `exc` was raised, as " (at file.py:LINE)": the innermost frame of the user's code, not the import
+    machinery's nor a library's (`json.loads("{bad")` at import named decoder.py: review); "" for a SyntaxError,
+    whose message says its file and line itself, and where no frame is known."""
     if isinstance(exc, SyntaxError):
         return ""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen ")]
-    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    libraries = tuple({str(Path(p).resolve()) + "/" for key, p in sysconfig.get_paths().items()
+                       if key in ("stdlib", "platstdlib", "purelib", "platlib")})
+    own = [f for f in frames if not str(Path(f.filename).resolve()).startswith(libraries)] or frames
+    return f" (at {Path(own[-1].filename).name}:{own[-1].lineno})" if own else ""
 
 
 def import_user_module(module_name: str, what: str, error: type[ValueError] = ValueError) -> ModuleType:

@@ -1139,7 +1139,11 @@ OUTPUTS = [
              "destroy the study"),
     # A study file or a database the target does not name (review: `sweep best s.db -o s.yaml` wrote over it).
     bad_args("outputs", "best-over-a-study-file-the-target-does-not-name", ("best", "theirs.db", "-o", STUDY),
-             f"-o: {STUDY} is a study file (study 'tiny')", "writing there would destroy it", setup=_foreign_study),
+             f"-o: {STUDY} is a study file", "writing there would destroy it", setup=_foreign_study),
+    bad_args("outputs", "best-over-a-study-file-of-any-name-mid-edit", ("best", "theirs.db", "-o", "mine.study"),
+             "-o: mine.study is a study file", "writing there would destroy it", document=None,
+             setup=lambda folder: (_foreign_study(folder), _file("mine.study", "name: mine\nn_trials: 3\n"
+                                                                               "n_trials: 4\n")(folder))),
     bad_args("outputs", "report-over-another-database", ("report", "theirs.db", "-o", "notes.db"),
              "-o: notes.db is a SQLite database", "writing there would destroy it", document=None,
              setup=lambda folder: (_foreign_study(folder), _other_programs_database(folder / "notes.db"))),

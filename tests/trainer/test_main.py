@@ -394,7 +394,8 @@ def test_a_json_config_is_read_as_strictly_as_yaml(tmp_path: Path, text: str, fr
     ('raise RuntimeError("boom at import")\n', "RuntimeError: boom at import"),
     ("def task(:\n", "SyntaxError: invalid syntax"),
     ("import sys\nsys.exit(3)\n", "SystemExit: 3"),
-], ids=["raises", "syntax", "exits"])
+    ('import json\njson.loads("{bad")\n', "JSONDecodeError: Expecting property name"),  # the user's line, not json's
+], ids=["raises", "syntax", "exits", "in-a-library"])
 @pytest.mark.parametrize("key", ["task", "curriculum.schedule"])
 def test_a_user_module_that_fails_at_import_is_one_line(tmp_path: Path, module: str, raised: str, key: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
