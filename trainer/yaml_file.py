@@ -153,6 +153,7 @@ class _Node:
         self.keys: dict[str, int] = {}  # a mapping's keys so far, and the line of each
         self.merged: dict[str, int] = {}  # the keys its merge keys (`<<: *defaults`) gave it, and the merge's line
         self.merge_into = merge_into  # the mapping whose `<<` this value (or this list's items) is merged into
+        self.items: list[set[str]] = []  # a list's: the keys of each mapping in it (what `<<: *list` merges)
         self.index = 0  # a list's next item
         self.size, self.height = 1, 1  # values in it (itself too) and its depth, aliases expanded
 
@@ -180,7 +181,9 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
     are expanded. Linear in the text: the expansion is counted (an anchor's size times its uses), never done."""
     problems: list[tuple[str, str]] = []
     anchors: dict[str, tuple[int, int]] = {}  # name: (values, depth) of the anchored value
-    anchor_keys: dict[str, set[str]] = {}  # name: the keys of an anchored mapping, merged ones too
+    # name: what merging the anchored value gives, the keys of each mapping: one for a mapping (its merged keys too),
+    # one per item for a list of them (`<<: *presets`)
+    anchor_merges: dict[str, list[set[str]]] = {}
     stack: list[_Node] = []
     total, documents = 0, 0
 
@@ -290,8 +293,12 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
             elif isinstance(event, yaml.AliasEvent):
                 target = merge_target()
                 path = place(event)
-                if target is not None:
-                    merge(target, anchor_keys.get(event.anchor or "", set()))
+                merged = anchor_merges.get(event.anchor or "", [])
+                for keys in merged:
+                    if target is not None:
+                        merge(target, keys)
+                if stack and not stack[-1].mapping:
+                    stack[-1].items += merged
                 if event.anchor in {node.anchor for node in stack}:
                     raise fatal(path or "", f"line {line}: the alias *{event.anchor} refers to a value that holds it "
                                             "(a loop)")
@@ -306,6 +313,7 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                     check_tag(event, path)
                     if event.anchor is not None:
                         anchors[event.anchor] = (1, 0)
+                        anchor_merges.pop(event.anchor, None)  # redefined: a scalar merges nothing
                     add(1, 0, 1)
             elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 target = merge_target()
@@ -319,9 +327,11 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                 keys = {*node.keys, *node.merged} - {"<<"} if node.mapping else set()
                 if node.anchor is not None:
                     anchors[node.anchor] = (node.size, node.height)
-                    anchor_keys[node.anchor] = keys
+                    anchor_merges[node.anchor] = [keys] if node.mapping else node.items
                 if node.mapping and node.merge_into is not None:
                     merge(node.merge_into, keys)
+                if node.mapping and stack and not stack[-1].mapping:
+                    stack[-1].items.append(keys)
                 add(node.size, node.height, 1)
             if len(problems) >= _MAX_PROBLEMS:
                 break
