@@ -57,16 +57,22 @@ def import_callable(path: str, what: str, builtin: Iterable[str],
     return function
 
 
-def raised_at(exc: BaseException) -> str:
+def raised_at(exc: BaseException, *, users_only: bool = False) -> str:
     """Where `exc` was raised, as " (at file.py:LINE)": the innermost frame of the user's code, not the import
-    machinery's nor a library's (`json.loads("{bad")` at import named decoder.py: review); "" for a SyntaxError,
-    whose message says its file and line itself, and where no frame is known."""
+    machinery's nor a library's (`json.loads("{bad")` at import named decoder.py: review), nor this module's call;
+    else the innermost library frame (a user's module installed in site-packages), or with `users_only` "" (an
+    ImportError of a module that is not there was raised by no code of the user's). "" for a SyntaxError, whose
+    message says its file and line itself, and where no frame is known."""
     if isinstance(exc, SyntaxError):
         return ""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen ")]
+    here = str(Path(__file__).resolve())
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<frozen ") and str(Path(f.filename).resolve()) != here]
     libraries = tuple({str(Path(p).resolve()) + "/" for key, p in sysconfig.get_paths().items()
                        if key in ("stdlib", "platstdlib", "purelib", "platlib")})
-    own = [f for f in frames if not str(Path(f.filename).resolve()).startswith(libraries)] or frames
+    own = [f for f in frames if not str(Path(f.filename).resolve()).startswith(libraries)]
+    if not own and not users_only:
+        own = frames
     return f" (at {Path(own[-1].filename).name}:{own[-1].lineno})" if own else ""
 
 
@@ -83,7 +89,9 @@ def import_user_module(module_name: str, what: str, error: type[ValueError] = Va
                 "or install it, or add its folder to PYTHONPATH") if ours else (
                 f"; the module was found, and {missing!r}, which it imports, was not: install it in this "
                 "environment") if missing is not None else ""
-        raise error(f"cannot import {what} module {short_repr(module_name)}: {exc}{hint}") from exc
+        # Raised by the module's own import of something missing (`from os import nope`): where, as for any error
+        raise error(f"cannot import {what} module {short_repr(module_name)}: {exc}{raised_at(exc, users_only=True)}"
+                    f"{hint}") from exc
     except (Exception, SystemExit) as exc:  # the module's own code failed as it ran (SyntaxError, a raise, exit())
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise error(f"cannot import {what} module {short_repr(module_name)}: importing it raised {type(exc).__name__}: "

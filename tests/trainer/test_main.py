@@ -414,6 +414,29 @@ def test_a_user_module_that_fails_at_import_is_one_line(tmp_path: Path, module: 
     assert "SyntaxError" in raised or lines[0].endswith(f"(at {name}.py:{module.count(chr(10))})"), lines
 
 
+@pytest.mark.parametrize(("module", "raised"), [
+    ("import math\nfrom os import nope\n", "cannot import name 'nope' from 'os'"),
+    ("import math\nimport json.nope_inside\n", "No module named 'json.nope_inside'"),
+], ids=["name", "module"])
+def test_an_import_the_user_module_makes_itself_names_its_line(tmp_path: Path, module: str, raised: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """An ImportError raised by the user's module's own import statement names that line, as any other error its
+    code raises (it named none); a module that is not there at all names no line (no code of the user's ran)."""
+    name = f"imports_{abs(hash(module)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(module)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"task: {name}:task\nmax_steps: 4\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"cannot import task module '{name}': {raised}" in lines[0], lines
+    assert f" (at {name}.py:2)" in lines[0], lines
+    config.write_text("task: absent_module_of_nobody:task\nmax_steps: 4\n")
+    assert main([str(config)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "No module named 'absent_module_of_nobody'; a module of your own" in lines[0], lines
+    assert " (at " not in lines[0], lines
+
+
 def test_configs_trained_together_name_the_file_whose_task_raised(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Of several configs (`--batched`), the one whose task refuses its args is named (the first file was, always)."""
