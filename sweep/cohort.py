@@ -294,19 +294,24 @@ class CohortLoop:
                 time.sleep(worker.spec.heartbeat_interval)
                 continue
             unwritten: dict[int, Exception] = {}
+            raised: frozenset[int] = frozenset()
             with worker.boundary.no_wait(), self._shared_reads(), self._deferred():
                 try:
                     cohort.step()
-                except MemberFailures as failures:  # the step is done; these members' checkpoints were not written
-                    unwritten = failures.failures
+                except MemberFailures as failures:  # the step is done; these members failed alone
+                    unwritten, raised = failures.failures, failures.raised
                 except BaseException:  # what the step saved before it failed is registered too
                     with contextlib.suppress(Exception):
                         self._register_checkpoints()
                     raise
                 self._register_checkpoints()
-            for n, (member_id, exc) in enumerate(unwritten.items()):  # each ends as its trial alone would
+            # Each ends as its trial alone would: a member's own loss or metrics that raised is its config's error
+            # (each counts); checkpoints one step could not write are one fault of the machine (counted once).
+            for n, (member_id, exc) in enumerate(sorted(unwritten.items(), key=lambda item: item[0] not in raised)):
                 cohort.remove(member_id)
-                self._end(beats, member_id, worker._failure(exc), streak=n == 0, counted=n == 0)  # noqa: SLF001
+                own = member_id in raised
+                self._end(beats, member_id, worker._failure(exc), streak=own or n == len(raised),  # noqa: SLF001
+                          counted=own or n == len(raised))
             self._end_lost_members(beats)
             self._tell_left(beats)
 

@@ -55,7 +55,7 @@ import random
 import sys
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -601,6 +601,8 @@ class Cohort:
         self._clip: ClipPlan | None = None
         self._stretch: _Stretch | None = None
         self._pending: list[torch.Tensor] = []  # what the losses of the steps since the last `_settle` are read from
+        # What each member's own loss or metrics raised in this step (by member id): it fails alone (`MemberFailures`).
+        self._raised: dict[int, Exception] = {}
         self._probes = {} if probes is None else probes  # batch_problem's model probe, run once per signature
         self._records: dict[bool, dict[str, Any]] = {}
 
@@ -684,6 +686,8 @@ class Cohort:
                         slot.optimizer_steps = self._load_optimizer(index, member.warm_start.state.optimizer)
                     slot.done = result.steps = member.warm_start.state.step
                 stopped = self._evaluate_and_report([index], slot.done)[0]
+                if slot.id in self._raised:  # its step-0 evaluation raised: it fails to start, as alone
+                    raise self._raised.pop(slot.id)
                 self._arm(slot, result.metrics["val_loss"])
                 if stopped:
                     self._finish(index, "stopped")
@@ -749,14 +753,22 @@ class Cohort:
         self._clip = None
 
     # -- the loop ------------------------------------------------------------------------------------------------
-    def run(self, on_boundary: Callable[[Cohort], None] | None = None) -> dict[int, TrainResult]:
+    def run(self, on_boundary: Callable[[Cohort], None] | None = None,
+            failed: dict[int, Exception] | None = None) -> dict[int, TrainResult]:
         """Step until every slot is free. `on_boundary(self)` is called at each evaluation boundary (after the
-        step's evaluations), where it may `add` members to free slots or `remove` any."""
+        step's evaluations), where it may `add` members to free slots or `remove` any. A member whose own training
+        raised (`MemberFailures`) is removed and its error entered in `failed` by member id, the others train on;
+        without `failed`, the first such error raises."""
         while self.active:
             try:
                 self.step()
-            except MemberFailures as failures:  # alone, each would have raised its own: the first is raised
-                raise next(iter(failures.failures.values())) from failures
+            except MemberFailures as failures:  # alone, each would have raised its own
+                if failed is None:
+                    raise next(iter(failures.failures.values())) from failures
+                for member_id, exc in failures.failures.items():
+                    self.remove(member_id)
+                    del self.results[member_id]
+                    failed[member_id] = exc
             if on_boundary is not None and self.at_boundary():
                 on_boundary(self)
         return self.results
@@ -786,8 +798,10 @@ class Cohort:
                 s.done += 1
                 s.optimizer_steps += 1
                 s.steps_since_log += 1
-        if last:
-            self._after_step(stretch.lrs[i], norm, self._settle())
+        unwritten = self._after_step(stretch.lrs[i], norm, self._settle()) if last else {}
+        raised, self._raised = self._raised, {}
+        if raised or unwritten:
+            raise MemberFailures({**unwritten, **raised}, raised=raised.keys())
 
     def _plan(self) -> _Stretch:
         """The host's work for the steps up to the next one at which any member logs, evaluates, checks its guard or
@@ -868,12 +882,30 @@ class Cohort:
                     raise
                 out_losses.append(picked)
             else:
-                losses = torch.stack([self.task.loss(as_fp32(out[k]), y[k]) for k in range(self.capacity)])
+                losses = torch.stack([self._member_loss(k, out[k], y[k]) for k in range(self.capacity)])
                 out_losses.append(losses.detach())
             if accum > 1:
                 losses = losses / accum
-            losses.sum().backward()
+            total = losses.sum()
+            if total.requires_grad:  # (not when every member's loss raised and no output carries a gradient)
+                total.backward()
         return out_losses
+
+    def _member_loss(self, k: int, out: Any, y: torch.Tensor) -> torch.Tensor:
+        """Slot `k`'s loss on its own rows. One that raises (the task's loss fails for this member's outputs: a
+        check of its own, a value out of range) is that member's error alone: recorded, and a zero that gives its
+        parameters no gradient stands in, so the step goes on for the others unchanged. Running out of memory is
+        the cohort's size, and raises."""
+        try:
+            return self.task.loss(as_fp32(out), y)
+        except Exception as exc:
+            if _cohorts_error(exc):
+                raise
+            slot = self.slots[k]
+            if slot is not None:
+                self._raised.setdefault(slot.id, exc)
+            return (as_fp32(out) * 0).sum() if isinstance(out, torch.Tensor) and out.is_floating_point() else (
+                torch.zeros((), device=self.device))
 
     def _settle(self) -> torch.Tensor:
         """Account for the steps trained since the last call: each member's loss at each step, as the single run
@@ -901,13 +933,18 @@ class Cohort:
             self._observe(step_losses, stretch.watched, stretch.explosion[begin: stretch.position])
         return step_losses[-1]
 
-    def _after_step(self, lrs: list[float], norm: torch.Tensor | None, step_loss: torch.Tensor) -> None:
-        logs = [i for i, s in enumerate(self.slots) if s is not None and self._log_now(s, after=True)]
+    def _after_step(self, lrs: list[float], norm: torch.Tensor | None,
+                    step_loss: torch.Tensor) -> dict[int, CheckpointWriteError]:
+        """The stretch's last step: each member's logs, guard, evaluations, checkpoints and end, at its own
+        intervals; a member whose training raised in the stretch does none of them (it fails). Returns the members
+        whose checkpoint could not be written (`_checkpoint`)."""
+        live = [s is not None and s.id not in self._raised for s in self.slots]
+        logs = [i for i, s in enumerate(self.slots) if s is not None and live[i] and self._log_now(s, after=True)]
         if logs:
             self._log(logs, lrs, norm)
-        evals = [i for i, s in enumerate(self.slots) if s is not None and self._eval_now(s)]
+        evals = [i for i, s in enumerate(self.slots) if s is not None and live[i] and self._eval_now(s)]
         checks = [i for i, s in enumerate(self.slots)
-                  if s is not None and i not in evals and s.fast_fail.enabled
+                  if s is not None and live[i] and i not in evals and s.fast_fail.enabled
                   and s.done % (s.fast_fail.check_every_n_steps or s.config.log_every_steps) == 0]
         tripped: dict[int, float] = {}
         if checks:
@@ -930,13 +967,14 @@ class Cohort:
                 if stop and slot.done < slot.config.max_steps:
                     slot.result.steps = slot.done
                     self._finish(i, "stopped")
-        unwritten = self._checkpoint([i for i in sorted(set(logs) | set(evals)) if self.slots[i] is not None], evals)
+        unwritten = self._checkpoint([i for i in sorted(set(logs) | set(evals))
+                                      if (s := self.slots[i]) is not None and s.id not in self._raised], evals)
         for i, slot in enumerate(self.slots):
-            if slot is not None and slot.id not in unwritten and slot.done >= slot.config.max_steps:
+            if (slot is not None and slot.id not in unwritten and slot.id not in self._raised
+                    and slot.done >= slot.config.max_steps):
                 slot.result.steps = slot.done
                 self._finish(i, "completed")
-        if unwritten:
-            raise MemberFailures(unwritten)
+        return unwritten
 
     @staticmethod
     def _log_now(slot: _Slot, after: bool = False) -> bool:
@@ -996,6 +1034,7 @@ class Cohort:
         buffers = {n: b.index_select(0, where) for n, b in self.buffers.items()}
         inputs, targets = self.val
         n = len(inputs)
+        members = [slot.id if (slot := self.slots[i]) is not None else -1 for i in indices]
         loss_totals = [torch.zeros((), device=self.device) for _ in indices]
         weight_total: torch.Tensor | int = 0  # what the batches' losses count for (`Task.loss_weight`)
         totals: list[dict[str, torch.Tensor]] = [{} for _ in indices]
@@ -1009,23 +1048,45 @@ class Cohort:
                            else self.eval_forward(params, buffers, x))
                 weight = self.task.loss_weight(y)
                 weight_total = weight_total + weight
-                for j in range(len(indices)):
-                    loss_totals[j] += self.task.weighted(self.task.loss(as_fp32(out[j]), y), weight)
-                    if self.task.eval_metrics is not None:
-                        for name, value in self.task.checked_metrics(out[j], y).items():
-                            totals[j][name] = totals[j][name] + value if name in totals[j] else value
+                for j, member in enumerate(members):
+                    if member in self._raised:
+                        continue
+                    try:  # a member whose own loss or metrics raise fails alone (`_member_loss`)
+                        loss_totals[j] += self.task.weighted(self.task.loss(as_fp32(out[j]), y), weight)
+                        if self.task.eval_metrics is not None:
+                            for name, value in self.task.checked_metrics(out[j], y).items():
+                                totals[j][name] = totals[j][name] + value if name in totals[j] else value
+                    except Exception as exc:
+                        if _cohorts_error(exc):
+                            raise
+                        self._raised[member] = exc
         finally:
             self.template.train()
         if self.chain is None:  # what the forward wrote into its buffers in place (an observer's running maximum)
             for name, buffer in self.buffers.items():  # is kept, as the model alone keeps it: they were copies
                 buffer.index_copy_(0, where, buffers[name])
-        self.task.check_metrics(totals[0])
+        kept = [j for j, member in enumerate(members) if member not in self._raised]
+        if not kept:
+            return [{} for _ in indices]
+        for j in kept:
+            try:
+                self.task.check_metrics(totals[j])
+            except Exception as exc:
+                if _cohorts_error(exc):
+                    raise
+                self._raised[members[j]] = exc
+        kept = [j for j in kept if members[j] not in self._raised]
+        if not kept:
+            return [{} for _ in indices]
         rows = torch.stack([torch.stack([loss_totals[j] / weight_total, *(v.float() / n for v in totals[j].values())])
-                            for j in range(len(indices))])
+                            for j in kept])
         with allowed_sync():
             values = rows.tolist()
-        names = ["loss", *totals[0]]
-        return [{f"val_{name}": v for name, v in zip(names, row)} for row in values]
+        names = ["loss", *totals[kept[0]]]
+        out_rows: list[dict[str, float]] = [{} for _ in indices]
+        for j, row in zip(kept, values):
+            out_rows[j] = {f"val_{name}": v for name, v in zip(names, row)}
+        return out_rows
 
     def _evaluate_and_report(self, indices: list[int], step: int | None,
                              extra: Mapping[int, float] | None = None) -> list[bool]:
@@ -1033,6 +1094,9 @@ class Cohort:
         for i, metrics in zip(indices, self._evaluate(indices)):
             slot = self.slots[i]
             assert slot is not None
+            if slot.id in self._raised:  # its evaluation raised: it fails, unreported (`MemberFailures`)
+                stops.append(False)
+                continue
             at = slot.done if step is None else step
             slot.result.evals.append((at, metrics))
             slot.result.metrics, slot.result.steps = metrics, at
@@ -1200,14 +1264,23 @@ class Cohort:
         return unwritten
 
 
-class MemberFailures(Exception):
-    """Raised by `Cohort.step` when some members' checkpoints could not be written (`failures`: by member id, what
-    each write raised: a full disk, a path that is a folder). The step is complete and every other member went on;
-    the failed members are still in their slots: `remove` them and end each as its trial alone would end."""
+def _cohorts_error(exc: Exception) -> bool:
+    """Whether an error a member's own loss or metrics raised is not that member's alone: running out of memory
+    (the cohort's size), or the task's code or the config at fault for every member (`TaskError`, `ConfigError`)."""
+    return out_of_memory(exc) or isinstance(exc, (TaskError, ConfigError))
 
-    def __init__(self, failures: Mapping[int, Exception]) -> None:
+
+class MemberFailures(Exception):
+    """Raised by `Cohort.step` when some members failed alone (`failures`: by member id, what raised): their own
+    loss or metrics raised (`raised`: those ids; each is its config's error, as alone), or their checkpoints could
+    not be written (a full disk, a path that is a folder: one fault of the machine). The step is complete and every
+    other member went on unchanged; the failed members are still in their slots: `remove` them and end each as its
+    trial alone would end."""
+
+    def __init__(self, failures: Mapping[int, Exception], raised: Collection[int] = ()) -> None:
         super().__init__("; ".join(f"member {m}: {exc}" for m, exc in failures.items()))
         self.failures = dict(failures)
+        self.raised = frozenset(raised)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1269,7 +1342,7 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
                 if size > fits:
                     say(f"a cohort of {size} does not fit the free memory; training {fits} at a time")
                     size = fits
-                _run_queue(group_task, [items[i] for i in waiting], waiting, size, probes, done, started)
+                _run_queue(group_task, [items[i] for i in waiting], waiting, size, probes, done, started, failed)
             except (ConfigError, TaskError, DeviceUnavailable):
                 raise
             except Exception as exc:
@@ -1278,7 +1351,8 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
                 # The members the cohort was training, not those still queued: they go on in a cohort of their own.
                 # An error before any started (the stacked model's) is every member's, as is one that left none to
                 # blame (no progress to make).
-                hit = [i for i in waiting if i in started and i not in done] or [i for i in waiting if i not in done]
+                hit = ([i for i in waiting if i in started and i not in done and i not in failed]
+                       or [i for i in waiting if i not in done and i not in failed])
                 failed.update((i, exc) for i in hit)
             results.update(done)
             waiting = [i for i in waiting if i not in done and (failed is None or i not in failed)]
@@ -1286,10 +1360,12 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
 
 
 def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size: int,
-               probes: dict[str, str | None], done: dict[int, TrainResult], started: set[int]) -> None:
+               probes: dict[str, str | None], done: dict[int, TrainResult], started: set[int],
+               failed: dict[int, Exception] | None = None) -> None:
     """Train `members` (the inputs `indices`) in one cohort of `size`, refilled from the queue; each result enters
     `done` by its input index as the cohort finishes it (before an error of a later step), and each member enters
-    `started` as it is added (before an error of its own start)."""
+    `started` as it is added (before an error of its own start). A member whose own training raised enters `failed`
+    by its input index, and the others train on (without `failed`, its error raises)."""
     cohort = Cohort(task, members[0].config, size, probes)
     queue = list(zip(indices, members))
     placed: dict[int, int] = {}  # member id -> input index
@@ -1303,10 +1379,13 @@ def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size
             c.shrink()
 
     def run() -> None:
+        own: dict[int, Exception] | None = {} if failed is not None else None
         try:
-            cohort.run(on_boundary=refill)
+            cohort.run(on_boundary=refill, failed=own)
         finally:
             done.update((placed[member_id], result) for member_id, result in cohort.results.items())
+            if failed is not None and own:
+                failed.update((placed[member_id], exc) for member_id, exc in own.items())
 
     refill(cohort)
     run()

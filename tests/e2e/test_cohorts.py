@@ -605,6 +605,56 @@ def test_a_member_whose_first_evaluation_fails_gives_its_slot_back_and_the_study
     assert not list((tmp_path / "ck").rglob("trial00000-*")), sorted((tmp_path / "ck").rglob("*.pt"))
 
 
+LOSS_CHECK_TASK = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from trainer.tasks import Task, accuracy_sum
+
+
+def checked_loss(output, targets):  # a check of the task's own, which a large learning rate trips
+    if output.detach().abs().max() > 30:
+        raise RuntimeError("boom: logits too large")
+    return F.cross_entropy(output, targets)
+
+
+def task() -> Task:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 10, generator=g)
+    y = (x @ torch.randn(10, 3, generator=g)).argmax(-1)
+    return Task(name="checked", train=(x[:480], y[:480]), val=(x[480:], y[480:]), model_defaults={"hidden": 32},
+                build_model=lambda c: nn.Sequential(nn.Linear(10, c["hidden"]), nn.ReLU(), nn.Linear(c["hidden"], 3)),
+                loss=checked_loss, eval_metrics=accuracy_sum, eval_metric_names=("accuracy",))
+'''
+
+
+def test_a_member_whose_own_loss_raises_fails_alone_and_its_cohort_trains_on_unchanged(tmp_path: Path) -> None:
+    # Found by review: a loss that raised for one member's config (its logits too large) failed all four members
+    # of its cohort with that member's error, and every trial of the run (exit 1), where one trial at a time
+    # completed half of them. Each member's loss is its own: it fails alone, and the others' values are those of
+    # the same configs trained one at a time.
+    (tmp_path / "checked_task.py").write_text(LOSS_CHECK_TASK)
+    values: dict[int, dict[float, tuple[TrialState, Any]]] = {}
+    for cohort in (4, 1):
+        document = copy.deepcopy(TINY_STUDY) | {"name": f"c{cohort}", "n_trials": 8, "task": "checked_task:task",
+                                                "execution": {"cohort": cohort}, "max_repeated_failures": 0}
+        document["fixed"] = {"max_steps": 60, "batch_size": 32, "eval_every_steps": 20, "log_every_steps": 20,
+                             "optimizer": "sgd"}
+        document["space"] = {"learning_rate": {"type": "float", "low": 1e-3, "high": 20.0, "log": True}}
+        folder = tmp_path / f"c{cohort}"
+        folder.mkdir()
+        done = sweep_cli("run", write_study(folder, document), pythonpath=tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        trials = optuna.load_study(study_name=f"c{cohort}", storage=f"sqlite:///{folder / f'c{cohort}.db'}").trials
+        values[cohort] = {t.params["learning_rate"]: (t.state, t.value if t.state == TrialState.COMPLETE
+                                                      else t.user_attrs.get("fail_reason")) for t in trials}
+    assert values[4] == values[1]  # the same configs (a seeded random sampler), the same outcomes and values
+    states = [state for state, _ in values[4].values()]
+    assert states.count(TrialState.FAIL) >= 1 and states.count(TrialState.COMPLETE) >= 2, values[4]
+    assert {reason for state, reason in values[4].values() if state == TrialState.FAIL} == {
+        "RuntimeError: boom: logits too large"}
+
+
 OOM_TASK = '''
 import weakref
 

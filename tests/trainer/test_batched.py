@@ -1052,6 +1052,43 @@ def test_a_cohort_whose_step_raises_fails_its_members_and_the_queued_ones_train_
     assert [r.evals for r in results] == [r.evals for r in again]
 
 
+def _big(output: torch.Tensor) -> None:
+    if output.detach().abs().max() > 30:
+        raise RuntimeError("boom: logits too large")
+
+
+@pytest.mark.parametrize("where", ["loss", "metrics"])
+def test_a_member_whose_own_loss_or_metrics_raise_fails_alone_and_the_others_are_unchanged(
+        digits: Task, where: str) -> None:
+    """Found by review: a task's loss that raised for one member's outputs (a check of its own) failed every member
+    of the cohort with that member's error, though each member's loss is computed on its own. It fails alone now,
+    with its error, and the others give what they give in a cohort of one, as does the one queued behind it."""
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if where == "loss":
+            _big(output)
+        return F.cross_entropy(output, targets)
+
+    def metrics(output: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        if where == "metrics":
+            _big(output)
+        return accuracy_sum(output, targets)
+
+    task = dataclasses.replace(digits, loss=loss, eval_metrics=metrics, eval_metric_names=("accuracy",))
+    healthy = [tiny(seed=1, optimizer="sgd", learning_rate=0.05), tiny(seed=2), tiny(seed=3, max_steps=16)]
+    bad = tiny(seed=4, optimizer="sgd", learning_rate=60.0)
+    with pytest.raises(RuntimeError, match="boom"):
+        train(bad, task)  # alone, it raises (in a step past 0: its step-0 evaluation passes)
+    configs = [healthy[0], bad, healthy[1], healthy[2]]
+    failed: dict[int, Exception] = {}
+    results = train_batched(configs, task, capacity=3, failed=failed)
+    assert list(failed) == [1] and "boom: logits too large" in str(failed[1]), failed
+    assert len(results) == 3 and all(r.status == "completed" for r in results)
+    for config, result in zip(healthy, results, strict=True):
+        same(train_batched([config], task, capacity=1)[0], result)
+    with pytest.raises(RuntimeError, match="boom"):  # without `failed`, the member's error raises, as before
+        train_batched(configs[:2], task, capacity=2)
+
+
 _FORWARDS = [0]  # forward calls of `_NoisyByGlobalCount`, counted where no check of the module's looks
 
 
