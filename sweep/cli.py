@@ -430,7 +430,8 @@ def _run_spec(study_file: Path, storage: str | None, study_name: str | None, n_t
         warnings.simplefilter("ignore", InertPruner)
     problems = _option_problems(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                 workers=workers)
-    for option, value, key in (("--study-name", study_name, "name"), ("--n-trials", n_trials, "n_trials")):
+    for option, value, key in (("--study-name", study_name, "name"), ("--n-trials", n_trials, "n_trials"),
+                               ("--timeout", timeout, "timeout"), ("--storage", storage, "storage")):
         if value is not None and key in (override_key(item) for item in set_):  # one would silently win (review)
             problems.append(f"--set {key} and {option} both set {key}; keep one of them")
     options_ok = not problems

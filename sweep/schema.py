@@ -880,6 +880,10 @@ def apply_overrides(document: dict[str, Any], overrides: Sequence[str]) -> dict[
                 node[part] = {"type": node[part]}  # `pruner: median` is `pruner: {type: median}`
             if depth == 1 and parents[0] == "tracking" and isinstance(node.get(part), bool):
                 node[part] = {"enabled": node[part]}  # `tensorboard: true` is `tensorboard: {enabled: true}`
+            if depth == 0 and part == "task" and isinstance(node.get(part), str):
+                node[part] = {"name": node[part]}  # `task: digits` is `task: {name: digits}`
+            if depth == 0 and part == "warm_start" and isinstance(node.get(part), bool):
+                node[part] = {"enabled": node[part]}  # as `WarmStartSpec._shorthand` reads it
             if depth == 0 and part == "checkpoints" and isinstance(node.get(part), bool):
                 node[part] = {} if node[part] else {"on_best": False}  # as `CheckpointPolicy._shorthand` reads it
             if part in node and not isinstance(node[part], dict):

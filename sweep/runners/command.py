@@ -99,6 +99,8 @@ def command_line(template: str, config: Mapping[str, Any]) -> list[str]:
     dotted key of `config`, as Python's `str.format` would put it: `{learning_rate:.3e}` with a format spec,
     `{name!r}` with a conversion. A value without either is written as JSON when it is true/false, null, a list or a
     mapping (`true`, not `True`). `{{` and `}}` stand for braces."""
+    if "\0" in template:  # no argument of a process can hold one: every trial failed with "embedded null byte"
+        raise CommandError(f"expected a command without NUL characters, got {short_repr(template)}")
     try:
         words = shlex.split(template)
     except ValueError as exc:
@@ -142,13 +144,16 @@ def _filled(word: str, values: Mapping[str, Any]) -> str:
         value = values[key]
         if not spec and not conversion:
             text.append(json.dumps(value) if isinstance(value, (bool, type(None), list, dict)) else str(value))
-            continue
-        try:
-            text.append(format(_FORMATTER.convert_field(value, conversion) if conversion else value, spec or ""))
-        except (ValueError, TypeError):
-            raise CommandError(f"{placeholder}: expected a Python format spec such as {{{key}:.3f}} or "
-                               f"{{{key}:05d}} (and a conversion !s, !r or !a) that {key}'s value "
-                               f"{short_repr(value)} takes") from None
+        else:
+            try:
+                text.append(format(_FORMATTER.convert_field(value, conversion) if conversion else value, spec or ""))
+            except (ValueError, TypeError):
+                raise CommandError(f"{placeholder}: expected a Python format spec such as {{{key}:.3f}} or "
+                                   f"{{{key}:05d}} (and a conversion !s, !r or !a) that {key}'s value "
+                                   f"{short_repr(value)} takes") from None
+        if "\0" in text[-1]:  # (`!r` writes it as \x00: then it is no NUL)
+            raise CommandError(f"{placeholder}: expected a value without NUL characters, which no argument of a "
+                               f"command can hold, got {short_repr(value)}")
     return "".join(text)
 
 

@@ -984,6 +984,15 @@ COMMANDS = [
         "command": "echo {learning_rate:.3f}", "space": {"learning_rate": {"type": "categorical",
                                                                            "choices": [0.01, "auto", 0.1]}}}),
              "command", "{learning_rate:.3f}: expected a Python format spec"),
+    # A NUL, which no argument of a process can hold: every trial failed ("embedded null byte"), the budget spent.
+    bad_file("commands", "nul-in-the-command", changed(**COMMAND | {"command": "echo --lr {learning_rate}\0"}),
+             "command", "expected a command without NUL characters"),
+    bad_file("commands", "nul-in-a-fixed-value", changed(**COMMAND | {"command": "echo {tag} {learning_rate}",
+                                                                      "fixed": {"tag": "a\0b"}}),
+             "command", "{tag}: expected a value without NUL characters"),
+    bad_file("commands", "nul-in-a-choice", changed(**COMMAND | {"command": "echo {opt} {learning_rate}"},
+                                                    space__opt={"type": "categorical", "choices": ["a\0b", "c"]}),
+             "command", "{opt}: expected a value without NUL characters"),
 ]
 
 # Keys that hold one another (`a` and `a.b`): a trial's config can hold only one of them, and the other was silently
@@ -1526,6 +1535,21 @@ def test_set_reaches_inside_a_tracking_backend_turned_on_by_its_shorthand(tmp_pa
     spec, _ = load_spec(path, ["tracking.tensorboard.dir=/mnt/tb", "tracking.mlflow.experiment=e"])
     assert spec.tracking.tensorboard.enabled and spec.tracking.tensorboard.dir == "/mnt/tb"
     assert not spec.tracking.mlflow.enabled and spec.tracking.mlflow.experiment == "e"
+
+
+def test_set_reaches_inside_a_task_or_warm_start_given_by_its_shorthand(tmp_path: Path) -> None:
+    """Review: `task: digits` and `--set task.args.x=...` was refused ("task is 'digits', not a mapping"), as was
+    `--set warm_start=true --set warm_start.max_distance=...`, though a later --set may set a key inside the value
+    an earlier one gave (`--set pruner=median --set pruner.n_startup_trials=3`)."""
+    from sweep.spec import load_spec
+
+    path = tmp_path / STUDY
+    path.write_text(yaml_with())
+    spec, _ = load_spec(path, ["task.args.val_fraction=0.3"])
+    assert spec.task.name == "digits" and spec.task.args == {"val_fraction": 0.3}
+    spec, _ = load_spec(path, ["task=blobs", "task.args.n=100", "warm_start=true", "warm_start.max_distance=0.5"])
+    assert spec.task.name == "blobs" and spec.task.args == {"n": 100}
+    assert spec.warm_start.enabled and spec.warm_start.max_distance == 0.5
 
 
 @pytest.mark.parametrize(("written", "read"), [("1e3", 1000), ("1.5e3", 1500), ("2E+2", 200), ("1.0e+3", 1000)])

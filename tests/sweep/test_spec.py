@@ -303,12 +303,15 @@ def test_a_set_and_an_option_giving_one_value_are_refused_and_workers_get_the_op
     path = write_study(tmp_path, TINY_STUDY)
     for items, option in ((["--set", "n_trials=3", "--n-trials", "1"], "--n-trials"),
                           (["--set", "n_trials=1", "--n-trials", "1"], "--n-trials"),
-                          (["--study-name", "b", "--set", "name=a"], "--study-name")):
+                          (["--study-name", "b", "--set", "name=a"], "--study-name"),
+                          (["--set", "timeout=5", "--timeout", "600"], "--timeout"),  # review: the option won
+                          (["--storage", f"sqlite:///{tmp_path / 'b.db'}", "--set",
+                            f"storage=sqlite:///{tmp_path / 'a.db'}"], "--storage")):
         refused = sweep_cli("run", path, *items)
-        key = "n_trials" if option == "--n-trials" else "name"
+        key = {"--n-trials": "n_trials", "--study-name": "name"}.get(option, option.removeprefix("--"))
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
             f"error: --set {key} and {option} both set {key}; keep one of them"], refused.stderr
-    assert not (tmp_path / "tiny.db").exists()
+    assert not [p.name for p in tmp_path.glob("*.db")]
     done = run_cli("run", path, "--workers", "2", "--set", "n_trials=2")
     assert done.returncode == 0, done.stderr
     assert sweep_cli("status", path).stdout.count("2/2 trials") == 1
