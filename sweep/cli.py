@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -990,18 +991,47 @@ def _folder_name_problem(name: str) -> str | None:
 
 
 def _store_output_problem(output: Path, study: Any, url: str) -> str | None:
-    """`-o` inside the study's checkpoint store (known once the study is open): writing there would replace a
-    checkpoint, or leave a file the store's check reports."""
+    """`-o` inside one of the study's own folders (known once the study is open): its checkpoint store (writing there
+    would replace a checkpoint, or leave a file the store's check reports), its TensorBoard runs (an owner file
+    written over made every rerun refuse the study: review), its MLflow artifacts, or a file of a Slurm job
+    submitted for it (its script, its storage file, its tasks' logs: a storage file written over failed every
+    requeued task)."""
     from sweep.blobs import is_object_url
+    from sweep.launch.slurm import LOG_PATTERN, SCRIPT_FILE
+    from sweep.outcomes import SLURM_JOBS_ATTR, SPEC_ATTR
     from sweep.reconcile import store_location
+    from sweep.schema import TrackingSpec
+    from sweep.tracking import mlflow_location, tensorboard_root
 
+    target = output.resolve()
+    folders: list[tuple[Path, str]] = []
     store = store_location(study, url)
-    if is_object_url(store):
-        return None
-    folder = Path(store).resolve()
-    if folder == output.resolve() or folder in output.resolve().parents:
-        return f"-o: {output} is inside the study's checkpoint store {store}; writing there would damage the " \
-               "study: choose another file"
+    if not is_object_url(store):
+        folders.append((Path(store), f"the study's checkpoint store {store}"))
+    stored = study.user_attrs.get(SPEC_ATTR)
+    tracking = (stored.get("tracking") if isinstance(stored, dict) else None) or {}
+    with contextlib.suppress(Exception):  # another tool's attr that is no tracking spec protects nothing
+        spec = TrackingSpec.model_validate(tracking)
+        folders.append((tensorboard_root(spec, url) / study.study_name, "the study's TensorBoard folder"))
+        artifacts = mlflow_location(spec, url, study.study_name)[2]
+        if artifacts is not None and artifacts.startswith("file://"):
+            folders.append((Path(urllib.parse.unquote(urllib.parse.urlsplit(artifacts).path)),
+                            "the study's MLflow artifact folder"))
+    for folder, what in folders:
+        with contextlib.suppress(OSError, ValueError):
+            resolved = folder.expanduser().resolve()
+            if resolved == target or resolved in target.parents:
+                return f"-o: {output} is inside {what}; writing there would damage the study: choose another file"
+    jobs = study.user_attrs.get(SLURM_JOBS_ATTR)
+    for job in jobs if isinstance(jobs, list) else []:
+        log_dir = job.get("log_dir") if isinstance(job, dict) else None
+        if not isinstance(log_dir, str) or target.parent != Path(log_dir).resolve():
+            continue
+        log_prefix = LOG_PATTERN.replace("%A", str(job.get("job_id"))).partition("%a")[0]
+        if (target.name == SCRIPT_FILE or (target.name.startswith("storage-") and target.suffix == ".json")
+                or target.name.startswith(log_prefix)):
+            return (f"-o: {output} is a file of the study's Slurm job {job.get('job_id')} (its script, storage file "
+                    "or a task's log); writing there would break the job: choose another file")
     return None
 
 

@@ -1016,6 +1016,39 @@ def test_an_output_in_the_checkpoint_store_or_under_a_file_is_refused_and_a_user
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".best.yaml")]  # no temporary file left
 
 
+def test_an_output_in_the_study_s_tracking_folders_or_its_slurm_job_s_files_is_refused(tmp_path: Path) -> None:
+    """Review: `sweep report -o NAME.tensorboard/NAME/.sweep-owner.json` wrote HTML over the owner file (every rerun
+    was then refused), and `-o` replaced a TensorBoard event file, an MLflow artifact and a Slurm job's storage file
+    (every requeued task failed), exit 0: only the checkpoint store was protected."""
+    write_study(tmp_path, changed(tracking={"tensorboard": True, "mlflow": True}))
+    assert sweep_cli("run", "study.yaml", cwd=tmp_path).returncode == 0
+    board = tmp_path / "tiny.tensorboard" / "tiny"
+    job = tmp_path / "tiny.slurm"
+    job.mkdir()
+    for name in ("submit.sbatch", "storage-0123abcd.json", "4242_0.log"):
+        (job / name).write_text(f"{name}\n")
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    study.set_user_attr("sweep.slurm_jobs", [{"job_id": "4242", "tasks": 1, "log_dir": str(job),
+                                              "submitted_at": time.time()}])
+    owned = [board / ".sweep-owner.json", next(board.rglob("events.out.tfevents.*")),
+             next(p for p in (tmp_path / "tiny.mlflow-artifacts").rglob("*") if p.is_file())]
+    slurm = [job / name for name in ("submit.sbatch", "storage-0123abcd.json", "4242_0.log")]
+    for path in owned + slurm:
+        before = path.read_bytes()
+        for command in ("best", "report"):
+            done = sweep_cli(command, "study.yaml", "-o", path, cwd=tmp_path)
+            assert done.returncode == 2, done.stderr
+            [line] = done.stderr.strip().splitlines()
+            if command == "best" and path.suffix == ".json":  # refused as a YAML file named .json first
+                continue
+            assert line.startswith(f"error: -o: {path} is "), line
+            assert ("Slurm job 4242" if path in slurm else "inside the study's ") in line, line
+        assert path.read_bytes() == before
+    assert sweep_cli("run", "study.yaml", "--n-trials", "4", cwd=tmp_path).returncode == 0  # its owner file intact
+    done = sweep_cli("report", "study.yaml", "-o", job / "report.html", cwd=tmp_path)  # a file of the user's there
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize("command", ["dashboard", "tensorboard"])
 def test_a_server_that_cannot_listen_is_one_line_before_it_starts(tmp_path: Path, command: str) -> None:
     """A port in use or a host that is not this machine's: one line naming the option (both servers' own errors were
