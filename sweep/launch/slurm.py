@@ -199,10 +199,15 @@ def _clean_environment(url: str) -> dict[str, str]:
     variables that hold a password, nor any whose value holds one of the URL's secrets."""
     secrets = url_secrets(url)
     # A password of a few characters is found inside unrelated values (PATH): those are kept, a value that is the
-    # password is not.
+    # password is not, nor one that holds it where a URL or a keyword list does (`:pw@`, `password=pw`: review, a
+    # variable holding the whole URL of a 3-character password reached sbatch).
+    marked = [form for secret in secrets
+              for form in (f":{secret}@", f"={secret}&", f"={secret} ", f"={secret}'", f"={secret}\"")]
     return {name: value for name, value in os.environ.items()
             if name not in SECRET_ENV_NAMES and value not in secrets
-            and not any(secret in value for secret in secrets if len(secret) >= 4)}
+            and not any(secret in value for secret in secrets if len(secret) >= 4)
+            and not any(form in value for form in marked)
+            and not any(value.endswith(f"={secret}") for secret in secrets)}
 
 
 def submit(script: str, url: str, folder: Path, *, study_name: str, workdir: Path) -> str:

@@ -427,6 +427,13 @@ def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.Mon
     assert kept["PATH"] == os.environ["PATH"]  # everything else goes to the job as sbatch always sends it
     short = "postgresql+psycopg://sweeper:a@db.example/sweeps"  # a one-letter password is inside PATH: kept
     assert _clean_environment(short)["PATH"] == os.environ["PATH"]
+    # ...but not a variable that holds it as a URL or a keyword list does (review: the whole URL of a 3-character
+    # password reached sbatch).
+    monkeypatch.setenv("MY_DATABASE", "postgresql+psycopg://r3:q7z@127.0.0.1:5432/sw")
+    monkeypatch.setenv("MY_DSN", "host=127.0.0.1 password=q7z dbname=sw")
+    monkeypatch.setenv("MY_QUERY", "postgresql+psycopg://127.0.0.1/sw?user=r3&password=q7z")
+    kept = _clean_environment("postgresql+psycopg://r3:q7z@127.0.0.1:5432/sw")
+    assert {"MY_DATABASE", "MY_DSN", "MY_QUERY"}.isdisjoint(kept) and kept["PATH"] == os.environ["PATH"]
 
 
 def test_nodes_with_gpus_per_task_is_an_array_of_whole_nodes(tmp_path: Path) -> None:
