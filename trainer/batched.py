@@ -1313,8 +1313,16 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
         key = json.dumps([item.config.task, item.config.task_args], sort_keys=True, default=str)
         member_task = task if task is not None else tasks.get(key) or tasks.setdefault(
             key, load_task(item.config.task, item.config.task_args))
-        signature = batch_signature(item.config, member_task)
-        problem = _problem_probed(item.config, member_task, signature, probes)
+        try:  # its model is built here first (on the meta device): a task that cannot build it for this config
+            signature = batch_signature(item.config, member_task)
+            problem = _problem_probed(item.config, member_task, signature, probes)
+        except (ConfigError, TaskError, DeviceUnavailable):
+            raise
+        except Exception as exc:  # ...fails this member alone, as `train` would (review: a traceback, none trained)
+            if failed is None:
+                raise
+            failed[i] = exc
+            continue
         if problem is not None:
             say(f"{named[i]}: not batched, trained alone: {problem}")
             try:

@@ -90,6 +90,8 @@ CALLS = {}  # forwards by width: kept outside the module, which a cohort's membe
 class Net(nn.Module):
     def __init__(self, hidden):
         super().__init__()
+        if hidden == 11:
+            raise RuntimeError("cannot build width 11")
         self.hidden = hidden
         self.a, self.b = nn.Linear(64, hidden), nn.Linear(hidden, 10)
 
@@ -115,7 +117,7 @@ def test_batched_members_whose_training_raises_fail_alone_and_the_others_train_o
     (tmp_path / "unlucky.py").write_text(UNLUCKY_TASK)
     files = {}
     for name, hidden, seed in (("good", 16, 0), ("alone", 13, 0), ("late1", 17, 0), ("late2", 17, 1),
-                               ("also_good", 16, 1)):
+                               ("unbuildable", 11, 0), ("also_good", 16, 1)):
         files[name] = tmp_path / f"{name}.yaml"
         files[name].write_text(f"task: unlucky:task\nmax_steps: 20\neval_every_steps: 10\nlog_every_steps: 10\n"
                                f"seed: {seed}\nmodel: {{hidden: {hidden}}}\n")
@@ -133,6 +135,9 @@ def test_batched_members_whose_training_raises_fail_alone_and_the_others_train_o
         assert by_name[name]["error"].startswith("ValueError: width 17 broke at call"), by_name[name]
         assert f"{files[name]}: failed: ValueError: width 17 broke at call" in captured.err
     assert f"{files['alone']}: failed: RuntimeError: unlucky width 13" in captured.err
+    # Review: a model its task cannot build for one config was a traceback, and no file was trained or printed.
+    assert by_name["unbuildable"] == {"config": str(files["unbuildable"]), "status": "failed",
+                                      "error": "RuntimeError: cannot build width 11"}
     assert "Traceback (most recent call last)" in captured.err  # the task's bug, with where it is
     assert f"{files['late1']}: not batched" not in captured.err  # its cohort's step raised, not a lone run
     # The members that trained are the same as alone: their values match a run of the good files only.
