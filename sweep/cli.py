@@ -622,6 +622,11 @@ def _run_outcomes(study: Any, prefix: str, workers: int = 1) -> Iterator[None]:
         code, what = _stopped(exc)
         if launcher:
             fate = "each worker's lines above say what became of its running trials"
+            if (killed := getattr(exc, "killed_workers", None)) is not None:
+                numbers, grace = killed
+                fate += (f"; worker{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))} did not exit "
+                         f"within {grace:g} s and {'were' if len(numbers) > 1 else 'was'} killed: the next run finds "
+                         "its running trials lost and retries them from their last checkpoint")
         elif is_unmarked(exc):
             fate = ("running trials could not be marked (the storage is unreachable): the next run finds them lost "
                     "and retries them from their last checkpoint")

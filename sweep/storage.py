@@ -820,6 +820,9 @@ class Boundary:
         while True:
             if self._not_yet():
                 raise StorageAway(f"{self.label} is unreachable")
+            if self._stopping_while_away():
+                raise StorageUnavailable(f"{self.label} is unreachable, and the worker was told to stop (Ctrl-C or "
+                                         "SIGTERM): not waiting for it")
             try:
                 with watch() as call:
                     result = fn(*args, **kwargs)
@@ -857,6 +860,15 @@ class Boundary:
         less than `RETRY_AWAY_S` ago. Each try may cost `connect_timeout` (a server that does not answer), which a
         trial's every report would otherwise spend out of its training."""
         return (self.down_since is not None and getattr(self._local, "no_wait", False)
+                and time.monotonic() - self.failed_at < self.RETRY_AWAY_S)
+
+    def _stopping_while_away(self) -> bool:
+        """Whether a call of a worker told to stop is given up without trying: the storage is away and was last tried
+        less than `RETRY_AWAY_S` ago. Its way out (registering and releasing its trials' checkpoints, marking them)
+        is several calls, and against a server that does not answer each try costs `connect_timeout` (review: a
+        SIGTERM during such an outage took 40 s to end the worker, past a launcher's or a scheduler's grace)."""
+        return (self.down_since is not None and stop_requested() is not None
+                and threading.current_thread() is threading.main_thread()
                 and time.monotonic() - self.failed_at < self.RETRY_AWAY_S)
 
     def _patience(self) -> float:

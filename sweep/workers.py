@@ -17,6 +17,7 @@ state files, its accounting database), where its administrators and tools read t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -195,12 +196,19 @@ def run_workers(run_args: Sequence[str], n_workers: int, *, grace_s: float = 30.
             time.sleep(0.2)
         raise_pending()  # signalled with its workers, which exited first (still importing, say): 130 or 143, not 1
         return [process.returncode for process in processes]
-    except KeyboardInterrupt:
-        _stop(processes, grace_s)
+    except KeyboardInterrupt as exc:
+        _note_killed(exc, _stop(processes, grace_s), grace_s)
         raise
-    except BaseException:  # Preempted (SIGTERM) reaches only this process: pass it on
-        _stop(processes, grace_s, signal.SIGTERM)
+    except BaseException as exc:  # Preempted (SIGTERM) reaches only this process: pass it on
+        _note_killed(exc, _stop(processes, grace_s, signal.SIGTERM), grace_s)
         raise
+
+
+def _note_killed(exc: BaseException, killed: list[int], grace_s: float) -> None:
+    """Tell the launcher's last line which workers were killed (their own lines never came): `exc.killed_workers`."""
+    if killed:
+        with contextlib.suppress(AttributeError):  # (an exception type with __slots__ takes no note)
+            exc.killed_workers = (killed, grace_s)  # type: ignore[attr-defined]
 
 
 def gpus_problem(gpus: int, per_trial: int, where: str = "--gpus-per-task") -> str | None:
@@ -229,16 +237,22 @@ def device_groups(gpus: Sequence[str], n_workers: int, per_worker: int) -> list[
     return [",".join(gpus[(k % groups) * per_worker:(k % groups + 1) * per_worker]) for k in range(n_workers)]
 
 
-def _stop(processes: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGINT) -> None:
+def _stop(processes: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGINT) -> list[int]:
     """Pass `signum` on to the workers still running, as its forwarded form: a worker that a terminal's Ctrl-C has
     reached already must not take this for a second Ctrl-C (`sweep.signals.FORWARD`). Kill any still running after
-    `grace_s`."""
+    `grace_s`; returns their indices."""
     for process in processes:
         if process.poll() is None:
             process.send_signal(FORWARD[signal.Signals(signum)])
     deadline = time.monotonic() + grace_s
-    for process in processes:
+    killed = []
+    for index, process in enumerate(processes):
         try:
             process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
+            killed.append(index)
+    for index in killed:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            processes[index].wait(timeout=5)
+    return killed

@@ -310,3 +310,31 @@ def test_putting_handlers_back_loses_no_pending_handler_s_error_and_survives_a_s
         signals._heard.clear()
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_a_launcher_kills_the_workers_still_running_after_its_grace_and_says_which() -> None:
+    """PostgreSQL review: workers that had not ended within the launcher's grace were killed without a word, and its
+    last line said their lines above told what became of their trials (none came). `_stop` returns the killed ones,
+    which the launcher's last line names."""
+    import subprocess
+    import sys
+
+    from sweep.workers import _stop
+
+    deaf = ("import signal, sys, time\n"
+            f"signal.signal({int(FORWARD[signal.SIGTERM])}, signal.SIG_IGN)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\n")
+    quick = "import sys\nprint('ready', flush=True)\nsys.stdin.read()\n"  # ends at once on the forwarded signal
+    processes = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                 for code in (quick, deaf)]
+    try:
+        for process in processes:
+            assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+        assert _stop(processes, 2.0, signal.SIGTERM) == [1]
+        assert processes[1].returncode == -signal.SIGKILL and processes[0].returncode != -signal.SIGKILL
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()

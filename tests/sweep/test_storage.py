@@ -1034,3 +1034,29 @@ def test_a_study_in_an_in_memory_database_outlives_its_run(tmp_path: Path) -> No
     study = open_study(spec, "sqlite:///:memory:")
     assert run_study(study, spec).budget_used == 2
     assert len(study.trials) == 2 and study.best_value is not None
+
+
+def test_a_worker_told_to_stop_while_its_storage_is_away_does_not_try_it_again_on_its_way_out() -> None:
+    """PostgreSQL review: a SIGTERM while the server was stopped (SIGSTOP: every connection attempt waits out its
+    connect_timeout) took 40 s to end the worker, past a launcher's 30 s grace: each call on its way out
+    (registering and releasing its trials' checkpoints, marking them) tried the server once more. The first call
+    that meets it away gives up; the calls after it do not try again while it was tried this recently."""
+    import os
+    import signal
+
+    from sweep.signals import graceful_signals
+    from sweep.storage import Boundary, StorageUnavailable
+
+    tries = []
+
+    def away() -> None:
+        tries.append(time.monotonic())
+        raise ConnectionError("connection timeout expired")
+
+    boundary = Boundary(60, notify=lambda line: None, reached=True)
+    with graceful_signals():
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded as a stop to honour, not raised at once
+        for _ in range(4):
+            with pytest.raises(StorageUnavailable, match="told to stop"):
+                boundary.call(away)
+    assert len(tries) == 1
