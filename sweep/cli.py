@@ -1767,17 +1767,22 @@ def _storage_error(exc: BaseException) -> tuple[str | None, int]:
     """A storage error that a command let out, as one line and its exit code: a SQLite file damaged past the
     pages its opening reads (2: the input), or a call the storage refused (1: its state or the role's rights);
     `(None, 0)` for the rest, which stays a traceback (a bug is not hidden behind a line)."""
-    import sqlite3
 
-    from sweep.storage import database_gone, error_chain, error_line, is_transient, refusal_line, storage_refusal
+    from sweep.storage import (
+        damaged_database,
+        database_gone,
+        error_chain,
+        error_line,
+        is_transient,
+        refusal_line,
+        storage_refusal,
+    )
 
     url = _OPENED[0] if _OPENED else None
     path = None if url is None else sqlite_path(url)
     where = f"the storage {mask_url(url)}" if path is None and url is not None else str(path or "the storage")
-    for error in error_chain(exc):
-        if isinstance(error, sqlite3.DatabaseError) and any(
-                words in str(error).lower() for words in ("malformed", "not a database", "file is encrypted")):
-            return f"{where} cannot be read ({error}); is the file damaged?", 2
+    if (damage := damaged_database(exc)) is not None:
+        return f"{where} cannot be read ({damage}); is the file damaged?", 2
     for error in error_chain(exc):
         if isinstance(error, (KeyError, ValueError)) and error.args and _GONE_RECORD.fullmatch(str(error.args[0])):
             # Optuna's words for a study's or a trial's row that is not there: another program deleted the study

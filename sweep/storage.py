@@ -753,6 +753,14 @@ def storage_refusal(exc: BaseException) -> tuple[str, str] | None:
     return next((getattr(error, _REFUSED) for error in error_chain(exc) if hasattr(error, _REFUSED)), None)
 
 
+def damaged_database(exc: BaseException) -> BaseException | None:
+    """The error in `exc`'s chain that is SQLite's word for a file damaged past what opening it read ("database
+    disk image is malformed", "file is not a database", "file is encrypted"), or None: bad input, never a trial's
+    config's fault, nor an outage that waiting ends."""
+    return next((error for error in error_chain(exc) if isinstance(error, sqlite3.DatabaseError) and any(
+        words in str(error).lower() for words in ("malformed", "not a database", "file is encrypted"))), None)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether `exc`, or an error it was raised from, is a storage fault that goes away by itself: a dropped or
     refused connection, a server restarting (Optuna wraps those in `StorageInternalError`, "invalid data in the

@@ -71,6 +71,7 @@ from sweep.storage import (
     StorageUnavailable,
     ask_lock,
     clock_offset,
+    damaged_database,
     database_gone,
     database_identity,
     error_line,
@@ -520,6 +521,10 @@ class Worker:
         return self._end(trial, result, runner)
 
     def _failure(self, raised: BaseException) -> TrialResult:
+        if damaged_database(raised) is not None:
+            # The study's SQLite file, damaged where this trial's write reached: bad input, not the config's fault
+            # (files review: each run failed one trial for it, counted). It ends the run: one line, exit 2.
+            raise raised
         exc = readable(raised)
         folders = self.checkpoints.folders if self.checkpoints is not None else []
         fault = infrastructure_fault(exc, folders)
@@ -845,8 +850,11 @@ class Worker:
             if trial.state == TrialState.RUNNING and trial.number not in self.adopted \
                     and self.storage.trial_age_s(trial) > self.spec.heartbeat_grace_period:
                 self.adopted.add(trial.number)
-                with contextlib.suppress(Exception):
+                try:
                     self.storage.backend.record_heartbeat(trial._trial_id)  # noqa: SLF001
+                except Exception as exc:
+                    if damaged_database(exc) is not None:  # never found lost then: the run would wait forever
+                        raise
 
     @contextlib.contextmanager
     def _heartbeat(self, trial: optuna.Trial) -> Iterator[None]:
