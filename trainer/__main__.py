@@ -113,11 +113,22 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
         if any(not part.strip() for part in key.split(".")):
             raise ValueError(f"expected a dotted key path with no empty part (model.hidden=64), got {key!r}")
         parsed = raw[:1] in "[{\"'" or raw in ("true", "false", "null", "~") or NUMBER_TEXT.fullmatch(raw.strip())
-        out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if parsed else raw
+        out[key] = load_yaml(raw, "command line", f"--set {key}", "config") if parsed else _number_or_word(raw)
         given.append((key, out[key]))
     if (problem := overrides_clash(given)) is not None:  # the later would silently win (review)
         raise ValueError(problem)
     return out
+
+
+def _number_or_word(raw: str) -> Any:
+    """A `--set` value that is no plain number: a number all the same where a config file would read one (`0x10`,
+    `0o17`, `.inf`, `.nan`: review, `seed: 0x10` in the file was 16 and `--set seed=0x10` was refused as a string),
+    else the string it spells."""
+    try:
+        value = load_yaml(raw, "command line", "--set", "config")
+    except YamlFileError:
+        return raw
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else raw
 
 
 def _given_by(key: str, overrides: Mapping[str, Any]) -> str | None:
