@@ -264,6 +264,10 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     # A loop's or command's config is its own: an empty mapping (`model: {}`) holds no key a searched one could
     # conflict with, and the searched `model.hidden` goes into it.
     fixed_keys = {key for key, value in flatten(spec.fixed).items() if not (isinstance(value, Mapping) and not value)}
+    for where, key in [*(("space", k) for k in spec.space), *(("fixed", k) for k in sorted(fixed_keys))]:
+        if any(not part.strip() for part in str(key).split(".")):  # review: the loop got {'': 2}, `best` wrote `? ''`
+            problems.append((f"{where}.{key}" if key else where, f"expected a key with no empty part (a name, or a "
+                             f"dotted path such as model.hidden), got {short_repr(key)}"))
     for key in spec.space:
         if key in fixed_keys:
             problems.append((f"space.{key}", f"is both fixed (fixed.{key}) and searched; remove it from one of them"))

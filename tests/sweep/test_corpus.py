@@ -999,6 +999,14 @@ COMMANDS = [
 # dropped. A user's loop (`operator:add` takes two arguments: an importable loop) names keys of its own.
 LOOP = {"task": ..., "loop": "operator:add"}
 CONFLICTS = [
+    # A loop's or a command's keys are its own, but never with an empty part: the loop got {'': 2} and
+    # {'a': {'': {'b': 4}}}, `sweep status` showed a blank parameter and `sweep best` wrote `? ''` (review).
+    bad_file("conflicts", "loop-empty-searched-key", changed(**LOOP, space={"": FLOAT}), "space",
+             "expected a key with no empty part (a name, or a dotted path such as model.hidden), got ''"),
+    bad_file("conflicts", "loop-fixed-key-with-an-empty-part", changed(**LOOP, fixed={"a..b": 4}, space={"x": FLOAT}),
+             "fixed.a..b", "expected a key with no empty part"),
+    bad_file("conflicts", "command-searched-key-ending-in-a-dot", changed(**COMMAND, space={"lr.": FLOAT}),
+             "space.lr.", "expected a key with no empty part"),
     bad_file("conflicts", "loop-searched-inside-fixed", changed(**LOOP, fixed__a=1, space={"a.b": FLOAT}),
              "space.a.b", "conflicts with fixed.a: a.b is inside a"),
     bad_file("conflicts", "loop-fixed-inside-searched", changed(**LOOP, fixed__a={"b": 1}, space={"a": FLOAT}),
