@@ -545,7 +545,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
         from sweep.outcomes import budget_counts
 
         used = budget_counts(study.get_trials(deepcopy=False))[0]
-        err.print(f"study {spec.name!r} in {mask_url(url)}: {used}/{spec.n_trials} trials done", markup=False)
+        opened = f"study {spec.name!r} in {mask_url(url)}: {used}/{spec.n_trials} trials done"
+        err.print(printable(opened), markup=False)  # a path's right-to-left override escaped, as in every line
         if spec.warm_start.enabled and spec.warm_start.from_studies:  # a typo there would silently give no donors
             from sweep.registry import Registry
             from sweep.spec import latest_handoff_step

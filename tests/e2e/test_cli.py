@@ -1493,3 +1493,12 @@ def test_a_database_whose_first_run_was_cut_short_is_finished_not_refused(tmp_pa
         with contextlib.closing(sqlite3.connect(folder / "tiny.db")) as connection:
             assert [row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] \
                 == ["studies"]  # nothing written into it
+
+
+def test_the_run_s_opening_line_escapes_a_right_to_left_override_in_its_storage_path(tmp_path: Path) -> None:
+    """Input review: `storage: sqlite:///a\u202eb.db` was accepted and the `study ... in ...` line printed the override
+    raw (the text after it read reversed); every other line escapes it."""
+    write_study(tmp_path, changed(n_trials=1))
+    done = sweep_cli("run", "study.yaml", "--storage", "sqlite:///a\u202eb.db", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "\u202e" not in done.stderr and "in sqlite:///a\\u202eb.db: 0/1 trials done" in done.stderr, done.stderr
