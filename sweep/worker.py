@@ -62,7 +62,7 @@ from sweep.outcomes import (
 from sweep.progress import Events, NoEvents
 from sweep.results import ran_by_sweep
 from sweep.runners import Runner, runner_for
-from sweep.schema import StudySpec
+from sweep.schema import StudySpec, sqlite_damage
 from sweep.signals import Preempted, mark_unmarked, raise_pending, trial_code
 from sweep.storage import (
     Boundary,
@@ -80,6 +80,7 @@ from sweep.storage import (
     storage_refusal,
 )
 from sweep.tracking import end_lost_run
+from sweep.urls import sqlite_path
 from sweep.workers import LAUNCHED_ENV
 from trainer.messages import error_words, message, unreadable
 from trainer.precision import host_memory_limit
@@ -521,9 +522,10 @@ class Worker:
         return self._end(trial, result, runner)
 
     def _failure(self, raised: BaseException) -> TrialResult:
-        if damaged_database(raised) is not None:
+        if damaged_database(raised) is not None and self._storage_damaged():
             # The study's SQLite file, damaged where this trial's write reached: bad input, not the config's fault
-            # (files review: each run failed one trial for it, counted). It ends the run: one line, exit 2.
+            # (files review: each run failed one trial for it, counted). It ends the run: one line, exit 2. A damaged
+            # file of the trial's own (its data, read by its code) is its config's error, as any other (diff review).
             raise raised
         exc = readable(raised)
         folders = self.checkpoints.folders if self.checkpoints is not None else []
@@ -547,6 +549,11 @@ class Worker:
             reason = f"{reason.strip()} ({error_line(exc)})"  # the database's words, not a guess
         return TrialResult(Outcome.FAILED, None, {ATTR_FAIL: reason,
                                                   ATTR_TRACEBACK: "".join(traceback.format_exception(raised))[-4000:]})
+
+    def _storage_damaged(self) -> bool:
+        """Whether the study's own storage is a SQLite file that SQLite finds damaged (`PRAGMA quick_check`)."""
+        path = sqlite_path(self.url) if self.url is not None else None
+        return path is not None and sqlite_damage(path) is not None
 
     def _end(self, trial: optuna.Trial, result: TrialResult, runner: Runner, *,
              counted: bool = True) -> FrozenTrial | None:

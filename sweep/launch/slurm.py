@@ -201,13 +201,13 @@ def _clean_environment(url: str) -> dict[str, str]:
     # A password of a few characters is found inside unrelated values (PATH): those are kept, a value that is the
     # password is not, nor one that holds it where a URL or a keyword list does (`:pw@`, `password=pw`: review, a
     # variable holding the whole URL of a 3-character password reached sbatch).
-    marked = [form for secret in secrets
-              for form in (f":{secret}@", f"={secret}&", f"={secret} ", f"={secret}'", f"={secret}\"")]
+    # A short one is taken where a value gives it to a key: after `:` or `=` (a quote and spaces between allowed:
+    # `password='pw'`, JSON's `"password": "pw"`), up to the value's end or a separator.
+    given = [re.compile(r"[:=]\s*['\"]?" + re.escape(secret) + r"(?=$|[@&\s;,'\"}\]])") for secret in secrets]
     return {name: value for name, value in os.environ.items()
             if name not in SECRET_ENV_NAMES and value not in secrets
             and not any(secret in value for secret in secrets if len(secret) >= 4)
-            and not any(form in value for form in marked)
-            and not any(value.endswith(f"={secret}") for secret in secrets)}
+            and not any(pattern.search(value) for pattern in given)}
 
 
 def submit(script: str, url: str, folder: Path, *, study_name: str, workdir: Path) -> str:

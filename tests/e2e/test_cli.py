@@ -1253,6 +1253,33 @@ def test_a_sqlite_file_damaged_where_only_a_trial_s_write_reaches_ends_the_run_a
     assert "FAIL" not in states, states  # nothing counted against the budget
 
 
+def test_a_damaged_sqlite_file_of_the_trial_s_own_fails_that_trial_not_the_run(tmp_path: Path) -> None:
+    """Diff review: once a damaged study database ended the run, any "malformed" SQLite error a trial raised did,
+    naming the study's sound database, where it is the trial's own data the trial's code reads: its config's error."""
+    data = tmp_path / "data.sqlite"
+    with contextlib.closing(sqlite3.connect(data)) as connection:
+        connection.execute("CREATE TABLE t (x INTEGER, pad TEXT)")
+        connection.executemany("INSERT INTO t VALUES (?, ?)", [(i, "x" * 50) for i in range(5000)])
+        connection.commit()
+    raw = bytearray(data.read_bytes())
+    raw[4096::7] = bytes([0xAB]) * len(raw[4096::7])
+    data.write_bytes(bytes(raw))
+    (tmp_path / "reads_data.py").write_text(
+        "import sqlite3\n\n"
+        "def main(config, run):\n"
+        f"    sqlite3.connect({str(data)!r}).execute('SELECT sum(x) FROM t').fetchall()\n"
+        "    run.report(1, 1.0)\n")
+    document = {"name": "own", "n_trials": 2, "seed": 0, "sampler": {"type": "random"}, "pruner": "none",
+                "loop": "reads_data:main", "max_repeated_failures": 0, "fixed": {"max_steps": 1},
+                "space": {"x": {"type": "float", "low": 0, "high": 1}}}
+    path = write_study(tmp_path, document)
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 1 and "is the file damaged" not in done.stderr, done.stderr  # every trial failed: 1
+    assert done.stderr.count("failed: DatabaseError: database disk image is malformed") == 2, done.stderr
+    with contextlib.closing(sqlite3.connect(tmp_path / "own.db")) as connection:
+        assert [s for (s,) in connection.execute("SELECT state FROM trials ORDER BY number")] == ["FAIL", "FAIL"]
+
+
 @pytest.mark.parametrize(("table", "fill"), [("trial_values", 0), ("studies", 0xAA), ("version_info", 0xAA)])
 def test_a_sqlite_file_damaged_past_its_first_pages_is_one_line_from_every_command(
         tmp_path: Path, table: str, fill: int) -> None:

@@ -432,8 +432,14 @@ def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.Mon
     monkeypatch.setenv("MY_DATABASE", "postgresql+psycopg://r3:q7z@127.0.0.1:5432/sw")
     monkeypatch.setenv("MY_DSN", "host=127.0.0.1 password=q7z dbname=sw")
     monkeypatch.setenv("MY_QUERY", "postgresql+psycopg://127.0.0.1/sw?user=r3&password=q7z")
+    forms = {"MY_QUOTED": "password='q7z'", "MY_LINES": "password=q7z\nhost=h", "MY_ADO": "Server=h;Password=q7z;D=d",
+             "MY_LIST": "PASSWORD=q7z,host=h", "MY_JSON": '{"password": "q7z"}'}  # diff review: these were kept
+    for name, value in forms.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MY_WORDS", "q7zx and xq7z")  # no key gives it: kept
     kept = _clean_environment("postgresql+psycopg://r3:q7z@127.0.0.1:5432/sw")
-    assert {"MY_DATABASE", "MY_DSN", "MY_QUERY"}.isdisjoint(kept) and kept["PATH"] == os.environ["PATH"]
+    assert {"MY_DATABASE", "MY_DSN", "MY_QUERY", *forms}.isdisjoint(kept) and kept["PATH"] == os.environ["PATH"]
+    assert kept["MY_WORDS"] == "q7zx and xq7z"
 
 
 def test_nodes_with_gpus_per_task_is_an_array_of_whole_nodes(tmp_path: Path) -> None:
