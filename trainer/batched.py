@@ -1382,7 +1382,15 @@ def _run_queue(task: Task, members: list[CohortMember], indices: list[int], size
         while queue and c.free_slots:
             index, member = queue.pop(0)
             started.add(index)
-            placed[c.add(member)] = index
+            try:
+                placed[c.add(member)] = index
+            except Exception as exc:
+                # Its own start failed (its step-0 evaluation raised): it alone fails, holding no slot, and the
+                # members training go on (diff review: they were failed with it). The cohort's size running out of
+                # memory, or the input's mistakes, stay the cohort's.
+                if failed is None or _cohorts_error(exc) or isinstance(exc, DeviceUnavailable):
+                    raise
+                failed[index] = exc
         if not queue and c.active and len(c.active) <= c.capacity // 2:  # the tail: half the slots train nothing
             c.shrink()
 

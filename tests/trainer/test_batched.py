@@ -1103,6 +1103,26 @@ def test_a_member_whose_own_loss_or_metrics_raise_fails_alone_and_the_others_are
         train_batched(configs[:2], task, capacity=2)
 
 
+def test_a_member_whose_start_raises_fails_alone_and_the_members_training_go_on(digits: Task) -> None:
+    """Diff review: a member whose step-0 evaluation raised as it joined (first, or in a refill) failed the members
+    the cohort was training with its error; it fails alone and holds no slot."""
+    def metrics(output: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        if output.detach().abs().max() > 0.44:
+            raise RuntimeError("boom at start")
+        return accuracy_sum(output, targets)
+
+    task = dataclasses.replace(digits, eval_metrics=metrics, eval_metric_names=("accuracy",))
+    good, short, bad = tiny(seed=1, log_every_steps=8), tiny(seed=2, max_steps=8), tiny(seed=6, log_every_steps=8)
+    with pytest.raises(RuntimeError, match="boom at start"):
+        train(bad, task)
+    alone = train(good, task)
+    for configs, capacity in (([good, bad], 2), ([good, short, bad], 2)):  # at the first fill, and in a refill
+        failed: dict[int, Exception] = {}
+        results = train_batched(configs, task, capacity=capacity, failed=failed)
+        assert list(failed) == [len(configs) - 1] and "boom at start" in str(failed[len(configs) - 1]), failed
+        same(alone, results[0])
+
+
 _FORWARDS = [0]  # forward calls of `_NoisyByGlobalCount`, counted where no check of the module's looks
 
 
