@@ -1103,6 +1103,22 @@ def test_a_member_whose_own_loss_or_metrics_raise_fails_alone_and_the_others_are
         train_batched(configs[:2], task, capacity=2)
 
 
+def test_a_loss_that_refuses_the_probe_config_s_outputs_does_not_make_the_model_unbatchable(digits: Task) -> None:
+    """Cohort review: the batching probe computes the first config's loss; one that raised for that config's outputs
+    (its own check) was taken for "vmap cannot batch this model", and the study trained one trial at a time for the
+    rest of the run. The model is judged on its own; the config fails alone in its cohort, as alone."""
+    def refuses(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom: logits too large")
+
+    assert batch_problem(tiny(), dataclasses.replace(digits, loss=refuses)) is None
+
+    def per_row(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # the loss's contract, every config's
+        return F.cross_entropy(output, targets, reduction="none")
+
+    assert "its loss returned a tensor of shape" in (batch_problem(tiny(), dataclasses.replace(digits, loss=per_row))
+                                                     or "")
+
+
 def test_a_member_whose_start_raises_fails_alone_and_the_members_training_go_on(digits: Task) -> None:
     """Diff review: a member whose step-0 evaluation raised as it joined (first, or in a refill) failed the members
     the cohort was training with its error; it fails alone and holds no slot."""
