@@ -109,7 +109,8 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
     before = {key: stored.get(key, None if value is None else _ABSENT) for key, value in spec.identity().items()}
     differences = [key for key, value in spec.identity().items()
                    if before[key] != value and not (key == "fixed" and before[key] is not _ABSENT
-                                                    and _same_values(spec, before[key]))]
+                                                    and _same_values(spec, before[key]))
+                   and not (key == "task" and _same_task(before[key], value))]
     if differences:
         identity = spec.identity()
         changes = [change for key in differences for change in _changes(key, before[key], identity[key])]
@@ -250,6 +251,23 @@ def _same_values(spec: StudySpec, stored_fixed: Any) -> bool:
         return stored.config_for({}).to_dict() == spec.config_for({}).to_dict()
     except Exception:  # noqa: BLE001 - values the trainer refuses cannot be the same as valid ones
         return False
+
+
+def _same_task(stored: Any, task: Any) -> bool:
+    """One task written with an argument at its default and without it (`args: {val_fraction: 0.2}`, the default:
+    edits review, refused as "task.args.val_fraction: added", where a fixed key at its default is accepted)."""
+    import inspect
+
+    from trainer.tasks import resolve_task_factory
+
+    if not (isinstance(stored, dict) and isinstance(task, dict)) or stored.get("name") != task.get("name"):
+        return False
+    try:
+        parameters = inspect.signature(resolve_task_factory(str(task["name"]))).parameters.values()
+    except Exception:  # noqa: BLE001 - a task that cannot be found or read now: not known to be the same
+        return False
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return {**defaults, **(stored.get("args") or {})} == {**defaults, **(task.get("args") or {})}
 
 
 def _unlabelled(study: optuna.Study, spec: StudySpec) -> bool:

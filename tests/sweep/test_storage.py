@@ -114,6 +114,19 @@ def test_fixed_values_written_differently_but_equal_resume_the_study(tmp_path: P
         open_study(load_spec(path)[0], url)
 
 
+def test_a_task_argument_written_at_its_default_or_left_out_resumes_the_study(tmp_path: Path) -> None:
+    """Edits review: `task: digits` rewritten as `task: {name: digits, args: {val_fraction: 0.2}}` (its default) was
+    refused ("task.args.val_fraction: added"), where a fixed key written at its default is accepted."""
+    path = write_study(tmp_path, TINY_STUDY)
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    open_study(load_spec(path)[0], url)
+    path.write_text(path.read_text().replace("task: digits", "task: {name: digits, args: {val_fraction: 0.2}}"))
+    open_study(load_spec(path)[0], url)  # not refused
+    path.write_text(path.read_text().replace("val_fraction: 0.2", "val_fraction: 0.3"))
+    with pytest.raises(StudyMismatchError, match=r"different task \(task.args.val_fraction"):
+        open_study(load_spec(path)[0], url)
+
+
 def test_a_shared_block_reads_the_finished_trials_once_until_this_storage_writes_a_state(tmp_path: Path) -> None:
     # A cohort's step: every member's pruner reads the study's finished trials; in `shared_finished_reads` they share
     # the block's first read. Another worker's trial that finishes meanwhile is seen after the block (or once this
