@@ -156,7 +156,11 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
     now = str(spec.checkpoints.store or default_store(storage_url))
     if not is_another_store(spec.name, before, now):
         return None
-    move = "" if is_object_url(before) or is_object_url(now) else f", or move its folder {spec.name!r} to the new store"
+    # The store's `_artifacts/` (the dashboard's copies) is every study's there: what the move leaves behind is
+    # uploaded again by `check --repair` (edits review: the message's advice left a check that exited 1).
+    move = "" if is_object_url(before) or is_object_url(now) else (
+        f", or move its folder {spec.name!r} to the new store, then run `sweep check --repair` to copy its "
+        "checkpoints' dashboard artifacts there")
     return (f"{now} is not the store study {spec.name!r} ran with ({before}, where its checkpoints' rows point; "
             "opened with another, every one would be taken for a missing file and deleted). Set checkpoints.store to "
             f"it{move}")

@@ -346,6 +346,9 @@ def test_a_rerun_with_another_checkpoint_store_is_refused_and_deletes_no_checkpo
     assert (f"{path}: checkpoints.store: {tmp_path / 'other'} is not the store study 'tiny' ran with "
             f"({tmp_path / 'tiny.checkpoints'}") in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    # Edits review: its advice (move the study's folder) left the dashboard's copies behind, and `check` exited 1.
+    assert refused.stderr.rstrip().endswith("then run `sweep check --repair` to copy its checkpoints' dashboard "
+                                            "artifacts there"), refused.stderr
     assert rows() == before and len(load(db).get_trials()) == 2 and not (tmp_path / "other").exists()
 
     (tmp_path / "tiny.checkpoints").rename(tmp_path / "moved")
