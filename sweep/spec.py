@@ -89,8 +89,13 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
 
         problems.append(("warm_start.match", "expected TrainingConfig keys, got unknown "
                          f"{', '.join(repr(key) + hint(key) for key in unknown)}"))
+    # A searched task argument the file gives no fixed value (a required one: `arrays`' `classes`) is built with
+    # its range's first end here, as each end is below (tasks review: "missing 1 required positional argument").
+    searched = {key.removeprefix("task_args."): _first_value(param) for key, param in spec.space.items()
+                if key.startswith("task_args.") and key.count(".") == 1
+                and key.removeprefix("task_args.") not in spec.task.args}
     try:
-        task = load_task(spec.task.name, spec.task.args)
+        task = load_task(spec.task.name, {**spec.task.args, **searched})
     except TaskError as exc:
         if os.environ.get("SWEEP_TRACEBACK") and exc.__cause__ is not None:  # its module's own code failed
             raise
@@ -173,7 +178,7 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                     else [(f"choices[{i}]", c) for i, c in enumerate(param.choices)])
             for label, value in ends[:4]:  # a task may read its data each time: the ends, or the first choices
                 try:
-                    load_task(spec.task.name, {**spec.task.args, key.split(".")[1]: value})
+                    load_task(spec.task.name, {**spec.task.args, **searched, key.split(".")[1]: value})
                 except (TaskError, ValueError, OSError) as exc:  # no data there (a file missing) too
                     problems.append((f"{where}.{label}", str(exc)))
         if _expected_type(key, task) is int and isinstance(param, FloatParam):
@@ -703,6 +708,12 @@ def _at(where: str, label: str | None, value: Any) -> str:
     """Where a searched value is named: by its key in the file (`space.x.low`), or as a drawn value between the ends,
     which no key names."""
     return f"{where} (drawn value {value})" if label is None else f"{where}.{label}"
+
+
+def _first_value(param: FloatParam | IntParam | CategoricalParam) -> Any:
+    """A value the searched key may take: its range's smaller end, or its first choice."""
+    extremes = _extremes(param)
+    return extremes[0][1] if extremes else param.choices[0] if isinstance(param, CategoricalParam) else param.low
 
 
 def _extremes(param: FloatParam | IntParam | CategoricalParam) -> list[tuple[str | None, Any]]:
