@@ -396,6 +396,11 @@ RANGES = [
              "task", "task_args.split_seed must be >= 0, but got split_seed=-1"),
     bad_file("ranges", "blobs-negative-seed", changed(task={"name": "blobs", "args": {"seed": -1}}),
              "task", "task_args.seed must be >= 0, but got seed=-1"),
+    # Every trial was pruned as "nan" at step 0 (exit 0), the key never named (tasks review).
+    bad_file("ranges", "blobs-infinite-noise", changed(task={"name": "blobs", "args": {"max_noise": float("inf")}}),
+             "task", "task_args.max_noise must be a finite number >= 0, but got max_noise=inf"),
+    bad_file("ranges", "blobs-noise-beyond-float32", changed(task={"name": "blobs", "args": {"max_noise": 1e39}}),
+             "task", "task_args.max_noise=1e+39 makes inputs beyond float32's range"),
     bad_file("ranges", "charlm-negative-max-chars", changed(task={"name": "charlm", "args": {"max_chars": -1}},
                                                            metric="val_loss"),
              "task", "task_args.max_chars must be >= 1, but got max_chars=-1"),

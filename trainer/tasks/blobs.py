@@ -8,6 +8,7 @@ true difficulty, and a curriculum study has a task where easy-first is meaningfu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -38,13 +39,17 @@ def blobs(n: int = 2048, classes: int = 4, dims: int = 8, max_noise: float = 1.5
     """The validation set has the same spread of noise levels as the training set: it measures the whole task."""
     if n < 8 or classes < 2 or dims < 1:
         raise ValueError(f"task_args need n >= 8, classes >= 2 and dims >= 1, but got {n=}, {classes=}, {dims=}")
-    if max_noise < 0:
-        raise ValueError(f"task_args.max_noise must be >= 0, but got {max_noise=}")
+    if not (max_noise >= 0 and math.isfinite(max_noise)):  # (tasks review: .inf pruned every trial as "nan")
+        raise ValueError(f"task_args.max_noise must be a finite number >= 0, but got {max_noise=}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"task_args.val_fraction must be in (0, 1), but got {val_fraction=}")
     if seed < 0:  # numpy's generator takes no negative seed, and its message names no argument
         raise ValueError(f"task_args.seed must be >= 0, but got {seed=}")
-    x, y, noise = make_blobs(n, classes, dims, max_noise, seed)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x, y, noise = make_blobs(n, classes, dims, max_noise, seed)
+    if not np.isfinite(x).all():  # 1e39 is finite, but not in float32: NaN and infinity in every batch
+        raise ValueError(f"task_args.max_noise={max_noise:g} makes inputs beyond float32's range (about 3.4e38); "
+                         "expected a far smaller noise")
     n_val = max(1, round(n * val_fraction))
 
     def build(cfg: dict[str, Any]) -> nn.Module:
