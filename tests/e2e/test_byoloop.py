@@ -654,8 +654,8 @@ def test_a_loop_that_reports_out_of_order_reproduces(tmp_path: Path) -> None:
     ({"task": ..., "loop": "exits_at_import:main"}, "loop: cannot import loop module 'exits_at_import': importing it "
                                                     "raised SystemExit: 0 (at exits_at_import.py:2)"),
     ({"task": ..., "loop": "needs_a_package:main"}, "loop: cannot import loop module 'needs_a_package': No module "
-                                                    "named 'not_installed_xyz'; the module was found, and "
-                                                    "'not_installed_xyz'"),
+                                                    "named 'not_installed_xyz' (at needs_a_package.py:1); the module "
+                                                    "was found, and 'not_installed_xyz'"),
     ({"task": ..., "loop": "direct:absent"}, "direct.py) has no function 'absent'"),
     # A `trainer.py` of the user's beside the study is hidden by this package's own `trainer`: the line says so.
     ({"task": ..., "loop": "trainer:main"}, "has no function 'main': 'trainer' is this package's own, and the "

@@ -421,9 +421,9 @@ def test_a_task_module_whose_own_import_fails_names_what_to_install(tmp_path: Pa
     # It said to put the task module next to the study file, which it was: the missing one is its dependency.
     (tmp_path / "needs_dep.py").write_text("import not_a_package_xyz\n\ndef task():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(TaskError, match=r"cannot import task module 'needs_dep': No module named 'not_a_package_xyz'; "
-                                        r"the module was found, and 'not_a_package_xyz', which it imports, was not: "
-                                        r"install it in this environment$"):
+    with pytest.raises(TaskError, match=r"cannot import task module 'needs_dep': No module named 'not_a_package_xyz' "
+                                        r"\(at needs_dep.py:1\); the module was found, and 'not_a_package_xyz', "
+                                        r"which it imports, was not: install it in this environment$"):
         load_task("needs_dep:task")
     with pytest.raises(TaskError, match=r"a module of your own must be importable"):
         load_task("absent_module_xyz:task")
