@@ -91,8 +91,9 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
                          f"{', '.join(repr(key) + hint(key) for key in unknown)}"))
     # A searched task argument the file gives no fixed value (a required one: `arrays`' `classes`) is built with
     # its range's first end here, as each end is below (tasks review: "missing 1 required positional argument").
+    required = _required_arguments(spec.task.name)
     searched = {key.removeprefix("task_args."): _first_value(param) for key, param in spec.space.items()
-                if key.startswith("task_args.") and key.count(".") == 1
+                if key.startswith("task_args.") and key.removeprefix("task_args.") in required
                 and key.removeprefix("task_args.") not in spec.task.args}
     try:
         task = load_task(spec.task.name, {**spec.task.args, **searched})
@@ -708,6 +709,21 @@ def _at(where: str, label: str | None, value: Any) -> str:
     """Where a searched value is named: by its key in the file (`space.x.low`), or as a drawn value between the ends,
     which no key names."""
     return f"{where} (drawn value {value})" if label is None else f"{where}.{label}"
+
+
+def _required_arguments(name: str) -> set[str]:
+    """The arguments a task's function takes with no default (none where it cannot be found or read: `load_task`
+    then says why)."""
+    import inspect
+
+    from trainer.tasks import resolve_task_factory
+
+    try:
+        parameters = inspect.signature(resolve_task_factory(name)).parameters.values()
+    except Exception:  # noqa: BLE001 - not found, not importable, no signature: load_task's own line says so
+        return set()
+    return {p.name for p in parameters if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def _first_value(param: FloatParam | IntParam | CategoricalParam) -> Any:
