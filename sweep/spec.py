@@ -716,14 +716,9 @@ def _required_arguments(name: str) -> set[str]:
     then says why)."""
     import inspect
 
-    from trainer.tasks import resolve_task_factory
+    from trainer.tasks import argument_defaults
 
-    try:
-        parameters = inspect.signature(resolve_task_factory(name)).parameters.values()
-    except Exception:  # noqa: BLE001 - not found, not importable, no signature: load_task's own line says so
-        return set()
-    return {p.name for p in parameters if p.default is inspect.Parameter.empty
-            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {key for key, default in (argument_defaults(name) or {}).items() if default is inspect.Parameter.empty}
 
 
 def _first_value(param: FloatParam | IntParam | CategoricalParam) -> Any:

@@ -262,15 +262,14 @@ def _same_task(stored: Any, task: Any) -> bool:
     edits review, refused as "task.args.val_fraction: added", where a fixed key at its default is accepted)."""
     import inspect
 
-    from trainer.tasks import resolve_task_factory
+    from trainer.tasks import argument_defaults
 
     if not (isinstance(stored, dict) and isinstance(task, dict)) or stored.get("name") != task.get("name"):
         return False
-    try:
-        parameters = inspect.signature(resolve_task_factory(str(task["name"]))).parameters.values()
-    except Exception:  # noqa: BLE001 - a task that cannot be found or read now: not known to be the same
+    arguments = argument_defaults(str(task["name"]))
+    if arguments is None:  # a task that cannot be found or read now: not known to be the same
         return False
-    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    defaults = {key: default for key, default in arguments.items() if default is not inspect.Parameter.empty}
     return {**defaults, **(stored.get("args") or {})} == {**defaults, **(task.get("args") or {})}
 
 

@@ -21,8 +21,8 @@ from trainer.tasks.blobs import blobs
 from trainer.tasks.charlm import charlm
 from trainer.tasks.digits import digits
 
-__all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "argument_names", "cross_entropy", "load_task",
-           "resolve_task_factory"]
+__all__ = ["BUILTIN_TASKS", "Task", "TaskError", "accuracy_sum", "argument_defaults", "argument_names", "cross_entropy",
+           "load_task", "resolve_task_factory"]
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"digits": digits, "charlm": charlm, "blobs": blobs,
                                                  "arrays": arrays}
@@ -51,6 +51,17 @@ def _seeded() -> Iterator[None]:
         finally:
             random.setstate(python)
             np.random.set_state(legacy)
+
+
+def argument_defaults(name: str) -> dict[str, Any] | None:
+    """The keyword arguments of the task named `name` and their defaults (`inspect.Parameter.empty` for one it
+    requires), or None when its function cannot be found or read (`load_task` says why)."""
+    try:
+        parameters = inspect.signature(resolve_task_factory(name)).parameters.values()
+    except Exception:  # noqa: BLE001 - not found, not importable, no signature
+        return None
+    return {p.name: p.default for p in parameters
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
 
 
 def argument_names(factory: Callable[..., Any]) -> list[str] | None:
