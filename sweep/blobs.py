@@ -219,6 +219,18 @@ class CheckpointStore:
             # Resolved: the trainer's files land in the same folder from any working directory.
             self.artifacts = None
             self.folder = Path(self.location).resolve() / study
+        self._seen = self.artifacts is None and self.folder.is_dir()
+
+    def vanished(self) -> bool:
+        """Whether the study's folder of a local store was there and is not now (deleted, or a share unmounted, while
+        the run writes in it). Writing there would make it anew, without its owner file, for another study of the
+        same name to claim, and its `sweep check --repair` to empty (files review)."""
+        if self.artifacts is not None:
+            return False
+        if self.folder.is_dir():
+            self._seen = True
+            return False
+        return self._seen
 
     @property
     def artifact_location(self) -> str:

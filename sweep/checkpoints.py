@@ -34,7 +34,7 @@ from sweep.registry import Registry, default_store
 from sweep.signals import sheltered
 from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
 from sweep.warmstart import Donor, DonorConfigs, categorical_key, coordinates, warm_start_from
-from trainer.checkpoint import CheckpointError, CheckpointInfo, TrainState, WarmStart
+from trainer.checkpoint import CheckpointError, CheckpointInfo, CheckpointWriteError, TrainState, WarmStart
 from trainer.yaml_file import short_repr
 
 if TYPE_CHECKING:
@@ -395,8 +395,15 @@ class TrialCheckpointer:
 
     def path_at(self, step: int) -> Path:
         """Where the trial's checkpoint at `step` goes, whatever the policy says (a user's loop saves when it
-        chooses; retention keeps its latest and its best k)."""
-        return self.store.local_path(f"trial{self.number:05d}-step{step:08d}.pt")
+        chooses; retention keeps its latest and its best k). A `CheckpointWriteError` (the machine's fault) where the
+        study's folder has vanished since the run wrote in it: not made anew, as it is not when a run starts."""
+        path = self.store.local_path(f"trial{self.number:05d}-step{step:08d}.pt")
+        if self.store.vanished():
+            raise CheckpointWriteError(
+                errno.ENOENT, f"cannot write checkpoint {path}: the study's folder {self.store.folder} is gone since "
+                "this run wrote in it (deleted, or its share unmounted): mount or restore it, then rerun; if its "
+                "checkpoints are gone for good, `sweep check STUDY.yaml --repair` forgets them", str(path))
+        return path
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         """Register the blob. While the storage is away (the trial keeps training), the registration waits in

@@ -477,8 +477,14 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
     from sweep.outcomes import OWNER_ATTR
     from sweep.registry import default_store
     from sweep.signals import stop_requested
-    from sweep.storage import StorageUnavailable, ask_lock, database_identity
-    from sweep.study import StoreMismatchError, StudyMismatchError, open_study, worker_storage
+    from sweep.storage import StorageUnavailable, ask_lock, database_identity, in_rollback_mode
+    from sweep.study import (
+        StoreMismatchError,
+        StudyMismatchError,
+        open_study,
+        refuse_another_tools_study,
+        worker_storage,
+    )
     from sweep.tracking import tensorboard_root
     from sweep.workers import prepare_process
 
@@ -512,6 +518,8 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
     # would be left beside a study this run then refuses.)
     with contextlib.ExitStack() as turn:
         try:
+            if database is not None and not made_here and in_rollback_mode(database):
+                refuse_another_tools_study(url, spec)  # read as it is: the worker's storage switches it to WAL
             storage = worker_storage(spec, url, notify=notify)
             if database is None:
                 turn.enter_context(ask_lock(url, spec.name, storage.boundary,

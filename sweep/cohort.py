@@ -370,13 +370,15 @@ class CohortLoop:
                 if not waiting:
                     # A new cohort's first member draws its shapes freely; the cohort's later members share them.
                     fixed = self.fixed if self.cohort is not None else None
-                    waiting, self.spent, self.seen = worker._ask_many(self._wanted(), fixed)  # noqa: SLF001
+                    # A ramp's count of the startup trials in flight, made again under the lock with the ask's read:
+                    # another worker's ramp may have taken the last one since (review: 4 admitted where 3 were missing).
+                    gate = self._ramp_open if self.cohort is not None and self.ramp else None
+                    waiting, self.spent, self.seen = worker._ask_many(self._wanted(), fixed, gate)  # noqa: SLF001
                     if not waiting and worker.sampler_stopped:  # the whole grid was taken before this ask
                         self.exhausted = self.spent = True
                     if not waiting:
                         return
-                    for trial in waiting:  # beating while they wait their turn (one may train alone meanwhile)
-                        beats.add(trial)
+                    beats.add(*waiting)  # beating while they wait their turn (one may train alone meanwhile)
                 if self.cohort is not None and self._open_slots() < 1:  # never: asked for the open slots
                     self._give_back(beats, waiting, _interrupted("interrupted: asked for a cohort slot that was "
                                                                  "taken", Outcome.INTERRUPTED))
@@ -538,16 +540,16 @@ class CohortLoop:
         self.ramp = completed < self.startup
         if self.ramp:  # the startup trials still missing, less those running elsewhere; this one at least
             size = min(size, max(1, self.startup - completed - running))
-        # Never more slots than the study has trials: a slot no trial will fill still costs memory and time.
-        self.building = max(1, min(size, self.worker.n_trials))
+        # Never more slots than this run has trials left (a rerun's, not the study's whole budget): a slot no trial
+        # will fill still costs memory and time (review: a rerun with 2 trials left made a cohort of 5).
+        left = self.worker.n_trials - budget_counts(self.seen)[0]
+        self.building = max(1, min(size, left))
         self.cohort = Cohort(prepared.task, prepared.config, self.building)
         self.made, self.building = self.building, 0
         self.cohorts += 1
         self.admitted = 0
         self.fixed = {key: prepared.params[key] for key in self.keys if key in prepared.params} or None
         # A ramp cohort drains once its startup trials are in: the next one draws anew (review: it said "try one").
-        # The trials this run has left to train (a rerun's, not the study's whole budget: review).
-        left = self.worker.n_trials - budget_counts(self.seen)[0]
         if self.fixed and self.cohorts == 1 and not self.ramp and left <= self._intake():
             one = len(self.fixed) == 1
             # One of several workers (`--workers N`, a Slurm array, pods; sweep.workers.WORKER_ENV): its cohort is
@@ -575,9 +577,13 @@ class CohortLoop:
     def _startup_in_flight(self) -> bool:
         """Whether the ramp cohort takes no more members: the startup trials still missing are all in flight, here
         or elsewhere (or none is missing: it drains, and the next cohort has the full size)."""
-        completed, running = self._startup_counts(self.worker.study.get_trials(
+        return not self._ramp_open(self.worker.study.get_trials(
             deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING)))
-        return completed + running >= self.startup
+
+    def _ramp_open(self, trials: list[optuna.trial.FrozenTrial]) -> bool:
+        """Whether, by `trials`, a startup trial is still missing that no worker runs."""
+        completed, running = self._startup_counts(trials)
+        return completed + running < self.startup
 
     def _suspect(self, trial: optuna.Trial) -> bool:
         """A retry whose lineage was lost twice in a cohort of several (`lost_in_a_cohort`; once is a machine's

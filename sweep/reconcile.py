@@ -317,7 +317,11 @@ def _check_blobs(registry: Registry, records: list[CheckpointRecord], scope: Blo
         needed = {where[r.id] for r in sound}
         for uri in dict.fromkeys(where[r.id] for r in corrupt):
             if uri is not None and uri not in needed:
-                delete_blob(uri)
+                try:
+                    delete_blob(uri)
+                except OSError as exc:  # its row is gone: a later check finds it an orphan
+                    report.notes.append(f"{uri}: its row was forgotten, but the file cannot be deleted "
+                                        f"({(exc.strerror or type(exc).__name__).lower()})")
     else:
         removed, still = set(), {r.id for r in registry.for_study(report.study)} if broken else set()
     report.problems += [Problem(
@@ -388,11 +392,21 @@ def _check_orphans(files: list[_File] | None, records: list[CheckpointRecord], s
         temporary = _is_temporary(file.path)
         if file.age_s < (stale_temporary_s if temporary else min_age_s):
             continue
-        if repair:
-            file.path.unlink(missing_ok=True)
+        refused = _unlinked(file.path) if repair else None
         kind = "a temporary left by a writer that did not finish" if temporary else "no checkpoint row names it"
-        report.problems.append(Problem(ProblemKind.ORPHAN_FILE, f"{file.path}: {kind} ({file.age_s / 60:.0f} min old)",
-                                       str(file.path), repaired=repair))
+        report.problems.append(Problem(ProblemKind.ORPHAN_FILE, f"{file.path}: {kind} ({file.age_s / 60:.0f} min old)"
+                                       + (f"; it cannot be deleted: {refused}" if refused else ""),
+                                       str(file.path), repaired=repair and refused is None))
+
+
+def _unlinked(path: Path) -> str | None:
+    """Delete `path`; what refused it (files review: a read-only store's error was taken for the database's), or
+    None."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        return (exc.strerror or type(exc).__name__).lower()
+    return None
 
 
 def _check_artifacts(study: optuna.Study, trials: Sequence[FrozenTrial], sound: list[CheckpointRecord],

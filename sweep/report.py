@@ -77,6 +77,14 @@ def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[st
     return bad, reasons
 
 
+def judged(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials `infeasible` chooses among: the finished ones that stand for their config (not one that was
+    retried or interrupted, whose retry stands for it; not one still waiting or running)."""
+    retried = retried_numbers(trials)
+    return [t for t in trials if t.state.is_finished() and t.number not in retried
+            and not t.user_attrs.get("interrupted")]
+
+
 def edge_warnings(space: dict[str, Any], params: dict[str, Any], margin: float = 0.05) -> list[str]:
     """A best value within `margin` of a range's end (on the log scale for log ranges) suggests the optimum lies
     outside the space searched: widen the range."""
@@ -260,12 +268,15 @@ def _render(study: optuna.Study) -> str:
     add_figure("Intermediate values", lambda: _intermediate_values_by_state(study))
     add_figure("Parameter importances", lambda: optuna.visualization.plot_param_importances(study))
 
-    share = 100 * len(bad) / len(trials) if trials else 0.0
+    # Out of the trials that could be (edits review: retried, interrupted and waiting ones were counted as feasible)
+    counted = len(judged(trials))
+    share = 100 * len(bad) / counted if counted else 0.0
     # A failure reason may quote a storage error, and that the storage URL: never its password.
     rows = "".join(f"<tr><td>{_html(mask_urls(reason))}</td><td>{count}</td></tr>" for reason, count in
                    reasons.most_common())
-    sections.append(f"<h2>Infeasible trials</h2><p>{len(bad)} of {len(trials)} trials ({share:.0f}%) diverged or "
-                    f"failed.</p>" + (f"<table><tr><th>reason</th><th>trials</th></tr>{rows}</table>" if rows else ""))
+    sections.append(f"<h2>Infeasible trials</h2><p>{len(bad)} of {counted} finished trials ({share:.0f}%) "
+                    "diverged or failed (a retried trial counts once, as its retry).</p>"
+                    + (f"<table><tr><th>reason</th><th>trials</th></tr>{rows}</table>" if rows else ""))
 
     sections.append(_warm_start_section(trials))
 

@@ -71,6 +71,7 @@ __all__ = [
     "database_gone",
     "database_identity",
     "engine_options",
+    "in_rollback_mode",
     "is_transient",
     "load_existing_study",
     "make_storage",
@@ -108,6 +109,17 @@ def _serialise_sqlite(engine: Engine, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -
     def _begin(connection: Any) -> None:
         # Take the write lock at the start: a transaction that reads, then writes, cannot deadlock on an upgrade.
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def in_rollback_mode(path: Path) -> bool:
+    """Whether the SQLite file at `path` is a database that is not in write-ahead logging (its header's file format
+    versions, bytes 18 and 19, are 2 in WAL), read without opening it as a database. False for anything else."""
+    try:
+        with path.open("rb") as handle:
+            header = handle.read(20)
+    except OSError:
+        return False
+    return len(header) == 20 and header.startswith(b"SQLite format 3\x00") and header[18:20] != b"\x02\x02"
 
 
 def _use_wal(url: str, patience_s: float = 60.0) -> None:
@@ -1076,13 +1088,26 @@ class PatientStorage(BaseStorage):
         snapshot, and what it writes to it (params, attrs) is written to the snapshot's copy too, so the snapshot
         stays what a fresh read would give: a sampler may read the trial it samples (Optuna's brute-force sampler
         finds the params drawn so far there). A trial queued (`enqueue_trial`) or claimed (a state written) drops
-        it."""
-        outer = getattr(self._shared, "everything", None)
-        self._shared.everything = {}
+        it.
+
+        The block's own trials are read from the snapshot too (Optuna's `Trial` reads the trial it was just given:
+        six queries), and their params and system attrs (TPE's constant liar shares its draws in one) are written
+        together, in one transaction, when the block ends, where each was one: still under the lock, so another
+        worker's ask finds them as before. A param is checked against the study's distributions of that name when
+        it is drawn, as Optuna's write checks it, and any other call to the storage writes them first."""
+        outer, outer_asked = getattr(self._shared, "everything", None), getattr(self._shared, "asked", None)
+        self._shared.everything, self._shared.asked = {}, set()
         try:
             yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error on its way out says more than this one
+                self.flush_deferred()
+            raise
+        else:
+            with contextlib.suppress(StorageAway):  # kept: the next call writes them
+                self.flush_deferred()
         finally:
-            self._shared.everything = outer
+            self._shared.everything, self._shared.asked = outer, outer_asked
 
     def _snapshot(self, study_id: int, states: Container[TrialState] | None) -> list[FrozenTrial] | None:
         everything: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "everything", None)
@@ -1164,11 +1189,39 @@ class PatientStorage(BaseStorage):
     def create_new_trial(self, study_id: int, template_trial: FrozenTrial | None = None) -> int:
         if template_trial is not None:  # a queued trial (`enqueue_trial`): the next ask must find it
             self._drop_snapshots()
-        trial_id: int = self._call("create_new_trial", study_id, template_trial)
         everything: dict[int, list[FrozenTrial]] | None = getattr(self._shared, "everything", None)
+        if everything is not None and template_trial is None:  # a new row's number depends on no other's values:
+            # the block's draws so far wait for its end (`shared_ask_reads`)
+            trial_id: int = self.boundary.call(self.cached.create_new_trial, study_id, None)
+        else:
+            trial_id = self._call("create_new_trial", study_id, template_trial)
         if everything and study_id in everything:  # the ask block's new trial joins its snapshot, as read afresh
             everything[study_id].append(self._created(trial_id))
+            self._shared.asked.add(trial_id)
         return trial_id
+
+    def _asked(self, trial_id: int) -> FrozenTrial | None:
+        """The ask block's snapshot's copy of `trial_id` when the block created it (what a read gives, with what
+        the block deferred for it), else None."""
+        found = self._asked_in(trial_id)
+        return None if found is None else found[0]
+
+    def _asked_in(self, trial_id: int) -> tuple[FrozenTrial, list[FrozenTrial]] | None:
+        """`_asked`, with the snapshot of its study's trials."""
+        if trial_id not in (getattr(self._shared, "asked", None) or ()):
+            return None
+        for trials in (getattr(self._shared, "everything", None) or {}).values():
+            for trial in reversed(trials):
+                if trial._trial_id == trial_id:  # noqa: SLF001 - a FrozenTrial's storage id
+                    return trial, trials
+        return None  # the snapshot was dropped (a state written, a trial queued): read afresh
+
+    def _defer_asked(self, trial_id: int, entry: tuple[str, int, Any, Any]) -> bool:
+        """Keep a write to a trial the ask block created for the block's end (`shared_ask_reads`)."""
+        if self._asked(trial_id) is None:
+            return False
+        self._shared.__dict__.setdefault("deferred", []).append(entry)
+        return True
 
     def _created(self, trial_id: int) -> FrozenTrial:
         """A trial this storage has just created, as Optuna's cache took it from the row the backend wrote (a copy):
@@ -1187,7 +1240,15 @@ class PatientStorage(BaseStorage):
 
     def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float,
                         distribution: optuna.distributions.BaseDistribution) -> None:
-        self._call("set_trial_param", trial_id, param_name, param_value_internal, distribution)
+        asked = self._asked_in(trial_id)
+        if asked is not None:  # Optuna's check of the study's other trials, on the block's read of them
+            for other in asked[1]:
+                if param_name in other.distributions:
+                    optuna.distributions.check_distribution_compatibility(other.distributions[param_name],
+                                                                          distribution)
+                    break
+        if not self._defer_asked(trial_id, ("param", trial_id, param_name, (param_value_internal, distribution))):
+            self._call("set_trial_param", trial_id, param_name, param_value_internal, distribution)
 
         def write(trial: FrozenTrial) -> None:
             trial.params[param_name] = distribution.to_external_repr(param_value_internal)
@@ -1227,7 +1288,8 @@ class PatientStorage(BaseStorage):
         self._mirror(trial_id, lambda trial: trial.user_attrs.__setitem__(key, value))
 
     def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
-        self._call("set_trial_system_attr", trial_id, key, value)
+        if not self._defer_asked(trial_id, ("system", trial_id, key, json.dumps(value))):
+            self._call("set_trial_system_attr", trial_id, key, value)
         self._mirror(trial_id, lambda trial: trial.system_attrs.__setitem__(key, value))
 
     def set_trial_user_attrs(self, trial_id: int, attrs: Mapping[str, Any]) -> None:
@@ -1241,9 +1303,10 @@ class PatientStorage(BaseStorage):
         self._mirror(trial_id, lambda trial: trial.user_attrs.update(attrs))
 
     def _write_together(self, entries: Sequence[tuple[str, int, Any, Any]], *, strict: bool = True) -> None:
-        """Intermediate values (`("value", trial_id, step, value)`) and user attrs (`("user", trial_id, key,
-        value_json)`) of running trials, in one transaction, with Optuna's checks made once for all: one read of the
-        trials' states, then on SQLite and PostgreSQL one multi-row upsert per table (elsewhere Optuna's own
+        """Intermediate values (`("value", trial_id, step, value)`), user and system attrs (`("user" or "system",
+        trial_id, key, value_json)`) and params (`("param", trial_id, name, (internal value, distribution))`) of
+        running trials, in one transaction, with Optuna's checks made once for all: one read of the trials' states,
+        then on SQLite and PostgreSQL one multi-row upsert per table (elsewhere, and for params, Optuna's own
         `_without_commit` writes, one by one). A later entry for the same step or key wins, as it would written
         one by one. A trial that does not exist or has ended refuses its entries (Optuna's error, raised once the
         others are stored; with `strict` False, its entries are dropped)."""
@@ -1256,8 +1319,10 @@ class PatientStorage(BaseStorage):
                   "postgresql": postgresql.insert}.get(backend.engine.name)
         values: dict[tuple[int, Any], Any] = {}
         attrs: dict[tuple[int, Any], Any] = {}
+        systems: dict[tuple[int, Any], Any] = {}
+        params: dict[tuple[int, Any], Any] = {}
         for kind, trial_id, key, value in entries:
-            (values if kind == "value" else attrs)[trial_id, key] = value
+            {"value": values, "user": attrs, "system": systems, "param": params}[kind][trial_id, key] = value
         refused: tuple[int, TrialState | None] | None = None
         with _create_scoped_session(backend.scoped_session) as session:
             ids = sorted({trial_id for _, trial_id, _, _ in entries})
@@ -1267,21 +1332,25 @@ class PatientStorage(BaseStorage):
             refused = next(((i, states.get(i)) for i in ids if i not in live), None)
             values = {k: v for k, v in values.items() if k[0] in live}
             attrs = {k: v for k, v in attrs.items() if k[0] in live}
+            systems = {k: v for k, v in systems.items() if k[0] in live}
+            for (trial_id, name), (internal, distribution) in params.items():
+                if trial_id in live:
+                    backend._set_trial_param_without_commit(  # noqa: SLF001 - Optuna's own write and checks
+                        session, trial_id, name, internal, distribution)
             if insert is None:
                 for (trial_id, step), value in values.items():
                     backend._set_trial_intermediate_value_without_commit(  # noqa: SLF001 - Optuna's own write
                         session, trial_id, step, value)
-                for (trial_id, key), value_json in attrs.items():
-                    backend._set_trial_attr_without_commit(  # noqa: SLF001 - Optuna's own write
-                        session, models.TrialUserAttributeModel, trial_id, key, json.loads(value_json))
+                for table, written in ((models.TrialUserAttributeModel, attrs),
+                                       (models.TrialSystemAttributeModel, systems)):
+                    for (trial_id, key), value_json in written.items():
+                        backend._set_trial_attr_without_commit(  # noqa: SLF001 - Optuna's own write
+                            session, table, trial_id, key, json.loads(value_json))
             else:
                 stored = models.TrialIntermediateValueModel
-                model = models.TrialUserAttributeModel
                 value_rows = [dict(zip(("trial_id", "step", "intermediate_value", "intermediate_value_type"),
                                        (trial_id, step, *stored.intermediate_value_to_stored_repr(value))))
                               for (trial_id, step), value in values.items()]
-                attr_rows = [{"trial_id": trial_id, "key": key, "value_json": value_json}
-                             for (trial_id, key), value_json in attrs.items()]
                 # In statements of at most `chunk` rows: PostgreSQL takes at most 65535 parameters in one, SQLite
                 # before 3.32 at most 999.
                 chunk = UPSERT_ROWS if backend.engine.name != "sqlite" or sqlite3.sqlite_version_info >= (3, 32) \
@@ -1292,10 +1361,14 @@ class PatientStorage(BaseStorage):
                         index_elements=[stored.trial_id, stored.step],
                         set_={"intermediate_value": rows.excluded.intermediate_value,
                               "intermediate_value_type": rows.excluded.intermediate_value_type}))
-                for start in range(0, len(attr_rows), chunk):
-                    rows = insert(model).values(attr_rows[start: start + chunk])
-                    session.execute(rows.on_conflict_do_update(index_elements=[model.trial_id, model.key],
-                                                               set_={"value_json": rows.excluded.value_json}))
+                for model, written in ((models.TrialUserAttributeModel, attrs),
+                                       (models.TrialSystemAttributeModel, systems)):
+                    attr_rows = [{"trial_id": trial_id, "key": key, "value_json": value_json}
+                                 for (trial_id, key), value_json in written.items()]
+                    for start in range(0, len(attr_rows), chunk):
+                        rows = insert(model).values(attr_rows[start: start + chunk])
+                        session.execute(rows.on_conflict_do_update(index_elements=[model.trial_id, model.key],
+                                                                   set_={"value_json": rows.excluded.value_json}))
         if not strict:
             dropped = {i for i in ids if i not in live}
             if dropped:
@@ -1329,7 +1402,8 @@ class PatientStorage(BaseStorage):
         return self._call("get_trial_id_from_study_id_trial_number", study_id, trial_number)
 
     def get_trial(self, trial_id: int) -> FrozenTrial:
-        return self._call("get_trial", trial_id)
+        asked = self._asked(trial_id)
+        return copy.deepcopy(asked) if asked is not None else self._call("get_trial", trial_id)
 
     def get_all_trials(self, study_id: int, deepcopy: bool = True,
                        states: Container[TrialState] | None = None) -> list[FrozenTrial]:
@@ -1348,6 +1422,42 @@ class PatientStorage(BaseStorage):
         self.backend.remove_session()
 
     # Heartbeats and stale trials (sweep.worker), through the boundary too.
+    def start_heartbeats(self, trial_ids: Sequence[int], key: str, settings: Mapping[str, Any]) -> None:
+        """Each trial's heartbeat `settings` (a system attr under `key`) and its first beat, for all of them in one
+        transaction (what this thread deferred is written first). A trial that has ended refuses them all, with
+        Optuna's error, as its system attr's write would."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        backend = self.backend
+
+        def write() -> None:
+            refused: tuple[int, TrialState | None] | None = None
+            with _create_scoped_session(backend.scoped_session, True) as session:
+                states = dict(session.query(models.TrialModel.trial_id, models.TrialModel.state)
+                              .filter(models.TrialModel.trial_id.in_(trial_ids)).all())
+                refused = next(((i, states.get(i)) for i in trial_ids
+                                if i not in states or states[i].is_finished()), None)
+                if refused is None:
+                    for trial_id in trial_ids:
+                        backend._set_trial_attr_without_commit(  # noqa: SLF001 - Optuna's own write
+                            session, models.TrialSystemAttributeModel, trial_id, key, dict(settings))
+                    for trial_id in trial_ids:  # as Optuna's `record_heartbeat` writes one
+                        beat = models.TrialHeartbeatModel.where_trial_id(trial_id, session, True)
+                        if beat is None:
+                            session.add(models.TrialHeartbeatModel(trial_id=trial_id))
+                        else:
+                            beat.heartbeat = session.execute(sqlalchemy.func.now()).scalar_one()
+            if refused is not None:  # Optuna's error, raised outside the transaction (its message reads the trial)
+                if refused[1] is None:
+                    raise KeyError(f"No trial with trial id {refused[0]} exists.")
+                backend.check_trial_is_updatable(*refused)  # type: ignore[arg-type]
+
+        self.flush_deferred()
+        self.boundary.call(write)
+        for trial_id in trial_ids:
+            self._mirror(trial_id, lambda trial: trial.system_attrs.__setitem__(key, dict(settings)))
+
     def record_heartbeat(self, trial_id: int) -> None:
         # A trial's liveness, in a table of its own: what this thread deferred need not go first.
         self.boundary.call(self.cached.record_heartbeat, trial_id)

@@ -21,6 +21,7 @@ import yaml
 
 from sweep.blobs import is_object_url
 from sweep.components import PRUNERS, SAMPLERS, build_pruner, build_sampler
+from sweep.objective import task_for
 from sweep.outcomes import OWNER_ATTR, SPEC_ATTR, budget_counts
 from sweep.registry import default_store
 from sweep.schema import StudySpec, resolve_storage_url
@@ -41,8 +42,8 @@ from trainer.yaml_file import short_repr
 
 __all__ = ["PRUNERS", "SAMPLERS", "Events", "InfrastructureError", "Preempted", "RunSummary", "StudyBrokenError",
            "StudyMismatchError", "budget_used", "definition_note",
-           "label_for_dashboard", "load_existing_study", "mask_url", "open_study", "request_stop",
-           "resolve_storage_url", "run_study", "worker_storage"]
+           "label_for_dashboard", "load_existing_study", "mask_url", "open_study",
+           "refuse_another_tools_study", "request_stop", "resolve_storage_url", "run_study", "worker_storage"]
 
 
 class StudyMismatchError(Exception):
@@ -99,8 +100,7 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
         stored = spec.stored()
     stored = stored if stored is not None else study.user_attrs.get(SPEC_ATTR)  # another worker took it meanwhile
     if stored is None:
-        raise StudyMismatchError(f"study {spec.name!r} exists but was not created by sweep; choose another name "
-                                 "with --study-name")
+        raise StudyMismatchError(_NOT_SWEEPS.format(name=spec.name))
     if not isinstance(stored, dict):
         raise StudyMismatchError(f"study {spec.name!r} holds a damaged definition (its user attr {SPEC_ATTR!r} is "
                                  f"{short_repr(stored)}, not a mapping: edited by hand or by another tool?); nothing "
@@ -128,6 +128,25 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
     study.set_user_attr(SPEC_ATTR, latest)
     label_for_dashboard(study, latest)
     return study
+
+
+_NOT_SWEEPS = "study {name!r} exists but was not created by sweep; choose another name with --study-name"
+
+
+def refuse_another_tools_study(url: str, spec: StudySpec) -> None:
+    """`StudyMismatchError` where the SQLite file at `url` holds a study of `spec`'s name that sweep did not create,
+    found by reading the file as it is: opening a worker's storage switches the file to write-ahead logging, and a
+    run refused must leave another tool's file as it found it (edits review: its journal mode changed)."""
+    storage = make_storage(url, wal=False)
+    try:
+        try:
+            study = optuna.load_study(study_name=spec.name, storage=storage)
+        except KeyError:
+            return
+        if _stored_spec(study, patience_s=0.0) is None and not _unlabelled(study, spec):
+            raise StudyMismatchError(_NOT_SWEEPS.format(name=spec.name))
+    finally:
+        storage.engine.dispose()
 
 
 def is_another_store(name: str, before: str, now: str) -> bool:
@@ -249,10 +268,18 @@ def budget_used(study: optuna.Study) -> int:
 
 
 def _same_values(spec: StudySpec, stored_fixed: Any) -> bool:
-    """Fixed values written differently that mean the same (`1e-4`, which YAML reads as a string, and `0.0001`)."""
+    """Fixed values written differently that mean the same (`1e-4`, which YAML reads as a string, and `0.0001`; a
+    key written at its default and left out, the model's keys at the task's defaults too: edits review, `model.depth:
+    2` on digits was refused as "fixed.model: added")."""
     try:
         stored = spec.model_copy(update={"fixed": nest(dict(stored_fixed or {}))})
-        return stored.config_for({}).to_dict() == spec.config_for({}).to_dict()
+        theirs, ours = stored.config_for({}).to_dict(), spec.config_for({}).to_dict()
+        if theirs == ours:
+            return True
+        if {key for key in {*theirs, *ours} if theirs.get(key) != ours.get(key)} != {"model"}:
+            return False
+        task = task_for(ours["task"], ours["task_args"] or {})
+        return task.model_config(theirs["model"] or {}) == task.model_config(ours["model"] or {})
     except Exception:  # noqa: BLE001 - values the trainer refuses cannot be the same as valid ones
         return False
 

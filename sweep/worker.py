@@ -158,19 +158,21 @@ class Beats:
     def __init__(self, storage: PatientStorage | None) -> None:
         self.storage, self._ids, self._guard = storage, set[int](), threading.Lock()
 
-    def add(self, trial: optuna.Trial) -> None:
-        trial_id = trial._trial_id  # noqa: SLF001 - Optuna has no public id of a running trial
+    def add(self, *trials: optuna.Trial) -> None:
+        """Beat for `trials` from now on, each given its heartbeat settings and its first beat first (all of them
+        in one transaction)."""
         with self._guard:
-            if trial_id in self._ids:
-                return
+            ids = [t._trial_id for t in trials if t._trial_id not in self._ids]  # noqa: SLF001 - no public id
+        if not ids:
+            return
         if self.storage is not None:
-            # Its settings first: a trial with no heartbeat is never found stale, one with a beat and no settings is
-            # judged by the judge's own (review: an outage between the two writes let a shorter grace fail it).
-            self.storage.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, {
+            # Its settings with its first beat, in one transaction: a trial with no heartbeat is never found stale,
+            # one with a beat and no settings is judged by the judge's own (review: an outage between the two
+            # writes let a shorter grace fail it).
+            self.storage.start_heartbeats(ids, HEARTBEAT_ATTR, {
                 "interval": self.storage.heartbeat_interval, "grace": self.storage.grace_period})
-            self.storage.record_heartbeat(trial_id)  # the first beat now, before the trial trains
         with self._guard:
-            self._ids.add(trial_id)
+            self._ids.update(ids)
 
     def discard(self, trial: optuna.Trial) -> None:
         with self._guard:
@@ -363,11 +365,13 @@ class Worker:
             raise InfrastructureError(gone)
 
     def _ask_many(self, count: int, fixed: dict[str, Any] | None = None,
+                  gate: Callable[[list[FrozenTrial]], bool] | None = None,
                   ) -> tuple[list[optuna.Trial], bool, list[FrozenTrial]]:
         """Up to `count` trials asked as `_ask_next` asks one, under one hold of the lock and one read of the study
         (a cohort's free slots at an evaluation boundary): each is counted against the budget and sampled knowing
         the ones asked before it, as if asked one after another. Returns the trials (fewer when the budget or the
-        trials in flight elsewhere allow fewer), whether the budget is spent, and the study's trials."""
+        trials in flight elsewhere allow fewer), whether the budget is spent, and the study's trials. `gate`: asked
+        with the study's trials under the lock before each one, whether it may be asked (a cohort's ramp)."""
         self._database_still_there()
         asked: list[optuna.Trial] = []
         created: list[optuna.Trial] = []  # every trial `study.ask` made, the one being sampled when it fails too
@@ -377,7 +381,7 @@ class Worker:
                 self._fail_lost_trials()
                 with self._shared_reads():
                     while len(asked) < count:
-                        trial, spent, trials = self._count_and_ask(fixed, created)
+                        trial, spent, trials = self._count_and_ask(fixed, created, gate)
                         if trial is None:
                             break
                         asked.append(trial)
@@ -421,6 +425,7 @@ class Worker:
         return contextlib.nullcontext()
 
     def _count_and_ask(self, fixed: dict[str, Any] | None, created: list[optuna.Trial] | None = None,
+                       gate: Callable[[list[FrozenTrial]], bool] | None = None,
                        ) -> tuple[optuna.Trial | None, bool, list[FrozenTrial]]:
         trials = self.study.get_trials(deepcopy=False)
         queued, young = self._requeue_orphans(trials)
@@ -438,6 +443,8 @@ class Worker:
         if used + running >= self.n_trials:
             return None, False, trials
         if self._warm_results_pending(trials, used + running):
+            return None, False, trials
+        if gate is not None and not gate(trials):
             return None, False, trials
         self._queue_confirmation(trials, used + running)
         if self.spec.sampler.type == "bruteforce" and not any(t.state == TrialState.WAITING for t in trials):

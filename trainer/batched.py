@@ -1249,17 +1249,21 @@ class Cohort:
         out of memory, say) is the cohort's, raised after every checkpoint written is registered."""
         jobs: list[tuple[Path, Callable[[], TrainState]]] = []
         owners: list[tuple[int, Any, Mapping[str, float] | None]] = []
+        unwritten: dict[int, CheckpointWriteError] = {}
         for i in indices:
             slot = self.slots[i]
             assert slot is not None
             checkpointer = slot.member.checkpointer
             metrics = slot.result.metrics if i in evals else None
-            path = None if checkpointer is None else checkpointer.path_for(slot.done, metrics)
+            try:  # a checkpointer may refuse the path itself: the machine's fault, as a failed write
+                path = None if checkpointer is None else checkpointer.path_for(slot.done, metrics)
+            except CheckpointWriteError as exc:
+                unwritten[slot.id] = exc
+                continue
             if path is not None:
                 jobs.append((Path(path), functools.partial(self.member_state, slot.id)))
                 owners.append((slot.id, checkpointer, metrics))
         failed: BaseException | None = None
-        unwritten: dict[int, CheckpointWriteError] = {}
         for (member_id, owner, values), info in zip(owners, save_checkpoints(jobs)):
             if isinstance(info, CheckpointWriteError):
                 unwritten[member_id] = info

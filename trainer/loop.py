@@ -197,7 +197,8 @@ class Checkpointer(Protocol):
     """Where and when to write checkpoints; the trainer writes them (format, atomicity, what they hold)."""
 
     def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
-        """Asked after every log and evaluation step (`metrics`: that evaluation's, else None). None: not now."""
+        """Asked after every log and evaluation step (`metrics`: that evaluation's, else None). None: not now. A
+        `CheckpointWriteError` where no checkpoint can be written there (the machine's fault, as a failed write)."""
 
     def saved(self, info: CheckpointInfo, metrics: Mapping[str, float] | None) -> None:
         """Told after a checkpoint is safely on disk."""

@@ -192,15 +192,30 @@ def _lines_backwards(log: Path, block: int = 1 << 16) -> Iterator[str]:
                 yield from reversed(part.decode("utf-8", "replace").splitlines() or [""])
             rest = head
             if len(rest) > LONGEST_LINE:
-                yield from reversed(rest[-LONGEST_LINE:].decode("utf-8", "replace").splitlines() or [""])
+                yield from (Cut(line) for line in
+                            reversed(rest[-LONGEST_LINE:].decode("utf-8", "replace").splitlines() or [""]))
                 rest, skipping = b"", True
 
 
+class Cut(str):
+    """A line `_lines_backwards` gives by its last `LONGEST_LINE` bytes only."""
+
+
+class LineTooLong(ValueError):
+    """The log's last line that may hold the metric is longer than `LONGEST_LINE`: not read whole."""
+
+
 def last_json_value(log: Path, metric: str) -> float | None:
-    """The metric in the last line of the log that is a JSON object holding it, or None."""
+    """The metric in the last line of the log that is a JSON object holding it, or None. `LineTooLong` where a line
+    after every such line ends as a JSON object does but is too long to be read whole (users' code review: a final
+    JSON line of 1.2 MB was passed over without a word, and an earlier line's value taken)."""
     try:
         for line in _lines_backwards(log):
-            line = line.strip()
+            cut, line = isinstance(line, Cut), line.strip()
+            if cut and line.endswith("}"):
+                raise LineTooLong(f"its output's last line that may be a JSON object holding {metric!r} is longer "
+                                  f"than the {LONGEST_LINE // 2**20} MiB sweep reads of one line; print {metric} in "
+                                  "a shorter line, or report it with `client.report`")
             if not (line.startswith("{") and line.endswith("}")):
                 continue
             try:
@@ -290,7 +305,10 @@ class CommandTrial(TrialRun):
             tail = _tail(log)
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {tail}"
                                                                           f"{_interpreter_hint(argv, tail)}"})
-        value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
+        try:
+            value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
+        except LineTooLong as exc:
+            return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command exited with code 0, but {exc}"})
         if value is None:
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command reported no {spec.metric!r} "
                                                       f"and printed no JSON line holding it as a number: "

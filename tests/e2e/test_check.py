@@ -215,3 +215,33 @@ def test_check_reads_a_registry_an_older_sweep_wrote_without_changing_it(tmp_pat
     with sqlite3.connect(tmp_path / "tiny.db") as db:  # a check without --repair writes nothing
         columns = [row[1] for row in db.execute("PRAGMA table_info(sweep_checkpoints)")]
         assert not set(newer) & set(columns) and db.execute("SELECT * FROM sweep_checkpoints").fetchall() == before
+
+
+def test_a_repair_that_may_not_delete_an_orphan_says_so_and_blames_no_database() -> None:
+    # Files review: on a read-only store, `check --repair` ended with "cannot read the study in sqlite:///...:
+    # OSError: Read-only file system ...; was the database edited by hand", and said nothing of what it repaired.
+    # Here the store's folder is read-only to the checking user: the orphan is listed, not deleted.
+    import os
+    import time
+
+    folder = Path(tempfile.mkdtemp(prefix="sweep-check-"))
+    try:
+        path = write_study(folder, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+        assert sweep_cli("run", path).returncode == 0
+        subprocess.run(["chmod", "-R", "a+rwX", str(folder)], check=True)
+        blobs = folder / "tiny.checkpoints" / "tiny"
+        stray = blobs / "stray.pt"
+        stray.write_bytes(b"junk")
+        os.utime(stray, (time.time() - 7200, time.time() - 7200))
+        blobs.chmod(0o555)  # read-only for a user without root's privileges
+        try:
+            found = _as_another_user("check", path, "--repair")
+        finally:
+            blobs.chmod(0o777)
+        shown = " ".join((found.stdout + found.stderr).split())
+        assert found.returncode == 1, shown
+        assert f"{stray.resolve()}: no checkpoint row names it (120 min old); it cannot be deleted: permission " \
+            "denied" in shown, shown
+        assert "edited by hand" not in shown and "Traceback" not in shown and stray.exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

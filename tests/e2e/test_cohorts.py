@@ -213,6 +213,17 @@ def test_cohort_auto_takes_no_more_slots_than_the_study_has_trials(tmp_path: Pat
     assert len(trials) == 6 and {t.user_attrs["cohort"]["size"] for t in trials} == {6}
 
 
+def test_a_rerun_s_cohort_takes_no_more_slots_than_the_run_has_trials_left(tmp_path: Path) -> None:
+    # Review: a rerun with 2 trials left made a cohort of 5 (the study's whole n_trials), whose 3 empty slots trained
+    # until the first shrink, and status named a size no cohort held.
+    path = cohort_study(tmp_path, n_trials=3, execution={"cohort": "auto"})
+    assert sweep_cli("run", path).returncode == 0
+    done = sweep_cli("run", path, "--cohort", "16", "--n-trials", "5")
+    assert done.returncode == 0, done.stderr
+    trials = load(tmp_path).get_trials()
+    assert len(trials) == 5 and [t.user_attrs["cohort"]["size"] for t in trials] == [3, 3, 3, 2, 2]
+
+
 def test_members_pruners_sharing_one_read_per_step_decide_as_if_each_read_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Within a step a cohort's members report one after another and none is told, so one read of the study's

@@ -560,6 +560,18 @@ def test_a_line_longer_than_any_kept_is_given_by_its_end_and_the_rest_of_it_is_n
         out.write(b'{"val_loss": 0.25}\n' + "".join(f"\r{i:>8}/100000 loss=0.1" for i in range(100_000)).encode())
     assert last_json_value(log, "val_loss") == 0.25
     assert _tail(log, 1) == "99999/100000 loss=0.1"
+    # Users' code review: a last JSON line too long to read whole was passed over, and an earlier line's value taken
+    # without a word. It is named instead; a long line that is no JSON object's end is still passed over.
+    from sweep.runners.command import LineTooLong
+
+    with log.open("wb") as out:
+        out.write(b'{"val_loss": 9.0}\n' + json.dumps({"val_loss": 0.33, "per_sample": [0.5] * 250_000}).encode()
+                  + b"\n")
+    with pytest.raises(LineTooLong, match="longer than the 1 MiB sweep reads of one line; print val_loss"):
+        last_json_value(log, "val_loss")
+    with log.open("ab") as out:
+        out.write(b'{"val_loss": 0.5}\n')  # a shorter line after it: the last one holding the metric
+    assert last_json_value(log, "val_loss") == 0.5
 
 
 def test_lines_read_backwards_in_blocks_of_any_size_are_the_log_s_lines(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ Wall-clock checkpoints (`checkpoints.every_seconds`) are tested on a fake clock 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,36 @@ def test_an_artifact_upload_that_fails_midway_leaves_no_partial_copy(tmp_path: P
     assert list((tmp_path / "_artifacts").iterdir()) == []
     store.write("a2", io.BytesIO(b"whole"))
     assert (tmp_path / "_artifacts" / "a2").read_bytes() == b"whole"
+
+
+class Deleting(NullReporter):
+    """A reporter that deletes the study's checkpoint folder at log step `at` (a share unmounted, `rm -rf`)."""
+
+    def __init__(self, folder: Path, at: int) -> None:
+        self.folder, self.at = folder, at
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step == self.at:
+            shutil.rmtree(self.folder)
+
+
+def test_a_study_folder_deleted_mid_run_is_not_made_anew_by_the_next_checkpoint(tmp_path: Path) -> None:
+    # Files review: the next checkpoint made the folder again, without its owner file; another study of the same
+    # name then claimed it, and its `sweep check --repair` deleted this study's checkpoints as orphans. As when a run
+    # starts with the folder gone: the machine's fault, named, and nothing made.
+    from trainer.checkpoint import CheckpointWriteError
+
+    registry, store = Registry(f"sqlite:///{tmp_path / 'study.db'}"), CheckpointStore(tmp_path / "blobs", "s")
+    store.folder.mkdir(parents=True)
+    checkpointer = TrialCheckpointer(registry, store, "s", 0, {"learning_rate": 0.05},
+                                     CheckpointPolicy.model_validate({"every_steps": 10}), "val_loss", maximize=False)
+    config = TrainingConfig.from_dict({"task": "digits", "max_steps": 60, "log_every_steps": 5,
+                                       "eval_every_steps": 20, "batch_size": 16, "model.hidden": 8})
+    with pytest.raises(CheckpointWriteError, match=r"the study's folder .* is gone since this run wrote in it"):
+        train(config, load_task("digits"), Deleting(store.folder, 25), checkpointer=checkpointer)
+    assert not store.folder.exists() and [r.step for r in registry.for_trial("s", 0)] == [20]
+    # A folder that was never there (a study from before owner files) is made by the first checkpoint, as before.
+    fresh = TrialCheckpointer(registry, CheckpointStore(tmp_path / "new", "s"), "s", 1, {"learning_rate": 0.05},
+                              CheckpointPolicy.model_validate({"every_steps": 10}), "val_loss", maximize=False)
+    assert train(config, load_task("digits"), checkpointer=fresh).status == "completed"
+    assert (tmp_path / "new" / "s" / "trial00001-step00000060.pt").exists()

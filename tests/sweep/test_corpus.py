@@ -1638,6 +1638,12 @@ def test_reading_a_study_changes_no_byte_of_its_file(tmp_path: Path) -> None:
         assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'sweep_checkpoints'").fetchall() == []
     check = sweep_cli("check", "theirs.db", cwd=tmp_path)
     assert "no checkpoint registry (no sweep_checkpoints table)" in check.stderr, check.stderr
+    # A run refused as another tool's study changes no byte either (edits review: it switched the file to WAL).
+    path = write_study(tmp_path, changed(name="theirs"), STUDY)
+    done = sweep_cli("run", path, "--storage", "sqlite:///theirs.db", cwd=tmp_path)
+    assert done.returncode == 2 and "study 'theirs' exists but was not created by sweep" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1
+    assert hashlib.sha256(database.read_bytes()).hexdigest() == before
 
 
 def _edited(folder: Path, *statements: str) -> Path:

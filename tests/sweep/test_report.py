@@ -10,7 +10,7 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from sweep.report import STATE_COLOURS, _intermediate_values_by_state, focus_range, render_report
+from sweep.report import STATE_COLOURS, _intermediate_values_by_state, focus_range, infeasible, judged, render_report
 
 
 def _study(tmp_path: Path, curves: list[tuple[TrialState, list[float]]], direction: str = "minimize") -> optuna.Study:
@@ -84,3 +84,21 @@ def test_text_that_would_not_show_as_itself_is_written_as_its_escape(tmp_path: P
     assert not any(c in page for c in "\a\x1b\u202e")
     assert "two lines\nand a bell\\x07, an escape\\x1b[2J, &lt;b&gt;\\u202eevil" in page
     assert "ValueError: gnp\\u202eexe.txt" in page
+
+
+def test_the_infeasible_share_counts_each_config_once_among_the_finished_trials(tmp_path: Path) -> None:
+    # Edits review: "3 of 11 trials (27%)" counted a lost trial and its retry, an interrupted one and its waiting
+    # retry as feasible trials, where the failures left them out: 3 of 9 is the share.
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'r.db'}")
+    rows = [(TrialState.COMPLETE, {}), (TrialState.FAIL, {"fail_reason": "boom"}),  # 0, 1: judged
+            (TrialState.FAIL, {"fail_reason": "worker lost"}), (TrialState.COMPLETE, {"retry_of": 2}),  # 2 retried
+            (TrialState.FAIL, {"interrupted": True}), (TrialState.WAITING, {"retry_of": 4}),  # 4 and its retry
+            (TrialState.PRUNED, {"prune_reason": {"rule": "nan"}}), (TrialState.RUNNING, {})]
+    for state, attrs in rows:
+        study.add_trial(create_trial(state=state, value=1.0 if state == TrialState.COMPLETE else None,
+                                     params={"x": 1.0}, distributions={"x": FloatDistribution(0, 2)},
+                                     user_attrs=attrs))
+    trials = study.get_trials()
+    bad, _ = infeasible(trials)
+    assert [t.number for t in bad] == [1, 6]
+    assert [t.number for t in judged(trials)] == [0, 1, 3, 6]

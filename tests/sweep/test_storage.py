@@ -127,6 +127,22 @@ def test_a_task_argument_written_at_its_default_or_left_out_resumes_the_study(tm
         open_study(load_spec(path)[0], url)
 
 
+def test_a_model_key_written_at_the_task_s_default_resumes_the_study(tmp_path: Path) -> None:
+    """Edits review: `fixed.model.depth: 2` (digits' default) added on a rerun was refused as "fixed.model: added",
+    where any other key written at its default is accepted."""
+    from trainer.tasks import load_task
+
+    assert load_task("digits", {}).model_defaults["depth"] == 2
+    path = write_study(tmp_path, TINY_STUDY)
+    url = f"sqlite:///{tmp_path / 'tiny.db'}"
+    open_study(load_spec(path)[0], url)
+    path.write_text(path.read_text().replace("batch_size: 32", "batch_size: 32\n  model: {depth: 2}"))
+    open_study(load_spec(path)[0], url)  # not refused
+    path.write_text(path.read_text().replace("depth: 2", "depth: 3"))
+    with pytest.raises(StudyMismatchError, match=r"different fixed \(fixed.model"):
+        open_study(load_spec(path)[0], url)
+
+
 def test_a_shared_block_reads_the_finished_trials_once_until_this_storage_writes_a_state(tmp_path: Path) -> None:
     # A cohort's step: every member's pruner reads the study's finished trials; in `shared_finished_reads` they share
     # the block's first read. Another worker's trial that finishes meanwhile is seen after the block (or once this
@@ -357,6 +373,88 @@ def test_a_block_s_reports_and_attrs_are_one_write_and_a_trial_ended_elsewhere_d
     assert math.isnan(values.pop(0)) and values == {5: 0.75, 10: 0.5}
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_an_ask_block_s_draws_are_one_write_at_its_end_and_an_incompatible_draw_is_refused_at_once(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # A cohort's free slots are asked in one block under the study's lock. Each trial's params and TPE's shared
+    # draw (constant liar: a system attr) were a transaction each: they are written together when the block ends,
+    # still under the lock, and another worker finds them then. Optuna's `Trial` reads the trial it was given: from
+    # the block's snapshot, not the database. A param of another kind than the study's is refused at the draw.
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+    from sqlalchemy import event
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 'p.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    study = optuna.create_study(study_name=f"asked-{tmp_path.name}", storage=storage,
+                                sampler=optuna.samplers.TPESampler(seed=1, n_startup_trials=2))
+    other = optuna.load_study(study_name=study.study_name, storage=make_storage(url))
+    space = {"lr": FloatDistribution(1e-4, 1e-1, log=True), "x": FloatDistribution(0.0, 1.0),
+             "act": CategoricalDistribution(["relu", "tanh"])}
+    for value in (0.3, 0.1):
+        study.tell(study.ask(space), value)
+    seen: list[str] = []
+    event.listen(storage.backend.engine, "before_cursor_execute",
+                 lambda conn, cursor, statement, *rest: seen.append(" ".join(statement.split()[:4])))
+    event.listen(storage.backend.engine, "commit", lambda conn: seen.append("COMMIT"))
+    with storage.shared_ask_reads():
+        asked = [study.ask(space) for _ in range(3)]
+        inside = list(seen)
+        assert [t.params for t in other.get_trials()[2:]] == [{}, {}, {}]  # not written yet
+    written = seen[len(inside):]
+    assert not any(s.startswith("INSERT INTO trial_params") for s in inside)
+    assert sum(s.startswith("INSERT INTO trials ") for s in inside) == 3
+    assert written.count("COMMIT") == 1 and written[-1] == "COMMIT"
+    assert sum(s.startswith("INSERT INTO trial_params") for s in written) == 9
+    stored = {t.number: t for t in other.get_trials()}
+    for trial in asked:
+        assert stored[trial.number].params == trial.params and set(trial.params) == set(space)
+        assert stored[trial.number].distributions == space
+        assert any(key.startswith("tpe:relative_params") for key in stored[trial.number].system_attrs)
+
+    def drawn(into: optuna.Study) -> None:
+        into.ask({"act": FloatDistribution(0.0, 1.0)})  # "act" is categorical in this study
+
+    with pytest.raises(ValueError), storage.shared_ask_reads():
+        drawn(study)
+    with pytest.raises(ValueError):  # as Optuna refuses it without the block
+        drawn(other)
+    assert all("act" not in t.params or isinstance(t.distributions["act"], CategoricalDistribution)
+               for t in other.get_trials())
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_trials_start_beating_in_one_write_and_a_finished_one_refuses_it(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # The trials asked for a cohort's free slots each get their heartbeat settings and their first beat, all in one
+    # transaction (two per trial before); a trial another worker has finished meanwhile refuses it, and none of the
+    # others is half-started.
+    from sqlalchemy import event
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+    from sweep.worker import HEARTBEAT_ATTR, Beats
+
+    url = f"sqlite:///{tmp_path / 'b.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    storage = PatientStorage(make_storage(url, heartbeat_interval=30), Boundary(60))
+    study = optuna.create_study(study_name=f"beats-{tmp_path.name}", storage=storage)
+    other = optuna.load_study(study_name=study.study_name, storage=make_storage(url))
+    a, b, c, d = (study.ask() for _ in range(4))
+    commits: list[int] = []
+    event.listen(storage.backend.engine, "commit", lambda conn: commits.append(1))
+    beats = Beats(storage)
+    beats.add(a, b, a)
+    assert len(commits) == 1 and beats.ids() == sorted([a._trial_id, b._trial_id])
+    stored = {t.number: t for t in other.get_trials()}
+    assert all(HEARTBEAT_ATTR in stored[t.number].system_attrs for t in (a, b))
+    assert all(storage.heartbeat_age_s(t._trial_id) is not None for t in (a, b))
+    other.tell(d.number, state=optuna.trial.TrialState.FAIL)  # another worker failed d as lost
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+        beats.add(c, d)
+    assert HEARTBEAT_ATTR not in other.get_trials()[c.number].system_attrs
+    assert storage.heartbeat_age_s(c._trial_id) is None and c._trial_id not in beats.ids()
+
+
 def test_trials_asked_together_are_drawn_and_counted_as_asked_one_by_one(tmp_path: Path) -> None:
     # A cohort asks its free slots' trials together (`Worker._ask_many`: one hold of the lock, one read of the study).
     # Seeded TPE draws the same params as asking them one after another (each sees the ones asked before it as
@@ -388,6 +486,32 @@ def test_trials_asked_together_are_drawn_and_counted_as_asked_one_by_one(tmp_pat
     assert together[0] == one_by_one[0]
     # 3 told + 4 asked = n_trials: four of the six, and none after them (not spent: the last four still run)
     assert len(together[0]) == 4 and together[1:] == one_by_one[1:] == (False, [])
+
+
+def test_a_gate_is_asked_under_the_lock_with_the_ask_s_read_of_the_study(tmp_path: Path) -> None:
+    # A ramp cohort takes a member only while a startup trial is missing that no worker runs. Counted before the ask
+    # and outside the study's lock, two workers both took the last one (review: 4 startup trials admitted where 3
+    # were missing). The count is made again under the lock, with the ask's own read of the study: a trial another
+    # worker asked a moment before is in it.
+    from sweep.worker import Worker
+
+    study_file = write_study(tmp_path, {**TINY_STUDY, "n_trials": 8})
+    spec, _ = load_spec(study_file)
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    study = open_study(spec, url)
+    worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary)
+    seen: list[int] = []
+
+    def gate(trials: list[optuna.trial.FrozenTrial]) -> bool:
+        seen.append(len(trials))
+        return sum(t.state == optuna.trial.TrialState.RUNNING for t in trials) < 2
+
+    asked, spent, _ = worker._ask_many(4, gate=gate)
+    assert len(asked) == 2 and not spent and seen == [0, 1, 2]
+    optuna.load_study(study_name=study.study_name, storage=url).ask()  # another worker's, asked meanwhile
+    study.tell(asked[0], 1.0)
+    asked, _, _ = worker._ask_many(4, gate=gate)
+    assert asked == [] and seen[-1] == 3  # one running here, one elsewhere: none more
 
 
 @pytest.mark.slow

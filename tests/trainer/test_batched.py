@@ -20,7 +20,7 @@ from torch import nn
 from tests.trainer.support import SaveAt
 from trainer import Task, TrainingConfig, TrainResult, load_task, train
 from trainer.batched import Cohort, CohortMember, batch_problem, batch_signature, max_cohort_size, train_batched
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint import CheckpointWriteError, load_checkpoint
 from trainer.tasks import accuracy_sum
 
 BASE: dict[str, Any] = {"max_steps": 24, "eval_every_steps": 8, "log_every_steps": 4, "batch_size": 16,
@@ -232,6 +232,27 @@ def test_a_member_checkpoint_is_a_plain_checkpoint_both_ways(digits: Task, tmp_p
     other, resumed = train_batched([tiny(seed=2), CohortMember(config, resume=load_checkpoint(saver.path))], digits)
     tail(whole, resumed, 12)
     same(train(tiny(seed=2), digits), other)
+
+
+class _Refuses(SaveAt):
+    """A `Checkpointer` that finds, at `step`, that no checkpoint can be written where it keeps them."""
+
+    def path_for(self, step: int, metrics: Mapping[str, float] | None) -> Path | None:
+        if step == self.step:
+            raise CheckpointWriteError(2, f"cannot write checkpoint {self.path}: its folder is gone", str(self.path))
+        return None
+
+
+def test_a_member_whose_checkpointer_refuses_the_path_fails_alone(digits: Task, tmp_path: Path) -> None:
+    # Files review: a study's checkpoint folder deleted mid-run is refused by the checkpointer (not made anew); in a
+    # cohort that member ends with the machine's error, as a failed write does, and the others train on unchanged.
+    configs = [tiny(seed=1), tiny(seed=2)]
+    failed: dict[int, Exception] = {}
+    [kept] = train_batched([CohortMember(configs[0]),
+                             CohortMember(configs[1], checkpointer=_Refuses(12, tmp_path / "x.pt"))],
+                            digits, failed=failed)
+    assert list(failed) == [1] and isinstance(failed[1], CheckpointWriteError) and "folder is gone" in str(failed[1])
+    same(train(configs[0], digits), kept)
 
 
 def test_a_whole_cohort_resumes_exactly(digits: Task, tmp_path: Path) -> None:
