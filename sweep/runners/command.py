@@ -172,6 +172,7 @@ def _lines_backwards(log: Path, block: int = 1 << 16) -> Iterator[str]:
         end = file.seek(0, os.SEEK_END)
         rest = b""  # the start of a line that may begin in the block before
         skipping = False  # inside a line too long to keep, whose end was given: until the break before it
+        cut: list[Cut] = []  # that line's end, as given: told its first character once the break is found
         while end > 0:
             start = max(0, end - block)
             if start > 0:  # a "\r\n" across the blocks' boundary stays whole, in this block: one break, not two
@@ -186,19 +187,24 @@ def _lines_backwards(log: Path, block: int = 1 << 16) -> Iterator[str]:
             if skipping:
                 if not parts:  # no break in this block: still inside the long line
                     continue
-                parts.pop()  # the long line's start, after the last break
+                opening = parts.pop().lstrip()  # the long line's start, after the last break
+                for line in cut:
+                    line.first = opening[:1].decode("ascii", "replace")
                 skipping = False
             for part in reversed(parts):
                 yield from reversed(part.decode("utf-8", "replace").splitlines() or [""])
             rest = head
             if len(rest) > LONGEST_LINE:
-                yield from (Cut(line) for line in
-                            reversed(rest[-LONGEST_LINE:].decode("utf-8", "replace").splitlines() or [""]))
+                cut = [Cut(line) for line in rest[-LONGEST_LINE:].decode("utf-8", "replace").splitlines() or [""]]
+                yield from reversed(cut)
                 rest, skipping = b"", True
 
 
 class Cut(str):
-    """A line `_lines_backwards` gives by its last `LONGEST_LINE` bytes only."""
+    """A line `_lines_backwards` gives by its last `LONGEST_LINE` bytes only. `first`: the first character of the
+    whole line (after blanks), set once the reading has found its start (before the line before it is given)."""
+
+    first: str | None = None
 
 
 class LineTooLong(ValueError):
@@ -209,13 +215,20 @@ def last_json_value(log: Path, metric: str) -> float | None:
     """The metric in the last line of the log that is a JSON object holding it, or None. `LineTooLong` where a line
     after every such line ends as a JSON object does but is too long to be read whole (users' code review: a final
     JSON line of 1.2 MB was passed over without a word, and an earlier line's value taken)."""
+    too_long = LineTooLong(f"its output's last line that may be a JSON object holding {metric!r} is longer than "
+                           f"the {LONGEST_LINE // 2**20} MiB sweep reads of one line; print {metric} in a shorter "
+                           "line, or report it with `client.report`")
+    pending: Cut | None = None  # a long line ending as a JSON object does, until its start is known
     try:
         for line in _lines_backwards(log):
-            cut, line = isinstance(line, Cut), line.strip()
-            if cut and line.endswith("}"):
-                raise LineTooLong(f"its output's last line that may be a JSON object holding {metric!r} is longer "
-                                  f"than the {LONGEST_LINE // 2**20} MiB sweep reads of one line; print {metric} in "
-                                  "a shorter line, or report it with `client.report`")
+            if pending is not None:
+                if pending.first == "{":
+                    raise too_long
+                pending = None
+            if isinstance(line, Cut) and line.strip().endswith("}"):
+                pending = line
+                continue
+            line = line.strip()
             if not (line.startswith("{") and line.endswith("}")):
                 continue
             try:
@@ -227,6 +240,8 @@ def last_json_value(log: Path, metric: str) -> float | None:
                 return as_float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     except OSError:
         return None
+    if pending is not None and pending.first == "{":  # the log's first line
+        raise too_long
     return None
 
 

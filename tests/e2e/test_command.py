@@ -572,6 +572,13 @@ def test_a_line_longer_than_any_kept_is_given_by_its_end_and_the_rest_of_it_is_n
     with log.open("ab") as out:
         out.write(b'{"val_loss": 0.5}\n')  # a shorter line after it: the last one holding the metric
     assert last_json_value(log, "val_loss") == 0.5
+    for first in (b"", b"started\n"):  # the long line first in the log, or after another
+        log.write_bytes(first + b'  {"val_loss": 0.33, "per_sample": "' + b"5" * (3 * LONGEST_LINE) + b'"}')
+        with pytest.raises(LineTooLong):
+            last_json_value(log, "val_loss")
+    # Diff review: a long line that only ends as JSON does (a progress bar ending in "{done}") is no JSON line.
+    log.write_bytes(b'{"val_loss": 0.5}\nprogress ' + b"x" * 1_200_000 + b" {done}\n")
+    assert last_json_value(log, "val_loss") == 0.5
 
 
 def test_lines_read_backwards_in_blocks_of_any_size_are_the_log_s_lines(tmp_path: Path) -> None:
