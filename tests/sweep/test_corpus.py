@@ -1308,6 +1308,10 @@ REVIEWED = [
     bad_file("reviewed", "task-argument-typo", changed(task={"name": "digits", "args": {"val_fractoin": 0.2}}),
              "task", "task 'digits': task_args.val_fractoin: not an argument of the task (did you mean "
                      "'val_fraction'?); expected one of: val_fraction, split_seed"),
+    bad_file("reviewed", "task-argument-in-other-case", changed(task={"name": "arrays", "args": {
+        "train_X": "x.npy", "train_y": "y.npy", "val_x": "x.npy", "val_y": "y.npy", "classes": 3}}),
+             "task", "task 'arrays': task_args.train_X: not an argument of the task (did you mean 'train_x'?); "
+                     "expected one of: train_x, train_y, val_x, val_y, classes"),
     bad_args("reviewed", "postgres-port-out-of-range", ("run", STUDY, "--storage",
                                                         "postgresql+psycopg://me:hunter2@nowhere.invalid:99999/db"),
              "--storage: ", "expected a port from 1 to 65535, got 99999 in "

@@ -170,6 +170,11 @@ def test_the_arrays_task_takes_what_its_files_hold_and_refuses_what_would_fail_e
     np.savez(tmp_path / "archive.npz", x)
     with pytest.raises(ValueError, match=r"task_args\.train_x: .*a \.npz archive of 1 arrays, not one array"):
         load_task("arrays", {**digit_files, "train_x": str(tmp_path / "archive.npz"), "classes": 10})
+    # Tasks review: a torch.save file (a zip too) was "a .npz archive of 7 arrays".
+    torch.save(torch.from_numpy(x), tmp_path / "x.pt")
+    with pytest.raises(ValueError, match=r"task_args\.train_x: .*'[^']*x\.pt': a zip file but no \.npz archive of "
+                                         r"arrays \(a torch\.save file\?\), not one \.npy array"):
+        load_task("arrays", {**digit_files, "train_x": str(tmp_path / "x.pt"), "classes": 10})
 
 
 @pytest.mark.parametrize(("values", "key"), [({"data_loader": "gpu"}, "data_loader"),

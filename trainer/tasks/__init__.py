@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 import random
 import typing
@@ -15,6 +14,7 @@ import torch
 
 from trainer.config import coerce
 from trainer.imports import import_callable
+from trainer.messages import did_you_mean
 from trainer.tasks.arrays import arrays
 from trainer.tasks.base import Task, TaskError, accuracy_sum, cross_entropy
 from trainer.tasks.blobs import blobs
@@ -84,8 +84,7 @@ def _unknown_argument(factory: Callable[..., Any], args: Mapping[str, Any]) -> s
     if names is None:
         return None
     for key in sorted(set(args) - set(names)):
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(key, names)  # `train_X` is `train_x` in other case (tasks review: it said `train_y`)
         return f"{key}: not an argument of the task{hint}; expected one of: {', '.join(names) or '(none)'}"
     return None
 

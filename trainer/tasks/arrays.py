@@ -13,6 +13,7 @@ Targets are integer class indices in [0, classes).
 from __future__ import annotations
 
 import math
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,15 @@ def open_array(path: str | Path, key: str) -> torch.Tensor:
         raise FileNotFoundError(f"task_args.{key}: no such file {str(path)!r}")
     try:  # never unpickled (np.load's default): an object array, or a file that is no .npy, is refused
         array = np.load(path, mmap_mode="c")
-        if not isinstance(array, np.ndarray):  # an .npz archive of arrays (np.savez), under any name
-            raise ValueError(f"a .npz archive of {len(array.files)} arrays, not one array: save it with np.save")
+        if not isinstance(array, np.ndarray):  # a zip file: an .npz archive of arrays (np.savez), under any name
+            array.close()
+            with zipfile.ZipFile(path) as archive:
+                members = archive.namelist()
+            if not members or not all(name.endswith(".npy") for name in members):  # tasks review: it was "a .npz
+                # archive of 7 arrays"
+                raise ValueError("a zip file but no .npz archive of arrays (a torch.save file?), not one .npy "
+                                 "array: save it with np.save")
+            raise ValueError(f"a .npz archive of {len(members)} arrays, not one array: save it with np.save")
         if array.ndim < 1 or len(array) == 0:
             raise ValueError(f"expected samples on dimension 0, but it has shape {array.shape}")
         return torch.from_numpy(array)
