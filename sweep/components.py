@@ -88,6 +88,12 @@ def _instantiate(where: str, registry: Mapping[str, type], kind: str, args: dict
             problems.append((f"{where}.{name}", f"{cls.__name__}'s {name} takes {exc}{cannot}, got "
                                                 f"{short_repr(value)}"))
     for name, value in args.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            # Optuna's constructors store it; sampling then fails every trial, each counted as its config's fault
+            # (malformed input review: TPE's n_ei_candidates of 10^30, "Python int too large to convert to C long").
+            problems.append((f"{where}.{name}", f"{cls.__name__}'s {name} takes a 64-bit integer, got "
+                                                f"{short_repr(value)}"))
+            continue
         for (owner, argument), (low, strict) in _BOUNDS.items():
             if issubclass(cls, owner) and name == argument and isinstance(value, (int, float)) \
                     and not isinstance(value, bool) and (value <= low if strict else value < low):

@@ -538,6 +538,8 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                       "trial would be judged at the first rung (at its last step a "
                                                       "trial completes), and nothing would be pruned; expected under "
                                                       f"{budget}"))
+        elif kind == "successive_halving" and (late := _late_first_rung(args, budget)) is not None:
+            problems.append((f"{where}.min_early_stopping_rate", late))
         elif kind == "hyperband" and (top := _top_bracket_rung(args)) is not None and top[0] >= budget:
             # Hyperband lays out its brackets up to `max_resource`: the trials of one whose first rung is at or past
             # every trial's last step are never judged (review: max_resource 1000, max_steps 60, a fifth of them).
@@ -550,6 +552,29 @@ def _rung_problems(spec: StudySpec) -> list[tuple[str, str]]:
                                                        f"({budget}): its trials would never be judged; expected "
                                                        f"under {limit} (min_resource x reduction_factor^k), or auto"))
     return problems
+
+
+def _late_first_rung(args: Mapping[str, Any], budget: int) -> str | None:
+    """What is wrong with successive halving's `min_early_stopping_rate` putting its first rung (min_resource x
+    reduction_factor ^ rate; `auto`'s min_resource is 1 at the least) at or past every trial's last step, or None
+    (malformed input review: 3 left the pruner silent, and 10^30 held a worker's CPU and 20 GB in Optuna's power)."""
+    def whole(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    auto = args.get("min_resource", "auto") == "auto"
+    rate, eta = whole(args.get("min_early_stopping_rate", 0)), whole(args.get("reduction_factor", 4))
+    low = 1 if auto else whole(args.get("min_resource"))
+    if rate is None or eta is None or low is None or rate < 1 or eta < 2 or low < 1 or low >= budget:
+        return None  # malformed (Optuna's constructor says so), or `min_resource`'s own problem
+    rung, most = low, 0
+    while rung * eta < budget:  # the highest rate whose rung is below the budget, counted exactly
+        rung, most = rung * eta, most + 1
+    if rate <= most:
+        return None
+    first = "min_resource (auto: 1 at the least)" if auto else str(low)
+    return (f"{short_repr(rate)} puts the first rung at step {first} x reduction_factor {eta} ^ "
+            f"{short_repr(rate)}, not below every trial's max_steps ({budget}): no trial would be judged, and "
+            f"nothing would be pruned; expected at most {most}")
 
 
 def _pruner_components(component: Any, where: str = "pruner") -> Iterator[tuple[str, Any, Mapping[str, Any]]]:

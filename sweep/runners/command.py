@@ -147,7 +147,7 @@ def _filled(word: str, values: Mapping[str, Any]) -> str:
         else:
             try:
                 text.append(format(_FORMATTER.convert_field(value, conversion) if conversion else value, spec or ""))
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, OverflowError):  # {x:c} of -5, {big:.3e} of a 401-digit int (review)
                 raise CommandError(f"{placeholder}: expected a Python format spec such as {{{key}:.3f}} or "
                                    f"{{{key}:05d}} (and a conversion !s, !r or !a) that {key}'s value "
                                    f"{short_repr(value)} takes") from None

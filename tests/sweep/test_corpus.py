@@ -1192,6 +1192,22 @@ LONG = "x" * 300  # one part of a path over the 255 bytes file systems allow
 SCHEDULES = ("def raises(step, max_steps):\n    raise RuntimeError('no')\n\n"
              "def above(step, max_steps):\n    return 5.0\n")
 REVIEWED = [
+    # Malformed input review: a first rung past every trial's last step left the pruner silent; 10^30 held a worker.
+    bad_file("reviewed", "successive-halving-first-rung-late", changed(pruner={
+        "type": "successive_halving", "min_resource": 1, "reduction_factor": 4, "min_early_stopping_rate": 3}),
+             "pruner.min_early_stopping_rate", "3 puts the first rung at step 1 x reduction_factor 4 ^ 3, not below "
+                                               "every trial's max_steps (20): no trial would be judged, and nothing "
+                                               "would be pruned; expected at most 2"),
+    bad_file("reviewed", "successive-halving-rate-huge", changed(pruner={
+        "type": "fastfail", "then": {"type": "successive_halving", "min_early_stopping_rate": 10**15}}),
+             "pruner.then.min_early_stopping_rate", "puts the first rung at step min_resource (auto: 1 at the least) "
+                                                    "x reduction_factor 4 ^ "),
+    bad_file("reviewed", "sampler-integer-beyond-64-bits", changed(sampler={
+        "type": "tpe", "n_ei_candidates": 10**30}), "sampler.n_ei_candidates",
+             "TPESampler's n_ei_candidates takes a 64-bit integer, got 1000000000000000000000000000000"),
+    bad_file("reviewed", "command-spec-overflowing", changed(**COMMAND | {
+        "command": "echo {x:c}", "space": {"x": {"type": "int", "low": -5, "high": 5}}}),
+             "command", "{x:c}: expected a Python format spec"),
     bad_file("reviewed", "hyperband-min-resource-0", changed(pruner={"type": "hyperband", "min_resource": 0}),
              "pruner.min_resource", "HyperbandPruner's min_resource must be >= 1, got 0"),
     bad_file("reviewed", "hyperband-reduction-factor-1", changed(pruner={"type": "hyperband", "reduction_factor": 1}),
