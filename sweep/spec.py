@@ -616,6 +616,12 @@ def _inert_pruners(spec: StudySpec) -> list[tuple[str, str]]:
               else f"the last step, {budget}, completes the trial")
     found: list[tuple[str, str]] = []
     for where, kind, args in _pruner_components(spec.pruner):
+        if asked == 0 and kind not in ("fastfail", "none", "wilcoxon", "patient", None):
+            # No evaluation between a trial's start and its last step (README walk: quickstart with max_steps 50 and
+            # an evaluation every 50 said nothing, where the README says a smoke test is told).
+            found.append((where, f"{kind} will prune nothing: a trial is evaluated at its start and at its last step "
+                                 f"only ({judged}); evaluate more often (fixed.eval_every_steps) for it to judge"))
+            continue
         warmup = args.get("n_warmup_steps")
         if kind in _WARMUP_PRUNERS and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup > last >= 1:
             found.append((f"{where}.n_warmup_steps", f"{warmup} is past the last step a trial is judged at ({last}: "

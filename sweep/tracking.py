@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlsplit
 
-from sweep.outcomes import ATTR_CONFIG, ATTR_FAIL, ATTR_REPRO, SPEC_ATTR
+from sweep.outcomes import ATTR_CONFIG, ATTR_FAIL, ATTR_REPRO, SPEC_ATTR, jsonable
 from sweep.schema import TrackingSpec, short_repr
 from sweep.urls import SQLITE_URL, mask_url, mask_urls, redact, sqlite_path, sqlite_url
 
@@ -486,7 +487,8 @@ class MLflowTracker:
         tags = [RunTag("sweep.state", outcome)]
         for key in ("prune_reason", "fail_reason", "checkpoint"):
             if attrs.get(key) is not None:
-                tags.append(RunTag(f"sweep.{key}", json.dumps(attrs[key], default=str)[:5000]))
+                # As the dashboard shows it: NaN as "nan", valid JSON (integrations review: a bare NaN)
+                tags.append(RunTag(f"sweep.{key}", json.dumps(jsonable(attrs[key]))[:5000]))
         self.client.log_batch(self.run_id, tags=tags)
         if value is not None and math.isfinite(value):
             self.client.log_metric(self.run_id, self._name(f"final_{self.metric}"), value,
@@ -537,7 +539,12 @@ def mlflow_name(name: str) -> str:
     cleaned = re.sub(r"[^/\w.\- :]", "_", name)
     if posixpath.normpath(cleaned) != cleaned or cleaned.startswith(("/", ".")) or cleaned in ("", "."):
         cleaned = "_" + re.sub(r"/+", "/", cleaned.lstrip("/.")).rstrip("/")
+    if len(cleaned) > MLFLOW_NAME_LIMIT:  # MLflow refuses longer names: cut, with a digest of the whole name
+        cleaned = f"{cleaned[:MLFLOW_NAME_LIMIT - 9].rstrip('/')}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
     return cleaned
+
+
+MLFLOW_NAME_LIMIT = 250  # MLflow's longest metric and param name
 
 
 def _param(name: str, value: Any) -> Any:
@@ -574,6 +581,7 @@ class Guarded:
 
     def __init__(self, name: str, trial_number: int, open_tracker: Any) -> None:
         self.name, self.number = name, trial_number
+        self.dropped: Tracker | None = None  # dropped mid-trial: still ended at the trial's end, silently
         self.inner: Tracker | None = self._call("start", open_tracker)
 
     def _call(self, what: str, function: Any, *args: Any) -> Any:
@@ -582,7 +590,7 @@ class Guarded:
         except Exception as exc:  # noqa: BLE001 - a tracking backend never takes a trial down
             warnings.warn(f"trial {self.number}: {self.name} tracking dropped for this trial ({what} failed: "
                           f"{_error_line(exc)})", stacklevel=3)
-            self.inner = None
+            self.dropped, self.inner = self.inner, None
             return None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -597,6 +605,12 @@ class Guarded:
         if self.inner is not None:
             self._call("finish", self.inner.finish, outcome, value, attrs)
             self.inner = None
+        elif self.dropped is not None:
+            # Ended all the same, where its store still takes it (integrations review: an MLflow run dropped for one
+            # metric name it refused stayed RUNNING forever, with no `sweep.state`); its warning was said already.
+            dropped, self.dropped = self.dropped, None
+            with contextlib.suppress(Exception):
+                dropped.finish(outcome, value, attrs)
 
 
 def open_trackers(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int,

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -727,3 +728,39 @@ def test_a_tracking_store_broken_mid_trial_is_one_warning_naming_its_cause(tmp_p
         assert "caused by OperationalError: attempt to write a readonly database" in warned[0], warned
     else:
         assert "Not a directory" in warned[0], warned
+
+
+def test_an_mlflow_run_dropped_mid_trial_is_still_ended_with_its_state_and_valid_json_tags(tmp_path: Path) -> None:
+    """Integrations review: a run dropped at a refused log (a metric name over MLflow's 250 characters) stayed
+    RUNNING forever with no `sweep.state`; a prune reason holding NaN was a tag no JSON parser reads."""
+    pytest.importorskip("mlflow")
+    import math
+
+    from mlflow import MlflowClient
+
+    from sweep.schema import TrackingSpec
+    from sweep.tracking import MLFLOW_NAME_LIMIT, Guarded, MLflowTracker, mlflow_name
+
+    long_a, long_b = mlflow_name("m" * 300 + "a"), mlflow_name("m" * 300 + "b")
+    assert len(long_a) == len(long_b) == MLFLOW_NAME_LIMIT and long_a != long_b
+
+    class Refusing(MLflowTracker):
+        def log(self, step: int, metrics: Mapping[str, float]) -> None:
+            raise RuntimeError("refused by the server")
+
+    uri = f"sqlite:///{tmp_path / 'r.db'}"
+    tracking = TrackingSpec.model_validate({"mlflow": {"tracking_uri": uri}})
+    guarded = Guarded("mlflow", 0, lambda: Refusing(tracking, None, "s", 0, {"x": 1}, {"x": 1}, "val_loss"))
+    with pytest.warns(UserWarning, match=r"mlflow tracking dropped for this trial \(log failed: RuntimeError"):
+        guarded.log(1, {"m" * 300: 1.0})
+    guarded.report(10, {"val_loss": math.nan})  # dropped: nothing more is sent
+    guarded.finish("pruned", None, {"steps": 10, "prune_reason": {"rule": "nan", "step": 10, "value": math.nan}})
+    client = MlflowClient(tracking_uri=uri)
+    [run] = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+             if r.data.tags.get("sweep.role") == "trial"]
+    assert run.info.status == "FINISHED" and run.data.tags["sweep.state"] == "pruned"
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    assert json.loads(run.data.tags["sweep.prune_reason"], parse_constant=strict)["value"] == "nan"

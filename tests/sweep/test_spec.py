@@ -146,6 +146,11 @@ def test_bad_study_file_is_refused_in_process(tmp_path: Path, document: dict, ke
     # Diff review: a wrapped pruner given by its name alone (`then: wilcoxon`) is checked as its dict form is.
     pytest.param(changed(pruner={"type": "fastfail", "then": "wilcoxon"}), "pruner.then: Wilcoxon judges a trial "
                  "once it has reported 2 evaluations", id="wilcoxon-by-name-wrapped"),
+    # README walk: the README's smoke test (quickstart with max_steps 50, an evaluation every 50) said nothing.
+    pytest.param(changed(fixed__eval_every_steps=20, pruner={"type": "fastfail", "then": "median"}),
+                 "pruner.then: median will prune nothing: a trial is evaluated at its start and at its last step "
+                 "only (evaluations every 20 steps, the last step, 20, completing the trial); evaluate more often "
+                 "(fixed.eval_every_steps) for it to judge", id="no-evaluation-before-the-last-step"),
 ])
 def test_a_pruner_that_can_judge_no_trial_is_warned_of(tmp_path: Path, document: dict, line: str) -> None:
     """Review: a warmup past every trial's last step ran the study to the end and pruned nothing, without a word.
