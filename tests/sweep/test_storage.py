@@ -114,32 +114,28 @@ def test_fixed_values_written_differently_but_equal_resume_the_study(tmp_path: P
         open_study(load_spec(path)[0], url)
 
 
-def test_a_task_argument_written_at_its_default_or_left_out_resumes_the_study(tmp_path: Path) -> None:
-    """Edits review: `task: digits` rewritten as `task: {name: digits, args: {val_fraction: 0.2}}` (its default) was
-    refused ("task.args.val_fraction: added"), where a fixed key written at its default is accepted."""
-    path = write_study(tmp_path, TINY_STUDY)
-    url = f"sqlite:///{tmp_path / 'tiny.db'}"
-    open_study(load_spec(path)[0], url)
-    path.write_text(path.read_text().replace("task: digits", "task: {name: digits, args: {val_fraction: 0.2}}"))
-    open_study(load_spec(path)[0], url)  # not refused
-    path.write_text(path.read_text().replace("val_fraction: 0.2", "val_fraction: 0.3"))
-    with pytest.raises(StudyMismatchError, match=r"different task \(task.args.val_fraction"):
-        open_study(load_spec(path)[0], url)
-
-
-def test_a_model_key_written_at_the_task_s_default_resumes_the_study(tmp_path: Path) -> None:
-    """Edits review: `fixed.model.depth: 2` (digits' default) added on a rerun was refused as "fixed.model: added",
-    where any other key written at its default is accepted."""
+@pytest.mark.parametrize(("before", "at_default", "changed", "refused"), [
+    # Edits review: `task: digits` rewritten as `task: {name: digits, args: {val_fraction: 0.2}}` (its default) was
+    # refused ("task.args.val_fraction: added"), where a fixed key written at its default is accepted.
+    pytest.param("task: digits", "task: {name: digits, args: {val_fraction: 0.2}}",
+                 ("val_fraction: 0.2", "val_fraction: 0.3"), r"different task \(task.args.val_fraction",
+                 id="task-argument"),
+    # Edits review: `fixed.model.depth: 2` (digits' default) added on a rerun was refused as "fixed.model: added".
+    pytest.param("batch_size: 32", "batch_size: 32\n  model: {depth: 2}", ("depth: 2", "depth: 3"),
+                 r"different fixed \(fixed.model", id="model-key"),
+])
+def test_a_key_written_at_its_default_or_left_out_resumes_the_study(tmp_path: Path, before: str, at_default: str,
+                                                                     changed: tuple[str, str], refused: str) -> None:
     from trainer.tasks import load_task
 
     assert load_task("digits", {}).model_defaults["depth"] == 2
     path = write_study(tmp_path, TINY_STUDY)
     url = f"sqlite:///{tmp_path / 'tiny.db'}"
     open_study(load_spec(path)[0], url)
-    path.write_text(path.read_text().replace("batch_size: 32", "batch_size: 32\n  model: {depth: 2}"))
+    path.write_text(path.read_text().replace(before, at_default))
     open_study(load_spec(path)[0], url)  # not refused
-    path.write_text(path.read_text().replace("depth: 2", "depth: 3"))
-    with pytest.raises(StudyMismatchError, match=r"different fixed \(fixed.model"):
+    path.write_text(path.read_text().replace(*changed))
+    with pytest.raises(StudyMismatchError, match=refused):
         open_study(load_spec(path)[0], url)
 
 
