@@ -1727,15 +1727,24 @@ def _leave_promptly(code: object) -> None:
         grace = EXIT_GRACE_S
     main = threading.main_thread()
     lingering = [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
-    if lingering:
-        err.print(f"note: the trials' code left {len(lingering)} thread{'s' if len(lingering) > 1 else ''} running "
-                  f"({', '.join(map(printable, lingering))}; not daemon threads): waiting up to {grace:g} s for "
-                  f"{'them' if len(lingering) > 1 else 'it'} before exiting", markup=False)
+    # MLflow's own background logging (a tracking store that failed mid-run leaves its threads): sweep's, not the
+    # trials' code's (integrations review)
+    mlflow = [name for name in lingering if name.startswith("MLflow")]
+    theirs = [name for name in lingering if not name.startswith("MLflow")]
+    left_by = "MLflow" if mlflow and not theirs else "the trials' code"
+    if theirs:
+        err.print(f"note: the trials' code left {len(theirs)} thread{'s' if len(theirs) > 1 else ''} running "
+                  f"({', '.join(map(printable, theirs))}; not daemon threads)"
+                  f"{f' and MLflow its background logging ({len(mlflow)})' if mlflow else ''}: waiting up to "
+                  f"{grace:g} s for {'them' if len(lingering) > 1 else 'it'} before exiting", markup=False)
+    elif mlflow:
+        err.print(f"note: MLflow's background logging is still running ({len(mlflow)} thread"
+                  f"{'s' if len(mlflow) > 1 else ''}): waiting up to {grace:g} s for it before exiting", markup=False)
 
     def leave() -> None:
         with contextlib.suppress(Exception):
-            err.print(f"note: exited {grace:g} s after the command ended, without waiting longer for what the trials' "
-                      "code left running (a thread, a process pool)", markup=False)
+            err.print(f"note: exited {grace:g} s after the command ended, without waiting longer for what {left_by} "
+                      "left running (a thread, a process pool)", markup=False)
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(status)

@@ -1307,3 +1307,14 @@ def test_a_thread_the_loop_leaves_running_does_not_keep_sweep_run_from_exiting(
             "for it before exiting") in done.stderr, done.stderr
     assert "note: exited 2 s after the command ended" in done.stderr, done.stderr
     assert [t.state for t in trials_of(path, "threads")] == [optuna.trial.TrialState.COMPLETE]
+    # Integrations review: MLflow's own background logging, left running by a tracking store that failed mid-run,
+    # was blamed on "the trials' code".
+    (tmp_path / "threader.py").write_text(
+        "import threading\n"
+        "def main(config, run):\n"
+        "    threading.Thread(target=threading.Event().wait, name='MLflowAsyncLoggingStatusCheck_0').start()\n"
+        "    run.report(1, {'val_loss': config['learning_rate']})\n")
+    done = run_cli("run", path, "--n-trials", "2", timeout=240)
+    assert done.returncode == 0 and "the trials' code" not in done.stderr, done.stderr
+    assert ("note: MLflow's background logging is still running (1 thread): waiting up to 2 s for it before "
+            "exiting") in done.stderr, done.stderr
