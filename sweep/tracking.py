@@ -582,7 +582,8 @@ class Guarded:
     def __init__(self, name: str, trial_number: int, open_tracker: Any) -> None:
         self.name, self.number = name, trial_number
         self.dropped: Tracker | None = None  # dropped mid-trial: still ended at the trial's end, silently
-        self.inner: Tracker | None = self._call("start", open_tracker)
+        self.inner: Tracker | None = None
+        self.inner = self._call("start", open_tracker)
 
     def _call(self, what: str, function: Any, *args: Any) -> Any:
         try:
