@@ -111,6 +111,25 @@ def _serialise_sqlite(engine: Engine, lock_wait_s: float = SQLITE_LOCK_WAIT_S) -
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _running(session: Any, trial_ids: Sequence[int]) -> tuple[set[int], tuple[int, TrialState | None] | None]:
+    """Which of `trial_ids` are running, by one read in `session`, and the first that is not (with its state; None
+    where there is no such trial), or None."""
+    from optuna.storages._rdb import models
+
+    states = dict(session.query(models.TrialModel.trial_id, models.TrialModel.state)
+                  .filter(models.TrialModel.trial_id.in_(trial_ids)).all())
+    live = {i for i in trial_ids if i in states and not states[i].is_finished()}
+    return live, next(((i, states.get(i)) for i in trial_ids if i not in live), None)
+
+
+def _refuse(backend: optuna.storages.RDBStorage, trial_id: int, state: TrialState | None) -> None:
+    """Optuna's error for a write to a trial that is not running (`_running`'s refusal), raised outside the
+    transaction: its message reads the trial, in a session of its own."""
+    if state is None:
+        raise KeyError(f"No trial with trial id {trial_id} exists.")
+    backend.check_trial_is_updatable(trial_id, state)
+
+
 def in_rollback_mode(path: Path) -> bool:
     """Whether the SQLite file at `path` is a database that is not in write-ahead logging (its header's file format
     versions, bytes 18 and 19, are 2 in WAL), read without opening it as a database. False for anything else."""
@@ -1326,10 +1345,7 @@ class PatientStorage(BaseStorage):
         refused: tuple[int, TrialState | None] | None = None
         with _create_scoped_session(backend.scoped_session) as session:
             ids = sorted({trial_id for _, trial_id, _, _ in entries})
-            states = dict(session.query(models.TrialModel.trial_id, models.TrialModel.state)
-                          .filter(models.TrialModel.trial_id.in_(ids)).all())
-            live = {i for i in ids if i in states and not states[i].is_finished()}
-            refused = next(((i, states.get(i)) for i in ids if i not in live), None)
+            live, refused = _running(session, ids)
             values = {k: v for k, v in values.items() if k[0] in live}
             attrs = {k: v for k, v in attrs.items() if k[0] in live}
             systems = {k: v for k, v in systems.items() if k[0] in live}
@@ -1374,10 +1390,7 @@ class PatientStorage(BaseStorage):
             if dropped:
                 self._shared.__dict__.setdefault("refused", set()).update(dropped)
         if refused is not None and strict:
-            trial_id, state = refused
-            if state is None:
-                raise KeyError(f"No trial with trial id {trial_id} exists.")
-            backend.check_trial_is_updatable(trial_id, state)
+            _refuse(backend, *refused)
 
     # Reads.
     def get_study_id_from_name(self, study_name: str) -> int:
@@ -1434,10 +1447,7 @@ class PatientStorage(BaseStorage):
         def write() -> None:
             refused: tuple[int, TrialState | None] | None = None
             with _create_scoped_session(backend.scoped_session, True) as session:
-                states = dict(session.query(models.TrialModel.trial_id, models.TrialModel.state)
-                              .filter(models.TrialModel.trial_id.in_(trial_ids)).all())
-                refused = next(((i, states.get(i)) for i in trial_ids
-                                if i not in states or states[i].is_finished()), None)
+                _, refused = _running(session, trial_ids)
                 if refused is None:
                     for trial_id in trial_ids:
                         backend._set_trial_attr_without_commit(  # noqa: SLF001 - Optuna's own write
@@ -1449,9 +1459,7 @@ class PatientStorage(BaseStorage):
                         else:
                             beat.heartbeat = session.execute(sqlalchemy.func.now()).scalar_one()
             if refused is not None:  # Optuna's error, raised outside the transaction (its message reads the trial)
-                if refused[1] is None:
-                    raise KeyError(f"No trial with trial id {refused[0]} exists.")
-                backend.check_trial_is_updatable(*refused)  # type: ignore[arg-type]
+                _refuse(backend, *refused)
 
         self.flush_deferred()
         self.boundary.call(write)
