@@ -1349,8 +1349,15 @@ class PatientStorage(BaseStorage):
             values = {k: v for k, v in values.items() if k[0] in live}
             attrs = {k: v for k, v in attrs.items() if k[0] in live}
             systems = {k: v for k, v in systems.items() if k[0] in live}
+            # A param already stored is a retry's of a write that landed (its commit's reply was lost with the
+            # connection): Optuna's own param write ignores the duplicate row, so this one leaves it as well, where
+            # the insert failed the whole transaction and the worker with it (review: a traceback).
+            params = {k: v for k, v in params.items() if k[0] in live}
+            stored_params = set(session.query(models.TrialParamModel.trial_id, models.TrialParamModel.param_name)
+                                .filter(models.TrialParamModel.trial_id.in_({i for i, _ in params}))) \
+                if params else set()
             for (trial_id, name), (internal, distribution) in params.items():
-                if trial_id in live:
+                if (trial_id, name) not in stored_params:
                     backend._set_trial_param_without_commit(  # noqa: SLF001 - Optuna's own write and checks
                         session, trial_id, name, internal, distribution)
             if insert is None:

@@ -421,6 +421,45 @@ def test_an_ask_block_s_draws_are_one_write_at_its_end_and_an_incompatible_draw_
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_an_ask_block_s_draws_written_but_their_reply_lost_are_written_once_and_the_ask_goes_on(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    # The block's params are committed, then the connection drops before the reply (a network blip): the boundary
+    # writes them again. They are there already, so the retry leaves them, as Optuna's own param write does, where
+    # its insert broke the unique key and the worker died with a traceback (review, through a TCP proxy on PG).
+    import sqlalchemy
+    from sqlalchemy import event
+
+    from sweep.storage import Boundary, PatientStorage, make_storage
+
+    url = f"sqlite:///{tmp_path / 'lost.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    storage = PatientStorage(make_storage(url), Boundary(60))
+    study = optuna.create_study(study_name=f"lost-reply-{tmp_path.name}", storage=storage,
+                                sampler=optuna.samplers.TPESampler(seed=1, n_startup_trials=1))
+    study.tell(study.ask({"x": optuna.distributions.FloatDistribution(0, 1)}), 0.5)
+    inserted: list[str] = []
+    lost: list[str] = []
+    event.listen(storage.backend.engine, "before_cursor_execute", lambda conn, cursor, statement, *rest:
+                 inserted.append(statement) if statement.startswith("INSERT INTO trial_params") else None)
+
+    def reply_lost(session: Any) -> None:
+        if inserted and not lost:
+            lost.append("lost")
+            raise sqlalchemy.exc.OperationalError("COMMIT", {}, ConnectionError("server closed the connection"))
+
+    event.listen(storage.backend.scoped_session.session_factory, "after_commit", reply_lost)
+    space = {"x": optuna.distributions.FloatDistribution(0, 1), "y": optuna.distributions.IntDistribution(1, 9)}
+    with storage.shared_ask_reads():
+        asked = [study.ask(space) for _ in range(2)]
+    assert lost == ["lost"]  # the fault happened, after the commit
+    other = optuna.load_study(study_name=study.study_name, storage=make_storage(url))
+    stored = {t.number: t for t in other.get_trials()}
+    for trial in asked:
+        assert stored[trial.number].params == trial.params and set(trial.params) == {"x", "y"}
+    study.tell(asked[0], 0.25)  # the worker goes on
+    assert other.get_trials()[asked[0].number].value == 0.25
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_trials_start_beating_in_one_write_and_a_finished_one_refuses_it(
         tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
     # The trials asked for a cohort's free slots each get their heartbeat settings and their first beat, all in one
