@@ -213,11 +213,20 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     curriculum = spec.fixed.get("curriculum")  # not a mapping: refused with the fixed values' problems
     schedule = curriculum.get("schedule", "none") if isinstance(curriculum, dict) else "none"
     schedules = {schedule if isinstance(schedule, str) else "none"}  # not a name: refused with the fixed values'
-    if "curriculum.schedule" in spec.space and isinstance(spec.space["curriculum.schedule"], CategoricalParam):
-        schedules |= {c for c in spec.space["curriculum.schedule"].choices if isinstance(c, str)}
+    # Named where the schedule comes from, as every other key (and so mapped to the --set that gave it), and not
+    # said again of a schedule refused already (review: "curriculum.schedule", after "expected one of ...").
+    where = "fixed.curriculum.schedule"
+    if any(key in (where, "fixed.curriculum") for key, _ in problems):
+        schedules = {"none"}
+    searched = spec.space.get("curriculum.schedule")
+    if isinstance(searched, CategoricalParam) and not any(key.startswith("space.curriculum.schedule")
+                                                          for key, _ in problems):
+        drawn = {c for c in searched.choices if isinstance(c, str)} - {"none"}
+        where = "space.curriculum.schedule" if drawn and not schedules - {"none"} else where
+        schedules |= drawn
     if schedules - {"none"} and task.difficulty is None:
-        problems.append(("curriculum.schedule", f"task {task.name!r} gives no per-sample difficulty, so it cannot "
-                                                "follow a curriculum; use schedule none or a task with difficulty"))
+        problems.append((where, f"task {task.name!r} gives no per-sample difficulty, so it cannot follow a "
+                                "curriculum; use schedule none or a task with difficulty"))
     problems += _warm_start_problems(spec)
     if spec.metric not in task.metric_names:
         problems.append(("metric", f"task {task.name!r} reports {', '.join(task.metric_names)}; "

@@ -435,6 +435,20 @@ RANGES = [
     bad_file("ranges", "searched-arrays-file-missing", changed(
         task=ARRAYS, space={"task_args.train_x": {"type": "categorical", "choices": ["train_x.npy", "gone.npy"]}}),
              "space.task_args.train_x.choices[1]", "task_args.train_x: no such file 'gone.npy'", setup=_arrays_files),
+    # A curriculum on a task with no per-sample difficulty: named where it was given, as every key is, and not said
+    # again of a schedule refused already (review: "curriculum.schedule", blaming the file for a --set).
+    bad_file("ranges", "curriculum-on-arrays", changed(task=ARRAYS, fixed__curriculum={"schedule": "linear"}),
+             "fixed.curriculum.schedule", "task 'arrays' gives no per-sample difficulty", setup=_arrays_files),
+    bad_file("ranges", "curriculum-searched-on-arrays", changed(
+        task=ARRAYS, space={"curriculum.schedule": {"type": "categorical", "choices": ["none", "step"]}}),
+             "space.curriculum.schedule", "task 'arrays' gives no per-sample difficulty", setup=_arrays_files),
+    bad_args("cli values", "set-curriculum-unknown-on-arrays",
+             ("run", STUDY, "--set", "fixed.curriculum.schedule=bogus"),
+             "command line: --set fixed.curriculum.schedule: ", "expected one of none, constant",
+             document=changed(task=ARRAYS), setup=_arrays_files),
+    bad_args("cli values", "set-curriculum-on-arrays", ("run", STUDY, "--set", "fixed.curriculum.schedule=step"),
+             "command line: --set fixed.curriculum.schedule: ", "gives no per-sample difficulty",
+             document=changed(task=ARRAYS), setup=_arrays_files),
     # 0 is divisible by any number of heads: a model of no width trained to a uniform guess, and "completed".
     bad_file("ranges", "charlm-zero-width", changed(
         task={"name": "charlm", "args": {"context": 16, "max_chars": 4000}}, metric="val_loss",
