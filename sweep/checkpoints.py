@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
-from sweep.blobs import CheckpointStore, artifact_store_at, delete_blob, load_blob, local_copy
+from sweep.blobs import BlobScope, CheckpointStore, artifact_store_at, delete_blob, load_blob, local_copy
 from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, ATTR_RETRY_OF, Outcome, lineage
-from sweep.reconcile import UNREGISTERED, adopt_unregistered, quick_check
+from sweep.reconcile import UNREGISTERED, adopt_unregistered, other_store_location, quick_check
 from sweep.registry import Registry, default_store
 from sweep.signals import sheltered
 from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
@@ -38,7 +38,6 @@ from trainer.checkpoint import CheckpointError, CheckpointInfo, CheckpointWriteE
 from trainer.yaml_file import short_repr
 
 if TYPE_CHECKING:
-    from sweep.blobs import BlobScope
     from sweep.registry import CheckpointRecord
     from sweep.schema import CheckpointPolicy, StudySpec
     from sweep.storage import Boundary
@@ -136,6 +135,8 @@ class CheckpointService:
         self.registry: Registry = boundary.guard(boundary.call(Registry, storage_url,
                                                                lock_wait_s=lock_wait(spec.storage_patience)))
         self.store = CheckpointStore(spec.checkpoints.store or default_store(storage_url), study.study_name)
+        self.storage_url, self.storage = storage_url, study._storage  # noqa: SLF001 - the study's (patient) storage
+        self._scopes: dict[str, BlobScope] = {}  # `scope_of`: another study's part of its own store
         self.artifacts: Any = None
         if spec.checkpoints.artifacts:
             location = self.store.artifact_location
@@ -229,7 +230,18 @@ class CheckpointService:
                    key: str, handoff: int,
                    donor_configs: DonorConfigs | None = None) -> tuple[WarmStart, Donor] | None:
         return warm_start_from(self.registry, self.spec, self.study_name, trial_number, params, config, key, handoff,
-                               scope=self.store.scope, donor_configs=donor_configs)
+                               scope=self.store.scope, donor_configs=donor_configs, scope_of=self.scope_of)
+
+    def scope_of(self, study_name: str) -> BlobScope:
+        """Where `study_name`'s blobs lie: this study's own store, or, for another study of this storage (a
+        `from_studies` donor's), the store that study ran with (its stored study file's), read once; this store
+        where that study cannot be found."""
+        if study_name == self.study_name:
+            return self.store.scope
+        if study_name not in self._scopes:
+            location = other_store_location(self.storage, study_name, self.storage_url)
+            self._scopes[study_name] = self.store.scope if location is None else BlobScope(location)
+        return self._scopes[study_name]
 
     def checkpointer(self, trial_number: int, params: Mapping[str, Any], key: str, handoff: int) -> TrialCheckpointer:
         return TrialCheckpointer(self.registry, self.store, self.study_name, trial_number, params,

@@ -1557,7 +1557,7 @@ def reproduce(
     """Train one trial again from the storage alone and compare every reported value (a loop's or command's that
     reported none: its final value); exit 0 when identical."""
     from sweep import results
-    from sweep.reconcile import store_location
+    from sweep.reconcile import other_store_location, store_location
     from sweep.reproduce import reproduce_trial
     from sweep.signals import Preempted, graceful_signals, raise_pending
     from sweep.study import is_another_store
@@ -1581,7 +1581,8 @@ def reproduce(
     try:  # Ctrl-C or SIGTERM: a request, honoured at the replay's next step (`_Recorder`)
         with graceful_signals():
             comparison = reproduce_trial(study, trial, store=store, trusted=_code_named_by(target),
-                                         trust_code=trust_task)
+                                         trust_code=trust_task, store_of=lambda name: other_store_location(
+                                             study._storage, name, url))  # noqa: SLF001 - the study's storage
             raise_pending()
     except (KeyError, ValueError) as exc:
         raise _fail(str(exc.args[0]) if exc.args else str(exc), 2) from None

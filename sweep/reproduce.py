@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -335,13 +335,21 @@ def _ranks(trial: FrozenTrial) -> int:
 
 
 def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Collection[str] = (),
-                    trust_code: bool = False, gpu_tolerance: float = 1e-3) -> Comparison:
+                    trust_code: bool = False, gpu_tolerance: float = 1e-3,
+                    store_of: Callable[[str], str | None] | None = None) -> Comparison:
     """Train trial `number` again and compare its reports. `store`: the study's checkpoint store (a warm-started
-    trial's parent is read from there only). User code the stored config names runs only when it is in `trusted`
-    (the study file's) or with `trust_code`; otherwise `UntrustedCode` is raised before anything is imported."""
+    trial's parent is read from there only, or, for a parent of another study, `warm_start.from_studies`, from
+    that study's store, `store_of(name)`, where it gives one). User code the stored config names runs only when it
+    is in `trusted` (the study file's) or with `trust_code`; otherwise `UntrustedCode` is raised before anything is
+    imported."""
     trial = _trial(study, number)
     if trial is None:
         raise KeyError(f"study {study.study_name!r} has no trial {number}")
+    lineage = trial.user_attrs.get(ATTR_WARM_START)
+    donor_study = lineage.get("study") if isinstance(lineage, dict) else None
+    elsewhere = store_of(donor_study) if store_of is not None and isinstance(donor_study, str) \
+        and donor_study != study.study_name else None
+    parent_scope = BlobScope(elsewhere or store)
     stored_config = trial.user_attrs.get(ATTR_CONFIG)
     if not isinstance(stored_config, dict):
         raise ValueError(f"trial {number} has no stored config to train again (state {trial.state.name.lower()})")
@@ -371,7 +379,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
             raise _untrusted(number, f"run the command {command!r}")
         from sweep.runners.command import last_json_value, rerun_command
 
-        parent = _parent(trial, BlobScope(store))
+        parent = _parent(trial, parent_scope)
         ran_in = (trial.user_attrs.get(ATTR_REPRO) or {}).get("workdir")  # its relative paths are from there
         cwd = Path(ran_in) if isinstance(ran_in, str) and Path(ran_in).is_dir() else None
         folder = Path(tempfile.mkdtemp(prefix="sweep-reproduce-"))
@@ -395,7 +403,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     elif loop is not None:
         if not trust_code and loop not in trusted:
             raise _untrusted(number, f"import and run the loop {loop!r}")
-        parent = _parent(trial, BlobScope(store))
+        parent = _parent(trial, parent_scope)
         # What the config asks, and no value: where the replay raises after a report (`_replay`), it returned none.
         deterministic, value = bool(stored_config.get("deterministic", False)), None
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
@@ -409,7 +417,7 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
         if not trust_code:  # before the config is parsed: parsing checks a user schedule by importing it
             refuse_untrusted_code(stored_config, trusted, f"reproducing trial {number}")
         config = TrainingConfig.from_dict(stored_config)
-        parent = _parent(trial, BlobScope(store))
+        parent = _parent(trial, parent_scope)
         with _threads_of(trial.user_attrs.get(ATTR_REPRO) or {}), _replay(number, recorder):
             task = task_for(config.task, config.task_args)  # its data missing is the replay's error, as before
             train(config, task, recorder, warm_start=parent)

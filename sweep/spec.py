@@ -218,12 +218,12 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     where = "fixed.curriculum.schedule"
     if any(key in (where, "fixed.curriculum") for key, _ in problems):
         schedules = {"none"}
-    searched = spec.space.get("curriculum.schedule")
-    if isinstance(searched, CategoricalParam) and not any(key.startswith("space.curriculum.schedule")
+    searched_schedule = spec.space.get("curriculum.schedule")
+    if isinstance(searched_schedule, CategoricalParam) and not any(key.startswith("space.curriculum.schedule")
                                                           for key, _ in problems):
-        drawn = {c for c in searched.choices if isinstance(c, str)} - {"none"}
-        where = "space.curriculum.schedule" if drawn and not schedules - {"none"} else where
-        schedules |= drawn
+        named = {c for c in searched_schedule.choices if isinstance(c, str)} - {"none"}
+        where = "space.curriculum.schedule" if named and not schedules - {"none"} else where
+        schedules |= named
     if schedules - {"none"} and task.difficulty is None:
         problems.append((where, f"task {task.name!r} gives no per-sample difficulty, so it cannot follow a "
                                 "curriculum; use schedule none or a task with difficulty"))

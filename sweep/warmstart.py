@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -122,7 +122,7 @@ DonorConfigs = Callable[[str, int], "Mapping[str, Any] | None"]
 
 def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[str, Any],
                config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int,
-               donor_configs: DonorConfigs | None = None) -> Donor | None:
+               donor_configs: DonorConfigs | None = None, exclude: Collection[int] = ()) -> Donor | None:
     """The nearest compatible checkpoint within `max_distance` at or before `handoff_step`, or None (of the nearest
     trial's checkpoints, the latest). One indexed query for this study (its coordinates in a box of half-width
     `max_distance`) and one for the `from_studies`, whose spaces may differ.
@@ -131,7 +131,7 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
     study: for this study, to the same value; for `from_studies`, the donor's stored config says which
     (`donor_configs`), and one that differs is no donor (review: an SGD study's trials handed their momentum to
     AdamW trials, which failed on it alone and ignored it in a cohort). `config`: the trial's `TrainingConfig`, or a
-    user loop's config as plain data."""
+    user loop's config as plain data. `exclude`: checkpoint ids found unusable already."""
     values = flatten(config, free=()) if isinstance(config, Mapping) else flatten(config.to_dict(),
                                                                                  free=("model", "task_args"))
     match = {k: values.get(k, params.get(k)) for k in must_match(spec)}
@@ -144,7 +144,7 @@ def find_donor(registry: Registry, spec: StudySpec, study: str, params: Mapping[
         nonlocal best
         for record in records:
             d = distance(spec.space, params, record.params, absent=absent)
-            if d > radius or record.value is None or not math.isfinite(record.value):
+            if d > radius or record.value is None or not math.isfinite(record.value) or record.id in exclude:
                 continue
             if any(k in record.params and record.params[k] != v for k, v in match.items()):
                 continue
@@ -221,31 +221,39 @@ def _partial(spec: StudySpec, a: Mapping[str, Any], b: Mapping[str, Any]) -> flo
 
 def warm_start_from(registry: Registry, spec: StudySpec, study: str, trial_number: int, params: Mapping[str, Any],
                     config: TrainingConfig | Mapping[str, Any], key: str, handoff_step: int, *,
-                    scope: BlobScope, donor_configs: DonorConfigs | None = None) -> tuple[WarmStart, Donor] | None:
+                    scope: BlobScope, donor_configs: DonorConfigs | None = None,
+                    scope_of: Callable[[str], BlobScope] | None = None) -> tuple[WarmStart, Donor] | None:
     """Find, pin and load a donor. A donor whose blob is missing or fails its hash is skipped with a warning, and so
     is one whose row names a blob outside its study's part of the store (`scope`: that file is neither read nor
-    deleted, the row goes); a donor collected between the lookup and the pin is looked up again. None: the trial
-    starts cold. Donors of `from_studies` are found in the same store, in their own study's folder or prefix."""
+    deleted); the next nearest is tried. A donor collected between the lookup and the pin is looked up again. None:
+    the trial starts cold. Donors of `from_studies` are read from their own study's part of its own store
+    (`scope_of(name)`: it may keep its checkpoints elsewhere; without it, this store); such a donor that cannot be
+    used is only skipped: its rows and files are that study's, never this one's to delete (review: a study reading
+    another's donor in the wrong store deleted that study's pinned row, and changed its later trials)."""
     refused: set[int] = set()
     for _ in range(5):
-        donor = find_donor(registry, spec, study, params, config, key, handoff_step, donor_configs)
-        if donor is None or donor.record.id in refused:
+        donor = find_donor(registry, spec, study, params, config, key, handoff_step, donor_configs, exclude=refused)
+        if donor is None:
             return None
         if not registry.pin(donor.record.id):
             continue  # collected under us: look again
         record = donor.record
+        own = record.study == study
         where = f"trial {trial_number}: not warm-starting from trial {record.trial_number} of study {record.study!r}"
-        uri = scope.find_or_warn(record.uri, record.study, where)
+        uri = (scope if own or scope_of is None else scope_of(record.study)).find_or_warn(record.uri, record.study,
+                                                                                         where)
         if uri is None:
-            registry.forget_broken(record.id)  # the row only: the file it names is not ours to touch
+            if own:
+                registry.forget_broken(record.id)  # the row only: the file it names is not ours to touch
             refused.add(record.id)
             continue
         try:
             state = load_blob(uri, record.sha256)
         except CheckpointError as exc:
             warnings.warn(f"{where}: {exc}", stacklevel=2)
-            registry.forget_broken(record.id)
-            delete_blob(uri)  # nobody may use it, and no row names it any more
+            if own:
+                registry.forget_broken(record.id)
+                delete_blob(uri)  # nobody may use it, and no row names it any more
             refused.add(record.id)
             continue
         return WarmStart(state, optimizer=spec.warm_start.inherit == "weights+optimizer"), donor

@@ -368,6 +368,46 @@ def test_a_from_studies_donor_whose_study_fixed_another_optimizer_gives_no_optim
     assert (again[0].user_attrs.get("warm_start_from") or {}).get("study") == "sgd"
 
 
+def test_a_from_studies_donor_in_its_own_store_is_read_there_and_never_deleted_by_the_reader(tmp_path: Path) -> None:
+    # Review: the donor study kept its checkpoints in a store of its own (`checkpoints.store`; on a server database
+    # each study file's folder has its own by default); the reading study looked for the blob in its store, found
+    # nothing, and deleted the donor study's pinned row: that study's own later trials lost their donor.
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+
+    def run(name: str, n_trials: int, **extra: object) -> list[optuna.trial.FrozenTrial]:
+        document = copy.deepcopy(TINY_STUDY) | {"name": name, "n_trials": n_trials, "storage": storage, **extra}
+        document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 10}
+        done = sweep_cli("run", write_study(tmp_path, document, f"{name}.yaml"))
+        assert done.returncode == 0, done.stderr
+        assert "not warm-starting" not in done.stderr, done.stderr
+        return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+    def rows(study: str) -> list[tuple[int, int, int]]:
+        with sqlite3.connect(tmp_path / "shared.db") as connection:
+            return connection.execute("SELECT id, step, pinned FROM sweep_checkpoints WHERE study = ? ORDER BY id",
+                                      (study,)).fetchall()
+
+    run("donor", 2, warm_start={"max_distance": 1.0}, checkpoints={"store": "own-store"})
+    before = rows("donor")
+    assert (tmp_path / "own-store" / "donor").is_dir() and before
+    [reader] = run("reader", 1, warm_start={"max_distance": 1.0, "from_studies": ["donor"]})
+    assert reader.user_attrs["warm_start_from"]["study"] == "donor"
+    assert [r[:2] for r in rows("donor")] == [r[:2] for r in before]
+    done = sweep_cli("reproduce", str(tmp_path / "reader.yaml"), str(reader.number))
+    assert done.returncode == 0, done.stderr
+
+    # The donor's file gone from its store: the reader warns and starts cold; the row is the donor study's to drop.
+    for blob in (tmp_path / "own-store" / "donor").glob("*.pt"):
+        blob.unlink()
+    document = copy.deepcopy(TINY_STUDY) | {"name": "reader-2", "n_trials": 1, "storage": storage,
+                                            "warm_start": {"max_distance": 1.0, "from_studies": ["donor"]}}
+    document["fixed"] = {**document["fixed"], "max_steps": 40, "eval_every_steps": 10}
+    done = sweep_cli("run", write_study(tmp_path, document, "reader-2.yaml"))
+    assert done.returncode == 0, done.stderr
+    assert "not warm-starting from trial" in done.stderr and "of study 'donor'" in done.stderr
+    assert [r[:2] for r in rows("donor")] == [r[:2] for r in before]
+
+
 def test_a_warm_trial_s_parent_whose_row_is_gone_is_no_orphan_and_still_replays(tmp_path: Path) -> None:
     # Found by review: an older sweep resuming the study deleted a pinned donor's row (it could not resolve the newer
     # relative URI); `sweep check --repair` then deleted the donor's file as an orphan, and the warm trial could no
