@@ -313,9 +313,16 @@ def loop_value(returned: Any, run: Run) -> float | None:
 
 
 def returned_value(returned: Any, metric: str) -> float | None:
-    """The value `main` returned, when it returned one (see `loop_value`)."""
+    """The value `main` returned, when it returned one (see `loop_value`). A mapping's metric counts as NaN when
+    the mapping's `val_loss` is a number that is NaN or infinite, as a report's does (`metric_value`): a diverged
+    trial returned as finished is still diverged (review: it completed, and could be the best)."""
     if isinstance(returned, Mapping) and metric in returned:
-        return _floats({metric: returned[metric]})[metric]
+        value = _floats({metric: returned[metric]})[metric]
+        loss = returned.get("val_loss") if metric != "val_loss" else None
+        try:
+            return metric_value({metric: value, **_floats({"val_loss": loss})}, metric) if loss is not None else value
+        except LoopError:  # a val_loss that is not a number says nothing of the metric
+            return value
     if isinstance(returned, (torch.Tensor, np.ndarray)):  # one number in it is that number; more are none
         count = returned.numel() if isinstance(returned, torch.Tensor) else returned.size
         returned = returned.item() if count == 1 else None

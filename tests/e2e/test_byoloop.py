@@ -462,6 +462,27 @@ def test_a_loop_may_return_its_value(tmp_path: Path) -> None:
     assert "trial 2 reproduced: its final value (it reported none) identical (bit for bit)" in again.stdout
 
 
+def test_a_returned_mapping_whose_val_loss_is_nan_is_a_diverged_trial_whatever_the_metric(tmp_path: Path) -> None:
+    # Review: a loop returning {"reward": 0.27, "val_loss": nan} completed with 0.27 and was the study's best, where
+    # the same numbers reported were "diverged" (a model whose loss is not a number has no score worth keeping).
+    (tmp_path / "rewarded.py").write_text(
+        "def main(config, run):\n"
+        "    run.report(1, reward=0.1, val_loss=1.0)\n"
+        "    loss = {'nan': float('nan'), 'inf': float('inf'), 'fine': 0.5, 'text': 'n/a'}[config['loss']]\n"
+        "    return {'reward': 0.2 + len(config['loss']), 'val_loss': loss}\n")
+    path = write_study(tmp_path, {"name": "rewarded", "n_trials": 4, "loop": "rewarded:main", "sampler": "bruteforce",
+                                  "metric": "reward", "direction": "maximize", "max_repeated_failures": 0,
+                                  "space": {"loss": {"type": "categorical",
+                                                     "choices": ["nan", "inf", "fine", "text"]}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = {t.params["loss"]: t for t in trials_of(path, "rewarded")}
+    assert {k: t.state.name for k, t in trials.items()} == {"nan": "FAIL", "inf": "FAIL", "fine": "COMPLETE",
+                                                             "text": "COMPLETE"}
+    assert trials["nan"].user_attrs["fail_reason"].startswith("diverged"), trials["nan"].user_attrs
+    assert trials["fine"].value == 4.2 and trials["text"].value == 4.2
+
+
 def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_path: Path) -> None:
     # A train.py's main() that parses the command line: argparse exits on sweep's own arguments. That used to end the
     # worker with exit code 2 (read as bad input) and its trial left running.
