@@ -345,11 +345,30 @@ class LoopExit(RuntimeError):
     goes on."""
 
 
+def _quiet_stops_in_threads() -> None:
+    """A thread of the loop whose report raised the trial's stop (Ctrl-C, SIGTERM: `Run._noting_interruptions`; the
+    pruner's `StopTrial`) ends there, as the loop's main thread would: the trial's end is said in one line by the
+    worker, not by Python's traceback of that thread (review: 15 lines of sweep's own `Preempted`). Signals reach
+    only the main thread, so in any other these exceptions come from a report. Installed once, for the process."""
+    previous = threading.excepthook
+    if getattr(previous, "sweep_quiet_stops", False):
+        return
+
+    def hook(args: Any) -> None:
+        if not (isinstance(args.exc_value, (KeyboardInterrupt, Preempted, StopTrial))
+                and args.thread is not threading.main_thread()):
+            previous(args)
+
+    hook.sweep_quiet_stops = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def call_loop(function: Callable[..., Any], config: dict[str, Any], run: Run) -> Any:
     """Call the loop; a `StopTrial` it lets through is an ordinary end. `sys.exit` inside it fails the trial, as
     any exception does, instead of ending the worker with its trial left running. Signal handlers it installs are
     put back when it returns: the worker's own answer Ctrl-C and SIGTERM again between trials; a stop they took in
     its place while it ran is the trial's stop all the same (`watched_handlers`)."""
+    _quiet_stops_in_threads()
     try:
         with _kept_signal_handlers():
             return function(config, run)

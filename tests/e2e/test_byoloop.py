@@ -908,6 +908,31 @@ def test_a_loop_signalled_after_its_last_report_has_finished_and_is_stored_compl
     assert [(t.state.name, t.value) for t in trials] == [("COMPLETE", 0.02), ("COMPLETE", 0.02)], done.stderr
 
 
+def test_a_sigterm_raised_at_a_report_in_a_thread_of_the_loop_is_the_one_line_preemption_not_a_traceback(
+        tmp_path: Path) -> None:
+    # Review: the thread's report raised sweep's own `Preempted`, and Python printed that thread's traceback (15
+    # lines) before the worker's one line; the trial was marked and retried as it should be.
+    (tmp_path / "threaded.py").write_text(
+        "import os, signal, threading\n"
+        "def main(config, run):\n"
+        "    def body():\n"
+        "        for step in range(1, config['max_steps'] + 1):\n"
+        "            if step == 3 and run.trial == 0:\n"
+        "                os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption\n"
+        "            if run.report(step, val_loss=1.0 / step):\n"
+        "                return\n"
+        "    worker = threading.Thread(target=body)\n"
+        "    worker.start()\n"
+        "    worker.join()\n")
+    path = write_study(tmp_path, {"name": "threaded", "n_trials": 2, "loop": "threaded:main", "pruner": "none",
+                                  "fixed": {"max_steps": 50}})
+    done = run_cli("run", path, cwd=path.parent)
+    assert done.returncode == 143, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "Exception in thread" not in done.stderr, done.stderr
+    trial = trials_of(path, "threaded")[0]
+    assert trial.user_attrs["fail_reason"].startswith("preempted (SIGTERM)"), trial.user_attrs
+
+
 def test_a_study_deleted_while_it_runs_ends_the_run_with_one_line(tmp_path: Path) -> None:
     # Found by review: another user's `optuna delete-study` during a run made each worker's next write a traceback
     # ("KeyError: 'No trial with trial id 106 exists.'").
