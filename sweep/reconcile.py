@@ -218,17 +218,15 @@ def other_store_location(storage: optuna.storages.BaseStorage, study_name: str, 
     """`store_location` of another study of this storage (a `warm_start.from_studies` donor's), which may keep its
     blobs in another store than the study reading them; None when the storage holds no such study."""
     try:
-        study_id = storage.get_study_id_from_name(study_name)
-    except KeyError:
+        return _location(storage.get_study_user_attrs(storage.get_study_id_from_name(study_name)), storage_url)
+    except (KeyError, AttributeError):  # no such study, or a definition damaged by hand: this study's store
         return None
-    return _location(storage.get_study_user_attrs(study_id), storage_url)
 
 
 def _location(user_attrs: dict[str, Any], storage_url: str) -> str:
-    stored = user_attrs.get(SPEC_ATTR)
-    checkpoints = stored.get("checkpoints") if isinstance(stored, dict) else None
-    store = checkpoints.get("store") if isinstance(checkpoints, dict) else None
-    return str(store or default_store(storage_url))
+    """A damaged stored definition (not a mapping) raises AttributeError: each command says so in one line."""
+    stored = (user_attrs.get(SPEC_ATTR) or {}).get("checkpoints") or {}
+    return str(stored.get("store") or default_store(storage_url))
 
 
 def quick_check(registry: Registry, study_name: str, *, scope: BlobScope) -> list[Problem]:

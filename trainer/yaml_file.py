@@ -86,8 +86,30 @@ def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
     return int(value) if math.isfinite(value) and value.is_integer() else value
 
 
+def _core_int(loader: Any, node: yaml.ScalarNode) -> int:
+    """An integer tagged `!!int` as YAML 1.2 reads it, as an untagged one is: `!!int 010` is 10, where PyYAML's own
+    constructor (YAML 1.1) made it 8 and took `1_000`, `0b11` and `1:20` (review)."""
+    if not _INT.match(str(node.value)):
+        raise yaml.constructor.ConstructorError(None, None, f"{node.value} is not a YAML 1.2 integer", node.start_mark)
+    return _int(loader, node)
+
+
+def _core_float(loader: Any, node: yaml.ScalarNode) -> float:
+    """A float tagged `!!float` (or an untagged `1.5`) as YAML 1.2 reads it: no `_` separators, no base 60."""
+    text = str(node.value)
+    if not (_FLOAT.match(text) or _EXPONENT.match(text) or re.match(r"^[-+]?[0-9]+$", text)):
+        raise yaml.constructor.ConstructorError(None, None, f"{text} is not a YAML 1.2 float", node.start_mark)
+    value = float(yaml.constructor.SafeConstructor.construct_yaml_float(loader, node))
+    if _EXPONENT.match(text) and underflows(text, value):
+        raise yaml.constructor.ConstructorError(None, None, f"{text} is too small for a 64-bit float (it would be "
+                                                "read as 0); write 0 if 0 is meant", node.start_mark)
+    return value
+
+
 _Loader.add_constructor(_EXPONENT_TAG, _exponent)
 _Loader.add_constructor(_INT_TAG, _int)
+_Loader.add_constructor(_CORE + "int", _core_int)
+_Loader.add_constructor(_CORE + "float", _core_float)
 _LOADER = _Loader
 # Explicit tags that only restate a plain value. Others (`!!python/object`, `!!binary`, `!!set`, `!custom`) are
 # refused: a study file holds plain values, and the safe loader would fail on most with a message of many lines.
@@ -171,8 +193,26 @@ def _implicit_kind(plain: str) -> str | None:
     """What YAML makes of a plain (unquoted) scalar other than a string: `off` and `yes` a boolean (YAML 1.1's words,
     which PyYAML keeps), `1.5` a number, `~` null; None for a string."""
     tag = _LOADER.resolve(_LOADER, yaml.ScalarNode, plain, (True, False))
-    kinds = {"bool": "a boolean", "int": "a number", "float": "a number", "null": "null", "timestamp": "a date"}
+    kinds = {"bool": "a boolean", "int": "a number", "float": "a number", "exponent": "a number", "null": "null",
+             "timestamp": "a date"}
     return kinds.get(tag.rpartition(":")[2], None) if tag != "tag:yaml.org,2002:str" else None
+
+
+def _same_key(event: Any) -> str:
+    """A mapping's key as the duplicate check compares it: its text, or, for a number (a user's mapping keyed by
+    numbers), the number, so that `1` and `1.0`, `0x2` and `2`, `010` and `10` are one key, as the mapping YAML builds
+    takes them (the second silently replaced the first; review), and one with a quoted `'1'`, as the config stored as
+    JSON has it."""
+    key = str(event.value)
+    if event.tag is None and event.implicit[0] and _implicit_kind(key) == "a number":
+        try:
+            value = _LOADER(key).get_single_data()
+        except Exception:  # noqa: BLE001 - not a number after all: compared as written
+            return key
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return str(value)
+    return key
 
 
 def _structure_problems(text: str, prefix: str = "", what: str = "study file") -> list[tuple[str, str]]:
@@ -263,7 +303,8 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                              f"('{key}') if it is meant"))
             parent.keys.setdefault(key, line)
         else:
-            seen_once(parent, parent.keys, key, "duplicate key ({lines}): the second would silently replace the first")
+            seen_once(parent, parent.keys, _same_key(event), "duplicate key ({lines}): the second would silently "
+                                                            "replace the first")
         parent.key = key
         return None
 

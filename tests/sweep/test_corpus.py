@@ -435,6 +435,12 @@ RANGES = [
     bad_file("ranges", "searched-arrays-file-missing", changed(
         task=ARRAYS, space={"task_args.train_x": {"type": "categorical", "choices": ["train_x.npy", "gone.npy"]}}),
              "space.task_args.train_x.choices[1]", "task_args.train_x: no such file 'gone.npy'", setup=_arrays_files),
+    # Two keys that are one number in a user's mapping: YAML builds one key, the second's value silently won; and
+    # an explicit !!int read as YAML 1.1 (010 was 8; 1_000 and 0b11 were taken), where the untagged one is 1.2's.
+    bad_file("ranges", "number-keys-one-number", yaml_with(
+        replace=("fixed:", "fixed:\n  class_weights: {1: 1.0, 1.0: 5.0}")), "fixed.class_weights.1", "duplicate key"),
+    bad_file("ranges", "tagged-int-yaml-1-1", yaml_with(replace=("max_steps: 20", "max_steps: !!int 1_000")),
+             "fixed.max_steps", "is not a valid !!int"),
     # A curriculum on a task with no per-sample difficulty: named where it was given, as every key is, and not said
     # again of a schedule refused already (review: "curriculum.schedule", blaming the file for a --set).
     bad_file("ranges", "curriculum-on-arrays", changed(task=ARRAYS, fixed__curriculum={"schedule": "linear"}),

@@ -591,3 +591,15 @@ def test_a_usage_error_is_one_line(args: list[str], line: str, capsys: pytest.Ca
         main(args)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_a_tagged_number_is_read_as_yaml_1_2_reads_it_untagged() -> None:
+    # Review: an explicit `!!int` went to PyYAML's YAML 1.1 constructor: `!!int 010` was 8 (untagged: 10), and
+    # `!!int 1_000`, `0b11` and `1:20` were taken as numbers the file's own rules call strings.
+    from trainer.yaml_file import YamlFileError, load_yaml
+
+    assert load_yaml("a: !!int 010\nb: !!int 0x1F\nc: !!float 1e3\nd: !!float 2\n", "t.yaml") == {
+        "a": 10, "b": 31, "c": 1000.0, "d": 2.0}
+    for text in ("!!int 1_000", "!!int 0b11", "!!int 1:20", "!!float 1_0.5", "!!float 1:30.5"):
+        with pytest.raises(YamlFileError, match="is not a valid"):
+            load_yaml(f"a: {text}\n", "t.yaml")
