@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,9 +200,19 @@ def study_status(study: optuna.Study) -> dict[str, Any]:
         "steps_trained": steps_trained(trials),
         "warm_started": len(warm_starts(trials)),  # one per lineage
         "trials_per_hour": trials_per_hour(trials),
-        "cohorts": sorted({int(c["size"]) for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict)
-                           and "size" in c}),
+        "cohorts": cohort_sizes(trials),
     }
+
+
+def cohort_sizes(trials: Sequence[FrozenTrial]) -> list[int]:
+    """The cohort sizes the study's trials trained in, 1 among them when some trained alone beside others that
+    trained in cohorts (a run with `--cohort 1`, a retry alone; review: the throughput read "in cohorts of 3" for a
+    study whose first trials ran alone); empty when none trained in a cohort."""
+    sizes = {int(c["size"]) for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict) and "size" in c}
+    if sizes and any(t.datetime_start is not None and t.state != TrialState.WAITING
+                     and not isinstance(t.user_attrs.get("cohort"), dict) for t in trials):
+        sizes.add(1)
+    return sorted(sizes)
 
 
 def donor_label(trial: FrozenTrial, study_name: str) -> int | str | None:

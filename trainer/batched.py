@@ -536,7 +536,7 @@ class _Slot:
     optimizer_steps: int = 0  # what Adam's bias correction counts (a warm start's donor count goes on)
     steps_since_log: int = 0
     threshold: float | None = None
-    interval_began: float = field(default_factory=time.perf_counter)
+    trained_began: float = 0.0  # the cohort's training clock (`Cohort.trained_s`) at the member's last log
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # a resumed member's evaluations before
 
     @property
@@ -601,6 +601,11 @@ class Cohort:
         self.slots: list[_Slot | None] = [None] * capacity
         self.results: dict[int, TrainResult] = {}
         self.step_count = 0  # global steps run
+        # Seconds spent training (forward, backward, optimizer step), evaluations, checkpoints and refills left out:
+        # what a log's samples_per_s is measured over, as the ordinary loop's (review: an interval that held an
+        # evaluation read 5-15x slower). `_trained_until`: where the last step's host work ended.
+        self.trained_s = 0.0
+        self._trained_until: float | None = None
         self._ids = 0
         self._loss_sum = torch.zeros(capacity, device=self.device)
         self._worst = torch.full((capacity,), -math.inf, device=self.device)
@@ -669,7 +674,8 @@ class Cohort:
                                                                   "seed": config.seed, "batched": True})
         slot = _Slot(id=self._ids, member=member, reporter=reporter, local=local, fast_fail=fast_fail, stages=stages,
                      sampler=build_sampler(config, self.task, self.device), generator=generator,
-                     rates=dropout_rates(model), result=result, started=time.perf_counter())
+                     rates=dropout_rates(model), result=result, started=time.perf_counter(),
+                     trained_began=self.trained_s)
         self._ids += 1
         for name, b in model.named_buffers():  # a state dict leaves non-persistent buffers out: its model's own
             self.buffers[name][index].copy_(b)
@@ -785,6 +791,7 @@ class Cohort:
         """One optimizer step of every member: forward, loss, backward, clip, step, with the learning rates and
         batches planned for the stretch (`_plan`); then, at the stretch's last step, each member's logs, guard,
         evaluations and checkpoints at its own intervals."""
+        began = time.perf_counter()
         if self._stretch is None or self._stretch.position == self._stretch.length:
             self._stretch = self._plan()
         stretch = self._stretch
@@ -806,7 +813,10 @@ class Cohort:
                 s.done += 1
                 s.optimizer_steps += 1
                 s.steps_since_log += 1
-        unwritten = self._after_step(stretch.lrs[i], norm, self._settle()) if last else {}
+        settled = self._settle() if last else None
+        self._trained_until = time.perf_counter()
+        self.trained_s += self._trained_until - began
+        unwritten = self._after_step(stretch.lrs[i], norm, settled) if settled is not None else {}
         raised, self._raised = self._raised, {}
         if raised or unwritten:
             raise MemberFailures({**unwritten, **raised}, raised=raised.keys())
@@ -1016,13 +1026,15 @@ class Cohort:
         with allowed_sync():  # the interval's one read-back, for every member that logs now
             means = (self._loss_sum / steps).tolist()
             norms = norm.tolist() if norm is not None else [0.0] * self.capacity
-        now = time.perf_counter()
+        if self._trained_until is not None:  # the read-back waited for the steps' queued work (a GPU's): training
+            self.trained_s += time.perf_counter() - self._trained_until
+            self._trained_until = None
         for i in logs:
             slot = self.slots[i]
             assert slot is not None
             config = slot.config
             samples_per_s = (slot.steps_since_log * config.batch_size * config.gradient_accumulation_steps
-                             / max(now - slot.interval_began, 1e-9))
+                             / max(self.trained_s - slot.trained_began, 1e-9))
             record = {"step": slot.done, "train_loss": means[i], "lr": lrs[i], "grad_norm": norms[i],
                       "samples_per_s": samples_per_s, "curriculum_level": slot.sampler.level_at(slot.done - 1)}
             if self.task.tokens_per_sample:
@@ -1030,7 +1042,7 @@ class Cohort:
             slot.result.logs.append(record)
             slot.reporter.log(slot.done, record)
             self._loss_sum[i] = 0.0
-            slot.steps_since_log, slot.interval_began = 0, now
+            slot.steps_since_log, slot.trained_began = 0, self.trained_s
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.inference_mode()

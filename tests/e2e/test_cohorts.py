@@ -77,6 +77,10 @@ def test_a_cohort_of_four_spends_the_budget_exactly_with_four_in_flight(tmp_path
     again = sweep_cli("reproduce", path, str(complete.number))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "identical (bit for bit)" in again.stdout, again.stdout
+    # Two more trials alone: the throughput names both ways (review: it said "in cohorts of 4" alone).
+    assert sweep_cli("run", path, "--cohort", "1", "--n-trials", "12").returncode == 0
+    status = sweep_cli("status", path)
+    assert "trials/hour (in cohorts of 1, 4)" in status.stdout, status.stdout
     # Plain MLPs are stacked without vmap: every member, refilled ones too, replays bit for bit on the thread count
     # it ran with (the stated 1e-4 is for models under vmap).
     study = load(tmp_path)

@@ -1195,3 +1195,44 @@ def test_a_random_op_the_probe_never_reached_fails_the_cohort_s_members_instead_
     assert messages == []  # the probe's forward drew nothing: batched
     assert results == [] and sorted(failed) == [0, 1]
     assert all("drew random numbers in a training step outside nn.Dropout" in str(exc) for exc in failed.values())
+
+
+class _TickingClock:
+    """`time` for trainer.batched: each read of the clock moves it 1 ms; a report (the study's storage, a slow
+    evaluation) moves it 10 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+class _SlowReporter:
+    def __init__(self, clock: _TickingClock) -> None:
+        self.clock = clock
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        pass
+
+    def report(self, step: int, metrics: Mapping[str, float]) -> bool:
+        self.clock.now += 10.0
+        return False
+
+
+def test_a_member_s_throughput_leaves_out_evaluations_and_reports_wherever_they_fall(
+        digits: Task, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Review: the interval after an evaluation read 5-15x slower in a cohort (the ordinary loop leaves evaluations
+    # and checkpoints out of it). Logs every 4 steps, evaluations every 6: inside intervals and at their ends.
+    import trainer.batched
+
+    clock = _TickingClock()
+    monkeypatch.setattr(trainer.batched, "time", clock)
+    config = tiny(max_steps=24, log_every_steps=4, eval_every_steps=6)
+    members = [CohortMember(config, reporter=_SlowReporter(clock)), CohortMember(tiny(max_steps=24, seed=1,
+                                                                                       log_every_steps=4))]
+    result, _ = train_batched(members, digits)
+    rates = [record["samples_per_s"] for record in result.logs]
+    assert len(rates) == 6
+    assert max(rates) < 3 * min(rates), rates  # 10 s in an interval made it thousands of times slower
