@@ -174,6 +174,7 @@ class _Node:
         self.key: str | None = None  # a mapping's key whose value comes next; None: a key comes next
         self.keys: dict[str, int] = {}  # a mapping's keys so far, and the line of each
         self.merged: dict[str, int] = {}  # the keys its merge keys (`<<: *defaults`) gave it, and the merge's line
+        self.numbers: dict[float | int, int] = {}  # a mapping's number keys so far (`1` and `1.0` are one), by line
         self.merge_into = merge_into  # the mapping whose `<<` this value (or this list's items) is merged into
         self.items: list[set[str]] = []  # a list's: the keys of each mapping in it (what `<<: *list` merges)
         self.index = 0  # a list's next item
@@ -198,21 +199,16 @@ def _implicit_kind(plain: str) -> str | None:
     return kinds.get(tag.rpartition(":")[2], None) if tag != "tag:yaml.org,2002:str" else None
 
 
-def _same_key(event: Any) -> str:
-    """A mapping's key as the duplicate check compares it: its text, or, for a number (a user's mapping keyed by
-    numbers), the number, so that `1` and `1.0`, `0x2` and `2`, `010` and `10` are one key, as the mapping YAML builds
-    takes them (the second silently replaced the first; review), and one with a quoted `'1'`, as the config stored as
-    JSON has it."""
+def _number_key(event: Any) -> int | float | None:
+    """The number a mapping's plain key is (a user's mapping keyed by numbers), or None for a name."""
     key = str(event.value)
     if event.tag is None and event.implicit[0] and _implicit_kind(key) == "a number":
         try:
             value = _LOADER(key).get_single_data()
-        except Exception:  # noqa: BLE001 - not a number after all: compared as written
-            return key
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        return str(value)
-    return key
+        except Exception:  # noqa: BLE001 - not a number after all: a name
+            return None
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return None
 
 
 def _structure_problems(text: str, prefix: str = "", what: str = "study file") -> list[tuple[str, str]]:
@@ -303,8 +299,28 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
                              f"('{key}') if it is meant"))
             parent.keys.setdefault(key, line)
         else:
-            seen_once(parent, parent.keys, _same_key(event), "duplicate key ({lines}): the second would silently "
-                                                            "replace the first")
+            # A number key is stored as its text (`010` as "10", `1.0` as "1.0": the config is JSON): two keys that
+            # are one text, or one number (`1` and `1.0`, which YAML's mapping makes one key), are duplicates, and a
+            # dot in one would read as a path (review: the second of two silently won; `0.5` arrived as 0, then 5).
+            number = _number_key(event)
+            stored = key if number is None else str(number)
+            twin = None if number is None else parent.numbers.get(
+                int(number) if isinstance(number, float) and number.is_integer() else number)
+            if number is not None and "." in stored:
+                problems.append((where(f"{parent.path}.{key}" if parent.path else key),
+                                 f"line {line}: the key {key} is read as a number by YAML ({stored}), and a dot "
+                                 f"in a key makes it a path ({' then '.join(stored.split('.'))}); write the key "
+                                 "without a dot, or use a list"))
+            if twin is not None:
+                lines = f"twice on line {line}" if twin == line else f"lines {twin} and {line}"
+                problems.append((where(f"{parent.path}.{stored}" if parent.path else stored),
+                                 f"duplicate key ({lines}): the second would silently replace the first"))
+            else:
+                seen_once(parent, parent.keys, stored, "duplicate key ({lines}): the second would silently replace "
+                                                       "the first")
+            if number is not None:
+                parent.numbers.setdefault(int(number) if isinstance(number, float) and number.is_integer()
+                                          else number, line)
         parent.key = key
         return None
 

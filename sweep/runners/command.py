@@ -53,7 +53,7 @@ from sweep.client import (
     as_float,
     whole_step,
 )
-from sweep.objective import Deadline, Start, TrialReporter, TrialRun, trial_trackers
+from sweep.objective import Deadline, Start, TrialReporter, TrialRun, metric_value, trial_trackers
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -237,7 +237,15 @@ def last_json_value(log: Path, metric: str) -> float | None:
                 continue
             if isinstance(found, dict) and metric in found:
                 value = found[metric]  # a number; JSON's true, "0.42" or null is not one
-                return as_float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    return None
+                # NaN when the line's val_loss is NaN or infinite, whatever the metric, as a report's (diff review:
+                # a command's final line {"val_accuracy": 0.99, "val_loss": NaN} completed and was the best).
+                loss = found.get("val_loss")
+                numbers = {metric: as_float(value)}
+                if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+                    numbers["val_loss"] = as_float(loss)
+                return metric_value(numbers, metric)
     except OSError:
         return None
     if pending is not None and pending.first == "{":  # the log's first line

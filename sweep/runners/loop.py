@@ -477,7 +477,11 @@ class LoopTrial(TrialRun):
                 reason = f"diverged: {spec.metric} is {value} at step {run.step}"
             else:  # the reports may all have been finite: say where the value came from
                 last = run.metrics.get(spec.metric)
-                reason = f"diverged: the loop returned {spec.metric} {value}" + (
+                loss = returned.get("val_loss") if isinstance(returned, Mapping) and spec.metric != "val_loss" \
+                    else None
+                said = (f"val_loss {loss} (with {spec.metric} {returned[spec.metric]})"  # the metric was a number
+                        if isinstance(loss, (int, float)) and not math.isfinite(loss) else f"{spec.metric} {value}")
+                reason = f"diverged: the loop returned {said}" + (
                     f" (its last report, at step {run.step}, was {last:g})" if isinstance(last, float) else "")
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: reason})
         return TrialResult(Outcome.COMPLETE, value, attrs)

@@ -409,6 +409,23 @@ def test_a_json_line_whose_metric_is_no_number_is_not_the_trials_value(tmp_path:
     assert trial.state.name == "FAIL" and "reported no 'val_loss'" in trial.user_attrs["fail_reason"]
 
 
+def test_a_last_json_line_whose_val_loss_is_nan_is_a_diverged_trial_whatever_the_metric(tmp_path: Path) -> None:
+    """Diff review: a command's final line {"val_accuracy": 0.99, "val_loss": NaN} completed with 0.99 and was the
+    study's best, where the same numbers reported, or returned by a loop, are diverged."""
+    script = ("import json, sys\n"
+              "loss = float(sys.argv[1]) if sys.argv[1] != 'diverged' else float('nan')\n"
+              "print(json.dumps({'val_accuracy': 0.99 if loss != loss else 0.6, 'val_loss': loss}))\n")
+    path = command_study(tmp_path, script, "train.py {loss}", n_trials=2, sampler={"type": "bruteforce"},
+                         metric="val_accuracy", direction="maximize", max_repeated_failures=0,
+                         space={"loss": {"type": "categorical", "choices": ["0.3", "diverged"]}})
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    trials = {str(t.params["loss"]): t for t in trials_of(path)}
+    assert trials["0.3"].state.name == "COMPLETE" and trials["0.3"].value == 0.6
+    assert trials["diverged"].state.name == "FAIL"
+    assert trials["diverged"].user_attrs["fail_reason"].startswith("diverged"), trials["diverged"].user_attrs
+
+
 # Saves only when it is asked to stop, from its SIGTERM handler (the usual way a script meets a preemption); writes
 # `ready` once it has reported a few steps.
 SAVES_ON_SIGTERM = '''

@@ -438,7 +438,13 @@ RANGES = [
     # Two keys that are one number in a user's mapping: YAML builds one key, the second's value silently won; and
     # an explicit !!int read as YAML 1.1 (010 was 8; 1_000 and 0b11 were taken), where the untagged one is 1.2's.
     bad_file("ranges", "number-keys-one-number", yaml_with(
-        replace=("fixed:", "fixed:\n  class_weights: {1: 1.0, 1.0: 5.0}")), "fixed.class_weights.1", "duplicate key"),
+        replace=("fixed:", "fixed:\n  class_weights: {0x2: 1.0, 2: 5.0}")), "fixed.class_weights.2", "duplicate key"),
+    bad_file("ranges", "number-keys-one-text", yaml_with(
+        replace=("fixed:", "fixed:\n  class_weights: {1: 1.0, '1': 5.0}")), "fixed.class_weights.1", "duplicate key"),
+    # A float key's dot made a path of it: {0.5: a} arrived as {"0": {"5": a}} (diff review).
+    bad_file("ranges", "number-key-with-a-dot", yaml_with(
+        replace=("fixed:", "fixed:\n  class_weights: {0.5: 1.0, 2: 5.0}")), "fixed.class_weights.0.5",
+             "a dot in a key makes it a path (0 then 5)"),
     bad_file("ranges", "tagged-int-yaml-1-1", yaml_with(replace=("max_steps: 20", "max_steps: !!int 1_000")),
              "fixed.max_steps", "is not a valid !!int"),
     # A curriculum on a task with no per-sample difficulty: named where it was given, as every key is, and not said
