@@ -406,8 +406,13 @@ _SWEEPS_SBATCH = {
     "tres-per-task": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task",
     "gres": "launch.slurm.gpus_per_task (--gpus-per-task), which decides the workers per task, and gpu_type for a "
             "GPU type (--gres=gpu:TYPE:G)",
+    # What would make `sweep submit` report a job that does not run as the study's workers (review: --test-only
+    # submitted nothing, and the study recorded an empty job id: `sweep status` then listed every job of the cluster).
+    "test-only": "the job array is submitted; `sweep submit --dry-run` prints its script without submitting it",
+    "wrap": "the job runs the batch script, the study's worker",
+    "wait": "`sweep submit` returns once the job array is queued",
 }
-_SWEEPS_SHORT = {"a": "array", "o": "output", "e": "error", "t": "time", "G": "gpus"}
+_SWEEPS_SHORT = {"a": "array", "o": "output", "e": "error", "t": "time", "G": "gpus", "W": "wait"}
 _SHORT_FLAGS = set("HhOQsvVWk")  # sbatch's short options without an argument: `-Ho x` is `-H -o x`
 
 

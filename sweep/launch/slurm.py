@@ -45,6 +45,7 @@ from sweep.storage import clock_offset
 from sweep.urls import mask_url, mask_urls, url_secrets
 from sweep.workers import SECRET_ENV_NAMES, STORAGE_FILE_ENV, WORKER_ENV, worker_args, worker_python, write_storage_file
 from trainer.messages import has_control
+from trainer.yaml_file import short_repr
 
 if TYPE_CHECKING:
     import optuna
@@ -221,7 +222,11 @@ def submit(script: str, url: str, folder: Path, *, study_name: str, workdir: Pat
     if done.returncode != 0:
         detail = mask_urls(done.stderr.strip()).splitlines()
         raise SlurmError(f"sbatch refused the job ({done.returncode}): {detail[-1] if detail else 'no message'}")
-    return done.stdout.strip().split(";")[0]
+    job_id = done.stdout.strip().split(";")[0]
+    if not job_id.isdigit():  # an option that submits nothing: no job to record, watch or cancel
+        said = mask_urls((done.stdout.strip() or done.stderr.strip() or "nothing").splitlines()[-1])
+        raise SlurmError(f"sbatch submitted no job (it printed {short_repr(said)} where a job id was expected)")
+    return job_id
 
 
 def record_job(study: optuna.Study, job_id: str, options: SlurmSpec, folder: Path, submitted_at: float) -> None:

@@ -322,6 +322,18 @@ def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluste
     slurm_cluster.run("scancel", done.stdout.strip(), check=False)
 
 
+def test_an_sbatch_that_submits_nothing_is_an_error_not_a_job(tmp_path: Path, slurm_cluster: SlurmCluster,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: with `--test-only` sbatch exits 0 and prints no job id; the study recorded an empty one, and `sweep
+    status` (`scontrol show job ""`) listed every job of the cluster as the study's. Such options are refused before
+    anything is made; a submit that still gets no job id says so."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    script = "#!/bin/bash\n#SBATCH --test-only\n#SBATCH --output=/dev/null\ntrue\n"
+    with pytest.raises(slurm.SlurmError, match="sbatch submitted no job"):
+        slurm.submit(script, f"sqlite:///{tmp_path / 'x.db'}", tmp_path / "job", study_name="nothing",
+                     workdir=tmp_path)
+
+
 def test_a_stop_outlasts_a_requeue_after_it(tmp_path: Path, postgres_url: str, slurm_cluster: SlurmCluster) -> None:
     """`sweep stop`, then the running task's time-limit warning: its worker checkpoints the trial and the task requeues
     itself. Started again, it trained on (a worker honoured only the stops given after its own start); now it counts

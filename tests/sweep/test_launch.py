@@ -153,6 +153,11 @@ def test_a_sqlite_storage_is_submitted_with_a_warning(tmp_path: Path) -> None:
                                                "set itself, got -o (--output), which sweep sets"),
     (changed(), ["--sbatch", "--out=x"], "got --out (--output), which sweep sets"),  # sbatch takes abbreviations
     (changed(), ["--sbatch", "--no-requeue"], "got --no-requeue, which sweep sets"),
+    # Options after which the submit reported a job that does not run the study's workers (review: --test-only
+    # submitted nothing, and the study recorded an empty job id).
+    (changed(), ["--sbatch", "--test-only"], "got --test-only, which sweep sets: the job array is submitted"),
+    (changed(), ["--sbatch", "--wrap=hostname"], "got --wrap, which sweep sets: the job runs the batch script"),
+    (changed(), ["--sbatch", "-W"], "got -W (--wait), which sweep sets"),
     (changed(), ["--sbatch", "--export=NONE"], "got --export, which sweep sets"),
     (changed(), ["--sbatch", "--signal=B:USR2@60"], "got --signal, which sweep sets: the warning before the time "
                                                     "limit: launch.slurm.warning_s (--warning-s)"),
