@@ -1133,7 +1133,7 @@ class Cohort:
         slot = self.slots[index]
         assert slot is not None
         result = slot.result
-        result.status, reason = ended("stopped" if status == "stopped" else "completed", slot.local)
+        result.status, reason = ended("stopped" if status == "stopped" else "completed", slot.local, result)
         if reason is not None:
             result.stop_reason = reason
         result.wall_time_s = time.perf_counter() - slot.started

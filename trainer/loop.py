@@ -12,6 +12,7 @@ The trainer knows nothing of Optuna: it talks to whoever drives it through a `Re
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -571,18 +572,26 @@ def deciding(reporter: Reporter | None, config: FastFailConfig,
     return reporter, None
 
 
-def ended(status: Status, local: FastFailReporter | None) -> tuple[Status, dict[str, Any] | None]:
+def ended(status: Status, local: FastFailReporter | None, result: TrainResult | None = None,
+          ) -> tuple[Status, dict[str, Any] | None]:
     """How a run ended, and why where its own rules stopped it. A divergence found at the last evaluation, where
     stopping saves nothing, still ends it "stopped", with its reason, so that whoever reads the result can tell it
-    from a run that finished well (review: a run whose last evaluation was NaN printed "completed", no reason)."""
+    from a run that finished well (review: a run whose last evaluation was NaN printed "completed", no reason); with
+    fast-fail off too, from `result`'s last evaluation (its val_loss NaN or infinite: rule "nan" or "inf"; review:
+    `sweep best -o` writes fast-fail off, and such a run printed "completed")."""
     verdict = None if local is None else local.verdict
     if status == "completed" and verdict is not None and verdict.rule in DIVERGED:
         status = "stopped"
-    return status, verdict.as_dict() if status == "stopped" and verdict is not None else None
+    if status == "stopped" and verdict is not None:
+        return status, verdict.as_dict()
+    loss = None if result is None or status != "completed" else result.metrics.get("val_loss")
+    if result is not None and isinstance(loss, float) and not math.isfinite(loss):
+        return "stopped", {"rule": "nan" if math.isnan(loss) else "inf", "step": result.steps, "value": loss}
+    return status, None
 
 
 def _finish(result: TrainResult, local: FastFailReporter | None, started: float, status: Status) -> TrainResult:
-    result.status, reason = ended(status, local)
+    result.status, reason = ended(status, local, result)
     if reason is not None:
         result.stop_reason = reason
     result.wall_time_s = time.perf_counter() - started
