@@ -306,7 +306,7 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
             stored = key if number is None else str(number)
             twin = None if number is None else parent.numbers.get(
                 int(number) if isinstance(number, float) and number.is_integer() else number)
-            if number is not None and "." in stored:
+            if number is not None and "." in stored and "[" not in parent.path:  # a list item's keys stay whole
                 problems.append((where(f"{parent.path}.{key}" if parent.path else key),
                                  f"line {line}: the key {key} is read as a number by YAML ({stored}), and a dot "
                                  f"in a key makes it a path ({' then '.join(stored.split('.'))}); write the key "

@@ -331,6 +331,21 @@ def returned_value(returned: Any, metric: str) -> float | None:
     return None
 
 
+def _diverged_by_loss(returned: Any, metric: str) -> str | None:
+    """What made a returned mapping's finite metric NaN (`returned_value`): its val_loss, NaN or infinite, said with
+    the metric it returned; None where it was not that. Read as numbers are read (a tensor, numpy's, a 400-digit int:
+    review, math.isfinite of that raised OverflowError, stored as the trial's failure)."""
+    if not isinstance(returned, Mapping) or metric == "val_loss" or "val_loss" not in returned:
+        return None
+    try:
+        numbers = _floats({"val_loss": returned["val_loss"], metric: returned[metric]})
+    except LoopError:
+        return None
+    if math.isfinite(numbers["val_loss"]) or not math.isfinite(numbers[metric]):
+        return None
+    return f"val_loss {numbers['val_loss']} (with {metric} {numbers[metric]:g})"
+
+
 def _several_numbers(returned: Any) -> bool:
     """Whether `main` returned what reads as several objectives' values (Optuna's multi-objective return): a tuple
     or list of two numbers or more, or a tensor or array of more than one."""
@@ -477,10 +492,7 @@ class LoopTrial(TrialRun):
                 reason = f"diverged: {spec.metric} is {value} at step {run.step}"
             else:  # the reports may all have been finite: say where the value came from
                 last = run.metrics.get(spec.metric)
-                loss = returned.get("val_loss") if isinstance(returned, Mapping) and spec.metric != "val_loss" \
-                    else None
-                said = (f"val_loss {loss} (with {spec.metric} {returned[spec.metric]})"  # the metric was a number
-                        if isinstance(loss, (int, float)) and not math.isfinite(loss) else f"{spec.metric} {value}")
+                said = _diverged_by_loss(returned, spec.metric) or f"{spec.metric} {value}"
                 reason = f"diverged: the loop returned {said}" + (
                     f" (its last report, at step {run.step}, was {last:g})" if isinstance(last, float) else "")
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: reason})

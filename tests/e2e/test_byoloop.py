@@ -468,18 +468,21 @@ def test_a_returned_mapping_whose_val_loss_is_nan_is_a_diverged_trial_whatever_t
     (tmp_path / "rewarded.py").write_text(
         "def main(config, run):\n"
         "    run.report(1, reward=0.1, val_loss=1.0)\n"
-        "    loss = {'nan': float('nan'), 'inf': float('inf'), 'fine': 0.5, 'text': 'n/a'}[config['loss']]\n"
+        "    loss = {'nan': float('nan'), 'inf': float('inf'), 'fine': 0.5, 'text': 'n/a', 'huge': 10 ** 400}[\n"
+        "        config['loss']]\n"
         "    return {'reward': 0.2 + len(config['loss']), 'val_loss': loss}\n")
-    path = write_study(tmp_path, {"name": "rewarded", "n_trials": 4, "loop": "rewarded:main", "sampler": "bruteforce",
+    path = write_study(tmp_path, {"name": "rewarded", "n_trials": 5, "loop": "rewarded:main", "sampler": "bruteforce",
                                   "metric": "reward", "direction": "maximize", "max_repeated_failures": 0,
                                   "space": {"loss": {"type": "categorical",
-                                                     "choices": ["nan", "inf", "fine", "text"]}}})
+                                                     "choices": ["nan", "inf", "fine", "text", "huge"]}}})
     done = sweep_cli("run", path, pythonpath=tmp_path)
     assert done.returncode == 0, done.stderr
     trials = {t.params["loss"]: t for t in trials_of(path, "rewarded")}
     assert {k: t.state.name for k, t in trials.items()} == {"nan": "FAIL", "inf": "FAIL", "fine": "COMPLETE",
-                                                             "text": "COMPLETE"}
-    assert trials["nan"].user_attrs["fail_reason"].startswith("diverged"), trials["nan"].user_attrs
+                                                             "text": "COMPLETE", "huge": "FAIL"}
+    for loss in ("nan", "inf", "huge"):  # a 400-digit int is infinite, as read (it was an OverflowError of sweep's)
+        assert trials[loss].user_attrs["fail_reason"].startswith("diverged: the loop returned val_loss "), \
+            trials[loss].user_attrs
     assert trials["fine"].value == 4.2 and trials["text"].value == 4.2
 
 

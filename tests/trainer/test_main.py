@@ -606,3 +606,13 @@ def test_a_tagged_number_is_read_as_yaml_1_2_reads_it_untagged() -> None:
     for text in ("!!int 1_000", "!!int 0b11", "!!int 1:20", "!!float 1_0.5", "!!float 1:30.5"):
         with pytest.raises(YamlFileError, match="is not a valid"):
             load_yaml(f"a: {text}\n", "t.yaml")
+
+
+def test_a_number_key_with_a_dot_is_refused_only_where_a_dot_makes_a_path() -> None:
+    # A mapping's dotted key is a path (`model.hidden`), so `0.5` arrived as 0, then 5; keys in a list's items are
+    # never split, and one there was refused too (diff review).
+    from trainer.yaml_file import YamlFileError, load_yaml
+
+    assert load_yaml("cw: [{0.5: 1, 2: 3}]\n", "t.yaml") == {"cw": [{0.5: 1, 2: 3}]}
+    with pytest.raises(YamlFileError, match=r"a dot in a key makes it a path \(0 then 5\)"):
+        load_yaml("cw: {0.5: 1, 2: 3}\n", "t.yaml")
