@@ -79,11 +79,16 @@ def _int(loader: Any, node: yaml.ScalarNode) -> int:
 def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:
     """`1e3` as a number: an int when the value is a whole number (`max_steps: 1e3` is 1000, `1.5e3` is 1500), so an
     integer key takes it, else a float (`1e-3`). A plain `1.5` or `2.0` stays a float, which an integer key refuses."""
-    value = float(node.value)
-    if underflows(node.value, value):  # 1e-400: not 0
+    value = _not_underflowed(node, float(node.value))
+    return int(value) if math.isfinite(value) and value.is_integer() else value
+
+
+def _not_underflowed(node: yaml.ScalarNode, value: float) -> float:
+    """`value`, read from `node`'s exponent notation, unless it underflowed: 1e-400 is not 0."""
+    if underflows(node.value, value):
         raise yaml.constructor.ConstructorError(None, None, f"{node.value} is too small for a 64-bit float (it would "
                                                 "be read as 0); write 0 if 0 is meant", node.start_mark)
-    return int(value) if math.isfinite(value) and value.is_integer() else value
+    return value
 
 
 def _core_int(loader: Any, node: yaml.ScalarNode) -> int:
@@ -100,10 +105,7 @@ def _core_float(loader: Any, node: yaml.ScalarNode) -> float:
     if not (_FLOAT.match(text) or _EXPONENT.match(text) or re.match(r"^[-+]?[0-9]+$", text)):
         raise yaml.constructor.ConstructorError(None, None, f"{text} is not a YAML 1.2 float", node.start_mark)
     value = float(yaml.constructor.SafeConstructor.construct_yaml_float(loader, node))
-    if _EXPONENT.match(text) and underflows(text, value):
-        raise yaml.constructor.ConstructorError(None, None, f"{text} is too small for a 64-bit float (it would be "
-                                                "read as 0); write 0 if 0 is meant", node.start_mark)
-    return value
+    return _not_underflowed(node, value) if _EXPONENT.match(text) else value
 
 
 _Loader.add_constructor(_EXPONENT_TAG, _exponent)
@@ -268,7 +270,7 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
         for key in sorted(keys):
             seen_once(target, target.merged, key, "given by two merged mappings (<<, {lines}): give it once")
 
-    def seen_once(node: _Node, seen: dict[str, int], key: str, twice: str) -> None:
+    def seen_once(node: _Node, seen: dict[Any, int], key: Any, twice: str) -> None:
         """`key` of `node` read on this line: noted in `seen`, or, when `seen` has it already, a problem worded
         `twice` (its `{lines}` says where)."""
         if key not in seen:
@@ -304,23 +306,20 @@ def _structure_problems(text: str, prefix: str = "", what: str = "study file") -
             # dot in one would read as a path (review: the second of two silently won; `0.5` arrived as 0, then 5).
             number = _number_key(event)
             stored = key if number is None else str(number)
-            twin = None if number is None else parent.numbers.get(
-                int(number) if isinstance(number, float) and number.is_integer() else number)
+            same = None if number is None else int(number) if isinstance(number, float) and number.is_integer() \
+                else number  # the one key YAML's mapping makes of `1` and `1.0`
             if number is not None and "." in stored and "[" not in parent.path:  # a list item's keys stay whole
                 problems.append((where(f"{parent.path}.{key}" if parent.path else key),
                                  f"line {line}: the key {key} is read as a number by YAML ({stored}), and a dot "
                                  f"in a key makes it a path ({' then '.join(stored.split('.'))}); write the key "
                                  "without a dot, or use a list"))
-            if twin is not None:
-                lines = f"twice on line {line}" if twin == line else f"lines {twin} and {line}"
-                problems.append((where(f"{parent.path}.{stored}" if parent.path else stored),
-                                 f"duplicate key ({lines}): the second would silently replace the first"))
+            twice = "duplicate key ({lines}): the second would silently replace the first"
+            if same is not None and same in parent.numbers:
+                seen_once(parent, parent.numbers, same, twice)
             else:
-                seen_once(parent, parent.keys, stored, "duplicate key ({lines}): the second would silently replace "
-                                                       "the first")
-            if number is not None:
-                parent.numbers.setdefault(int(number) if isinstance(number, float) and number.is_integer()
-                                          else number, line)
+                seen_once(parent, parent.keys, stored, twice)
+                if same is not None:
+                    parent.numbers[same] = line
         parent.key = key
         return None
 
