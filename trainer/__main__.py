@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -328,8 +329,18 @@ def _device_fails(config: TrainingConfig) -> bool:
     return False
 
 
+def _interrupted(signum: int) -> int:
+    """A Ctrl-C (or a SIGINT sent by hand) while the command ran: one line and the shell's code, not a traceback from
+    wherever the step was. Nothing is written by `python -m trainer` itself, so there is nothing half-written."""
+    print("python -m trainer: interrupted; the run was not finished (nothing of it was saved)", file=sys.stderr)
+    return 128 + signum
+
+
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        code = _interrupted(signal.SIGINT)
     if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):  # a torchrun rank, its group finished
         from trainer.distributed import exit_process
 

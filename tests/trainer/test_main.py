@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -616,3 +617,29 @@ def test_a_number_key_with_a_dot_is_refused_only_where_a_dot_makes_a_path() -> N
     assert load_yaml("cw: [{0.5: 1, 2: 3}]\n", "t.yaml") == {"cw": [{0.5: 1, 2: 3}]}
     with pytest.raises(YamlFileError, match=r"a dot in a key makes it a path \(0 then 5\)"):
         load_yaml("cw: {0.5: 1, 2: 3}\n", "t.yaml")
+
+
+def test_a_ctrl_c_mid_run_is_one_line_and_the_shell_s_code(tmp_path: Path) -> None:
+    """A Ctrl-C while `python -m trainer` trained printed a traceback from wherever the step was."""
+    config = tmp_path / "c.yaml"
+    config.write_text("task: digits\nmax_steps: 1000000\neval_every_steps: 5\nlog_every_steps: 5\n")
+    process = subprocess.Popen([sys.executable, "-m", "trainer", str(config)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        seen = []
+        for line in process.stderr:  # the run is training once it has evaluated twice
+            seen.append(line)
+            if line.startswith("eval 10:"):
+                break
+        else:
+            pytest.fail("".join(seen))
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "python -m trainer: interrupted; the run was not finished (nothing of it " \
+                                           "was saved)"
+    assert out == ""
