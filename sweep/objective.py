@@ -88,6 +88,17 @@ def metric_value(metrics: Mapping[str, float], metric: str) -> float:
     return value
 
 
+def diverged_words(metrics: Mapping[str, Any], metric: str, value: float) -> str:
+    """What made an evaluation's metric `value` (NaN or infinite, by `metric_value`) so: its own value, or its
+    evaluation's val_loss where the metric itself was a finite number (review: a command's last line
+    `{"val_accuracy": 0.99, "val_loss": NaN}` failed as "val_accuracy is nan")."""
+    own, loss = metrics.get(metric), metrics.get("val_loss")
+    if (metric != "val_loss" and isinstance(own, (int, float)) and not isinstance(own, bool) and math.isfinite(own)
+            and isinstance(loss, (int, float)) and not isinstance(loss, bool) and not math.isfinite(loss)):
+        return f"val_loss is {float(loss)} (with {metric} {float(own):g})"
+    return f"{metric} is {value}"
+
+
 class TrialReporter:
     """Adapts an Optuna trial to the trainer's `Reporter`: each evaluation's metric is reported to the study, and the
     study's pruner decides whether to stop, so every decision lives in the storage. At the last step nothing is left

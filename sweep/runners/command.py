@@ -53,7 +53,7 @@ from sweep.client import (
     as_float,
     whole_step,
 )
-from sweep.objective import Deadline, Start, TrialReporter, TrialRun, metric_value, trial_trackers
+from sweep.objective import Deadline, Start, TrialReporter, TrialRun, diverged_words, metric_value, trial_trackers
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -212,7 +212,14 @@ class LineTooLong(ValueError):
 
 
 def last_json_value(log: Path, metric: str) -> float | None:
-    """The metric in the last line of the log that is a JSON object holding it, or None. `LineTooLong` where a line
+    """The metric in the last line of the log that is a JSON object holding it (`last_json_numbers`), or None."""
+    numbers = last_json_numbers(log, metric)
+    return None if numbers is None else metric_value(numbers, metric)
+
+
+def last_json_numbers(log: Path, metric: str) -> dict[str, float] | None:
+    """The metric (and the line's val_loss, where it is a number) in the last line of the log that is a JSON object
+    holding it, or None where its metric is not a number. `LineTooLong` where a line
     after every such line ends as a JSON object does but is too long to be read whole (users' code review: a final
     JSON line of 1.2 MB was passed over without a word, and an earlier line's value taken)."""
     too_long = LineTooLong(f"its output's last line that may be a JSON object holding {metric!r} is longer than "
@@ -245,7 +252,7 @@ def last_json_value(log: Path, metric: str) -> float | None:
                 numbers = {metric: as_float(value)}
                 if isinstance(loss, (int, float)) and not isinstance(loss, bool):
                     numbers["val_loss"] = as_float(loss)
-                return metric_value(numbers, metric)
+                return numbers
     except OSError:
         return None
     if pending is not None and pending.first == "{":  # the log's first line
@@ -329,16 +336,19 @@ class CommandTrial(TrialRun):
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command {how}: {tail}"
                                                                           f"{_interpreter_hint(argv, tail)}"})
         try:
-            value = reporter.series[-1][1] if reporter.series else last_json_value(log, spec.metric)
+            numbers = session.metrics if reporter.series else last_json_numbers(log, spec.metric)
         except LineTooLong as exc:
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command exited with code 0, but {exc}"})
+        value = reporter.series[-1][1] if reporter.series else (
+            None if numbers is None else metric_value(numbers, spec.metric))
         if value is None:
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command reported no {spec.metric!r} "
                                                       f"and printed no JSON line holding it as a number: "
                                                       f"{_tail(log)}"})
         if not math.isfinite(value):
             return TrialResult(Outcome.FAILED, None,
-                               {**attrs, ATTR_FAIL: f"diverged: {spec.metric} is {value} at step {steps}"})
+                               {**attrs, ATTR_FAIL: f"diverged: {diverged_words(numbers or {}, spec.metric, value)} "
+                                                    f"at step {steps}"})
         return TrialResult(Outcome.COMPLETE, value, attrs)
 
 

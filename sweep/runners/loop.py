@@ -59,6 +59,7 @@ from sweep.objective import (
     Start,
     TrialReporter,
     TrialRun,
+    diverged_words,
     metric_value,
     resume_lineage,
     trial_trackers,
@@ -489,7 +490,7 @@ class LoopTrial(TrialRun):
                                                       f"{what}"})
         if not math.isfinite(value):
             if returned_value(returned, spec.metric) is None:
-                reason = f"diverged: {spec.metric} is {value} at step {run.step}"
+                reason = f"diverged: {diverged_words(run.metrics, spec.metric, value)} at step {run.step}"
             else:  # the reports may all have been finite: say where the value came from
                 last = run.metrics.get(spec.metric)
                 said = _diverged_by_loss(returned, spec.metric) or f"{spec.metric} {value}"

@@ -486,6 +486,22 @@ def test_a_returned_mapping_whose_val_loss_is_nan_is_a_diverged_trial_whatever_t
     assert trials["fine"].value == 4.2 and trials["text"].value == 4.2
 
 
+def test_a_last_report_whose_val_loss_is_nan_names_it_in_the_diverged_reason(tmp_path: Path) -> None:
+    # The reason named the metric ("reward is nan"), which the loop reported as 0.3.
+    (tmp_path / "nanloss.py").write_text(
+        "def main(config, run):\n"
+        "    run.report(1, reward=0.1, val_loss=1.0)\n"
+        "    run.report(2, reward=0.3, val_loss=float('nan'))\n")
+    path = write_study(tmp_path, {"name": "nanloss", "n_trials": 1, "loop": "nanloss:main", "metric": "reward",
+                                  "direction": "maximize", "max_repeated_failures": 0, "pruner": "none",
+                                  "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 1 and "every trial of this run failed" in done.stderr, done.stderr
+    [trial] = trials_of(path, "nanloss")
+    assert trial.state.name == "FAIL"
+    assert trial.user_attrs["fail_reason"] == "diverged: val_loss is nan (with reward 0.3) at step 2", trial.user_attrs
+
+
 def test_a_loop_that_calls_sys_exit_fails_its_trial_and_the_study_goes_on(tmp_path: Path) -> None:
     # A train.py's main() that parses the command line: argparse exits on sweep's own arguments. That used to end the
     # worker with exit code 2 (read as bad input) and its trial left running.

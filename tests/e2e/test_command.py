@@ -409,21 +409,28 @@ def test_a_json_line_whose_metric_is_no_number_is_not_the_trials_value(tmp_path:
     assert trial.state.name == "FAIL" and "reported no 'val_loss'" in trial.user_attrs["fail_reason"]
 
 
-def test_a_last_json_line_whose_val_loss_is_nan_is_a_diverged_trial_whatever_the_metric(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["printed", "reported"])
+def test_a_last_json_line_whose_val_loss_is_nan_is_a_diverged_trial_whatever_the_metric(tmp_path: Path,
+                                                                                        how: str) -> None:
     """Diff review: a command's final line {"val_accuracy": 0.99, "val_loss": NaN} completed with 0.99 and was the
-    study's best, where the same numbers reported, or returned by a loop, are diverged."""
+    study's best, where the same numbers reported, or returned by a loop, are diverged. Its reason named the metric
+    ("val_accuracy is nan"), which was 0.99: it names the val_loss, printed or reported."""
     script = ("import json, sys\n"
+              "from sweep import client\n"
               "loss = float(sys.argv[1]) if sys.argv[1] != 'diverged' else float('nan')\n"
-              "print(json.dumps({'val_accuracy': 0.99 if loss != loss else 0.6, 'val_loss': loss}))\n")
+              "numbers = {'val_accuracy': 0.99 if loss != loss else 0.6, 'val_loss': loss}\n"
+              + ("print(json.dumps(numbers))\n" if how == "printed" else "client.report(7, **numbers)\n"))
     path = command_study(tmp_path, script, "train.py {loss}", n_trials=2, sampler={"type": "bruteforce"},
-                         metric="val_accuracy", direction="maximize", max_repeated_failures=0,
+                         metric="val_accuracy", direction="maximize", max_repeated_failures=0, pruner="none",
                          space={"loss": {"type": "categorical", "choices": ["0.3", "diverged"]}})
     done = sweep_cli("run", path, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     trials = {str(t.params["loss"]): t for t in trials_of(path)}
     assert trials["0.3"].state.name == "COMPLETE" and trials["0.3"].value == 0.6
-    assert trials["diverged"].state.name == "FAIL"
-    assert trials["diverged"].user_attrs["fail_reason"].startswith("diverged"), trials["diverged"].user_attrs
+    assert trials["diverged"].state.name == "FAIL"  # with fast-fail on, its nan rule prunes a NaN reported
+    step = 0 if how == "printed" else 7
+    assert trials["diverged"].user_attrs["fail_reason"] == \
+        f"diverged: val_loss is nan (with val_accuracy 0.99) at step {step}", trials["diverged"].user_attrs
 
 
 # Saves only when it is asked to stop, from its SIGTERM handler (the usual way a script meets a preemption); writes
