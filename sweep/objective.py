@@ -51,7 +51,7 @@ from sweep.outcomes import (
     TrialResult,
     lineage,
 )
-from sweep.pruners import FastFailPruner, judges_by_rungs, should_prune
+from sweep.pruners import FastFailPruner, handoff_point, judges_by_rungs, should_prune
 from sweep.signals import FORWARD, raise_pending, sheltered, stop_requested
 from sweep.storage import PatientStorage, StorageAway
 from sweep.tracking import Guarded, open_trackers
@@ -254,7 +254,7 @@ class TrialReporter:
             # The reports in step order, as `prune` reads them from the trial (a loop may report out of order).
             verdict = pruner.verdict(sorted(self.series), self.config, self.maximize, self.trial.study,
                                      train_series=self.training.series, warm=ATTR_WARM_START in self.trial.user_attrs,
-                                     loss_series=self.losses or ())
+                                     loss_series=self.losses or (), handoff=handoff_point(self.trial.user_attrs))
             if verdict is not None:
                 reason = {**verdict.as_dict(), "message": verdict.message()}
             else:

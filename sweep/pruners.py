@@ -146,21 +146,32 @@ class FastFailPruner(optuna.pruners.BasePruner):
 
     def verdict(self, series: list[tuple[int, float]], config: Mapping[str, Any], maximize: bool,
                 study: optuna.Study | None = None, train_series: Sequence[tuple[int, float]] = (), *,
-                warm: bool = False, loss_series: Sequence[tuple[int, float]] = ()) -> Verdict | None:
+                warm: bool = False, loss_series: Sequence[tuple[int, float]] = (),
+                handoff: tuple[int, float] | None = None) -> Verdict | None:
         """The fast-fail verdict on a trial's reported `(step, value)` pairs; `config` is its TrainingConfig dict;
         `train_series`: the training counterpart's values at those steps (the overfitting rule).
         Without `study`, the reference of the study this pruner judged last (in `prune`) is used, if any.
 
         `warm`: the trial started from a donor's checkpoint, so its lineage has left its initial value whatever its
-        own first report says: plateau and stuck do not apply (its own reports start after the handoff).
+        own first report says: plateau and stuck do not apply (its own reports start after the handoff). `handoff`:
+        its donor's step and value there (`handoff_point`), which an explosion is measured from, as the trainer's
+        loss guard measures it from the donor's weights evaluated: a warm trial's first own value, taken as its
+        start, made a fresh optimizer's bump above it an explosion, still below the lineage's untrained value
+        (review: pruned as exploded, a warm trial that would have ended the study's best).
 
         `loss_series`: the trial's val_loss at its evaluations where the study's metric is another (`ATTR_LOSS_CURVE`):
         when the metric's own values give no verdict, a NaN/Inf or exploding loss does (`rule` nan, inf or explode,
         `of: val_loss`). A diverged trial's accuracy sits near chance, which no rule on the accuracy reads as
         divergence, and it ran its whole budget."""
         found = self._verdict(series, config, maximize, study, train_series)
-        if warm and found is not None and found.rule in ("plateau", "stuck"):
+        based = _from_handoff(series, handoff) if warm else None
+        if warm and found is not None and (found.rule in ("plateau", "stuck")
+                                           or (found.rule == "explode" and based is not None)):
             found = None
+        if found is None and based is not None:
+            again = self._verdict(based, config, maximize, study, ())
+            if again is not None and again.rule == "explode":
+                found = dataclasses.replace(again, detail={**again.detail, "handoff": handoff[0]})  # type: ignore[index]
         # A loss that diverged says more than a metric that stopped moving (a diverged trial's accuracy sits still),
         # and a warm trial's loss is judged even where its metric's plateau is not.
         if (found is None or found.rule in ("plateau", "stuck")) and loss_series:
@@ -207,7 +218,8 @@ class FastFailPruner(optuna.pruners.BasePruner):
         train = [(int(s), float(v)) for s, v in trial.user_attrs.get(ATTR_TRAIN_CURVE, ())]
         loss = [(int(s), float(v)) for s, v in trial.user_attrs.get(ATTR_LOSS_CURVE, ())]
         if self.verdict(series, trial.user_attrs.get("config", {}), maximize, study, train,
-                        warm=ATTR_WARM_START in trial.user_attrs, loss_series=loss) is not None:
+                        warm=ATTR_WARM_START in trial.user_attrs, loss_series=loss,
+                        handoff=handoff_point(trial.user_attrs)) is not None:
             return True
         if self.then is None or series[-1][0] == 0:
             return False
@@ -237,6 +249,31 @@ def _without_reference(trial: FrozenTrial) -> FrozenTrial:
 def _as_judged(trial: FrozenTrial) -> FrozenTrial:
     """The trial as a pruner fast-fail wraps sees it: without the step-0 evaluation, at its lineage's steps."""
     return at_lineage_steps(_without_reference(trial))
+
+
+def handoff_point(attrs: Mapping[str, Any]) -> tuple[int, float] | None:
+    """A warm trial's donor step and its value there (`warm_start_from`), where that value is a finite number."""
+    parent = attrs.get(ATTR_WARM_START)
+    if not isinstance(parent, Mapping):
+        return None
+    step, value = parent.get("step"), parent.get("value")
+    if (not isinstance(step, int) or isinstance(step, bool) or not isinstance(value, (int, float))
+            or isinstance(value, bool) or not math.isfinite(value)):
+        return None
+    return step, float(value)
+
+
+def _from_handoff(series: list[tuple[int, float]],
+                  handoff: tuple[int, float] | None) -> list[tuple[int, float]] | None:
+    """A warm trial's reports after the value it took over (`handoff_point`), which stands first: at the donor's
+    step, or just before the trial's first report where it counts its own steps from 0. None without a handoff
+    value, or where the trial's first report is at the donor's step (its own evaluation of the donor's weights,
+    its start as it is)."""
+    if handoff is None or not series or series[0][0] == handoff[0]:
+        return None
+    step, value = handoff
+    first = series[0][0]
+    return [(step if step < first else first - 1, value), *series]
 
 
 def at_lineage_steps(trial: FrozenTrial) -> FrozenTrial:

@@ -178,7 +178,9 @@ class Verdict:
             return f"{self.rule} at step {self.step}"
         if self.rule == "explode":  # `of`: the curve it read, where that is not the study's metric (val_loss)
             of = f"{self.detail['of']} " if "of" in self.detail else ""
-            return (f"{of}exploded at step {self.step}: {self.value:.4g} > {self.detail['factor']:g} x initial "
+            start = (f"the value it took over at step {self.detail['handoff']}" if "handoff" in self.detail
+                     else "initial")  # a warm trial's: its donor's at the handoff
+            return (f"{of}exploded at step {self.step}: {self.value:.4g} > {self.detail['factor']:g} x {start} "
                     f"{self.detail['initial']:.4g}")
         if self.rule == "stuck":
             return (f"stuck at step {self.step}: best {self.detail['best']:.4g} still near initial "

@@ -1383,3 +1383,49 @@ def test_a_thread_the_loop_leaves_running_does_not_keep_sweep_run_from_exiting(
     assert done.returncode == 0 and "the trials' code" not in done.stderr, done.stderr
     assert ("note: MLflow's background logging is still running (1 thread): waiting up to 2 s for it before "
             "exiting") in done.stderr, done.stderr
+
+
+BUMPS_AFTER_HANDOFF = '''import math
+def main(config, run):
+    every, last = config["eval_every_steps"], config["max_steps"]
+    state = run.load()
+    if state is None:  # cold: 2.3 down to 0.115, its newest save at step 100
+        for step in range(every, last + 1, every):
+            stop = run.report(step, {"val_loss": 2.2 * math.exp(-5 * step / last) + 0.1})
+            if step <= 100:
+                run.save({"step": step})
+            if stop:
+                return
+    else:  # warm from step 100: its fresh optimizer bumps the loss, still below the lineage's start, then it is best
+        for k, step in enumerate(range(state["step"] + every, last + 1, every)):
+            if run.report(step, {"val_loss": [0.12, 1.5, 0.3, 0.06][min(k, 3)]}):
+                return
+'''
+
+
+@pytest.mark.parametrize("bump", [1.5, 4.0])
+def test_a_warm_trial_s_explosion_is_measured_from_the_value_it_took_over(tmp_path: Path, bump: float) -> None:
+    """Review: a warm trial's first own value (0.12) was its explosion rule's start, so its fresh optimizer's bump to
+    1.5, below the lineage's untrained 2.3, pruned it as exploded; it would have ended the study's best. The rule
+    reads from the donor's value at the handoff (0.28 here), as the trainer's loss guard does: 1.5 is no explosion,
+    4.0 (above 10 x 0.28) is."""
+    (tmp_path / "bumps.py").write_text(BUMPS_AFTER_HANDOFF.replace("1.5, 0.3", f"{bump}, 0.3"))
+    path = write_study(tmp_path, {"name": "bumps", "n_trials": 3, "seed": 0, "sampler": "random", "loop": "bumps:main",
+                                  "pruner": {"type": "fastfail", "then": {"type": "median", "n_startup_trials": 50}},
+                                  "warm_start": {"max_distance": 1.0},
+                                  "fixed": {"max_steps": 200, "eval_every_steps": 20},
+                                  "space": {"lr": {"type": "float", "low": 0.001, "high": 0.1}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    cold, *warm = trials_of(path, "bumps")
+    assert cold.state.name == "COMPLETE" and "warm_start_from" not in cold.user_attrs
+    assert warm and all(t.user_attrs["warm_start_from"]["step"] == 100 for t in warm)
+    if bump == 1.5:
+        assert [t.state.name for t in warm] == ["COMPLETE"] * len(warm), [t.user_attrs for t in warm]
+        assert all(t.value == 0.06 for t in warm)
+    else:
+        assert [t.state.name for t in warm] == ["PRUNED"] * len(warm)
+        reason = warm[0].user_attrs["prune_reason"]
+        assert reason["rule"] == "explode" and reason["handoff"] == 100 and reason["step"] == 140, reason
+        assert reason["message"].startswith("exploded at step 140: 4 > 10 x the value it took over at step 100 "), \
+            reason
