@@ -584,6 +584,19 @@ class MLflowSpec(_Model):
     def _shorthand(cls, value: Any) -> Any:
         return {"enabled": value} if isinstance(value, bool) else value
 
+    @field_validator("experiment", mode="after")
+    @classmethod
+    def _experiment_name(cls, value: str | None) -> str | None:
+        # MLflow refuses a blank name and one over 500 characters at every trial's start, each trial warning that
+        # its tracking was dropped (review); a control character makes a name no UI shows as given.
+        if value is not None and (not value.strip() or len(value) > MLFLOW_EXPERIMENT_LIMIT or has_control(value)):
+            raise ValueError(f"expected an MLflow experiment's name: not blank, at most {MLFLOW_EXPERIMENT_LIMIT} "
+                             f"characters, no control character, got {short_repr(value)}")
+        return value
+
+
+MLFLOW_EXPERIMENT_LIMIT = 500  # characters: MLflow's MAX_EXPERIMENT_NAME_LENGTH
+
 
 class TrackingSpec(_Model):
     """Where every trial's logged metrics also go, besides the study's storage. Both off by default."""

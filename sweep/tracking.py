@@ -582,6 +582,7 @@ class Guarded:
     def __init__(self, name: str, trial_number: int, open_tracker: Any) -> None:
         self.name, self.number = name, trial_number
         self.dropped: Tracker | None = None  # dropped mid-trial: still ended at the trial's end, silently
+        self.unreachable = False  # dropped because its server or store could not be reached: not ended
         self.inner: Tracker | None = None
         self.inner = self._call("start", open_tracker)
 
@@ -592,6 +593,7 @@ class Guarded:
             warnings.warn(f"trial {self.number}: {self.name} tracking dropped for this trial ({what} failed: "
                           f"{_error_line(exc)})", stacklevel=3)
             self.dropped, self.inner = self.inner, None
+            self.unreachable = _unreachable(exc)
             return None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -609,9 +611,26 @@ class Guarded:
         elif self.dropped is not None:
             # Ended all the same, where its store still takes it (integrations review: an MLflow run dropped for one
             # metric name it refused stayed RUNNING forever, with no `sweep.state`); its warning was said already.
+            # Not where it was dropped for a server that did not answer: each of the end's calls, and the wait for
+            # every batch still queued, would wait out the timeout and the retries again (review: a server that
+            # hung mid-trial held the trial's end two minutes after its warning).
             dropped, self.dropped = self.dropped, None
-            with contextlib.suppress(Exception):
-                dropped.finish(outcome, value, attrs)
+            if not self.unreachable:
+                with contextlib.suppress(Exception):
+                    dropped.finish(outcome, value, attrs)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether `exc` comes from a connection that failed or timed out (an `OSError` in its chain: requests' errors
+    are, and MLflow raises its own over them), not from an answer."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def open_trackers(spec: StudySpec, storage_url: str | None, study_name: str, trial_number: int,

@@ -764,3 +764,49 @@ def test_an_mlflow_run_dropped_mid_trial_is_still_ended_with_its_state_and_valid
         raise ValueError(f"not JSON: {constant}")
 
     assert json.loads(run.data.tags["sweep.prune_reason"], parse_constant=strict)["value"] == "nan"
+
+
+def test_an_mlflow_run_dropped_for_a_server_that_did_not_answer_is_not_waited_on_again(tmp_path: Path) -> None:
+    """Review: a server that hung mid-trial dropped the trial's tracking with its warning, then held the trial's end
+    two minutes: the dropped run's end waited on every queued batch and made six more calls, each waiting out the
+    timeout and the retries. Such a run is let go; one dropped for an answer (a refused name) is still ended."""
+    pytest.importorskip("mlflow")
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    from sweep.schema import TrackingSpec
+    from sweep.tracking import Guarded, MLflowTracker
+
+    ended: list[str] = []
+
+    class Failing(MLflowTracker):
+        error: Exception
+
+        def log(self, step: int, metrics: Mapping[str, float]) -> None:
+            raise self.error
+
+        def finish(self, outcome: str, value: float | None, attrs: Mapping[str, Any]) -> None:
+            ended.append(outcome)
+            super().finish(outcome, value, attrs)
+
+    def timed_out() -> Exception:  # as MLflow's http_request raises it
+        try:
+            raise requests.exceptions.ReadTimeout("HTTPConnectionPool(host='127.0.0.1'): Read timed out.")
+        except requests.exceptions.Timeout as timeout:
+            try:
+                raise MlflowException("API request to http://127.0.0.1/api/2.0/mlflow/runs/log-batch failed with "
+                                      "timeout exception") from timeout
+            except MlflowException as exc:
+                return exc
+
+    uri = f"sqlite:///{tmp_path / 'r.db'}"
+    tracking = TrackingSpec.model_validate({"mlflow": {"tracking_uri": uri}})
+    for number, (error, outcome) in enumerate([(timed_out(), "complete"),
+                                               (MlflowException("Invalid metric name"), "pruned")]):
+        Failing.error = error
+        guarded = Guarded("mlflow", number, lambda n=number: Failing(tracking, None, "s", n, {"x": 1}, {"x": 1},
+                                                                     "val_loss"))
+        with pytest.warns(UserWarning, match=r"mlflow tracking dropped for this trial \(log failed: "):
+            guarded.log(1, {"val_loss": 1.0})
+        guarded.finish(outcome, 0.5, {"steps": 10})
+    assert ended == ["pruned"]  # the second only

@@ -1139,6 +1139,10 @@ WORDING = [
              "min_resource (100) must be at most its max_resource (10)"),
     bad_file("wording", "tensorboard-dir-empty", changed(tracking={"tensorboard": {"dir": ""}}),
              "tracking.tensorboard.dir", "at least 1 character"),
+    bad_file("wording", "mlflow-experiment-blank", changed(tracking={"mlflow": {"experiment": "   "}}),
+             "tracking.mlflow.experiment", "expected an MLflow experiment's name: not blank, at most 500 characters"),
+    bad_file("wording", "mlflow-experiment-too-long", changed(tracking={"mlflow": {"experiment": "e" * 501}}),
+             "tracking.mlflow.experiment", "expected an MLflow experiment's name: not blank, at most 500 characters"),
     bad_file("wording", "cmaes-x0-incomplete", changed(sampler={"type": "cmaes", "x0": {"learning_rate": 0.01}}),
              "sampler.x0", "expected a value for every float and int key of the space, missing model.hidden"),
     bad_file("wording", "cmaes-x0-out-of-range", changed(sampler={"type": "cmaes", "x0": {
