@@ -13,6 +13,7 @@ machine without the binaries. `close()` stops the daemons (their pids, not by na
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -167,6 +169,17 @@ class SlurmCluster:
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr}")
         return done
+
+    @contextlib.contextmanager
+    def controller_paused(self) -> Iterator[None]:
+        """slurmctld stopped (SIGSTOP) while the block runs: a controller that takes connections and answers none,
+        as one that hangs; it goes on (SIGCONT) after."""
+        pid = int((self.folder / "slurmctld.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def close(self) -> None:
         """Cancel what is left of the jobs (slurmstepd would outlive slurmd), stop the daemons (slurmd and slurmctld

@@ -38,7 +38,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, quote_plus
 
 from sweep.outcomes import SLURM_JOBS_ATTR
 from sweep.storage import clock_offset
@@ -88,16 +89,38 @@ _SBATCH_SPECIAL = re.compile(r"[\s\\#]")
 def sbatch_quoted(option: str) -> str:
     """One `#SBATCH` option as sbatch reads it back: sbatch splits a directive at whitespace and ends it at `#`, so
     a value holding either (a log folder with a space, a `--comment=two words`), or a backslash, goes in double
-    quotes. A value the user quoted themselves (any quote in it) is theirs, as written; a trailing comment of a
-    pasted directive (`--time=10   # ten minutes`) stays a comment, and the spaces after the option's name go."""
+    quotes. A value the user quoted themselves so that sbatch reads it as one word (`--export=ALL,X="a b"`) is
+    theirs, as written; one whose quotes sbatch would not (`--comment=it's`: "Unmatched `'`"; `--comment=say "hi"
+    now`: split at its spaces) goes in double quotes, its own `"` and backslashes escaped, as sbatch reads them
+    back (review). A trailing comment of a pasted directive (`--time=10   # ten minutes`) stays a comment, and the
+    spaces after the option's name go."""
     found = re.fullmatch(r"(--?[A-Za-z][A-Za-z0-9\-]*)([= ]?)(.*)", option, re.DOTALL)
     assert found is not None, option  # the schema's `_SBATCH_LINE`, and sweep's own options
     name, sep, value = found.groups()
     value, comment = re.fullmatch(r"(.*?)((?:^|\s+)#.*)?", value.strip(), re.DOTALL).groups()  # type: ignore[union-attr]
-    if "\"" in value or "'" in value or not _SBATCH_SPECIAL.search(value):
+    quoted = "\"" in value or "'" in value
+    if (_one_word(value) if quoted else not _SBATCH_SPECIAL.search(value)):
         return f"{name}{sep}{value}{comment or ''}" if value else name
-    escaped = value.replace("\\", "\\\\")
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
     return f'{name}{sep or "="}"{escaped}"{comment or ""}'
+
+
+def _one_word(value: str) -> bool:
+    """Whether sbatch reads `value` as one word: its quotes closed, no space or `#` outside them."""
+    quote: str | None = None
+    escaped = False
+    for char in value:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif quote is not None:
+            quote = None if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char.isspace() or char == "#":
+            return False
+    return quote is None and not escaped
 
 
 def sbatch_directive(name: str, value: str) -> str:
@@ -197,8 +220,15 @@ def check_tools() -> None:
 
 def _clean_environment(url: str) -> dict[str, str]:
     """This process's environment for sbatch, which hands it to the job and keeps it in Slurm's records: without the
-    variables that hold a password, nor any whose value holds one of the URL's secrets."""
-    secrets = url_secrets(url)
+    variables that hold a password, nor any whose value holds one of the URL's secrets or theirs (review: with the
+    password in PGPASSWORD, not in the URL, a DB_PASSWORD or DATABASE_URL holding it reached sbatch)."""
+    secrets = set(url_secrets(url))
+    for name in SECRET_ENV_NAMES:
+        value = os.environ.get(name, "")
+        if "://" in value:  # a storage URL (SWEEP_STORAGE_URL)
+            secrets.update(url_secrets(value))
+        elif value:  # a password or token as it is, and as a URL holds it
+            secrets.update({value, quote(value, safe=""), quote_plus(value), quote(value)})
     # A password of a few characters is found inside unrelated values (PATH): those are kept, a value that is the
     # password is not, nor one that holds it where a URL or a keyword list does (`:pw@`, `password=pw`: review, a
     # variable holding the whole URL of a 3-character password reached sbatch).
@@ -211,14 +241,27 @@ def _clean_environment(url: str) -> dict[str, str]:
             and not any(pattern.search(value) for pattern in given)}
 
 
+SBATCH_TIMEOUT_S = 120.0  # how long sbatch may take to answer (a busy controller takes seconds)
+QUERY_TIMEOUT_S = 60.0  # scontrol's and scancel's
+
+
+def _run(argv: list[str], timeout: float, **options: Any) -> subprocess.CompletedProcess[str]:
+    """A Slurm command's run; one that does not end within `timeout` seconds (a controller that does not answer) is
+    a `SlurmError` naming it, not a traceback (review: a hung sbatch left a new study's files behind)."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **options)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{Path(argv[0]).name} did not answer within {timeout:g} s (is the Slurm controller "
+                         "reachable?)") from None
+
+
 def submit(script: str, url: str, folder: Path, *, study_name: str, workdir: Path) -> str:
     """Write the storage file and the script into `folder`, submit the script with sbatch and return the job id."""
     folder.mkdir(parents=True, exist_ok=True)
     write_storage_file(storage_file(folder, study_name, url), url)
     path = folder / SCRIPT_FILE
     path.write_text(script)
-    done = subprocess.run([_tool("sbatch"), "--parsable", str(path)], capture_output=True, text=True, cwd=workdir,
-                          env=_clean_environment(url), timeout=120)
+    done = _run([_tool("sbatch"), "--parsable", str(path)], SBATCH_TIMEOUT_S, cwd=workdir, env=_clean_environment(url))
     if done.returncode != 0:
         detail = mask_urls(done.stderr.strip()).splitlines()
         raise SlurmError(f"sbatch refused the job ({done.returncode}): {detail[-1] if detail else 'no message'}")
@@ -288,8 +331,7 @@ _PAIR = re.compile(r"(\w[\w/:]*)=(\S*)")
 def _job_records(job_id: str) -> list[dict[str, str]]:
     """The job's array tasks as `scontrol show job` gives them; once the controller has forgotten the job (MinJobAge
     after its end, 300 s by default), as accounting (`sacct`) remembers them, where the cluster keeps it."""
-    done = subprocess.run([_tool("scontrol"), "show", "job", "--oneliner", job_id], capture_output=True, text=True,
-                          timeout=60)
+    done = _run([_tool("scontrol"), "show", "job", "--oneliner", job_id], QUERY_TIMEOUT_S)
     if done.returncode == 0:
         return [dict(_PAIR.findall(line)) for line in done.stdout.splitlines() if line.strip()]
     # "Invalid job id": finished and purged, or submitted to another cluster
@@ -382,8 +424,7 @@ def cancel_queued(study: optuna.Study) -> list[str]:
     stop`'s request); returns the job ids asked."""
     jobs = [str(job["job_id"]) for job in study.user_attrs.get(SLURM_JOBS_ATTR, [])]
     if jobs:
-        done = subprocess.run([_tool("scancel"), "--state=PENDING", *jobs], capture_output=True, text=True,
-                              timeout=60)
+        done = _run([_tool("scancel"), "--state=PENDING", *jobs], QUERY_TIMEOUT_S)
         if done.returncode != 0 and "Invalid job id" not in done.stderr:
             raise SlurmError(f"scancel failed ({done.returncode}): {done.stderr.strip()}")
     return jobs

@@ -264,8 +264,8 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
     url, name = url_with_password(postgres_url), "slurm_spaces"
     study_file(folder, name, 1)
     done = sweep_cli("submit", "sp ace/study.yaml", "--slurm", "--storage", url, "--workers", "1", "--sbatch=--hold",
-                     "--sbatch=--comment=two words, issue#1", "--sbatch=#SBATCH --nice=10   # lower priority",
-                     "--sbatch=--tmp  100", cwd=tmp_path,
+                     "--sbatch=--comment=it's two words, issue#1 \"quoted\"",
+                     "--sbatch=#SBATCH --nice=10   # lower priority", "--sbatch=--tmp  100", cwd=tmp_path,
                      env={"SLURM_CONF": str(slurm_cluster.conf), "PGPASSWORD": LIBPQ_PASSWORD})
     assert done.returncode == 0 and PASSWORD not in done.stdout + done.stderr, done.stderr
     job = done.stdout.strip()
@@ -277,7 +277,7 @@ def test_a_log_folder_with_a_space_and_an_sbatch_value_with_words_reach_slurm_as
         status = sweep_cli("status", "sp ace/study.yaml", "--storage", url, cwd=tmp_path)
         assert status.returncode == 0 and name in status.stdout, status.stderr
         shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
-        for field in ("Comment=two words, issue#1", "Nice=10 ", "MinTmpDiskNode=100M"):
+        for field in ('Comment=it\'s two words, issue#1 "quoted"', "Nice=10 ", "MinTmpDiskNode=100M"):
             assert field in shown, shown
         assert f"StdOut={folder / f'{name}.slurm'}/" in shown, shown  # the folder with its space
         # The storage and the name given by --set are in it too (review: it named the file's, another study).
@@ -320,6 +320,39 @@ def test_a_job_sbatch_refuses_leaves_nothing_behind(tmp_path: Path, slurm_cluste
                      env={"SLURM_CONF": str(slurm_cluster.conf)})
     assert done.returncode == 0, done.stderr
     slurm_cluster.run("scancel", done.stdout.strip(), check=False)
+
+
+def test_a_controller_that_does_not_answer_is_one_line_for_submit_status_and_stop(
+        tmp_path: Path, slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a hung sbatch ended `sweep submit` with a traceback (subprocess.TimeoutExpired) and left the new
+    study's files behind; a hung scancel did the same to `sweep stop`, and a hung scontrol made `sweep status` blame
+    the database. Each is one line naming the Slurm command, and a submit leaves nothing behind."""
+    monkeypatch.setattr(slurm, "SBATCH_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(slurm, "QUERY_TIMEOUT_S", 3.0)
+    env = {"SLURM_CONF": str(slurm_cluster.conf)}
+    path = study_file(tmp_path, "slurm_hung", 2)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with slurm_cluster.controller_paused():
+        done = sweep_cli("submit", path, "--slurm", cwd=tmp_path, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "sbatch did not answer within 3 s" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    done = sweep_cli("submit", path, "--slurm", "--sbatch=--hold", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip()
+    try:
+        with slurm_cluster.controller_paused():
+            status = sweep_cli("status", path, cwd=tmp_path, env=env)
+            stop = sweep_cli("stop", path, cwd=tmp_path, env=env)
+        assert status.returncode == 0, status.stderr
+        assert "note: the study has Slurm jobs, but scontrol did not answer within 3 s" in status.stderr, \
+            status.stderr
+        assert stop.returncode == 1, stop.stderr
+        assert "error: could not cancel the queued Slurm tasks: scancel did not answer within 3 s" in stop.stderr, \
+            stop.stderr
+        assert "Traceback" not in status.stderr + stop.stderr
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
 
 
 def test_an_sbatch_that_submits_nothing_is_an_error_not_a_job(tmp_path: Path, slurm_cluster: SlurmCluster,

@@ -445,6 +445,17 @@ def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.Mon
     kept = _clean_environment("postgresql+psycopg://r3:q7z@127.0.0.1:5432/sw")
     assert {"MY_DATABASE", "MY_DSN", "MY_QUERY", *forms}.isdisjoint(kept) and kept["PATH"] == os.environ["PATH"]
     assert kept["MY_WORDS"] == "q7zx and xq7z"
+    # The password given by PGPASSWORD (the README's own example), not in the URL: a variable holding it as it is, or
+    # percent-encoded in a URL, is not sent either (review: only PGPASSWORD itself was removed).
+    secret = 'Sup3r$ecr"et pw'
+    monkeypatch.setenv("PGPASSWORD", secret)
+    monkeypatch.setenv("DB_PASSWORD", secret)
+    monkeypatch.setenv("DATABASE_URL", "postgresql://postgres:Sup3r%24ecr%22et%20pw@127.0.0.1:5432/sweep")
+    monkeypatch.setenv("MY_TOKEN_COPY", "abc-token-123")
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "abc-token-123")
+    kept = _clean_environment("postgresql+psycopg://postgres@127.0.0.1:5432/sweep")
+    assert {"PGPASSWORD", "DB_PASSWORD", "DATABASE_URL", "MY_TOKEN_COPY", "MLFLOW_TRACKING_TOKEN"}.isdisjoint(kept)
+    assert kept["PATH"] == os.environ["PATH"]
 
 
 def test_nodes_with_gpus_per_task_is_an_array_of_whole_nodes(tmp_path: Path) -> None:
@@ -544,7 +555,11 @@ def test_mlflow_s_password_travels_in_the_owner_only_file(tmp_path: Path, monkey
     ("--gres=gpu:2", "--gres=gpu:2"), ("--array=0-3%2", "--array=0-3%2"), ("--constraint=a100|h100", None),
     ("--output=/a b/%A_%a.log", '--output="/a b/%A_%a.log"'), ("--comment=issue#5", '--comment="issue#5"'),
     ('--export=ALL,X="a b"', None),  # quoted by the user: theirs, as written (the job sees X=a b)
-    ("--comment=say 'hi'", None), ("--time=10   # ten minutes", None), ("--partition  debug", "--partition debug"),
+    ("--comment='say hi'", None), ("--comment=\"it's\"", None),
+    # quotes sbatch would not read as one word: quoted whole, their own escaped (review: "Unmatched `'`")
+    ("--comment=say 'hi'", '--comment="say \'hi\'"'), ("--comment=it's", '--comment="it\'s"'),
+    ('--comment=say "hi" now', '--comment="say \\"hi\\" now"'),
+    ("--time=10   # ten minutes", None), ("--partition  debug", "--partition debug"),
     ("--exclusive  # whole nodes", "--exclusive"),
 ])
 def test_sbatch_values_are_quoted_only_where_sbatch_would_split_them(given: str, written: str | None) -> None:
