@@ -968,8 +968,8 @@ def _open_with_url(target: str, storage: str | None, study_name: str | None, com
         raise _fail(problem, 2)
     if url.startswith("sqlite:///") and (file := sqlite_path(url)) is not None and not file.exists():
         raise _fail(f"no study database at {file}; run `sweep run` first", 1)
-    if problem := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
-        raise _fail(problem, 2)
+    if found := sqlite_study_problem(url):  # before Optuna's storage, which would create its tables in the file
+        raise _fail(*found)
     _OPENED[:] = [url]
     _quiet_optuna()
     from sweep.storage import AmbiguousStudy, database_identity, load_existing_study

@@ -1408,11 +1408,27 @@ def _read_only_filesystem(folder: Path) -> bool:
         return False
 
 
-def sqlite_study_problem(url: str) -> str | None:
-    """For a command that reads a study from an existing SQLite file: what is wrong with the file, or None. It must
-    hold Optuna's tables; it is opened read-only, since Optuna's storage would create its tables in any SQLite file
-    (or an empty one) and so turn it into a study database."""
+def sqlite_study_problem(url: str) -> tuple[str, int] | None:
+    """For a command that reads a study from an existing SQLite file: what is wrong with the file and the exit code
+    (2: not a readable study database; 1: busy, run it again), or None. It must hold every table of Optuna's; it is
+    opened read-only, since Optuna's storage would create its tables in any SQLite file (or an empty one) and so turn
+    it into a study database, and those it lacks in a study database of another Optuna version (review: a read
+    command wrote them into an Optuna 2.5 file, then refused it)."""
+
+    problem = _sqlite_study_problem(url)
+    if problem is None:
+        return None
+    return (problem[len(_BUSY):], 1) if problem.startswith(_BUSY) else (problem, 2)
+
+
+_BUSY = "busy: "
+
+
+def _sqlite_study_problem(url: str) -> str | None:
     import sqlite3
+
+    from optuna import __version__ as ours
+    from optuna.storages._rdb import models  # the tables Optuna makes where they are missing
 
     if not url.startswith("sqlite:///") or (path := sqlite_path(url)) is None:  # nor an in-memory database
         return None
@@ -1429,11 +1445,34 @@ def sqlite_study_problem(url: str) -> str | None:
         if isinstance(exc, sqlite3.OperationalError) and (full := _full(path.parent)):  # (a damaged file: below)
             return (f"cannot read {path} ({exc}): its file system has {full}, and SQLite writes its -wal and -shm "
                     "files beside the database; free some, or copy the .db to another file system")
+        if isinstance(exc, sqlite3.OperationalError) and any(word in str(exc) for word in ("locked", "busy")):
+            return (f"{_BUSY}cannot read {path} now: another process holds it locked ({exc}), a write under way or "
+                    "a transaction left open (a stopped process, a sqlite3 shell); run the command again once it "
+                    "ends")
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     if not OPTUNA_TABLES <= tables:
         return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "
                 "of a study")
+    if missing := sorted(set(models.BaseModel.metadata.tables) - tables):
+        made_by = _sqlite_library_version(path)
+        by = f"Optuna {made_by}'s" if made_by is not None else "a study database"
+        return (f"{path} is {by} without tables Optuna {ours} reads ({', '.join(missing)}): "
+                + ("open it with the Optuna version that made it" if made_by not in (None, ours) else
+                   "were they dropped by hand or by another tool?"))
     return None
+
+
+def _sqlite_library_version(path: Path) -> str | None:
+    """The Optuna version that made the study database at `path` (its `version_info` row), read-only; None unknown."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                                                timeout=5)) as connection:
+            row = connection.execute("SELECT library_version FROM version_info LIMIT 1").fetchone()
+    except sqlite3.Error:
+        return None
+    return str(row[0]) if row and row[0] is not None else None
 
 
 def resolve_storage_url(spec: StudySpec, spec_path: Path | None, override: str | None = None) -> str:
