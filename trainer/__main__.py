@@ -312,10 +312,13 @@ def _culprit(paths: list[Path], configs: list[TrainingConfig], fails: Callable[[
 
 
 def _task_fails(config: TrainingConfig) -> bool:
+    """Whether the config's task, or its model built for the config (on the meta device), raises: a user task's
+    model keys are checked as its model is built (review: a typo in one file named every file)."""
+    from trainer.batched import batch_signature
     from trainer.tasks import load_task
 
     try:
-        load_task(config.task, config.task_args)
+        batch_signature(config, load_task(config.task, config.task_args))
     except Exception:  # noqa: BLE001 - whatever it raises, this is the config that raised
         return True
     return False

@@ -643,3 +643,38 @@ def test_a_ctrl_c_mid_run_is_one_line_and_the_shell_s_code(tmp_path: Path) -> No
     assert err.strip().splitlines()[-1] == "python -m trainer: interrupted; the run was not finished (nothing of it " \
                                            "was saved)"
     assert out == ""
+
+
+def test_a_later_file_s_mistake_is_found_before_any_config_trains_and_only_its_file_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Review: a config not batched (BatchNorm) trained alone to its end, then a later file's model-key typo of a
+    user's task ended the command with exit 2 and no result for it; the line named every file."""
+    name = f"normed_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from trainer.tasks import Task, accuracy_sum\n\n"
+        "def task():\n"
+        "    g = torch.Generator().manual_seed(0)\n"
+        "    x = torch.randn(96, 8, generator=g)\n"
+        "    y = (x[:, 0] > 0).long()\n"
+        "    def build(c):\n"
+        "        norm = nn.BatchNorm1d(c['hidden']) if c['norm'] == 'bn' else nn.LayerNorm(c['hidden'])\n"
+        "        return nn.Sequential(nn.Linear(8, c['hidden']), norm, nn.ReLU(), nn.Linear(c['hidden'], 2))\n"
+        "    return Task(name='normed', train=(x[:64], y[:64]), val=(x[64:], y[64:]),\n"
+        "                model_defaults={'hidden': 16, 'norm': 'ln'}, build_model=build,\n"
+        "                loss=lambda out, target: nn.functional.cross_entropy(out, target),\n"
+        "                eval_metrics=accuracy_sum, eval_metric_names=('accuracy',))\n")
+    alone, good, typo = tmp_path / "bn.yaml", tmp_path / "good.yaml", tmp_path / "typo.yaml"
+    alone.write_text(f"task: {name}:task\nmax_steps: 4\nbatch_size: 16\nmodel: {{norm: bn}}\n")
+    good.write_text(f"task: {name}:task\nmax_steps: 4\nbatch_size: 16\n")
+    typo.write_text(f"task: {name}:task\nmax_steps: 4\nbatch_size: 16\nmodel: {{hiden: 16}}\n")
+    assert main([str(alone), str(good), str(typo), "--batched"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{typo}: model.hiden: unknown key"), lines
+    assert captured.out == ""  # nothing trained: no result was thrown away
+    assert main([str(alone), str(good), "--batched"]) == 0
+    captured = capsys.readouterr()
+    assert f"{alone}: not batched, trained alone" in captured.err
+    assert [json.loads(line)["status"] for line in captured.out.splitlines()] == ["completed", "completed"]
