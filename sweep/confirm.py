@@ -31,7 +31,7 @@ from sweep.outcomes import (
     ATTR_WARM_START,
 )
 
-__all__ = ["confirmation_of", "confirmation_rows", "confirmations_due", "counted_from_0", "is_warm", "lineage_label",
+__all__ = ["NO_COMPLETE_TRIAL", "confirmation_of", "confirmation_rows", "confirmations_due", "counted_from_0", "is_warm", "lineage_label",
            "lineage_own_steps", "no_best", "study_best", "warm_lineage", "warm_starts"]
 
 
@@ -93,12 +93,15 @@ def study_best(trials: Sequence[FrozenTrial], maximize: bool, *, confirm: int = 
     return ranked[0] if ranked else None
 
 
+NO_COMPLETE_TRIAL = "no trial has completed yet"
+
+
 def no_best(trials: Sequence[FrozenTrial], maximize: bool, *, confirm: int = 0) -> str:
     """Why the study has no best trial (`study_best` gave None), as a sentence: no trial has completed, or, with
     `confirm` on, none trained cold has while warm ones have (their values are not the study's best until confirmed)."""
     warm = _ranked([t for t in _complete(trials) if is_warm(t)], maximize) if confirm > 0 else []
     if not warm:
-        return "no trial has completed yet"
+        return NO_COMPLETE_TRIAL
     top = warm[0]
     confirmation = confirmation_of(trials).get(top.number)
     why = ("awaits its cold confirmation" if confirmation is None or not confirmation.state.is_finished() else

@@ -12,7 +12,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
-from sweep.confirm import confirmation_rows, lineage_label, no_best, study_best, warm_starts
+from sweep.confirm import NO_COMPLETE_TRIAL, confirmation_rows, lineage_label, no_best, study_best, warm_starts
 from sweep.outcomes import (
     ATTR_CONFIG,
     ATTR_CONFIRMS,
@@ -133,8 +133,23 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
 
 
 def no_best_line(study: optuna.Study) -> str:
-    """Why `best_trial` is None (`sweep.confirm.no_best`)."""
-    return no_best(_ranked_trials(study), study.direction == StudyDirection.MAXIMIZE, confirm=confirm_count(study))
+    """Why `best_trial` is None (`sweep.confirm.no_best`), naming the complete trials that do not count where there
+    are some (review: "no trial has completed yet" beside `complete 1`, a value of -inf, or a trial added from
+    outside a study sweep made)."""
+    ranked = _ranked_trials(study)
+    line = no_best(ranked, study.direction == StudyDirection.MAXIMIZE, confirm=confirm_count(study))
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    if not complete or line != NO_COMPLETE_TRIAL:
+        return line
+    counted = {t.number for t in ranked}
+    outside = sum(t.number not in counted for t in complete)
+    infinite = sum(t.number in counted for t in complete)  # counted, complete, and still no best: not finite
+    why = [f"{infinite} {'has a value that is' if infinite == 1 else 'have values that are'} not a finite number"
+           if infinite else "",
+           f"{outside} {'was' if outside == 1 else 'were'} not run by sweep (added from outside: not counted)"
+           if outside else ""]
+    return (f"no trial has completed with a value to rank: of {len(complete)} complete, "
+            + " and ".join(filter(None, why)))
 
 
 # What a worker of sweep writes on every trial it trains (its config, its outcome), or asks (a retry, a confirmation).

@@ -1579,3 +1579,25 @@ def test_the_run_s_opening_line_escapes_a_right_to_left_override_in_its_storage_
     done = sweep_cli("run", "study.yaml", "--storage", "sqlite:///a\u202eb.db", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "\u202e" not in done.stderr and "in sqlite:///a\\u202eb.db: 0/1 trials done" in done.stderr, done.stderr
+
+
+def test_a_study_whose_complete_trials_do_not_count_says_why_it_has_no_best(tmp_path: Path) -> None:
+    """Review: `sweep status` printed "no trial has completed yet" beside `complete 1` (a value of -inf), and `sweep
+    best` said the same of a sweep study whose one complete trial was added from outside."""
+    from optuna.trial import create_trial
+
+    plain = tmp_path / "plain.db"
+    study = optuna.create_study(study_name="plain", storage=f"sqlite:///{plain}")
+    study.add_trial(create_trial(value=float("-inf"), params={}, distributions={}))
+    done = sweep_cli("status", plain, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "no trial has completed with a value to rank: of 1 complete, 1 has a value that is not a finite number" \
+        in " ".join(done.stdout.split()), done.stdout
+
+    path = write_study(tmp_path, changed(n_trials=1))
+    made = open_study(load_spec(path)[0], f"sqlite:///{tmp_path / 'tiny.db'}")  # as `sweep run` makes it
+    made.add_trial(create_trial(value=0.5, params={}, distributions={}))
+    done = sweep_cli("best", path, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "error: study 'tiny': no trial has completed with a value to rank: of 1 complete, 1 was not run by " \
+           "sweep (added from outside: not counted)" in done.stderr, done.stderr
