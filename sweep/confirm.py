@@ -31,8 +31,8 @@ from sweep.outcomes import (
     ATTR_WARM_START,
 )
 
-__all__ = ["NO_COMPLETE_TRIAL", "confirmation_of", "confirmation_rows", "confirmations_due", "counted_from_0", "is_warm", "lineage_label",
-           "lineage_own_steps", "no_best", "study_best", "warm_lineage", "warm_starts"]
+__all__ = ["NO_COMPLETE_TRIAL", "confirmation_of", "confirmation_rows", "confirmations_due", "counted_from_0",
+           "is_warm", "lineage_label", "lineage_own_steps", "no_best", "study_best", "warm_lineage", "warm_starts"]
 
 
 def is_warm(trial: FrozenTrial) -> bool:

@@ -235,10 +235,18 @@ def _clean_environment(url: str) -> dict[str, str]:
     # A short one is taken where a value gives it to a key: after `:` or `=` (a quote and spaces between allowed:
     # `password='pw'`, JSON's `"password": "pw"`), up to the value's end or a separator.
     given = [re.compile(r"[:=]\s*['\"]?" + re.escape(secret) + r"(?=$|[@&\s;,'\"}\]])") for secret in secrets]
+    # A list of absolute paths (PATH, PYTHONPATH, a virtual environment's folder) holds no password: one whose
+    # letters a folder's name holds (PGPASSWORD=sweep, ~/sweep/.venv/bin) dropped PATH from the job (diff review).
     return {name: value for name, value in os.environ.items()
             if name not in SECRET_ENV_NAMES and value not in secrets
-            and not any(secret in value for secret in secrets if len(secret) >= 4)
-            and not any(pattern.search(value) for pattern in given)}
+            and (_path_list(value) or (not any(secret in value for secret in secrets if len(secret) >= 4)
+                                       and not any(pattern.search(value) for pattern in given)))}
+
+
+def _path_list(value: str) -> bool:
+    """Whether `value` is one or more absolute paths, `os.pathsep` between them."""
+    parts = value.split(os.pathsep)
+    return any(parts) and all(part.startswith("/") and "@" not in part and "=" not in part for part in parts if part)
 
 
 SBATCH_TIMEOUT_S = 120.0  # how long sbatch may take to answer (a busy controller takes seconds)

@@ -456,6 +456,15 @@ def test_sbatch_gets_no_variable_that_holds_the_password(monkeypatch: pytest.Mon
     kept = _clean_environment("postgresql+psycopg://postgres@127.0.0.1:5432/sweep")
     assert {"PGPASSWORD", "DB_PASSWORD", "DATABASE_URL", "MY_TOKEN_COPY", "MLFLOW_TRACKING_TOKEN"}.isdisjoint(kept)
     assert kept["PATH"] == os.environ["PATH"]
+    # ...while a list of folders one of whose names holds its letters goes to the job (diff review: PGPASSWORD=sweep
+    # and a virtual environment in ~/sweep/.venv dropped PATH).
+    monkeypatch.setenv("PGPASSWORD", "sweep")
+    monkeypatch.setenv("PATH", f"/home/me/sweep/.venv/bin{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("VIRTUAL_ENV", "/home/me/sweep/.venv")
+    monkeypatch.setenv("MY_URL", "postgresql://me:sweep@127.0.0.1/db")
+    kept = _clean_environment("postgresql+psycopg://me@127.0.0.1:5432/db")
+    assert kept["PATH"] == os.environ["PATH"] and kept["VIRTUAL_ENV"] == "/home/me/sweep/.venv"
+    assert "MY_URL" not in kept and "PGPASSWORD" not in kept
 
 
 def test_nodes_with_gpus_per_task_is_an_array_of_whole_nodes(tmp_path: Path) -> None:
