@@ -68,9 +68,10 @@ def confirmation_of(trials: Sequence[FrozenTrial]) -> dict[int, FrozenTrial]:
     interrupted confirmation carries the attr too, and the latest one is the one that finished)."""
     found: dict[int, FrozenTrial] = {}
     for trial in trials:
-        target = trial.user_attrs.get(ATTR_CONFIRMS)
-        if target is not None and (int(target) not in found or trial.number > found[int(target)].number):
-            found[int(target)] = trial
+        target = trial.user_attrs.get(ATTR_CONFIRMS)  # an int; another tool's attr of that name is not sweep's
+        if isinstance(target, int) and not isinstance(target, bool) and (
+                target not in found or trial.number > found[target].number):
+            found[target] = trial
     return found
 
 
@@ -147,7 +148,7 @@ def lineage_label(trial: FrozenTrial, trials: Sequence[FrozenTrial] | None = Non
     """One line on where a trial's value came from: "" for a plain cold trial. With the study's `trials`, a warm
     trial's line says what its cold confirmation reached, or that it has none."""
     confirms = trial.user_attrs.get(ATTR_CONFIRMS)
-    if confirms is not None:
+    if isinstance(confirms, int) and not isinstance(confirms, bool):
         return f"cold confirmation of warm trial #{confirms}"
     parent = trial.user_attrs.get(ATTR_WARM_START)
     if not isinstance(parent, Mapping):

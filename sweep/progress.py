@@ -56,7 +56,8 @@ def outcome_text(trial: FrozenTrial, *, foreign: bool = False) -> str:
     if trial.state == TrialState.COMPLETE:
         return f"complete value={trial.value:.6g}"
     if trial.state == TrialState.PRUNED:
-        reason = attrs.get("prune_reason") or {}
+        reason = attrs.get("prune_reason")
+        reason = reason if isinstance(reason, dict) else {}  # another tool's attr of that name is not sweep's
         if "message" in reason:
             return f"pruned: {reason['message']}"
         if not isinstance(reason, dict) or "rule" not in reason:  # another tool's pruner: no reason kept

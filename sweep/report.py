@@ -65,7 +65,8 @@ def infeasible(trials: list[FrozenTrial]) -> tuple[list[FrozenTrial], Counter[st
     reasons: Counter[str] = Counter()
     retried = retried_numbers(trials)
     for trial in trials:
-        prune = trial.user_attrs.get(ATTR_PRUNE) or {}
+        prune = trial.user_attrs.get(ATTR_PRUNE)
+        prune = prune if isinstance(prune, dict) else {}  # another tool's attr of that name is not sweep's
         if trial.state == TrialState.FAIL and not trial.user_attrs.get("interrupted") and trial.number not in retried:
             bad.append(trial)
             # No reason: one sweep's worker lost, or another tool's failure (`outcome_of`), which gave none

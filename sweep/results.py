@@ -223,7 +223,8 @@ def cohort_sizes(trials: Sequence[FrozenTrial]) -> list[int]:
     """The cohort sizes the study's trials trained in, 1 among them when some trained alone beside others that
     trained in cohorts (a run with `--cohort 1`, a retry alone; review: the throughput read "in cohorts of 3" for a
     study whose first trials ran alone); empty when none trained in a cohort."""
-    sizes = {int(c["size"]) for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict) and "size" in c}
+    sizes = {size for t in trials if isinstance(c := t.user_attrs.get("cohort"), dict)
+             and (size := _whole(c.get("size"))) is not None}
     if sizes and any(t.datetime_start is not None and t.state != TrialState.WAITING
                      and not isinstance(t.user_attrs.get("cohort"), dict) for t in trials):
         sizes.add(1)
@@ -270,8 +271,8 @@ def steps_trained(trials: list[FrozenTrial]) -> int:
 
 def _start_of(trial: FrozenTrial) -> int:
     """The step a trial's own training began at: its resume point, its donor's step, or 0."""
-    resumed = (trial.user_attrs.get(ATTR_RESUMED_FROM) or {}).get("step")
-    handoff = (trial.user_attrs.get(ATTR_WARM_START) or {}).get("step")
+    resumed, handoff = (attr.get("step") if isinstance(attr := trial.user_attrs.get(key), dict) else None
+                        for key in (ATTR_RESUMED_FROM, ATTR_WARM_START))
     if isinstance(resumed, int):
         return resumed
     if isinstance(handoff, int) and (not trial.intermediate_values or min(trial.intermediate_values) > handoff):
@@ -282,10 +283,18 @@ def _start_of(trial: FrozenTrial) -> int:
 def _steps_of(trial: FrozenTrial) -> int:
     """A trial's own steps: as it recorded them at its end, else (interrupted, preempted, lost, failed before it
     recorded them, or running) up to its last evaluation, from where it started: its resume point or its handoff."""
-    recorded = trial.user_attrs.get(ATTR_STEPS_TRAINED, trial.user_attrs.get(ATTR_STEPS))
+    recorded = _whole(trial.user_attrs.get(ATTR_STEPS_TRAINED))
+    recorded = recorded if recorded is not None else _whole(trial.user_attrs.get(ATTR_STEPS))
     if recorded is not None or not trial.intermediate_values:
-        return int(recorded or 0)
+        return recorded or 0
     return max(0, int(max(trial.intermediate_values)) - _start_of(trial))
+
+
+def _whole(value: Any) -> int | None:
+    """A user attr that is sweep's count (steps): an int, else None. A study another tool made may hold attrs of
+    these names with its own meanings (review: `steps: [100, 200]` and `cohort: "control"` made `sweep status` and
+    `sweep trials` refuse the study)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
@@ -299,13 +308,15 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         if trial.state == TrialState.WAITING and isinstance(queued := trial.system_attrs.get("fixed_params"), dict):
             params = queued  # a queued retry's: Optuna holds them aside until a worker asks for it
         row.update({f"params.{k}": v for k, v in params.items()})
-        row["steps"] = trial.user_attrs.get(ATTR_STEPS)
+        row["steps"] = _whole(trial.user_attrs.get(ATTR_STEPS))
         if row["steps"] is None and trial.intermediate_values:  # not ended by itself: as far as its reports go
             row["steps"] = int(max(trial.intermediate_values))
-        row["wall_time_s"] = trial.user_attrs.get(ATTR_WALL)
+        wall = trial.user_attrs.get(ATTR_WALL)
+        row["wall_time_s"] = wall if isinstance(wall, (int, float)) and not isinstance(wall, bool) else None
         row["warm_start_from"] = donor_label(trial, study.study_name)
-        row["confirms"] = trial.user_attrs.get(ATTR_CONFIRMS)  # a cold retrain of that warm trial
-        cohort = trial.user_attrs.get("cohort") or {}  # trained batched with others (sweep.cohort)
+        row["confirms"] = _whole(trial.user_attrs.get(ATTR_CONFIRMS))  # a cold retrain of that warm trial
+        cohort = trial.user_attrs.get("cohort")  # trained batched with others (sweep.cohort)
+        cohort = cohort if isinstance(cohort, dict) else {}
         row["cohort"], row["cohort_size"] = cohort.get("id"), cohort.get("size")
         speed = trial.user_attrs.get(ATTR_SPEED)  # samples/s (tokens/s), peak memory: the slow ones show
         if isinstance(speed, dict):  # never in place of a column above (a database edited by hand)

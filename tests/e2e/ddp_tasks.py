@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -66,6 +67,20 @@ def killed_child(step: int = 3) -> Task:
             calls[0] += 1
             if calls[0] == step:
                 os.kill(os.getpid(), signal.SIGKILL)
+        return cross_entropy(out, y)
+
+    return dataclasses.replace(digits(), loss=loss)
+
+
+def exiting_child(step: int = 3) -> Task:
+    """Digits, whose rank 1 ends itself with exit code 0 (`sys.exit(0)` in the task's code) at its `step`-th batch."""
+    calls = [0]
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.requires_grad and _rank() == 1:
+            calls[0] += 1
+            if calls[0] == step:
+                sys.exit(0)
         return cross_entropy(out, y)
 
     return dataclasses.replace(digits(), loss=loss)

@@ -1601,3 +1601,34 @@ def test_a_study_whose_complete_trials_do_not_count_says_why_it_has_no_best(tmp_
     assert done.returncode == 1
     assert "error: study 'tiny': no trial has completed with a value to rank: of 1 complete, 1 was not run by " \
            "sweep (added from outside: not counted)" in done.stderr, done.stderr
+
+
+def test_another_tool_s_study_whose_attrs_share_sweep_s_names_is_read(tmp_path: Path) -> None:
+    """Review: a plain Optuna study whose trials hold their own `cohort: "control"` and `steps: [100, 200]` made
+    `sweep trials` and `sweep status` refuse it ("cannot read the study... edited by hand?")."""
+    db = tmp_path / "theirs.db"
+    study = optuna.create_study(study_name="theirs", storage=f"sqlite:///{db}")
+
+    from sweep import outcomes
+
+    names = {value for key, value in vars(outcomes).items() if key.startswith("ATTR_") and isinstance(value, str)}
+    odd: list[Any] = ["x", [1, "x"], {"size": "big", "step": "s", "trial": "t"}, 0.5, True, -3]
+
+    def objective(trial: optuna.Trial) -> float:
+        for name in names | {"cohort", "interrupted", "speed"}:  # each of sweep's names, with another tool's value
+            trial.set_user_attr(name, odd[trial.number])
+        trial.report(0.5, 1)
+        x = trial.suggest_float("x", 0, 1)
+        if trial.number == 1:
+            raise optuna.TrialPruned()
+        if trial.number == 2:
+            raise ValueError("theirs")
+        return x
+
+    study.optimize(objective, n_trials=len(odd), catch=(ValueError,))
+    for args in (["status"], ["trials"], ["trials", "--format", "csv"], ["trials", "--format", "json"],
+                 ["report", "-o", str(tmp_path / "r.html")]):
+        done = sweep_cli(*args[:1], db, *args[1:], cwd=tmp_path)
+        assert done.returncode == 0, (args, done.stderr)
+    rows = json.loads(sweep_cli("trials", db, "--format", "json", cwd=tmp_path).stdout)
+    assert [r["cohort"] for r in rows] == [None] * len(odd)

@@ -118,6 +118,20 @@ def test_a_rank_that_fails_on_its_own_fails_the_trial_without_a_retry(tmp_path: 
         assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
 
 
+def test_a_rank_that_ends_itself_with_code_0_mid_run_is_named_and_fails_the_trial(tmp_path: Path) -> None:
+    """Review: a rank whose task's code called sys.exit(0) mid-run failed the trial with gloo's "Connection closed by
+    peer" (its source path and all), naming no rank."""
+    path = ddp_study(tmp_path, n_trials=1, max_repeated_failures=0, task={"name": "tests.e2e.ddp_tasks:exiting_child"})
+    done = sweep_cli("run", path)
+    assert done.returncode == 1, done.stderr
+    [trial] = load(tmp_path)
+    assert trial.state == TrialState.FAIL and trial.user_attrs["outcome"] == "failed", trial.user_attrs
+    assert trial.user_attrs["fail_reason"].startswith("rank 1 ended (exit code 0) before the run did"), \
+        trial.user_attrs["fail_reason"]
+    assert trial.user_attrs["ranks"]["failed_rank"] == 1 and "retry_of" not in trial.user_attrs
+    assert not any(alive(pid) for pid in trial.user_attrs["ranks"]["pids"])
+
+
 def test_a_rank_killed_in_every_trial_stops_the_worker_with_advice_about_ranks(tmp_path: Path) -> None:
     # Three trials in a row lose a rank the same way: a fault of the machine, and the worker stops saying what to
     # look at, not the full disk's advice.
