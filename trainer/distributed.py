@@ -306,6 +306,8 @@ class RankFailed(RuntimeError):
             message = f"rank {rank} was killed by {signal_name(self.signal)}"
         elif returncode == LOST_EXIT:
             message = f"rank {rank} lost the group (a collective failed)" + (f": {last}" if last else "")
+        elif returncode == 0:  # its code (a sys.exit(0) in a task's function) ended it: the others cannot go on
+            message = f"rank {rank} ended (exit code 0) before the run did" + (f": {last}" if last else "")
         else:
             message = f"rank {rank} exited with code {returncode}" + (f": {last}" if last else "")
         super().__init__(message)
@@ -492,7 +494,7 @@ def _raise_rank_failure(exc: BaseException, children: list[subprocess.Popen[byte
     # failed collective may come a moment before the exit code does.
     exited = [_exit_code(child, 2.0 if isinstance(exc, Exception) else 0.0) for child in children]
     _end(children, grace_s=5.0)
-    failed = _first_failure(exited, logs)
+    failed = _first_failure(exited, logs, early=_peer_gone(exc))
     if failed is None and collective_failed(exc):
         failed = RankFailed(None, None, timeout_s=timeout_s)
     if failed is not None and isinstance(exc, Exception):
@@ -507,7 +509,7 @@ def _wait_started(store: dist.TCPStore, children: list[subprocess.Popen[bytes]],
     keys = [f"{_STARTED}{rank}" for rank in range(1, len(children) + 1)]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
-        failed = _first_failure([child.poll() for child in children], logs)
+        failed = _first_failure([child.poll() for child in children], logs, early=True)
         if failed is not None:
             raise failed
         if time.monotonic() > deadline:
@@ -567,13 +569,26 @@ def collective_failed(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and "timed out" in str(exc).lower()
 
 
-def _first_failure(codes: list[int | None], logs: list[Path]) -> RankFailed | None:
-    """The first child that ended with an error or by a signal. The codes are read before rank 0 ends its children,
-    so a SIGTERM among them came from outside (a batch system's preemption signals the whole job): lost, retried."""
+def _first_failure(codes: list[int | None], logs: list[Path], *, early: bool) -> RankFailed | None:
+    """The first child that ended with an error or by a signal; with `early` (the run was under way: its children
+    had not finished), else the first that ended at all, with code 0 (review: a rank whose task's code called
+    sys.exit(0) failed the trial with gloo's "Connection closed by peer", naming no rank). The codes are read before
+    rank 0 ends its children, so a SIGTERM among them came from outside (a batch system's preemption signals the
+    whole job): lost, retried."""
     for rank, (code, log) in enumerate(zip(codes, logs), start=1):
         if code is not None and code != 0:
             return RankFailed(rank, code, _tail(log))
+    for rank, (code, log) in enumerate(zip(codes, logs), start=1):
+        if early and code == 0:
+            return RankFailed(rank, code, _tail(log))
     return None
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """Whether rank 0's `exc` is a collective that failed because a peer went away or did not answer (then a child
+    that exited 0 had ended before the run did), not rank 0's own error after its children had finished."""
+    return collective_failed(exc) or (type(exc) is RuntimeError and any(
+        words in str(exc) for words in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")))
 
 
 def _tail(log: Path, size: int = 2000) -> str:
