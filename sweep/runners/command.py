@@ -211,6 +211,11 @@ class LineTooLong(ValueError):
     """The log's last line that may hold the metric is longer than `LONGEST_LINE`: not read whole."""
 
 
+class UnreadableLine(ValueError):
+    """The log's last line that is a JSON object to look at, and names the metric, is not JSON (a script that writes
+    its line by hand: `{"val_loss": nan}`): not passed over for an earlier line's value."""
+
+
 def last_json_value(log: Path, metric: str) -> float | None:
     """The metric in the last line of the log that is a JSON object holding it (`last_json_numbers`), or None."""
     numbers = last_json_numbers(log, metric)
@@ -240,8 +245,14 @@ def last_json_numbers(log: Path, metric: str) -> dict[str, float] | None:
                 continue
             try:
                 found = json.loads(line)
-            except ValueError:
-                continue
+            except ValueError as exc:
+                if json.dumps(metric) not in line:
+                    continue
+                # Review: `{"step": 100, "val_loss": nan}` after `{"step": 50, "val_loss": 0.5}` completed with 0.5.
+                raise UnreadableLine(
+                    f"its output's last line holding {metric!r} is not JSON ({exc}): {short_repr(line[:200])}; "
+                    "print it with json.dumps (NaN and Infinity are its words), or report it with "
+                    "`client.report`") from None
             if isinstance(found, dict) and metric in found:
                 value = found[metric]  # a number; JSON's true, "0.42" or null is not one
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -337,7 +348,7 @@ class CommandTrial(TrialRun):
                                                                           f"{_interpreter_hint(argv, tail)}"})
         try:
             numbers = session.metrics if reporter.series else last_json_numbers(log, spec.metric)
-        except LineTooLong as exc:
+        except (LineTooLong, UnreadableLine) as exc:
             return TrialResult(Outcome.FAILED, None, {**attrs, ATTR_FAIL: f"the command exited with code 0, but {exc}"})
         value = reporter.series[-1][1] if reporter.series else (
             None if numbers is None else metric_value(numbers, spec.metric))
