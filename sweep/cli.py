@@ -507,6 +507,20 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
                 tensorboard, spec.name, None, claim=False, new=True, kind="tensorboard")) and not exists():
             raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
 
+    def refuse_folders(study: Any) -> None:
+        """The study's checkpoint and TensorBoard folders, claimed for it, or the run refused: for a study that
+        existed, before its latest definition is stored (`open_study`'s `before_update`)."""
+        if spec.checkpoints.enabled and (gone := store_folder_gone(url, str(location), study.study_name,
+                                                                  shlex.quote(str(source)),
+                                                                  donors=spec.warm_start.enabled)):
+            raise _fail(f"{prefix}{source}: {gone}", 1)  # before the claim makes the folder anew, empty
+        if spec.checkpoints.enabled and (problem := _store_claim_problem(
+                study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
+            raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
+        if tensorboard is not None and (problem := claim_problem(
+                tensorboard, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=True, kind="tensorboard")):
+            raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
+
     if (database := sqlite_path(url)) is not None:
         refuse_a_folder_another_owns(database.exists)  # before the SQLite file is made
     made_here = database is not None and not database.exists()
@@ -525,7 +539,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
                 turn.enter_context(ask_lock(url, spec.name, storage.boundary,
                                             stale_after=spec.heartbeat_grace_period))
             refuse_a_folder_another_owns(lambda: _study_exists(storage, spec.name))
-            study = open_study(spec, storage, url)
+            study = open_study(spec, storage, url, before_update=refuse_folders)
             _OPENED_FILE[:] = [database_identity(url)]
         except StoreMismatchError as exc:
             raise _fail(f"{prefix}{source}: checkpoints.store: {exc}", 2) from None
@@ -539,16 +553,7 @@ def _open_for_run(spec: Any, url: str, prefix: str, source: Path, url_from: str 
             if isinstance(exc, StorageUnavailable) and (stop := stop_requested()) is not None:
                 raise stop() from None  # told to stop while the storage was waited for: exits as told
             raise _storage_failure(url, exc, url_from) from None
-        if spec.checkpoints.enabled and (gone := store_folder_gone(url, str(location), study.study_name,
-                                                                  shlex.quote(str(source)),
-                                                                  donors=spec.warm_start.enabled)):
-            raise _fail(f"{prefix}{source}: {gone}", 1)  # before the claim makes the folder anew, empty
-        if spec.checkpoints.enabled and (problem := _store_claim_problem(
-                study.study_name, study.user_attrs.get(OWNER_ATTR), location, url, claim=True)):
-            raise _fail(f"{prefix}{source}: checkpoints.store: {problem}", 2)
-        if tensorboard is not None and (problem := claim_problem(
-                tensorboard, study.study_name, study.user_attrs.get(OWNER_ATTR), claim=True, kind="tensorboard")):
-            raise _fail(f"{prefix}{source}: {tensorboard_key}: {problem}", 2)
+        refuse_folders(study)  # a study just made: its folders claimed with it
     if not prefix:  # the launching process, not one of its workers
         from sweep.outcomes import budget_counts
 

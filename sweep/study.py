@@ -68,11 +68,14 @@ def worker_storage(spec: StudySpec, url: str, *, notify: Callable[[str], None] |
 
 
 def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
-               storage_url: str | None = None) -> optuna.Study:
+               storage_url: str | None = None,
+               before_update: Callable[[optuna.Study], None] | None = None) -> optuna.Study:
     """Create the study, or load it if it exists and has the same definition (task, fixed values, space, metric,
     direction). Budget, timeout, sampler and pruner may change between runs; the checkpoint store only to a folder
     the study's checkpoints were moved to (`StoreMismatchError`; `storage_url`, or `storage` given as one, says
-    where the default store is)."""
+    where the default store is). `before_update`: the caller's last checks of an existing study, which may refuse the
+    run (raise) before its latest definition is written (edits review: a run refused after it, for a TensorBoard
+    folder another study owns, had stored its budget, sampler and tracking)."""
     storage_url = storage if isinstance(storage, str) else storage_url
     storage = worker_storage(spec, storage) if isinstance(storage, str) else storage
     sampler, pruner = build_sampler(spec), build_pruner(spec.pruner)
@@ -107,13 +110,14 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
                                  "was run. Restore the database, or choose another name with --study-name")
     # A key missing there reads as "added" rather than "stored null" (where the file's value is not null either).
     before = {key: stored.get(key, None if value is None else _ABSENT) for key, value in spec.identity().items()}
+    exact = spec.task is None  # a loop's or a command's config reaches its code as written: 1, 1.0 and true differ
     differences = [key for key, value in spec.identity().items()
-                   if before[key] != value and not (key == "fixed" and before[key] is not _ABSENT
-                                                    and _same_values(spec, before[key]))
+                   if not _same_json(before[key], value, exact, in_fixed=key == "fixed")
+                   and not (key == "fixed" and before[key] is not _ABSENT and _same_values(spec, before[key]))
                    and not (key == "task" and _same_task(before[key], value))]
     if differences:
         identity = spec.identity()
-        changes = [change for key in differences for change in _changes(key, before[key], identity[key])]
+        changes = [change for key in differences for change in _changes(key, before[key], identity[key], exact)]
         shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
         raise StudyMismatchError(
             f"study {spec.name!r} already exists with a different {', '.join(differences)} ({shown}); start a new "
@@ -125,9 +129,30 @@ def open_study(spec: StudySpec, storage: str | optuna.storages.BaseStorage,
         latest["fixed"] = stored["fixed"]  # the same values written otherwise: what later runs are compared with
     if not spec.checkpoints.enabled and isinstance(stored.get("checkpoints"), dict):
         latest["checkpoints"]["store"] = stored["checkpoints"].get("store")  # where the rows still point
+    if before_update is not None:
+        before_update(study)
     study.set_user_attr(SPEC_ATTR, latest)
     label_for_dashboard(study, latest)
     return study
+
+
+def _same_json(a: Any, b: Any, exact: bool, *, in_fixed: bool = False, in_list: bool = False) -> bool:
+    """Whether two stored values are the same value: a bool is never a number (`true` and `1`, `[0, 1]` and `[false,
+    true]` were one definition to Python's ==, and a study's later trials got `true` where its first got `1`: edits
+    review). With `exact` (a loop's or a command's study, whose code gets the values as written), an int is not a
+    float either where the value reaches its code: a fixed value, a categorical choice (`1` and `1.0`, which a
+    command's `{x}` writes apart); a range's bounds (`low: 0` and `low: 0.0`) stay one value."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b and (not (exact and (in_fixed or in_list)) or type(a) is type(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[key], b[key], exact, in_fixed=in_fixed, in_list=in_list)
+                                            for key in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_json(x, y, exact, in_fixed=in_fixed, in_list=True)
+                                        for x, y in zip(a, b))
+    return bool(a == b)
 
 
 _NOT_SWEEPS = "study {name!r} exists but was not created by sweep; choose another name with --study-name"
@@ -185,12 +210,13 @@ def _another_store(spec: StudySpec, stored: dict[str, Any], storage_url: str) ->
             f"it{move}")
 
 
-def _changes(key: str, stored: Any, now: Any) -> list[str]:
-    """Where two definitions differ, by dotted key: `fixed.max_steps: stored 5, now 6`."""
+def _changes(key: str, stored: Any, now: Any, exact: bool = False) -> list[str]:
+    """Where two definitions differ, by dotted key: `fixed.max_steps: stored 5, now 6` (`_same_json`'s `exact`)."""
     if isinstance(stored, dict) and isinstance(now, dict):
         return [change for part in dict.fromkeys([*stored, *now])
-                if part not in stored or part not in now or stored[part] != now[part]
-                for change in _changes(f"{key}.{part}", stored.get(part, _ABSENT), now.get(part, _ABSENT))]
+                if part not in stored or part not in now
+                or not _same_json(stored[part], now[part], exact, in_fixed=key.split(".")[0] == "fixed")
+                for change in _changes(f"{key}.{part}", stored.get(part, _ABSENT), now.get(part, _ABSENT), exact)]
     if stored is _ABSENT or now is _ABSENT:
         return [f"{key}: {'added' if stored is _ABSENT else 'removed'}"]
     return [f"{key}: stored {_short(stored)}, now {_short(now)}"]

@@ -36,6 +36,7 @@ what to take from it (`run.start` says which).
 from __future__ import annotations
 
 import contextlib
+import decimal
 import hashlib
 import inspect
 import json
@@ -327,7 +328,9 @@ def returned_value(returned: Any, metric: str) -> float | None:
     if isinstance(returned, (torch.Tensor, np.ndarray)):  # one number in it is that number; more are none
         count = returned.numel() if isinstance(returned, torch.Tensor) else returned.size
         returned = returned.item() if count == 1 else None
-    if isinstance(returned, (numbers.Real, np.number)) and not isinstance(returned, (bool, np.bool_)):
+    # A Decimal is a number to `run.report` too (review: returned, it was "not a number", or dropped for the last
+    # report)
+    if isinstance(returned, (numbers.Real, np.number, decimal.Decimal)) and not isinstance(returned, (bool, np.bool_)):
         return _floats({metric: returned})[metric]
     return None
 
@@ -353,7 +356,8 @@ def _several_numbers(returned: Any) -> bool:
     if isinstance(returned, (torch.Tensor, np.ndarray)):
         return (returned.numel() if isinstance(returned, torch.Tensor) else returned.size) > 1
     return isinstance(returned, (tuple, list)) and len(returned) > 1 and all(
-        isinstance(item, (numbers.Real, np.number)) and not isinstance(item, (bool, np.bool_)) for item in returned)
+        isinstance(item, (numbers.Real, np.number, decimal.Decimal)) and not isinstance(item, (bool, np.bool_))
+        for item in returned)
 
 
 class LoopExit(RuntimeError):

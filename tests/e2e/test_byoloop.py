@@ -1429,3 +1429,19 @@ def test_a_warm_trial_s_explosion_is_measured_from_the_value_it_took_over(tmp_pa
         assert reason["rule"] == "explode" and reason["handoff"] == 100 and reason["step"] == 140, reason
         assert reason["message"].startswith("exploded at step 140: 4 > 10 x the value it took over at step 100 "), \
             reason
+
+
+def test_a_returned_decimal_is_the_trial_s_value(tmp_path: Path) -> None:
+    """Review: `run.report` takes a Decimal, but a Decimal returned was "not a number" (a loop that reported
+    nothing failed) or dropped for the last report's value."""
+    (tmp_path / "decimals.py").write_text(
+        "import decimal\n"
+        "def main(config, run):\n"
+        "    if config['x'] > 0:\n"
+        "        run.report(1, val_loss=2.0)\n"
+        "    return decimal.Decimal('0.125')\n")
+    path = write_study(tmp_path, {"name": "decimals", "n_trials": 2, "loop": "decimals:main", "sampler": "bruteforce",
+                                  "pruner": "none", "space": {"x": {"type": "categorical", "choices": [0, 1]}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [(t.state.name, t.value) for t in trials_of(path, "decimals")] == [("COMPLETE", 0.125)] * 2

@@ -686,7 +686,7 @@ def test_a_command_replayed_after_its_folder_moved_names_the_folder_it_ran_in_in
 def test_a_last_line_holding_the_metric_that_is_not_json_fails_the_trial(tmp_path: Path, last: str) -> None:
     """Review: a script that writes its JSON by hand printed `{"step": 100, "val_loss": nan}` (or a number beyond
     Python's 4300 digits) last; that line was passed over and the trial completed with an earlier line's 0.5."""
-    lines = ['{"step": 50, "val_loss": 0.5}', '{"step": 100, "val_loss": %s}' % last,
+    lines = ['{"step": 50, "val_loss": 0.5}', '{"step": 100, "val_loss": ' + last + '}',
              '{"note": done}']  # a later line that is not JSON and holds no metric: passed over
     script = "".join(f"print({line!r})\n" for line in lines)
     path = command_study(tmp_path, script, "train.py", pruner="none", max_repeated_failures=0)

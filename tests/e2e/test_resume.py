@@ -375,3 +375,45 @@ def test_a_worker_with_a_shorter_grace_period_judges_another_s_trial_by_that_wor
     lost, retry = optuna.load_study(study_name="tiny", storage=url).trials
     assert lost.state == TrialState.FAIL and lost.user_attrs["outcome"] == "lost"
     assert retry.state == TrialState.WAITING and retry.user_attrs["retry_of"] == 0
+
+
+def test_a_run_refused_for_a_folder_another_study_owns_stores_none_of_its_edits(tmp_path: Path) -> None:
+    """Edits review: a rerun refused (exit 2) because its TensorBoard folder holds the runs of another study of the
+    same name had already stored its definition: the budget, sampler and tracking the user never ran, and `sweep
+    tensorboard` then served the other study's runs as this one's."""
+    pytest.importorskip("tensorboard")
+    mine = write_study(tmp_path, copy.deepcopy(TINY_STUDY) | {"n_trials": 1})
+    assert sweep_cli("run", mine).returncode == 0
+    other_folder = tmp_path / "other"
+    other_folder.mkdir()
+    other = write_study(other_folder, copy.deepcopy(TINY_STUDY) | {
+        "n_trials": 1, "tracking": {"tensorboard": {"dir": str(tmp_path / "tb")}}})
+    assert sweep_cli("run", other).returncode == 0  # its study, also named 'tiny', owns tb/tiny
+    stored = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").user_attrs
+    done = sweep_cli("run", mine, "--set", "n_trials=50", "--set", "sampler=qmc",
+                     "--set", f"tracking.tensorboard={{dir: {tmp_path / 'tb'}}}")
+    assert done.returncode == 2, done.stderr
+    assert "tracking.tensorboard.dir: the TensorBoard folder" in done.stderr, done.stderr
+    after = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}").user_attrs
+    assert after == stored  # its definition as the last run that ran stored it
+
+
+def test_a_loop_study_s_value_written_as_another_type_is_a_changed_definition(tmp_path: Path) -> None:
+    """Edits review: `flag: 1` edited to `flag: true` (and choices [0, 1] to [false, true]) passed as the same
+    definition, as Python's == has them, and the study's later trials got `true` where its first got `1`."""
+    (tmp_path / "flagged.py").write_text("def main(config, run):\n    return float(config['opt'])\n")
+    document = {"name": "flagged", "n_trials": 2, "sampler": "random", "pruner": "none", "checkpoints": False,
+                "loop": "flagged:main", "fixed": {"max_steps": 3, "flag": 1, "rate": 1},
+                "space": {"opt": {"type": "categorical", "choices": [0, 1]}}}
+    path = write_study(tmp_path, document)
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    for edit in ({"fixed": {"max_steps": 3, "flag": True, "rate": 1}},
+                 {"fixed": {"max_steps": 3, "flag": 1, "rate": 1.0}},
+                 {"space": {"opt": {"type": "categorical", "choices": [False, True]}}}):
+        write_study(tmp_path, document | edit | {"n_trials": 4})
+        done = sweep_cli("run", path, pythonpath=tmp_path)
+        assert done.returncode == 2, (edit, done.stderr)
+        assert "already exists with a different" in done.stderr, done.stderr
+    write_study(tmp_path, document | {"n_trials": 4})  # as it was, with more trials: taken
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 0, done.stderr
