@@ -157,9 +157,13 @@ def _answer(connection: socket.socket, *, request: bool) -> bytes:
             _received += data
 
 
-def whole_step(step: Any) -> int:
-    """A reported step as an int: a whole number >= 0 (an int, or a float or numpy number holding one); anything else
-    is a ValueError naming it, not a step silently cut to an int."""
+LARGEST_STEP = 2**31 - 1  # the storage keeps a step in 32 bits (Optuna's intermediate values on PostgreSQL)
+
+
+def whole_step(step: Any, what: str = "report") -> int:
+    """A reported step as an int: a whole number from 0 to `LARGEST_STEP` (an int, or a float or numpy number holding
+    one); anything else is a ValueError naming it, not a step silently cut to an int. (Review: a step of 3e9, samples
+    counted, failed every trial on PostgreSQL with the storage's "integer out of range", and ran on SQLite.)"""
     try:
         whole = int(step)
         exact = not isinstance(step, (bool, str, bytes)) and float(step) == whole
@@ -167,10 +171,13 @@ def whole_step(step: Any) -> int:
         exact = False
     if not exact:
         text = repr(step)
-        raise ValueError(f"report: the step must be a whole number, got {type(step).__name__} "
+        raise ValueError(f"{what}: the step must be a whole number, got {type(step).__name__} "
                          f"{text if len(text) <= 60 else text[:57] + '...'}")
     if whole < 0:
-        raise ValueError(f"report: the step must be >= 0, got {whole}")
+        raise ValueError(f"{what}: the step must be >= 0, got {whole}")
+    if whole > LARGEST_STEP:
+        raise ValueError(f"{what}: the step must be at most {LARGEST_STEP} (a study's storage keeps steps in 32 "
+                         f"bits), got {whole}: count optimizer steps or evaluations, not samples or tokens")
     return whole
 
 

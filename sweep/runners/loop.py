@@ -262,7 +262,10 @@ class Run:
         in-memory study, or checkpoints off) nothing is written."""
         if self._saver is None:
             return
-        at = self.step if step is None else int(step)
+        try:
+            at = self.step if step is None else whole_step(step, "save")
+        except ValueError as exc:
+            raise LoopError(f"run.{exc}") from None
         metrics = self.metrics if at == self.step and self.metrics else None
         with sheltered():  # the checkpoint's file and row, whole
             self._saver(user_checkpoint(at, state, self.config, metrics), metrics)

@@ -1445,3 +1445,21 @@ def test_a_returned_decimal_is_the_trial_s_value(tmp_path: Path) -> None:
     done = sweep_cli("run", path, pythonpath=tmp_path)
     assert done.returncode == 0, done.stderr
     assert [(t.state.name, t.value) for t in trials_of(path, "decimals")] == [("COMPLETE", 0.125)] * 2
+
+
+def test_a_step_beyond_32_bits_is_one_line_on_every_storage(tmp_path: Path) -> None:
+    """Review: steps counted in samples (3e9) failed every trial on PostgreSQL with the storage's "integer out of
+    range" and ran on SQLite; now the report is refused by its words on both."""
+    (tmp_path / "samples.py").write_text(
+        "def main(config, run):\n"
+        "    run.report(1_000_000_000, val_loss=1.0)\n"
+        "    run.report(3_000_000_000, val_loss=0.5)\n")
+    path = write_study(tmp_path, {"name": "samples", "n_trials": 1, "loop": "samples:main", "pruner": "none",
+                                  "max_repeated_failures": 0,
+                                  "space": {"x": {"type": "float", "low": 0.0, "high": 1.0}}})
+    done = sweep_cli("run", path, pythonpath=tmp_path)
+    assert done.returncode == 1, done.stderr
+    [trial] = trials_of(path, "samples")
+    assert trial.state.name == "FAIL" and trial.intermediate_values == {1_000_000_000: 1.0}
+    assert "run.report: the step must be at most 2147483647 (a study's storage keeps steps in 32 bits), got " \
+           "3000000000" in trial.user_attrs["fail_reason"], trial.user_attrs["fail_reason"]
