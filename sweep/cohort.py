@@ -72,7 +72,7 @@ from sweep.outcomes import (
 )
 from sweep.pruners import startup_trials
 from sweep.signals import Preempted, raise_pending, trial_code
-from sweep.storage import PatientStorage, StorageAway, StorageUnavailable
+from sweep.storage import PatientStorage, StorageAway, StorageUnavailable, release_idle_connections
 from sweep.worker import InfrastructureError, StudyBrokenError, signalled, unmarked_if_away
 from trainer.batched import Cohort, CohortMember, MemberFailures, batch_problem, batch_signature, max_cohort_size
 from trainer.precision import out_of_memory, out_of_memory_words
@@ -291,6 +291,7 @@ class CohortLoop:
                                            exhausted=self.exhausted)
                 trials = worker.study.get_trials(deepcopy=False)
                 worker._adopt_silent_trials(trials)  # noqa: SLF001 - the last trials run elsewhere
+                release_idle_connections()  # none held idle while they run (`Worker.run_single`'s wait)
                 time.sleep(worker.spec.heartbeat_interval)
                 continue
             unwritten: dict[int, Exception] = {}

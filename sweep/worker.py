@@ -77,6 +77,7 @@ from sweep.storage import (
     error_line,
     is_transient,
     never_lost,
+    release_idle_connections,
     storage_refusal,
 )
 from sweep.tracking import end_lost_run
@@ -328,6 +329,9 @@ class Worker:
                 return self._summary(exhausted=True)
             if trial is None:  # the last trials run elsewhere; wait in case one of their workers dies
                 self._adopt_silent_trials(trials)
+                # Holding no idle connection meanwhile: on a server short of slots, those starved the worker of the
+                # trial waited for, which this one then failed as lost (review).
+                release_idle_connections()
                 time.sleep(self.spec.heartbeat_interval)
                 continue
             frozen = self._run_one(trial)
