@@ -41,7 +41,7 @@ from sweep.schema import (
 from sweep.tracking import tracking_problems
 from trainer.config import ConfigError, TrainingConfig, coerce, flatten
 from trainer.fast_fail_rules import TRAINING_METRICS, training_metric
-from trainer.messages import message, unreadable
+from trainer.messages import has_control, message, unreadable
 from trainer.tasks import BUILTIN_TASKS, Task, TaskError, argument_names, load_task, resolve_task_factory
 from trainer.tasks.base import first_unfinite
 
@@ -243,6 +243,9 @@ def trainer_problems(spec: StudySpec) -> list[tuple[str, str]]:
     return _unique(problems)
 
 
+PARAM_NAME_LIMIT = 512  # characters: Optuna's trial_params.param_name, VARCHAR(512) on a server database
+
+
 def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
     """A `loop` or `command` study: its keys are the user's own, so only what sweep itself needs is checked: the loop
     function imports and is callable, a command's `{placeholders}` are keys of the config, no key is both fixed and
@@ -284,6 +287,10 @@ def user_form_problems(spec: StudySpec) -> list[tuple[str, str]]:
             problems.append((f"{where}.{key}" if key else where, f"expected a key with no empty part (a name, or a "
                              f"dotted path such as model.hidden), got {short_repr(key)}"))
     for key in spec.space:
+        if has_control(key) or len(key) > PARAM_NAME_LIMIT:  # review: PostgreSQL refused it mid-ask, a traceback
+            problems.append((f"space.{key}", f"expected a key of at most {PARAM_NAME_LIMIT} characters and no control "
+                                             f"character (a study's storage keeps a searched key's name in "
+                                             f"{PARAM_NAME_LIMIT}, without NUL), got {short_repr(key)}"))
         if key in fixed_keys:
             problems.append((f"space.{key}", f"is both fixed (fixed.{key}) and searched; remove it from one of them"))
         problems += _conflict_problems(spec, fixed_keys, key)

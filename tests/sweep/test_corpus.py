@@ -995,6 +995,13 @@ DID_YOU_MEAN = [
 # the file is read on both ends of every searched range and on every choice, never passed on literally.
 COMMAND = {"task": ..., "command": "echo --lr {learning_rate}"}
 COMMANDS = [
+    # Review: PostgreSQL refused such a name in the first ask (a traceback, the study made, a trial left running).
+    bad_file("commands", "searched-key-with-nul", changed(**COMMAND | {"command": "echo {a}", "space": {
+        "a": {"type": "float", "low": 0, "high": 1}, "y\x00z": {"type": "float", "low": 0, "high": 1}}}),
+             "space.y\\x00z", "expected a key of at most 512 characters and no control character"),
+    bad_file("commands", "searched-key-too-long", changed(**COMMAND | {"command": "echo {a}", "space": {
+        "a": {"type": "float", "low": 0, "high": 1}, "k" * 600: {"type": "float", "low": 0, "high": 1}}}),
+             "space." + "k" * 600, "expected a key of at most 512 characters and no control character"),
     bad_file("commands", "unclosed-brace", changed(**COMMAND | {"command": "echo --lr {learning_rate"}), "command",
              "unmatched brace in '{learning_rate'"),
     bad_file("commands", "stray-closing-brace", changed(**COMMAND | {"command": "echo --lr learning_rate}"}),
@@ -1139,6 +1146,10 @@ WORDING = [
              "min_resource (100) must be at most its max_resource (10)"),
     bad_file("wording", "tensorboard-dir-empty", changed(tracking={"tensorboard": {"dir": ""}}),
              "tracking.tensorboard.dir", "at least 1 character"),
+    # Review: a zero-width space in a key printed as nothing, and the line read "max_steps: unknown key (did you mean
+    # 'max_steps'?)".
+    bad_file("wording", "invisible-character-in-a-key", changed(fixed={"max_\u200bsteps": 20}),
+             "fixed.max_\\u200bsteps", "unknown key (did you mean 'max_steps'?)"),
     bad_file("wording", "mlflow-experiment-blank", changed(tracking={"mlflow": {"experiment": "   "}}),
              "tracking.mlflow.experiment", "expected an MLflow experiment's name: not blank, at most 500 characters"),
     bad_file("wording", "mlflow-experiment-too-long", changed(tracking={"mlflow": {"experiment": "e" * 501}}),
