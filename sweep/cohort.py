@@ -560,8 +560,11 @@ class CohortLoop:
             tries = (f"this worker's cohort tries one ({self._fixed_text()}), each worker's its own" if several else
                      f"this run's {left} trials left try one ({self._fixed_text()})" if left < self.worker.n_trials
                      else f"this study's {self.worker.n_trials} trials try one ({self._fixed_text()})")
-            warnings.warn(f"execution.cohort: {', '.join(self.fixed)} {'changes' if one else 'change'} the model's "
-                          f"shapes, so a cohort's members share its first member's {'value' if one else 'values'} "
+            # What a key changes: the model's shapes, or what else members must share (the optimizer kind, the
+            # task's args; review: "optimizer changes the model's shapes").
+            warnings.warn(f"execution.cohort: {', '.join(self.fixed)} {'changes' if one else 'change'} what a "
+                          "cohort's members must share (the model's shapes, the optimizer kind, the task's args), so "
+                          f"a cohort's members share its first member's {'value' if one else 'values'} "
                           f"and a cohort takes {self._intake()} members before the next draws anew: {tries}; a "
                           "smaller cohort or more trials search them", stacklevel=2)
         return True

@@ -348,8 +348,9 @@ def test_a_study_smaller_than_one_cohort_s_intake_says_its_shape_keys_get_one_va
     widths = {t.params["model.hidden"] for t in load(tmp_path).get_trials()}
     assert len(widths) == 1, widths
     [line] = [line for line in done.stderr.splitlines() if "share its first member's" in line]
-    assert line == (f"warning: execution.cohort: model.hidden changes the model's shapes, so a cohort's members share "
-                    "its first member's value and a cohort takes 8 members before the next draws anew: this study's 6 "
+    assert line == ("warning: execution.cohort: model.hidden changes what a cohort's members must share (the model's "
+                    "shapes, the optimizer kind, the task's args), so a cohort's members share its first member's "
+                    "value and a cohort takes 8 members before the next draws anew: this study's 6 "
                     f"trials try one (model.hidden={widths.pop()}); a smaller cohort or more trials search them"), line
 
 
