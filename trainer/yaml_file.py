@@ -119,10 +119,11 @@ _PLAIN_TAGS = frozenset({"!", *(_CORE + name for name in ("str", "int", "float",
 _BOMS = [(b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
          (b"\xff\xfe", "UTF-16")]
 # Control characters, and the bidirectional overrides and isolates (they reorder the text after them as shown).
-# Also what shows as nothing or as a space (a zero-width space, a no-break space, a byte-order mark): a key holding
-# one printed as the name it was refused beside (review: "fixed.max_\u200bsteps: unknown key (did you mean
-# 'max_steps'?)" read "max_steps").
-_CONTROL = re.compile(CONTROL.pattern[:-1] + r"\u00a0\u061c\u180e\u200b-\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064"
+# Also what shows as nothing and belongs to no word (a zero-width space, a byte-order mark, a word joiner, the
+# direction marks): a key holding one printed as the name it was refused beside (review: "fixed.max_\u200bsteps:
+# unknown key (did you mean 'max_steps'?)" read "max_steps"). Not a no-break space nor the joiners (U+200C, U+200D),
+# which are a word's own (Persian spelling, emoji: diff review, a choice's ZWNJ was escaped in the trials' CSV).
+_CONTROL = re.compile(CONTROL.pattern[:-1] + r"\u061c\u180e\u200b\u200e\u200f\u2028\u2029\u202a-\u202e\u2060-\u2064"
                       r"\u2066-\u2069\ufeff]")
 
 

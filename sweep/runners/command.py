@@ -246,7 +246,7 @@ def last_json_numbers(log: Path, metric: str) -> dict[str, float] | None:
             try:
                 found = json.loads(line)
             except ValueError as exc:
-                if json.dumps(metric) not in line:
+                if json.dumps(metric, ensure_ascii=False) not in line and json.dumps(metric) not in line:
                     continue
                 # Review: `{"step": 100, "val_loss": nan}` after `{"step": 50, "val_loss": 0.5}` completed with 0.5.
                 raise UnreadableLine(

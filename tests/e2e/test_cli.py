@@ -1632,3 +1632,17 @@ def test_another_tool_s_study_whose_attrs_share_sweep_s_names_is_read(tmp_path: 
         assert done.returncode == 0, (args, done.stderr)
     rows = json.loads(sweep_cli("trials", db, "--format", "json", cwd=tmp_path).stdout)
     assert [r["cohort"] for r in rows] == [None] * len(odd)
+
+
+def test_a_word_s_own_invisible_characters_are_shown_as_they_are(tmp_path: Path) -> None:
+    """Diff review: escaping what shows as nothing also escaped a Persian word's zero-width non-joiner and a
+    no-break space in the trials' CSV and table, where a zero-width space (no word's own) is escaped."""
+    (tmp_path / "words.py").write_text("def main(config, run):\n    return float(len(config['word']))\n")
+    words = ["می\u200cخواهم", "café\u00a0noir", "zero\u200bwidth"]
+    path = write_study(tmp_path, {"name": "words", "n_trials": 3, "loop": "words:main", "sampler": "bruteforce",
+                                  "pruner": "none", "space": {"word": {"type": "categorical", "choices": words}}})
+    assert sweep_cli("run", path, pythonpath=tmp_path).returncode == 0
+    done = sweep_cli("trials", path, "--format", "csv", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert words[0] in done.stdout and words[1] in done.stdout, done.stdout
+    assert "zero\\u200bwidth" in done.stdout and words[2] not in done.stdout, done.stdout

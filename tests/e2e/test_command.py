@@ -697,3 +697,16 @@ def test_a_last_line_holding_the_metric_that_is_not_json_fails_the_trial(tmp_pat
     reason = trial.user_attrs["fail_reason"]
     assert reason.startswith("the command exited with code 0, but its output's last line holding 'val_loss' is not "
                              "JSON ("), reason
+
+
+def test_a_last_line_not_json_is_found_for_a_metric_named_in_any_script(tmp_path: Path) -> None:
+    """Diff review: with a metric named `val_точность` the unreadable last line was passed over (its name was looked
+    for as JSON's ASCII escapes) and the trial completed with the earlier 0.5."""
+    lines = ['{"step": 1, "val_точность": 0.5}', '{"step": 2, "val_точность": nan}']
+    script = "".join(f"print({line!r})\n" for line in lines)
+    path = command_study(tmp_path, script, "train.py", pruner="none", max_repeated_failures=0, metric="val_точность")
+    done = sweep_cli("run", path, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    [trial] = trials_of(path)
+    assert trial.state.name == "FAIL", trial.user_attrs
+    assert "last line holding 'val_точность' is not JSON" in trial.user_attrs["fail_reason"], trial.user_attrs
