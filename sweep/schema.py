@@ -1415,13 +1415,15 @@ def sqlite_study_problem(url: str) -> tuple[str, int] | None:
     it into a study database, and those it lacks in a study database of another Optuna version (review: a read
     command wrote them into an Optuna 2.5 file, then refused it)."""
 
-    problem = _sqlite_study_problem(url)
-    if problem is None:
-        return None
-    return (problem[len(_BUSY):], 1) if problem.startswith(_BUSY) else (problem, 2)
+    try:
+        problem = _sqlite_study_problem(url)
+    except _Busy as busy:
+        return str(busy), 1
+    return None if problem is None else (problem, 2)
 
 
-_BUSY = "busy: "
+class _Busy(Exception):
+    """The file is sound but another process holds it locked: the command may be run again."""
 
 
 def _sqlite_study_problem(url: str) -> str | None:
@@ -1446,9 +1448,9 @@ def _sqlite_study_problem(url: str) -> str | None:
             return (f"cannot read {path} ({exc}): its file system has {full}, and SQLite writes its -wal and -shm "
                     "files beside the database; free some, or copy the .db to another file system")
         if isinstance(exc, sqlite3.OperationalError) and any(word in str(exc) for word in ("locked", "busy")):
-            return (f"{_BUSY}cannot read {path} now: another process holds it locked ({exc}), a write under way or "
-                    "a transaction left open (a stopped process, a sqlite3 shell); run the command again once it "
-                    "ends")
+            raise _Busy(f"cannot read {path} now: another process holds it locked ({exc}), a write under way or a "
+                        "transaction left open (a stopped process, a sqlite3 shell); run the command again once it "
+                        "ends") from None
         return f"{path} cannot be read as a SQLite database ({exc}); is the file damaged?"
     if not OPTUNA_TABLES <= tables:
         return (f"{path} is a SQLite database but not a study database (it has no Optuna tables); give the .db file "

@@ -1333,7 +1333,7 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
     groups: dict[str, list[int]] = {}
     probes: dict[str, str | None] = {}
     results: dict[int, TrainResult] = {}
-    alone: list[tuple[int, str]] = []  # trained by the ordinary loop once every member's config is known good
+    alone: list[tuple[int, str, Task]] = []  # trained by the ordinary loop once every member's config is known good
     for i, item in enumerate(items):
         key = json.dumps([item.config.task, item.config.task_args], sort_keys=True, default=str)
         member_task = task if task is not None else tasks.get(key) or tasks.setdefault(
@@ -1349,18 +1349,17 @@ def train_batched(members: Sequence[CohortMember | TrainingConfig], task: Task |
             failed[i] = exc
             continue
         if problem is not None:
-            alone.append((i, problem))
+            alone.append((i, problem, member_task))
             continue
         groups.setdefault(f"{key}/{signature}", []).append(i)
     # After every member's config was checked: a later member's mistake (a model key its task does not know, a device
     # this machine lacks) threw away what the ones trained alone before it had trained (review).
-    for i, problem in alone:
+    for i, problem, member_task in alone:
         item = items[i]
         say(f"{named[i]}: not batched, trained alone: {problem}")
         try:
-            results[i] = train(item.config, task if task is not None else tasks[json.dumps(
-                [item.config.task, item.config.task_args], sort_keys=True, default=str)], item.reporter,
-                resume=item.resume, warm_start=item.warm_start, checkpointer=item.checkpointer)
+            results[i] = train(item.config, member_task, item.reporter, resume=item.resume,
+                               warm_start=item.warm_start, checkpointer=item.checkpointer)
         except (ConfigError, TaskError, DeviceUnavailable):
             raise
         except Exception as exc:
