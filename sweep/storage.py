@@ -1473,6 +1473,24 @@ class PatientStorage(BaseStorage):
         for trial_id in trial_ids:
             self._mirror(trial_id, lambda trial: trial.system_attrs.__setitem__(key, dict(settings)))
 
+    def beat(self, trial_ids: Sequence[int]) -> None:
+        """One heartbeat for each of `trial_ids` (a worker's trials in flight: a cohort's members), all in one
+        transaction with one time, straight to the database (a beat missed in an outage is the next one's job).
+        A dead worker's trials then go stale together and are retried together: beaten one transaction each, they
+        were stale up to a second apart (SQLite stores whole seconds), and a killed cohort's members were retried in
+        cohorts of their own, the last one alone (CI). One write per beat, not one per member, too."""
+        from optuna.storages._rdb import models
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        with _create_scoped_session(self.backend.scoped_session, True) as session:
+            now = session.execute(sqlalchemy.func.now()).scalar_one()
+            for trial_id in trial_ids:
+                beat = models.TrialHeartbeatModel.where_trial_id(trial_id, session, True)
+                if beat is None:
+                    session.add(models.TrialHeartbeatModel(trial_id=trial_id, heartbeat=now))
+                else:
+                    beat.heartbeat = now
+
     def record_heartbeat(self, trial_id: int) -> None:
         # A trial's liveness, in a table of its own: what this thread deferred need not go first.
         self.boundary.call(self.cached.record_heartbeat, trial_id)

@@ -889,21 +889,23 @@ class Worker:
             yield Beats(None)
             return
         beats = Beats(self.storage)
-        backend, interval = self.storage.backend, self.storage.heartbeat_interval
+        storage, interval = self.storage, self.storage.heartbeat_interval
         stopped = threading.Event()
 
         def beat() -> None:
             while not stopped.wait(interval):
-                for trial_id in beats.ids():
-                    self.beating_since = started = time.monotonic()
-                    with contextlib.suppress(Exception):  # a storage blip: beat again next time rather than never
-                        backend.record_heartbeat(trial_id)
-                    self.beating_since = None
-                    if time.monotonic() - started >= self._blocked_s():
-                        # A one-row write that waited this long waited for a lock (another process's long write
-                        # transaction): every worker's beats waited as long, so no trial is judged lost until they
-                        # have had the grace period to beat again, as after an outage.
-                        self.boundary.recovered_at = time.monotonic()
+                ids = beats.ids()
+                if not ids:
+                    continue
+                self.beating_since = started = time.monotonic()
+                with contextlib.suppress(Exception):  # a storage blip: beat again next time rather than never
+                    storage.beat(ids)  # all of them with one time: a dead worker's trials go stale together
+                self.beating_since = None
+                if time.monotonic() - started >= self._blocked_s():
+                    # A small write that waited this long waited for a lock (another process's long write
+                    # transaction): every worker's beats waited as long, so no trial is judged lost until they
+                    # have had the grace period to beat again, as after an outage.
+                    self.boundary.recovered_at = time.monotonic()
 
         thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
         thread.start()

@@ -14,6 +14,7 @@ from typing import Any
 
 import optuna
 import pytest
+import sqlalchemy
 
 from sweep.outcomes import OWNER_ATTR
 from sweep.spec import SPEC_ATTR, load_spec
@@ -489,6 +490,47 @@ def test_trials_start_beating_in_one_write_and_a_finished_one_refuses_it(
         beats.add(c, d)
     assert HEARTBEAT_ATTR not in other.get_trials()[c.number].system_attrs
     assert storage.heartbeat_age_s(c._trial_id) is None and c._trial_id not in beats.ids()
+
+
+def test_a_worker_beats_for_all_its_trials_in_one_write_with_one_time(tmp_path: Path, postgres_url: str) -> None:
+    # A dead worker's trials must go stale together, so that their retries are asked together and train in one cohort
+    # again. Beaten one transaction each, their last beats differed (on SQLite by a second where the beats straddled
+    # one), they were found lost one by one and a killed cohort's members were retried in cohorts of their own, the
+    # last one alone (CI). PostgreSQL gives each transaction its own time: one write, one time.
+    from sqlalchemy import event, text
+
+    from sweep.worker import Worker
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "name": f"beat-{tmp_path.name}",
+                                               "heartbeat_interval": 1, "heartbeat_grace_period": 30}))
+    study = open_study(spec, postgres_url)
+    worker = Worker(study, spec, storage_url=postgres_url, boundary=study._storage.boundary)
+    engine = study._storage.backend.engine
+    trials = [study.ask() for _ in range(3)]
+    ids = tuple(t._trial_id for t in trials)
+
+    def stamps() -> set[Any]:
+        with engine.connect() as connection:
+            return {row[0] for row in connection.execute(
+                text("SELECT heartbeat FROM trial_heartbeats WHERE trial_id IN :ids").bindparams(
+                    sqlalchemy.bindparam("ids", expanding=True)), {"ids": list(ids)})}
+
+    commits: list[int] = []
+
+    def committed(connection: Any) -> None:
+        commits.append(1)
+
+    with worker.beating() as beats:
+        beats.add(*trials)  # their first beats, in one write
+        first = stamps()
+        event.listen(engine, "commit", committed)
+        deadline = time.monotonic() + 120
+        while not commits and time.monotonic() < deadline:  # the thread's beat (nothing else writes meanwhile)
+            time.sleep(0.05)
+    event.remove(engine, "commit", committed)
+    assert commits, "the heartbeat thread never beat"
+    beaten = stamps()
+    assert len(beaten) == 1 and beaten != first, (beaten, first)
 
 
 def test_trials_asked_together_are_drawn_and_counted_as_asked_one_by_one(tmp_path: Path) -> None:
