@@ -32,7 +32,7 @@ from sweep.outcomes import ARTIFACTS_ATTR, ATTR_CHECKPOINT, ATTR_RETRY_OF, Outco
 from sweep.reconcile import UNREGISTERED, adopt_unregistered, other_store_location, quick_check
 from sweep.registry import Registry, default_store
 from sweep.signals import sheltered
-from sweep.storage import StorageAway, error_line, lock_wait, sqlite_path
+from sweep.storage import StorageAway, StorageUnavailable, error_line, lock_wait, sqlite_path
 from sweep.warmstart import Donor, DonorConfigs, categorical_key, coordinates, warm_start_from
 from trainer.checkpoint import CheckpointError, CheckpointInfo, CheckpointWriteError, TrainState, WarmStart
 from trainer.yaml_file import short_repr
@@ -339,9 +339,15 @@ class CheckpointService:
 def _cleanup(trial_number: int, what: str) -> Iterator[None]:
     """Checkpoint bookkeeping after training: an error here (the storage, the blob store) is a warning, never the
     trial's outcome. A trial that trained to the end is not recorded as failed, and a failing one never takes the
-    study down; what was not released stays on disk, and `sweep check` finds it."""
+    study down; what was not released stays on disk, and `sweep check` finds it. The storage gone past
+    `storage_patience` (or away where the caller does not wait) is no such error: the worker stops, with the trial
+    untold and found lost, and its retry resumes from its checkpoints and releases them. Taken for a warning, the
+    worker went on and its run exited 0, the trial was told complete with its rows never released (never a donor,
+    never trimmed, no artifact), and neither a rerun nor `sweep check --repair` could release them (review)."""
     try:
         yield
+    except (StorageUnavailable, StorageAway):
+        raise
     except Exception as exc:  # noqa: BLE001 - see above
         warnings.warn(f"trial {trial_number}: {what} failed: {error_line(exc)}", stacklevel=3)  # one line
 

@@ -7,6 +7,7 @@ import errno
 import sqlite3
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -157,6 +158,39 @@ def test_past_its_patience_the_boundary_gives_up_and_without_waiting_it_answers_
     assert time.monotonic() - started < 0.5
     with pytest.raises(ValueError):  # final errors pass through at once
         boundary.call(lambda: int("x"))
+
+
+def test_the_storage_gone_past_its_patience_while_a_trial_s_checkpoints_are_released_stops_the_worker(
+        tmp_path: Path) -> None:
+    """Releasing an ended trial's checkpoints is bookkeeping whose errors only warn, but the storage gone past
+    `storage_patience` is none of those: taken for one, the worker went on (its run exited 0) and the trial was told
+    complete with its rows never released, never a donor, never trimmed, beyond a rerun's or `--repair`'s reach
+    (review, a PostgreSQL blackhole at a cohort member's end). The worker now stops, the trial untold: found lost,
+    its retry resumes from its checkpoints and releases them."""
+    from sweep.spec import load_spec
+    from sweep.study import open_study
+    from sweep.worker import Worker
+    from tests.conftest import TINY_STUDY, write_study
+
+    spec, _ = load_spec(write_study(tmp_path, {**TINY_STUDY, "storage_patience": 1}))
+    url = f"sqlite:///{tmp_path / 'release.db'}"
+    study = open_study(spec, url)
+    worker = Worker(study, spec, storage_url=url, boundary=study._storage.boundary)
+    assert worker.checkpoints is not None
+    trial = study.ask()
+    holder = sqlalchemy.create_engine(url, connect_args={"timeout": 0.1})
+    connection = holder.connect()
+    connection.exec_driver_sql("BEGIN EXCLUSIVE")  # another process's lock, held past the patience
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not a warning, and on
+            with pytest.raises(StorageUnavailable, match=r"storage_patience is 1 s"):
+                worker.checkpoints.release(trial, Outcome.COMPLETE, None)
+    finally:
+        connection.exec_driver_sql("ROLLBACK")
+        connection.close()
+        holder.dispose()
+    assert study.trials[0].state == TrialState.RUNNING  # untold: found lost later, and retried
 
 
 def test_a_locked_sqlite_database_is_waited_out_through_the_patient_storage(tmp_path: Path) -> None:
