@@ -29,6 +29,7 @@ import math
 import os
 import select
 import socket
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,11 @@ _received = b""
 _waiting: dict[bool, list[bytes]] = {False: [], True: []}
 _stopped = False
 _last: tuple[int, dict[str, float | str]] | None = None  # the latest report: its step and metrics
+# One exchange with the worker at a time: threads of the script may report at once (an evaluation thread, a pool),
+# and two threads reading the socket took each other's answers (one then waited for good) or each wrapped the
+# descriptor in a socket of its own, whose collection closed it under the other (review). Re-entrant: a signal
+# handler's save, run in the thread whose report waits for its answer, goes on (`_answer` keeps the two apart).
+_exchange = threading.RLock()
 
 
 def trial_number() -> int | None:
@@ -75,12 +81,15 @@ def report(step: int, metrics: Mapping[str, float] | None = None, /, **values: f
     if connection is None:
         return False
     step = whole_step(step)
-    _last = (step, reported)
-    message = {"step": step, "metrics": reported}
-    connection.sendall(json.dumps(message).encode() + b"\n")
-    answer = _answer(connection, request=False)
-    _stopped = answer.strip() != b"go"  # "stop", or the worker has gone (an empty line): stop either way
-    return _stopped
+    with _exchange:
+        if _stopped:  # another thread was told meanwhile
+            return True
+        _last = (step, reported)
+        message = {"step": step, "metrics": reported}
+        connection.sendall(json.dumps(message).encode() + b"\n")
+        answer = _answer(connection, request=False)
+        _stopped = answer.strip() != b"go"  # "stop", or the worker has gone (an empty line): stop either way
+        return _stopped
 
 
 def save(state: Mapping[str, Any], step: int | None = None) -> bool:
@@ -131,8 +140,9 @@ def _ask(message: Mapping[str, Any]) -> dict[str, Any] | None:
     connection = _connect()
     assert connection is not None
     try:
-        connection.sendall(json.dumps(message).encode() + b"\n")
-        answer = _answer(connection, request=True)
+        with _exchange:
+            connection.sendall(json.dumps(message).encode() + b"\n")
+            answer = _answer(connection, request=True)
     except OSError:
         return None
     return dict(json.loads(answer)) if answer.strip() else None
@@ -201,10 +211,14 @@ def as_float(value: Any) -> float:
 
 def _connect() -> socket.socket | None:
     global _connection
-    if _connection is None:
-        fd = os.environ.get(ENV_REPORT_FD)
-        if not fd:
-            return None
+    if _connection is not None:
+        return _connection
+    fd = os.environ.get(ENV_REPORT_FD)
+    if not fd:
+        return None
+    with _exchange:  # one socket for the descriptor, whichever thread reports first
+        if _connection is not None:
+            return _connection
         try:
             _connection = socket.socket(fileno=int(fd))
         except OSError as exc:

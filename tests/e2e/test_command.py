@@ -185,6 +185,72 @@ def test_a_script_reads_its_arguments_and_reports_through_the_client(tmp_path: P
     assert changed.returncode == 1 and f"trial {winner.number} differs first at step 1" in changed.stderr
 
 
+# Eight threads report at once, switching threads as often as the interpreter can (the races at their widest).
+THREADS_SCRIPT = '''
+import sys
+import threading
+
+from sweep import client
+
+sys.setswitchinterval(1e-6)
+start = threading.Barrier(8)
+
+
+def reporter(k):
+    start.wait()
+    for i in range(25):
+        client.report(k * 100 + i, val_loss=1.0 + k + i / 100)
+
+
+threads = [threading.Thread(target=reporter, args=(k,)) for k in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("reported")
+'''
+
+
+def test_threads_of_a_script_that_report_at_once_each_get_their_answer(tmp_path: Path) -> None:
+    # Two threads reading the report channel took each other's answers (one then waited for good: a trial that never
+    # ended), or each wrapped its descriptor in a socket of its own, whose collection closed it under the other (the
+    # script died, or exited 0 with most of its reports lost; review). One exchange at a time now. The worker's end
+    # here answers each line at once, as fast as it can: the worker's own answers, slowed by its storage, hid the
+    # races in most runs (review: 1 trial in 50 hung).
+    import socket
+    import threading
+
+    for attempt in range(6):
+        ours, theirs = socket.socketpair()
+        script = subprocess.Popen([sys.executable, "-c", THREADS_SCRIPT], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "SWEEP_REPORT_FD": str(theirs.fileno())},
+                                  pass_fds=[theirs.fileno()])
+        theirs.close()
+        lines: list[bytes] = []
+
+        def answer(ours: socket.socket = ours, lines: list[bytes] = lines) -> None:
+            received = b""
+            while data := ours.recv(1 << 16):
+                received += data
+                while b"\n" in received:
+                    line, _, received = received.partition(b"\n")
+                    lines.append(line)
+                    ours.sendall(b"go\n")
+
+        server = threading.Thread(target=answer, daemon=True)
+        server.start()
+        try:
+            output, _ = script.communicate(timeout=120)
+        finally:
+            if script.poll() is None:
+                script.kill()
+                script.wait()
+            ours.close()
+        assert script.returncode == 0 and output.strip() == "reported", (attempt, script.returncode, output)
+        steps = sorted(json.loads(line)["step"] for line in lines)
+        assert steps == sorted(k * 100 + i for k in range(8) for i in range(25)), attempt
+
+
 def test_a_script_that_never_reports_gets_its_last_json_line(tmp_path: Path) -> None:
     path = command_study(tmp_path, ENV_SCRIPT, "train.py", n_trials=3,
                          space={"x": {"type": "float", "low": -1, "high": 1}})
