@@ -71,9 +71,19 @@ class _Loader(_SAFE):
         for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
 
 
+_INT_DIGITS = 4300  # Python reads and writes no int of more decimal digits as text (sys.set_int_max_str_digits)
+_INT_LIMIT = 10**_INT_DIGITS
+
+
 def _int(loader: Any, node: yaml.ScalarNode) -> int:
     text = str(node.value)
-    return int(text[2:], 8) if text.startswith("0o") else int(text[2:], 16) if text.startswith("0x") else int(text)
+    value = int(text[2:], 8) if text.startswith("0o") else int(text[2:], 16) if text.startswith("0x") else int(text)
+    if abs(value) >= _INT_LIMIT:  # hex and octal escape Python's limit on reading: writing the value (a message,
+        # JSON) raised later, a traceback, or the study half-written (review)
+        raise yaml.constructor.ConstructorError(
+            None, None, f"a whole number of more than {_INT_DIGITS} digits; expected a number of at most "
+            f"{_INT_DIGITS}", node.start_mark)
+    return value
 
 
 def _exponent(loader: Any, node: yaml.ScalarNode) -> int | float:

@@ -528,6 +528,15 @@ RANGES = [
              "1e-400 is too small for a 64-bit float (it would be read as 0)"),
     bad_file("numbers", "int-of-5000-digits", "name: tiny\nn_trials: " + "9" * 5000 + "\ntask: digits\n", "",
              "line 2: a whole number of 5000 digits; expected a number of at most 4300"),
+    # Hex and octal escape Python's limit on reading an int from text; written later (a message, the stored JSON),
+    # the value raised: a traceback, or a command study's database made with its study row (review).
+    bad_file("numbers", "hex-int-of-4800-digits", "name: tiny\nn_trials: 2\ntask: digits\nseed: 0x" + "f" * 4000 + "\n",
+             "", "line 4, column 7: a whole number of more than 4300 digits; expected a number of at most 4300"),
+    bad_file("numbers", "octal-int-of-4500-digits", "name: tiny\nn_trials: 0o" + "7" * 5000 + "\ntask: digits\n", "",
+             "line 2, column 11: a whole number of more than 4300 digits"),
+    bad_file("numbers", "hex-int-in-a-command-study-s-fixed",
+             "name: tiny\nn_trials: 2\ncommand: python -c pass\nfixed: {a: 0x" + "f" * 4000 + "}\n", "",
+             "line 4, column 12: a whole number of more than 4300 digits"),
     bad_file("numbers", "fixed-float-hundreds-of-digits", changed(**{"fixed__momentum": 10 ** 400}),
              "fixed.momentum", "expected a number, got a whole number too large for a float"),
 ]
