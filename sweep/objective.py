@@ -62,6 +62,7 @@ from trainer.checkpoint import CheckpointInfo, TrainState, WarmStart
 from trainer.distributed import RankFailed, local_ranks, signal_name
 from trainer.fast_fail_rules import FastFailConfig
 from trainer.loop import TrainingSeries
+from trainer.seeding import thread_record
 
 if TYPE_CHECKING:
     from sweep.checkpoints import CheckpointService, TrialCheckpointer
@@ -74,6 +75,15 @@ __all__ = ["Deadline", "Prepared", "Start", "TrainerTrial", "TrialReporter", "fi
            "resume_lineage", "task_for", "trial_trackers", "warm_start"]
 
 SPEED_KEYS = ("samples_per_s", "tokens_per_s", "peak_mem_mb", "gpu_util_pct")
+
+
+def store_config(trial: optuna.Trial, config: Mapping[str, Any]) -> None:
+    """The trial's config, and the torch thread counts its process trains with, stored as it starts: a trial that
+    never ends by its own hand (lost, killed) has its threads for `sweep reproduce` too, whose replay on the process's
+    own count differed in the last digits, with nothing named (review: a lost trial of `--workers 2`). Its end writes
+    the whole reproducibility record over this one."""
+    trial.set_user_attr(ATTR_CONFIG, config)
+    trial.set_user_attr(ATTR_REPRO, {"threads": thread_record()})
 
 
 def metric_value(metrics: Mapping[str, float], metric: str) -> float:
@@ -464,7 +474,7 @@ class TrainerTrial(TrialRun):
         params = spec.suggest(trial)
         self.events.trial_started(trial.number, params)
         config = spec.config_for(params)
-        trial.set_user_attr(ATTR_CONFIG, config.to_dict())
+        store_config(trial, config.to_dict())
         task = task_for(config.task, config.task_args)
         confirming = trial.user_attrs.get(ATTR_CONFIRMS)
         start = self._start(params, config, task, warm_allowed=confirming is None)

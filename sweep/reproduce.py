@@ -36,6 +36,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sweep.blobs import BlobScope, load_blob
 from sweep.objective import metric_value, task_for
 from sweep.outcomes import (
+    ATTR_COHORT,
     ATTR_CONFIG,
     ATTR_OUTCOME,
     ATTR_RANKS,
@@ -427,7 +428,9 @@ def reproduce_trial(study: optuna.Study, number: int, *, store: str, trusted: Co
     # The replay trains the whole run, also the steps its lineage trained before it resumed: each part's way of
     # training counts (a 1-rank retry of a 2-rank trial replays two ranks' steps on one).
     lineage = _lineage(study, trial)
-    if any((t.user_attrs.get(ATTR_REPRO) or {}).get("batched") for t in lineage):  # trained in a cohort, replayed
+    # (A member that never ended by its own hand, lost or killed, has no record saying so: its cohort attr does.)
+    if any((t.user_attrs.get(ATTR_REPRO) or {}).get("batched") or ATTR_COHORT in t.user_attrs
+           for t in lineage):  # trained in a cohort, replayed
         tolerance = max(tolerance, BATCHED_TOLERANCE)  # alone: stacked kernels may round differently
     if any(_ranks(t) > 1 for t in lineage):  # trained on several ranks, replayed on one
         tolerance = max(tolerance, DATA_PARALLEL_TOLERANCE)

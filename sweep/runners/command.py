@@ -53,9 +53,17 @@ from sweep.client import (
     as_float,
     whole_step,
 )
-from sweep.objective import Deadline, Start, TrialReporter, TrialRun, diverged_words, metric_value, trial_trackers
+from sweep.objective import (
+    Deadline,
+    Start,
+    TrialReporter,
+    TrialRun,
+    diverged_words,
+    metric_value,
+    store_config,
+    trial_trackers,
+)
 from sweep.outcomes import (
-    ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_FAIL,
     ATTR_LOG,
@@ -312,7 +320,7 @@ class CommandTrial(TrialRun):
         params = spec.suggest(trial)
         self.events.trial_started(trial.number, params)
         config = spec.user_config(params)
-        trial.set_user_attr(ATTR_CONFIG, config)
+        store_config(trial, config)
         argv = command_line(spec.command, config)
         log = self.log_path()
         log.parent.mkdir(parents=True, exist_ok=True)

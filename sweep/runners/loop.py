@@ -63,11 +63,11 @@ from sweep.objective import (
     diverged_words,
     metric_value,
     resume_lineage,
+    store_config,
     trial_trackers,
     warm_start,
 )
 from sweep.outcomes import (
-    ATTR_CONFIG,
     ATTR_CONFIRMS,
     ATTR_FAIL,
     ATTR_LINEAGE,
@@ -429,7 +429,7 @@ class LoopTrial(TrialRun):
         params = spec.suggest(trial)
         self.events.trial_started(trial.number, params)
         config = spec.user_config(params)
-        trial.set_user_attr(ATTR_CONFIG, config)
+        store_config(trial, config)
         start = self._start(params, config)
         self.trackers = trial_trackers(spec, self.storage_url, trial, params, config, start.prior)
         reporter = TrialReporter(trial, spec, config, self.events, self.boundary, start.prior, deadline=self.deadline,

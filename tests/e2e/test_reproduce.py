@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sqlite3
 from pathlib import Path
@@ -102,3 +103,52 @@ def test_a_replay_that_differs_names_what_changed_since_the_trial_ran(tmp_path: 
     (tmp_path / "val_y.npy").unlink()
     gone = run_cli("reproduce", path, "0")
     assert gone.returncode == 2 and "trial 0's replay raised FileNotFoundError" in gone.stderr, gone.stderr
+
+
+def test_a_trial_killed_before_its_end_is_replayed_on_the_threads_it_trained_with(tmp_path: Path) -> None:
+    # A trial that never ended by its own hand (lost, killed) had no reproducibility record: its replay ran on this
+    # process's thread count, not the worker's (one, for a worker of `--workers 2` on two cores), and differed in the
+    # last digits with nothing named (review). Its threads are stored as it starts now.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    document = copy.deepcopy(TINY_STUDY) | {"name": "killed", "n_trials": 1, "pruner": "none"}
+    document["fixed"] = {**document["fixed"], "max_steps": 100_000, "eval_every_steps": 20, "log_every_steps": 20,
+                         "warmup_steps": 30, "curriculum": {"start_level": 0.2, "end_fraction": 0.5,
+                                                            "schedule": "step", "stages": 3}}
+    path = write_study(tmp_path, document)
+    log = tmp_path / "run.log"
+    with open(log, "wb") as out:
+        run = subprocess.Popen([sys.executable, "-m", "sweep.cli", "run", str(path)], stdout=out,
+                               stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        reported = 0
+        while reported < 3:  # steps 0, 20 and 40 stored
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+            if (tmp_path / "killed.db").exists():
+                with contextlib.closing(sqlite3.connect(tmp_path / "killed.db", timeout=30)) as db:
+                    try:
+                        reported = db.execute("SELECT COUNT(*) FROM trial_intermediate_values").fetchone()[0]
+                    except sqlite3.OperationalError:  # its tables not made yet
+                        reported = 0
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # another count than the trial's, as a shell's on this machine
+    try:
+        done = sweep_cli("reproduce", path, "0")
+    finally:
+        torch.set_num_threads(before)
+    assert done.returncode == 0, done.stderr
+    assert "trial 0 reproduced:" in done.stdout and "identical (bit for bit)" in done.stdout
