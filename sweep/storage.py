@@ -951,6 +951,20 @@ class _Guarded:
         return lambda *args, **kwargs: self._boundary.call(value, *args, **kwargs)
 
 
+def _beat_rows(session: Any, trial_ids: Sequence[int]) -> None:
+    """A heartbeat for each of `trial_ids` in `session`'s transaction, all with its one time (as Optuna's
+    `record_heartbeat` writes one)."""
+    from optuna.storages._rdb import models
+
+    now = session.execute(sqlalchemy.func.now()).scalar_one()
+    for trial_id in trial_ids:
+        beat = models.TrialHeartbeatModel.where_trial_id(trial_id, session, True)
+        if beat is None:
+            session.add(models.TrialHeartbeatModel(trial_id=trial_id, heartbeat=now))
+        else:
+            beat.heartbeat = now
+
+
 def error_line(exc: BaseException) -> str:
     """The innermost cause's first line: a driver's message says more than Optuna's wrapper ("invalid data")."""
     while exc.__cause__ is not None:
@@ -1459,12 +1473,7 @@ class PatientStorage(BaseStorage):
                     for trial_id in trial_ids:
                         backend._set_trial_attr_without_commit(  # noqa: SLF001 - Optuna's own write
                             session, models.TrialSystemAttributeModel, trial_id, key, dict(settings))
-                    for trial_id in trial_ids:  # as Optuna's `record_heartbeat` writes one
-                        beat = models.TrialHeartbeatModel.where_trial_id(trial_id, session, True)
-                        if beat is None:
-                            session.add(models.TrialHeartbeatModel(trial_id=trial_id))
-                        else:
-                            beat.heartbeat = session.execute(sqlalchemy.func.now()).scalar_one()
+                    _beat_rows(session, trial_ids)
             if refused is not None:  # Optuna's error, raised outside the transaction (its message reads the trial)
                 _refuse(backend, *refused)
 
@@ -1479,17 +1488,10 @@ class PatientStorage(BaseStorage):
         A dead worker's trials then go stale together and are retried together: beaten one transaction each, they
         were stale up to a second apart (SQLite stores whole seconds), and a killed cohort's members were retried in
         cohorts of their own, the last one alone (CI). One write per beat, not one per member, too."""
-        from optuna.storages._rdb import models
         from optuna.storages._rdb.storage import _create_scoped_session
 
         with _create_scoped_session(self.backend.scoped_session, True) as session:
-            now = session.execute(sqlalchemy.func.now()).scalar_one()
-            for trial_id in trial_ids:
-                beat = models.TrialHeartbeatModel.where_trial_id(trial_id, session, True)
-                if beat is None:
-                    session.add(models.TrialHeartbeatModel(trial_id=trial_id, heartbeat=now))
-                else:
-                    beat.heartbeat = now
+            _beat_rows(session, trial_ids)
 
     def record_heartbeat(self, trial_id: int) -> None:
         # A trial's liveness, in a table of its own: what this thread deferred need not go first.

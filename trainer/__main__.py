@@ -32,7 +32,7 @@ from trainer.loop import NullReporter, TrainResult, train
 from trainer.messages import error_words, strict_json
 from trainer.precision import DeviceUnavailable, out_of_memory, out_of_memory_words, resolve_device
 from trainer.tasks import TaskError
-from trainer.yaml_file import YamlFileError, load_yaml, printable, read_text, short_repr
+from trainer.yaml_file import INT_DIGITS, YamlFileError, load_yaml, printable, read_text, short_repr
 
 
 class PrintReporter:
@@ -84,9 +84,9 @@ def _load_json(text: str) -> Any:
         return seen
 
     def whole(digits: str) -> int:
-        if len(digits.lstrip("-")) > _MAX_DIGITS:  # Python's own limit, whose message names neither line nor fix
+        if len(digits.lstrip("-")) > INT_DIGITS:  # Python's own limit, whose message names neither line nor fix
             raise ValueError(f"invalid JSON: a whole number of {len(digits.lstrip('-'))} digits; expected a number "
-                             f"of at most {_MAX_DIGITS} digits")
+                             f"of at most {INT_DIGITS} digits")
         return int(digits)
 
     try:
@@ -97,7 +97,6 @@ def _load_json(text: str) -> Any:
         raise ValueError(f"invalid JSON: line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
 
 
-_MAX_DIGITS = 4300  # sys.get_int_max_str_digits()'s default
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:

@@ -71,8 +71,8 @@ class _Loader(_SAFE):
         for first, resolvers in _SAFE.yaml_implicit_resolvers.items()}
 
 
-_INT_DIGITS = 4300  # Python reads and writes no int of more decimal digits as text (sys.set_int_max_str_digits)
-_INT_LIMIT = 10**_INT_DIGITS
+INT_DIGITS = 4300  # Python reads and writes no int of more decimal digits as text (sys.set_int_max_str_digits)
+_INT_LIMIT = 10**INT_DIGITS
 
 
 def _int(loader: Any, node: yaml.ScalarNode) -> int:
@@ -81,8 +81,8 @@ def _int(loader: Any, node: yaml.ScalarNode) -> int:
     if abs(value) >= _INT_LIMIT:  # hex and octal escape Python's limit on reading: writing the value (a message,
         # JSON) raised later, a traceback, or the study half-written (review)
         raise yaml.constructor.ConstructorError(
-            None, None, f"a whole number of more than {_INT_DIGITS} digits; expected a number of at most "
-            f"{_INT_DIGITS}", node.start_mark)
+            None, None, f"a whole number of more than {INT_DIGITS} digits; expected a number of at most "
+            f"{INT_DIGITS}", node.start_mark)
     return value
 
 
@@ -445,10 +445,10 @@ def load_yaml(text: str, source: str | Path, prefix: str = "", what: str = "stud
     except yaml.YAMLError as exc:
         raise YamlFileError(source, [(prefix, _yaml_error(exc, text))]) from None
     except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a value its tag refuses (checked above)
-        digits = re.search(r"\d{4301,}", text) if "digits" in str(exc) else None
+        digits = re.search(rf"\d{{{INT_DIGITS + 1},}}", text) if "digits" in str(exc) else None
         if digits is not None:  # Python's limit on reading an int from text (sys.set_int_max_str_digits)
             line = text[:digits.start()].count("\n") + 1
             raise YamlFileError(source, [(prefix, f"line {line}: a whole number of {len(digits.group())} digits; "
-                                                  "expected a number of at most 4300")]) from None
+                                                  f"expected a number of at most {INT_DIGITS}")]) from None
         raise YamlFileError(source, [(prefix, f"a value YAML cannot read: {short_repr(str(exc))}")]) from None
 
